@@ -1,0 +1,58 @@
+"""The answers turnguard writes itself: OpenAI-shaped JSON errors with retry hints.
+
+Pure: each function returns status, headers and body; the addon turns them into a response.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def error_answer(
+    status: int,
+    code: str,
+    message: str,
+    *,
+    retry_after_s: int | None = None,
+    should_retry: bool | None = None,
+) -> Answer:
+    """``{"error": {"message", "type", "code"}}`` with ``type`` == ``code`` as the issue asks,
+    plus ``Retry-After`` (whole seconds) and ``x-should-retry`` when given."""
+    body = json.dumps(
+        {"error": {"message": message, "type": code, "code": code, "param": None}},
+        separators=(",", ":"),
+    ).encode()
+    headers = [("content-type", "application/json"), ("x-turnguard", code)]
+    if retry_after_s is not None:
+        headers.append(("retry-after", str(retry_after_s)))
+    if should_retry is not None:
+        headers.append(("x-should-retry", "true" if should_retry else "false"))
+    return Answer(status, tuple(headers), body)
+
+
+def turn_in_progress(retry_after_s: int, held_ms: int) -> Answer:
+    return error_answer(
+        409,
+        "turn_in_progress",
+        f"An identical request is still being answered upstream; it was held {held_ms} ms "
+        f"without ending. Retry after {retry_after_s} s.",
+        retry_after_s=retry_after_s,
+        should_retry=True,
+    )
+
+
+def idempotency_key_conflict() -> Answer:
+    return error_answer(
+        422,
+        "idempotency_key_conflict",
+        "This Idempotency-Key was already used with a different request body.",
+        should_retry=False,
+    )

@@ -1,0 +1,505 @@
+"""The SQLite ledger: the only module that speaks SQL.
+
+It records operations (one per request identity), attempts (one per upstream dispatch) and the
+response spool of attempts that can be replayed. Claims are atomic across every process that
+opens the same file: each admission runs inside ``BEGIN IMMEDIATE``, reads the operation, asks
+the pure policy what to do and applies the claim with a conditional ``UPDATE ... RETURNING``.
+
+Contract:
+- the file and its WAL are created 0600; an existing world-writable file is refused;
+- no raw credential is ever stored (the caller passes hashes only);
+- every method raises ``LedgerError`` (never a bare ``sqlite3`` error) when the database
+  cannot be used, so the caller can fail closed or degrade.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import stat
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import policy
+from .identity import Identity
+from .telemetry import open_private
+
+SCHEMA_VERSION = 1
+SPOOL_CHUNK = 256 * 1024
+
+_MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE instances (
+        instance_id  TEXT PRIMARY KEY,
+        pid          INTEGER NOT NULL,
+        host         TEXT NOT NULL,
+        started_at   REAL NOT NULL,
+        heartbeat_at REAL NOT NULL
+    );
+    CREATE TABLE operations (
+        op_key               TEXT PRIMARY KEY,
+        scope                TEXT NOT NULL,
+        session              TEXT,
+        method               TEXT NOT NULL,
+        path                 TEXT NOT NULL,
+        idempotency_key      TEXT,
+        fingerprint          TEXT NOT NULL,
+        turn_state           TEXT,
+        previous_response_id TEXT,
+        state                TEXT NOT NULL,
+        current_attempt      INTEGER,
+        replay_attempt       INTEGER,
+        attempts             INTEGER NOT NULL DEFAULT 0,
+        created_at           REAL NOT NULL,
+        updated_at           REAL NOT NULL,
+        ended_at             REAL
+    );
+    CREATE INDEX operations_updated ON operations(updated_at);
+    CREATE TABLE attempts (
+        attempt_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+        op_key       TEXT NOT NULL REFERENCES operations(op_key) ON DELETE CASCADE,
+        kind         TEXT NOT NULL,
+        instance_id  TEXT NOT NULL,
+        flow_id      TEXT,
+        started_at   REAL NOT NULL,
+        ended_at     REAL,
+        status       INTEGER,
+        events_seen  INTEGER NOT NULL DEFAULT 0,
+        outcome      TEXT NOT NULL DEFAULT 'in_flight',
+        detail       TEXT,
+        headers      TEXT,
+        body_bytes   INTEGER,
+        replayable   INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX attempts_op ON attempts(op_key);
+    CREATE INDEX attempts_in_flight ON attempts(instance_id) WHERE outcome = 'in_flight';
+    CREATE TABLE spool (
+        attempt_id INTEGER NOT NULL REFERENCES attempts(attempt_id) ON DELETE CASCADE,
+        seq        INTEGER NOT NULL,
+        data       BLOB NOT NULL,
+        PRIMARY KEY (attempt_id, seq)
+    );
+    """,
+}
+
+
+class LedgerError(Exception):
+    """The ledger cannot be used for this decision (locked, read-only, full, corrupt, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """A completed attempt's response, as it went to the original client."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptEnd:
+    """How an attempt ended, for ``Ledger.finish``."""
+
+    outcome: policy.Outcome
+    status: int | None
+    events_seen: int
+    detail: str | None = None
+    recording: Recording | None = None  # given only when the response may be replayed
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRow:
+    instance_id: str
+    pid: int
+    host: str
+    heartbeat_at: float
+
+
+def _wrap(fn):
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except sqlite3.Error as e:
+            self._rollback()
+            raise LedgerError(f"{type(e).__name__}: {e}") from e
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class Ledger:
+    """One connection to the ledger file, used from one thread (the proxy's event loop)."""
+
+    def __init__(self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000):
+        self.path = path
+        self.instance_id = instance_id
+        self.host = socket.gethostname()
+        self._busy_timeout_ms = busy_timeout_ms
+        self._db: sqlite3.Connection | None = None
+
+    # -- opening -------------------------------------------------------------------------------
+    @_wrap
+    def open(self, now: float) -> None:
+        """Create or open the file (0600), migrate the schema and register this instance."""
+        check_path(self.path)
+        if self.path != ":memory:":
+            os.close(open_private(self.path, os.O_RDWR))
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=self._busy_timeout_ms / 1000)
+        try:
+            db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._db = db
+            self._migrate()
+            with self._tx():
+                self._db.execute(
+                    "INSERT OR REPLACE INTO instances VALUES (?,?,?,?,?)",
+                    (self.instance_id, os.getpid(), self.host, now, now),
+                )
+        except BaseException:
+            db.close()
+            self._db = None
+            raise
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(
+                f"ledger schema version {version} is newer than this turnguard ({SCHEMA_VERSION})"
+            )
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            with self._tx():
+                for statement in _split_sql(_MIGRATIONS[v]):
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version={v}")
+
+    # -- transactions --------------------------------------------------------------------------
+    def _tx(self):
+        return _Transaction(self._conn())
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise sqlite3.OperationalError("ledger is not open")
+        return self._db
+
+    def _rollback(self) -> None:
+        if self._db is not None and self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+    # -- admission -----------------------------------------------------------------------------
+    @_wrap
+    def admit(
+        self,
+        identity: Identity,
+        *,
+        method: str,
+        path: str,
+        now: float,
+        guard: policy.GuardPolicy,
+        flow_id: str | None,
+    ) -> policy.Admission:
+        """Atomically decide and, for a dispatch, claim the operation for a new attempt.
+
+        Returns the policy's admission; a ``Dispatch`` comes back with its ``attempt_id``."""
+        with self._tx() as db:
+            snapshot = self._snapshot(db, identity.op_key)
+            decision = policy.admit(
+                snapshot,
+                fingerprint=identity.fingerprint,
+                has_idempotency_key=identity.idempotency_key is not None,
+                now=now,
+                policy=guard,
+            )
+            if not isinstance(decision, policy.Dispatch):
+                return decision
+            if snapshot is None:
+                db.execute(
+                    "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
+                    " fingerprint, turn_state, previous_response_id, state, created_at, updated_at)"
+                    " VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?)",
+                    (
+                        identity.op_key, identity.scope, identity.session, method,
+                        path, identity.idempotency_key, identity.fingerprint,
+                        identity.turn_state, identity.previous_response_id, now, now,
+                    ),
+                )
+            cur = db.execute(
+                "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
+                " VALUES (?,?,?,?,?)",
+                (identity.op_key, decision.kind, self.instance_id, flow_id, now),
+            )
+            attempt_id = cur.lastrowid
+            claimed = db.execute(
+                "UPDATE operations SET state='in_flight', current_attempt=?, attempts=attempts+1,"
+                " fingerprint=?, turn_state=?, previous_response_id=?, updated_at=?, ended_at=NULL"
+                " WHERE op_key=? AND state<>'in_flight' RETURNING attempts",
+                (
+                    attempt_id, identity.fingerprint, identity.turn_state,
+                    identity.previous_response_id, now, identity.op_key,
+                ),
+            ).fetchone()
+            if claimed is None:  # cannot happen inside BEGIN IMMEDIATE; refuse rather than double
+                raise sqlite3.IntegrityError("operation was claimed concurrently")
+            return policy.Dispatch(decision.kind, attempt_id)
+
+    @staticmethod
+    def _snapshot(db: sqlite3.Connection, op_key: str) -> policy.OperationSnapshot | None:
+        row = db.execute(
+            "SELECT o.state, o.fingerprint, o.current_attempt, a.instance_id, o.ended_at,"
+            " o.replay_attempt FROM operations o LEFT JOIN attempts a"
+            " ON a.attempt_id = o.current_attempt WHERE o.op_key=?",
+            (op_key,),
+        ).fetchone()
+        if row is None:
+            return None
+        return policy.OperationSnapshot(*row)
+
+    @_wrap
+    def snapshot(self, op_key: str) -> policy.OperationSnapshot | None:
+        """The operation's state now (read only)."""
+        return self._snapshot(self._conn(), op_key)
+
+    # -- attempts ------------------------------------------------------------------------------
+    @_wrap
+    def first_event(self, attempt_id: int) -> None:
+        """Record that the attempt has seen a response event (it has output now)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE attempts SET events_seen=MAX(events_seen, 1) WHERE attempt_id=?",
+                (attempt_id,),
+            )
+
+    @_wrap
+    def finish(self, attempt_id: int, end: AttemptEnd, *, now: float) -> bool:
+        """Record an attempt's end and move its operation to the outcome.
+
+        Fenced: only an attempt still in flight is finished, and only the operation's current
+        attempt moves the operation. Returns False when fenced out (e.g. reaped meanwhile)."""
+        rec = end.recording
+        with self._tx() as db:
+            row = db.execute(
+                "UPDATE attempts SET ended_at=?, status=?, events_seen=MAX(events_seen, ?),"
+                " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?"
+                " WHERE attempt_id=? AND outcome='in_flight' RETURNING op_key",
+                (
+                    now, end.status, end.events_seen, end.outcome, end.detail,
+                    json.dumps(rec.headers) if rec else None,
+                    len(rec.body) if rec else None, 1 if rec else 0, attempt_id,
+                ),
+            ).fetchone()
+            if row is None:
+                return False
+            if rec is not None:
+                db.executemany(
+                    "INSERT INTO spool (attempt_id, seq, data) VALUES (?,?,?)",
+                    (
+                        (attempt_id, i, rec.body[off : off + SPOOL_CHUNK])
+                        for i, off in enumerate(range(0, max(len(rec.body), 1), SPOOL_CHUNK))
+                    ),
+                )
+            moved = db.execute(
+                "UPDATE operations SET state=?, updated_at=?, ended_at=?,"
+                " replay_attempt=CASE WHEN ? THEN ? ELSE replay_attempt END"
+                " WHERE op_key=? AND current_attempt=? RETURNING op_key",
+                (end.outcome, now, now, rec is not None, attempt_id, row[0], attempt_id),
+            ).fetchone()
+            return moved is not None
+
+    @_wrap
+    def recording(self, attempt_id: int) -> Recording | None:
+        """The replayable response of an attempt, or None if it has none (purged, not kept)."""
+        db = self._conn()
+        row = db.execute(
+            "SELECT status, headers FROM attempts WHERE attempt_id=? AND replayable=1",
+            (attempt_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        body = b"".join(
+            r[0]
+            for r in db.execute(
+                "SELECT data FROM spool WHERE attempt_id=? ORDER BY seq", (attempt_id,)
+            )
+        )
+        headers = tuple((str(k), str(v)) for k, v in json.loads(row[1] or "[]"))
+        return Recording(row[0], headers, body)
+
+    # -- instances, restart, retention ----------------------------------------------------------
+    @_wrap
+    def heartbeat(self, now: float) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE instances SET heartbeat_at=? WHERE instance_id=?", (now, self.instance_id)
+            )
+
+    @_wrap
+    def instances_with_attempts_in_flight(self) -> list[InstanceRow]:
+        """Other instances that own attempts still in flight (candidates for reaping)."""
+        rows = self._conn().execute(
+            "SELECT DISTINCT a.instance_id, COALESCE(i.pid, -1), COALESCE(i.host, ''),"
+            " COALESCE(i.heartbeat_at, 0) FROM attempts a LEFT JOIN instances i"
+            " ON i.instance_id = a.instance_id"
+            " WHERE a.outcome='in_flight' AND a.instance_id<>?",
+            (self.instance_id,),
+        ).fetchall()
+        return [InstanceRow(*r) for r in rows]
+
+    @_wrap
+    def reap_instance(self, instance_id: str, *, now: float) -> list[str]:
+        """End the in-flight attempts of a dead instance: ``unknown`` when they saw no event,
+        ``partial`` otherwise. Returns the keys of the operations that moved."""
+        with self._tx() as db:
+            ended = db.execute(
+                "UPDATE attempts SET ended_at=?, detail='owner process gone',"
+                " outcome=CASE WHEN events_seen>0 THEN 'partial' ELSE 'unknown' END"
+                " WHERE instance_id=? AND outcome='in_flight' RETURNING attempt_id, op_key, outcome",
+                (now, instance_id),
+            ).fetchall()
+            moved = []
+            for attempt_id, op_key, outcome in ended:
+                if db.execute(
+                    "UPDATE operations SET state=?, updated_at=?, ended_at=?"
+                    " WHERE op_key=? AND current_attempt=? RETURNING op_key",
+                    (outcome, now, now, op_key, attempt_id),
+                ).fetchone():
+                    moved.append(op_key)
+            db.execute("DELETE FROM instances WHERE instance_id=?", (instance_id,))
+            return moved
+
+    @_wrap
+    def collect_garbage(self, *, now: float, retention_s: float, instance_stale_s: float) -> int:
+        """Delete ended operations (with their attempts and spool) last touched before the
+        retention horizon, and instance rows not heard of for ``instance_stale_s`` that own
+        nothing in flight. Returns the number of operations deleted."""
+        with self._tx() as db:
+            n = db.execute(
+                "DELETE FROM operations WHERE state<>'in_flight' AND updated_at<?",
+                (now - retention_s,),
+            ).rowcount
+            db.execute(
+                "DELETE FROM instances WHERE heartbeat_at<? AND instance_id<>? AND instance_id"
+                " NOT IN (SELECT instance_id FROM attempts WHERE outcome='in_flight')",
+                (now - instance_stale_s, self.instance_id),
+            )
+            return n
+
+    # -- inspection ----------------------------------------------------------------------------
+    @_wrap
+    def counts(self) -> dict[str, int]:
+        rows = self._conn().execute("SELECT state, COUNT(*) FROM operations GROUP BY state")
+        return {state: n for state, n in rows}
+
+    @_wrap
+    def list_operations(self, limit: int = 50) -> list[dict]:
+        cur = self._conn().execute(
+            "SELECT op_key, state, method, path, session, attempts, created_at, updated_at,"
+            " replay_attempt IS NOT NULL AS replayable FROM operations"
+            " ORDER BY updated_at DESC LIMIT ?",
+            (limit,),
+        )
+        return _dicts(cur)
+
+    @_wrap
+    def find_operation(self, op_prefix: str) -> dict | None:
+        """One operation whose key starts with ``op_prefix``, with its attempts."""
+        db = self._conn()
+        cur = db.execute(
+            "SELECT * FROM operations WHERE op_key >= ? AND op_key < ? ORDER BY op_key LIMIT 2",
+            (op_prefix, op_prefix + "\uffff"),
+        )
+        ops = _dicts(cur)
+        if len(ops) != 1:
+            return None if not ops else {"ambiguous": [o["op_key"] for o in ops]}
+        op = ops[0]
+        cur = db.execute(
+            "SELECT a.*, (SELECT COUNT(*) FROM spool s WHERE s.attempt_id=a.attempt_id)"
+            " AS spool_chunks FROM attempts a WHERE op_key=? ORDER BY attempt_id",
+            (op["op_key"],),
+        )
+        op["attempt_rows"] = _dicts(cur)
+        return op
+
+    @_wrap
+    def integrity_check(self) -> str:
+        return self._conn().execute("PRAGMA integrity_check").fetchone()[0]
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+
+def check_path(path: str) -> None:
+    """Refuse a ledger file others could write to: a world-writable file, or one inside a
+    world-writable folder without the sticky bit."""
+    if path == ":memory:":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise sqlite3.OperationalError(f"folder {folder} does not exist")
+    mode = os.stat(folder).st_mode
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise sqlite3.OperationalError(f"folder {folder} is world-writable")
+    if os.path.exists(path) and os.stat(path).st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        raise sqlite3.OperationalError(f"ledger file {path} is writable by others")
+
+
+def _split_sql(script: str) -> Iterable[str]:
+    return (s.strip() for s in script.split(";") if s.strip())
+
+
+def _dicts(cur: sqlite3.Cursor) -> list[dict]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def instance_is_dead(
+    row: InstanceRow, *, host: str, now: float, stale_s: float,
+    alive: Callable[[int], bool] = pid_alive,
+) -> bool:
+    """An instance is dead when it runs on this host and its pid is gone, or when it has not
+    sent a heartbeat for ``stale_s`` (another host, or a reused pid)."""
+    if row.host == host and not alive(row.pid):
+        return True
+    return now - row.heartbeat_at > stale_s

@@ -1,0 +1,277 @@
+"""Incremental Server-Sent Events parser (WHATWG HTML, "event stream interpretation").
+
+Contract
+--------
+Pure: no mitmproxy, clock, disk or network. ``SseParser.feed(chunk)`` takes the stream's bytes in
+any chunking and returns the events that chunk completed; every chunking of the same byte stream
+gives the same events (also when a split falls inside a CRLF pair or a multi-byte UTF-8 character).
+
+* Lines end with CRLF, LF or a lone CR. Each complete line is decoded as UTF-8 with
+  ``errors="replace"``. One UTF-8 BOM at the very start of the stream is dropped.
+* ``:comment`` lines are ignored. ``name:value`` loses one space after the colon; a line without
+  a colon is a field name with an empty value. Fields: ``event``, ``data`` (lines joined with
+  "\\n"), ``id`` (ignored if it contains NUL; as in the spec it persists across events, so
+  ``SseEvent.id`` is the last event id seen so far), ``retry`` and unknown names are ignored.
+* A blank line dispatches the pending event if it has data lines OR an ``event:`` field (the
+  latter is a deliberate deviation: an ``event:``-only block counts as an event), then resets it.
+* ``close()`` ends the stream: a final unterminated line is processed, but an event not ended by a
+  blank line is never dispatched (spec), so ``close()`` returns ``[]``.
+* Memory is bounded: a line or an event's data longer than ``max_event_bytes`` is dropped; the
+  event still dispatches (``truncated=True``, ``data=""``, its ``event:`` field kept) and is
+  counted, and ``overflowed`` becomes True. The parser never holds more than about
+  ``2 * max_event_bytes`` (one partial line plus one event's data); see ``buffered_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "TERMINAL_FAILURE",
+    "TERMINAL_SUCCESS",
+    "SseEvent",
+    "SseParser",
+    "terminal_kind",
+]
+
+TERMINAL_SUCCESS = frozenset({"response.completed", "response.incomplete"})
+TERMINAL_FAILURE = frozenset({"response.failed", "error"})
+
+_BOM = b"\xef\xbb\xbf"
+_LF, _CR, _COLON = 0x0A, 0x0D, 0x3A
+# Bytes of an overlong line that are kept: enough to recognise any field name we act on.
+_NAME_PREFIX = 16
+
+
+def _json_type(data: str) -> str | None:
+    """The str ``"type"`` member of ``data`` parsed as a JSON object, else None."""
+    if not data.lstrip(" \t\r\n").startswith("{"):
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(obj, dict):
+        t = obj.get("type")
+        if isinstance(t, str):
+            return t
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One dispatched event.
+
+    ``truncated`` is True when part of the event exceeded the parser's ``max_event_bytes``; its
+    data was then dropped (``data == ""``).
+    """
+
+    event: str | None  # value of the `event:` field, None if absent
+    data: str  # data lines joined with "\n"
+    id: str | None  # last event id seen on the stream (spec), None if never set
+    truncated: bool = False
+
+    @property
+    def type(self) -> str | None:
+        """``event`` if non-empty, else the str ``"type"`` member of ``data`` as a JSON object."""
+        if self.event:
+            return self.event
+        return _json_type(self.data)
+
+
+def terminal_kind(event_type: str | None) -> Literal["success", "failure"] | None:
+    """"success" / "failure" for a terminal Responses API event type, None otherwise."""
+    if event_type in TERMINAL_SUCCESS:
+        return "success"
+    if event_type in TERMINAL_FAILURE:
+        return "failure"
+    return None
+
+
+class SseParser:
+    """feed() bytes in any chunking; returns the events completed by that chunk."""
+
+    __slots__ = (
+        "max_event_bytes",
+        "events_seen",
+        "overflowed",
+        "last_type",
+        "_line",
+        "_line_overlong",
+        "_skip_lf",
+        "_at_start",
+        "_closed",
+        "_event",
+        "_data",
+        "_data_bytes",
+        "_truncated",
+        "_last_id",
+    )
+
+    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024):
+        if max_event_bytes < 1:
+            raise ValueError("max_event_bytes must be positive")
+        self.max_event_bytes = max_event_bytes
+        self.events_seen = 0  # events dispatched so far
+        self.overflowed = False  # True once a line or an event exceeded max_event_bytes
+        self.last_type: str | None = None  # type of the most recent event
+        self._line = bytearray()  # the incomplete last line (only a prefix if overlong)
+        self._line_overlong = False
+        self._skip_lf = False  # the previous chunk ended with CR: a leading LF belongs to it
+        self._at_start = True  # BOM not yet ruled out
+        self._closed = False
+        self._event: str | None = None
+        self._data: list[str] = []
+        self._data_bytes = 0
+        self._truncated = False
+        self._last_id: str | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for the incomplete line and the pending event's data."""
+        return len(self._line) + self._data_bytes
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """Consume ``chunk``; return the events it completed (possibly none)."""
+        if self._closed:
+            raise ValueError("SseParser.feed() after close()")
+        if self._at_start and chunk:
+            chunk = self._strip_bom(chunk)
+        if not chunk:
+            return []
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk[0] == _LF:
+                chunk = chunk[1:]
+                if not chunk:
+                    return []
+
+        lines = chunk.splitlines()  # bytes.splitlines breaks on \r\n, \r and \n only
+        last = chunk[-1]
+        if last == _CR:
+            self._skip_lf = True
+            tail = b""
+        elif last == _LF:
+            tail = b""
+        else:
+            tail = lines.pop()
+
+        events: list[SseEvent] = []
+        if lines:
+            first = lines[0]
+            if self._line or self._line_overlong:
+                # Complete the line carried over from earlier chunks.
+                self._append(first)
+                overlong = self._line_overlong
+                first = bytes(self._line)
+                self._line.clear()
+                self._line_overlong = False
+                ev = self._process_line(first, overlong)
+            else:
+                ev = self._process_line_checked(first)
+            if ev is not None:
+                events.append(ev)
+            for line in lines[1:]:
+                ev = self._process_line_checked(line)
+                if ev is not None:
+                    events.append(ev)
+        if tail:
+            self._append(tail)
+        return events
+
+    def close(self) -> list[SseEvent]:
+        """End of stream: process a final unterminated line; never dispatch (returns [])."""
+        if not self._closed:
+            self._closed = True
+            if self._line or self._line_overlong:
+                self._process_line(bytes(self._line), self._line_overlong)
+            self._line.clear()
+            self._line_overlong = False
+            self._reset_event()
+        return []
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _strip_bom(self, chunk: bytes) -> bytes:
+        """Drop a leading BOM, which may arrive split over several chunks."""
+        head = bytes(self._line) + chunk  # _line holds at most 2 bytes of a possible BOM here
+        if len(head) < len(_BOM) and _BOM.startswith(head):
+            self._line[:] = head
+            return b""
+        self._line.clear()
+        self._at_start = False
+        return head[len(_BOM):] if head.startswith(_BOM) else head
+
+    def _append(self, piece: bytes) -> None:
+        """Add ``piece`` to the incomplete line, keeping only a name prefix once overlong."""
+        if self._line_overlong:
+            return
+        if len(self._line) + len(piece) > self.max_event_bytes:
+            self._line_overlong = True
+            if len(self._line) < _NAME_PREFIX:
+                self._line += piece[: _NAME_PREFIX - len(self._line)]
+            del self._line[_NAME_PREFIX:]
+        else:
+            self._line += piece
+
+    def _process_line_checked(self, line: bytes) -> SseEvent | None:
+        if len(line) > self.max_event_bytes:
+            return self._process_line(line[:_NAME_PREFIX], True)
+        return self._process_line(line, False)
+
+    def _process_line(self, line: bytes, overlong: bool) -> SseEvent | None:
+        """Apply one complete line (without its ending); return an event if it dispatched one.
+
+        ``overlong`` means ``line`` is only the prefix of a line longer than max_event_bytes.
+        """
+        if not line:
+            return self._dispatch()
+        if overlong:
+            self.overflowed = True
+        if line[0] == _COLON:
+            return None
+        name, colon, value = line.partition(b":")
+        if colon and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            if overlong or self._truncated:
+                self._drop_data()
+                return None
+            self._data_bytes += len(value) + 1
+            if self._data_bytes > self.max_event_bytes:
+                self._drop_data()
+            else:
+                self._data.append(value.decode("utf-8", "replace"))
+        elif name == b"event":
+            if overlong:
+                self._drop_data()
+            else:
+                self._event = value.decode("utf-8", "replace")
+        elif name == b"id":
+            if not overlong and b"\0" not in value:
+                self._last_id = value.decode("utf-8", "replace")
+        # retry and unknown fields are ignored
+        return None
+
+    def _drop_data(self) -> None:
+        self._data.clear()
+        self._data_bytes = 0
+        self._truncated = True
+        self.overflowed = True
+
+    def _dispatch(self) -> SseEvent | None:
+        if not self._data and not self._truncated and self._event is None:
+            return None
+        ev = SseEvent(self._event, "\n".join(self._data), self._last_id, self._truncated)
+        self._reset_event()
+        self.events_seen += 1
+        self.last_type = ev.type
+        return ev
+
+    def _reset_event(self) -> None:
+        self._event = None
+        self._data = []
+        self._data_bytes = 0
+        self._truncated = False

@@ -1,0 +1,100 @@
+"""The tee between an upstream response and its client: counts events, keeps a bounded copy.
+
+``ResponseTee`` is the callable the addon installs as ``flow.response.stream``: each chunk goes
+to the client unchanged and immediately, while the tee feeds it to the SSE parser and keeps a
+copy for the ledger's spool (up to ``keep_max_bytes``; past that the response is not replayable
+and the copy is dropped so memory stays bounded). No proxy, clock or disk in here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Literal
+
+from .sse import SseParser, terminal_kind
+
+logger = logging.getLogger("turnguard")
+
+# Not replayed: hop-by-hop and framing headers (the replay has its own framing), cookies.
+_NOT_RECORDED = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "transfer-encoding", "content-length",
+        "upgrade", "te", "trailer", "set-cookie", "alt-svc",
+    }
+)
+
+
+def recordable_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """The response headers a replay repeats, in order."""
+    return tuple((k, v) for k, v in headers if k.lower() not in _NOT_RECORDED)
+
+
+class ResponseTee:
+    """``tee(chunk) -> chunk``; ``tee(b"")`` marks the end of the body (mitmproxy's contract).
+
+    Never raises: a fault in counting or copying is logged and the chunk still passes."""
+
+    def __init__(
+        self,
+        *,
+        counts_events: bool,
+        keep_max_bytes: int,
+        on_first_event: Callable[[], None] | None = None,
+    ):
+        self.counts_events = counts_events
+        self._parser = SseParser() if counts_events else None
+        self._keep_max = keep_max_bytes
+        self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
+        self._size = 0
+        self._on_first_event = on_first_event
+        self.body_bytes = 0
+        self.terminal: Literal["success", "failure"] | None = None
+        self.ended = False
+        self.over_cap = False
+
+    @property
+    def events_seen(self) -> int:
+        return self._parser.events_seen if self._parser else 0
+
+    @property
+    def body(self) -> bytes | None:
+        """The whole body as the client got it, or None when it was not (entirely) kept."""
+        if self._chunks is None or not self.ended:
+            return None
+        return b"".join(self._chunks)
+
+    def __call__(self, chunk: bytes) -> bytes:
+        try:
+            self._take(chunk)
+        except Exception:  # the client's bytes matter more than our bookkeeping
+            logger.exception("turnguard: response tee failed; passing the body through")
+            self._chunks = None
+        return chunk
+
+    def _take(self, chunk: bytes) -> None:
+        if not chunk:
+            self.ended = True
+            if self._parser:
+                self._count(self._parser.close())
+            return
+        self.body_bytes += len(chunk)
+        if self._chunks is not None:
+            self._size += len(chunk)
+            if self._size > self._keep_max:
+                self._chunks = None
+                self.over_cap = True
+            else:
+                self._chunks.append(chunk)
+        if self._parser:
+            self._count(self._parser.feed(chunk))
+
+    def _count(self, events) -> None:
+        if not events:
+            return
+        first = self._parser.events_seen == len(events)
+        for ev in events:
+            kind = terminal_kind(ev.type)
+            if kind is not None:
+                self.terminal = kind
+        if first and self._on_first_event is not None:
+            self._on_first_event()

@@ -1,0 +1,51 @@
+"""Telemetry: one JSON line per decision, to an optional file (mode 0600) and to the log.
+
+Every line has ``ts`` (Unix seconds, float) and ``event``; callers add ``op``, ``flow``,
+``session`` and the event's own fields. Values must be plain JSON data and never a secret.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from typing import Callable
+
+logger = logging.getLogger("turnguard")
+
+
+def open_private(path: str, flags: int) -> int:
+    """Open (creating if needed) a file readable and writable by its owner only (0600)."""
+    fd = os.open(path, flags | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+class Telemetry:
+    def __init__(self, path: str | None = None, clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self._file = None
+        self.path = path or None
+        self.counts: Counter[str] = Counter()
+        if self.path:
+            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+            self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+    def emit(self, event: str, **fields: object) -> dict:
+        record = {"ts": round(self._clock(), 6), "event": event, **fields}
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        self.counts[event] += 1
+        if self._file is not None:
+            try:
+                self._file.write(line + "\n")
+            except OSError as e:  # a full disk must not break traffic
+                logger.warning("turnguard: cannot write telemetry to %s: %s", self.path, e)
+        logger.info("turnguard %s", line)
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,361 @@
+"""Helpers for turnguard's end-to-end tests: real subprocesses on loopback.
+
+``MockUpstream`` runs ``scripts/mock_upstream.py``; ``Mitmdump`` runs mitmdump in reverse-proxy
+mode (with or without ``addon/turnguard.py``); ``sse_post`` / ``asse_post`` send one request on
+a fresh connection each. Every process writes its output to a file in ``tmp_path`` (never a
+pipe that can fill), every wait is bounded, and every port is chosen by the OS (port 0).
+
+    with MockUpstream(tmp_path) as up, Mitmdump(tmp_path, up.url) as proxy:
+        status, headers, body = sse_post(proxy.url, body={"model": "m", "input": "hi"})
+        assert [r["n"] for r in up.dispatches()] == [0]
+        assert_no_traceback(proxy.log_text())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+MOCK_UPSTREAM = REPO / "scripts" / "mock_upstream.py"
+ADDON = REPO / "addon" / "turnguard.py"
+
+MOCK_START_TIMEOUT_S = 20.0
+MITMDUMP_START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+DEFAULT_BODY: dict[str, Any] = {"model": "gpt-test", "input": "hello", "stream": True}
+
+_MOCK_LINE = re.compile(r"mock upstream listening at (http://127\.0\.0\.1:(\d+))")
+# mitmproxy 12.3.1 prints e.g. "[01:29:22.706] reverse proxy to http://127.0.0.1:9 listening at
+# 127.0.0.1:47487."
+_MITM_LINE = re.compile(r"listening at (?:\[[^\]]*\]|[0-9.]+):(\d+)")
+
+
+def _unique(tmp_path: Path, name: str, suffix: str) -> Path:
+    """``tmp_path/name+suffix``, or ``name-2+suffix`` ... if taken (several servers per test)."""
+    p = tmp_path / f"{name}{suffix}"
+    for i in range(2, 1000):
+        if not p.exists():
+            return p
+        p = tmp_path / f"{name}-{i}{suffix}"
+    raise RuntimeError(f"too many {name} files in {tmp_path}")
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """The text of ``path`` from byte ``offset`` on ("" if missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _wait_for_line(
+    proc: subprocess.Popen[bytes], out_path: Path, pattern: re.Pattern[str], timeout: float, what: str, offset: int = 0
+) -> re.Match[str]:
+    """Tail ``out_path`` (from byte ``offset``) until ``pattern`` matches, bounded by
+    ``timeout``; raise with the file's content if the process exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:  # bounded by the deadline
+        text = _read_from(out_path, offset)
+        m = pattern.search(text)
+        if m:
+            return m
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening:\n{text}")
+        if time.monotonic() > deadline:
+            _terminate(proc)
+            raise RuntimeError(f"{what} did not print its listening line within {timeout} s:\n{text}")
+        time.sleep(0.02)
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> int:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL; return the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    return proc.returncode
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file; an incomplete last line (being written) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned) or raise AssertionError
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:  # bounded by the deadline
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class MockUpstream:
+    """``scripts/mock_upstream.py`` as a subprocess on 127.0.0.1, port chosen by the OS.
+
+    ``scenario`` is written to a file and passed with ``--scenario``. Output goes to
+    ``tmp_path/<name>.out``, the dispatch log to ``.log_path`` (``<name>.jsonl``)."""
+
+    def __init__(self, tmp_path: Path, scenario: dict[str, Any] | None = None, *, name: str = "mock_upstream"):
+        self.tmp_path = Path(tmp_path)
+        self.out_path = _unique(self.tmp_path, name, ".out")
+        stem = self.out_path.name.removesuffix(".out")
+        self.log_path = self.tmp_path / f"{stem}.jsonl"
+        cmd = [PYTHON, "-u", str(MOCK_UPSTREAM), "--host", "127.0.0.1", "--port", "0", "--log", str(self.log_path)]
+        if scenario is not None:
+            scenario_path = self.tmp_path / f"{stem}-scenario.json"
+            scenario_path.write_text(json.dumps(scenario))
+            cmd += ["--scenario", str(scenario_path)]
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        m = _wait_for_line(self.proc, self.out_path, _MOCK_LINE, MOCK_START_TIMEOUT_S, "mock upstream")
+        self.url: str = m.group(1)
+        self.port: int = int(m.group(2))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record of the log file, in order."""
+        return read_jsonl(self.log_path)
+
+    def dispatches(self) -> list[dict[str, Any]]:
+        """The dispatch records (``event == "dispatch"``) of the log file."""
+        return [r for r in self.records() if r.get("event") == "dispatch"]
+
+    def wait_for_record(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
+        """The first log record matching ``predicate``, waiting up to ``timeout`` seconds."""
+        return wait_until(lambda: next((r for r in self.records() if predicate(r)), None), timeout, what="a mock upstream log record")
+
+    def set_scenario(self, scenario: dict[str, Any]) -> None:
+        """Replace the running server's scenario; the dispatch counter restarts at 0."""
+        with httpx.Client(trust_env=False, timeout=10) as c:
+            r = c.post(f"{self.url}/_mock/scenario", json=scenario)
+        if r.status_code != 200:
+            raise RuntimeError(f"set_scenario failed: {r.status_code} {r.text}")
+
+    def output_text(self) -> str:
+        """The subprocess's stdout and stderr so far."""
+        return self.out_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""
+        return _terminate(self.proc)
+
+    def __enter__(self) -> MockUpstream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _option_args(options: Mapping[str, object]) -> list[str]:
+    """``--set k=v`` arguments; bools as true/false, lists/tuples as one ``--set`` per item."""
+    args: list[str] = []
+    for key, value in options.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            args += ["--set", f"{key}={v}"]
+    return args
+
+
+class Mitmdump:
+    """mitmdump in reverse-proxy mode in front of ``upstream_url``, on 127.0.0.1, port chosen by
+    the OS, loading ``addon/turnguard.py`` unless ``addon=False``.
+
+    Its own confdir (``tmp_path/<name>-confdir``) keeps the test's CA away from ``~/.mitmproxy``;
+    output is appended to ``tmp_path/<name>.log`` (so a restart under the same name, e.g. after
+    ``kill9``, keeps one file; ``log_text`` returns this instance's part). ``env`` adds
+    environment variables."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        upstream_url: str,
+        *,
+        addon: bool = True,
+        options: Mapping[str, object] | None = None,
+        extra_args: list[str] | None = None,
+        name: str = "mitmdump",
+        env: Mapping[str, str] | None = None,
+    ):
+        self.tmp_path = Path(tmp_path)
+        self.name = name
+        self.log_path = self.tmp_path / f"{name}.log"
+        self.confdir = self.tmp_path / f"{name}-confdir"
+        cmd = [
+            str(MITMDUMP),
+            "--mode", f"reverse:{upstream_url}",
+            "--listen-host", "127.0.0.1",
+            "--listen-port", "0",
+            "--set", f"confdir={self.confdir}",
+        ]  # fmt: skip
+        if addon:
+            cmd += ["-s", str(ADDON)]
+        cmd += _option_args(options or {})
+        cmd += list(extra_args or [])
+        self.cmd = cmd
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
+        m = _wait_for_line(self.proc, self.log_path, _MITM_LINE, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})", self.log_offset)
+        self.port: int = int(m.group(1))
+        self.url: str = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        """Everything this mitmdump process printed so far."""
+        return _read_from(self.log_path, self.log_offset)
+
+    def wait_for_log(self, needle: str, timeout: float = 10.0) -> str:
+        """Wait until ``needle`` appears in the log; return the log text."""
+        return wait_until(lambda: (t := self.log_text()) if needle in t else None, timeout, what=f"{needle!r} in {self.log_path}")
+
+    def stop(self) -> int:
+        """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""
+        return _terminate(self.proc)
+
+    def kill9(self) -> int:
+        """SIGKILL at once (a crash); return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+        return self.proc.returncode
+
+    def __enter__(self) -> Mitmdump:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def assert_no_traceback(text: str) -> None:
+    """Fail if a mitmdump log shows a Python traceback."""
+    assert "Traceback" not in text, f"traceback in mitmdump log:\n{text}"
+
+
+# --------------------------------------------------------------------------------------------
+# Clients
+
+
+def _request_parts(body: dict[str, Any] | bytes | None, headers: Mapping[str, str] | None) -> tuple[bytes, dict[str, str]]:
+    """The body bytes (dicts serialised the same way every time, so equal dicts give
+    byte-identical duplicates) and headers with JSON/SSE defaults."""
+    if body is None:
+        body = DEFAULT_BODY
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"content-type": "application/json", "accept": "text/event-stream"}
+    h.update({k.lower(): v for k, v in (headers or {}).items()})
+    return raw, h
+
+
+def sse_post(
+    url: str,
+    path: str = "/v1/responses",
+    body: dict[str, Any] | bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict[str, str], bytes]:
+    """POST on a fresh connection (a new httpx.Client per call) and read the whole body.
+
+    Returns (status, lowercase headers, body bytes). Transport errors (reset, early close,
+    timeout) propagate as httpx exceptions."""
+    raw, h = _request_parts(body, headers)
+    with httpx.Client(trust_env=False, timeout=timeout) as c:
+        r = c.post(url.rstrip("/") + path, content=raw, headers=h)
+        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+
+
+async def asse_post(
+    url: str,
+    path: str = "/v1/responses",
+    body: dict[str, Any] | bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict[str, str], bytes]:
+    """Async ``sse_post`` (a new httpx.AsyncClient per call) for concurrency tests."""
+    raw, h = _request_parts(body, headers)
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+        r = await c.post(url.rstrip("/") + path, content=raw, headers=h)
+        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+
+
+def parse_sse(body: bytes) -> list[tuple[str, dict[str, Any] | str]]:
+    """(event type, data) pairs of an SSE body; data is parsed JSON where it is JSON.
+
+    The type is the ``event:`` field, else the data's ``type``; an incomplete final event is
+    ignored."""
+    out: list[tuple[str, dict[str, Any] | str]] = []
+    for block in body.decode("utf-8", errors="replace").replace("\r\n", "\n").split("\n\n")[:-1]:
+        etype, data_lines = "", []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                etype = line[6:].strip()
+            elif line.startswith("data:"):
+                data_lines.append(line[5:].removeprefix(" "))
+        if not data_lines and not etype:
+            continue
+        text = "\n".join(data_lines)
+        try:
+            data: dict[str, Any] | str = json.loads(text)
+        except ValueError:
+            data = text
+        if not etype and isinstance(data, dict):
+            etype = str(data.get("type", ""))
+        out.append((etype, data))
+    return out
+
+
+def sse_event_types(body: bytes) -> list[str]:
+    """The event types of an SSE body, in order."""
+    return [t for t, _ in parse_sse(body)]
+
+
+def response_id(body: bytes) -> str | None:
+    """The response id of an SSE or JSON Responses body (first one found), or None."""
+    for _, data in parse_sse(body):
+        if isinstance(data, dict) and isinstance(data.get("response"), dict):
+            return data["response"].get("id")
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    return obj.get("id") if isinstance(obj, dict) else None

@@ -1,0 +1,276 @@
+"""End to end: real mitmdump + turnguard subprocesses in front of the real mock upstream.
+
+Every assertion counts what the upstream saw (its dispatch log) and what each client got."""
+
+import asyncio
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import (
+    MITMDUMP,
+    ADDON,
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    asse_post,
+    read_jsonl,
+    response_id,
+    sse_event_types,
+    sse_post,
+    wait_until,
+)
+
+SECRET = "sk-test-SECRET-do-not-store-0123456789"
+HEADERS = {"authorization": f"Bearer {SECRET}", "session-id": "sess-1"}
+BODY = {"model": "gpt-test", "input": "write a haiku", "stream": True}
+
+
+def guarded(tmp_path, upstream, name="mitmdump", **options):
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+    }
+    opts.update(options)
+    return Mitmdump(tmp_path, upstream.url, options=opts, name=name)
+
+
+def events(tmp_path, name="mitmdump", kind=None):
+    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
+    return [r for r in recs if kind is None or r["event"] == kind]
+
+
+def post_all(url, n, *, body=BODY, headers=HEADERS, stagger_s=0.0, first_alone_s=0.0):
+    """Send n identical requests, each on its own connection; the first alone for a moment
+    so that it is the original. Returns [(status, headers, body)] in sending order."""
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(sse_post, url, body=body, headers=headers, timeout=90)]
+        time.sleep(first_alone_s)
+        for _ in range(n - 1):
+            futures.append(pool.submit(sse_post, url, body=body, headers=headers, timeout=90))
+            time.sleep(stagger_s)
+        return [f.result() for f in futures]
+
+
+def test_stalled_original_and_five_duplicates_give_one_dispatch_and_six_identical_answers(
+    tmp_path, report
+):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        results = post_all(proxy.url, 6, first_alone_s=0.5, stagger_s=0.1)
+        statuses = [s for s, _, _ in results]
+        bodies = {b for _, _, b in results}
+        assert statuses == [200] * 6
+        assert len(bodies) == 1, "all six clients must get byte-identical SSE bodies"
+        assert sse_event_types(results[0][2])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert [h.get("x-turnguard") for _, h, _ in results[1:]] == ["replayed"] * 5
+        assert results[0][1].get("x-turnguard") is None  # the original passes untouched
+        assert len(events(tmp_path, kind="duplicate_held")) == 5
+        assert len(events(tmp_path, kind="duplicate_replayed")) == 5
+        assert not events(tmp_path, kind="duplicate_rejected")
+        assert_no_traceback(proxy.log_text())
+    report(
+        "duplicate storm (original stalled 4 s, 5 duplicates on their own connections): "
+        f"upstream dispatches={len(up.dispatches())}, statuses={statuses}, "
+        f"distinct bodies={len(bodies)}, 409s={statuses.count(409)}"
+    )
+
+
+def test_duplicates_past_the_hold_bound_get_409_with_retry_after_then_replay(tmp_path, report):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 3500}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+        tmp_path, up, turnguard_hold_timeout_ms=800
+    ) as proxy:
+        results = post_all(proxy.url, 3, first_alone_s=0.4)
+        assert results[0][0] == 200
+        for status, headers, body in results[1:]:
+            assert status == 409
+            assert int(headers["retry-after"]) >= 1
+            assert headers["x-should-retry"] == "true"
+            err = json.loads(body)["error"]
+            assert err["code"] == err["type"] == "turn_in_progress"
+        # the client's retry after the original completed is answered from the recording
+        status, headers, body = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        assert status == 200 and headers["x-turnguard"] == "replayed"
+        assert body == results[0][2]
+        assert len(up.dispatches()) == 1
+        assert len(events(tmp_path, kind="duplicate_rejected")) == 2
+    report(
+        "hold bound 0.8 s < original 3.5 s: duplicates got "
+        f"{[s for s, _, _ in results[1:]]} with Retry-After; later retry replayed; "
+        f"upstream dispatches={len(up.dispatches())}"
+    )
+
+
+def test_two_mitmdump_processes_on_one_ledger_dispatch_once(tmp_path, report):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, name="a") as a, guarded(
+        tmp_path, up, name="b"
+    ) as b:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            first = pool.submit(sse_post, a.url, body=BODY, headers=HEADERS)
+            time.sleep(0.5)
+            dups = [pool.submit(sse_post, b.url, body=BODY, headers=HEADERS) for _ in range(3)]
+            results = [first.result()] + [d.result() for d in dups]
+        assert [r[0] for r in results] == [200] * 4
+        assert len({r[2] for r in results}) == 1
+        assert len(up.dispatches()) == 1
+        held = events(tmp_path, "b", "duplicate_held")
+        assert len(held) == 3 and all(h["owner"] != held[0]["flow"] for h in held)
+    report(
+        "two mitmdump processes, one ledger: original via A, 3 duplicates via B -> "
+        f"upstream dispatches={len(up.dispatches())}, statuses={[r[0] for r in results]}"
+    )
+
+
+def test_200_concurrent_clients_over_20_operations_dispatch_20_times(tmp_path, report):
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 300, "events": 5}}) as up, \
+            guarded(tmp_path, up) as proxy:
+
+        async def run():
+            tasks = [
+                asse_post(proxy.url, body={**BODY, "input": f"question {i % 20}"},
+                          headers=HEADERS, timeout=90)
+                for i in range(200)
+            ]
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        assert [r[0] for r in results].count(200) == 200
+        by_op: dict[str, set] = {}
+        for i, (_, _, body) in enumerate(results):
+            by_op.setdefault(i % 20, set()).add(body)
+        assert all(len(b) == 1 for b in by_op.values())
+        assert len(up.dispatches()) == 20
+        assert_no_traceback(proxy.log_text())
+    report(f"200 concurrent clients over 20 operations: upstream dispatches={len(up.dispatches())}")
+
+
+def test_rejected_original_lets_the_held_duplicate_go_upstream(tmp_path):
+    scenario = {
+        "sequence": [{"kind": "status", "code": 429, "retry_after": 1, "delay_ms": 1500}],
+        "default": {"kind": "ok"},
+    }
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        results = post_all(proxy.url, 2, first_alone_s=0.4)
+        assert results[0][0] == 429
+        assert results[1][0] == 200 and "x-turnguard" not in results[1][1]
+        assert len(up.dispatches()) == 2
+        assert [e["outcome"] for e in events(tmp_path, kind="outcome")] == ["rejected", "completed"]
+        assert len(events(tmp_path, kind="duplicate_forwarded")) == 1
+
+
+def test_eventless_original_failure_forwards_the_duplicate_as_a_retry(tmp_path):
+    scenario = {"sequence": [{"kind": "stall_after_headers", "ms": 1200}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            original = pool.submit(sse_post, proxy.url, body=BODY, headers=HEADERS)
+            time.sleep(0.4)
+            status, _, body = sse_post(proxy.url, body=BODY, headers=HEADERS)
+            with pytest.raises(Exception):  # the upstream closed the original's stream early
+                original.result()
+        assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 2
+        outcomes = [e["outcome"] for e in events(tmp_path, kind="outcome")]
+        assert outcomes == ["unknown", "completed"]
+
+
+def test_replay_window_and_idempotency_keys(tmp_path):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_replay_window_ms=1000) as proxy:
+        first = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        again = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        assert again[2] == first[2] and again[1]["x-turnguard"] == "replayed"
+        time.sleep(1.3)
+        later = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        assert "x-turnguard" not in later[1] and response_id(later[2]) != response_id(first[2])
+        assert len(up.dispatches()) == 2
+
+        idem = {**HEADERS, "idempotency-key": "key-1"}
+        k1 = sse_post(proxy.url, body=BODY, headers=idem)
+        time.sleep(1.3)  # past the window, within retention: still a replay
+        k2 = sse_post(proxy.url, body=BODY, headers=idem)
+        assert k2[1]["x-turnguard"] == "replayed" and k2[2] == k1[2]
+        status, headers, body = sse_post(proxy.url, body={**BODY, "input": "other"}, headers=idem)
+        assert status == 422 and json.loads(body)["error"]["code"] == "idempotency_key_conflict"
+        other_cred = {**idem, "authorization": "Bearer another-key"}
+        assert sse_post(proxy.url, body={**BODY, "input": "other"}, headers=other_cred)[0] == 200
+        assert len(up.dispatches()) == 4
+        assert len(events(tmp_path, kind="idempotency_key_conflict")) == 1
+
+
+def test_no_replay_across_credentials_or_sessions(tmp_path):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        a = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        b = sse_post(proxy.url, body=BODY, headers={**HEADERS, "authorization": "Bearer k2"})
+        c = sse_post(proxy.url, body=BODY, headers={**HEADERS, "session-id": "sess-2"})
+        assert len({a[2], b[2], c[2]}) == 3
+        assert len(up.dispatches()) == 3
+
+
+def test_what_turnguard_does_not_understand_passes_untouched(tmp_path):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        status, _, body = sse_post(proxy.url, body=b"not json{", headers=HEADERS)
+        assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+        sse_post(proxy.url, body=b"not json{", headers=HEADERS)
+        assert len(up.dispatches()) == 2  # not guarded, so not coalesced
+        reasons = [e["reason"] for e in events(tmp_path, kind="passthrough")]
+        assert reasons and all("JSON" in r for r in reasons)
+        # unguarded routes are not touched at all
+        status, _, _ = sse_post(proxy.url, path="/v1/other", body=BODY, headers=HEADERS)
+        assert status == 404
+        assert_no_traceback(proxy.log_text())
+
+
+def test_a_held_duplicate_whose_client_leaves_is_never_dispatched(tmp_path):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            original = pool.submit(sse_post, proxy.url, body=BODY, headers=HEADERS)
+            time.sleep(0.4)
+            with pytest.raises(Exception):
+                sse_post(proxy.url, body=BODY, headers=HEADERS, timeout=0.8)
+            wait_until(lambda: events(tmp_path, kind="hold_abandoned"), 5, what="hold_abandoned")
+            assert original.result()[0] == 200
+        assert len(up.dispatches()) == 1
+
+
+def test_no_secret_in_ledger_events_or_log_and_files_are_private(tmp_path):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        post_all(proxy.url, 3, first_alone_s=0.2)
+        log = proxy.log_text()
+    ledger = tmp_path / "ledger.sqlite3"
+    ev = tmp_path / "mitmdump-events.jsonl"
+    for path in (ledger, ev):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    blobs = [ledger.read_bytes(), ev.read_bytes(), log.encode()]
+    wal = tmp_path / "ledger.sqlite3-wal"
+    if wal.exists():
+        blobs.append(wal.read_bytes())
+    for blob in blobs:
+        assert SECRET.encode() not in blob
+    assert sqlite3.connect(ledger).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("turnguard_hold_timeout_ms=-5", "turnguard_hold_timeout_ms must be >= 0"),
+        ("turnguard_filter=~q ((", "turnguard_filter"),
+        ("turnguard_retention_ms=10", "turnguard_retention_ms must be >="),
+    ],
+)
+def test_invalid_options_stop_mitmdump_with_a_clear_message(tmp_path, option, message):
+    proc = subprocess.run(
+        [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", "0",
+         "--set", f"confdir={tmp_path}", "-s", str(ADDON), "--set", option],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr

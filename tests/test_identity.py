@@ -1,0 +1,362 @@
+"""Tests for turnguard_core.identity: stability, separation, secrecy, totality."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from turnguard_core.identity import (
+    Identity,
+    Passthrough,
+    RequestView,
+    canonical_json,
+    identify,
+)
+
+BODY = b'{"model":"gpt-5","input":[{"role":"user","content":"hi"}],"stream":true}'
+AUTH = "Bearer sk-test-SECRET-0123456789"
+
+
+def req(body=BODY, headers=(("Authorization", AUTH),), method="POST", path="/v1/responses"):
+    return RequestView(method, path, tuple(headers), body)
+
+
+def ident(*args, **kw) -> Identity:
+    r = identify(req(*args, **kw))
+    assert isinstance(r, Identity), r
+    return r
+
+
+def sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+# --- strategies --------------------------------------------------------------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=20,
+)
+json_objects = st.dictionaries(st.text(max_size=6), json_values, max_size=6)
+header_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"),
+                      min_size=1, max_size=20)
+
+
+def dump(value, rnd: random.Random) -> str:
+    """Serialize with shuffled keys, random whitespace and random string escaping."""
+    def ws() -> str:
+        return rnd.choice(["", "", " ", "  ", "\n", "\t", "\r\n "])
+
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        inner = ",".join(f"{ws()}{dump(k, rnd)}{ws()}:{ws()}{dump(v, rnd)}{ws()}" for k, v in items)
+        return "{" + inner + ws() + "}"
+    if isinstance(value, list):
+        return "[" + ws() + ",".join(f"{ws()}{dump(v, rnd)}{ws()}" for v in value) + "]"
+    return json.dumps(value, ensure_ascii=rnd.random() < 0.5)
+
+
+# --- stability ---------------------------------------------------------------------------------
+
+
+@given(json_objects, st.randoms(use_true_random=False), st.randoms(use_true_random=False))
+def test_identity_is_stable_under_key_order_and_whitespace(obj, rnd1, rnd2):
+    a = ident(body=dump(obj, rnd1).encode())
+    b = ident(body=dump(obj, rnd2).encode())
+    assert a == b
+    assert a.fingerprint == hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+def test_identity_is_stable_example():
+    a = ident(body=b'{"a":1,"b":[1,{"x":"\\u00e9","y":null}]}')
+    b = ident(body=b'{ "b" : [ 1 , { "y" : null , "x" : "\xc3\xa9" } ] ,\n "a" : 1 }')
+    assert a == b
+    assert a != ident(body=b'{"a":1,"b":[{"x":"\\u00e9","y":null},1]}')  # list order matters
+
+
+def test_canonical_json():
+    assert canonical_json({"b": 1, "a": [1.5, None, "é", True]}) == '{"a":[1.5,null,"é",true],"b":1}'.encode()
+    assert canonical_json({"x": float("nan")}) == b'{"x":NaN}'
+    assert canonical_json("\ud800") == b'"\xed\xa0\x80"'  # lone surrogate: total, not an error
+
+
+def test_scope_formula_and_field_shapes():
+    i = ident(headers=[("Authorization", "Bearer x"), ("ChatGPT-Account-Id", "acct")])
+    assert i.scope == hashlib.sha256(b"turnguard-scope\0Bearer x\0acct").hexdigest()
+    assert ident(headers=[]).scope == hashlib.sha256(b"turnguard-scope\0\0").hexdigest()
+    assert ident(headers=[("Authorization", "")]).scope == ident(headers=[]).scope
+    assert len(i.op_key) == 64 and len(i.fingerprint) == 64
+    assert i.op_id == i.op_key[:12]
+    assert i.session is None and i.turn_state is None and i.idempotency_key is None
+
+
+# --- separation --------------------------------------------------------------------------------
+
+
+@given(header_text, header_text)
+def test_different_authorization_differs(a1, a2):
+    assume(a1 != a2)
+    x, y = ident(headers=[("Authorization", a1)]), ident(headers=[("Authorization", a2)])
+    assert x.scope != y.scope and x.op_key != y.op_key
+    assert x.fingerprint == y.fingerprint
+
+
+@given(header_text, header_text)
+def test_different_account_differs(c1, c2):
+    assume(c1 != c2)
+    h = ("Authorization", AUTH)
+    x = ident(headers=[h, ("chatgpt-account-id", c1)])
+    y = ident(headers=[h, ("chatgpt-account-id", c2)])
+    assert x.scope != y.scope and x.op_key != y.op_key
+
+
+def test_credential_fields_do_not_bleed_into_each_other():
+    # ("ab", "") and ("a", "b") must not collide.
+    x = ident(headers=[("Authorization", "ab")])
+    y = ident(headers=[("Authorization", "a"), ("chatgpt-account-id", "b")])
+    assert x.scope != y.scope
+
+
+@given(json_objects, json_objects)
+def test_different_body_differs(o1, o2):
+    assume(canonical_json(o1) != canonical_json(o2))
+    x, y = ident(body=json.dumps(o1).encode()), ident(body=json.dumps(o2).encode())
+    assert x.fingerprint != y.fingerprint and x.op_key != y.op_key
+    assert x.scope == y.scope
+
+
+@given(header_text, header_text)
+def test_different_session_differs(s1, s2):
+    assume(s1 != s2)
+    x = ident(headers=[("Authorization", AUTH), ("session-id", s1)])
+    y = ident(headers=[("Authorization", AUTH), ("session-id", s2)])
+    assert x.session != y.session and x.op_key != y.op_key
+    assert x.scope == y.scope and x.fingerprint == y.fingerprint
+
+
+@given(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=30))
+def test_different_path_differs(p1, p2):
+    assume(p1 != p2)
+    assert ident(path=p1).op_key != ident(path=p2).op_key
+
+
+def test_method_case_does_not_matter_but_method_does():
+    assert ident(method="post").op_key == ident(method="POST").op_key
+    assert ident(method="PUT").op_key != ident(method="POST").op_key
+
+
+@given(header_text, json_objects, json_objects)
+def test_idempotency_key_shares_op_key_across_bodies(key, o1, o2):
+    assume(canonical_json(o1) != canonical_json(o2))
+    h = [("Authorization", AUTH), ("Idempotency-Key", key)]
+    x = ident(body=json.dumps(o1).encode(), headers=h)
+    y = ident(body=json.dumps(o2).encode(), headers=h)
+    assert x.op_key == y.op_key  # same operation ...
+    assert x.fingerprint != y.fingerprint  # ... with another body: the caller answers 422
+    assert x.idempotency_key == sha(key)[:32]
+
+
+def test_idempotency_key_separates_operations_and_empty_key_is_absent():
+    h = ("Authorization", AUTH)
+    a = ident(headers=[h, ("idempotency-key", "k1")])
+    b = ident(headers=[h, ("idempotency-key", "k2")])
+    assert a.op_key != b.op_key and a.fingerprint == b.fingerprint
+    assert ident(headers=[h, ("Idempotency-Key", "")]) == ident(headers=[h])
+
+
+# --- secrecy -----------------------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=40), st.booleans())
+def test_raw_authorization_never_appears(token, json_body):
+    secret = "sk-" + token
+    auth = "Bearer " + secret
+    body = BODY if json_body else b"not json " + auth.encode()
+    r = identify(req(body=body, headers=[("Authorization", auth), ("chatgpt-account-id", "acct")]))
+    text = repr(r)
+    assert auth not in text and secret not in text
+    if isinstance(r, Identity):
+        for field in (r.scope, r.session, r.turn_state, r.previous_response_id,
+                      r.idempotency_key, r.fingerprint, r.op_key, r.op_id):
+            assert field is None or secret not in field
+
+
+# --- session precedence ------------------------------------------------------------------------
+
+SOURCES = [
+    ("session-id", "A"),
+    ("session_id", "B"),
+    ("x-codex-turn-metadata", json.dumps({"session_id": "C", "turn_id": "t1"})),
+    ("conversation_id", "D"),
+    ("conversation-id", "E"),
+]
+SOURCE_KEY = {"session-id": "A", "session_id": "B", "x-codex-turn-metadata": "C",
+              "conversation_id": "D", "conversation-id": "E"}
+
+
+@pytest.mark.parametrize("first", range(len(SOURCES) + 1))
+def test_session_precedence(first):
+    present = SOURCES[first:]
+    expected = sha(SOURCE_KEY[present[0][0]])[:16] if present else None
+    assert ident(headers=list(reversed(present))).session == expected
+
+
+@given(st.sets(st.sampled_from([n for n, _ in SOURCES])), st.randoms(use_true_random=False))
+def test_session_precedence_any_order_and_case(names, rnd):
+    headers = [(n, v) for n, v in SOURCES if n in names]
+    rnd.shuffle(headers)
+    headers = [("".join(c.upper() if rnd.random() < 0.5 else c for c in n), v) for n, v in headers]
+    winner = next((SOURCE_KEY[n] for n, _ in SOURCES if n in names), None)
+    assert ident(headers=headers).session == (sha(winner)[:16] if winner else None)
+
+
+@pytest.mark.parametrize(
+    "meta", ['["session_id", "C"]', "not json", '{"session_id": 5}', '{"session_id": ""}', "{"]
+)
+def test_turn_metadata_that_is_not_a_usable_object_is_ignored(meta):
+    i = ident(headers=[("x-codex-turn-metadata", meta), ("conversation_id", "D")])
+    assert i.session == sha("D")[:16]
+
+
+def test_first_occurrence_wins_and_empty_counts_as_absent():
+    assert ident(headers=[("Session-Id", "A"), ("session-id", "Z")]).session == sha("A")[:16]
+    assert ident(headers=[("session-id", ""), ("session_id", "B")]).session == sha("B")[:16]
+    x = ident(headers=[("Authorization", "a1"), ("authorization", "a2")])
+    assert x.scope == ident(headers=[("Authorization", "a1")]).scope
+
+
+# --- anchors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("turn_state", "prev", "expected_prev", "hard"),
+    [
+        ("ts-token", None, None, True),
+        ("ts-token", "resp_1", "resp_1", False),
+        (None, "resp_1", "resp_1", False),
+        (None, None, None, False),
+        ("ts-token", "", None, True),
+        ("ts-token", 42, None, True),
+        ("", None, None, False),  # empty header counts as absent
+    ],
+)
+def test_anchors(turn_state, prev, expected_prev, hard):
+    body = {"model": "m", "input": "hi"}
+    if prev is not None:
+        body["previous_response_id"] = prev
+    headers = [("x-codex-turn-state", turn_state)] if turn_state is not None else []
+    i = ident(body=json.dumps(body).encode(), headers=headers)
+    assert i.previous_response_id == expected_prev
+    assert i.has_hard_anchor is hard
+    assert i.turn_state == (sha(turn_state)[:16] if turn_state else None)
+
+
+def test_turn_state_is_part_of_identity_but_not_of_op_key():
+    a = ident(headers=[("x-codex-turn-state", "t1")])
+    b = ident(headers=[("x-codex-turn-state", "t2")])
+    assert a.turn_state != b.turn_state and a.op_key == b.op_key
+
+
+# --- passthrough -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (None, "body could not be decoded"),
+        (b"", "no body"),
+        (b"not json", "body is not JSON"),
+        (b'{"a":1', "body is not JSON"),
+        (b'{"a":1} trailing', "body is not JSON"),
+        (b"\xef\xbb\xbf{}", "body is not JSON"),  # BOM
+        (b'{"n": ' + b"9" * 5000 + b"}", "body is not JSON"),  # past int digit limit
+        (b"[1, 2]", "body is not a JSON object"),
+        (b'"text"', "body is not a JSON object"),
+        (b"null", "body is not a JSON object"),
+        (b'{"a": "\xff"}', "body is not UTF-8"),
+        (b'{"a": "\xed\xa0\x80"}', "body is not UTF-8"),  # encoded surrogate
+        (b'{"a": 1, "a": 2}', "duplicate keys in JSON body"),
+        (b'{"x": [{"k": 1, "k": 1}]}', "duplicate keys in JSON body"),
+        (b'{"a":' + b"[" * 256 + b"]" * 256 + b"}", "JSON nesting too deep"),
+        (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nesting too deep"),
+        (b"[" * 100_000, "JSON nesting too deep"),
+    ],
+)
+def test_passthrough_reasons(body, reason):
+    assert identify(req(body=body)) == Passthrough(reason)
+
+
+def test_nesting_at_the_limit_is_accepted():
+    # The top-level object is depth 1, so 255 nested lists make 256.
+    assert isinstance(identify(req(body=b'{"a":' + b"[" * 255 + b"]" * 255 + b"}")), Identity)
+
+
+def test_body_too_large():
+    assert identify(req(body=b'{"a": "12"}'), max_body_bytes=10) == Passthrough(
+        "body too large (11 bytes > limit 10)"
+    )
+    assert isinstance(identify(req(body=b'{"a":"12"}'), max_body_bytes=10), Identity)
+    huge = b'{"a":"' + b"x" * (64 * 1024 * 1024) + b'"}'
+    r = identify(req(body=huge))
+    assert isinstance(r, Passthrough) and r.reason.startswith("body too large")
+
+
+def test_nul_in_credentials_is_passthrough():
+    for h in (("Authorization", "a\0b"), ("chatgpt-account-id", "\0")):
+        r = identify(req(headers=[h]))
+        assert isinstance(r, Passthrough) and "NUL" in r.reason
+
+
+# --- totality ----------------------------------------------------------------------------------
+
+any_text = st.text(st.characters(codec=None), max_size=20)  # surrogates and NULs included
+header_names = st.sampled_from(
+    ["authorization", "Authorization", "chatgpt-account-id", "session-id", "session_id",
+     "x-codex-turn-metadata", "conversation_id", "conversation-id", "x-codex-turn-state",
+     "Idempotency-Key"]
+) | any_text
+bodies = (
+    st.none()
+    | st.binary(max_size=200)
+    | json_objects.map(lambda o: json.dumps(o).encode())
+    | st.builds(lambda o, cut: json.dumps(o).encode()[:cut], json_objects, st.integers(0, 50))
+    | json_values.map(lambda v: json.dumps(v, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+)
+
+
+@settings(max_examples=300)
+@given(any_text, any_text, st.lists(st.tuples(header_names, any_text | json_values.map(json.dumps)),
+                                    max_size=8), bodies)
+def test_identify_never_raises(method, path, headers, body):
+    r = identify(RequestView(method, path, tuple(headers), body))
+    assert isinstance(r, (Identity, Passthrough))
+    if isinstance(r, Identity):
+        assert len(r.op_key) == 64 and len(r.scope) == 64
+    else:
+        assert r.reason and not r.reason.startswith("identity failed"), r.reason
+
+
+def test_identify_never_raises_on_malformed_views():
+    bad = [
+        RequestView(None, "/", (), BODY),  # type: ignore[arg-type]
+        RequestView("POST", "/", (("a",),), BODY),  # type: ignore[arg-type]
+        RequestView("POST", "/", None, BODY),  # type: ignore[arg-type]
+        RequestView("POST", "/", (), "{}"),  # type: ignore[arg-type]
+    ]
+    for view in bad:
+        r = identify(view)
+        assert isinstance(r, (Identity, Passthrough))

@@ -1,0 +1,268 @@
+"""The SQLite ledger: real files, real SQLite, several connections as several processes."""
+
+import json
+import multiprocessing
+import os
+import sqlite3
+import stat
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from turnguard_core import identity, policy
+from turnguard_core.ledger import (
+    AttemptEnd,
+    InstanceRow,
+    Ledger,
+    LedgerError,
+    Recording,
+    instance_is_dead,
+)
+
+GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
+
+
+def ident(body: dict, *, auth="Bearer k1", idem: str | None = None) -> identity.Identity:
+    headers = [("authorization", auth), ("session-id", "s1")]
+    if idem:
+        headers.append(("idempotency-key", idem))
+    view = identity.RequestView("POST", "/v1/responses", tuple(headers), json.dumps(body).encode())
+    out = identity.identify(view)
+    assert isinstance(out, identity.Identity)
+    return out
+
+
+def open_ledger(path, name="a", now=1000.0) -> Ledger:
+    led = Ledger(str(path), name)
+    led.open(now)
+    return led
+
+
+def admit(led, i, now=1000.0, guard=GUARD):
+    return led.admit(i, method="POST", path="/v1/responses", now=now, guard=guard, flow_id="f")
+
+
+def test_file_is_private_and_schema_versioned(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    led = open_ledger(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    admit(led, ident({"a": 1}))
+    for suffix in ("-wal", "-shm"):
+        p = str(path) + suffix
+        if os.path.exists(p):
+            assert stat.S_IMODE(os.stat(p).st_mode) & 0o077 == 0
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 1
+    assert led.integrity_check() == "ok"
+
+
+def test_world_writable_ledger_is_refused(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    path.write_bytes(b"")
+    os.chmod(path, 0o666)
+    with pytest.raises(LedgerError, match="writable by others"):
+        open_ledger(path)
+
+
+def test_future_schema_and_garbage_file_raise_ledger_error(tmp_path):
+    future = tmp_path / "future.sqlite3"
+    db = sqlite3.connect(future)
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    with pytest.raises(LedgerError, match="newer"):
+        open_ledger(future)
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"this is not a database" * 100)
+    os.chmod(junk, 0o600)
+    with pytest.raises(LedgerError):
+        open_ledger(junk)
+
+
+def test_claim_hold_finish_replay_cycle(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")
+    i = ident({"input": "hi"})
+    d = admit(a, i)
+    assert isinstance(d, policy.Dispatch) and d.kind == "original" and d.attempt_id
+    assert admit(b, i) == policy.Hold(d.attempt_id, "a")
+    rec = Recording(200, (("content-type", "text/event-stream"),), b"event: x\ndata: 1\n\n" * 50000)
+    assert a.finish(d.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=1001.0)
+    r = admit(b, i, now=1002.0)
+    assert r == policy.Replay(d.attempt_id)
+    assert b.recording(r.attempt_id) == rec
+    # the second finish of the same attempt is fenced out
+    assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0)
+
+
+def test_failed_attempt_is_retried_once_at_a_time(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    i = ident({"input": "x"})
+    d = admit(a, i)
+    a.finish(d.attempt_id, AttemptEnd("rejected", 429, 0), now=1001.0)
+    r1 = admit(a, i, now=1002.0)
+    assert isinstance(r1, policy.Dispatch) and r1.kind == "retry"
+    assert isinstance(admit(a, i, now=1002.0), policy.Hold)
+    op = a.find_operation(i.op_key[:10])
+    assert [x["outcome"] for x in op["attempt_rows"]] == ["rejected", "in_flight"]
+
+
+def test_idempotency_key_conflict(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3")
+    d = admit(a, ident({"n": 1}, idem="k"))
+    assert isinstance(d, policy.Dispatch)
+    assert admit(a, ident({"n": 2}, idem="k")) == policy.Conflict()
+    assert isinstance(admit(a, ident({"n": 2}, idem="k", auth="Bearer other")), policy.Dispatch)
+
+
+def test_reap_dead_instance_and_instance_liveness(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")
+    i1, i2 = ident({"n": 1}), ident({"n": 2})
+    d1, d2 = admit(a, i1), admit(a, i2)
+    a.first_event(d2.attempt_id)
+    rows = b.instances_with_attempts_in_flight()
+    assert [r.instance_id for r in rows] == ["a"]
+    moved = b.reap_instance("a", now=1005.0)
+    assert sorted(moved) == sorted([i1.op_key, i2.op_key])
+    assert b.snapshot(i1.op_key).state == "unknown"
+    assert b.snapshot(i2.op_key).state == "partial"
+    assert isinstance(admit(b, i1, now=1006.0), policy.Dispatch)
+    assert not a.finish(d1.attempt_id, AttemptEnd("completed", 200, 1), now=1007.0)
+
+    row = InstanceRow("x", 123, "h", 1000.0)
+    assert instance_is_dead(row, host="h", now=1001.0, stale_s=30, alive=lambda pid: False)
+    assert not instance_is_dead(row, host="h", now=1001.0, stale_s=30, alive=lambda pid: True)
+    assert instance_is_dead(row, host="other", now=1031.0, stale_s=30, alive=lambda pid: True)
+
+
+def test_garbage_collection_purges_ended_operations_and_spool(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3")
+    i = ident({"n": 1})
+    d = admit(a, i)
+    a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x")), now=1001.0)
+    assert a.collect_garbage(now=1001.0 + 100, retention_s=3600, instance_stale_s=30) == 0
+    assert a.collect_garbage(now=1001.0 + 3601, retention_s=3600, instance_stale_s=30) == 1
+    db = sqlite3.connect(tmp_path / "l.sqlite3")
+    assert db.execute("SELECT COUNT(*) FROM spool").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 0
+
+
+def test_locked_database_raises_ledger_error(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    a = Ledger(str(path), "a", busy_timeout_ms=50)
+    a.open(1000.0)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LedgerError, match="locked"):
+            admit(a, ident({"n": 1}))
+    finally:
+        blocker.execute("ROLLBACK")
+    assert isinstance(admit(a, ident({"n": 1})), policy.Dispatch)
+
+
+def _race(path: str, name: str, bodies: list[dict], out):
+    led = Ledger(path, name, busy_timeout_ms=20000)
+    led.open(1000.0)
+    wins = 0
+    for body in bodies:
+        if isinstance(admit(led, ident(body)), policy.Dispatch):
+            wins += 1
+    out.put(wins)
+
+
+def test_claims_are_exactly_once_across_processes(tmp_path):
+    path = str(tmp_path / "l.sqlite3")
+    open_ledger(path).close()
+    bodies = [{"n": n} for n in range(200)]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(path, f"p{k}", bodies, out)) for k in range(4)]
+    for p in procs:
+        p.start()
+    wins = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert sum(wins) == 200
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 200
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Two processes (connections) on one ledger against a dict model of the operations."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory()
+        path = os.path.join(self.dir.name, "l.sqlite3")
+        self.procs = {n: open_ledger(path, n) for n in ("a", "b")}
+        self.now = 1000.0
+        self.model: dict[str, dict] = {}  # op_key -> {"state", "attempt", "owner", "ended", "rec"}
+        self.open_attempts: dict[int, tuple[str, str]] = {}  # attempt -> (op_key, owner)
+
+    def teardown(self):
+        for led in self.procs.values():
+            led.close()
+        self.dir.cleanup()
+
+    @rule(proc=st.sampled_from("ab"), n=st.integers(0, 3))
+    def admit_request(self, proc, n):
+        i = ident({"n": n})
+        got = admit(self.procs[proc], i, now=self.now)
+        m = self.model.get(i.op_key)
+        snapshot = None
+        if m is not None:
+            snapshot = policy.OperationSnapshot(
+                m["state"], i.fingerprint, m["attempt"], m["owner"], m["ended"], m["rec"]
+            )
+        want = policy.admit(snapshot, fingerprint=i.fingerprint, has_idempotency_key=False,
+                            now=self.now, policy=GUARD)
+        if isinstance(want, policy.Dispatch):
+            assert isinstance(got, policy.Dispatch) and got.kind == want.kind
+            self.model[i.op_key] = {"state": "in_flight", "attempt": got.attempt_id,
+                                    "owner": proc, "ended": None,
+                                    "rec": m["rec"] if m else None}
+            self.open_attempts[got.attempt_id] = (i.op_key, proc)
+        else:
+            assert got == want
+
+    @rule(data=st.data(), outcome=st.sampled_from(["completed", "rejected", "partial", "unknown"]))
+    def finish_attempt(self, data, outcome):
+        if not self.open_attempts:
+            return
+        attempt = data.draw(st.sampled_from(sorted(self.open_attempts)))
+        op_key, owner = self.open_attempts.pop(attempt)
+        rec = Recording(200, (), b"body%d" % attempt) if outcome == "completed" else None
+        assert self.procs[owner].finish(attempt, AttemptEnd(outcome, 200, 1, None, rec), now=self.now)
+        m = self.model[op_key]
+        m.update(state=outcome, ended=self.now, rec=attempt if rec else m["rec"])
+
+    @rule(proc=st.sampled_from("ab"))
+    def reap(self, proc):
+        other = "b" if proc == "a" else "a"
+        self.procs[proc].reap_instance(other, now=self.now)
+        for attempt, (op_key, owner) in list(self.open_attempts.items()):
+            if owner == other:
+                del self.open_attempts[attempt]
+                self.model[op_key].update(state="unknown", ended=self.now)
+
+    @rule(dt=st.sampled_from([1.0, 200.0, 400.0]))
+    def advance(self, dt):
+        self.now += dt
+
+    @invariant()
+    def at_most_one_attempt_in_flight_per_operation(self):
+        db = sqlite3.connect(os.path.join(self.dir.name, "l.sqlite3"))
+        rows = db.execute(
+            "SELECT op_key, COUNT(*) FROM attempts WHERE outcome='in_flight' GROUP BY op_key"
+        ).fetchall()
+        db.close()
+        assert all(n == 1 for _, n in rows)
+        assert sum(n for _, n in rows) == len(self.open_attempts)
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -1,0 +1,53 @@
+"""The response tee: passes bytes through unchanged, counts events, keeps a bounded copy."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from turnguard_core.tee import ResponseTee, recordable_headers
+
+STREAM = b"".join(
+    f"event: {t}\ndata: {{\"type\":\"{t}\"}}\n\n".encode()
+    for t in ["response.created", "response.output_text.delta", "response.completed"]
+)
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=20))
+def test_any_chunking_passes_bytes_through_and_counts_the_same(cuts):
+    firsts = []
+    tee = ResponseTee(counts_events=True, keep_max_bytes=1 << 20, on_first_event=lambda: firsts.append(1))
+    out = b""
+    bounds = sorted(set([0, len(STREAM), *cuts]))
+    for a, b in zip(bounds, bounds[1:]):
+        out += tee(STREAM[a:b])
+    assert tee(b"") == b""
+    assert out == STREAM and tee.body == STREAM
+    assert tee.events_seen == 3 and tee.terminal == "success" and firsts == [1]
+
+
+def test_body_over_the_cap_is_not_kept_but_still_passes():
+    tee = ResponseTee(counts_events=True, keep_max_bytes=10)
+    assert tee(STREAM) == STREAM
+    tee(b"")
+    assert tee.body is None and tee.over_cap and tee.events_seen == 3
+
+
+def test_body_is_none_until_the_end_and_when_not_counting_no_events():
+    tee = ResponseTee(counts_events=False, keep_max_bytes=1000)
+    tee(STREAM)
+    assert tee.body is None
+    tee(b"")
+    assert tee.body == STREAM and tee.events_seen == 0
+
+
+def test_a_failing_callback_never_breaks_the_stream():
+    def boom():
+        raise RuntimeError("ledger down")
+
+    tee = ResponseTee(counts_events=True, keep_max_bytes=1000, on_first_event=boom)
+    assert tee(STREAM) == STREAM
+
+
+def test_recordable_headers_drop_framing_and_cookies():
+    h = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
+         ("Set-Cookie", "s=1"), ("x-codex-turn-state", "ts_1"), ("content-length", "5")]
+    assert recordable_headers(h) == (("Content-Type", "text/event-stream"), ("x-codex-turn-state", "ts_1"))
