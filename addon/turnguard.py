@@ -8,13 +8,14 @@ into flow actions. "What happens to a duplicate" is ``TurnGuard._guard``.
 
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # mitmproxy puts this folder on sys.path only while it loads the script: import the core now.
@@ -24,14 +25,16 @@ if _HERE not in sys.path:
 
 from mitmproxy import command, ctx, exceptions, flowfilter, hooks, http  # noqa: E402
 
-from turnguard_core import answers, identity, policy  # noqa: E402
+from turnguard_core import answers, circuit, identity, policy  # noqa: E402
 from turnguard_core.ledger import (  # noqa: E402
     AttemptEnd,
+    FinishResult,
     Ledger,
     LedgerError,
     Recording,
     instance_is_dead,
 )
+from turnguard_core.upstream_cut import cut_upstream  # noqa: E402
 from turnguard_core.tee import ResponseTee, recordable_headers  # noqa: E402
 from turnguard_core.telemetry import Telemetry  # noqa: E402
 
@@ -48,8 +51,10 @@ INSTANCE_STALE_S = 30.0
 GC_EVERY_S = 600.0
 
 MARK_HELD = ":hourglass:"
+MARK_COOLDOWN = ":snowflake:"
 MARK_REPLAYED = ":recycle:"
 MARK_REJECTED = ":no_entry:"
+MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
 
 
 @dataclass
@@ -61,19 +66,31 @@ class _Attempt:
     attempt_id: int | None  # None when the ledger was unavailable
     kind: str
     started: float
+    circuit_scope: str
     status: int | None = None
     tee: ResponseTee | None = None
+    cut_reason: str | None = None  # set when turnguard cut the upstream itself
+    timer: asyncio.TimerHandle | None = None  # response_created timeout
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 @dataclass
 class _Held:
-    """A duplicate waiting for the operation's attempt in flight to end."""
+    """A request turnguard keeps waiting: a duplicate of an attempt in flight, or a request
+    held through a cooldown (``cooldown``), which waits on a timer and its session's lease."""
 
     flow: http.HTTPFlow
     op_key: str
     since: float
     wake: asyncio.Future
     foreign_attempt: int | None = None  # set when another process owns the attempt
+    cooldown: bool = False
+    session: str | None = None
+    epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,12 +108,11 @@ class _Gone:
     reason: str
 
 
-@dataclass
-class _Stats:
-    counts: dict[str, int] = field(default_factory=dict)
+@dataclass(frozen=True)
+class _OwnershipLost:
+    """Why a cooldown-held flow woke up: another process took its session (higher epoch)."""
 
-    def add(self, name: str) -> None:
-        self.counts[name] = self.counts.get(name, 0) + 1
+    epoch: int | None
 
 
 def _headers(pairs) -> http.Headers:
@@ -116,7 +132,10 @@ class TurnGuard:
         self.guard_policy = policy.GuardPolicy()
         self._attempts: dict[str, _Attempt] = {}  # flow id -> attempt in flight
         self._local: dict[str, str] = {}  # op key -> flow id of this process's attempt in flight
-        self._held: dict[str, _Held] = {}  # flow id -> held duplicate
+        self._held: dict[str, _Held] = {}  # flow id -> held request
+        self._sessions: dict[str, policy.SessionOwnership] = {}  # sessions this process owns
+        self._circuits: dict[str, circuit.CircuitState] = {}  # last known, for when the ledger is down
+        self.circuit_cfg = circuit.CircuitConfig()
         self._ticker: asyncio.Task | None = None
         self._last_heartbeat = 0.0
         self._last_gc = 0.0
@@ -165,6 +184,38 @@ class TurnGuard:
             "duplicates are forwarded instead.",
         )
         loader.add_option(
+            "turnguard_response_created_timeout_ms", int, 60000,
+            "Cut a guarded dispatch's upstream connection when no response event (headers and "
+            "first SSE event) arrived within this long, and record it as an eventless failure "
+            "(missing_response_created_timeout). 0: off.",
+        )
+        loader.add_option(
+            "turnguard_failure_threshold", int, 2,
+            "Consecutive eventless failures in a scope (the session, else credential + route) "
+            "that open the retry circuit's cooldown.",
+        )
+        loader.add_option(
+            "turnguard_cooldown_ms", int, 60000,
+            "First cooldown of an open retry circuit; each further eventless failure doubles it.",
+        )
+        loader.add_option(
+            "turnguard_cooldown_max_ms", int, 600000, "Longest cooldown of the retry circuit.",
+        )
+        loader.add_option(
+            "turnguard_recovery_mode", str, "fail_closed",
+            "What a guarded request gets during a cooldown. fail_closed: 503 "
+            "upstream_request_timeout with Retry-After, nothing dispatched. "
+            "server_anchored_replay_once: an eligible hard turn-state request is held through the "
+            "cooldown, then recovered with at most one recovery dispatch per operation ever. "
+            "server_indefinite_recovery: the same, without the once limit (still one at a time).",
+            choices=list(policy.RECOVERY_MODES),
+        )
+        loader.add_option(
+            "turnguard_owner_lease_ms", int, 300000,
+            "Lease of this process's ownership of a durable session; renewed while it serves or "
+            "holds requests of the session; another process may take over once it expired.",
+        )
+        loader.add_option(
             "turnguard_events", str, "",
             "Path of a JSON-lines telemetry file (created 0600); empty: telemetry goes to the "
             "log only.",
@@ -177,7 +228,13 @@ class TurnGuard:
         ):
             if getattr(o, name) < 0:
                 raise exceptions.OptionsError(f"{name} must be >= 0, not {getattr(o, name)}")
-        for name in ("turnguard_request_budget_ms", "turnguard_retention_ms"):
+        for name in ("turnguard_response_created_timeout_ms",):
+            if getattr(o, name) < 0:
+                raise exceptions.OptionsError(f"{name} must be >= 0 (0 = off), not {getattr(o, name)}")
+        for name in (
+            "turnguard_request_budget_ms", "turnguard_retention_ms", "turnguard_failure_threshold",
+            "turnguard_cooldown_ms", "turnguard_cooldown_max_ms", "turnguard_owner_lease_ms",
+        ):
             if getattr(o, name) <= 0:
                 raise exceptions.OptionsError(f"{name} must be > 0, not {getattr(o, name)}")
         if o.turnguard_retention_ms < o.turnguard_replay_window_ms:
@@ -185,6 +242,16 @@ class TurnGuard:
                 "turnguard_retention_ms must be >= turnguard_replay_window_ms "
                 f"({o.turnguard_retention_ms} < {o.turnguard_replay_window_ms})"
             )
+        if o.turnguard_cooldown_max_ms < o.turnguard_cooldown_ms:
+            raise exceptions.OptionsError(
+                "turnguard_cooldown_max_ms must be >= turnguard_cooldown_ms "
+                f"({o.turnguard_cooldown_max_ms} < {o.turnguard_cooldown_ms})"
+            )
+        self.circuit_cfg = circuit.CircuitConfig(
+            threshold=o.turnguard_failure_threshold,
+            cooldown_s=o.turnguard_cooldown_ms / 1000,
+            cooldown_max_s=o.turnguard_cooldown_max_ms / 1000,
+        )
         if "turnguard_filter" in updated:
             try:
                 self.filter = flowfilter.parse(o.turnguard_filter)
@@ -266,6 +333,8 @@ class TurnGuard:
                 self._wake_gone_flows()
                 if foreign:
                     self._poll_foreign()
+                if self.ledger is not None and any(h.cooldown for h in self._held.values()):
+                    self._check_cooldown_sessions(time.time())
                 self._maintain(time.time())
             except Exception:
                 logger.exception("turnguard: maintenance tick failed")
@@ -318,33 +387,42 @@ class TurnGuard:
     async def _guard(self, flow: http.HTTPFlow) -> None:
         """What happens to a guarded request, and so to a duplicate.
 
-        Admit it against the ledger: dispatch (the first, or a retry after a failed attempt),
-        replay (a completed recording), conflict (422), or hold while another attempt of the
-        same operation is in flight. A held request waits, event-driven, for that attempt to
-        end, then is admitted again; past the hold bound it gets 409 turn_in_progress."""
+        Admit it against the ledger: dispatch (the first, a retry after a failed attempt, or a
+        recovery after a cooldown), replay (a completed recording), conflict (422), hold while
+        another attempt of the same operation is in flight, or fenced by a cooling circuit.
+        A held duplicate waits, event-driven, for that attempt to end and is admitted again;
+        past the hold bound it gets 409 turn_in_progress. A fenced request fails closed (503)
+        unless the recovery mode lets it wait out the cooldown; then it asks for a recovery
+        claim. Every path ends in exactly one answer or one dispatch."""
         ident = self._identify(flow)
         if isinstance(ident, identity.Passthrough):
             self.telemetry.emit("passthrough", flow=flow.id, reason=ident.reason)
             return
         o = ctx.options
         arrived = time.monotonic()
-        deadline = policy.hold_deadline(
-            arrived,
-            hold_timeout_s=o.turnguard_hold_timeout_ms / 1000,
-            request_budget_s=o.turnguard_request_budget_ms / 1000,
-        )
+        budget_deadline = arrived + o.turnguard_request_budget_ms / 1000
+        scope = circuit.circuit_scope(ident.session, ident.scope, flow.request.path)
+        owner = self._ownership(ident.session)
         base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
         held_since: float | None = None
+        hold_deadline = 0.0
+        recovery: policy.RecoveryClaim | None = None
         while True:
-            admission = self._admit(flow, ident)
-            held_ms = 0 if held_since is None else round((time.monotonic() - held_since) * 1000)
+            admission = self._admit(flow, ident, scope, recovery)
+            now = time.monotonic()
+            held_ms = 0 if held_since is None else round((now - held_since) * 1000)
             if isinstance(admission, policy.Dispatch):
-                self._dispatch(flow, ident, admission)
+                self._dispatch(flow, ident, admission, scope)
                 self.telemetry.emit(
                     "dispatch", **base, attempt=admission.attempt_id, kind=admission.kind,
                     ledger=admission.attempt_id is not None,
                 )
-                if held_since is not None:
+                if admission.kind == "recovery":
+                    self.telemetry.emit("recovery_claimed", **base, attempt=admission.attempt_id,
+                                        epoch=recovery.epoch if recovery else None)
+                    self._show(flow, None, "turnguard: held through the cooldown, then sent "
+                               f"upstream once as the recovery dispatch of {ident.op_id}")
+                elif held_since is not None:
                     self.telemetry.emit("duplicate_forwarded", **base, held_ms=held_ms)
                     self._show(flow, None, f"turnguard: held {held_ms} ms, then forwarded "
                                f"(the earlier attempt of {ident.op_id} did not complete)")
@@ -361,35 +439,98 @@ class TurnGuard:
                 self._answer(flow, answers.idempotency_key_conflict(), MARK_REJECTED,
                              "turnguard: Idempotency-Key reused with a different body")
                 return
+            if isinstance(admission, policy.Denied):
+                self.telemetry.emit("recovery_denied", **base, reason=admission.reason,
+                                    code=admission.code)
+                self._fail_closed(flow, base, scope, admission.reason, code=admission.code)
+                return
+            if isinstance(admission, policy.Fenced):
+                denial = policy.fence_hold_denial(
+                    o.turnguard_recovery_mode,
+                    has_turn_state=ident.turn_state is not None,
+                    has_previous_response_id=ident.previous_response_id is not None,
+                    owns_session=owner is not None,
+                    output_seen=admission.output_seen,
+                )
+                remaining_budget = budget_deadline - now
+                if denial is None and remaining_budget <= 0:
+                    denial = "request_budget_expired"
+                if denial is not None:
+                    self._cooldown_reject(flow, base, admission.remaining_s, denial)
+                    return
+                woke = await self._wait_out_cooldown(
+                    flow, ident, base, owner, min(admission.remaining_s, remaining_budget),
+                    admission.remaining_s,
+                )
+                if isinstance(woke, _Gone):
+                    self._abandon(flow, base, woke, held_since or now)
+                    return
+                if isinstance(woke, _OwnershipLost):
+                    self.telemetry.emit("ownership_lost", **base, epoch=woke.epoch)
+                    self._fail_closed(flow, base, scope, "ownership_lost")
+                    return
+                if time.monotonic() >= budget_deadline:
+                    self._fail_closed(flow, base, scope, "request_budget_expired")
+                    return
+                recovery = policy.RecoveryClaim(
+                    ident.session, owner.owner_epoch,
+                    once=o.turnguard_recovery_mode == "server_anchored_replay_once",
+                )
+                held_since = None  # what follows is a new phase: a duplicate hold, if any
+                continue
             # Hold: another attempt of this operation is in flight.
-            now = time.monotonic()
             if held_since is None:
                 held_since = now
+                hold_deadline = min(now + o.turnguard_hold_timeout_ms / 1000, budget_deadline)
                 self.telemetry.emit(
                     "duplicate_held", **base, attempt=admission.attempt_id,
                     owner=admission.owner_instance,
-                    timeout_ms=max(0, round((deadline - now) * 1000)),
+                    timeout_ms=max(0, round((hold_deadline - now) * 1000)),
                 )
                 self._show(flow, MARK_HELD, f"turnguard: held as a duplicate of operation "
                            f"{ident.op_id}, waiting for its attempt in flight")
-            if now >= deadline:
+            if now >= hold_deadline:
                 self._reject_in_progress(flow, base, held_since)
                 return
-            woke = await self._wait(flow, ident.op_key, admission, deadline - now)
+            woke = await self._wait(flow, ident.op_key, admission, hold_deadline - now)
             if woke is None:
                 self._reject_in_progress(flow, base, held_since)
                 return
             if isinstance(woke, _Gone):
-                self.telemetry.emit("hold_abandoned", **base, reason=woke.reason,
-                                    held_ms=round((time.monotonic() - held_since) * 1000))
-                if flow.killable:
-                    flow.kill()  # never dispatch a request whose client is gone
+                self._abandon(flow, base, woke, held_since)
                 return
-            if woke.recording is not None:
+            if isinstance(woke, _Ended) and woke.recording is not None:
                 held_ms = round((time.monotonic() - held_since) * 1000)
                 self._replay(flow, ident, woke.recording, held_ms, None)
                 return
             # The attempt ended without a recording: admit again (claim, replay or hold anew).
+
+    async def _wait_out_cooldown(
+        self, flow: http.HTTPFlow, ident: identity.Identity, base: dict,
+        owner: policy.SessionOwnership, wait_s: float, cooldown_s: float,
+    ) -> "_Ended | _Gone | _OwnershipLost | None":
+        """Hold an eligible request through the cooldown: nothing is dispatched meanwhile; the
+        session's lease is renewed by the ticker; ownership loss or a kill wakes it early."""
+        wait_ms = round(wait_s * 1000)
+        self.telemetry.emit(
+            "wait_operation_fenced_cooldown", **base, wait_ms=wait_ms,
+            cooldown_remaining_ms=round(cooldown_s * 1000), epoch=owner.owner_epoch,
+        )
+        self._show(flow, MARK_COOLDOWN, f"turnguard: held through the retry circuit's cooldown "
+                   f"({wait_ms} ms); nothing is sent upstream while it waits")
+        started = time.monotonic()
+        woke = await self._wait(
+            flow, ident.op_key, None, wait_s,
+            cooldown=True, session=ident.session, epoch=owner.owner_epoch,
+        )
+        reason = {
+            type(None): "cooldown_elapsed", _Gone: "gone", _OwnershipLost: "ownership_lost",
+        }.get(type(woke), "woken")
+        self.telemetry.emit(
+            "wait_finished", **base, waited_ms=round((time.monotonic() - started) * 1000),
+            reason=reason,
+        )
+        return woke
 
     def _identify(self, flow: http.HTTPFlow) -> identity.Identity | identity.Passthrough:
         req = flow.request
@@ -411,20 +552,61 @@ class TurnGuard:
         )
         return identity.identify(view, max_body_bytes=MAX_GUARDED_BODY)
 
-    def _admit(self, flow: http.HTTPFlow, ident: identity.Identity) -> policy.Admission:
+    def _admit(
+        self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
+        recovery: policy.RecoveryClaim | None,
+    ) -> policy.Admission:
         local_flow = self._local.get(ident.op_key)
         if local_flow is not None:
             attempt = self._attempts.get(local_flow)
             return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
         if self.ledger is not None:
             try:
-                return self.ledger.admit(
+                admission = self.ledger.admit(
                     ident, method=flow.request.method, path=flow.request.path,
                     now=time.time(), guard=self.guard_policy, flow_id=flow.id,
+                    circuit_scope=scope, recovery=recovery,
                 )
+                if isinstance(admission, policy.Fenced):
+                    self._circuits[scope] = circuit.CircuitState(
+                        self.circuit_cfg.threshold, time.time() + admission.remaining_s
+                    )
+                return admission
             except LedgerError as e:
                 self._ledger_down(e, "admit")
-        return policy.admit_in_memory(False)
+        # Ledger unusable: coalesce in memory, keep a known cooldown, never recover blind.
+        remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(time.time())
+        if remaining > 0:
+            return policy.Fenced(remaining, output_seen=False)
+        if recovery is not None:
+            return policy.Denied("upstream_request_timeout", "ledger_unavailable")
+        return policy.Dispatch("original")
+
+    def _ownership(self, session: str | None) -> policy.SessionOwnership | None:
+        """Claim or renew this process's ownership of a durable session (None: not owned).
+        The ledger is written only when the lease is past half its length."""
+        if session is None or self.ledger is None:
+            return None
+        now = time.time()
+        lease_s = ctx.options.turnguard_owner_lease_ms / 1000
+        cached = self._sessions.get(session)
+        if cached is not None and cached.lease_until - now > lease_s / 2:
+            return cached
+        try:
+            row, result = self.ledger.claim_session(
+                session, now=now, lease_s=lease_s, new_id=uuid.uuid4().hex
+            )
+        except LedgerError as e:
+            self._ledger_down(e, "claim_session")
+            return None
+        if result == "owned_by_other":
+            self._sessions.pop(session, None)
+            return None
+        if result != "renewed":
+            self.telemetry.emit("session_claimed", session=session, result=result,
+                                epoch=row.owner_epoch, durable_id=row.durable_id)
+        self._sessions[session] = row
+        return row
 
     def _recording(self, attempt_id: int) -> Recording | None:
         try:
@@ -433,20 +615,54 @@ class TurnGuard:
             self._ledger_down(e, "replay")
             return None
 
-    def _dispatch(self, flow: http.HTTPFlow, ident: identity.Identity, d: policy.Dispatch) -> None:
-        self._attempts[flow.id] = _Attempt(flow.id, ident, d.attempt_id, d.kind, time.monotonic())
+    def _dispatch(
+        self, flow: http.HTTPFlow, ident: identity.Identity, d: policy.Dispatch, scope: str
+    ) -> None:
+        attempt = _Attempt(flow.id, ident, d.attempt_id, d.kind, time.monotonic(), scope)
+        self._attempts[flow.id] = attempt
         self._local[ident.op_key] = flow.id
         flow.metadata["turnguard"] = {
             "role": "dispatch", "op": ident.op_id, "attempt": d.attempt_id, "kind": d.kind,
         }
+        timeout_ms = ctx.options.turnguard_response_created_timeout_ms
+        if timeout_ms > 0:
+            attempt.timer = asyncio.get_running_loop().call_later(
+                timeout_ms / 1000, self._response_created_timeout, flow
+            )
+
+    def _response_created_timeout(self, flow: http.HTTPFlow) -> None:
+        """No response event in time: cut the upstream; the error hook records ``unknown``."""
+        attempt = self._attempts.get(flow.id)
+        if attempt is None or (attempt.tee is not None and attempt.tee.events_seen > 0):
+            return
+        attempt.timer = None
+        attempt.cut_reason = MISSING_RESPONSE_CREATED
+        why_not = cut_upstream(
+            ctx.master.addons.get("proxyserver"), flow.client_conn.id, flow.server_conn,
+            f"turnguard: {MISSING_RESPONSE_CREATED}",
+        )
+        self.telemetry.emit(
+            "upstream_cut", op=attempt.ident.op_id, flow=flow.id,
+            session=attempt.ident.session, reason=MISSING_RESPONSE_CREATED,
+            after_ms=ctx.options.turnguard_response_created_timeout_ms,
+            headers_seen=attempt.status is not None, cut=why_not is None, why_not=why_not,
+        )
+        if why_not is not None:
+            logger.error("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
 
     async def _wait(
-        self, flow: http.HTTPFlow, op_key: str, hold: policy.Hold, timeout_s: float
-    ) -> _Ended | _Gone | None:
-        """Wait for the attempt in flight to end. None: the bound passed first."""
+        self, flow: http.HTTPFlow, op_key: str, hold: policy.Hold | None, timeout_s: float,
+        *, cooldown: bool = False, session: str | None = None, epoch: int | None = None,
+    ) -> "_Ended | _Gone | _OwnershipLost | None":
+        """Wait for the attempt in flight to end (or, ``cooldown``, for the timeout alone).
+        None: the bound passed first."""
         wake = asyncio.get_running_loop().create_future()
-        foreign = None if op_key in self._local else (hold.attempt_id or 0)
-        self._held[flow.id] = _Held(flow, op_key, time.monotonic(), wake, foreign)
+        foreign = None
+        if hold is not None and op_key not in self._local:
+            foreign = hold.attempt_id or 0
+        self._held[flow.id] = _Held(
+            flow, op_key, time.monotonic(), wake, foreign, cooldown, session, epoch
+        )
         try:
             return await asyncio.wait_for(wake, timeout_s)
         except TimeoutError:
@@ -456,7 +672,7 @@ class TurnGuard:
 
     def _wake(self, op_key: str, why: _Ended) -> None:
         for held in list(self._held.values()):
-            if held.op_key == op_key and not held.wake.done():
+            if held.op_key == op_key and not held.cooldown and not held.wake.done():
                 held.wake.set_result(why)
 
     def _wake_gone_flows(self) -> None:
@@ -467,6 +683,31 @@ class TurnGuard:
                     held.wake.set_result(
                         _Gone("killed" if f.error is not None else "client disconnected")
                     )
+
+    def _check_cooldown_sessions(self, now: float) -> None:
+        """Renew the leases of sessions with requests held through a cooldown, and wake those
+        requests if another process took the session."""
+        lease_s = ctx.options.turnguard_owner_lease_ms / 1000
+        for session, epoch in {(h.session, h.epoch) for h in self._held.values() if h.cooldown}:
+            owned = self._sessions.get(session)
+            renew_due = owned is None or owned.lease_until - now < lease_s * 2 / 3
+            try:
+                if renew_due:
+                    kept = self.ledger.renew_session(session, epoch, now=now, lease_s=lease_s)
+                    if kept and owned is not None:
+                        self._sessions[session] = dataclasses.replace(
+                            owned, lease_until=now + lease_s
+                        )
+                else:
+                    kept = self.ledger.session_owned_by(session, self.instance_id, epoch)
+            except LedgerError as e:
+                self._ledger_down(e, "renew_session")
+                continue
+            if not kept:
+                self._sessions.pop(session, None)
+                for held in list(self._held.values()):
+                    if held.cooldown and held.session == session and not held.wake.done():
+                        held.wake.set_result(_OwnershipLost(epoch))
 
     def _poll_foreign(self) -> None:
         """Operations another process owns: wake their waiters once the attempt changed."""
@@ -485,6 +726,12 @@ class TurnGuard:
         except LedgerError as e:
             self._ledger_down(e, "poll")
 
+    def _abandon(self, flow: http.HTTPFlow, base: dict, gone: _Gone, held_since: float) -> None:
+        self.telemetry.emit("hold_abandoned", **base, reason=gone.reason,
+                            held_ms=round((time.monotonic() - held_since) * 1000))
+        if flow.killable:
+            flow.kill()  # never dispatch a request whose client is gone
+
     def _reject_in_progress(self, flow: http.HTTPFlow, base: dict, held_since: float) -> None:
         held_ms = round((time.monotonic() - held_since) * 1000)
         retry_after = policy.retry_after_seconds(1)
@@ -493,6 +740,60 @@ class TurnGuard:
         self._answer(flow, answers.turn_in_progress(retry_after, held_ms), MARK_REJECTED,
                      f"turnguard: held {held_ms} ms; the original was still in flight, "
                      "answered 409 turn_in_progress")
+
+    def _cooldown_reject(
+        self, flow: http.HTTPFlow, base: dict, remaining_s: float, reason: str
+    ) -> None:
+        """503 during a cooldown, nothing dispatched (the default mode's answer)."""
+        retry_after = policy.retry_after_seconds(remaining_s)
+        self.telemetry.emit("cooldown_rejected", **base, retry_after_s=retry_after,
+                            cooldown_remaining_ms=round(remaining_s * 1000), reason=reason)
+        if reason != "mode_fail_closed":
+            self.telemetry.emit("fail_closed", **base, reason=reason)
+        self._answer_unavailable(
+            flow, "upstream_request_timeout", retry_after,
+            f"The upstream failed {self.circuit_cfg.threshold} or more times in a row without "
+            f"sending a response event; retries are paused for {retry_after} s.",
+            f"turnguard: cooldown, answered 503 without dispatching ({reason})",
+        )
+
+    def _fail_closed(
+        self, flow: http.HTTPFlow, base: dict, scope: str, reason: str,
+        code: str = "upstream_request_timeout",
+    ) -> None:
+        """503 for a request that may not be recovered (owner proof lost, budget spent, claim
+        exhausted, output exists, ledger unusable). Nothing is dispatched."""
+        now = time.time()
+        remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(now)
+        if self.ledger is not None:
+            try:
+                remaining = self.ledger.circuit_state(scope).remaining_s(now)
+            except LedgerError as e:
+                self._ledger_down(e, "fail_closed")
+        retry_after = policy.retry_after_seconds(remaining)
+        self.telemetry.emit("fail_closed", **base, reason=reason, code=code,
+                            retry_after_s=retry_after)
+        message = {
+            "upstream_operation_status_unknown": (
+                "This request already had its one recovery attempt after eventless upstream "
+                "failures; its outcome is unknown. Start a new turn."
+            ),
+        }.get(code, f"The upstream is unavailable for this request ({reason}); "
+                    f"retry after {retry_after} s.")
+        self._answer_unavailable(flow, code, retry_after, message,
+                                 f"turnguard: failed closed with 503 {code} ({reason})")
+
+    def _answer_unavailable(
+        self, flow: http.HTTPFlow, code: str, retry_after: int, message: str, comment: str
+    ) -> None:
+        accepts_sse = "text/event-stream" in flow.request.headers.get("accept", "")
+        self._answer(
+            flow,
+            answers.upstream_unavailable(
+                code, message, retry_after_s=retry_after, accepts_sse=accepts_sse
+            ),
+            MARK_REJECTED, comment,
+        )
 
     # -- answers ---------------------------------------------------------------------------------
     def _replay(
@@ -538,12 +839,14 @@ class TurnGuard:
             attempt.status = resp.status_code
             encoding = resp.headers.get("content-encoding", "identity").strip().lower()
             is_sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
-            counts_events = is_sse and encoding in ("", "identity")
-            if is_sse and not counts_events:
+            counts_events = is_sse and encoding in ("", "identity") and 200 <= resp.status_code < 300
+            if is_sse and encoding not in ("", "identity"):
                 self.telemetry.emit(
                     "passthrough", op=attempt.ident.op_id, flow=flow.id,
                     reason=f"response content-encoding {encoding}: events not counted",
                 )
+            if not counts_events:
+                attempt.stop_timer()  # an answer that is not an event stream is its own event
             keep = ctx.options.turnguard_replay_max_bytes if self.guard_policy.replay else 0
             attempt.tee = ResponseTee(
                 counts_events=counts_events,
@@ -555,6 +858,7 @@ class TurnGuard:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)
 
     def _first_event(self, attempt: _Attempt) -> None:
+        attempt.stop_timer()
         if self.ledger is not None and attempt.attempt_id is not None:
             try:
                 self.ledger.first_event(attempt.attempt_id)
@@ -571,15 +875,19 @@ class TurnGuard:
         attempt = self._attempts.pop(flow.id, None)
         if attempt is None:
             return
+        attempt.stop_timer()
+        why = _Ended("unknown")
         try:
-            self._record_end(flow, attempt, body_complete)
+            why = self._record_end(flow, attempt, body_complete)
         except Exception:
             logger.exception("turnguard: recording the outcome of %s failed", flow.id)
         finally:
             if self._local.get(attempt.ident.op_key) == flow.id:
                 del self._local[attempt.ident.op_key]
+            self._wake(attempt.ident.op_key, why)
 
-    def _record_end(self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool) -> None:
+    def _record_end(self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool) -> _Ended:
+        """Classify the attempt's end, record it (and its circuit) in the ledger, and say so."""
         tee = attempt.tee
         if tee is None and body_complete and flow.response is not None:
             # No streaming happened (e.g. another addon answered): read the whole body.
@@ -587,45 +895,75 @@ class TurnGuard:
             tee(flow.response.raw_content or b"")
             tee(b"")
         events = tee.events_seen if tee else 0
+        status = flow.response.status_code if flow.response is not None else None
+        complete = body_complete and (tee is None or tee.ended)
         outcome = policy.classify_outcome(
-            status=attempt.status if flow.response is None else flow.response.status_code,
+            status=status,
             events_seen=events,
             terminal=tee.terminal if tee else None,
-            body_complete=body_complete and (tee is None or tee.ended),
+            body_complete=complete,
             counts_events=tee.counts_events if tee else False,
         )
         recording = None
         if outcome == "completed" and tee is not None and tee.body is not None:
             recording = Recording(
-                flow.response.status_code,
-                recordable_headers(flow.response.headers.items(multi=True)),
-                tee.body,
+                status, recordable_headers(flow.response.headers.items(multi=True)), tee.body
             )
-        status = flow.response.status_code if flow.response is not None else None
         detail = flow.error.msg if flow.error else None
-        fenced_out = False
+        failure = None
+        if outcome == "unknown":
+            failure = policy.failure_class(
+                cut_reason=attempt.cut_reason, status=status, error=detail, body_complete=complete
+            )
+        eventless = failure is not None and policy.counts_for_circuit(failure)
+        now = time.time()
+        result = None
         if self.ledger is not None and attempt.attempt_id is not None:
             try:
-                fenced_out = not self.ledger.finish(
+                result = self.ledger.finish(
                     attempt.attempt_id,
-                    AttemptEnd(outcome, status, events, detail, recording),
-                    now=time.time(),
+                    AttemptEnd(outcome, status, events, failure or detail, recording),
+                    now=now, circuit_cfg=self.circuit_cfg, eventless_failure=eventless,
                 )
             except LedgerError as e:
                 self._ledger_down(e, "finish")
+        if result is None:  # no ledger: keep the circuit in memory
+            before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
+            after, transition = circuit.record_outcome(
+                before, eventless_failure=eventless, completed=outcome == "completed", now=now,
+                cfg=self.circuit_cfg,
+            )
+            result = FinishResult(True, attempt.circuit_scope, after, transition)
+        base = {"op": attempt.ident.op_id, "flow": flow.id, "session": attempt.ident.session}
         self.telemetry.emit(
-            "outcome", op=attempt.ident.op_id, flow=flow.id, session=attempt.ident.session,
-            attempt=attempt.attempt_id, outcome=outcome, events_seen=events, status=status,
+            "outcome", **base, attempt=attempt.attempt_id, kind=attempt.kind, outcome=outcome,
+            events_seen=events, status=status,
             duration_ms=round((time.monotonic() - attempt.started) * 1000),
-            replayable=recording is not None, detail=detail, fenced_out=fenced_out,
+            replayable=recording is not None, detail=detail, fenced_out=not result.applied,
             not_replayable_reason=(
                 None if recording is not None or outcome != "completed"
                 else ("over turnguard_replay_max_bytes" if tee and tee.over_cap else "replay off")
             ),
         )
-        if self._local.get(attempt.ident.op_key) == flow.id:
-            del self._local[attempt.ident.op_key]
-        self._wake(attempt.ident.op_key, _Ended(outcome, recording))
+        if failure is not None:
+            self.telemetry.emit(
+                "eventless_failure", **base, failure_class=failure, events_seen=events,
+                status=status, counts_for_circuit=eventless, detail=detail,
+            )
+        self._note_circuit(result)
+        return _Ended(outcome, recording)
+
+    def _note_circuit(self, result: FinishResult) -> None:
+        if result.circuit_scope is None or result.circuit is None:
+            return
+        self._circuits[result.circuit_scope] = result.circuit
+        if result.transition == "opened":
+            self.telemetry.emit(
+                "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
+                cooldown_ms=round((result.circuit.cooldown_s or 0) * 1000),
+            )
+        elif result.transition == "reset":
+            self.telemetry.emit("circuit_reset", scope=result.circuit_scope)
 
     def update(self, flows) -> None:
         """A flow was changed elsewhere (e.g. killed with the flow.kill command): wake it if held."""
@@ -637,22 +975,37 @@ class TurnGuard:
     # -- commands --------------------------------------------------------------------------------
     @command.command("turnguard.status")
     def status(self) -> str:
-        """turnguard's state: counts of its decisions, held flows, ledger."""
+        """turnguard's state as JSON: mode, ledger, operations by state, flows in flight and
+        held, circuits cooling down, counts of its telemetry events."""
+        now = time.time()
         ledger_counts: dict[str, Any] = {}
+        cooldowns = [
+            (scope, state) for scope, state in self._circuits.items() if state.remaining_s(now)
+        ]
         if self.ledger is not None:
             try:
                 ledger_counts = self.ledger.counts()
+                cooldowns = self.ledger.open_circuits(now)
             except LedgerError as e:
                 ledger_counts = {"error": str(e)}
         return json.dumps(
             {
                 "instance": self.instance_id,
+                "recovery_mode": ctx.options.turnguard_recovery_mode,
                 "ledger": self.ledger_path,
                 "ledger_ok": self.ledger is not None,
                 "ledger_error": self.ledger_error,
                 "operations_by_state": ledger_counts,
                 "in_flight": len(self._attempts),
-                "held": len(self._held),
+                "held_duplicates": sum(not h.cooldown for h in self._held.values()),
+                "held_through_cooldown": sum(h.cooldown for h in self._held.values()),
+                "cooldowns": [
+                    {"scope": scope, "failures": st.failures,
+                     "remaining_ms": round(st.remaining_s(now) * 1000),
+                     "cooldown_ms": round((st.cooldown_s or 0) * 1000)}
+                    for scope, st in cooldowns
+                ],
+                "owned_sessions": len(self._sessions),
                 "events": dict(self.telemetry.counts),
             },
             indent=2,
@@ -664,11 +1017,15 @@ class TurnGuard:
         now = time.monotonic()
         lines = []
         for flow_id, h in self._held.items():
-            where = "another process" if h.foreign_attempt is not None else "this process"
+            if h.cooldown:
+                what = "the retry circuit's cooldown to end"
+            elif h.foreign_attempt is not None:
+                what = "an attempt in another process"
+            else:
+                what = "an attempt in this process"
             lines.append(
-                f"{flow_id} op={h.op_key[:12]} held={now - h.since:.1f}s "
-                f"waiting for an attempt in {where} {h.flow.request.method} "
-                f"{h.flow.request.path}"
+                f"{flow_id} op={h.op_key[:12]} held={now - h.since:.1f}s waiting for {what}: "
+                f"{h.flow.request.method} {h.flow.request.path}"
             )
         return "\n".join(lines) if lines else "no held flows"
 

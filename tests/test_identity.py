@@ -235,6 +235,8 @@ def test_turn_metadata_that_is_not_a_usable_object_is_ignored(meta):
 def test_first_occurrence_wins_and_empty_counts_as_absent():
     assert ident(headers=[("Session-Id", "A"), ("session-id", "Z")]).session == sha("A")[:16]
     assert ident(headers=[("session-id", ""), ("session_id", "B")]).session == sha("B")[:16]
+    # an empty first occurrence does not hide a later non-empty one of the same name
+    assert ident(headers=[("session-id", ""), ("Session-Id", "A")]).session == sha("A")[:16]
     x = ident(headers=[("Authorization", "a1"), ("authorization", "a2")])
     assert x.scope == ident(headers=[("Authorization", "a1")]).scope
 

@@ -87,12 +87,12 @@ def test_claim_hold_finish_replay_cycle(tmp_path):
     assert isinstance(d, policy.Dispatch) and d.kind == "original" and d.attempt_id
     assert admit(b, i) == policy.Hold(d.attempt_id, "a")
     rec = Recording(200, (("content-type", "text/event-stream"),), b"event: x\ndata: 1\n\n" * 50000)
-    assert a.finish(d.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=1001.0)
+    assert a.finish(d.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=1001.0).applied
     r = admit(b, i, now=1002.0)
     assert r == policy.Replay(d.attempt_id)
     assert b.recording(r.attempt_id) == rec
     # the second finish of the same attempt is fenced out
-    assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0)
+    assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0).applied
 
 
 def test_failed_attempt_is_retried_once_at_a_time(tmp_path):
@@ -128,7 +128,7 @@ def test_reap_dead_instance_and_instance_liveness(tmp_path):
     assert b.snapshot(i1.op_key).state == "unknown"
     assert b.snapshot(i2.op_key).state == "partial"
     assert isinstance(admit(b, i1, now=1006.0), policy.Dispatch)
-    assert not a.finish(d1.attempt_id, AttemptEnd("completed", 200, 1), now=1007.0)
+    assert not a.finish(d1.attempt_id, AttemptEnd("completed", 200, 1), now=1007.0).applied
 
     row = InstanceRow("x", 123, "h", 1000.0)
     assert instance_is_dead(row, host="h", now=1001.0, stale_s=30, alive=lambda pid: False)
@@ -236,7 +236,7 @@ class LedgerMachine(RuleBasedStateMachine):
         attempt = data.draw(st.sampled_from(sorted(self.open_attempts)))
         op_key, owner = self.open_attempts.pop(attempt)
         rec = Recording(200, (), b"body%d" % attempt) if outcome == "completed" else None
-        assert self.procs[owner].finish(attempt, AttemptEnd(outcome, 200, 1, None, rec), now=self.now)
+        assert self.procs[owner].finish(attempt, AttemptEnd(outcome, 200, 1, None, rec), now=self.now).applied
         m = self.model[op_key]
         m.update(state=outcome, ended=self.now, rec=attempt if rec else m["rec"])
 

@@ -56,3 +56,25 @@ def idempotency_key_conflict() -> Answer:
         "This Idempotency-Key was already used with a different request body.",
         should_retry=False,
     )
+
+
+def upstream_unavailable(
+    code: str, message: str, *, retry_after_s: int, accepts_sse: bool
+) -> Answer:
+    """503 fail-closed answer (``upstream_request_timeout`` during a cooldown,
+    ``upstream_operation_status_unknown`` when a recovery claim is exhausted). Nothing was
+    dispatched. A client that accepts ``text/event-stream`` gets the error as an SSE body that
+    starts with a ``retry:`` hint in milliseconds; the headers carry ``Retry-After`` for all."""
+    json_answer = error_answer(503, code, message, retry_after_s=retry_after_s, should_retry=True)
+    if not accepts_sse:
+        return json_answer
+    body = (
+        f"retry: {retry_after_s * 1000}\n\nevent: error\ndata: ".encode()
+        + json_answer.body
+        + b"\n\n"
+    )
+    headers = tuple(
+        ("content-type", "text/event-stream") if k == "content-type" else (k, v)
+        for k, v in json_answer.headers
+    )
+    return Answer(503, headers, body)

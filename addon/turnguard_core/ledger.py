@@ -19,10 +19,11 @@ import os
 import socket
 import sqlite3
 import stat
+import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from . import policy
+from . import circuit, policy
 from .identity import Identity
 from .telemetry import open_private
 
@@ -52,6 +53,9 @@ _MIGRATIONS: dict[int, str] = {
         current_attempt      INTEGER,
         replay_attempt       INTEGER,
         attempts             INTEGER NOT NULL DEFAULT 0,
+        events_seen          INTEGER NOT NULL DEFAULT 0,
+        recovery_dispatches  INTEGER NOT NULL DEFAULT 0,
+        circuit_scope        TEXT,
         created_at           REAL NOT NULL,
         updated_at           REAL NOT NULL,
         ended_at             REAL
@@ -75,6 +79,22 @@ _MIGRATIONS: dict[int, str] = {
     );
     CREATE INDEX attempts_op ON attempts(op_key);
     CREATE INDEX attempts_in_flight ON attempts(instance_id) WHERE outcome = 'in_flight';
+    CREATE TABLE circuits (
+        scope      TEXT PRIMARY KEY,
+        failures   INTEGER NOT NULL DEFAULT 0,
+        open_until REAL,
+        cooldown_s REAL,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE sessions (
+        session        TEXT PRIMARY KEY,
+        durable_id     TEXT NOT NULL,
+        owner_instance TEXT NOT NULL,
+        owner_epoch    INTEGER NOT NULL,
+        lease_until    REAL NOT NULL,
+        created_at     REAL NOT NULL,
+        updated_at     REAL NOT NULL
+    );
     CREATE TABLE spool (
         attempt_id INTEGER NOT NULL REFERENCES attempts(attempt_id) ON DELETE CASCADE,
         seq        INTEGER NOT NULL,
@@ -107,6 +127,17 @@ class AttemptEnd:
     events_seen: int
     detail: str | None = None
     recording: Recording | None = None  # given only when the response may be replayed
+
+
+@dataclass(frozen=True, slots=True)
+class FinishResult:
+    """What ``Ledger.finish`` did: whether the end was applied (not fenced out) and, when the
+    operation has a circuit, its state afterwards and whether it opened or reset."""
+
+    applied: bool
+    circuit_scope: str | None = None
+    circuit: "circuit.CircuitState | None" = None
+    transition: "circuit.Transition" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +196,35 @@ class Ledger:
             self._db = None
             raise
 
+    @_wrap
+    def open_readonly(self) -> None:
+        """Open an existing ledger for reading only (inspection): no file is created, no
+        migration runs and no instance row is written. Raises ``LedgerError`` when the file is
+        missing or its schema version is not this turnguard's."""
+        if self.path == ":memory:" or not os.path.exists(self.path):
+            raise LedgerError(f"ledger file {self.path} does not exist")
+        if not os.path.isfile(self.path):
+            raise LedgerError(f"ledger {self.path} is not a file")
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        db = sqlite3.connect(
+            uri, uri=True, isolation_level=None, timeout=self._busy_timeout_ms / 1000
+        )
+        try:
+            db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
+            db.execute("PRAGMA query_only=ON")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                hint = " (not a turnguard ledger, or never opened by it)" if version == 0 else ""
+                raise LedgerError(
+                    f"ledger {self.path} has schema version {version}; this turnguard reads "
+                    f"version {SCHEMA_VERSION}{hint}"
+                )
+            self._db = db
+        except BaseException:
+            db.close()
+            self._db = None
+            raise
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -213,30 +273,44 @@ class Ledger:
         now: float,
         guard: policy.GuardPolicy,
         flow_id: str | None,
+        circuit_scope: str | None = None,
+        recovery: policy.RecoveryClaim | None = None,
     ) -> policy.Admission:
         """Atomically decide and, for a dispatch, claim the operation for a new attempt.
 
+        The decision sees the operation, the circuit of ``circuit_scope`` (a cooling circuit
+        fences dispatches) and, for a ``recovery`` claim, the durable session's owner epoch.
         Returns the policy's admission; a ``Dispatch`` comes back with its ``attempt_id``."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
+            remaining = 0.0
+            if circuit_scope is not None:
+                remaining = self._circuit(db, circuit_scope).remaining_s(now)
+            owner_ok = True
+            if recovery is not None:
+                owner_ok = self._owns(db, recovery.session, recovery.epoch)
             decision = policy.admit(
                 snapshot,
                 fingerprint=identity.fingerprint,
                 has_idempotency_key=identity.idempotency_key is not None,
                 now=now,
                 policy=guard,
+                circuit_remaining_s=remaining,
+                recovery_once=None if recovery is None else recovery.once,
+                owner_ok=owner_ok,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision
             if snapshot is None:
                 db.execute(
                     "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
-                    " fingerprint, turn_state, previous_response_id, state, created_at, updated_at)"
-                    " VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?)",
+                    " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
+                    " created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?, ?)",
                     (
                         identity.op_key, identity.scope, identity.session, method,
                         path, identity.idempotency_key, identity.fingerprint,
-                        identity.turn_state, identity.previous_response_id, now, now,
+                        identity.turn_state, identity.previous_response_id, circuit_scope,
+                        now, now,
                     ),
                 )
             cur = db.execute(
@@ -247,11 +321,12 @@ class Ledger:
             attempt_id = cur.lastrowid
             claimed = db.execute(
                 "UPDATE operations SET state='in_flight', current_attempt=?, attempts=attempts+1,"
-                " fingerprint=?, turn_state=?, previous_response_id=?, updated_at=?, ended_at=NULL"
+                " recovery_dispatches=recovery_dispatches+?, fingerprint=?, turn_state=?,"
+                " previous_response_id=?, updated_at=?, ended_at=NULL"
                 " WHERE op_key=? AND state<>'in_flight' RETURNING attempts",
                 (
-                    attempt_id, identity.fingerprint, identity.turn_state,
-                    identity.previous_response_id, now, identity.op_key,
+                    attempt_id, 1 if decision.kind == "recovery" else 0, identity.fingerprint,
+                    identity.turn_state, identity.previous_response_id, now, identity.op_key,
                 ),
             ).fetchone()
             if claimed is None:  # cannot happen inside BEGIN IMMEDIATE; refuse rather than double
@@ -262,7 +337,8 @@ class Ledger:
     def _snapshot(db: sqlite3.Connection, op_key: str) -> policy.OperationSnapshot | None:
         row = db.execute(
             "SELECT o.state, o.fingerprint, o.current_attempt, a.instance_id, o.ended_at,"
-            " o.replay_attempt FROM operations o LEFT JOIN attempts a"
+            " o.replay_attempt, o.events_seen, o.recovery_dispatches"
+            " FROM operations o LEFT JOIN attempts a"
             " ON a.attempt_id = o.current_attempt WHERE o.op_key=?",
             (op_key,),
         ).fetchone()
@@ -280,17 +356,26 @@ class Ledger:
     def first_event(self, attempt_id: int) -> None:
         """Record that the attempt has seen a response event (it has output now)."""
         with self._tx() as db:
-            db.execute(
-                "UPDATE attempts SET events_seen=MAX(events_seen, 1) WHERE attempt_id=?",
+            row = db.execute(
+                "UPDATE attempts SET events_seen=MAX(events_seen, 1) WHERE attempt_id=?"
+                " RETURNING op_key",
                 (attempt_id,),
-            )
+            ).fetchone()
+            if row is not None:
+                db.execute(
+                    "UPDATE operations SET events_seen=MAX(events_seen, 1) WHERE op_key=?", row
+                )
 
     @_wrap
-    def finish(self, attempt_id: int, end: AttemptEnd, *, now: float) -> bool:
-        """Record an attempt's end and move its operation to the outcome.
+    def finish(
+        self, attempt_id: int, end: AttemptEnd, *, now: float,
+        circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
+    ) -> FinishResult:
+        """Record an attempt's end, move its operation to the outcome and, with
+        ``circuit_cfg``, feed the outcome to the operation's retry circuit (same transaction).
 
         Fenced: only an attempt still in flight is finished, and only the operation's current
-        attempt moves the operation. Returns False when fenced out (e.g. reaped meanwhile)."""
+        attempt moves the operation. ``applied`` is False when fenced out (e.g. reaped)."""
         rec = end.recording
         with self._tx() as db:
             row = db.execute(
@@ -304,7 +389,7 @@ class Ledger:
                 ),
             ).fetchone()
             if row is None:
-                return False
+                return FinishResult(False)
             if rec is not None:
                 db.executemany(
                     "INSERT INTO spool (attempt_id, seq, data) VALUES (?,?,?)",
@@ -315,11 +400,111 @@ class Ledger:
                 )
             moved = db.execute(
                 "UPDATE operations SET state=?, updated_at=?, ended_at=?,"
+                " events_seen=MAX(events_seen, ?),"
                 " replay_attempt=CASE WHEN ? THEN ? ELSE replay_attempt END"
-                " WHERE op_key=? AND current_attempt=? RETURNING op_key",
-                (end.outcome, now, now, rec is not None, attempt_id, row[0], attempt_id),
+                " WHERE op_key=? AND current_attempt=? RETURNING circuit_scope",
+                (
+                    end.outcome, now, now, end.events_seen, rec is not None, attempt_id, row[0],
+                    attempt_id,
+                ),
             ).fetchone()
-            return moved is not None
+            if moved is None:
+                return FinishResult(False)
+            scope = moved[0]
+            if circuit_cfg is None or scope is None:
+                return FinishResult(True)
+            before = self._circuit(db, scope)
+            after, transition = circuit.record_outcome(
+                before, eventless_failure=eventless_failure,
+                completed=end.outcome == "completed", now=now, cfg=circuit_cfg,
+            )
+            if after != before:
+                db.execute(
+                    "INSERT INTO circuits (scope, failures, open_until, cooldown_s, updated_at)"
+                    " VALUES (?,?,?,?,?) ON CONFLICT(scope) DO UPDATE SET failures=excluded.failures,"
+                    " open_until=excluded.open_until, cooldown_s=excluded.cooldown_s,"
+                    " updated_at=excluded.updated_at",
+                    (scope, after.failures, after.open_until, after.cooldown_s, now),
+                )
+            return FinishResult(True, scope, after, transition)
+
+    @staticmethod
+    def _circuit(db: sqlite3.Connection, scope: str) -> circuit.CircuitState:
+        row = db.execute(
+            "SELECT failures, open_until, cooldown_s FROM circuits WHERE scope=?", (scope,)
+        ).fetchone()
+        return circuit.CircuitState(*row) if row else circuit.CircuitState()
+
+    @_wrap
+    def circuit_state(self, scope: str) -> circuit.CircuitState:
+        """The circuit of a scope (closed when never seen)."""
+        return self._circuit(self._conn(), scope)
+
+    @_wrap
+    def open_circuits(self, now: float) -> list[tuple[str, circuit.CircuitState]]:
+        """Scopes cooling down now, for status."""
+        rows = self._conn().execute(
+            "SELECT scope, failures, open_until, cooldown_s FROM circuits WHERE open_until>?",
+            (now,),
+        ).fetchall()
+        return [(r[0], circuit.CircuitState(*r[1:])) for r in rows]
+
+    # -- durable sessions ----------------------------------------------------------------------
+    @staticmethod
+    def _session(db: sqlite3.Connection, session: str) -> policy.SessionOwnership | None:
+        row = db.execute(
+            "SELECT durable_id, owner_instance, owner_epoch, lease_until FROM sessions"
+            " WHERE session=?",
+            (session,),
+        ).fetchone()
+        return policy.SessionOwnership(*row) if row else None
+
+    def _owns(self, db: sqlite3.Connection, session: str, epoch: int) -> bool:
+        row = self._session(db, session)
+        return row is not None and (row.owner_instance, row.owner_epoch) == (
+            self.instance_id, epoch,
+        )
+
+    @_wrap
+    def claim_session(
+        self, session: str, *, now: float, lease_s: float, new_id: str
+    ) -> tuple[policy.SessionOwnership, policy.SessionClaimResult]:
+        """Claim or renew the durable session for this instance (see ``policy.claim_session``)."""
+        with self._tx() as db:
+            before = self._session(db, session)
+            after, result = policy.claim_session(
+                before, instance=self.instance_id, now=now, lease_s=lease_s, new_id=new_id
+            )
+            if result != "owned_by_other":
+                db.execute(
+                    "INSERT INTO sessions (session, durable_id, owner_instance, owner_epoch,"
+                    " lease_until, created_at, updated_at) VALUES (?,?,?,?,?,?,?)"
+                    " ON CONFLICT(session) DO UPDATE SET owner_instance=excluded.owner_instance,"
+                    " owner_epoch=excluded.owner_epoch, lease_until=excluded.lease_until,"
+                    " updated_at=excluded.updated_at",
+                    (
+                        session, after.durable_id, after.owner_instance, after.owner_epoch,
+                        after.lease_until, now, now,
+                    ),
+                )
+            return after, result
+
+    @_wrap
+    def session_owned_by(self, session: str, instance_id: str, epoch: int) -> bool:
+        """Whether ``instance_id`` still owns ``session`` at ``epoch`` (read only)."""
+        row = self._session(self._conn(), session)
+        return row is not None and (row.owner_instance, row.owner_epoch) == (instance_id, epoch)
+
+    @_wrap
+    def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float) -> bool:
+        """Extend the lease of a session this instance owns at ``epoch`` (a fenced write).
+        False: ownership was lost (another instance took over with a higher epoch)."""
+        with self._tx() as db:
+            return db.execute(
+                "UPDATE sessions SET lease_until=?, updated_at=? WHERE session=?"
+                " AND owner_instance=? AND owner_epoch=? RETURNING session",
+                (now + lease_s, now, session, self.instance_id, epoch),
+            ).fetchone() is not None
 
     @_wrap
     def recording(self, attempt_id: int) -> Recording | None:

@@ -14,6 +14,11 @@ from typing import Literal
 Outcome = Literal["in_flight", "completed", "rejected", "partial", "unknown"]
 ENDED_OUTCOMES: frozenset[str] = frozenset({"completed", "rejected", "partial", "unknown"})
 
+RecoveryMode = Literal["fail_closed", "server_anchored_replay_once", "server_indefinite_recovery"]
+RECOVERY_MODES: tuple[str, ...] = (
+    "fail_closed", "server_anchored_replay_once", "server_indefinite_recovery",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class GuardPolicy:
@@ -34,13 +39,15 @@ class OperationSnapshot:
     owner_instance: str | None
     ended_at: float | None
     replay_attempt: int | None  # attempt whose recording can be replayed, if any
+    events_seen: int = 0  # response events seen by any attempt: output exists when > 0
+    recovery_dispatches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """Send the request upstream as a new attempt. ``kind`` says why the attempt exists."""
 
-    kind: Literal["original", "retry"]
+    kind: Literal["original", "retry", "recovery"]
     attempt_id: int | None = None  # filled in by the ledger when it records the claim
 
 
@@ -64,7 +71,34 @@ class Conflict:
     """The request reuses an ``Idempotency-Key`` with a different body: 422, never a replay."""
 
 
-Admission = Dispatch | Replay | Hold | Conflict
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """The request's circuit is cooling down: no dispatch now. ``remaining_s`` of cooldown
+    are left; ``output_seen`` says whether the operation already produced response events."""
+
+    remaining_s: float
+    output_seen: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    """A recovery claim was refused: fail closed with ``code`` (an OpenAI error code)."""
+
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryClaim:
+    """A request released from a cooldown wait asks for a recovery dispatch. ``epoch`` is the
+    owner epoch of its durable session that this process holds (the fencing token)."""
+
+    session: str
+    epoch: int
+    once: bool
+
+
+Admission = Dispatch | Replay | Hold | Conflict | Fenced | Denied
 
 
 def admit(
@@ -74,6 +108,9 @@ def admit(
     has_idempotency_key: bool,
     now: float,
     policy: GuardPolicy,
+    circuit_remaining_s: float = 0.0,
+    recovery_once: bool | None = None,
+    owner_ok: bool = True,
 ) -> Admission:
     """Decide what happens to a request for an operation, given the operation's current state.
 
@@ -84,7 +121,41 @@ def admit(
       within retention): ``Replay``;
     - otherwise dispatch again: a ``retry`` after a rejected/partial/unknown attempt, a new
       ``original`` after a completed one whose window passed (people do ask twice).
+
+    A dispatch is then fenced: while the circuit cools down (``circuit_remaining_s`` > 0) the
+    answer is ``Fenced``. A request released from a cooldown wait (``recovery_once`` given:
+    True in once mode) gets a ``recovery`` dispatch only if its session is still owned by this
+    process (``owner_ok``), the operation has no output, and, in once mode, had no recovery
+    dispatch yet; otherwise ``Denied``.
     """
+    decision = _admit_unfenced(
+        snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
+        policy=policy,
+    )
+    if not isinstance(decision, Dispatch):
+        return decision
+    output_seen = snapshot is not None and snapshot.events_seen > 0
+    if circuit_remaining_s > 0:
+        return Fenced(circuit_remaining_s, output_seen)
+    if recovery_once is None:
+        return decision
+    if not owner_ok:
+        return Denied("upstream_request_timeout", "ownership_lost")
+    if output_seen:
+        return Denied("upstream_request_timeout", "output_exists")
+    if recovery_once and snapshot is not None and snapshot.recovery_dispatches >= 1:
+        return Denied("upstream_operation_status_unknown", "claim_exhausted")
+    return Dispatch("recovery")
+
+
+def _admit_unfenced(
+    snapshot: OperationSnapshot | None,
+    *,
+    fingerprint: str,
+    has_idempotency_key: bool,
+    now: float,
+    policy: GuardPolicy,
+) -> Dispatch | Replay | Hold | Conflict:
     if snapshot is None:
         return Dispatch("original")
     if has_idempotency_key and snapshot.fingerprint != fingerprint:
@@ -100,10 +171,61 @@ def admit(
     return Dispatch("retry")
 
 
-def admit_in_memory(in_flight_locally: bool) -> Admission:
-    """Admission when the ledger cannot be used: coalesce what this process has in flight,
-    forward everything else (no replay, no cross-process guarantee)."""
-    return Hold(None, None) if in_flight_locally else Dispatch("original")
+def fence_hold_denial(
+    mode: str,
+    *,
+    has_turn_state: bool,
+    has_previous_response_id: bool,
+    owns_session: bool,
+    output_seen: bool,
+) -> str | None:
+    """Why a fenced request may not be held through the cooldown (None: it may).
+
+    Only the recovery modes hold, and only a hard turn-state request (``x-codex-turn-state``,
+    no ``previous_response_id``) whose operation has no output and whose durable session this
+    process owns; everything else fails closed."""
+    if mode == "fail_closed":
+        return "mode_fail_closed"
+    if has_previous_response_id:
+        return "previous_response_id"
+    if not has_turn_state:
+        return "no_turn_state_anchor"
+    if output_seen:
+        return "output_exists"
+    if not owns_session:
+        return "owner_proof_missing"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOwnership:
+    """A durable session's row: who owns it, with which epoch (fencing token), until when."""
+
+    durable_id: str
+    owner_instance: str
+    owner_epoch: int
+    lease_until: float
+
+
+SessionClaimResult = Literal["created", "renewed", "taken_over", "owned_by_other"]
+
+
+def claim_session(
+    row: SessionOwnership | None, *, instance: str, now: float, lease_s: float, new_id: str
+) -> tuple[SessionOwnership, SessionClaimResult]:
+    """Claim or renew a durable session for ``instance``: a new session is created at epoch 1;
+    the owner renews its lease; another process takes over only after the lease expired, and
+    then the epoch goes up by one, so every write fenced with the old epoch fails."""
+    if row is None:
+        return SessionOwnership(new_id, instance, 1, now + lease_s), "created"
+    if row.owner_instance == instance:
+        return SessionOwnership(row.durable_id, instance, row.owner_epoch, now + lease_s), "renewed"
+    if row.lease_until <= now:
+        return (
+            SessionOwnership(row.durable_id, instance, row.owner_epoch + 1, now + lease_s),
+            "taken_over",
+        )
+    return row, "owned_by_other"
 
 
 def classify_outcome(
@@ -145,3 +267,26 @@ def hold_deadline(arrived_at: float, *, hold_timeout_s: float, request_budget_s:
 def retry_after_seconds(remaining_s: float) -> int:
     """A ``Retry-After`` value: whole seconds, rounded up, at least 1."""
     return max(1, math.ceil(remaining_s)) if math.isfinite(remaining_s) else 1
+
+
+def failure_class(
+    *, cut_reason: str | None, status: int | None, error: str | None, body_complete: bool
+) -> str:
+    """Name the kind of an eventless failure, for telemetry and for the circuit."""
+    if cut_reason:
+        return cut_reason
+    msg = (error or "").lower()
+    if "client disconnected" in msg or "client closed" in msg:
+        return "client_abort"
+    if status is None:
+        if "connect" in msg or "refused" in msg or "resolve" in msg:
+            return "connection_error"
+        return "upstream_closed_before_headers"
+    if body_complete:
+        return "upstream_clean_close"
+    return "upstream_closed_after_headers"
+
+
+def counts_for_circuit(failure: str) -> bool:
+    """A client that went away says nothing about the upstream's health."""
+    return failure != "client_abort"

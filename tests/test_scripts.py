@@ -1,0 +1,435 @@
+"""The user-facing scripts, as real processes: ``scripts/proxy`` and ``scripts/ledger``.
+
+``scripts/proxy`` with no upstream runs the offline mock upstream and mitmdump in front of it;
+these tests send real requests through it, stop it with signals and check that no process is
+left behind. ``scripts/ledger`` is run against the ledger that run wrote and against one written
+directly with ``Ledger``. Every wait is bounded; everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness import REPO, read_jsonl, sse_event_types, sse_post, wait_until
+from turnguard_core import identity, policy
+from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+PROXY = REPO / "scripts" / "proxy"
+LEDGER = REPO / "scripts" / "ledger"
+START_TIMEOUT_S = 40.0  # includes the set-up check of scripts/_python.sh
+STOP_TIMEOUT_S = 25.0  # the script gives each child up to 10 s before SIGKILL
+CLI_TIMEOUT_S = 60.0
+
+_MOCK_PID = re.compile(r"OFFLINE MOCK upstream (http://127\.0\.0\.1:\d+) \(pid (\d+)\)")
+_LISTENING = re.compile(r"listening at 127\.0\.0\.1:(\d+)")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNGUARD_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_mentioning(needle: str) -> dict[int, str]:
+    """pid -> command line of every live (non-zombie) process whose command line has
+    ``needle``."""
+    out = subprocess.run(
+        ["ps", "-A", "-ww", "-o", "pid=,stat=,args="], capture_output=True, text=True, timeout=10,
+        check=True,
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and needle in parts[2] and not parts[1].startswith("Z"):
+            found[int(parts[0])] = parts[2]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    r = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+    stat = r.stdout.strip()
+    return bool(stat) and not stat.startswith("Z")
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class ProxyRun:
+    """What a ``scripts/proxy`` run in front of the mock did (see ``_run_proxy``)."""
+
+    tmp: Path
+    ledger: Path
+    out: str
+    rc: int | None
+    first: tuple[int, dict[str, str], bytes]
+    second: tuple[int, dict[str, str], bytes]
+    mock_pid: int
+    mitmdump_pids: list[int]
+    dispatches: list[dict]
+    leftovers: dict[int, str]
+    stop_s: float
+
+
+def _start_proxy(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], Path, int]:
+    port = _free_port()
+    out_path = tmp / f"{name}.out"
+    cmd = [
+        str(PROXY), "--port", str(port), "--",
+        "--set", f"confdir={tmp / 'confdir'}",
+        "--set", f"turnguard_ledger={tmp / 'l.sqlite3'}",
+    ]  # fmt: skip
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
+            env=_env(TURNGUARD_STATE_DIR=str(tmp / "state")), start_new_session=True,
+        )
+    return proc, out_path, port
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], out_path: Path, port: int) -> str:
+    def ready() -> str | None:
+        text = out_path.read_text(errors="replace")
+        m = _LISTENING.search(text)
+        if m and int(m.group(1)) == port:
+            return text
+        if proc.poll() is not None:
+            raise AssertionError(f"scripts/proxy exited with {proc.returncode}:\n{text}")
+        return None
+
+    return wait_until(ready, START_TIMEOUT_S, 0.05, "scripts/proxy to listen")
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int, *, group: bool) -> float:
+    """Send ``sig`` (to the group or to the script only); wait for the script; return seconds."""
+    t0 = time.monotonic()
+    if group:
+        _kill_group(proc, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
+        proc.wait(10)
+        raise AssertionError(f"scripts/proxy did not exit within {STOP_TIMEOUT_S} s of {sig!r}")
+    return time.monotonic() - t0
+
+
+def _run_proxy(tmp: Path, *, stop_group: bool) -> ProxyRun:
+    """Start scripts/proxy with no upstream, POST the same request twice, stop it with SIGTERM
+    (to its whole process group, or to the script alone) and look for leftover processes."""
+    proc, out_path, port = _start_proxy(tmp, "proxy")
+    try:
+        text = _wait_listening(proc, out_path, port)
+        m = _MOCK_PID.search(text)
+        assert m, f"no mock upstream line in:\n{text}"
+        mock_pid = int(m.group(2))
+        mitmdump_pids = [
+            pid for pid, args in _processes_mentioning(str(tmp)).items() if "mitmdump" in args
+        ]
+        url = f"http://127.0.0.1:{port}"
+        first = sse_post(url, timeout=30)
+        second = sse_post(url, timeout=30)
+        dispatches = [
+            r for r in read_jsonl(tmp / "state" / "mock-upstream.jsonl") if r.get("event") == "dispatch"
+        ]
+        stop_s = _stop(proc, signal.SIGTERM, group=stop_group)
+        # The script reaps its children before it exits: nothing should be left at once. Poll
+        # briefly anyway so that a slow machine reports what stayed, not a race.
+        leftovers: dict[int, str] = {}
+
+        def nothing_left() -> bool:
+            nonlocal leftovers
+            leftovers = _processes_mentioning(str(tmp))
+            if _alive(mock_pid):
+                leftovers.setdefault(mock_pid, "mock upstream")
+            return not leftovers
+
+        try:
+            wait_until(nothing_left, 5, 0.1, "no leftover processes")
+        except AssertionError:
+            pass
+        return ProxyRun(
+            tmp=tmp, ledger=tmp / "l.sqlite3", out=out_path.read_text(errors="replace"),
+            rc=proc.returncode, first=first, second=second, mock_pid=mock_pid,
+            mitmdump_pids=mitmdump_pids, dispatches=dispatches, leftovers=leftovers, stop_s=stop_s,
+        )
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait(10)
+        for pid in _processes_mentioning(str(tmp)):  # only processes of this test's tmp dir
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def proxy_run(tmp_path_factory) -> ProxyRun:
+    return _run_proxy(tmp_path_factory.mktemp("proxy"), stop_group=True)
+
+
+def _ledger_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LEDGER), *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env=env or _env(), stdin=subprocess.DEVNULL,
+    )
+
+
+# -- scripts/proxy ---------------------------------------------------------------------------
+
+
+def test_proxy_help_prints_usage():
+    r = subprocess.run([str(PROXY), "--help"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Usage: scripts/proxy [--web] [--port N] [UPSTREAM_URL]")
+    for needle in ("8080", "turnguard.sqlite3", "--set turnguard_", "https://api.openai.com", "mock"):
+        assert needle in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unknown option '--bogus'"),
+        (["--port", "abc"], "port must be a number"),
+        (["--port", "70000"], "port must be a number"),
+        (["--port"], "--port needs a value"),
+        (["ftp://example.invalid"], "UPSTREAM_URL must start with http:// or https://"),
+        (["http://127.0.0.1:1", "http://127.0.0.1:2"], "more than one upstream URL"),
+    ],
+)
+def test_proxy_rejects_bad_arguments(args, message):
+    r = subprocess.run([str(PROXY), *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_env())
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and "Usage: scripts/proxy" in r.stderr
+    assert r.stdout == ""  # nothing started
+
+
+def test_proxy_rejects_non_numeric_port_from_env():
+    r = subprocess.run([str(PROXY)], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_env(TURNGUARD_PORT="80a"))
+    assert r.returncode == 2 and "from TURNGUARD_PORT" in r.stderr
+
+
+def test_proxy_fronts_the_mock_replays_and_leaves_nothing_behind(proxy_run: ProxyRun, report):
+    run = proxy_run
+    assert "fronts the OFFLINE MOCK upstream" in run.out and "mock-upstream.jsonl" in run.out
+    assert "curl -N http://127.0.0.1:" in run.out and f"ledger {run.ledger}" in run.out
+    status, headers, body = run.first
+    assert status == 200, body
+    assert sse_event_types(body)[-1] == "response.completed"
+    assert "x-turnguard" not in headers
+    status2, headers2, body2 = run.second
+    assert status2 == 200 and headers2.get("x-turnguard") == "replayed"
+    assert body2 == body
+    assert [d["n"] for d in run.dispatches] == [0], "the replay must not reach the upstream"
+    assert run.mitmdump_pids, f"no mitmdump process found for {run.tmp}"
+    assert run.leftovers == {}, f"processes left behind: {run.leftovers}"
+    assert not any(_alive(p) for p in [run.mock_pid, *run.mitmdump_pids])
+    assert "Traceback" not in run.out, run.out
+    report(f"scripts/proxy: mock + mitmdump, replay ok, SIGTERM to the group stopped both in {run.stop_s:.1f} s")
+
+
+def test_proxy_sigterm_to_the_script_alone_stops_its_children(tmp_path, report):
+    """The trap, not the group signal, stops mitmdump and the mock."""
+    run = _run_proxy(tmp_path, stop_group=False)
+    assert run.first[0] == 200 and run.second[1].get("x-turnguard") == "replayed"
+    assert run.rc == 128 + signal.SIGTERM
+    assert run.leftovers == {}, f"processes left behind: {run.leftovers}"
+    assert not any(_alive(p) for p in [run.mock_pid, *run.mitmdump_pids])
+    report(f"scripts/proxy: SIGTERM to the script alone stopped mock + mitmdump in {run.stop_s:.1f} s")
+
+
+def test_proxy_stops_the_mock_when_mitmdump_fails_to_start(tmp_path):
+    with socket.socket() as busy:  # mitmdump cannot listen on a port already taken
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with open(tmp_path / "out", "wb") as out:
+            proc = subprocess.Popen(
+                [str(PROXY), "--port", str(port), "--", "--set", f"confdir={tmp_path / 'c'}"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                env=_env(TURNGUARD_STATE_DIR=str(tmp_path / "state")), start_new_session=True,
+            )
+        try:
+            rc = proc.wait(START_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait(10)
+    assert rc != 0
+    assert _processes_mentioning(str(tmp_path)) == {}
+
+
+# -- scripts/ledger on the proxy's ledger ----------------------------------------------------
+
+
+def test_ledger_list_show_stats_on_the_proxy_ledger(proxy_run: ProxyRun):
+    led = str(proxy_run.ledger)
+    r = _ledger_cli("--ledger", led, "list")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["OP", "STATE", "ATTEMPTS", "REQUEST", "UPDATED", "(UTC)", "REPLAYABLE"]
+    assert len(lines) == 2
+    op, state, attempts, method, path, updated, replayable = lines[1].split()
+    assert (state, attempts, method, path, replayable) == ("completed", "1", "POST", "/v1/responses", "yes")
+    assert re.fullmatch(r"[0-9a-f]{12}", op)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", updated)
+
+    r = _ledger_cli("--ledger", led, "list", "--json")
+    assert r.returncode == 0, r.stderr
+    ops = json.loads(r.stdout)
+    assert [o["op"] for o in ops] == [op] and ops[0]["replayable"] is True
+
+    r = _ledger_cli("--ledger", led, "show", op[:8])
+    assert r.returncode == 0, r.stderr
+    assert ops[0]["op_key"] in r.stdout
+    assert re.search(r"outcome:\s+completed", r.stdout)
+    assert re.search(r"status:\s+200", r.stdout)
+    assert "attempt 1 (original)" in r.stdout
+
+    r = _ledger_cli("show", op, "--json", "--ledger", led)  # --ledger after the command too
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert [(a["kind"], a["outcome"], a["status"]) for a in shown["attempt_rows"]] == [
+        ("original", "completed", 200)
+    ]
+    assert shown["attempt_rows"][0]["body_bytes"] == len(proxy_run.first[2])
+    assert "headers" not in shown["attempt_rows"][0]
+
+    r = _ledger_cli("stats", env=_env(TURNGUARD_LEDGER=led))  # the default comes from the env
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"completed:\s+1", r.stdout) and re.search(r"integrity:\s+ok", r.stdout)
+
+    r = _ledger_cli("--ledger", led, "show", "zzz")
+    assert r.returncode == 1 and "no operation whose id starts with 'zzz'" in r.stderr
+
+
+# -- scripts/ledger on a ledger written directly ----------------------------------------------
+
+
+def _ident(body: dict) -> identity.Identity:
+    view = identity.RequestView(
+        "POST", "/v1/responses", (("authorization", "Bearer k1"), ("session-id", "s1")),
+        json.dumps(body).encode(),
+    )
+    out = identity.identify(view)
+    assert isinstance(out, identity.Identity)
+    return out
+
+
+@dataclass
+class DirectLedger:
+    path: Path
+    completed: str  # op key of the completed, replayable operation
+    twins: tuple[str, str]  # op keys of two unknown operations with the same first hex digit
+
+
+@pytest.fixture
+def direct_ledger(tmp_path) -> DirectLedger:
+    """A ledger written with ``Ledger`` itself: one completed operation whose recording has a
+    secret-looking header, and unknown ones until two share a first hex digit (at most 17)."""
+    path = tmp_path / "direct.sqlite3"
+    t0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+    led = Ledger(str(path), "writer")
+    led.open(t0)
+    try:
+        guard = policy.GuardPolicy()
+        done = _ident({"model": "m", "input": "done"})
+        d = led.admit(done, method="POST", path="/v1/responses", now=t0, guard=guard, flow_id="f")
+        assert isinstance(d, policy.Dispatch)
+        headers = (("content-type", "text/event-stream"), ("x-api-key", "SECRET-VALUE"))
+        rec = Recording(200, headers, b"data: x\n\n")
+        led.finish(d.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=t0 + 2.5)
+        by_digit: dict[str, str] = {}
+        for n in range(17):
+            ident = _ident({"model": "m", "input": f"lost {n}"})
+            d = led.admit(ident, method="POST", path="/v1/responses", now=t0 + 10 + n, guard=guard, flow_id=f"f{n}")
+            assert isinstance(d, policy.Dispatch)
+            led.finish(d.attempt_id, AttemptEnd("unknown", None, 0, "upstream reset"), now=t0 + 10.5 + n)
+            digit = ident.op_key[0]
+            if digit in by_digit and not done.op_key.startswith(digit):
+                twins = (by_digit[digit], ident.op_key)
+                break
+            by_digit[digit] = ident.op_key
+        else:
+            raise AssertionError("17 operations without two sharing a first hex digit")
+    finally:
+        led.close()
+    return DirectLedger(path, done.op_key, twins)
+
+
+def test_ledger_show_never_prints_recorded_headers(direct_ledger: DirectLedger):
+    led = str(direct_ledger.path)
+    for extra in ([], ["--json"]):
+        r = _ledger_cli("--ledger", led, "show", direct_ledger.completed[:10], *extra)
+        assert r.returncode == 0, r.stderr
+        assert "SECRET-VALUE" not in r.stdout and "x-api-key" not in r.stdout
+        assert "2023-11-14T22:13:22.500Z" in r.stdout  # ended, ISO-8601 UTC
+    shown = json.loads(r.stdout)
+    assert shown["state"] == "completed" and shown["attempt_rows"][0]["replayable"] is True
+    assert shown["attempt_rows"][0]["body_bytes"] == len(b"data: x\n\n")
+    r = _ledger_cli("--ledger", led, "show", direct_ledger.twins[0][:10])
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"outcome:\s+unknown", r.stdout) and "upstream reset" in r.stdout
+
+
+def test_ledger_errors(direct_ledger: DirectLedger, tmp_path):
+    led = str(direct_ledger.path)
+    a, b = direct_ledger.twins
+    r = _ledger_cli("--ledger", led, "show", a[0])
+    assert r.returncode == 1 and "ambiguous" in r.stderr
+    assert a[:12] in r.stderr or b[:12] in r.stderr
+    r = _ledger_cli("--ledger", led, "show", "zzz")
+    assert r.returncode == 1 and "no operation whose id starts with 'zzz'" in r.stderr
+    missing = tmp_path / "missing.sqlite3"
+    r = _ledger_cli("--ledger", str(missing), "list")
+    assert r.returncode == 1 and f"no ledger at {missing}" in r.stderr
+    assert not missing.exists()  # inspection never creates a ledger
+    not_a_ledger = tmp_path / "other.sqlite3"
+    sqlite3.connect(not_a_ledger).close()
+    r = _ledger_cli("--ledger", str(not_a_ledger), "stats")
+    assert r.returncode == 1 and "schema version 0" in r.stderr
+    for args in (["--ledger", led], ["--ledger", led, "frobnicate"], ["--ledger", led, "list", "--limit", "x"]):
+        r = _ledger_cli(*args)
+        assert r.returncode == 2 and "usage:" in r.stderr, args
+
+
+def test_ledger_cli_reads_without_writing(direct_ledger: DirectLedger):
+    led = str(direct_ledger.path)
+    r = _ledger_cli("--ledger", led, "stats", "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["by_state"]["completed"] == 1 and stats["by_state"]["unknown"] >= 2
+    assert stats["integrity_ok"] is True
+    r = _ledger_cli("--ledger", led, "list", "--limit", "2")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
+    db = sqlite3.connect(f"file:{led}?mode=ro", uri=True)
+    try:
+        assert db.execute("SELECT instance_id FROM instances").fetchall() == [("writer",)]
+    finally:
+        db.close()
