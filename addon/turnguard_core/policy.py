@@ -279,7 +279,8 @@ def failure_class(
     if "client disconnected" in msg or "client closed" in msg:
         return "client_abort"
     if status is None:
-        if "connect" in msg or "refused" in msg or "resolve" in msg:
+        if any(w in msg for w in ("refused", "connect call failed", "cannot connect",
+                                  "resolve", "unreachable", "no route")):
             return "connection_error"
         return "upstream_closed_before_headers"
     if body_complete:

@@ -1,0 +1,292 @@
+"""End to end: eventless failures, the retry circuit, the cooldown fence and recovery claims,
+through real mitmdump subprocesses in front of the real mock upstream."""
+
+import json
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl, sse_event_types, sse_post
+
+TURN = {"model": "gpt-test", "input": [{"role": "user", "content": "fix the bug"}], "stream": True}
+ANCHORED = {
+    "authorization": "Bearer sk-circuit-test",
+    "session-id": "sess-storm",
+    "x-codex-turn-state": "ts_turn_1",
+}
+COOLDOWN_MS = 3000
+STORM = {  # the codex-lb incident: no response.created in time, then a reset, then healthy
+    "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+    "default": {"kind": "ok", "events": 4},
+}
+
+
+def proxy(tmp_path, up, name="mitmdump", **options):
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        "turnguard_response_created_timeout_ms": 600,
+        "turnguard_cooldown_ms": COOLDOWN_MS,
+    }
+    opts.update(options)
+    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+
+
+def events(tmp_path, kind=None, name="mitmdump"):
+    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
+    return [r for r in recs if kind is None or r["event"] == kind]
+
+
+def post(url, headers=ANCHORED, body=TURN, timeout=30):
+    """One request; transport errors become status 0 (a cut stream counts as an error too)."""
+    try:
+        status, h, b = sse_post(url, body=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return 0, {}, b""
+    if status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
+        return 0, h, b
+    return status, h, b
+
+
+def impatient_client(url, *, tries=20, gap_s=0.2, headers=ANCHORED):
+    """The Codex Desktop report: ignores Retry-After and retries within 200 ms until its retry
+    budget is spent. Returns every status it saw (0 = transport error) and the last body."""
+    statuses, body = [], b""
+    for _ in range(tries):
+        status, _, body = post(url, headers)
+        statuses.append(status)
+        if status == 200:
+            break
+        time.sleep(gap_s)
+    return statuses, body
+
+
+def open_circuit(url):
+    """Two eventless failures of the anchored turn: the circuit opens."""
+    assert post(url)[0] == 502  # cut after 600 ms without response headers
+    assert post(url)[0] in (0, 502)  # upstream reset
+
+
+def dispatch_times(up):
+    return [d["ts"] for d in up.dispatches()]
+
+
+def test_missing_response_created_cuts_the_upstream_before_and_after_headers(tmp_path):
+    scenario = {
+        "sequence": [
+            {"kind": "stall_before_headers", "ms": 60000},
+            {"kind": "stall_after_headers", "ms": 60000},
+        ],
+        "default": {"kind": "ok"},
+    }
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        started = time.monotonic()
+        status, headers, _ = post(p.url, headers={"session-id": "a"})
+        assert status == 502
+        status, _, _ = post(p.url, headers={"session-id": "b"})
+        assert status == 0  # headers came, then the stream was cut
+        assert time.monotonic() - started < 30  # bounded by the timeout, not the 60 s stall
+        up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == 1)
+        assert len([r for r in up.records() if r.get("event") == "client_gone"]) == 2
+        cuts = events(tmp_path, "upstream_cut")
+        assert [c["cut"] for c in cuts] == [True, True]
+        assert [c["headers_seen"] for c in cuts] == [False, True]
+        failures = events(tmp_path, "eventless_failure")
+        assert [f["failure_class"] for f in failures] == ["missing_response_created_timeout"] * 2
+        assert all(f["events_seen"] == 0 for f in failures)
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["unknown", "unknown"]
+        assert_no_traceback(p.log_text())
+
+
+def test_default_mode_reproduces_the_503_storm_without_dispatching(tmp_path, report):
+    with MockUpstream(tmp_path, STORM) as up, proxy(tmp_path, up) as p:
+        open_circuit(p.url)
+        opened = events(tmp_path, "circuit_opened")
+        assert len(opened) == 1 and opened[0]["failures"] == 2
+        assert opened[0]["cooldown_ms"] == COOLDOWN_MS
+        statuses, body = impatient_client(p.url, tries=8)
+        assert statuses == [503] * 8  # every retry inside the cooldown: the turn is lost
+        err = json.loads(body.split(b"data: ", 1)[1])["error"]
+        assert err["code"] == "upstream_request_timeout"
+        assert body.startswith(b"retry: ")  # the client accepts SSE: a retry hint in ms
+        status, headers, plain = post(p.url, headers={**ANCHORED, "accept": "application/json"})
+        assert status == 503 and 1 <= int(headers["retry-after"]) <= COOLDOWN_MS / 1000
+        assert headers["x-should-retry"] == "true" and json.loads(plain)["error"]["code"]
+        assert len(up.dispatches()) == 2  # nothing was sent upstream during the cooldown
+        assert len(events(tmp_path, "cooldown_rejected")) == 9
+    report(f"cooldown 503 storm, default fail_closed: client saw {statuses}; "
+           f"upstream dispatches={len(up.dispatches())} (2 failures, 0 during cooldown)")
+
+
+def test_once_mode_holds_one_request_through_the_cooldown_and_the_turn_completes(
+    tmp_path, report
+):
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p:
+        open_circuit(p.url)
+        opened_at = time.time()
+        statuses, body = impatient_client(p.url, tries=8)
+        assert statuses == [200] and sse_event_types(body)[-1] == "response.completed"
+        times = dispatch_times(up)
+        assert len(times) == 3
+        assert times[2] >= opened_at + COOLDOWN_MS / 1000 - 0.5  # no dispatch during the wait
+        waits = events(tmp_path, "wait_operation_fenced_cooldown")
+        assert len(waits) == 1 and waits[0]["wait_ms"] > 0
+        assert [e["reason"] for e in events(tmp_path, "wait_finished")] == ["cooldown_elapsed"]
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert not events(tmp_path, "cooldown_rejected")
+        assert len(events(tmp_path, "circuit_reset")) == 1
+    report(f"cooldown 503 storm, server_anchored_replay_once: client saw {statuses} "
+           f"(held {waits[0]['wait_ms']} ms); upstream dispatches={len(times)}, "
+           "0 during the cooldown")
+
+
+def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_path, report):
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p:
+        open_circuit(p.url)
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            results = list(pool.map(lambda _: post(p.url), range(10)))
+        assert [r[0] for r in results] == [200] * 10
+        assert len({r[2] for r in results}) == 1
+        assert len(up.dispatches()) == 3
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 10
+    report("10 concurrent requests held through one cooldown (once mode): "
+           f"recovery dispatches={len(events(tmp_path, 'recovery_claimed'))}, "
+           f"all answered {set(r[0] for r in results)}")
+
+
+def test_once_mode_never_recovers_the_same_operation_twice(tmp_path):
+    scenario = {  # the recovery dispatch fails eventless too
+        "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},
+                     {"kind": "reset"}],
+        "default": {"kind": "ok"},
+    }
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_cooldown_max_ms=COOLDOWN_MS * 2,
+    ) as p:
+        open_circuit(p.url)
+        assert post(p.url)[0] in (0, 502)  # held, recovered once, and that failed again
+        opened = events(tmp_path, "circuit_opened")
+        assert [o["cooldown_ms"] for o in opened] == [COOLDOWN_MS, COOLDOWN_MS * 2]
+        status, headers, body = post(p.url, headers={**ANCHORED, "accept": "application/json"},
+                                     timeout=60)
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+        assert len(up.dispatches()) == 3
+        denied = events(tmp_path, "recovery_denied")
+        assert [d["reason"] for d in denied] == ["claim_exhausted"]
+
+
+def test_two_processes_on_one_ledger_recover_once(tmp_path):
+    with MockUpstream(tmp_path, STORM) as up, \
+            proxy(tmp_path, up, "a", turnguard_recovery_mode="server_anchored_replay_once") as a, \
+            proxy(tmp_path, up, "b", turnguard_recovery_mode="server_anchored_replay_once") as b:
+        open_circuit(a.url)  # a serves the session first: a owns it
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            via_a = [pool.submit(post, a.url) for _ in range(3)]
+            time.sleep(0.3)
+            via_b = [pool.submit(post, b.url) for _ in range(3)]
+            a_results = [f.result()[0] for f in via_a]
+            b_results = [f.result()[0] for f in via_b]
+        assert a_results == [200] * 3
+        assert b_results == [503] * 3  # b holds no owner proof for the session: fails closed
+        assert [e["reason"] for e in events(tmp_path, "fail_closed", "b")] == [
+            "owner_proof_missing"] * 3
+        assert len(up.dispatches()) == 3
+        recovered = events(tmp_path, "recovery_claimed", "a") + events(tmp_path, "recovery_claimed", "b")
+        assert len(recovered) == 1
+
+
+def test_ownership_lost_mid_wait_fails_closed(tmp_path):
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p:
+        open_circuit(p.url)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(post, p.url)
+            time.sleep(0.8)
+            db = sqlite3.connect(tmp_path / "ledger.sqlite3")
+            with db:  # another process takes the session over: higher epoch
+                db.execute("UPDATE sessions SET owner_instance='intruder',"
+                           " owner_epoch=owner_epoch+1")
+            db.close()
+            status, _, _ = held.result()
+        assert status == 503
+        assert len(events(tmp_path, "ownership_lost")) == 1
+        assert [e["reason"] for e in events(tmp_path, "fail_closed")] == ["ownership_lost"]
+        assert len(up.dispatches()) == 2
+
+
+@pytest.mark.parametrize(
+    "headers, body, reason",
+    [
+        ({k: v for k, v in ANCHORED.items() if k != "session-id"}, TURN, "owner_proof_missing"),
+        ({k: v for k, v in ANCHORED.items() if k != "x-codex-turn-state"}, TURN,
+         "no_turn_state_anchor"),
+        (ANCHORED, {**TURN, "previous_response_id": "resp_1"}, "previous_response_id"),
+    ],
+)
+def test_ineligible_requests_are_not_held(tmp_path, headers, body, reason):
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_indefinite_recovery"
+    ) as p:
+        assert post(p.url, headers, body)[0] == 502
+        assert post(p.url, headers, body)[0] in (0, 502)
+        assert post(p.url, headers, body)[0] == 503
+        assert not events(tmp_path, "wait_operation_fenced_cooldown")
+        assert [e["reason"] for e in events(tmp_path, "fail_closed")] == [reason]
+        assert len(up.dispatches()) == 2
+
+
+def test_an_operation_with_output_is_not_held(tmp_path):
+    scenario = {
+        "sequence": [{"kind": "partial", "events": 2},
+                     {"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+        "default": {"kind": "ok"},
+    }
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p:
+        assert post(p.url)[0] == 0  # two events, then the upstream dropped: output exists
+        other = {**TURN, "input": "another turn of the same session"}
+        post(p.url, body=other)
+        post(p.url, body=other)  # two eventless failures of the session: cooldown
+        assert post(p.url)[0] == 503
+        assert [e["reason"] for e in events(tmp_path, "fail_closed")] == ["output_exists"]
+        assert len(up.dispatches()) == 3
+
+
+def test_expired_request_budget_fails_closed(tmp_path):
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_request_budget_ms=1000, turnguard_cooldown_ms=8000,
+    ) as p:
+        open_circuit(p.url)
+        status, headers, _ = post(p.url, headers={**ANCHORED, "accept": "application/json"})
+        assert status == 503 and int(headers["retry-after"]) >= 1
+        finished = events(tmp_path, "wait_finished")
+        assert len(finished) == 1
+        assert [e["reason"] for e in events(tmp_path, "fail_closed")] == ["request_budget_expired"]
+        assert len(up.dispatches()) == 2
+
+
+def test_circuit_survives_a_restart_and_an_elapsed_cooldown_starts_no_new_one(tmp_path):
+    with MockUpstream(tmp_path, STORM) as up:
+        with proxy(tmp_path, up) as p:
+            open_circuit(p.url)
+        with proxy(tmp_path, up, name="restarted") as p:
+            assert post(p.url)[0] == 503  # the cooldown is still on after the restart
+        time.sleep(COOLDOWN_MS / 1000)
+        with proxy(tmp_path, up, name="late") as p:
+            status, _, body = post(p.url)
+            assert status == 200  # the cooldown elapsed while down: the request goes through
+        assert not events(tmp_path, "circuit_opened", "late")
+        assert len(up.dispatches()) == 3
