@@ -145,6 +145,7 @@ def test_garbage_collection_purges_ended_operations_and_spool(tmp_path):
     assert a.collect_garbage(now=1001.0 + 3601, retention_s=3600, instance_stale_s=30) == 1
     db = sqlite3.connect(tmp_path / "l.sqlite3")
     assert db.execute("SELECT COUNT(*) FROM spool").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM operations").fetchone()[0] == 0
     assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 0
 
 
@@ -266,3 +267,69 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_garbage_collection_keeps_live_circuits_and_sessions(tmp_path):
+    from turnguard_core import circuit
+
+    a = open_ledger(tmp_path / "l.sqlite3")
+    cfg = circuit.CircuitConfig(threshold=1, cooldown_s=10_000, cooldown_max_s=10_000)
+    i = ident({"n": 1})
+    d = admit(a, i)
+    assert a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1001.0, circuit_cfg=cfg,
+                    eventless_failure=True).transition is None  # no circuit scope given
+    a.claim_session("s", now=1000.0, lease_s=50_000, new_id="d")
+    a.claim_session("t", now=1000.0, lease_s=10, new_id="e")
+    db = sqlite3.connect(tmp_path / "l.sqlite3")
+    db.execute("INSERT INTO circuits VALUES ('open', 2, 20000.0, 60, 1000.0)")
+    db.execute("INSERT INTO circuits VALUES ('closed', 1, NULL, NULL, 1000.0)")
+    db.commit()
+    a.collect_garbage(now=1000.0 + 3601, retention_s=3600, instance_stale_s=30)
+    assert [r[0] for r in db.execute("SELECT scope FROM circuits")] == ["open"]
+    assert [r[0] for r in db.execute("SELECT session FROM sessions")] == ["s"]
+
+
+def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(tmp_path):
+    from turnguard_core import circuit
+
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")  # another process sees the same circuit
+    cfg = circuit.CircuitConfig(threshold=2, cooldown_s=60, cooldown_max_s=600)
+    i = ident({"n": 1})
+
+    def fail(now):
+        d = a.admit(i, method="POST", path="/v1/responses", now=now, guard=GUARD, flow_id=None,
+                    circuit_scope="session:x")
+        assert isinstance(d, policy.Dispatch)
+        return a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=now, circuit_cfg=cfg,
+                        eventless_failure=True)
+
+    assert fail(1000.0).transition is None
+    opened = fail(1001.0)
+    assert opened.transition == "opened" and opened.circuit.open_until == 1061.0
+    fenced = b.admit(i, method="POST", path="/v1/responses", now=1010.0, guard=GUARD,
+                     flow_id=None, circuit_scope="session:x")
+    assert fenced == policy.Fenced(51.0, False)
+    assert b.open_circuits(1010.0)[0][0] == "session:x"
+    d = b.admit(i, method="POST", path="/v1/responses", now=1062.0, guard=GUARD, flow_id=None,
+                circuit_scope="session:x")
+    reset = b.finish(d.attempt_id, AttemptEnd("completed", 200, 3), now=1063.0, circuit_cfg=cfg)
+    assert reset.transition == "reset" and b.circuit_state("session:x").remaining_s(1063.0) == 0
+
+
+def test_session_ownership_is_fenced_by_epoch(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")
+    row, result = a.claim_session("s", now=1000.0, lease_s=10, new_id="d1")
+    assert result == "created" and row.owner_epoch == 1
+    assert b.claim_session("s", now=1005.0, lease_s=10, new_id="d2")[1] == "owned_by_other"
+    assert a.renew_session("s", 1, now=1008.0, lease_s=10)  # lease now ends at 1018
+    assert b.claim_session("s", now=1017.0, lease_s=10, new_id="d2")[1] == "owned_by_other"
+    taken, result = b.claim_session("s", now=1019.0, lease_s=10, new_id="d2")
+    assert result == "taken_over" and taken.owner_epoch == 2 and taken.durable_id == "d1"
+    assert not a.renew_session("s", 1, now=1020.0, lease_s=10)
+    assert not a.session_owned_by("s", "a", 1) and b.session_owned_by("s", "b", 2)
+    i = ident({"n": 9})
+    claim = policy.RecoveryClaim("s", 1, once=True)
+    assert a.admit(i, method="POST", path="/v1/responses", now=1020.0, guard=GUARD, flow_id=None,
+                   recovery=claim) == policy.Denied("upstream_request_timeout", "ownership_lost")

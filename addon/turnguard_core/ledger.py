@@ -569,14 +569,22 @@ class Ledger:
 
     @_wrap
     def collect_garbage(self, *, now: float, retention_s: float, instance_stale_s: float) -> int:
-        """Delete ended operations (with their attempts and spool) last touched before the
-        retention horizon, and instance rows not heard of for ``instance_stale_s`` that own
-        nothing in flight. Returns the number of operations deleted."""
+        """Delete ended operations (with their attempts and spool), circuits and sessions last
+        touched before the retention horizon (a circuit only once its cooldown is over, a
+        session only once its lease expired), and instance rows not heard of for
+        ``instance_stale_s`` that own nothing in flight. Returns the operations deleted."""
+        horizon = now - retention_s
         with self._tx() as db:
             n = db.execute(
-                "DELETE FROM operations WHERE state<>'in_flight' AND updated_at<?",
-                (now - retention_s,),
+                "DELETE FROM operations WHERE state<>'in_flight' AND updated_at<?", (horizon,)
             ).rowcount
+            db.execute(
+                "DELETE FROM circuits WHERE updated_at<? AND COALESCE(open_until, 0)<?",
+                (horizon, now),
+            )
+            db.execute(
+                "DELETE FROM sessions WHERE updated_at<? AND lease_until<?", (horizon, now)
+            )
             db.execute(
                 "DELETE FROM instances WHERE heartbeat_at<? AND instance_id<>? AND instance_id"
                 " NOT IN (SELECT instance_id FROM attempts WHERE outcome='in_flight')",
