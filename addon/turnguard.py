@@ -25,7 +25,7 @@ if _HERE not in sys.path:
 
 from mitmproxy import command, ctx, exceptions, flowfilter, hooks, http  # noqa: E402
 
-from turnguard_core import answers, circuit, identity, policy  # noqa: E402
+from turnguard_core import answers, circuit, identity, options, policy  # noqa: E402
 from turnguard_core.ledger import (  # noqa: E402
     AttemptEnd,
     FinishResult,
@@ -40,9 +40,6 @@ from turnguard_core.telemetry import Telemetry  # noqa: E402
 
 logger = logging.getLogger("turnguard")
 
-DEFAULT_FILTER = (
-    '~m POST & ~u "/(v1/responses|backend-api/codex/responses|v1/chat/completions)/?([?]|$)"'
-)
 MAX_GUARDED_BODY = 64 * 1024 * 1024
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0  # notice killed or disconnected held flows; heartbeat
@@ -129,13 +126,12 @@ class TurnGuard:
         self.ledger_error: str | None = None
         self.telemetry = Telemetry()
         self.filter: flowfilter.TFilter | None = None
-        self.guard_policy = policy.GuardPolicy()
+        self.settings = options.settings_from(options.DEFAULTS)
         self._attempts: dict[str, _Attempt] = {}  # flow id -> attempt in flight
         self._local: dict[str, str] = {}  # op key -> flow id of this process's attempt in flight
         self._held: dict[str, _Held] = {}  # flow id -> held request
         self._sessions: dict[str, policy.SessionOwnership] = {}  # sessions this process owns
         self._circuits: dict[str, circuit.CircuitState] = {}  # last known, for when the ledger is down
-        self.circuit_cfg = circuit.CircuitConfig()
         self._ticker: asyncio.Task | None = None
         self._last_heartbeat = 0.0
         self._last_gc = 0.0
@@ -143,125 +139,25 @@ class TurnGuard:
 
     # -- options ---------------------------------------------------------------------------------
     def load(self, loader) -> None:
-        loader.add_option(
-            "turnguard_ledger", str, "",
-            "Path of the SQLite ledger shared by every turnguard process that guards the same "
-            "upstream. Empty: <confdir>/turnguard.sqlite3.",
-        )
-        loader.add_option(
-            "turnguard_filter", str, DEFAULT_FILTER,
-            "mitmproxy filter expression for the flows turnguard guards; everything else passes "
-            "untouched.",
-        )
-        loader.add_option(
-            "turnguard_hold_timeout_ms", int, 30000,
-            "How long a duplicate is held waiting for the original; past it the duplicate gets "
-            "409 turn_in_progress with Retry-After. 0: answer duplicates 409 at once.",
-        )
-        loader.add_option(
-            "turnguard_request_budget_ms", int, 120000,
-            "Upper bound on the time turnguard may keep any one request waiting, whatever the "
-            "reason.",
-        )
-        loader.add_option(
-            "turnguard_replay", bool, True,
-            "Record completed responses and answer duplicates and retries from the recording. "
-            "false: store no response bodies; held duplicates are forwarded one at a time.",
-        )
-        loader.add_option(
-            "turnguard_replay_window_ms", int, 300000,
-            "A retry with an identical body (no Idempotency-Key) that arrives this long after "
-            "the original completed is answered from the recording; later it is a new operation.",
-        )
-        loader.add_option(
-            "turnguard_retention_ms", int, 86400000,
-            "How long ended operations and their recordings stay in the ledger (and how long an "
-            "Idempotency-Key is remembered).",
-        )
-        loader.add_option(
-            "turnguard_replay_max_bytes", int, 8 * 1024 * 1024,
-            "Largest response body recorded for replay; a larger one is not replayable and its "
-            "duplicates are forwarded instead.",
-        )
-        loader.add_option(
-            "turnguard_response_created_timeout_ms", int, 60000,
-            "Cut a guarded dispatch's upstream connection when no response event (headers and "
-            "first SSE event) arrived within this long, and record it as an eventless failure "
-            "(missing_response_created_timeout). 0: off.",
-        )
-        loader.add_option(
-            "turnguard_failure_threshold", int, 2,
-            "Consecutive eventless failures in a scope (the session, else credential + route) "
-            "that open the retry circuit's cooldown.",
-        )
-        loader.add_option(
-            "turnguard_cooldown_ms", int, 60000,
-            "First cooldown of an open retry circuit; each further eventless failure doubles it.",
-        )
-        loader.add_option(
-            "turnguard_cooldown_max_ms", int, 600000, "Longest cooldown of the retry circuit.",
-        )
-        loader.add_option(
-            "turnguard_recovery_mode", str, "fail_closed",
-            "What a guarded request gets during a cooldown. fail_closed: 503 "
-            "upstream_request_timeout with Retry-After, nothing dispatched. "
-            "server_anchored_replay_once: an eligible hard turn-state request is held through the "
-            "cooldown, then recovered with at most one recovery dispatch per operation ever. "
-            "server_indefinite_recovery: the same, without the once limit (still one at a time).",
-            choices=list(policy.RECOVERY_MODES),
-        )
-        loader.add_option(
-            "turnguard_owner_lease_ms", int, 300000,
-            "Lease of this process's ownership of a durable session; renewed while it serves or "
-            "holds requests of the session; another process may take over once it expired.",
-        )
-        loader.add_option(
-            "turnguard_events", str, "",
-            "Path of a JSON-lines telemetry file (created 0600); empty: telemetry goes to the "
-            "log only.",
-        )
+        for spec in options.OPTIONS:
+            loader.add_option(
+                spec.name, spec.type, spec.default, spec.help,
+                choices=list(spec.choices) if spec.choices else None,
+            )
 
     def configure(self, updated: set[str]) -> None:
+        try:
+            self.settings = options.settings_from(
+                {spec.name: getattr(ctx.options, spec.name) for spec in options.OPTIONS}
+            )
+        except ValueError as e:
+            raise exceptions.OptionsError(str(e)) from e
         o = ctx.options
-        for name in (
-            "turnguard_hold_timeout_ms", "turnguard_replay_window_ms", "turnguard_replay_max_bytes",
-        ):
-            if getattr(o, name) < 0:
-                raise exceptions.OptionsError(f"{name} must be >= 0, not {getattr(o, name)}")
-        for name in ("turnguard_response_created_timeout_ms",):
-            if getattr(o, name) < 0:
-                raise exceptions.OptionsError(f"{name} must be >= 0 (0 = off), not {getattr(o, name)}")
-        for name in (
-            "turnguard_request_budget_ms", "turnguard_retention_ms", "turnguard_failure_threshold",
-            "turnguard_cooldown_ms", "turnguard_cooldown_max_ms", "turnguard_owner_lease_ms",
-        ):
-            if getattr(o, name) <= 0:
-                raise exceptions.OptionsError(f"{name} must be > 0, not {getattr(o, name)}")
-        if o.turnguard_retention_ms < o.turnguard_replay_window_ms:
-            raise exceptions.OptionsError(
-                "turnguard_retention_ms must be >= turnguard_replay_window_ms "
-                f"({o.turnguard_retention_ms} < {o.turnguard_replay_window_ms})"
-            )
-        if o.turnguard_cooldown_max_ms < o.turnguard_cooldown_ms:
-            raise exceptions.OptionsError(
-                "turnguard_cooldown_max_ms must be >= turnguard_cooldown_ms "
-                f"({o.turnguard_cooldown_max_ms} < {o.turnguard_cooldown_ms})"
-            )
-        self.circuit_cfg = circuit.CircuitConfig(
-            threshold=o.turnguard_failure_threshold,
-            cooldown_s=o.turnguard_cooldown_ms / 1000,
-            cooldown_max_s=o.turnguard_cooldown_max_ms / 1000,
-        )
         if "turnguard_filter" in updated:
             try:
                 self.filter = flowfilter.parse(o.turnguard_filter)
             except ValueError as e:
                 raise exceptions.OptionsError(f"turnguard_filter: {e}") from e
-        self.guard_policy = policy.GuardPolicy(
-            replay=o.turnguard_replay,
-            replay_window_s=o.turnguard_replay_window_ms / 1000,
-            retention_s=o.turnguard_retention_ms / 1000,
-        )
         if "turnguard_events" in updated:
             try:
                 telemetry = Telemetry(os.path.expanduser(o.turnguard_events) or None)
@@ -355,7 +251,7 @@ class TurnGuard:
             if force or now - self._last_gc >= GC_EVERY_S:
                 self._last_gc = now
                 n = self.ledger.collect_garbage(
-                    now=now, retention_s=self.guard_policy.retention_s,
+                    now=now, retention_s=self.settings.guard.retention_s,
                     instance_stale_s=INSTANCE_STALE_S,
                 )
                 if n:
@@ -398,9 +294,9 @@ class TurnGuard:
         if isinstance(ident, identity.Passthrough):
             self.telemetry.emit("passthrough", flow=flow.id, reason=ident.reason)
             return
-        o = ctx.options
+        cfg = self.settings
         arrived = time.monotonic()
-        budget_deadline = arrived + o.turnguard_request_budget_ms / 1000
+        budget_deadline = arrived + cfg.request_budget_s
         scope = circuit.circuit_scope(ident.session, ident.scope, flow.request.path)
         owner = self._ownership(ident.session)
         base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
@@ -446,7 +342,7 @@ class TurnGuard:
                 return
             if isinstance(admission, policy.Fenced):
                 denial = policy.fence_hold_denial(
-                    o.turnguard_recovery_mode,
+                    cfg.recovery_mode,
                     has_turn_state=ident.turn_state is not None,
                     has_previous_response_id=ident.previous_response_id is not None,
                     owns_session=owner is not None,
@@ -474,14 +370,16 @@ class TurnGuard:
                     return
                 recovery = policy.RecoveryClaim(
                     ident.session, owner.owner_epoch,
-                    once=o.turnguard_recovery_mode == "server_anchored_replay_once",
+                    once=cfg.recovery_mode == "server_anchored_replay_once",
                 )
                 held_since = None  # what follows is a new phase: a duplicate hold, if any
                 continue
             # Hold: another attempt of this operation is in flight.
             if held_since is None:
                 held_since = now
-                hold_deadline = min(now + o.turnguard_hold_timeout_ms / 1000, budget_deadline)
+                hold_deadline = policy.hold_deadline(
+                    now, hold_timeout_s=cfg.hold_timeout_s, budget_deadline=budget_deadline
+                )
                 self.telemetry.emit(
                     "duplicate_held", **base, attempt=admission.attempt_id,
                     owner=admission.owner_instance,
@@ -564,12 +462,12 @@ class TurnGuard:
             try:
                 admission = self.ledger.admit(
                     ident, method=flow.request.method, path=flow.request.path,
-                    now=time.time(), guard=self.guard_policy, flow_id=flow.id,
+                    now=time.time(), guard=self.settings.guard, flow_id=flow.id,
                     circuit_scope=scope, recovery=recovery,
                 )
                 if isinstance(admission, policy.Fenced):
                     self._circuits[scope] = circuit.CircuitState(
-                        self.circuit_cfg.threshold, time.time() + admission.remaining_s
+                        self.settings.circuit.threshold, time.time() + admission.remaining_s
                     )
                 return admission
             except LedgerError as e:
@@ -588,7 +486,7 @@ class TurnGuard:
         if session is None or self.ledger is None:
             return None
         now = time.time()
-        lease_s = ctx.options.turnguard_owner_lease_ms / 1000
+        lease_s = self.settings.owner_lease_s
         cached = self._sessions.get(session)
         if cached is not None and cached.lease_until - now > lease_s / 2:
             return cached
@@ -624,10 +522,10 @@ class TurnGuard:
         flow.metadata["turnguard"] = {
             "role": "dispatch", "op": ident.op_id, "attempt": d.attempt_id, "kind": d.kind,
         }
-        timeout_ms = ctx.options.turnguard_response_created_timeout_ms
-        if timeout_ms > 0:
+        timeout_s = self.settings.response_created_timeout_s
+        if timeout_s > 0:
             attempt.timer = asyncio.get_running_loop().call_later(
-                timeout_ms / 1000, self._response_created_timeout, flow
+                timeout_s, self._response_created_timeout, flow
             )
 
     def _response_created_timeout(self, flow: http.HTTPFlow) -> None:
@@ -644,7 +542,7 @@ class TurnGuard:
         self.telemetry.emit(
             "upstream_cut", op=attempt.ident.op_id, flow=flow.id,
             session=attempt.ident.session, reason=MISSING_RESPONSE_CREATED,
-            after_ms=ctx.options.turnguard_response_created_timeout_ms,
+            after_ms=round(self.settings.response_created_timeout_s * 1000),
             headers_seen=attempt.status is not None, cut=why_not is None, why_not=why_not,
         )
         if why_not is not None:
@@ -687,7 +585,7 @@ class TurnGuard:
     def _check_cooldown_sessions(self, now: float) -> None:
         """Renew the leases of sessions with requests held through a cooldown, and wake those
         requests if another process took the session."""
-        lease_s = ctx.options.turnguard_owner_lease_ms / 1000
+        lease_s = self.settings.owner_lease_s
         for session, epoch in {(h.session, h.epoch) for h in self._held.values() if h.cooldown}:
             owned = self._sessions.get(session)
             renew_due = owned is None or owned.lease_until - now < lease_s * 2 / 3
@@ -752,7 +650,7 @@ class TurnGuard:
             self.telemetry.emit("fail_closed", **base, reason=reason)
         self._answer_unavailable(
             flow, "upstream_request_timeout", retry_after,
-            f"The upstream failed {self.circuit_cfg.threshold} or more times in a row without "
+            f"The upstream failed {self.settings.circuit.threshold} or more times in a row without "
             f"sending a response event; retries are paused for {retry_after} s.",
             f"turnguard: cooldown, answered 503 without dispatching ({reason})",
         )
@@ -847,7 +745,7 @@ class TurnGuard:
                 )
             if not counts_events:
                 attempt.stop_timer()  # an answer that is not an event stream is its own event
-            keep = ctx.options.turnguard_replay_max_bytes if self.guard_policy.replay else 0
+            keep = self.settings.replay_max_bytes if self.settings.guard.replay else 0
             attempt.tee = ResponseTee(
                 counts_events=counts_events,
                 keep_max_bytes=keep if 200 <= resp.status_code < 300 else 0,
@@ -923,7 +821,7 @@ class TurnGuard:
                 result = self.ledger.finish(
                     attempt.attempt_id,
                     AttemptEnd(outcome, status, events, failure or detail, recording),
-                    now=now, circuit_cfg=self.circuit_cfg, eventless_failure=eventless,
+                    now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
                 )
             except LedgerError as e:
                 self._ledger_down(e, "finish")
@@ -931,7 +829,7 @@ class TurnGuard:
             before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
             after, transition = circuit.record_outcome(
                 before, eventless_failure=eventless, completed=outcome == "completed", now=now,
-                cfg=self.circuit_cfg,
+                cfg=self.settings.circuit,
             )
             result = FinishResult(True, attempt.circuit_scope, after, transition)
         base = {"op": attempt.ident.op_id, "flow": flow.id, "session": attempt.ident.session}
@@ -991,7 +889,7 @@ class TurnGuard:
         return json.dumps(
             {
                 "instance": self.instance_id,
-                "recovery_mode": ctx.options.turnguard_recovery_mode,
+                "recovery_mode": self.settings.recovery_mode,
                 "ledger": self.ledger_path,
                 "ledger_ok": self.ledger is not None,
                 "ledger_error": self.ledger_error,

@@ -88,8 +88,8 @@ def test_classify_outcome(kw, outcome):
 
 
 def test_hold_deadline_is_the_earlier_bound():
-    assert policy.hold_deadline(10.0, hold_timeout_s=30, request_budget_s=120) == 40.0
-    assert policy.hold_deadline(10.0, hold_timeout_s=30, request_budget_s=5) == 15.0
+    assert policy.hold_deadline(10.0, hold_timeout_s=30, budget_deadline=130.0) == 40.0
+    assert policy.hold_deadline(10.0, hold_timeout_s=30, budget_deadline=15.0) == 15.0
 
 
 @given(st.floats(allow_nan=True, allow_infinity=True))

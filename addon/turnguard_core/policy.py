@@ -258,10 +258,10 @@ def classify_outcome(
     return "partial" if events_seen else "unknown"
 
 
-def hold_deadline(arrived_at: float, *, hold_timeout_s: float, request_budget_s: float) -> float:
-    """The moment a held request stops waiting: the hold timeout or the request budget,
-    whichever comes first, both counted from the request's arrival."""
-    return arrived_at + min(hold_timeout_s, request_budget_s)
+def hold_deadline(held_at: float, *, hold_timeout_s: float, budget_deadline: float) -> float:
+    """The moment a held duplicate stops waiting: the hold timeout counted from when the hold
+    began, or the end of the request's budget, whichever comes first."""
+    return min(held_at + hold_timeout_s, budget_deadline)
 
 
 def retry_after_seconds(remaining_s: float) -> int:

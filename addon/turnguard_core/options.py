@@ -1,0 +1,175 @@
+"""turnguard's options: their declaration, validation and the settings derived from them.
+
+Pure data and functions: the addon registers ``OPTIONS`` with mitmproxy's loader, passes the
+current values to ``settings_from`` in ``configure`` and turns a ``ValueError`` into an
+``OptionsError``. The names are public interface (``--set name=value``); the README's option
+table is checked against this list by the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .circuit import CircuitConfig
+from .policy import RECOVERY_MODES, GuardPolicy
+
+DEFAULT_FILTER = (
+    '~m POST & ~u "/(v1/responses|backend-api/codex/responses|v1/chat/completions)/?([?]|$)"'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OptionSpec:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None  # for ints: the smallest valid value
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        "turnguard_ledger", str, "",
+        "Path of the SQLite ledger shared by every turnguard process that guards the same "
+        "upstream. Empty: <confdir>/turnguard.sqlite3.",
+    ),
+    OptionSpec(
+        "turnguard_filter", str, DEFAULT_FILTER,
+        "mitmproxy filter expression for the flows turnguard guards; everything else passes "
+        "untouched.",
+    ),
+    OptionSpec(
+        "turnguard_hold_timeout_ms", int, 30000,
+        "How long a duplicate is held waiting for the original; past it the duplicate gets "
+        "409 turn_in_progress with Retry-After. 0: answer duplicates 409 at once.",
+        minimum=0,
+    ),
+    OptionSpec(
+        "turnguard_request_budget_ms", int, 120000,
+        "Upper bound on the time turnguard may keep any one request waiting, whatever the "
+        "reason.",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_replay", bool, True,
+        "Record completed responses and answer duplicates and retries from the recording. "
+        "false: store no response bodies; held duplicates are forwarded one at a time.",
+    ),
+    OptionSpec(
+        "turnguard_replay_window_ms", int, 300000,
+        "A retry with an identical body (no Idempotency-Key) that arrives this long after "
+        "the original completed is answered from the recording; later it is a new operation.",
+        minimum=0,
+    ),
+    OptionSpec(
+        "turnguard_retention_ms", int, 86400000,
+        "How long ended operations and their recordings stay in the ledger (and how long an "
+        "Idempotency-Key is remembered).",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_replay_max_bytes", int, 8 * 1024 * 1024,
+        "Largest response body recorded for replay; a larger one is not replayable and its "
+        "duplicates are forwarded instead.",
+        minimum=0,
+    ),
+    OptionSpec(
+        "turnguard_response_created_timeout_ms", int, 60000,
+        "Cut a guarded dispatch's upstream connection when no response event (headers and "
+        "first SSE event) arrived within this long, and record it as an eventless failure "
+        "(missing_response_created_timeout). 0: off.",
+        minimum=0,
+    ),
+    OptionSpec(
+        "turnguard_failure_threshold", int, 2,
+        "Consecutive eventless failures in a scope (the session, else credential + route) "
+        "that open the retry circuit's cooldown.",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_cooldown_ms", int, 60000,
+        "First cooldown of an open retry circuit; each further eventless failure doubles it.",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_cooldown_max_ms", int, 600000, "Longest cooldown of the retry circuit.",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_recovery_mode", str, "fail_closed",
+        "What a guarded request gets during a cooldown. fail_closed: 503 "
+        "upstream_request_timeout with Retry-After, nothing dispatched. "
+        "server_anchored_replay_once: an eligible hard turn-state request is held through the "
+        "cooldown, then recovered with at most one recovery dispatch per operation ever. "
+        "server_indefinite_recovery: the same, without the once limit (still one at a time).",
+        choices=RECOVERY_MODES,
+    ),
+    OptionSpec(
+        "turnguard_owner_lease_ms", int, 300000,
+        "Lease of this process's ownership of a durable session; renewed while it serves or "
+        "holds requests of the session; another process may take over once it expired.",
+        minimum=1,
+    ),
+    OptionSpec(
+        "turnguard_events", str, "",
+        "Path of a JSON-lines telemetry file (created 0600); empty: telemetry goes to the "
+        "log only.",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The options as the guard uses them, in seconds."""
+
+    guard: GuardPolicy
+    circuit: CircuitConfig
+    hold_timeout_s: float
+    request_budget_s: float
+    replay_max_bytes: int
+    response_created_timeout_s: float  # 0: off
+    recovery_mode: str
+    owner_lease_s: float
+
+
+def settings_from(values: Mapping[str, Any]) -> Settings:
+    """Validate the option values and derive the settings. Raises ``ValueError`` with a message
+    that names the option."""
+    for spec in OPTIONS:
+        value = values[spec.name]
+        if spec.minimum is not None and value < spec.minimum:
+            raise ValueError(f"{spec.name} must be >= {spec.minimum}, not {value}")
+    v = values
+    if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
+        raise ValueError(
+            "turnguard_retention_ms must be >= turnguard_replay_window_ms "
+            f"({v['turnguard_retention_ms']} < {v['turnguard_replay_window_ms']})"
+        )
+    if v["turnguard_cooldown_max_ms"] < v["turnguard_cooldown_ms"]:
+        raise ValueError(
+            "turnguard_cooldown_max_ms must be >= turnguard_cooldown_ms "
+            f"({v['turnguard_cooldown_max_ms']} < {v['turnguard_cooldown_ms']})"
+        )
+    return Settings(
+        guard=GuardPolicy(
+            replay=v["turnguard_replay"],
+            replay_window_s=v["turnguard_replay_window_ms"] / 1000,
+            retention_s=v["turnguard_retention_ms"] / 1000,
+        ),
+        circuit=CircuitConfig(
+            threshold=v["turnguard_failure_threshold"],
+            cooldown_s=v["turnguard_cooldown_ms"] / 1000,
+            cooldown_max_s=v["turnguard_cooldown_max_ms"] / 1000,
+        ),
+        hold_timeout_s=v["turnguard_hold_timeout_ms"] / 1000,
+        request_budget_s=v["turnguard_request_budget_ms"] / 1000,
+        replay_max_bytes=v["turnguard_replay_max_bytes"],
+        response_created_timeout_s=v["turnguard_response_created_timeout_ms"] / 1000,
+        recovery_mode=v["turnguard_recovery_mode"],
+        owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
+    )
+
+
+DEFAULTS: Mapping[str, Any] = {spec.name: spec.default for spec in OPTIONS}

@@ -1,0 +1,42 @@
+"""Options: validation, derived settings, and the README kept in step with them."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from turnguard_core import options
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_defaults_are_valid_and_derive_seconds():
+    s = options.settings_from(options.DEFAULTS)
+    assert s.hold_timeout_s == 30 and s.request_budget_s == 120
+    assert s.guard.replay and s.guard.replay_window_s == 300 and s.guard.retention_s == 86400
+    assert (s.circuit.threshold, s.circuit.cooldown_s, s.circuit.cooldown_max_s) == (2, 60, 600)
+    assert s.recovery_mode == "fail_closed" and s.response_created_timeout_s == 60
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"turnguard_hold_timeout_ms": -1}, "turnguard_hold_timeout_ms must be >= 0"),
+        ({"turnguard_request_budget_ms": 0}, "turnguard_request_budget_ms must be >= 1"),
+        ({"turnguard_failure_threshold": 0}, "turnguard_failure_threshold must be >= 1"),
+        ({"turnguard_retention_ms": 10}, "turnguard_retention_ms must be >= turnguard_replay"),
+        ({"turnguard_cooldown_max_ms": 5}, "turnguard_cooldown_max_ms must be >= turnguard_cool"),
+    ],
+)
+def test_invalid_values_name_the_option(change, message):
+    with pytest.raises(ValueError, match=message):
+        options.settings_from({**options.DEFAULTS, **change})
+
+
+def test_readme_documents_every_option_with_its_default():
+    rows = dict(re.findall(r"^\| `(turnguard_\w+)` \| (.*?) \|", README, re.M))
+    assert set(rows) == {spec.name for spec in options.OPTIONS}
+    for spec in options.OPTIONS:
+        if spec.name in ("turnguard_ledger", "turnguard_filter", "turnguard_events"):
+            continue  # shown as words, not as the raw default
+        assert rows[spec.name].strip("`").lower() == str(spec.default).lower(), spec.name
