@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,11 @@ from turnguard_core.ledger import (  # noqa: E402
     Recording,
     instance_is_dead,
 )
-from turnguard_core.upstream_cut import cut_upstream  # noqa: E402
+from turnguard_core.proxy_internals import (  # noqa: E402
+    client_stream_closed,
+    cut_upstream,
+    find_http_layer,
+)
 from turnguard_core.tee import ResponseTee, recordable_headers  # noqa: E402
 from turnguard_core.telemetry import Telemetry  # noqa: E402
 
@@ -133,6 +138,8 @@ class TurnGuard:
         self._sessions: dict[str, policy.SessionOwnership] = {}  # sessions this process owns
         self._circuits: dict[str, circuit.CircuitState] = {}  # last known, for when the ledger is down
         self._ticker: asyncio.Task | None = None
+        # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
+        self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._last_heartbeat = 0.0
         self._last_gc = 0.0
         self._last_reap = 0.0
@@ -358,8 +365,10 @@ class TurnGuard:
                     flow, ident, base, owner, min(admission.remaining_s, remaining_budget),
                     admission.remaining_s,
                 )
-                if isinstance(woke, _Gone):
-                    self._abandon(flow, base, woke, held_since or now)
+                gone = woke if isinstance(woke, _Gone) else self._client_gone(flow)
+                if gone is not None:
+                    self._abandon(flow, base, gone if isinstance(gone, _Gone) else _Gone(gone),
+                                  held_since or now)
                     return
                 if isinstance(woke, _OwnershipLost):
                     self.telemetry.emit("ownership_lost", **base, epoch=woke.epoch)
@@ -394,8 +403,10 @@ class TurnGuard:
             if woke is None:
                 self._reject_in_progress(flow, base, held_since)
                 return
-            if isinstance(woke, _Gone):
-                self._abandon(flow, base, woke, held_since)
+            gone = woke if isinstance(woke, _Gone) else self._client_gone(flow)
+            if gone is not None:
+                self._abandon(flow, base, gone if isinstance(gone, _Gone) else _Gone(gone),
+                              held_since)
                 return
             if isinstance(woke, _Ended) and woke.recording is not None:
                 held_ms = round((time.monotonic() - held_since) * 1000)
@@ -536,7 +547,7 @@ class TurnGuard:
         attempt.timer = None
         attempt.cut_reason = MISSING_RESPONSE_CREATED
         why_not = cut_upstream(
-            ctx.master.addons.get("proxyserver"), flow.client_conn.id, flow.server_conn,
+            self._proxyserver(), flow.client_conn.id, flow.server_conn,
             f"turnguard: {MISSING_RESPONSE_CREATED}",
         )
         self.telemetry.emit(
@@ -573,14 +584,34 @@ class TurnGuard:
             if held.op_key == op_key and not held.cooldown and not held.wake.done():
                 held.wake.set_result(why)
 
+    @staticmethod
+    def _proxyserver():
+        try:
+            return ctx.master.addons.get("proxyserver")
+        except AttributeError:  # no master (unit tests)
+            return None
+
+    def _client_gone(self, flow: http.HTTPFlow) -> str | None:
+        """Why the client of a held flow no longer wants an answer, if it does not."""
+        if flow.error is not None:
+            return "killed"
+        if not flow.client_conn.connected:
+            return "client disconnected"
+        if flow.request.http_version == "HTTP/2.0":
+            layer = self._http_layers.get(flow.client_conn.id)
+            if layer is None:
+                layer = find_http_layer(self._proxyserver(), flow.client_conn.id)
+                if layer is not None:
+                    self._http_layers[flow.client_conn.id] = layer
+            if layer is not None and client_stream_closed(layer, flow, flow.client_conn):
+                return "stream reset by client"
+        return None
+
     def _wake_gone_flows(self) -> None:
         for held in list(self._held.values()):
-            f = held.flow
-            if f.error is not None or not f.client_conn.connected:
-                if not held.wake.done():
-                    held.wake.set_result(
-                        _Gone("killed" if f.error is not None else "client disconnected")
-                    )
+            reason = self._client_gone(held.flow)
+            if reason is not None and not held.wake.done():
+                held.wake.set_result(_Gone(reason))
 
     def _check_cooldown_sessions(self, now: float) -> None:
         """Renew the leases of sessions with requests held through a cooldown, and wake those
@@ -811,7 +842,8 @@ class TurnGuard:
         failure = None
         if outcome == "unknown":
             failure = policy.failure_class(
-                cut_reason=attempt.cut_reason, status=status, error=detail, body_complete=complete
+                cut_reason=attempt.cut_reason, status=status, error=detail,
+                body_complete=complete, client_gone=not flow.client_conn.connected,
             )
         eventless = failure is not None and policy.counts_for_circuit(failure)
         now = time.time()

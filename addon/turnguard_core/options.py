@@ -141,6 +141,9 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         value = values[spec.name]
         if spec.minimum is not None and value < spec.minimum:
             raise ValueError(f"{spec.name} must be >= {spec.minimum}, not {value}")
+        if spec.choices is not None and value not in spec.choices:
+            # mitmproxy checks choices= for command-line flags only, not for --set
+            raise ValueError(f"{spec.name} must be one of {', '.join(spec.choices)}, not {value!r}")
     v = values
     if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
         raise ValueError(

@@ -270,13 +270,16 @@ def retry_after_seconds(remaining_s: float) -> int:
 
 
 def failure_class(
-    *, cut_reason: str | None, status: int | None, error: str | None, body_complete: bool
+    *, cut_reason: str | None, status: int | None, error: str | None, body_complete: bool,
+    client_gone: bool = False,
 ) -> str:
-    """Name the kind of an eventless failure, for telemetry and for the circuit."""
+    """Name the kind of an eventless failure, for telemetry and for the circuit.
+    ``client_gone``: the client's connection is closed (mitmproxy's HTTP/2 messages do not say
+    whose side closed, so the caller checks the connection)."""
     if cut_reason:
         return cut_reason
     msg = (error or "").lower()
-    if "client disconnected" in msg or "client closed" in msg:
+    if client_gone or any(w in msg for w in ("client disconnected", "reset by client")):
         return "client_abort"
     if status is None:
         if any(w in msg for w in ("refused", "connect call failed", "cannot connect",

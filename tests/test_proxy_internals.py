@@ -6,7 +6,7 @@ import inspect
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.proxy import server
 
-from turnguard_core.upstream_cut import cut_upstream
+from turnguard_core.proxy_internals import client_stream_closed, cut_upstream
 
 
 def test_the_internals_cut_upstream_walks_still_exist():

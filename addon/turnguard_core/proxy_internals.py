@@ -1,0 +1,94 @@
+"""The one place turnguard relies on mitmproxy internals: cutting a flow's upstream connection,
+and telling whether an HTTP/2 client still wants a stream that turnguard holds.
+
+Cutting.
+
+``flow.kill()`` cannot stop a flow that is already waiting for upstream headers or streaming
+(mitmproxy issue 4711): the proxy checks the kill only between hooks. What works at once is
+cancelling the asyncio task that serves the flow's server connection. mitmproxy then treats the
+upstream as closed: before response headers the client gets a 502, mid-stream its body is cut;
+either way the ``error`` hook fires. The path to that task, in mitmproxy 12.3:
+
+    proxyserver addon .connections[client connection id]   -> ConnectionHandler
+        .transports[server connection]                       -> ConnectionIO
+            .handler                                         -> asyncio.Task
+
+Nothing here imports mitmproxy; the caller passes the proxyserver addon. If an upgrade moves any
+of these, ``cut_upstream`` returns a reason instead of raising, and
+``tests/test_proxy_internals.py`` fails loudly.
+
+HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
+until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
+``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
+forgets a reset stream at once. ``find_http_layer`` finds the connection's ``HttpLayer`` below
+the connection handler's root layer (``NextLayer.layer``, a layer's ``child_layer``, or the
+layer behind a bound ``_handle_event``); from there:
+
+    HttpLayer.streams[stream id]             -> HttpStream (its .flow is our flow)
+    HttpLayer.connections[client connection] -> Http2Server, whose .streams holds the open ids
+"""
+
+from __future__ import annotations
+
+
+def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> str | None:
+    """Cancel the server connection's handler task. Returns None when cut, else why not."""
+    if proxyserver is None:
+        return "no proxyserver addon"
+    connections = getattr(proxyserver, "connections", None)
+    if not isinstance(connections, dict):
+        return "proxyserver has no connections map (mitmproxy internals changed?)"
+    handler = connections.get(client_conn_id)
+    if handler is None:
+        return "client connection is gone"
+    transports = getattr(handler, "transports", None)
+    if transports is None:
+        return "connection handler has no transports (mitmproxy internals changed?)"
+    io = transports.get(server_conn)
+    if io is None:
+        return "no open server connection for this flow"
+    task = getattr(io, "handler", None)
+    if task is None or not hasattr(task, "cancel"):
+        return "server connection has no handler task (mitmproxy internals changed?)"
+    if task.done():
+        return "server connection already closed"
+    task.cancel(reason)
+    return None
+
+
+def client_stream_closed(http_layer, flow, client_conn) -> bool | None:
+    """Whether the client has reset or closed ``flow``'s HTTP/2 stream. None when that cannot
+    be told (not HTTP/2, unknown layer, internals changed): the caller then relies on
+    ``flow.error`` and ``client_conn.connected``."""
+    streams = getattr(http_layer, "streams", None)
+    connections = getattr(http_layer, "connections", None)
+    if not isinstance(streams, dict) or not isinstance(connections, dict):
+        return None
+    client_layer = connections.get(client_conn)
+    open_ids = getattr(client_layer, "streams", None)
+    if not isinstance(open_ids, dict) or not hasattr(client_layer, "h2_conn"):
+        return None  # not an HTTP/2 client connection
+    for stream_id, stream in streams.items():
+        if getattr(stream, "flow", None) is flow:
+            return stream_id not in open_ids
+    return None
+
+
+_LINKS = ("layer", "child_layer")
+_BOUND = ("_handle_event", "handle_event", "_handle")
+
+
+def find_http_layer(proxyserver, client_conn_id: str):
+    """The ``HttpLayer`` serving a client connection, or None."""
+    handler = getattr(proxyserver, "connections", {}).get(client_conn_id)
+    todo, seen = [getattr(handler, "layer", None)], set()
+    while todo and len(seen) < 32:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "HttpLayer":
+            return node
+        todo.extend(getattr(node, name, None) for name in _LINKS)
+        todo.extend(getattr(getattr(node, name, None), "__self__", None) for name in _BOUND)
+    return None

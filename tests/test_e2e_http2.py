@@ -1,0 +1,381 @@
+"""HTTP/2 clients through a real ``mitmdump -s addon/turnguard.py`` in reverse mode.
+
+mitmdump accepts TLS from the client with the CA of its own confdir (the harness gives each
+mitmdump one in ``tmp_path``) and negotiates HTTP/2 by ALPN; the upstream is the bundled mock
+over plain HTTP/1.1. The client is ``curl --http2 -k`` (one process per request, so each
+request has its own connection), and every curl is bounded by ``--max-time`` and a process
+timeout. Assertions count what the mock upstream saw and what each client got.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    read_jsonl,
+    sse_event_types,
+    wait_until,
+)
+
+SECRET = "sk-test-h2-SECRET-0123456789"
+HEADERS = {
+    "authorization": f"Bearer {SECRET}",
+    "session-id": "sess-h2",
+    "content-type": "application/json",
+    "accept": "text/event-stream",
+}
+BODY = {"model": "gpt-test", "input": "write a haiku over HTTP/2", "stream": True}
+CURL_MAX_S = 30
+PROC_WAIT_S = CURL_MAX_S + 10
+
+
+def _curl_with_http2() -> str | None:
+    curl = shutil.which("curl")
+    if curl is None:
+        return None
+    try:
+        out = subprocess.run(
+            [curl, "--version"], capture_output=True, text=True, timeout=10,
+            stdin=subprocess.DEVNULL,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    features = next((ln for ln in out.splitlines() if ln.startswith("Features:")), "")
+    return curl if "HTTP2" in features.split() else None
+
+
+CURL = _curl_with_http2()
+HAS_H2 = importlib.util.find_spec("h2") is not None
+
+pytestmark = pytest.mark.skipif(
+    CURL is None and not HAS_H2,
+    reason="no HTTP/2 client: curl is missing or built without HTTP2 (see `curl --version`), "
+    "and the h2 package is not installed for httpx",
+)
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    http_version: str  # "2" for HTTP/2
+
+
+def _parse_header_dump(text: str) -> tuple[int, dict[str, str]]:
+    """Status and lower-cased headers of the last response block of a ``curl -D`` dump."""
+    blocks = [b for b in text.replace("\r\n", "\n").split("\n\n") if b.strip()]
+    lines = blocks[-1].split("\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+class CurlH2:
+    """One ``curl --http2`` process per request, its outputs in files under ``workdir``."""
+
+    def __init__(self, workdir: Path, name: str, url: str, body: bytes, headers: dict[str, str]):
+        self.dir = workdir / name
+        self.dir.mkdir(parents=True)
+        (self.dir / "request").write_bytes(body)
+        cmd = [
+            CURL, "-sS", "--http2", "-k", "--noproxy", "*", "--max-time", str(CURL_MAX_S),
+            "-X", "POST", "--data-binary", f"@{self.dir / 'request'}",
+            "-D", str(self.dir / "headers"), "-o", str(self.dir / "body"),
+            "-w", "%{http_version}",
+        ]
+        for k, v in headers.items():
+            cmd += ["-H", f"{k}: {v}"]
+        cmd.append(url)
+        with open(self.dir / "stdout", "wb") as out, open(self.dir / "stderr", "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+    def result(self) -> Reply:
+        try:
+            rc = self.proc.wait(PROC_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"curl {self.dir.name} did not finish within {PROC_WAIT_S} s")
+        stderr = (self.dir / "stderr").read_text(errors="replace")
+        assert rc == 0, f"curl {self.dir.name} exited {rc}: {stderr}"
+        status, headers = _parse_header_dump((self.dir / "headers").read_text(errors="replace"))
+        return Reply(status, headers, (self.dir / "body").read_bytes(),
+                     (self.dir / "stdout").read_text().strip())
+
+
+class HttpxH2:
+    """Fallback when curl has no HTTP/2: httpx with h2, run in a thread."""
+
+    def __init__(self, workdir: Path, name: str, url: str, body: bytes, headers: dict[str, str]):
+        import concurrent.futures
+
+        import httpx
+
+        def send() -> Reply:
+            with httpx.Client(http2=True, verify=False, trust_env=False, timeout=CURL_MAX_S) as c:
+                r = c.post(url, content=body, headers=headers)
+                version = {"HTTP/2": "2"}.get(r.http_version, r.http_version)
+                return Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()},
+                             r.content, version)
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(send)
+
+    def result(self) -> Reply:
+        try:
+            reply = self._future.result(PROC_WAIT_S)
+        finally:
+            self._pool.shutdown(wait=False)
+        if reply.http_version != "2":
+            pytest.skip(
+                "curl lacks HTTP2 and httpx negotiated "
+                f"{reply.http_version} through mitmproxy (it offers http/1.1 first and "
+                "mitmproxy follows the client's ALPN order): no HTTP/2 client available"
+            )
+        return reply
+
+
+def h2_post(workdir: Path, name: str, proxy: Mitmdump, *, body: bytes | None = None,
+            headers: dict[str, str] | None = None, path: str = "/v1/responses"):
+    client = CurlH2 if CURL is not None else HttpxH2
+    raw = body if body is not None else json.dumps(BODY).encode()
+    return client(workdir, name, f"https://127.0.0.1:{proxy.port}{path}", raw, headers or HEADERS)
+
+
+def guarded(tmp_path: Path, upstream: MockUpstream, **options) -> Mitmdump:
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / "events.jsonl"),
+        **options,
+    }
+    return Mitmdump(tmp_path, upstream.url, options=opts)
+
+
+def events(tmp_path: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(tmp_path / "events.jsonl") if r.get("event") == kind]
+
+
+def test_http2_original_and_three_http2_duplicates_dispatch_once(tmp_path, report):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        original = h2_post(tmp_path, "original", proxy)
+        # the original is upstream (stalled 3 s) before any duplicate is sent
+        up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=15)
+        dups = [h2_post(tmp_path, f"dup{i}", proxy) for i in range(3)]
+        wait_until(lambda: len(events(tmp_path, "duplicate_held")) == 3, 15,
+                   what="three HTTP/2 duplicates held")
+        replies = [original.result()] + [d.result() for d in dups]
+
+        assert [r.http_version for r in replies] == ["2"] * 4, "every client spoke HTTP/2"
+        assert [r.status for r in replies] == [200] * 4
+        assert len({r.body for r in replies}) == 1, "four byte-identical bodies"
+        assert sse_event_types(replies[0].body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert "x-turnguard" not in replies[0].headers
+        assert [r.headers.get("x-turnguard") for r in replies[1:]] == ["replayed"] * 3
+        assert all(r.headers["content-type"].startswith("text/event-stream") for r in replies)
+        assert len(events(tmp_path, "duplicate_replayed")) == 3
+        assert not events(tmp_path, "duplicate_rejected")
+        assert not events(tmp_path, "passthrough")
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert_no_traceback(proxy.log_text())
+    report(
+        "HTTP/2 (curl --http2, TLS to mitmdump): original stalled 3 s + 3 duplicates -> "
+        f"upstream dispatches={len(up.dispatches())}, statuses={[r.status for r in replies]}, "
+        f"versions={[r.http_version for r in replies]}, distinct bodies="
+        f"{len({r.body for r in replies})}"
+    )
+
+
+def test_http2_request_with_a_non_json_body_passes_through(tmp_path):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        reply = h2_post(tmp_path, "nonjson", proxy, body=b"this is not json {").result()
+        assert reply.http_version == "2"
+        assert reply.status == 200
+        assert sse_event_types(reply.body)[-1] == "response.completed"
+        assert "x-turnguard" not in reply.headers
+        (p,) = events(tmp_path, "passthrough")
+        assert "JSON" in p["reason"]
+        assert not events(tmp_path, "dispatch")  # forwarded unguarded, not as a guarded dispatch
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.skipif(CURL is None, reason="needs curl with HTTP2 for multiplexed streams")
+def test_original_and_duplicate_multiplexed_on_one_http2_connection(tmp_path):
+    """An async request hook holds only its own HTTP/2 stream: the duplicate waits on the
+    same connection as its original, whose stream keeps flowing."""
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1500}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        req = tmp_path / "request"
+        req.write_bytes(json.dumps(BODY).encode())
+        common = ["--http2", "-k", "--noproxy", "*", "--max-time", str(CURL_MAX_S),
+                  "-X", "POST", "--data-binary", f"@{req}"]
+        for k, v in HEADERS.items():
+            common += ["-H", f"{k}: {v}"]
+        cmd = [CURL, "-sS", "--parallel", "--parallel-max", "2",
+               *common, "-D", str(tmp_path / "h0"), "-o", str(tmp_path / "b0"), url, "--next",
+               *common, "-D", str(tmp_path / "h1"), "-o", str(tmp_path / "b1"), url]
+        proc = subprocess.run(cmd, capture_output=True, timeout=PROC_WAIT_S,
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+        replies = []
+        for i in (0, 1):
+            status, headers = _parse_header_dump((tmp_path / f"h{i}").read_text())
+            replies.append((status, headers, (tmp_path / f"b{i}").read_bytes()))
+        log = proxy.log_text()
+        assert log.count("client connect") == 1, "both streams on one HTTP/2 connection"
+        assert [s for s, _, _ in replies] == [200, 200]
+        assert replies[0][2] == replies[1][2]
+        assert sorted(h.get("x-turnguard", "") for _, h, _ in replies) == ["", "replayed"]
+        assert len(up.dispatches()) == 1
+        assert len(events(tmp_path, "duplicate_held")) == 1
+        assert_no_traceback(log)
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP/2 clients that give up
+
+
+@pytest.mark.skipif(CURL is None, reason="needs curl with HTTP2")
+def test_http2_clients_that_give_up_do_not_open_the_retry_circuit(tmp_path):
+    scenario = {
+        "sequence": [{"kind": "slow", "delay_ms": 4000}, {"kind": "slow", "delay_ms": 4000}],
+        "default": {"kind": "ok"},
+    }
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        for i in range(2):  # two turns whose client gives up after 1 s (upstream needs 4 s)
+            body = json.dumps({**BODY, "input": f"turn {i}"})
+            cmd = [CURL, "-sS", "--http2", "-k", "--noproxy", "*", "--max-time", "1",
+                   "-o", "/dev/null", "--data-binary", body, url]
+            for k, v in HEADERS.items():
+                cmd += ["-H", f"{k}: {v}"]
+            rc = subprocess.run(cmd, capture_output=True, timeout=PROC_WAIT_S,
+                                stdin=subprocess.DEVNULL).returncode
+            assert rc == 28  # curl: operation timed out
+        wait_until(lambda: len(events(tmp_path, "outcome")) == 2, 10, what="two outcomes")
+        assert len(up.dispatches()) == 2
+        reply = h2_post(tmp_path, "turn3", proxy,
+                        body=json.dumps({**BODY, "input": "turn 3"}).encode()).result()
+        assert reply.status == 200, f"healthy upstream, yet {reply.status}: {reply.body[:200]!r}"
+        assert not events(tmp_path, "circuit_opened")
+        assert all(e["failure_class"] == "client_abort"
+                   for e in events(tmp_path, "eventless_failure"))
+
+
+class RawH2:
+    """A minimal HTTP/2 client (the ``h2`` package over TLS) that can reset one stream while
+    keeping the connection open, which curl cannot do. Every socket read is bounded."""
+
+    def __init__(self, port: int):
+        import h2.config
+        import h2.connection
+
+        tls = ssl.create_default_context()
+        tls.check_hostname = False
+        tls.verify_mode = ssl.CERT_NONE
+        tls.set_alpn_protocols(["h2"])
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock = tls.wrap_socket(raw, server_hostname="localhost")
+        assert self.sock.selected_alpn_protocol() == "h2"
+        self.port = port
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self._flush()
+        self.ended: dict[int, str] = {}  # stream id -> "ended" | "reset"
+        self.status: dict[int, int] = {}
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def post(self, stream_id: int, path: str, body: bytes, headers: dict[str, str]) -> None:
+        hdrs = [(":method", "POST"), (":path", path), (":scheme", "https"),
+                (":authority", f"127.0.0.1:{self.port}"), ("content-length", str(len(body)))]
+        hdrs += list(headers.items())
+        self.conn.send_headers(stream_id, hdrs)
+        self.conn.send_data(stream_id, body, end_stream=True)
+        self._flush()
+
+    def reset(self, stream_id: int) -> None:
+        import h2.errors
+
+        self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        self._flush()
+
+    def pump(self, until, timeout: float) -> None:
+        """Read and answer frames until ``until()`` is true or ``timeout`` passes."""
+        import h2.events
+
+        deadline = time.monotonic() + timeout
+        self.sock.settimeout(0.2)
+        while not until() and time.monotonic() < deadline:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                continue
+            if not data:
+                break
+            for ev in self.conn.receive_data(data):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    self.status[ev.stream_id] = int(dict(ev.headers)[b":status"])
+                elif isinstance(ev, h2.events.DataReceived):
+                    self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded):
+                    self.ended[ev.stream_id] = "ended"
+                elif isinstance(ev, h2.events.StreamReset):
+                    self.ended[ev.stream_id] = "reset"
+            self._flush()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package for a raw HTTP/2 client")
+def test_a_held_http2_duplicate_whose_stream_is_reset_is_never_forwarded(tmp_path):
+    scenario = {"sequence": [{"kind": "stall_after_headers", "ms": 2000}],
+                "default": {"kind": "ok"}}
+    body = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        client = RawH2(proxy.port)
+        try:
+            client.post(1, "/v1/responses", body, HEADERS)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            client.post(3, "/v1/responses", body, HEADERS)  # same connection, same turn
+            (held,) = wait_until(lambda: events(tmp_path, "duplicate_held"), 10,
+                                 what="the duplicate held")
+            client.reset(3)  # the client gives up on the duplicate; the connection stays open
+            client.pump(lambda: 1 in client.ended, timeout=15)  # the original ends (cut)
+            wait_until(
+                lambda: [e for e in read_jsonl(tmp_path / "events.jsonl")
+                         if e.get("flow") == held["flow"]
+                         and e["event"] in ("hold_abandoned", "duplicate_forwarded",
+                                            "duplicate_replayed", "duplicate_rejected")],
+                10, what="the held duplicate's fate",
+            )
+        finally:
+            client.close()
+        assert len(up.dispatches()) == 1
+        dup = [e for e in read_jsonl(tmp_path / "events.jsonl") if e.get("flow") == held["flow"]]
+        assert not [e for e in dup if e["event"] in ("dispatch", "duplicate_forwarded")], dup
+        assert [e for e in dup if e["event"] == "hold_abandoned"]
