@@ -117,6 +117,10 @@ class _OwnershipLost:
     epoch: int | None
 
 
+def _accepts_sse(flow: http.HTTPFlow) -> bool:
+    return "text/event-stream" in flow.request.headers.get("accept", "")
+
+
 def _headers(pairs) -> http.Headers:
     return http.Headers(
         [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape")) for k, v in pairs]
@@ -679,12 +683,11 @@ class TurnGuard:
                             cooldown_remaining_ms=round(remaining_s * 1000), reason=reason)
         if reason != "mode_fail_closed":
             self.telemetry.emit("fail_closed", **base, reason=reason)
-        self._answer_unavailable(
-            flow, "upstream_request_timeout", retry_after,
-            f"The upstream failed {self.settings.circuit.threshold} or more times in a row without "
-            f"sending a response event; retries are paused for {retry_after} s.",
-            f"turnguard: cooldown, answered 503 without dispatching ({reason})",
+        answer = answers.cooldown_rejected(
+            retry_after, self.settings.circuit.threshold, accepts_sse=_accepts_sse(flow)
         )
+        self._answer(flow, answer, MARK_REJECTED,
+                     f"turnguard: cooldown, answered 503 without dispatching ({reason})")
 
     def _fail_closed(
         self, flow: http.HTTPFlow, base: dict, scope: str, reason: str,
@@ -702,27 +705,9 @@ class TurnGuard:
         retry_after = policy.retry_after_seconds(remaining)
         self.telemetry.emit("fail_closed", **base, reason=reason, code=code,
                             retry_after_s=retry_after)
-        message = {
-            "upstream_operation_status_unknown": (
-                "This request already had its one recovery attempt after eventless upstream "
-                "failures; its outcome is unknown. Start a new turn."
-            ),
-        }.get(code, f"The upstream is unavailable for this request ({reason}); "
-                    f"retry after {retry_after} s.")
-        self._answer_unavailable(flow, code, retry_after, message,
-                                 f"turnguard: failed closed with 503 {code} ({reason})")
-
-    def _answer_unavailable(
-        self, flow: http.HTTPFlow, code: str, retry_after: int, message: str, comment: str
-    ) -> None:
-        accepts_sse = "text/event-stream" in flow.request.headers.get("accept", "")
-        self._answer(
-            flow,
-            answers.upstream_unavailable(
-                code, message, retry_after_s=retry_after, accepts_sse=accepts_sse
-            ),
-            MARK_REJECTED, comment,
-        )
+        answer = answers.failed_closed(code, reason, retry_after, accepts_sse=_accepts_sse(flow))
+        self._answer(flow, answer, MARK_REJECTED,
+                     f"turnguard: failed closed with 503 {code} ({reason})")
 
     # -- answers ---------------------------------------------------------------------------------
     def _replay(

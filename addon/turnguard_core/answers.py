@@ -78,3 +78,25 @@ def upstream_unavailable(
         for k, v in json_answer.headers
     )
     return Answer(503, headers, body)
+
+
+def cooldown_rejected(retry_after_s: int, threshold: int, *, accepts_sse: bool) -> Answer:
+    """503 ``upstream_request_timeout`` for a request fenced by a cooling retry circuit."""
+    return upstream_unavailable(
+        "upstream_request_timeout",
+        f"The upstream failed {threshold} or more times in a row without sending a response "
+        f"event; retries are paused for {retry_after_s} s.",
+        retry_after_s=retry_after_s, accepts_sse=accepts_sse,
+    )
+
+
+def failed_closed(code: str, reason: str, retry_after_s: int, *, accepts_sse: bool) -> Answer:
+    """503 for a request turnguard may not recover (``reason``); nothing was dispatched."""
+    if code == "upstream_operation_status_unknown":
+        message = ("This request already had its one recovery attempt after eventless upstream "
+                   "failures; its outcome is unknown. Start a new turn.")
+    else:
+        message = (f"The upstream is unavailable for this request ({reason}); "
+                   f"retry after {retry_after_s} s.")
+    return upstream_unavailable(code, message, retry_after_s=retry_after_s,
+                                accepts_sse=accepts_sse)
