@@ -33,8 +33,10 @@ from turnguard_core.ledger import (  # noqa: E402
     Ledger,
     LedgerError,
     Recording,
+    check_path,
     instance_is_dead,
 )
+from turnguard_core.ledger_thread import LedgerThread  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
     cut_upstream,
@@ -51,6 +53,11 @@ TICK_S = 1.0  # notice killed or disconnected held flows; heartbeat
 HEARTBEAT_S = 5.0
 INSTANCE_STALE_S = 30.0
 GC_EVERY_S = 600.0
+LEDGER_BUSY_MS = 2000  # SQLite busy timeout: claims by other processes take milliseconds
+LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
+STATUS_TIMEOUT_S = 1.0
+
+_UNAVAILABLE = object()  # what _ledger() returns when the ledger cannot be used
 
 MARK_HELD = ":hourglass:"
 MARK_COOLDOWN = ":snowflake:"
@@ -130,7 +137,8 @@ def _headers(pairs) -> http.Headers:
 class TurnGuard:
     def __init__(self) -> None:
         self.instance_id = uuid.uuid4().hex[:16]
-        self.ledger: Ledger | None = None
+        self.db: LedgerThread | None = None  # the ledger, on its own thread
+        self._ledger_retry_at = 0.0  # while in the future, the ledger is down: decide in memory
         self.ledger_path = ""
         self.ledger_error: str | None = None
         self.telemetry = Telemetry()
@@ -189,30 +197,68 @@ class TurnGuard:
         return os.path.join(confdir, "turnguard.sqlite3")
 
     def _open_ledger(self, path: str) -> None:
-        if self.ledger is not None:
-            self.ledger.close()
-        self.ledger, self.ledger_path = None, path
+        """Open the ledger on its own thread (start-up, or a change of option). A path others
+        could write to is refused; any other fault leaves turnguard running without it, and
+        the ticker tries again every few seconds."""
+        if self.db is not None:
+            self.db.close()
+        self.db, self.ledger_path = None, path
         folder = os.path.dirname(path)
         if not os.path.isdir(folder):
             raise exceptions.OptionsError(f"turnguard_ledger: folder {folder} does not exist")
-        ledger = Ledger(path, self.instance_id)
         try:
-            ledger.open(time.time())
+            check_path(path)
         except LedgerError as e:
-            if "world-writable" in str(e) or "writable by others" in str(e):
-                raise exceptions.OptionsError(f"turnguard_ledger: refused: {e}") from e
+            raise exceptions.OptionsError(f"turnguard_ledger: refused: {e}") from e
+        self._try_open(path)
+
+    def _try_open(self, path: str) -> bool:
+        db = LedgerThread(Ledger(path, self.instance_id, busy_timeout_ms=LEDGER_BUSY_MS))
+        try:
+            now = time.time()
+            db.call_sync("open", now)
+            db.call_sync("heartbeat", now)
+        except (LedgerError, OSError) as e:
+            db.close()
             self._ledger_down(e, "open")
-            return
-        self.ledger, self.ledger_error = ledger, None
+            return False
+        self.db = db
+        self._ledger_up()
         logger.info("turnguard: ledger %s (instance %s)", path, self.instance_id)
-        self._maintain(time.time(), force=True)
+        return True
+
+    def _ledger_usable(self) -> bool:
+        return self.db is not None and time.monotonic() >= self._ledger_retry_at
+
+    async def _ledger(self, during: str, call: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run a ledger call off the event loop. ``_UNAVAILABLE`` when the ledger is down (then
+        the caller decides in memory or fails closed), after noting the fault."""
+        if not self._ledger_usable():
+            return _UNAVAILABLE
+        try:
+            return await self.db.call(call, *args, **kwargs)
+        except LedgerError as e:
+            self._ledger_down(e, during)
+            return _UNAVAILABLE
 
     def _ledger_down(self, error: Exception, during: str) -> None:
-        """Note that the ledger failed; turnguard goes on coalescing in memory."""
+        """Note that the ledger failed: for a few seconds decisions are made in memory (no
+        call waits on a broken ledger), then the ticker probes it again."""
+        self._ledger_retry_at = time.monotonic() + LEDGER_RETRY_S
         if self.ledger_error is None:
-            logger.error("turnguard: ledger %s unusable (%s): %s", self.ledger_path, during, error)
+            # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
+            # broken ledger must not stop the proxy.
+            logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
+                           "it recovers", self.ledger_path, during, error)
         self.ledger_error = str(error)
         self.telemetry.emit("ledger_unavailable", during=during, error=str(error))
+
+    def _ledger_up(self) -> None:
+        if self.ledger_error is not None:
+            logger.warning("turnguard: ledger %s usable again", self.ledger_path)
+            self.telemetry.emit("ledger_recovered", error_was=self.ledger_error)
+        self.ledger_error = None
+        self._ledger_retry_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def running(self) -> None:
@@ -221,8 +267,9 @@ class TurnGuard:
     def done(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
-        if self.ledger is not None:
-            self.ledger.close()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
         self.telemetry.close()
 
     def _ensure_ticker(self) -> None:
@@ -231,54 +278,62 @@ class TurnGuard:
 
     async def _tick_forever(self) -> None:
         """One task for the whole process: wakes held flows that were killed or whose client
-        left, re-checks operations owned by other processes, heartbeats and collects garbage.
-        It sleeps longer when nothing is held, so an idle proxy does no work."""
+        left, re-checks operations owned by other processes, renews the leases of sessions
+        with requests held through a cooldown, heartbeats and collects garbage. It sleeps
+        longer when nothing is held, so an idle proxy does next to no work."""
         while True:
             foreign = any(h.foreign_attempt is not None for h in self._held.values())
             await asyncio.sleep(FOREIGN_POLL_S if foreign else TICK_S)
             try:
                 self._wake_gone_flows()
                 if foreign:
-                    self._poll_foreign()
-                if self.ledger is not None and any(h.cooldown for h in self._held.values()):
-                    self._check_cooldown_sessions(time.time())
-                self._maintain(time.time())
+                    await self._poll_foreign()
+                if any(h.cooldown for h in self._held.values()):
+                    await self._check_cooldown_sessions(time.time())
+                await self._maintain(time.time())
             except Exception:
                 logger.exception("turnguard: maintenance tick failed")
 
-    def _maintain(self, now: float, force: bool = False) -> None:
-        if self.ledger is None:
-            if self.ledger_path and (force or now - self._last_heartbeat >= HEARTBEAT_S):
-                self._last_heartbeat = now
-                self._open_ledger(self.ledger_path)  # recover by itself when the fault is gone
+    async def _maintain(self, now: float) -> None:
+        if now - self._last_heartbeat < HEARTBEAT_S:
             return
-        try:
-            if force or now - self._last_heartbeat >= HEARTBEAT_S:
-                self._last_heartbeat = now
-                self.ledger.heartbeat(now)
-            if force or now - self._last_reap >= HEARTBEAT_S:
-                self._last_reap = now
-                self._reap_dead(now)
-            if force or now - self._last_gc >= GC_EVERY_S:
-                self._last_gc = now
-                n = self.ledger.collect_garbage(
-                    now=now, retention_s=self.settings.guard.retention_s,
-                    instance_stale_s=INSTANCE_STALE_S,
+        self._last_heartbeat = now
+        if self.db is None:
+            if self.ledger_path:  # recover by itself once the fault is gone
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._try_open, self.ledger_path
                 )
-                if n:
-                    self.telemetry.emit("ledger_gc", operations_deleted=n)
+            return
+        try:  # the heartbeat doubles as the probe of a ledger that failed
+            await self.db.call("heartbeat", now)
         except LedgerError as e:
-            self._ledger_down(e, "maintenance")
+            self._ledger_down(e, "heartbeat")
+            return
+        self._ledger_up()
+        await self._reap_dead(now)
+        if now - self._last_gc >= GC_EVERY_S:
+            self._last_gc = now
+            n = await self._ledger(
+                "gc", "collect_garbage", now=now, retention_s=self.settings.guard.retention_s,
+                instance_stale_s=INSTANCE_STALE_S,
+            )
+            if n and n is not _UNAVAILABLE:
+                self.telemetry.emit("ledger_gc", operations_deleted=n)
 
-    def _reap_dead(self, now: float) -> None:
+    async def _reap_dead(self, now: float) -> None:
         """Attempts left in flight by a dead process become ``unknown`` (or ``partial``)."""
-        for row in self.ledger.instances_with_attempts_in_flight():
-            if instance_is_dead(row, host=self.ledger.host, now=now, stale_s=INSTANCE_STALE_S):
-                ops = self.ledger.reap_instance(row.instance_id, now=now)
-                self.telemetry.emit(
-                    "instance_reaped", instance=row.instance_id, pid=row.pid,
-                    operations=[k[:12] for k in ops],
-                )
+        self._last_reap = now
+        rows = await self._ledger("reap", "instances_with_attempts_in_flight")
+        if rows is _UNAVAILABLE:
+            return
+        for row in rows:
+            if instance_is_dead(row, host=self.db.ledger.host, now=now, stale_s=INSTANCE_STALE_S):
+                ops = await self._ledger("reap", "reap_instance", row.instance_id, now=now)
+                if ops is not _UNAVAILABLE:
+                    self.telemetry.emit(
+                        "instance_reaped", instance=row.instance_id, pid=row.pid,
+                        operations=[k[:12] for k in ops],
+                    )
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -309,13 +364,13 @@ class TurnGuard:
         arrived = time.monotonic()
         budget_deadline = arrived + cfg.request_budget_s
         scope = circuit.circuit_scope(ident.session, ident.scope, flow.request.path)
-        owner = self._ownership(ident.session)
+        owner = await self._ownership(ident.session)
         base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
         held_since: float | None = None
         hold_deadline = 0.0
         recovery: policy.RecoveryClaim | None = None
         while True:
-            admission = self._admit(flow, ident, scope, recovery)
+            admission = await self._admit(flow, ident, scope, recovery)
             now = time.monotonic()
             held_ms = 0 if held_since is None else round((now - held_since) * 1000)
             if isinstance(admission, policy.Dispatch):
@@ -335,7 +390,9 @@ class TurnGuard:
                                f"(the earlier attempt of {ident.op_id} did not complete)")
                 return
             if isinstance(admission, policy.Replay):
-                recording = self._recording(admission.attempt_id)
+                recording = await self._ledger("replay", "recording", admission.attempt_id)
+                if recording is _UNAVAILABLE:
+                    recording = None
                 if recording is None:
                     self.telemetry.emit("passthrough", **base, reason="recording missing")
                     return
@@ -349,7 +406,7 @@ class TurnGuard:
             if isinstance(admission, policy.Denied):
                 self.telemetry.emit("recovery_denied", **base, reason=admission.reason,
                                     code=admission.code)
-                self._fail_closed(flow, base, scope, admission.reason, code=admission.code)
+                await self._fail_closed(flow, base, scope, admission.reason, code=admission.code)
                 return
             if isinstance(admission, policy.Fenced):
                 denial = policy.fence_hold_denial(
@@ -376,10 +433,10 @@ class TurnGuard:
                     return
                 if isinstance(woke, _OwnershipLost):
                     self.telemetry.emit("ownership_lost", **base, epoch=woke.epoch)
-                    self._fail_closed(flow, base, scope, "ownership_lost")
+                    await self._fail_closed(flow, base, scope, "ownership_lost")
                     return
                 if time.monotonic() >= budget_deadline:
-                    self._fail_closed(flow, base, scope, "request_budget_expired")
+                    await self._fail_closed(flow, base, scope, "request_budget_expired")
                     return
                 recovery = policy.RecoveryClaim(
                     ident.session, owner.owner_epoch,
@@ -465,7 +522,7 @@ class TurnGuard:
         )
         return identity.identify(view, max_body_bytes=MAX_GUARDED_BODY)
 
-    def _admit(
+    async def _admit(
         self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
         recovery: policy.RecoveryClaim | None,
     ) -> policy.Admission:
@@ -473,45 +530,44 @@ class TurnGuard:
         if local_flow is not None:
             attempt = self._attempts.get(local_flow)
             return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
-        if self.ledger is not None:
-            try:
-                admission = self.ledger.admit(
-                    ident, method=flow.request.method, path=flow.request.path,
-                    now=time.time(), guard=self.settings.guard, flow_id=flow.id,
-                    circuit_scope=scope, recovery=recovery,
-                )
-                if isinstance(admission, policy.Fenced):
-                    self._circuits[scope] = circuit.CircuitState(
-                        self.settings.circuit.threshold, time.time() + admission.remaining_s
-                    )
-                return admission
-            except LedgerError as e:
-                self._ledger_down(e, "admit")
-        # Ledger unusable: coalesce in memory, keep a known cooldown, never recover blind.
-        remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(time.time())
-        if remaining > 0:
-            return policy.Fenced(remaining, output_seen=False)
-        if recovery is not None:
-            return policy.Denied("upstream_request_timeout", "ledger_unavailable")
-        return policy.Dispatch("original")
+        admission = await self._ledger(
+            "admit", "admit", ident, method=flow.request.method, path=flow.request.path,
+            now=time.time(), guard=self.settings.guard, flow_id=flow.id,
+            circuit_scope=scope, recovery=recovery,
+        )
+        if admission is _UNAVAILABLE:
+            # Coalesce in memory, keep a known cooldown, never recover blind.
+            if ident.op_key in self._local:  # another request claimed it meanwhile
+                return policy.Hold(None, self.instance_id)
+            remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(time.time())
+            if remaining > 0:
+                return policy.Fenced(remaining, output_seen=False)
+            if recovery is not None:
+                return policy.Denied("upstream_request_timeout", "ledger_unavailable")
+            return policy.Dispatch("original")
+        if isinstance(admission, policy.Fenced):
+            self._circuits[scope] = circuit.CircuitState(
+                self.settings.circuit.threshold, time.time() + admission.remaining_s
+            )
+        return admission
 
-    def _ownership(self, session: str | None) -> policy.SessionOwnership | None:
+    async def _ownership(self, session: str | None) -> policy.SessionOwnership | None:
         """Claim or renew this process's ownership of a durable session (None: not owned).
         The ledger is written only when the lease is past half its length."""
-        if session is None or self.ledger is None:
+        if session is None:
             return None
         now = time.time()
         lease_s = self.settings.owner_lease_s
         cached = self._sessions.get(session)
         if cached is not None and cached.lease_until - now > lease_s / 2:
             return cached
-        try:
-            row, result = self.ledger.claim_session(
-                session, now=now, lease_s=lease_s, new_id=uuid.uuid4().hex
-            )
-        except LedgerError as e:
-            self._ledger_down(e, "claim_session")
+        claimed = await self._ledger(
+            "claim_session", "claim_session", session, now=now, lease_s=lease_s,
+            new_id=uuid.uuid4().hex,
+        )
+        if claimed is _UNAVAILABLE:
             return None
+        row, result = claimed
         if result == "owned_by_other":
             self._sessions.pop(session, None)
             return None
@@ -520,13 +576,6 @@ class TurnGuard:
                                 epoch=row.owner_epoch, durable_id=row.durable_id)
         self._sessions[session] = row
         return row
-
-    def _recording(self, attempt_id: int) -> Recording | None:
-        try:
-            return self.ledger.recording(attempt_id) if self.ledger else None
-        except LedgerError as e:
-            self._ledger_down(e, "replay")
-            return None
 
     def _dispatch(
         self, flow: http.HTTPFlow, ident: identity.Identity, d: policy.Dispatch, scope: str
@@ -617,47 +666,40 @@ class TurnGuard:
             if reason is not None and not held.wake.done():
                 held.wake.set_result(_Gone(reason))
 
-    def _check_cooldown_sessions(self, now: float) -> None:
+    async def _check_cooldown_sessions(self, now: float) -> None:
         """Renew the leases of sessions with requests held through a cooldown, and wake those
         requests if another process took the session."""
         lease_s = self.settings.owner_lease_s
         for session, epoch in {(h.session, h.epoch) for h in self._held.values() if h.cooldown}:
             owned = self._sessions.get(session)
-            renew_due = owned is None or owned.lease_until - now < lease_s * 2 / 3
-            try:
-                if renew_due:
-                    kept = self.ledger.renew_session(session, epoch, now=now, lease_s=lease_s)
-                    if kept and owned is not None:
-                        self._sessions[session] = dataclasses.replace(
-                            owned, lease_until=now + lease_s
-                        )
-                else:
-                    kept = self.ledger.session_owned_by(session, self.instance_id, epoch)
-            except LedgerError as e:
-                self._ledger_down(e, "renew_session")
-                continue
-            if not kept:
+            if owned is None or owned.lease_until - now < lease_s * 2 / 3:
+                kept = await self._ledger("renew_session", "renew_session", session, epoch,
+                                          now=now, lease_s=lease_s)
+                if kept is True and owned is not None:
+                    self._sessions[session] = dataclasses.replace(
+                        owned, lease_until=now + lease_s
+                    )
+            else:
+                kept = await self._ledger("renew_session", "session_owned_by", session,
+                                          self.instance_id, epoch)
+            if kept is False:
                 self._sessions.pop(session, None)
                 for held in list(self._held.values()):
                     if held.cooldown and held.session == session and not held.wake.done():
                         held.wake.set_result(_OwnershipLost(epoch))
 
-    def _poll_foreign(self) -> None:
+    async def _poll_foreign(self) -> None:
         """Operations another process owns: wake their waiters once the attempt changed."""
-        if self.ledger is None:
-            return
-        try:
-            now = time.time()
-            if now - self._last_reap >= 1.0:
-                self._last_reap = now
-                self._reap_dead(now)
-            for op_key in {h.op_key for h in self._held.values() if h.foreign_attempt is not None}:
-                snap = self.ledger.snapshot(op_key)
-                watched = {h.foreign_attempt for h in self._held.values() if h.op_key == op_key}
-                if snap is None or snap.state != "in_flight" or snap.current_attempt not in watched:
-                    self._wake(op_key, _Ended(snap.state if snap else "gone"))
-        except LedgerError as e:
-            self._ledger_down(e, "poll")
+        now = time.time()
+        if now - self._last_reap >= 1.0:
+            await self._reap_dead(now)
+        for op_key in {h.op_key for h in self._held.values() if h.foreign_attempt is not None}:
+            snap = await self._ledger("poll", "snapshot", op_key)
+            if snap is _UNAVAILABLE:
+                return
+            watched = {h.foreign_attempt for h in self._held.values() if h.op_key == op_key}
+            if snap is None or snap.state != "in_flight" or snap.current_attempt not in watched:
+                self._wake(op_key, _Ended(snap.state if snap else "gone"))
 
     def _abandon(self, flow: http.HTTPFlow, base: dict, gone: _Gone, held_since: float) -> None:
         self.telemetry.emit("hold_abandoned", **base, reason=gone.reason,
@@ -689,19 +731,17 @@ class TurnGuard:
         self._answer(flow, answer, MARK_REJECTED,
                      f"turnguard: cooldown, answered 503 without dispatching ({reason})")
 
-    def _fail_closed(
+    async def _fail_closed(
         self, flow: http.HTTPFlow, base: dict, scope: str, reason: str,
         code: str = "upstream_request_timeout",
     ) -> None:
         """503 for a request that may not be recovered (owner proof lost, budget spent, claim
         exhausted, output exists, ledger unusable). Nothing is dispatched."""
         now = time.time()
-        remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(now)
-        if self.ledger is not None:
-            try:
-                remaining = self.ledger.circuit_state(scope).remaining_s(now)
-            except LedgerError as e:
-                self._ledger_down(e, "fail_closed")
+        state = await self._ledger("fail_closed", "circuit_state", scope)
+        if state is _UNAVAILABLE:
+            state = self._circuits.get(scope, circuit.CircuitState())
+        remaining = state.remaining_s(now)
         retry_after = policy.retry_after_seconds(remaining)
         self.telemetry.emit("fail_closed", **base, reason=reason, code=code,
                             retry_after_s=retry_after)
@@ -773,11 +813,22 @@ class TurnGuard:
 
     def _first_event(self, attempt: _Attempt) -> None:
         attempt.stop_timer()
-        if self.ledger is not None and attempt.attempt_id is not None:
-            try:
-                self.ledger.first_event(attempt.attempt_id)
-            except LedgerError as e:
-                self._ledger_down(e, "first_event")
+        if attempt.attempt_id is not None and self._ledger_usable():
+            self._submit("first_event", attempt.attempt_id)
+
+    def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> None:
+        """Queue a ledger write without waiting for it (from a sync hook or the stream tee).
+        ``then(result)`` runs on the event loop afterwards; a fault is noted there."""
+        future = asyncio.wrap_future(self.db.submit(call, *args, **kwargs))
+
+        def done(f: asyncio.Future) -> None:
+            error = f.exception()
+            if error is not None:
+                self._ledger_down(error, call)
+            if then is not None:
+                then(None if error is not None else f.result())
+
+        future.add_done_callback(done)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._end_attempt(flow, body_complete=True)
@@ -798,10 +849,12 @@ class TurnGuard:
         finally:
             if self._local.get(attempt.ident.op_key) == flow.id:
                 del self._local[attempt.ident.op_key]
+            # Held duplicates wake now: a recording is replayed from memory; anything else is
+            # admitted again, and the ledger thread runs that after this attempt's finish.
             self._wake(attempt.ident.op_key, why)
 
     def _record_end(self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool) -> _Ended:
-        """Classify the attempt's end, record it (and its circuit) in the ledger, and say so."""
+        """Classify the attempt's end, say so, and queue its record (and its circuit's)."""
         tee = attempt.tee
         if tee is None and body_complete and flow.response is not None:
             # No streaming happened (e.g. another addon answered): read the whole body.
@@ -831,30 +884,12 @@ class TurnGuard:
                 body_complete=complete, client_gone=not flow.client_conn.connected,
             )
         eventless = failure is not None and policy.counts_for_circuit(failure)
-        now = time.time()
-        result = None
-        if self.ledger is not None and attempt.attempt_id is not None:
-            try:
-                result = self.ledger.finish(
-                    attempt.attempt_id,
-                    AttemptEnd(outcome, status, events, failure or detail, recording),
-                    now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
-                )
-            except LedgerError as e:
-                self._ledger_down(e, "finish")
-        if result is None:  # no ledger: keep the circuit in memory
-            before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
-            after, transition = circuit.record_outcome(
-                before, eventless_failure=eventless, completed=outcome == "completed", now=now,
-                cfg=self.settings.circuit,
-            )
-            result = FinishResult(True, attempt.circuit_scope, after, transition)
         base = {"op": attempt.ident.op_id, "flow": flow.id, "session": attempt.ident.session}
         self.telemetry.emit(
             "outcome", **base, attempt=attempt.attempt_id, kind=attempt.kind, outcome=outcome,
             events_seen=events, status=status,
             duration_ms=round((time.monotonic() - attempt.started) * 1000),
-            replayable=recording is not None, detail=detail, fenced_out=not result.applied,
+            replayable=recording is not None, detail=detail,
             not_replayable_reason=(
                 None if recording is not None or outcome != "completed"
                 else ("over turnguard_replay_max_bytes" if tee and tee.over_cap else "replay off")
@@ -865,7 +900,30 @@ class TurnGuard:
                 "eventless_failure", **base, failure_class=failure, events_seen=events,
                 status=status, counts_for_circuit=eventless, detail=detail,
             )
-        self._note_circuit(result)
+        now = time.time()
+
+        def in_memory(result: FinishResult | None = None) -> None:
+            if result is None:  # no ledger: keep the circuit in memory
+                before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
+                after, transition = circuit.record_outcome(
+                    before, eventless_failure=eventless, completed=outcome == "completed",
+                    now=now, cfg=self.settings.circuit,
+                )
+                result = FinishResult(True, attempt.circuit_scope, after, transition)
+            elif not result.applied:
+                self.telemetry.emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
+                                    reason="the attempt was ended meanwhile (reaped)")
+            self._note_circuit(result)
+
+        if attempt.attempt_id is not None and self._ledger_usable():
+            self._submit(
+                "finish", attempt.attempt_id,
+                AttemptEnd(outcome, status, events, failure or detail, recording),
+                now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
+                then=in_memory,
+            )
+        else:
+            in_memory()
         return _Ended(outcome, recording)
 
     def _note_circuit(self, result: FinishResult) -> None:
@@ -897,18 +955,18 @@ class TurnGuard:
         cooldowns = [
             (scope, state) for scope, state in self._circuits.items() if state.remaining_s(now)
         ]
-        if self.ledger is not None:
+        if self._ledger_usable():
             try:
-                ledger_counts = self.ledger.counts()
-                cooldowns = self.ledger.open_circuits(now)
-            except LedgerError as e:
-                ledger_counts = {"error": str(e)}
+                ledger_counts = self.db.call_sync("counts", timeout=STATUS_TIMEOUT_S)
+                cooldowns = self.db.call_sync("open_circuits", now, timeout=STATUS_TIMEOUT_S)
+            except (LedgerError, TimeoutError) as e:
+                ledger_counts = {"error": str(e) or "ledger busy"}
         return json.dumps(
             {
                 "instance": self.instance_id,
                 "recovery_mode": self.settings.recovery_mode,
                 "ledger": self.ledger_path,
-                "ledger_ok": self.ledger is not None,
+                "ledger_ok": self.db is not None and self.ledger_error is None,
                 "ledger_error": self.ledger_error,
                 "operations_by_state": ledger_counts,
                 "in_flight": len(self._attempts),

@@ -9,7 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl, sse_event_types, sse_post
+from harness import (
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    read_jsonl,
+    sse_event_types,
+    sse_post,
+    wait_until,
+)
 
 TURN = {"model": "gpt-test", "input": [{"role": "user", "content": "fix the bug"}], "stream": True}
 ANCHORED = {
@@ -38,6 +46,13 @@ def proxy(tmp_path, up, name="mitmdump", **options):
 def events(tmp_path, kind=None, name="mitmdump"):
     recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
     return [r for r in recs if kind is None or r["event"] == kind]
+
+
+def wait_events(tmp_path, kind, n, name="mitmdump"):
+    """The first n events of a kind, waiting for them: turnguard records an attempt's end on
+    its ledger thread, so the circuit's events may follow the client's answer by a moment."""
+    return wait_until(lambda: (e := events(tmp_path, kind, name))[n - 1:] and e, 10,
+                      what=f"{n} {kind} event(s)")
 
 
 def post(url, headers=ANCHORED, body=TURN, timeout=30):
@@ -104,7 +119,7 @@ def test_missing_response_created_cuts_the_upstream_before_and_after_headers(tmp
 def test_default_mode_reproduces_the_503_storm_without_dispatching(tmp_path, report):
     with MockUpstream(tmp_path, STORM) as up, proxy(tmp_path, up) as p:
         open_circuit(p.url)
-        opened = events(tmp_path, "circuit_opened")
+        opened = wait_events(tmp_path, "circuit_opened", 1)
         assert len(opened) == 1 and opened[0]["failures"] == 2
         assert opened[0]["cooldown_ms"] == COOLDOWN_MS
         statuses, body = impatient_client(p.url, tries=8)
@@ -139,7 +154,7 @@ def test_once_mode_holds_one_request_through_the_cooldown_and_the_turn_completes
         assert [e["reason"] for e in events(tmp_path, "wait_finished")] == ["cooldown_elapsed"]
         assert len(events(tmp_path, "recovery_claimed")) == 1
         assert not events(tmp_path, "cooldown_rejected")
-        assert len(events(tmp_path, "circuit_reset")) == 1
+        assert len(wait_events(tmp_path, "circuit_reset", 1)) == 1
     report(f"cooldown 503 storm, server_anchored_replay_once: client saw {statuses} "
            f"(held {waits[0]['wait_ms']} ms); upstream dispatches={len(times)}, "
            "0 during the cooldown")
@@ -174,7 +189,7 @@ def test_once_mode_never_recovers_the_same_operation_twice(tmp_path):
     ) as p:
         open_circuit(p.url)
         assert post(p.url)[0] in (0, 502)  # held, recovered once, and that failed again
-        opened = events(tmp_path, "circuit_opened")
+        opened = wait_events(tmp_path, "circuit_opened", 2)
         assert [o["cooldown_ms"] for o in opened] == [COOLDOWN_MS, COOLDOWN_MS * 2]
         status, headers, body = post(p.url, headers={**ANCHORED, "accept": "application/json"},
                                      timeout=60)

@@ -152,7 +152,7 @@ def _wrap(fn):
     def wrapper(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:  # OSError: creating the file, read-only folders
             self._rollback()
             raise LedgerError(f"{type(e).__name__}: {e}") from e
 
@@ -162,7 +162,8 @@ def _wrap(fn):
 
 
 class Ledger:
-    """One connection to the ledger file, used from one thread (the proxy's event loop)."""
+    """One connection to the ledger file, used from one thread at a time (in the addon: the
+    ledger thread, see ``ledger_thread``)."""
 
     def __init__(self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000):
         self.path = path
@@ -657,12 +658,12 @@ def check_path(path: str) -> None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise sqlite3.OperationalError(f"folder {folder} does not exist")
+        raise LedgerError(f"folder {folder} does not exist")
     mode = os.stat(folder).st_mode
     if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        raise sqlite3.OperationalError(f"folder {folder} is world-writable")
+        raise LedgerError(f"folder {folder} is world-writable")
     if os.path.exists(path) and os.stat(path).st_mode & (stat.S_IWOTH | stat.S_IWGRP):
-        raise sqlite3.OperationalError(f"ledger file {path} is writable by others")
+        raise LedgerError(f"ledger file {path} is writable by others")
 
 
 def _split_sql(script: str) -> Iterable[str]:
