@@ -52,7 +52,6 @@ FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-2
 TICK_S = 1.0  # notice killed or disconnected held flows; heartbeat
 HEARTBEAT_S = 5.0
 INSTANCE_STALE_S = 30.0
-GC_EVERY_S = 600.0
 LEDGER_BUSY_MS = 2000  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
 STATUS_TIMEOUT_S = 1.0
@@ -63,6 +62,7 @@ MARK_HELD = ":hourglass:"
 MARK_COOLDOWN = ":snowflake:"
 MARK_REPLAYED = ":recycle:"
 MARK_REJECTED = ":no_entry:"
+MARK_CUT = ":scissors:"
 MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
 
 
@@ -311,7 +311,7 @@ class TurnGuard:
             return
         self._ledger_up()
         await self._reap_dead(now)
-        if now - self._last_gc >= GC_EVERY_S:
+        if now - self._last_gc >= policy.gc_interval_s(self.settings.guard.retention_s):
             self._last_gc = now
             n = await self._ledger(
                 "gc", "collect_garbage", now=now, retention_s=self.settings.guard.retention_s,
@@ -419,6 +419,12 @@ class TurnGuard:
                 remaining_budget = budget_deadline - now
                 if denial is None and remaining_budget <= 0:
                     denial = "request_budget_expired"
+                if denial == "owner_proof_missing" and ident.session and not self._ledger_usable():
+                    # no owner proof because there is no ledger to hold it: say so
+                    self.telemetry.emit("ledger_unavailable", **base, during="recovery_decision",
+                                        error=self.ledger_error)
+                    await self._fail_closed(flow, base, scope, "ledger_unavailable")
+                    return
                 if denial is not None:
                     self._cooldown_reject(flow, base, admission.remaining_s, denial)
                     return
@@ -531,9 +537,11 @@ class TurnGuard:
             attempt = self._attempts.get(local_flow)
             return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
         admission = await self._ledger(
-            "admit", "admit", ident, method=flow.request.method, path=flow.request.path,
+            "admit", "admit", ident, method=flow.request.method,
+            path=flow.request.path.split("?", 1)[0],  # a query may carry a credential
             now=time.time(), guard=self.settings.guard, flow_id=flow.id,
             circuit_scope=scope, recovery=recovery,
+            once_mode=self.settings.recovery_mode == "server_anchored_replay_once",
         )
         if admission is _UNAVAILABLE:
             # Coalesce in memory, keep a known cooldown, never recover blind.
@@ -610,7 +618,11 @@ class TurnGuard:
             headers_seen=attempt.status is not None, cut=why_not is None, why_not=why_not,
         )
         if why_not is not None:
-            logger.error("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
+            logger.warning("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
+        else:
+            self._show(flow, MARK_CUT, "turnguard: no response event within "
+                       f"{round(self.settings.response_created_timeout_s * 1000)} ms "
+                       f"({MISSING_RESPONSE_CREATED}); cut the upstream connection")
 
     async def _wait(
         self, flow: http.HTTPFlow, op_key: str, hold: policy.Hold | None, timeout_s: float,
@@ -934,6 +946,7 @@ class TurnGuard:
             self.telemetry.emit(
                 "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
                 cooldown_ms=round((result.circuit.cooldown_s or 0) * 1000),
+                open_until=result.circuit.open_until,
             )
         elif result.transition == "reset":
             self.telemetry.emit("circuit_reset", scope=result.circuit_scope)

@@ -25,13 +25,36 @@ Routes
 Anything else
     404 with a JSON error.
 
-Scenario: ``{"default": BEHAVIOUR, "sequence": [BEHAVIOUR, ...]}``, default
-``{"default": {"kind": "ok"}}``. BEHAVIOUR is ``{"kind": K, ...params}``; see ``KINDS`` and
-the ``_do_*`` methods of ``Dispatch`` for the kinds and their parameters.
+Scenario (a JSON object; every key optional)::
+
+    {"default": BEHAVIOUR,                       # {"kind": "ok"} when absent
+     "sequence": [BEHAVIOUR, ...],               # by global dispatch number n
+     "sessions": {"SESSION": SELECTOR, ...},     # by the session-id / session_id header
+     "operations": {"BODY_SHA256": SELECTOR, ...},  # by sha256 hex of the request body
+                                                 # (a prefix of >= 8 hex digits is enough)
+     "name": "...", "description": "..."}        # ignored: for people
+
+    SELECTOR = {"sequence": [BEHAVIOUR, ...], "default": BEHAVIOUR}   # both optional
+
+A dispatch's behaviour is the first of: the ``x-mock-behaviour`` header; its operation's
+selector (``sequence[k]`` for the operation's k-th dispatch, else its ``default``); its session's
+selector (likewise, k counted per session); ``sequence[n]``; ``default``. A selector whose
+sequence is used up and that has no default does not match, so the next rule decides. Every
+matching selector counts the dispatch, whichever rule decided.
+
+BEHAVIOUR is ``{"kind": K, ...params}``; see ``KINDS`` and the ``_do_*`` methods of
+``Dispatch`` for the kinds and their parameters (``ok``, ``tool_call``, ``slow``,
+``stall_before_headers``, ``stall_after_headers``, ``reset``, ``clean_close``, ``status``,
+``partial``).
 
 Log (``--log``, JSON lines, mode 0600, flushed per line, also kept in memory)
     ``{"event": "dispatch", "n", "ts", "method", "path", "query", "conn", "session",
-    "turn_state", "body_sha256", "behaviour", "authorization_present"}`` when a dispatch starts;
+    "turn_state", "body_sha256", "behaviour", "authorization_present", "selected_by",
+    "op_n", "session_n", "spec", "client_attempt"}`` when a dispatch starts (``behaviour`` is
+    the kind, ``spec`` the whole behaviour, ``selected_by`` one of header / operation /
+    session / sequence / default, ``op_n`` and ``session_n`` the dispatch's number within its
+    operation and session, ``client_attempt`` the ``x-turnguard-repro-attempt`` header the
+    reproduction toolkit's clients send, or null);
     ``{"event": "client_gone", "n", "ts"}`` when its client disconnects before the behaviour
     finished; ``{"event": "dispatch_end", "n", "ts", "status", "events_sent", "outcome"}`` when
     it ends (``status`` is null when no status line was sent); ``{"event": "scenario", "ts"}``
@@ -69,6 +92,7 @@ DRAIN_TIMEOUT_S = 5.0  # waiting for the kernel to take our bytes before an RST
 
 KINDS = {
     "ok",
+    "tool_call",
     "slow",
     "stall_before_headers",
     "stall_after_headers",
@@ -80,6 +104,10 @@ KINDS = {
 DEFAULT_SCENARIO: dict[str, Any] = {"default": {"kind": "ok"}}
 SLOW_DEFAULT_DELAY_MS = 60_000
 DEFAULT_STALL_MS = 600_000
+PARTIAL_ENDS = ("reset", "clean_close", "stall", "failed")
+MAX_DELTA_BYTES = 1024 * 1024
+SCENARIO_META_KEYS = {"name", "description", "comment"}
+REPRO_ATTEMPT_HEADER = "x-turnguard-repro-attempt"
 
 REASONS = {
     200: "OK",
@@ -119,7 +147,10 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
     kind = b.get("kind")
     if kind not in KINDS:
         raise ValueError(f"{where}: unknown kind {kind!r} (known: {sorted(KINDS)})")
-    for key in ("events", "gap_ms", "delay_ms", "ms", "code", "retry_after"):
+    for key in (
+        "events", "gap_ms", "delay_ms", "ms", "code", "retry_after", "first_event_ms",
+        "delta_bytes", "stall_ms", "think_ms",
+    ):
         if key in b and b[key] is not None:
             v = b[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -128,17 +159,50 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
         raise ValueError(f"{where}: code must be an HTTP status 100..599")
     if "events" in b and int(b["events"]) > 100_000:
         raise ValueError(f"{where}: events must be <= 100000")
-    if "text" in b and not isinstance(b["text"], str):
-        raise ValueError(f"{where}: text must be a string")
+    if "delta_bytes" in b and int(b["delta_bytes"]) > MAX_DELTA_BYTES:
+        raise ValueError(f"{where}: delta_bytes must be <= {MAX_DELTA_BYTES}")
+    for key in ("text", "name", "call_id"):
+        if key in b and not isinstance(b[key], str):
+            raise ValueError(f"{where}: {key} must be a string")
+    if "arguments" in b and not isinstance(b["arguments"], (str, dict)):
+        raise ValueError(f"{where}: arguments must be a string or a JSON object")
+    if "end" in b and b["end"] not in PARTIAL_ENDS:
+        raise ValueError(f"{where}: end must be one of {list(PARTIAL_ENDS)}")
+    if "headers" in b:
+        h = b["headers"]
+        if not isinstance(h, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k.strip() and "\n" not in k + v
+            and "\r" not in k + v and ":" not in k
+            for k, v in h.items()
+        ):
+            raise ValueError(f"{where}: headers must be an object of header name -> string value")
     return b
 
 
+def _validate_selector(sel: Any, where: str) -> dict[str, Any]:
+    """A per-session or per-operation selector: ``{"sequence": [...], "default": B}``, both
+    optional; normalised to have ``sequence`` and ``default`` (None when absent)."""
+    if not isinstance(sel, dict):
+        raise ValueError(f"{where} must be a JSON object")
+    unknown = set(sel) - {"default", "sequence"} - SCENARIO_META_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    seq = sel.get("sequence", [])
+    if not isinstance(seq, list):
+        raise ValueError(f"{where}.sequence must be a list")
+    default = sel.get("default")
+    return {
+        "sequence": [validate_behaviour(b, f"{where}.sequence[{i}]") for i, b in enumerate(seq)],
+        "default": None if default is None else validate_behaviour(default, f"{where}.default"),
+    }
+
+
 def validate_scenario(s: Any) -> dict[str, Any]:
-    """Return a normalised scenario (``default`` and ``sequence`` always present) or raise
-    ValueError."""
+    """Return a normalised scenario (``default``, ``sequence``, ``sessions`` and
+    ``operations`` always present) or raise ValueError."""
     if not isinstance(s, dict):
         raise ValueError("scenario must be a JSON object")
-    unknown = set(s) - {"default", "sequence"}
+    unknown = set(s) - {"default", "sequence", "sessions", "operations"} - SCENARIO_META_KEYS
     if unknown:
         raise ValueError(f"scenario: unknown keys {sorted(unknown)}")
     default = validate_behaviour(s.get("default", {"kind": "ok"}), "default")
@@ -146,7 +210,29 @@ def validate_scenario(s: Any) -> dict[str, Any]:
     if not isinstance(seq, list):
         raise ValueError("scenario: sequence must be a list")
     seq = [validate_behaviour(b, f"sequence[{i}]") for i, b in enumerate(seq)]
-    return {"default": default, "sequence": seq}
+    sessions = s.get("sessions", {})
+    if not isinstance(sessions, dict):
+        raise ValueError("scenario: sessions must be an object of session id -> selector")
+    operations = s.get("operations", {})
+    if not isinstance(operations, dict):
+        raise ValueError("scenario: operations must be an object of body sha256 -> selector")
+    for key in operations:
+        if not (8 <= len(key) <= 64 and all(c in "0123456789abcdef" for c in key)):
+            raise ValueError(
+                f"scenario: operations key {key!r} must be 8..64 lowercase hex digits "
+                "(a prefix of the request body's sha256)"
+            )
+    out = {
+        "default": default,
+        "sequence": seq,
+        "sessions": {k: _validate_selector(v, f"sessions[{k!r}]") for k, v in sessions.items()},
+        "operations": {
+            k: _validate_selector(v, f"operations[{k!r}]") for k, v in operations.items()
+        },
+    }
+    for key in SCENARIO_META_KEYS & set(s):
+        out[key] = s[key]
+    return out
 
 
 def _ms(b: dict[str, Any], key: str, default: float) -> float:
@@ -210,6 +296,67 @@ def ok_events(rid: str, model: str, deltas: int, text: str) -> list[tuple[str, d
     raw.append(("response.output_item.done", {"response": {"id": rid}, "output_index": 0, "item": done_item}))
     raw.append(("response.completed", {"response": response_object(rid, model, "completed", [done_item])}))
     return [(t, {"type": t, "sequence_number": i, **d}) for i, (t, d) in enumerate(raw)]
+
+
+def delta_text(text: str, delta_bytes: int | None) -> str:
+    """The text of one output_text.delta: ``text``, or ``text`` repeated and cut to
+    ``delta_bytes`` ASCII characters when that size is given (``text`` must then be ASCII to
+    hit the size exactly)."""
+    if delta_bytes is None:
+        return text
+    if delta_bytes <= 0:
+        return ""
+    base = text or "x"
+    return (base * (delta_bytes // len(base) + 1))[:delta_bytes]
+
+
+def tool_call_events(
+    rid: str, model: str, name: str, arguments: str, call_id: str
+) -> list[tuple[str, dict[str, Any]]]:
+    """The events of a turn's step that ends in one function call, shaped like the Responses
+    API's: created, in_progress, output_item.added (a ``function_call`` item),
+    function_call_arguments.delta, function_call_arguments.done, output_item.done, completed
+    (its ``output`` is the function call). The client runs the tool and sends the next request
+    of the same turn, carrying the ``x-codex-turn-state`` this response returned."""
+    item_id = "fc_" + rid.removeprefix("resp_")
+    item = {
+        "id": item_id,
+        "type": "function_call",
+        "status": "completed",
+        "arguments": arguments,
+        "call_id": call_id,
+        "name": name,
+    }
+    raw: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": response_object(rid, model, "in_progress", [])}),
+        ("response.in_progress", {"response": response_object(rid, model, "in_progress", [])}),
+        (
+            "response.output_item.added",
+            {
+                "response": {"id": rid},
+                "output_index": 0,
+                "item": {**item, "status": "in_progress", "arguments": ""},
+            },
+        ),
+        (
+            "response.function_call_arguments.delta",
+            {"response": {"id": rid}, "item_id": item_id, "output_index": 0, "delta": arguments},
+        ),
+        (
+            "response.function_call_arguments.done",
+            {"response": {"id": rid}, "item_id": item_id, "output_index": 0, "arguments": arguments},
+        ),
+        ("response.output_item.done", {"response": {"id": rid}, "output_index": 0, "item": item}),
+        ("response.completed", {"response": response_object(rid, model, "completed", [item])}),
+    ]
+    return [(t, {"type": t, "sequence_number": i, **d}) for i, (t, d) in enumerate(raw)]
+
+
+def failed_event(rid: str, model: str, seq: int) -> tuple[str, dict[str, Any]]:
+    """A ``response.failed`` event (the upstream gave up after some output)."""
+    resp = response_object(rid, model, "failed", [])
+    resp["error"] = {"code": "server_error", "message": "mock upstream: the response failed"}
+    return ("response.failed", {"type": "response.failed", "sequence_number": seq, "response": resp})
 
 
 def openai_error(code: int) -> dict[str, Any]:
@@ -469,6 +616,8 @@ class MockUpstream:
     def __init__(self, scenario: dict[str, Any], log_path: str | None):
         self.scenario = validate_scenario(scenario)
         self.counter = 0
+        self.session_counts: dict[str, int] = {}
+        self.op_counts: dict[str, int] = {}
         self.records: list[dict[str, Any]] = []
         self.conn_ids = itertools.count()
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -537,6 +686,8 @@ class MockUpstream:
                 await self.send_json(conn, 400, {"error": {"message": str(e), "type": "invalid_request_error", "code": "bad_scenario"}}, close=close)
                 return not close
             self.counter = 0
+            self.session_counts.clear()
+            self.op_counts.clear()
             self.record({"event": "scenario", "ts": time.time()})
             await self.send_json(conn, 200, {"ok": True}, close=close)
         else:
@@ -559,6 +710,39 @@ class MockUpstream:
             headers.append(("connection", "close"))
         await conn.send(head_bytes(status, headers) + body)
 
+    def _operation_key(self, body_sha: str) -> str | None:
+        """The longest ``operations`` key that is a prefix of ``body_sha``, or None."""
+        best = None
+        for key in self.scenario["operations"]:
+            if body_sha.startswith(key) and (best is None or len(key) > len(best)):
+                best = key
+        return best
+
+    def select(
+        self, n: int, session: str | None, body_sha: str
+    ) -> tuple[tuple[str, dict[str, Any]], int | None, int | None]:
+        """Count the dispatch in its operation and session, and pick its behaviour:
+        ((selected_by, behaviour), number within the session, number within the operation).
+        See the module docstring for the order."""
+        choices: list[tuple[str, dict[str, Any] | None]] = []
+        op_n = session_n = None
+        op_key = self._operation_key(body_sha)
+        if op_key is not None:
+            op_n = self.op_counts.get(op_key, 0)
+            self.op_counts[op_key] = op_n + 1
+            choices.append(("operation", _pick(self.scenario["operations"][op_key], op_n)))
+        if session is not None and session in self.scenario["sessions"]:
+            session_n = self.session_counts.get(session, 0)
+            self.session_counts[session] = session_n + 1
+            choices.append(("session", _pick(self.scenario["sessions"][session], session_n)))
+        for by, b in choices:
+            if b is not None:
+                return (by, b), session_n, op_n
+        seq = self.scenario["sequence"]
+        if n < len(seq):
+            return ("sequence", seq[n]), session_n, op_n
+        return ("default", self.scenario["default"]), session_n, op_n
+
     async def dispatch(self, conn: Conn, req: Request) -> bool:
         """Number, log and answer a model request; return False if the connection is done."""
         override = req.header("x-mock-behaviour")
@@ -570,9 +754,13 @@ class MockUpstream:
                 return False
         n = self.counter
         self.counter += 1
+        session = req.header("session-id") or req.header("session_id")
+        body_sha = hashlib.sha256(req.body).hexdigest()
+        selected, session_n, op_n = self.select(n, session, body_sha)
         if override is None:
-            seq = self.scenario["sequence"]
-            behaviour = seq[n] if n < len(seq) else self.scenario["default"]
+            selected_by, behaviour = selected
+        else:
+            selected_by = "header"
         self.record(
             {
                 "event": "dispatch",
@@ -582,11 +770,16 @@ class MockUpstream:
                 "path": req.path,
                 "query": req.query,
                 "conn": conn.cid,
-                "session": req.header("session-id") or req.header("session_id"),
+                "session": session,
                 "turn_state": req.header("x-codex-turn-state"),
-                "body_sha256": hashlib.sha256(req.body).hexdigest(),
+                "body_sha256": body_sha,
                 "behaviour": behaviour["kind"],
                 "authorization_present": req.header("authorization") is not None,
+                "selected_by": selected_by,
+                "op_n": op_n,
+                "session_n": session_n,
+                "spec": behaviour,
+                "client_attempt": req.header(REPRO_ATTEMPT_HEADER),
             }
         )
         d = Dispatch(self, conn, req, n, behaviour)
@@ -601,6 +794,12 @@ class MockUpstream:
         finally:
             self.record({"event": "dispatch_end", "n": n, "ts": time.time(), "status": d.status, "events_sent": d.events_sent, "outcome": d.outcome})
         return d.reusable and req.keep_alive
+
+
+def _pick(selector: dict[str, Any], k: int) -> dict[str, Any] | None:
+    """The behaviour a selector gives its k-th dispatch, or None when it does not decide."""
+    seq = selector["sequence"]
+    return seq[k] if k < len(seq) else selector["default"]
 
 
 class Dispatch:
@@ -640,6 +839,10 @@ class Dispatch:
         if seconds > 0 and await self.conn.wait_gone(seconds):
             raise ClientGone()
 
+    def _extra_headers(self) -> list[tuple[str, str]]:
+        """The behaviour's own ``headers`` parameter (e.g. x-should-retry, retry-after-ms)."""
+        return list((self.b.get("headers") or {}).items())
+
     async def _sse_headers(self) -> None:
         self.status = 200
         headers = [
@@ -647,37 +850,70 @@ class Dispatch:
             ("cache-control", "no-cache"),
             ("transfer-encoding", "chunked"),
             *self.common_headers,
+            *self._extra_headers(),
             *self._close_header(),
         ]
         await self.conn.send(head_bytes(200, headers))
 
     async def _stream(self, events: list[tuple[str, dict[str, Any]]], gap: float) -> None:
-        """Write events, one chunk each, draining after each, with ``gap`` seconds between."""
+        """Write events, one chunk each, draining after each, with ``gap`` seconds between, and
+        the behaviour's ``think_ms`` after ``response.in_progress`` (before the output)."""
+        think = _ms(self.b, "think_ms", 0)
         for i, (etype, data) in enumerate(events):
             if i and gap:
                 await self._sleep(gap)
+            if think and i and events[i - 1][0] == "response.in_progress":
+                await self._sleep(think)
             await self.conn.send(chunk(sse_frame(etype, data)))
             self.events_sent += 1
 
-    async def _do_ok(self, default_delay_ms: float = 0) -> None:
-        """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (0), ``delay_ms`` (0), ``text``
-        ("hello"). SSE stream, or one JSON object when the body says ``"stream": false``."""
-        deltas = int(self.b.get("events", 3))
-        text = self.b.get("text", "hello")
-        await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))
-        events = ok_events(self.rid, self.model, deltas, text)
+    def _text(self) -> str:
+        size = self.b.get("delta_bytes")
+        return delta_text(self.b.get("text", "hello"), None if size is None else int(size))
+
+    async def _complete(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Answer with ``events``: an SSE stream (``first_event_ms`` after the headers, then
+        ``gap_ms`` between events), or the final response object as one JSON body when the
+        request says ``"stream": false``."""
         if self.body.get("stream") is False:
             self.status = 200
             final = events[-1][1]["response"]
             body = json.dumps(final).encode()
-            headers = [("content-type", "application/json"), ("content-length", str(len(body))), *self.common_headers, *self._close_header()]
+            headers = [("content-type", "application/json"), ("content-length", str(len(body))), *self.common_headers, *self._extra_headers(), *self._close_header()]
             await self.conn.send(head_bytes(200, headers) + body)
         else:
             await self._sse_headers()
+            await self._sleep(_ms(self.b, "first_event_ms", 0))
             await self._stream(events, _ms(self.b, "gap_ms", 0))
             await self.conn.send(b"0\r\n\r\n")
         self.outcome = "completed"
         self.reusable = True
+
+    async def _do_ok(self, default_delay_ms: float = 0) -> None:
+        """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``delay_ms``
+        (before the headers, 0), ``first_event_ms`` (headers to first event, 0), ``think_ms``
+        (after response.created and response.in_progress, before the output: a turn that
+        started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``
+        ("hello"), ``delta_bytes`` (size of each delta's text; default len(text)), ``headers``
+        (extra response headers). SSE stream, or one JSON object when the body says
+        ``"stream": false``."""
+        deltas = int(self.b.get("events", 3))
+        await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))
+        await self._complete(ok_events(self.rid, self.model, deltas, self._text()))
+
+    async def _do_tool_call(self) -> None:
+        """``tool_call``: params ``name`` ("repro_lookup"), ``arguments`` (JSON text or object,
+        "{}"), ``call_id`` (minted), and ``delay_ms``, ``first_event_ms``, ``gap_ms``,
+        ``headers`` as for ``ok``. A completed response whose output is one function call, so
+        the client runs the tool and sends the turn's next request with the
+        ``x-codex-turn-state`` this response carries."""
+        args = self.b.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, separators=(",", ":"))
+        call_id = self.b.get("call_id") or f"call_{self.n}_{secrets.token_hex(6)}"
+        await self._sleep(_ms(self.b, "delay_ms", 0))
+        events = tool_call_events(self.rid, self.model, self.b.get("name", "repro_lookup"), args, call_id)
+        await self._complete(events)
 
     async def _do_slow(self) -> None:
         """``slow``: ``ok`` with a default ``delay_ms`` of 60 s."""
@@ -709,7 +945,8 @@ class Dispatch:
 
     async def _do_status(self) -> None:
         """``status``: params ``code`` (500), ``body`` (JSON object or string; default an
-        OpenAI-shaped error), ``retry_after`` (seconds, Retry-After header), ``delay_ms``."""
+        OpenAI-shaped error), ``retry_after`` (seconds, Retry-After header), ``delay_ms``,
+        ``headers`` (extra response headers, e.g. ``{"x-should-retry": "false"}``)."""
         code = int(self.b.get("code", 500))
         await self._sleep(_ms(self.b, "delay_ms", 0))
         body = self.b.get("body", openai_error(code))
@@ -717,7 +954,7 @@ class Dispatch:
             ctype, raw = "text/plain", body.encode()
         else:
             ctype, raw = "application/json", json.dumps(body).encode()
-        headers = [("content-type", ctype), ("content-length", str(len(raw))), *self.common_headers]
+        headers = [("content-type", ctype), ("content-length", str(len(raw))), *self.common_headers, *self._extra_headers()]
         if self.b.get("retry_after") is not None:
             ra = self.b["retry_after"]
             headers.append(("retry-after", str(int(ra)) if float(ra).is_integer() else str(ra)))
@@ -728,16 +965,36 @@ class Dispatch:
         self.reusable = True
 
     async def _do_partial(self) -> None:
-        """``partial``: param ``events`` (k, 2), also ``gap_ms``, ``delay_ms``, ``text``. SSE
-        headers and the first k events of an ok stream, then RST."""
+        """``partial``: param ``events`` (k, 2), also ``gap_ms``, ``delay_ms``,
+        ``first_event_ms``, ``text``, ``delta_bytes``, ``headers``. SSE headers and the first k
+        events of an ok stream, then ``end``: ``reset`` (default: RST), ``clean_close`` (FIN
+        without the chunked body's end), ``stall`` (nothing for ``stall_ms``, 600000, then
+        close) or ``failed`` (a ``response.failed`` event and a complete body)."""
         k = int(self.b.get("events", 2))
+        end = self.b.get("end", "reset")
         await self._sleep(_ms(self.b, "delay_ms", 0))
-        events = ok_events(self.rid, self.model, max(3, k), self.b.get("text", "hello"))[:k]
+        events = ok_events(self.rid, self.model, max(3, k), self._text())[:k]
         await self._sse_headers()
+        await self._sleep(_ms(self.b, "first_event_ms", 0))
         await self._stream(events, _ms(self.b, "gap_ms", 0))
+        if end == "failed":
+            await self.conn.send(chunk(sse_frame(*failed_event(self.rid, self.model, k))))
+            self.events_sent += 1
+            await self.conn.send(b"0\r\n\r\n")
+            self.outcome = "partial_failed"
+            self.reusable = True
+            return
         await self.conn.flush_kernel()
-        self.conn.reset()
-        self.outcome = "partial_reset"
+        if end == "stall":
+            await self._sleep(_ms(self.b, "stall_ms", DEFAULT_STALL_MS))
+            await self.conn.close()
+            self.outcome = "partial_stalled_then_closed"
+        elif end == "clean_close":
+            await self.conn.close()
+            self.outcome = "partial_clean_close"
+        else:
+            self.conn.reset()
+            self.outcome = "partial_reset"
 
 
 # --------------------------------------------------------------------------------------------
@@ -757,6 +1014,11 @@ async def serve(args: argparse.Namespace, scenario: dict[str, Any]) -> int:
     try:
         await stop.wait()
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # a second signal during shutdown (a process group and a trap both sending one)
+            # must not reach the closing loop's wakeup fd
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         server.close()
         tasks = list(state.tasks)
         for t in tasks:

@@ -247,7 +247,7 @@ class Mitmdump:
 
     def wait_for_log(self, needle: str, timeout: float = 10.0) -> str:
         """Wait until ``needle`` appears in the log; return the log text."""
-        return wait_until(lambda: (t := self.log_text()) if needle in t else None, timeout, what=f"{needle!r} in {self.log_path}")
+        return wait_until(lambda: t if needle in (t := self.log_text()) else None, timeout, what=f"{needle!r} in {self.log_path}")
 
     def stop(self) -> int:
         """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""

@@ -85,6 +85,17 @@ def test_recovery_claims():
     assert admit(snap(), recovery_once=True, circuit_remaining_s=3) == policy.Fenced(3, False)
 
 
+@pytest.mark.parametrize("state", ["unknown", "partial"])
+def test_once_mode_never_dispatches_an_operation_whose_recovery_had_no_known_result(state):
+    exhausted = policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
+    assert admit(snap(state=state, recovery_dispatches=1), once_mode=True) == exhausted
+    assert admit(snap(state=state, recovery_dispatches=1), once_mode=True,
+                 circuit_remaining_s=9) == exhausted
+    assert admit(snap(state=state, recovery_dispatches=1)) == policy.Dispatch("retry")
+    assert admit(snap(state="rejected", recovery_dispatches=1), once_mode=True) == \
+        policy.Dispatch("retry")
+
+
 @pytest.mark.parametrize(
     "kw, reason",
     [

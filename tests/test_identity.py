@@ -96,8 +96,8 @@ def test_canonical_json():
 
 def test_scope_formula_and_field_shapes():
     i = ident(headers=[("Authorization", "Bearer x"), ("ChatGPT-Account-Id", "acct")])
-    assert i.scope == hashlib.sha256(b"turnguard-scope\0Bearer x\0acct").hexdigest()
-    assert ident(headers=[]).scope == hashlib.sha256(b"turnguard-scope\0\0").hexdigest()
+    assert i.scope == hashlib.sha256(b"turnguard-scope\0Bearer x\0acct\0\0\0\0").hexdigest()
+    assert ident(headers=[]).scope == hashlib.sha256(b"turnguard-scope\0\0\0\0\0\0").hexdigest()
     assert ident(headers=[("Authorization", "")]).scope == ident(headers=[]).scope
     assert len(i.op_key) == 64 and len(i.fingerprint) == 64
     assert i.op_id == i.op_key[:12]
@@ -113,6 +113,15 @@ def test_different_authorization_differs(a1, a2):
     x, y = ident(headers=[("Authorization", a1)]), ident(headers=[("Authorization", a2)])
     assert x.scope != y.scope and x.op_key != y.op_key
     assert x.fingerprint == y.fingerprint
+
+
+@pytest.mark.parametrize(
+    "name", ["api-key", "x-api-key", "openai-organization", "openai-project"]
+)
+def test_other_credential_headers_separate_scopes(name):
+    a = ident(headers=[("Authorization", AUTH), (name, "alice")])
+    b = ident(headers=[("Authorization", AUTH), (name, "bob")])
+    assert a.scope != b.scope and a.op_key != b.op_key and "alice" not in repr(a)
 
 
 @given(header_text, header_text)

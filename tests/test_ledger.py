@@ -9,7 +9,7 @@ import stat
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from turnguard_core import identity, policy
 from turnguard_core.ledger import (

@@ -361,3 +361,104 @@ def test_mitmdump_start_failure_raises_with_its_output(tmp_path):
     else:
         proxy.stop()
         pytest.fail("Mitmdump started with a missing script")
+
+
+# ---------------------------------------------------------------------------------------------
+# per-session and per-operation selection, tool_call, event sizes and gaps, partial endings
+
+
+def test_sessions_and_operations_select_with_their_own_counters(tmp_path):
+    body_a = {"model": "m", "input": "a", "stream": True}
+    sha_a = hashlib.sha256(json.dumps(body_a).encode()).hexdigest()
+    scenario = {
+        "name": "selection", "description": "people-only keys are accepted",
+        "default": {"kind": "status", "code": 418},
+        "sequence": [{"kind": "status", "code": 500}],
+        "sessions": {"s1": {"sequence": [{"kind": "status", "code": 429}], "default": {"kind": "ok"}},
+                     "s2": {"sequence": [{"kind": "status", "code": 502}]}},
+        "operations": {sha_a[:12]: {"sequence": [{"kind": "status", "code": 503}]}},
+    }
+    with MockUpstream(tmp_path, scenario) as up:
+        assert sse_post(up.url, body=body_a, headers={"session-id": "s1"})[0] == 503  # operation first
+        assert sse_post(up.url, body=body_a, headers={"session-id": "s1"})[0] == 200  # s1's 2nd: its default
+        assert sse_post(up.url, headers={"session-id": "s1"})[0] == 200  # s1 counted both before
+        assert sse_post(up.url, headers={"session_id": "s2"})[0] == 502
+        assert sse_post(up.url, headers={"session-id": "s2"})[0] == 418  # s2 used up, no default: global
+        assert sse_post(up.url)[0] == 418  # sequence[0] was for n == 0 only
+        ds = up.dispatches()
+        assert [d["selected_by"] for d in ds] == ["operation", "session", "session", "session", "default", "default"]
+        assert [d["op_n"] for d in ds] == [0, 1, None, None, None, None]
+        assert [d["session_n"] for d in ds] == [0, 1, 2, 0, 1, None]
+        assert ds[0]["spec"] == {"kind": "status", "code": 503}
+        assert ds[0]["client_attempt"] is None
+
+
+def test_first_dispatch_uses_the_global_sequence_when_no_selector_matches(tmp_path):
+    with MockUpstream(tmp_path, {"sequence": [{"kind": "status", "code": 500}],
+                                 "sessions": {"other": {"default": {"kind": "ok"}}}}) as up:
+        status, _, _ = sse_post(up.url, headers={"session-id": "mine", "x-turnguard-repro-attempt": "c#1"})
+        assert status == 500
+        (d,) = up.dispatches()
+        assert (d["selected_by"], d["client_attempt"]) == ("sequence", "c#1")
+
+
+@pytest.mark.parametrize("bad", [
+    {"operations": {"XYZ": {}}},
+    {"operations": {"abc": {}}},
+    {"sessions": {"s": {"sequence": [{"kind": "nope"}]}}},
+    {"sessions": {"s": {"bogus": 1}}},
+    {"default": {"kind": "partial", "end": "explode"}},
+    {"default": {"kind": "ok", "headers": {"bad\nname": "x"}}},
+])
+def test_bad_selectors_are_rejected(tmp_path, bad):
+    with pytest.raises(RuntimeError, match="bad scenario"):
+        MockUpstream(tmp_path, bad)
+
+
+def test_tool_call_then_the_turn_state_is_echoed(up):
+    status, headers, body = sse_post(up.url, headers=behaviour(kind="tool_call", name="lookup", arguments={"q": 1}))
+    assert status == 200
+    events = parse_sse(body)
+    assert [t for t, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]
+    (item,) = events[-1][1]["response"]["output"]
+    assert (item["type"], item["name"], item["arguments"]) == ("function_call", "lookup", '{"q":1}')
+    assert item["call_id"].startswith("call_0_")
+    ts = headers["x-codex-turn-state"]
+    _, h2, body2 = sse_post(up.url, headers={"x-codex-turn-state": ts})
+    assert h2["x-codex-turn-state"] == ts and sse_event_types(body2) == OK_TYPES
+    assert [d["turn_state"] for d in up.dispatches()] == [None, ts]
+
+
+def test_ok_delta_bytes_first_event_and_think_and_extra_headers(up):
+    status, headers, body = sse_post(up.url, headers=behaviour(
+        kind="ok", events=2, delta_bytes=1000, first_event_ms=50, think_ms=50, gap_ms=1,
+        headers={"x-extra": "1"}))
+    assert status == 200 and headers["x-extra"] == "1"
+    deltas = [d["delta"] for t, d in parse_sse(body) if t == "response.output_text.delta"]
+    assert [len(d) for d in deltas] == [1000, 1000]
+
+
+@pytest.mark.parametrize("end, outcome, error", [
+    ("reset", "partial_reset", True),
+    ("clean_close", "partial_clean_close", True),
+    ("stall", "partial_stalled_then_closed", True),
+    ("failed", "partial_failed", False),
+])
+def test_partial_endings(up, end, outcome, error):
+    status, body, err = stream_until_error(up.url, behaviour(kind="partial", events=3, end=end, stall_ms=100))
+    assert status == 200 and (err is not None) == error
+    types = sse_event_types(body)
+    assert types[:3] == OK_TYPES[:3]
+    if end == "failed":
+        assert types[-1] == "response.failed"
+    end_rec = up.wait_for_record(lambda r: r["event"] == "dispatch_end")
+    assert end_rec["outcome"] == outcome
+
+
+def test_status_extra_headers(up):
+    status, headers, _ = sse_post(up.url, headers=behaviour(kind="status", code=500, headers={"x-should-retry": "false"}))
+    assert status == 500 and headers["x-should-retry"] == "false"

@@ -15,6 +15,37 @@ def test_the_internals_cut_upstream_walks_still_exist():
     assert "handler" in server.ConnectionIO.__annotations__
 
 
+def test_the_internals_the_http2_stream_check_walks_still_exist():
+    from mitmproxy.proxy.layers.http import HttpLayer
+    from mitmproxy.proxy.layers.http._http2 import Http2Connection
+
+    init = inspect.getsource(HttpLayer.__init__)
+    assert "self.streams" in init and "self.connections" in init
+    init = inspect.getsource(Http2Connection.__init__)
+    assert "self.h2_conn" in init and "self.streams" in init
+
+
+def test_client_stream_closed_reads_the_http2_layer():
+    class Stream:
+        def __init__(self, flow):
+            self.flow = flow
+
+    class H2:  # stands for Http2Server: its open streams, and an h2 connection
+        h2_conn = object()
+        streams = {1: "open"}
+
+    flow, other = object(), object()
+
+    class Layer:  # stands for HttpLayer
+        streams = {1: Stream(other), 3: Stream(flow)}
+        connections = {"client": H2()}
+
+    assert client_stream_closed(Layer(), flow, "client") is True
+    assert client_stream_closed(Layer(), other, "client") is False
+    assert client_stream_closed(Layer(), object(), "client") is None
+    assert client_stream_closed(object(), flow, "client") is None
+
+
 async def test_cut_cancels_the_server_connection_task_and_reports_why_not_otherwise():
     task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
     io = server.ConnectionIO(handler=task)

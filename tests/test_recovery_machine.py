@@ -84,7 +84,8 @@ class RecoveryMachine(RuleBasedStateMachine):
         recovery = (policy.RecoveryClaim(i.session, self.owner.owner_epoch, once=True)
                     if req["recovering"] else None)
         a = self.ledger.admit(i, method="POST", path="/v1/responses", now=self.now, guard=GUARD,
-                              flow_id=None, circuit_scope=self.scope, recovery=recovery)
+                              flow_id=None, circuit_scope=self.scope, recovery=recovery,
+                              once_mode=True)
         if isinstance(a, policy.Dispatch):
             if self.model.is_open(self.now):
                 self.dispatches_while_open += 1

@@ -8,8 +8,10 @@ Contract
 
 * Header lookup is case-insensitive; the first non-empty occurrence of a name wins; empty values
   count as absent.
-* ``scope`` = sha256 hex of ``"turnguard-scope\\0" + Authorization + "\\0" + chatgpt-account-id``
-  (missing headers are ""). Raw secrets appear in no field. A NUL in either value would make that
+* ``scope`` = sha256 hex of ``"turnguard-scope\\0"`` + the values of ``CREDENTIAL_HEADERS``
+  (Authorization, chatgpt-account-id, api-key, x-api-key, openai-organization, openai-project)
+  joined by NUL (missing headers are ""). Raw secrets appear in no field. A NUL in a value
+  would make that
   encoding ambiguous (and is invalid HTTP), so such a request is a ``Passthrough``.
 * Session key: ``session-id``, else ``session_id``, else the str ``session_id`` member of the JSON
   object in ``x-codex-turn-metadata``, else ``conversation_id``, else ``conversation-id``.
@@ -39,6 +41,13 @@ __all__ = [
 ]
 
 MAX_JSON_DEPTH = 256  # the top-level object is depth 1
+
+# Who is asking: OpenAI's and ChatGPT's (Authorization, chatgpt-account-id), Azure OpenAI's and
+# gateways' API keys, and the OpenAI organization and project a key acts for.
+CREDENTIAL_HEADERS = (
+    "authorization", "chatgpt-account-id", "api-key", "x-api-key", "openai-organization",
+    "openai-project",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +128,10 @@ def _identify(request: RequestView, max_body_bytes: int) -> Identity:
     body = _parse_body(request.body, max_body_bytes)
     headers = _first_values(request.headers)
 
-    auth = headers.get("authorization", "")
-    account = headers.get("chatgpt-account-id", "")
-    if "\0" in auth or "\0" in account:
+    credentials = [headers.get(name, "") for name in CREDENTIAL_HEADERS]
+    if any("\0" in value for value in credentials):
         raise _Reject("credential header contains NUL")
-    scope = _sha(b"turnguard-scope\0" + _utf8(auth) + b"\0" + _utf8(account))
+    scope = _sha(b"turnguard-scope\0" + b"\0".join(_utf8(value) for value in credentials))
 
     session_key = _session_key(headers)
     session = _sha(_utf8(session_key))[:16] if session_key else None

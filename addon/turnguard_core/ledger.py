@@ -185,6 +185,7 @@ class Ledger:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA foreign_keys=ON")
+            db.execute("PRAGMA secure_delete=ON")  # purged recordings leave no bytes behind
             self._db = db
             self._migrate()
             with self._tx():
@@ -276,6 +277,7 @@ class Ledger:
         flow_id: str | None,
         circuit_scope: str | None = None,
         recovery: policy.RecoveryClaim | None = None,
+        once_mode: bool = False,
     ) -> policy.Admission:
         """Atomically decide and, for a dispatch, claim the operation for a new attempt.
 
@@ -299,6 +301,7 @@ class Ledger:
                 circuit_remaining_s=remaining,
                 recovery_once=None if recovery is None else recovery.once,
                 owner_ok=owner_ok,
+                once_mode=once_mode,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision
@@ -591,7 +594,9 @@ class Ledger:
                 " NOT IN (SELECT instance_id FROM attempts WHERE outcome='in_flight')",
                 (now - instance_stale_s, self.instance_id),
             )
-            return n
+        if n:  # move the deletions out of the WAL too, so purged bodies are gone from disk
+            self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return n
 
     # -- inspection ----------------------------------------------------------------------------
     @_wrap

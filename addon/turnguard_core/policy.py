@@ -111,6 +111,7 @@ def admit(
     circuit_remaining_s: float = 0.0,
     recovery_once: bool | None = None,
     owner_ok: bool = True,
+    once_mode: bool = False,
 ) -> Admission:
     """Decide what happens to a request for an operation, given the operation's current state.
 
@@ -126,7 +127,9 @@ def admit(
     answer is ``Fenced``. A request released from a cooldown wait (``recovery_once`` given:
     True in once mode) gets a ``recovery`` dispatch only if its session is still owned by this
     process (``owner_ok``), the operation has no output, and, in once mode, had no recovery
-    dispatch yet; otherwise ``Denied``.
+    dispatch yet; otherwise ``Denied``. In once mode (``once_mode``) an operation whose one
+    recovery dispatch ended without a known result (unknown or partial, a crash included) is
+    never dispatched again, by any path: ``Denied`` (claim exhausted).
     """
     decision = _admit_unfenced(
         snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
@@ -135,6 +138,11 @@ def admit(
     if not isinstance(decision, Dispatch):
         return decision
     output_seen = snapshot is not None and snapshot.events_seen > 0
+    if (
+        once_mode and snapshot is not None and snapshot.recovery_dispatches >= 1
+        and snapshot.state in ("unknown", "partial")
+    ):
+        return Denied("upstream_operation_status_unknown", "claim_exhausted")
     if circuit_remaining_s > 0:
         return Fenced(circuit_remaining_s, output_seen)
     if recovery_once is None:
@@ -294,3 +302,8 @@ def failure_class(
 def counts_for_circuit(failure: str) -> bool:
     """A client that went away says nothing about the upstream's health."""
     return failure != "client_abort"
+
+
+def gc_interval_s(retention_s: float) -> float:
+    """How often to collect garbage: half the retention, between 5 s and 10 minutes."""
+    return min(600.0, max(5.0, retention_s / 2))

@@ -1,0 +1,169 @@
+"""``scripts/reproduce``: recreate a turnguard incident on one machine, with and without turnguard.
+
+    scripts/reproduce --list
+    scripts/reproduce duplicate-storm [--json] [-w FILE.flows] [--timeline FILE.svg]
+    scripts/reproduce cooldown-503-storm --columns default,once
+    scripts/reproduce show NAME > my-scenario.json       # a built-in scenario as a file
+    scripts/reproduce run my-scenario.json
+    scripts/reproduce from-capture FLOWS_FILE -o scenario.json [--keep-bodies]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import capture, runner, scenarios, timeline
+
+EPILOG = """\
+Columns: plain (mitmdump without turnguard), guard409 (turnguard answering duplicates 409 at
+once), default (turnguard defaults, fail_closed), once (server_anchored_replay_once),
+indefinite (server_indefinite_recovery). Each column gets a fresh mock upstream, mitmdump,
+ledger and events file on loopback ports; columns run side by side.
+
+Timings are shortened so a scenario runs in seconds: turnguard_cooldown_ms=3000 (production
+60000) and turnguard_response_created_timeout_ms=1000 (production 60000), plus the scenario's
+own notes. Counts come from the mock's dispatch log and turnguard's events file.
+
+-w FILE.flows saves each column's flows (FILE.<column>.flows with several columns); open one
+with `mitmweb -r FILE.default.flows`: held, replayed and rejected flows carry turnguard's marks
+and comments.
+"""
+
+
+def _parse_sets(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k.startswith("turnguard_"):
+            raise SystemExit(f"reproduce: --set wants turnguard_NAME=VALUE, not {item!r}")
+        out[k] = v
+    return out
+
+
+def _list() -> str:
+    lines = ["Built-in scenarios:"]
+    for name, s in scenarios.BUILTIN.items():
+        lines.append(f"  {name:<26} {s.get('incident', '')}")
+        for line in runner._wrap(s["description"], 70):
+            lines.append(f"  {'':<26} {line}")
+    lines.append("")
+    lines.append("Run one: scripts/reproduce NAME   (see --help for the options)")
+    return "\n".join(lines)
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"reproduce: cannot read scenario {path}: {e}") from None
+    try:
+        return scenarios.validate(data, path)
+    except ValueError as e:
+        raise SystemExit(f"reproduce: bad scenario: {e}") from None
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("-w", "--save-flows", metavar="FILE", help="save each column's flows (mitmdump -w)")
+    p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG timeline of every column")
+    p.add_argument("--columns", help="comma-separated columns to run (default: the scenario's)")
+    p.add_argument("--set", action="append", default=[], metavar="turnguard_NAME=VALUE",
+                   help="extra turnguard option for every turnguard column (repeatable)")
+    p.add_argument("--serial", action="store_true", help="run the columns one after the other")
+    p.add_argument("--keep", metavar="DIR", help="keep every log, ledger and events file in DIR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["from-capture"]:
+        p = argparse.ArgumentParser(prog="reproduce from-capture",
+                                    description="Turn a mitmproxy flow file into a scenario file.")
+        p.add_argument("flows")
+        p.add_argument("-o", "--output", required=True, help="scenario file to write")
+        p.add_argument("--keep-bodies", action="store_true",
+                       help="keep request bodies and output text verbatim (default: replace "
+                            "their content with stable placeholders; duplicates stay duplicates)")
+        p.add_argument("--columns", default="plain,default,once")
+        a = p.parse_args(argv[1:])
+        try:
+            scen, summary = capture.scenario_from_flows(
+                a.flows, keep_bodies=a.keep_bodies, columns=a.columns.split(","))
+        except (OSError, ValueError) as e:
+            print(f"reproduce from-capture: {e}", file=sys.stderr)
+            return 2
+        Path(a.output).write_text(json.dumps(scen, indent=2) + "\n", encoding="utf-8")
+        print(summary)
+        print(f"wrote {a.output}; replay it with: scripts/reproduce run {a.output}")
+        return 0
+    if argv[:1] == ["show"]:
+        if len(argv) != 2 or argv[1] not in scenarios.BUILTIN:
+            print(_list(), file=sys.stderr)
+            return 2
+        print(json.dumps(scenarios.builtin(argv[1]), indent=2))
+        return 0
+
+    p = argparse.ArgumentParser(
+        prog="reproduce", description=__doc__.splitlines()[0],
+        usage="reproduce [--list] NAME|run FILE [options]", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--list", action="store_true", help="list the built-in scenarios")
+    p.add_argument("what", nargs="*", help="a built-in scenario name, or: run SCENARIO.json")
+    _run_args(p)
+    a = p.parse_args(argv)
+    if a.list or not a.what:
+        print(_list())
+        return 0 if a.list else 2
+    if a.what[0] == "run":
+        if len(a.what) != 2:
+            p.error("run needs one scenario file")
+        scen = _load(a.what[1])
+    elif len(a.what) == 1 and a.what[0] in scenarios.BUILTIN:
+        scen = scenarios.validate(scenarios.builtin(a.what[0]))
+    else:
+        print(f"reproduce: unknown scenario {' '.join(a.what)!r}\n", file=sys.stderr)
+        print(_list(), file=sys.stderr)
+        return 2
+    columns = a.columns.split(",") if a.columns else None
+    if columns:
+        bad = [c for c in columns if c not in scenarios.COLUMNS]
+        if bad:
+            p.error(f"unknown columns {bad} (known: {', '.join(scenarios.COLUMNS)})")
+    extra = _parse_sets(a.set)
+    tmp = None
+    if a.keep:
+        workdir = Path(a.keep)
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.mkdtemp(prefix="turnguard-repro-")
+        workdir = Path(tmp)
+    try:
+        results = asyncio.run(runner.run_scenario(
+            scen, workdir, columns=columns,
+            save_flows=Path(a.save_flows).resolve() if a.save_flows else None,
+            extra_options=extra, serial=a.serial,
+        ))
+        if a.timeline:
+            Path(a.timeline).write_text(timeline.render_svg(scen, results), encoding="utf-8")
+        if a.json:
+            print(json.dumps(runner.to_json(scen, results), indent=2))
+        else:
+            print(runner.render_table(scen, results))
+            for r in results:
+                if r.flows_file:
+                    print(f"  flows of {r.title}: {r.flows_file}  (mitmweb -r {r.flows_file})")
+            if a.timeline:
+                print(f"  timeline: {a.timeline}")
+            if a.keep:
+                print(f"  logs, ledgers and events files: {workdir}")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0

@@ -1,0 +1,666 @@
+"""Hostile and odd input through a real mitmdump + turnguard: generated requests, generated
+upstream responses (SSE split anywhere, malformed lines, huge events, gzip/zstd, chunked,
+content-length and close-delimited bodies), WebSocket upgrades, HEAD and GET.
+
+Everything must pass or get a clear error, no exception may escape a hook (the mitmdump log has
+no traceback), every request gets an answer, and mitmdump's memory stays bounded.
+
+The upstream here is ``ScriptedUpstream``, a raw HTTP/1.1 server in a thread of the test
+process: a request names its script (status, headers, body parts, framing) in an ``x-script``
+header, so that the bytes and their split are exactly what the test chose."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import gzip
+import hashlib
+import itertools
+import json
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import Mitmdump, assert_no_traceback, read_jsonl, wait_until
+
+try:  # the same zstd mitmproxy uses
+    from compression import zstd  # type: ignore[import-not-found]
+except ImportError:  # Python < 3.14
+    from backports import zstd  # type: ignore[no-redef]
+
+from turnguard_core import identity
+from turnguard_core.sse import SseParser, terminal_kind
+
+WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC11D65"
+_ids = itertools.count()
+
+
+# -----------------------------------------------------------------------------------------------
+# The scripted upstream
+
+
+class ScriptedUpstream:
+    """A raw HTTP/1.1 server on 127.0.0.1 (port chosen by the OS) in a background thread.
+
+    ``add(script) -> id``; a request with ``x-script: id`` is answered by that script:
+    ``{"status", "headers": [(k, v)], "parts": [bytes], "framing": "length"|"chunked"|"close",
+    "gap_s"}``. Without ``x-script``: a small completed SSE stream for POST, ``ok`` otherwise.
+    ``Upgrade: websocket`` gets a handshake and an echo of each frame. Every response closes
+    its connection. ``hits[id]`` counts the requests each script answered."""
+
+    def __init__(self) -> None:
+        self.scripts: dict[str, dict] = {}
+        self.hits: collections.Counter[str] = collections.Counter()
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scripted-upstream", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("scripted upstream did not start")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def add(self, script: dict) -> str:
+        sid = f"s{next(_ids)}"
+        with self._lock:
+            self.scripts[sid] = script
+        return sid
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0, limit=4 * 1024 * 1024)
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    async def _shutdown(self) -> None:
+        self.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+            lines = head[:-4].decode("latin-1").split("\r\n")
+            method = lines[0].split(" ", 1)[0]
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                for _ in range(1_000_000):  # bounded
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
+            elif headers.get("content-length", "0").isdigit():
+                length = int(headers.get("content-length", "0"))
+                await asyncio.wait_for(reader.readexactly(length), 60)
+            with self._lock:
+                self.requests += 1
+            if headers.get("upgrade", "").lower() == "websocket":
+                await self._websocket(reader, writer, headers)
+                return
+            sid = headers.get("x-script")
+            with self._lock:
+                script = self.scripts.get(sid) if sid else None
+                if script is not None:
+                    self.hits[sid] += 1
+            await self._respond(writer, method, script or _default_script(method))
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                TimeoutError, ValueError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    @staticmethod
+    async def _respond(writer: asyncio.StreamWriter, method: str, s: dict) -> None:
+        parts = [p for p in s.get("parts", []) if p]
+        framing = s.get("framing", "length")
+        headers = list(s.get("headers", []))
+        if framing in ("length", "length_short"):  # short: announces 10 bytes it never sends
+            extra = 10 if framing == "length_short" else 0
+            headers.append(("content-length", str(sum(len(p) for p in parts) + extra)))
+        elif framing in ("chunked", "chunked_cut"):  # cut: no last chunk, then a close
+            headers.append(("transfer-encoding", "chunked"))
+        headers.append(("connection", "close"))
+        status = s.get("status", 200)
+        head = f"HTTP/1.1 {status} Status\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+        writer.write(head.encode("latin-1") + b"\r\n")
+        await writer.drain()
+        if method == "HEAD":
+            return
+        gap = s.get("gap_s", 0)
+        for part in parts:
+            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n"
+                         if framing.startswith("chunked") else part)
+            await writer.drain()
+            if gap:
+                await asyncio.sleep(gap)
+        if framing == "chunked":
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    @staticmethod
+    async def _websocket(reader, writer, headers) -> None:
+        accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + WS_GUID)
+                                  .digest()).decode()
+        writer.write(
+            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+            f"sec-websocket-accept: {accept}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        for _ in range(16):  # bounded
+            opcode, payload = await _read_ws_frame(reader)
+            writer.write(_ws_frame(opcode, payload, mask=False))
+            await writer.drain()
+            if opcode == 8:
+                return
+
+
+def _default_script(method: str) -> dict:
+    if method == "POST":
+        return {"headers": [("content-type", "text/event-stream")], "framing": "chunked",
+                "parts": [sse(t, {"type": t, "response": {"id": "resp_default"}})
+                          for t in ("response.created", "response.completed")]}
+    return {"headers": [("content-type", "text/plain")], "parts": [b"ok"]}
+
+
+async def _read_ws_frame(reader) -> tuple[int, bytes]:
+    b0, b1 = await reader.readexactly(2)
+    n = b1 & 0x7F
+    if n == 126:
+        n = struct.unpack("!H", await reader.readexactly(2))[0]
+    elif n == 127:
+        n = struct.unpack("!Q", await reader.readexactly(8))[0]
+    key = await reader.readexactly(4) if b1 & 0x80 else None
+    data = await reader.readexactly(n)
+    if key:
+        data = bytes(c ^ key[i % 4] for i, c in enumerate(data))
+    return b0 & 0x0F, data
+
+
+def _ws_frame(opcode: int, payload: bytes, *, mask: bool) -> bytes:
+    head = bytes([0x80 | opcode])
+    n = len(payload)
+    m = 0x80 if mask else 0
+    if n < 126:
+        head += bytes([m | n])
+    elif n < 65536:
+        head += bytes([m | 126]) + struct.pack("!H", n)
+    else:
+        head += bytes([m | 127]) + struct.pack("!Q", n)
+    if mask:
+        key = os.urandom(4)
+        return head + key + bytes(c ^ key[i % 4] for i, c in enumerate(payload))
+    return head + payload
+
+
+def sse(event_type: str, data: dict, eol: bytes = b"\n") -> bytes:
+    return (b"event: " + event_type.encode() + eol + b"data: "
+            + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + eol + eol)
+
+
+# -----------------------------------------------------------------------------------------------
+# The rig: one upstream and one mitmdump for the module
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+class Rig:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.events_path = tmp / "events.jsonl"
+        self.up = ScriptedUpstream()
+        try:
+            self.proxy = Mitmdump(tmp, self.up.url, options={
+                "turnguard_ledger": str(tmp / "ledger.sqlite3"),
+                "turnguard_events": str(self.events_path),
+            })
+        except BaseException:
+            self.up.stop()
+            raise
+        self.client = httpx.Client(trust_env=False, timeout=60)
+        self.rss: dict[str, int] = {}
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in read_jsonl(self.events_path) if e["event"] == kind]
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+            self.proxy.stop()
+        finally:
+            self.up.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    r = Rig(tmp_path_factory.mktemp("hostile"))
+    try:
+        # warm up (imports, first ledger writes) before the first memory reading
+        for i in range(20):
+            r.client.post(r.proxy.url + "/v1/responses", content=json.dumps({"warm": i}).encode(),
+                          headers={"content-type": "application/json"})
+        r.rss["start"] = rss_kb(r.proxy.pid)
+        yield r
+    finally:
+        r.close()
+
+
+def raw_post(rig: Rig, path: str, body: bytes, headers: dict) -> tuple[int, dict, bytes]:
+    """POST and read the body as it came over the wire (content-encoding kept). A body cut
+    short is returned as far as it came, with ``x-test-cut: 1`` added to the headers."""
+    with rig.client.stream("POST", rig.proxy.url + path, content=body, headers=headers) as r:
+        data, h = b"", dict(r.headers)
+        try:
+            for chunk in r.iter_raw():
+                data += chunk
+        except httpx.HTTPError:
+            h["x-test-cut"] = "1"
+        return r.status_code, h, data
+
+
+# -----------------------------------------------------------------------------------------------
+# Hostile requests
+
+HEADER_VALUE = st.text(
+    alphabet=st.characters(min_codepoint=0x21, max_codepoint=0xFF, exclude_characters="\x7f"),
+    max_size=60,
+)
+SPECIAL_HEADERS = st.dictionaries(
+    st.sampled_from([
+        "authorization", "chatgpt-account-id", "session-id", "session_id", "conversation_id",
+        "x-codex-turn-metadata", "x-codex-turn-state", "idempotency-key", "accept",
+        "content-type", "x-stainless-retry-count", "openai-organization",
+    ]),
+    HEADER_VALUE | st.sampled_from(['{"session_id": "s"}', '{"session_id": 5}', "[", "{}"]),
+    max_size=6,
+)
+EXTRA_HEADERS = st.dictionaries(
+    st.from_regex(r"x-h-[a-z0-9-]{1,20}", fullmatch=True), HEADER_VALUE, max_size=4
+)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+NASTY_BODIES = st.sampled_from([
+    b"", b"{", b"null", b"[]", b'"just a string"', b"\xef\xbb\xbf{\"bom\": 1}",
+    b'{"a": 1, "a": 2}', b'{"bad utf8": "\xff\xfe"}', b'{"nan": NaN, "inf": -Infinity}',
+    b'{"lone": "\\ud800"}', b'{"big": 1' + b"0" * 5000 + b"}", b'{"e": 1e999999}',
+    b'{"x":' * 300 + b"1" + b"}" * 300, b'{"x":' * 5000 + b"1" + b"}" * 5000,
+    b"[" * 100_000 + b"]" * 100_000, b'{"input": "\x00 nul"}', b"\x1f\x8b\x08\x00junk",
+])
+BODIES = (
+    JSON_VALUES.map(lambda v: json.dumps(v).encode())
+    | st.dictionaries(st.sampled_from(["model", "input", "stream", "previous_response_id"]),
+                      JSON_VALUES, min_size=1).map(lambda d: json.dumps(d).encode())
+    | st.binary(max_size=300)
+    | NASTY_BODIES
+    | st.integers(100_000, 2_000_000).map(lambda n: json.dumps({"input": "y" * n}).encode())
+)
+GUARDED_PATHS = ["/v1/responses", "/v1/chat/completions", "/backend-api/codex/responses",
+                 "/v1/responses?stream=true", "/v1/responses/"]
+PATHS = st.sampled_from(GUARDED_PATHS + ["/v1/other", "/v1/responses/resp_1", "/"])
+METHODS = st.sampled_from(["POST"] * 6 + ["GET", "PUT", "DELETE", "PATCH", "OPTIONS"])
+
+
+@settings(max_examples=70, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.large_base_example])
+@given(method=METHODS, path=PATHS, special=SPECIAL_HEADERS, extra=EXTRA_HEADERS, body=BODIES,
+       encoding=st.sampled_from([None, None, None, "gzip", "br", "zstd", "x-unknown"]))
+def test_generated_requests_all_get_an_answer(rig, method, path, special, extra, body, encoding):
+    headers = {k: v.encode("latin-1") for k, v in {**special, **extra}.items()}
+    if encoding:
+        headers["content-encoding"] = encoding.encode()  # a claim the body may not honour
+    r = rig.client.request(method, rig.proxy.url + path, content=body, headers=headers)
+    # a healthy upstream answers everything 200: turnguard may add only its clear errors
+    if r.status_code >= 400:
+        assert r.headers.get("content-type", "").startswith("application/json"), r.text[:300]
+        assert r.json()["error"]["code"] in {"idempotency_key_conflict"}, r.text[:300]
+
+
+RAW_REQUESTS = [
+    # chunked request body on a guarded route
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n3\r\n 1}\r\n0\r\n\r\n",
+    # Expect: 100-continue
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 8\r\n"
+    b"\r\n{\"b\": 2}",
+    # both Content-Length and Transfer-Encoding
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n{}",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+    b"POST /v1/responses HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}",
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"short\": 1}",
+]
+
+
+@pytest.mark.parametrize("raw", RAW_REQUESTS, ids=range(len(RAW_REQUESTS)))
+def test_malformed_raw_requests_get_an_answer_or_a_close(rig, raw):
+    with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=10) as s:
+        s.sendall(raw)
+        if raw.endswith(b'{"short": 1}'):  # shorter than announced: the client gives up
+            s.shutdown(socket.SHUT_WR)
+        data = b""
+        for _ in range(1000):  # bounded; each recv waits at most 10 s
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not chunk:
+                break
+            data += chunk
+    assert data == b"" or data.startswith(b"HTTP/1."), data[:200]
+    if b"Transfer-Encoding: chunked\r\n\r\n5\r\n" in raw:
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+
+
+def test_very_large_request_body_is_guarded_and_replayed(rig):
+    body = json.dumps({"model": "m", "input": "z" * (20 * 1024 * 1024), "n": next(_ids)}).encode()
+    h = {"content-type": "application/json", "accept": "text/event-stream"}
+    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body))
+    first = raw_post(rig, "/v1/responses", body, h)
+    wait_until(lambda: any(e.get("op") == op.op_id for e in rig.events("outcome")), 10,
+               what="the outcome of the first")
+    second = raw_post(rig, "/v1/responses", body, h)
+    assert first[0] == second[0] == 200
+    assert second[1].get("x-turnguard") == "replayed" and second[2] == first[2]
+    rig.rss["after_large_request"] = rss_kb(rig.proxy.pid)
+
+
+# -----------------------------------------------------------------------------------------------
+# Hostile upstream responses
+
+EVENT_TYPES = ["response.created", "response.in_progress", "response.output_text.delta",
+               "response.output_item.done", "response.completed", "response.incomplete",
+               "response.failed", "error", "weird.thing", ""]
+
+
+@st.composite
+def sse_lines(draw) -> bytes:
+    """One block of an SSE stream: a well-formed event or something odd."""
+    eol = draw(st.sampled_from([b"\n", b"\r\n", b"\r"]))
+    kind = draw(st.sampled_from(["event", "event", "event", "data_only", "comment", "no_colon",
+                                 "garbage", "bad_utf8", "multi_data", "id_retry", "blank"]))
+    t = draw(st.sampled_from(EVENT_TYPES))
+    if kind == "event":
+        return sse(t, {"type": t, "text": draw(st.text(max_size=20))}, eol)
+    if kind == "data_only":
+        return b"data: " + json.dumps({"type": t}).encode() + eol + eol
+    if kind == "comment":
+        return b": keep-alive " + draw(st.binary(max_size=10)).replace(b"\n", b"").replace(
+            b"\r", b"") + eol
+    if kind == "no_colon":
+        return b"event" + eol + b"data" + eol + eol
+    if kind == "garbage":
+        return draw(st.binary(max_size=40))
+    if kind == "bad_utf8":
+        return b"event: " + t.encode() + eol + b"data: \xff\xfe\xc3" + eol + eol
+    if kind == "multi_data":
+        return b"event: " + t.encode() + eol + b"data: {\"a\":" + eol + b"data: 1}" + eol + eol
+    if kind == "id_retry":
+        return b"id: 7\x00" + eol + b"retry: abc" + eol + b"id: 8" + eol
+    return eol
+
+
+@st.composite
+def upstream_responses(draw) -> dict:
+    status = draw(st.sampled_from([200] * 8 + [201, 400, 429, 500, 503]))
+    body = draw(st.sampled_from([b"", b"\xef\xbb\xbf"])) + b"".join(
+        draw(st.lists(sse_lines(), max_size=10)))
+    ending = draw(st.sampled_from(["response.completed", "response.incomplete",
+                                   "response.failed", "error", None, None]))
+    if ending:
+        body += sse(ending, {"type": ending})
+    if status >= 400:
+        body = json.dumps({"error": {"message": "no", "type": "x", "code": "x"}}).encode()
+    ctype = draw(st.sampled_from(["text/event-stream"] * 5 + [
+        "text/event-stream; charset=utf-8", "TEXT/EVENT-STREAM", "application/json",
+        "text/plain"]))
+    encoding = draw(st.sampled_from(["identity", "identity", "gzip", "zstd", "bogus-gzip"]))
+    encoded = body
+    headers = [("content-type", ctype), ("x-codex-turn-state", "ts_hostile")]
+    if encoding == "gzip":
+        encoded = gzip.compress(body)
+    elif encoding == "zstd":
+        encoded = zstd.compress(body)
+    if encoding != "identity":
+        headers.append(("content-encoding", "gzip" if encoding == "bogus-gzip" else encoding))
+    framing = draw(st.sampled_from(["length", "chunked", "close"] * 3
+                                   + ["length_short", "chunked_cut"]))
+    cuts = sorted(set(draw(st.lists(st.integers(0, len(encoded)), max_size=12))))
+    bounds = [0, *cuts, len(encoded)]
+    parts = [encoded[a:b] for a, b in zip(bounds, bounds[1:])]
+    return {"status": status, "headers": headers, "parts": parts, "framing": framing,
+            "_body": body, "_encoded": encoded, "_encoding": encoding, "_ctype": ctype}
+
+
+def truncated(script: dict) -> bool:
+    return script["framing"] in ("length_short", "chunked_cut")
+
+
+def expected_completion(script: dict) -> tuple[bool, int | None]:
+    """(completed?, events counted) by the rules: a 2xx SSE stream without content-encoding
+    completes on a terminal success event; any other 2xx body completes when it came whole;
+    an error status is rejected. Events are counted with turnguard's own parser over the whole
+    body at once, so a difference means the split changed the result."""
+    if not 200 <= script["status"] < 300:
+        return False, None
+    counts = (script["_ctype"].lower().startswith("text/event-stream")
+              and script["_encoding"] == "identity")
+    if not counts:
+        return not truncated(script), None
+    parser = SseParser()
+    evs = parser.feed(script["_body"]) + parser.close()
+    terminal = None
+    for ev in evs:
+        terminal = terminal_kind(ev.type) or terminal
+    return terminal == "success", len(evs)
+
+
+def _send_scripted(rig: Rig, script: dict, tag: str) -> tuple[tuple[int, dict, bytes], list[dict]]:
+    sid = rig.up.add(script)
+    body = json.dumps({"model": "m", "input": f"hostile {tag} {sid}", "stream": True}).encode()
+    h = {"content-type": "application/json", "accept": "text/event-stream", "x-script": sid,
+         "authorization": "Bearer sk-hostile", "session-id": f"hostile-{sid}"}
+    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body))
+
+    def of_op() -> list[dict]:
+        return [e for e in read_jsonl(rig.events_path) if e.get("op") == op.op_id]
+
+    first = raw_post(rig, "/v1/responses", body, h)
+    # the outcome is recorded when mitmproxy's response/error hook ran, which may be a moment
+    # after the client read the last byte
+    new = wait_until(lambda: (n := of_op()) and any(e["event"] == "outcome" for e in n) and n,
+                     10, what="the outcome event")
+    second = raw_post(rig, "/v1/responses", body, h)
+    return (first, second, sid), new
+
+
+def _check_scripted(rig: Rig, script: dict, tag: str) -> None:
+    (first, second, sid), evs = _send_scripted(rig, script, tag)
+    status, headers, raw = first
+    assert status == script["status"]
+    assert raw == script["_encoded"], "the client must get the upstream's bytes unchanged"
+    assert "x-turnguard" not in headers
+    assert ("x-test-cut" in headers) == truncated(script)
+    completed, counted = expected_completion(script)
+    outcomes = [e for e in evs if e["event"] == "outcome"]
+    assert len(outcomes) == 1
+    if completed:
+        assert outcomes[0]["outcome"] == "completed"
+    elif not 200 <= status < 300:
+        assert outcomes[0]["outcome"] == "rejected"
+    else:  # a 2xx event stream that ended without a terminal success event
+        assert outcomes[0]["outcome"] in ("partial", "unknown")
+    if counted is not None:
+        assert outcomes[0]["events_seen"] == counted
+    # the retry: answered from the recording exactly when the original completed whole
+    status2, headers2, raw2 = second
+    assert status2 == status and raw2 == raw
+    if completed and not truncated(script):
+        assert headers2.get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
+        assert headers2.get("content-encoding") == headers.get("content-encoding")
+    else:
+        assert "x-turnguard" not in headers2 and rig.up.hits[sid] == 2
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(script=upstream_responses())
+def test_generated_upstream_responses_pass_unchanged_and_replay_only_when_complete(rig, script):
+    _check_scripted(rig, script, "generated")
+
+
+def _ok_stream(eol: bytes = b"\n", text: str = "héllo ✓ ") -> bytes:
+    types = ["response.created", "response.in_progress", "response.output_text.delta",
+             "response.output_text.delta", "response.output_item.done", "response.completed"]
+    return b"".join(sse(t, {"type": t, "delta": text * 3, "response": {"id": "resp_x"}}, eol)
+                    for t in types)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+def test_sse_split_at_every_byte(rig, eol, framing):
+    body = _ok_stream(eol)
+    script = {"status": 200, "headers": [("content-type", "text/event-stream")],
+              "parts": [body[i:i + 1] for i in range(len(body))], "framing": framing,
+              "gap_s": 0.0005, "_body": body, "_encoded": body, "_encoding": "identity",
+              "_ctype": "text/event-stream"}
+    assert expected_completion(script) == (True, 6)
+    _check_scripted(rig, script, f"bytewise {framing}")
+
+
+def test_huge_event_passes_and_is_not_kept_for_replay(rig):
+    huge = b"data: " + b"x" * (12 * 1024 * 1024) + b"\n\n"
+    body = sse("response.created", {"type": "response.created"}) + huge + sse(
+        "response.completed", {"type": "response.completed"})
+    parts = [body[i:i + 256 * 1024] for i in range(0, len(body), 256 * 1024)]
+    script = {"status": 200, "headers": [("content-type", "text/event-stream")], "parts": parts,
+              "framing": "chunked", "_body": body, "_encoded": body, "_encoding": "identity",
+              "_ctype": "text/event-stream"}
+    (first, second, sid), evs = _send_scripted(rig, script, "huge")
+    assert first[0] == 200 and first[2] == body
+    outcome = [e for e in evs if e["event"] == "outcome"][0]
+    assert outcome["outcome"] == "completed" and outcome["events_seen"] == 3
+    assert outcome["replayable"] is False  # over turnguard_replay_max_bytes: not kept
+    assert second[0] == 200 and second[2] == body and "x-turnguard" not in second[1]
+    assert rig.up.hits[sid] == 2
+    rig.rss["after_huge_event"] = rss_kb(rig.proxy.pid)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_encoded_sse_passes_unchanged_and_replays(rig, encoding):
+    body = _ok_stream()
+    encoded = gzip.compress(body) if encoding == "gzip" else zstd.compress(body)
+    script = {"status": 200, "framing": "chunked",
+              "headers": [("content-type", "text/event-stream"), ("content-encoding", encoding)],
+              "parts": [encoded[i:i + 7] for i in range(0, len(encoded), 7)],
+              "_body": body, "_encoded": encoded, "_encoding": encoding,
+              "_ctype": "text/event-stream"}
+    _check_scripted(rig, script, encoding)
+
+
+# -----------------------------------------------------------------------------------------------
+# Traffic turnguard does not guard: WebSocket upgrades, GET, HEAD
+
+
+def test_websocket_upgrade_passes(rig):
+    key = base64.b64encode(os.urandom(16)).decode()
+    with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=15) as s:
+        s.sendall(
+            f"GET /v1/realtime?model=m HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            "authorization: Bearer sk-ws\r\n\r\n".encode()
+        )
+        f = s.makefile("rb")
+        status = f.readline()
+        assert status.startswith(b"HTTP/1.1 101"), status
+        for _ in range(50):  # bounded: headers until the blank line
+            if f.readline() in (b"\r\n", b""):
+                break
+        for payload in (b"hello turnguard", os.urandom(70_000)):
+            opcode = 1 if payload.isascii() else 2
+            s.sendall(_ws_frame(opcode, payload, mask=True))
+            b0, b1 = f.read(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack("!H", f.read(2))[0]
+            elif n == 127:
+                n = struct.unpack("!Q", f.read(8))[0]
+            assert (b0 & 0x0F, f.read(n)) == (opcode, payload)
+        s.sendall(_ws_frame(8, struct.pack("!H", 1000), mask=True))
+
+
+def test_get_and_head_pass_untouched(rig):
+    body = os.urandom(3000)
+    sid = rig.up.add({"headers": [("content-type", "application/octet-stream"),
+                                  ("x-upstream", "yes")], "parts": [body]})
+    r = rig.client.get(rig.proxy.url + "/v1/models", headers={"x-script": sid})
+    assert r.status_code == 200 and r.content == body and r.headers["x-upstream"] == "yes"
+    assert "x-turnguard" not in r.headers
+    h = rig.client.head(rig.proxy.url + "/v1/models", headers={"x-script": sid})
+    assert h.status_code == 200 and h.content == b""
+    assert h.headers["content-length"] == str(len(body))
+    # a GET on a guarded path is not a model turn either
+    r = rig.client.get(rig.proxy.url + "/v1/responses/resp_123", headers={"x-script": sid})
+    assert r.content == body and rig.up.hits[sid] == 3
+
+
+# -----------------------------------------------------------------------------------------------
+# Last: the log and the memory after all of the above
+
+
+def test_no_traceback_and_memory_bounded(rig, report):
+    rig.rss["end"] = rss_kb(rig.proxy.pid)
+    assert rig.proxy.proc.poll() is None
+    assert_no_traceback(rig.proxy.log_text())
+    growth_mb = (rig.rss["end"] - rig.rss["start"]) / 1024
+    report("hostile input: mitmdump RSS (MB) "
+           + ", ".join(f"{k}={v / 1024:.0f}" for k, v in rig.rss.items())
+           + f"; upstream requests={rig.up.requests}")
+    assert growth_mb < 400, rig.rss

@@ -1,0 +1,101 @@
+"""Capture to scenario, round trip: the test records a flow file itself (``mitmdump -w`` in front
+of the mock upstream), turns it into a scenario with ``reproduce from-capture`` (the real
+wrapper), checks what was extracted and that no secret survived, then replays it with
+``reproduce run`` and compares the upstream dispatches with the capture's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from harness import REPO, Mitmdump, MockUpstream, sse_post
+
+REPRODUCE = REPO / "scripts" / "reproduce"
+CAPTURE_ADDON = REPO / "scripts" / "turnguard_repro" / "capture_addon.py"
+SECRET = "sk-live-CAPTURE-SECRET-0123456789"
+ACCOUNT = "acct-SECRET-4242"
+COOKIE = "session=COOKIE-SECRET-77"
+HEADERS = {"authorization": f"Bearer {SECRET}", "chatgpt-account-id": ACCOUNT, "cookie": COOKIE,
+           "session-id": "sess-cap", "x-api-key": "another-SECRET-key"}
+
+
+def body(text: str) -> dict:
+    return {"model": "gpt-test", "input": [{"role": "user", "content": f"private prompt {text}"}], "stream": True}
+
+
+def post(url: str, text: str, headers=HEADERS) -> int:
+    try:
+        return sse_post(url, body=body(text), headers=headers, timeout=30)[0]
+    except httpx.HTTPError:
+        return 0
+
+
+def reproduce(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNGUARD_")}
+    proc = subprocess.run([str(REPRODUCE), *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_capture_to_scenario_round_trip(tmp_path, report):
+    flows = tmp_path / "incident.flows"
+    upstream = {"sequence": [
+        {"kind": "ok", "think_ms": 1500, "events": 3},  # A, the original
+        {"kind": "ok", "think_ms": 800, "events": 3},  # A again, while A runs: a duplicate
+        {"kind": "partial", "events": 3},  # B
+        {"kind": "status", "code": 429, "retry_after": 1, "headers": {"x-should-retry": "true"}},  # B again
+        {"kind": "stall_before_headers", "ms": 1200},  # C
+        {"kind": "tool_call", "name": "lookup"},  # D
+    ]}
+    with MockUpstream(tmp_path, upstream) as up, \
+            Mitmdump(tmp_path, up.url, addon=False, extra_args=["-w", str(flows), "-s", str(CAPTURE_ADDON)]) as proxy:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(post, proxy.url, "A")
+            time.sleep(0.3)
+            second = pool.submit(post, proxy.url, "A")
+            statuses = [first.result(), second.result()]
+        statuses += [post(proxy.url, "B"), post(proxy.url, "B"), post(proxy.url, "C"), post(proxy.url, "D")]
+        captured = len(up.dispatches())
+    assert statuses[:2] == [200, 200] and statuses[3] == 429 and captured == 6
+
+    scenario_path = tmp_path / "scenario.json"
+    out = reproduce("from-capture", str(flows), "-o", str(scenario_path)).stdout
+    assert "6 model requests" in out and "authorization x6" in out
+    text = scenario_path.read_text()
+    for secret in (SECRET, ACCOUNT, "COOKIE-SECRET", "another-SECRET-key", "private prompt"):
+        assert secret not in text, secret
+    scen = json.loads(text)
+    (client,) = scen["clients"]
+    reqs = client["params"]["requests"]
+    assert client["model"] == "timeline" and client["session"] == "sess-cap" and len(reqs) == 6
+    assert {r["headers"]["authorization"] for r in reqs} == {"Bearer sk-repro-credential-1"}
+    assert all("cookie" not in r["headers"] and "chatgpt-account-id" not in r["headers"] for r in reqs)
+    assert reqs[0]["body_text"] == reqs[1]["body_text"] != reqs[2]["body_text"]
+    assert 50 <= reqs[1]["at_ms"] - reqs[0]["at_ms"] <= 700
+    ops = scen["upstream"]["operations"]
+    assert sorted(len(o["sequence"]) for o in ops.values()) == [1, 1, 2, 2]
+    kinds = sorted(b["kind"] for o in ops.values() for b in o["sequence"])
+    assert kinds == ["ok", "ok", "partial", "stall_before_headers", "status", "tool_call"]
+    seqs = {o["sequence"][0]["kind"]: o["sequence"] for o in ops.values()}
+    assert [b.get("events") for b in seqs["ok"]] == [3, 3]
+    assert seqs["partial"][0]["events"] == 3 and seqs["partial"][1]["code"] == 429
+    assert seqs["partial"][1]["retry_after"] == 1 and seqs["partial"][1]["headers"] == {"x-should-retry": "true"}
+    assert 1000 <= seqs["stall_before_headers"][0]["ms"] <= 2500
+    assert seqs["tool_call"][0]["name"] == "lookup"
+
+    data = json.loads(reproduce("run", str(scenario_path), "--json", "--columns", "plain,default").stdout)
+    plain, default = data["columns"]["plain"]["metrics"], data["columns"]["default"]["metrics"]
+    assert plain["upstream_dispatches"] == captured  # the replay recreates the capture
+    assert plain["max_in_flight_per_operation"] == 2  # A ran twice at once, as captured
+    assert default["upstream_dispatches"] == captured - 1  # turnguard held A's duplicate
+    assert default["turnguard"]["replayed"] == 1
+    dispatched = data["columns"]["plain"]["dispatches"]
+    assert [d["behaviour"] for d in dispatched] == ["ok", "ok", "partial", "status", "stall_before_headers", "tool_call"]
+    report(f"capture round trip: captured {captured} dispatches; replay plain={plain['upstream_dispatches']}, "
+           f"turnguard default={default['upstream_dispatches']} (duplicate replayed)")

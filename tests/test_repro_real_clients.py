@@ -1,0 +1,273 @@
+"""Real clients end to end through mitmdump (+ turnguard) against the mock upstream, one
+scenario per incident each:
+
+- openai-python (pinned in requirements-test.txt), Responses API streaming: two SDK clients
+  racing the same turn (duplicate storm), and the SDK with max_retries=6 against an open
+  cooldown (cooldown storm);
+- the Codex CLI (``@openai/codex``, pinned below), installed by this module into
+  ``.turnguard/node/`` with ``npm install --prefix`` (never globally), running ``codex exec``
+  offline with a custom model provider: behind an OmniRoute-like gateway that re-sends
+  identical requests (duplicate storm), and a turn whose anchored request fails twice without
+  events (cooldown storm). Skipped, with the reason, only when npm is missing.
+
+The Codex config keys used (``model_provider``, ``model_providers.<id>.name|base_url|wire_api|
+env_key|request_max_retries|stream_max_retries``) and the flags (``exec --skip-git-repo-check
+--ephemeral --ignore-user-config -C -c``) are the ones ``codex exec --help`` documents and the
+installed binary accepts (checked with 0.171.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import REPO, Mitmdump, MockUpstream, read_jsonl, wait_until
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+from turnguard_repro.runner import cooldown_windows  # noqa: E402
+
+CODEX_VERSION = "0.171.0"
+NODE_PREFIX = REPO / ".turnguard" / "node"
+CODEX_BIN = NODE_PREFIX / "node_modules" / ".bin" / "codex"
+KEY_ENV = "TURNGUARD_REPRO_DUMMY_KEY"
+CODEX_TIMEOUT_S = 90
+SHORT = {"turnguard_cooldown_ms": 3000, "turnguard_response_created_timeout_ms": 1000}
+TURN_STATE = {"session-id": "sess-real", "x-codex-turn-state": "ts_real_turn"}
+STORM = {"sequence": [{"kind": "stall_before_headers", "ms": 8000}, {"kind": "reset"}],
+         "default": {"kind": "ok", "events": 4}}
+
+
+def proxy(tmp_path, up, name, **options):
+    opts = {"turnguard_ledger": str(tmp_path / f"{name}.sqlite3"),
+            "turnguard_events": str(tmp_path / f"{name}-events.jsonl"), **SHORT, **options}
+    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+
+
+def events(tmp_path, name, kind):
+    return [e for e in read_jsonl(tmp_path / f"{name}-events.jsonl") if e["event"] == kind]
+
+
+def during_cooldown(tmp_path, name, up) -> int:
+    """Dispatches turnguard admitted while a cooldown was open (its ``dispatch`` events): the
+    fence's promise. The window comes from the circuit_opened event, whose ts lags the ledger's
+    open_until by a few ms: ``cooldown_windows`` trims that slack from its end."""
+    windows = cooldown_windows(read_jsonl(tmp_path / f"{name}-events.jsonl"))
+    assert windows, "the circuit never opened"
+    return sum(1 for e in events(tmp_path, name, "dispatch") if any(a <= e["ts"] < b for a, b in windows))
+
+
+def diagnose(tmp_path, name, up) -> str:
+    """The mock's records and turnguard's events, for an assertion message."""
+    lines = [json.dumps(r) for r in up.records()]
+    lines += [json.dumps(e) for e in read_jsonl(tmp_path / f"{name}-events.jsonl")]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# openai-python
+
+
+def sdk(url: str, max_retries: int = 2):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="sk-repro-dummy", max_retries=max_retries,
+                         http_client=openai.DefaultHttpxClient(trust_env=False), timeout=60)
+
+
+def sdk_turn(client, headers) -> tuple[str, str]:
+    """One streamed Responses turn; (response id, output text) from response.completed."""
+    stream = client.responses.create(model="gpt-test", input="fix the failing test", stream=True,
+                                     extra_headers=headers)
+    last = None
+    for ev in stream:
+        last = ev
+    assert last is not None and last.type == "response.completed", last
+    return last.response.id, last.response.output_text
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_openai_python_two_clients_racing_one_turn(tmp_path, guard, report):
+    scenario = {"sequence": [{"kind": "ok", "think_ms": 2000, "events": 3}], "default": {"kind": "ok", "think_ms": 500}}
+    with MockUpstream(tmp_path, scenario) as up, (
+        proxy(tmp_path, up, "tg") if guard else Mitmdump(tmp_path, up.url, addon=False)
+    ) as p:
+        results: list = [None, None]
+
+        def race(i: int) -> None:
+            results[i] = sdk_turn(sdk(p.url), {"session-id": "sess-race"})
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]
+        threads[0].start()
+        time.sleep(0.5)
+        threads[1].start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None for r in results)
+        if guard:
+            assert len(up.dispatches()) == 1
+            assert results[0] == results[1]  # the same response id and text: one execution
+            assert len(events(tmp_path, "tg", "duplicate_replayed")) == 1
+        else:
+            assert len(up.dispatches()) == 2 and results[0][0] != results[1][0]
+    report(f"openai-python, two clients racing one turn, {'turnguard' if guard else 'plain mitmdump'}: "
+           f"upstream dispatches={len(up.dispatches())}")
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "server_anchored_replay_once"])
+def test_openai_python_against_the_cooldown(tmp_path, mode, report):
+    with MockUpstream(tmp_path, STORM) as up, proxy(tmp_path, up, "tg", turnguard_recovery_mode=mode) as p:
+        started = time.monotonic()
+        try:
+            rid, text = sdk_turn(sdk(p.url, max_retries=6), TURN_STATE)
+        except Exception as e:
+            raise AssertionError(diagnose(tmp_path, "tg", up)) from e
+        took = time.monotonic() - started
+        assert text == "hello" * 4
+        assert len(up.dispatches()) == 3, diagnose(tmp_path, "tg", up)  # stall (cut), reset, one more
+        assert during_cooldown(tmp_path, "tg", up) == 0, diagnose(tmp_path, "tg", up)
+        rejected = events(tmp_path, "tg", "cooldown_rejected")
+        if mode == "fail_closed":
+            assert rejected  # the SDK saw 503 + Retry-After and waited it out (<= 120 s)
+        else:
+            assert not rejected  # held through the cooldown: the SDK saw no 503
+            assert len(events(tmp_path, "tg", "recovery_claimed")) == 1
+    report(f"openai-python max_retries=6 vs cooldown, {mode}: completed in {took:.1f} s, "
+           f"503s seen={len(rejected)}, upstream dispatches={len(up.dispatches())}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Codex CLI
+
+
+@pytest.fixture(scope="module")
+def codex() -> Path:
+    """The pinned Codex CLI in .turnguard/node (installed once; npm's cache makes it quick)."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: cannot install @openai/codex for the Codex CLI tests")
+    pkg = NODE_PREFIX / "node_modules" / "@openai" / "codex" / "package.json"
+    installed = json.loads(pkg.read_text()).get("version") if pkg.exists() else None
+    if installed != CODEX_VERSION or not CODEX_BIN.exists():
+        NODE_PREFIX.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            [npm, "install", "--prefix", str(NODE_PREFIX), "--no-audit", "--no-fund", "--no-save",
+             f"@openai/codex@{CODEX_VERSION}"],
+            capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, f"npm install @openai/codex@{CODEX_VERSION} failed:\n{proc.stdout}\n{proc.stderr}"
+    version = subprocess.run([str(CODEX_BIN), "--version"], capture_output=True, text=True, timeout=60)
+    assert CODEX_VERSION in version.stdout, version.stdout + version.stderr
+    return CODEX_BIN
+
+
+def codex_exec(codex: Path, tmp_path: Path, base_url: str, prompt: str = "say hello",
+               *config: str) -> subprocess.CompletedProcess[str]:
+    home, work = tmp_path / "codex-home", tmp_path / "codex-work"
+    home.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if not k.lower().endswith("_proxy") and not k.startswith(("OPENAI_", "CODEX_"))}
+    env.update({"CODEX_HOME": str(home), KEY_ENV: "sk-repro-dummy-not-a-secret", "NO_COLOR": "1"})
+    cmd = [
+        str(codex), "exec", "--skip-git-repo-check", "--ephemeral", "--ignore-user-config",
+        "-C", str(work), "-m", "gpt-test",
+        "-c", "model_provider=repro",
+        "-c", 'model_providers.repro.name="turnguard repro"',
+        "-c", f'model_providers.repro.base_url="{base_url}/v1"',
+        "-c", 'model_providers.repro.wire_api="responses"',
+        "-c", f'model_providers.repro.env_key="{KEY_ENV}"',
+        *[a for c in config for a in ("-c", c)],
+        prompt,
+    ]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=CODEX_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, cwd=work, env=env)
+    except subprocess.TimeoutExpired as e:  # subprocess.run killed it; report what it printed
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return subprocess.CompletedProcess(cmd, -9, out, f"codex exec timed out after {CODEX_TIMEOUT_S} s\n{err}")
+
+
+class Gateway:
+    """scripts/turnguard_repro/gateway_server.py in front of ``upstream``."""
+
+    def __init__(self, tmp_path: Path, upstream: str, hedge_after_ms: int = 1000):
+        self.log = tmp_path / "gateway.jsonl"
+        self.out = tmp_path / "gateway.out"
+        env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "PYTHONUNBUFFERED": "1"}
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "turnguard_repro.gateway_server", "--upstream", upstream,
+                 "--hedge-after-ms", str(hedge_after_ms), "--max-parallel", "3", "--log", str(self.log)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        m = wait_until(lambda: re.search(r"gateway listening at (http://127\.0\.0\.1:\d+)", self.out.read_text())
+                       or (self.proc.poll() is not None and pytest.fail(self.out.read_text())), 20,
+                       what="the gateway's listening line")
+        self.url = m.group(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_codex_cli_behind_a_resending_gateway(codex, tmp_path, guard, report):
+    scenario = {"sequence": [{"kind": "ok", "think_ms": 3500, "events": 3}],
+                "default": {"kind": "ok", "think_ms": 2000, "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, (
+        proxy(tmp_path, up, "tg") if guard else Mitmdump(tmp_path, up.url, addon=False)
+    ) as p, Gateway(tmp_path, p.url) as gw:
+        done = codex_exec(codex, tmp_path, gw.url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "hellohellohello" in done.stdout
+        (relay,) = read_jsonl(gw.log)
+        assert relay["outcome"] == "completed" and relay["hedges"] == 2  # 3 identical requests
+        ds = up.dispatches()
+        assert len({d["session"] for d in ds}) == 1 and len({d["body_sha256"] for d in ds}) == 1
+        if guard:
+            assert len(ds) == 1  # the gateway's two re-sends were held and replayed
+            assert len(events(tmp_path, "tg", "duplicate_held")) == 2
+        else:
+            assert len(ds) == 3  # the upstream ran Codex's turn three times
+    report(f"codex exec {CODEX_VERSION} behind a re-sending gateway, "
+           f"{'turnguard' if guard else 'plain mitmdump'}: upstream dispatches={len(ds)}")
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "server_anchored_replay_once"])
+def test_codex_cli_turn_state_request_through_the_cooldown(codex, tmp_path, mode, report):
+    scenario = {"sequence": [{"kind": "tool_call"}, {"kind": "stall_before_headers", "ms": 8000},
+                             {"kind": "reset"}], "default": {"kind": "ok", "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "tg", turnguard_recovery_mode=mode) as p:
+        started = time.monotonic()
+        done = codex_exec(codex, tmp_path, p.url, "look it up")
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        ds = up.dispatches()
+        assert ds[0]["turn_state"] is None and all(d["turn_state"] == ds[1]["turn_state"] for d in ds[1:])
+        assert ds[1]["turn_state"] is not None  # Codex echoed the turn-state after the tool call
+        assert len(ds) == 4 and during_cooldown(tmp_path, "tg", up) == 0, diagnose(tmp_path, "tg", up)
+        rejected = events(tmp_path, "tg", "cooldown_rejected")
+        if mode == "fail_closed":
+            assert rejected  # Codex CLI got 503 + Retry-After and waited it out
+        else:
+            assert not rejected and len(events(tmp_path, "tg", "recovery_claimed")) == 1
+    report(f"codex exec {CODEX_VERSION}, turn-state request vs cooldown, {mode}: completed in "
+           f"{took:.1f} s, 503s seen={len(rejected)}, upstream dispatches={len(ds)}")

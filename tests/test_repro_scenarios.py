@@ -1,0 +1,105 @@
+"""``scripts/reproduce`` end to end, through the real wrapper script: the two built-in incidents
+show the incident without turnguard (duplicate storm) or in the default mode (cooldown storm)
+and not with turnguard's answer to it; the JSON, the table, the SVG timeline and the saved
+flows (with turnguard's marks) are what they say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from harness import REPO
+
+REPRODUCE = REPO / "scripts" / "reproduce"
+TIMEOUT_S = 120
+
+
+def reproduce(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNGUARD_")}
+    proc = subprocess.run([str(REPRODUCE), *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_list_show_and_usage_errors():
+    out = reproduce("--list").stdout
+    for name in ("duplicate-storm", "cooldown-503-storm", "replay-after-completion", "partial-output",
+                 "upstream-429"):
+        assert name in out
+    shown = json.loads(reproduce("show", "duplicate-storm").stdout)
+    assert shown["name"] == "duplicate-storm" and shown["clients"][0]["model"] == "gateway"
+    bad = reproduce("no-such-scenario", check=False)
+    assert bad.returncode == 2 and "unknown scenario" in bad.stderr
+    bad = reproduce("duplicate-storm", "--set", "cooldown=1", check=False)
+    assert bad.returncode != 0 and "turnguard_NAME=VALUE" in bad.stderr
+
+
+def test_duplicate_storm(tmp_path, report):
+    svg, flows = tmp_path / "dup.svg", tmp_path / "dup.flows"
+    data = json.loads(reproduce("duplicate-storm", "--json", "--timeline", str(svg), "-w", str(flows)).stdout)
+    cols = data["columns"]
+    assert list(cols) == ["plain", "guard409", "default", "once"]
+    plain, g409, default, once = (cols[c]["metrics"] for c in cols)
+    # without turnguard: the gateway's identical re-sends all run upstream, at the same time
+    assert plain["upstream_dispatches"] == 3 and plain["max_in_flight_per_operation"] == 3
+    assert plain["incident"]
+    # a guard that answers 409 at once: the gateway marks the account and loses the turn
+    assert g409["outcomes"] == {"gateway": "lost"} and g409["errors"].get("409", 0) >= 1
+    assert g409["gateway_accounts_marked_rate_limited"] >= 1
+    for m in (default, once):  # turnguard: one execution, duplicates held and replayed
+        assert m["outcomes"] == {"gateway": "completed"}, m
+        assert m["upstream_dispatches"] == 1 and m["errors"] == {} and not m["incident"]
+        assert m["turnguard"]["held_duplicates"] == 2 and m["max_hold_ms"] > 1000
+    # the timeline is well-formed SVG with a panel per column
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    text = svg.read_text()
+    assert text.count('class="panel"') == 4 and "held → replayed" in text
+    # the saved flows of the default column carry turnguard's marks and comments
+    from mitmproxy import io
+
+    with open(tmp_path / "dup.default.flows", "rb") as f:
+        saved = list(io.FlowReader(f).stream())
+    marks = {fl.marked for fl in saved}
+    assert ":recycle:" in marks and any("replayed the recorded response" in fl.comment for fl in saved)
+    report(f"reproduce duplicate-storm: dispatches plain={plain['upstream_dispatches']} "
+           f"409-guard={g409['upstream_dispatches']} (turn lost) default={default['upstream_dispatches']} "
+           f"once={once['upstream_dispatches']}")
+
+
+def test_cooldown_503_storm(report):
+    proc = reproduce("cooldown-503-storm")
+    table = proc.stdout
+    assert "turnguard default: desktop lost the turn: retry budget spent" in table
+    assert "turnguard_cooldown_ms=3000 (production 60000)" in table
+    data = json.loads(reproduce("cooldown-503-storm", "--json", "--columns", "default,once").stdout)
+    default, once = data["columns"]["default"]["metrics"], data["columns"]["once"]["metrics"]
+    assert default["outcomes"] == {"desktop": "lost"}
+    assert default["errors"].get("503", 0) >= 7  # every retry inside the cooldown
+    assert default["dispatches_during_cooldown"] == 0 and default["cooldowns_opened"] == 1
+    assert once["outcomes"] == {"desktop": "completed"} and not once["incident"]
+    assert once["dispatches_during_cooldown"] == 0
+    assert once["turnguard"]["recovery_dispatches"] == 1 and "503" not in once["errors"]
+    assert once["max_hold_ms"] > 1500  # held through (most of) the 3 s cooldown
+    report(f"reproduce cooldown-503-storm: default lost after {default['errors']}; once completed "
+           f"(held {once['max_hold_ms']} ms, {once['turnguard']['recovery_dispatches']} recovery dispatch)")
+
+
+@pytest.mark.parametrize("name, check", [
+    ("replay-after-completion",
+     lambda c: c["plain"]["reexecuted_after_completion"] == 1 and c["default"]["upstream_dispatches"] == 1
+     and c["default"]["turnguard"]["replayed"] == 1),
+    ("upstream-429",
+     lambda c: all(m["cooldowns_opened"] == 0 and set(m["outcomes"].values()) == {"completed"}
+                   for m in c.values())),
+])
+def test_crossing_scenarios(name, check):
+    data = json.loads(reproduce(name, "--json", "--columns", "plain,default").stdout)
+    metrics = {k: v["metrics"] for k, v in data["columns"].items()}
+    assert check(metrics), json.dumps(metrics, indent=1)

@@ -1,0 +1,500 @@
+"""Security: no secret at rest or in the logs, private files, refused unsafe ledger paths, no
+cross-scope replay (property tests at the ledger and through a real mitmdump), nothing kept when
+replay is off, and retention that purges what it promises."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sqlite3
+import stat
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from harness import (
+    ADDON,
+    MITMDUMP,
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    read_jsonl,
+    response_id,
+    sse_post,
+    wait_until,
+)
+from turnguard_core import identity, policy
+from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
+
+
+class Regression(AssertionError):
+    """A check that once found a bug in the addon (fixed since) failed again."""
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise Regression(message)
+
+
+def guarded(tmp_path: Path, up: MockUpstream, name: str = "mitmdump", **options) -> Mitmdump:
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+    }
+    opts.update(options)
+    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+
+
+def ledger_files(path: Path) -> list[Path]:
+    return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
+
+
+def query(path: Path, sql: str, args=()) -> list[tuple]:
+    db = sqlite3.connect(path, timeout=10)
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def post(url, headers, body, path="/v1/responses", timeout=60):
+    try:
+        return sse_post(url, path=path, body=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return 0, {}, b""
+
+
+# -----------------------------------------------------------------------------------------------
+# Secrets never at rest, never logged
+
+
+def test_no_secret_reaches_the_ledger_the_events_or_the_log(tmp_path, report):
+    tokens = {name: f"{name}-SECRET-{secrets.token_hex(8)}" for name in (
+        "bearer", "account", "idem", "cookie", "apikey", "xapikey", "session", "org")}
+    headers = {
+        "authorization": f"Bearer {tokens['bearer']}",
+        "chatgpt-account-id": tokens["account"],
+        "idempotency-key": tokens["idem"],
+        "cookie": f"sid={tokens['cookie']}",
+        "api-key": tokens["apikey"],
+        "x-api-key": tokens["xapikey"],
+        "session-id": tokens["session"],
+        "openai-organization": tokens["org"],
+    }
+    body = {"model": "gpt-test", "input": "keep my secrets", "stream": True}
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1200}, {"kind": "reset"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as p:
+        with ThreadPoolExecutor(max_workers=3) as pool:  # original + held duplicates
+            first = pool.submit(post, p.url, headers, body)
+            wait_until(lambda: up.dispatches(), 10, what="the original")
+            dups = [pool.submit(post, p.url, headers, body) for _ in range(2)]
+            assert [f.result()[0] for f in [first, *dups]] == [200, 200, 200]
+        post(p.url, {**headers, "idempotency-key": tokens["idem"] + "-2"},
+             {**body, "input": "fails"})  # an eventless failure (the mock resets)
+        assert post(p.url, headers, {**body, "input": "other body"})[0] == 422  # key reused
+        post(p.url, headers, b"not json")  # passthrough
+        post(p.url, {**headers, "idempotency-key": ""}, body, path="/v1/other")
+        log = p.log_text()
+    ledger = tmp_path / "ledger.sqlite3"
+    blobs = {str(f): f.read_bytes() for f in ledger_files(ledger)}
+    blobs["events"] = (tmp_path / "mitmdump-events.jsonl").read_bytes()
+    blobs["log"] = log.encode()
+    for where, blob in blobs.items():
+        for name, token in tokens.items():
+            assert token.encode() not in blob, f"the {name} secret is in {where}"
+    assert query(ledger, "PRAGMA integrity_check") == [("ok",)]
+    report(f"secrets: {len(tokens)} token values grepped in {len(blobs)} files: none found")
+
+
+def test_a_credential_in_the_query_string_is_not_kept_in_the_ledger(tmp_path):
+    token = f"qs-SECRET-{secrets.token_hex(8)}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as p:
+        status, _, _ = post(p.url, {"session-id": "q"}, {"model": "m", "input": "q"},
+                            path=f"/v1/responses?api-key={token}")
+        assert status == 200
+        assert len(up.dispatches()) == 1
+    events = (tmp_path / "mitmdump-events.jsonl").read_bytes()
+    assert token.encode() not in events
+    found = [str(f) for f in ledger_files(tmp_path / "ledger.sqlite3")
+             if token.encode() in f.read_bytes()]
+    check(not found, f"the query-string credential is stored in {found}")
+
+
+# -----------------------------------------------------------------------------------------------
+# Private files, unsafe paths refused
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_ledger_and_events_files_are_0600_whatever_the_umask(tmp_path):
+    with MockUpstream(tmp_path) as up:
+        with umask(0):  # the child inherits it: the files must be private on their own
+            p = guarded(tmp_path, up)
+        # the default location, <confdir>/turnguard.sqlite3, with the usual umask (with umask 0
+        # mitmproxy itself creates its confdir world-writable, and turnguard rightly refuses it)
+        with umask(0o022):
+            default = Mitmdump(tmp_path, up.url, name="default-ledger")
+        try:
+            assert post(p.url, {"session-id": "s"}, {"model": "m", "input": "private"})[0] == 200
+            assert post(default.url, {"session-id": "s"}, {"model": "m", "input": "x"})[0] == 200
+            files = ledger_files(tmp_path / "ledger.sqlite3") + [
+                tmp_path / "mitmdump-events.jsonl"]
+            files += ledger_files(tmp_path / "default-ledger-confdir" / "turnguard.sqlite3")
+            assert len(files) >= 5, files
+            modes = {str(f): oct(stat.S_IMODE(os.stat(f).st_mode)) for f in files}
+            assert set(modes.values()) == {"0o600"}, modes
+        finally:
+            p.stop()
+            default.stop()
+
+
+def _start_refused(tmp_path: Path, ledger: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", "0",
+         "--set", f"confdir={tmp_path / 'confdir'}", "-s", str(ADDON),
+         "--set", f"turnguard_ledger={ledger}"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize("case", ["world_writable_folder", "world_writable_file",
+                                  "group_writable_file"])
+def test_an_unsafe_ledger_path_is_refused(tmp_path, case):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    ledger = folder / "ledger.sqlite3"
+    if case == "world_writable_folder":
+        os.chmod(folder, 0o777)
+    else:
+        Ledger(str(ledger), "x").open(time.time())  # a real ledger, then loosened
+        os.chmod(ledger, 0o666 if case == "world_writable_file" else 0o660)
+    proc = _start_refused(tmp_path, ledger)
+    assert proc.returncode != 0
+    assert "refused" in proc.stdout + proc.stderr
+    assert "writable" in proc.stdout + proc.stderr
+    if case == "world_writable_folder":
+        assert not ledger.exists()  # nothing was created there
+
+
+def test_a_sticky_shared_folder_like_tmp_is_accepted(tmp_path):
+    folder = tmp_path / "sticky"
+    folder.mkdir()
+    os.chmod(folder, 0o1777)
+    with MockUpstream(tmp_path) as up, guarded(
+        tmp_path, up, turnguard_ledger=str(folder / "ledger.sqlite3")
+    ) as p:
+        assert post(p.url, {"session-id": "s"}, {"model": "m", "input": "sticky"})[0] == 200
+    assert stat.S_IMODE(os.stat(folder / "ledger.sqlite3").st_mode) == 0o600
+
+
+# -----------------------------------------------------------------------------------------------
+# No cross-scope replay: property tests at the ledger (many examples, fast)
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=16)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, width=32)
+    | st.text(max_size=6),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+    max_leaves=8,
+)
+BODY = st.dictionaries(st.sampled_from(["model", "input", "stream", "tools", "x"]), JSON,
+                       min_size=1, max_size=4)
+
+
+@st.composite
+def request(draw) -> dict:
+    session_carrier = draw(st.sampled_from(["session-id", "session_id", "metadata", "none"]))
+    return {
+        "auth": draw(st.none() | TOKEN),
+        "account": draw(st.none() | TOKEN),
+        "session": None if session_carrier == "none" else draw(TOKEN),
+        "carrier": session_carrier,
+        "body": draw(BODY),
+        "idem": draw(st.none() | TOKEN),
+    }
+
+
+def headers_of(r: dict) -> list[tuple[str, str]]:
+    h = [("content-type", "application/json")]
+    if r["auth"] is not None:
+        h.append(("Authorization", f"Bearer {r['auth']}"))
+    if r["account"] is not None:
+        h.append(("ChatGPT-Account-Id", r["account"]))
+    if r["session"] is not None:
+        if r["carrier"] == "metadata":
+            h.append(("x-codex-turn-metadata", json.dumps({"session_id": r["session"]})))
+        else:
+            h.append((r["carrier"], r["session"]))
+    if r["idem"] is not None:
+        h.append(("Idempotency-Key", r["idem"]))
+    return h
+
+
+def ident_of(r: dict, *, reorder: bool = False) -> identity.Identity:
+    body = json.dumps(r["body"], sort_keys=reorder, indent=2 if reorder else None).encode()
+    h = headers_of(r)
+    if reorder:  # the same request, spelled differently: header order and case, JSON layout
+        h = [(k.upper(), v) for k, v in reversed(h)]
+    i = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h), body))
+    assert isinstance(i, identity.Identity)
+    return i
+
+
+def same_scope(a: dict, b: dict) -> bool:
+    return (a["auth"], a["account"], a["session"]) == (b["auth"], b["account"], b["session"])
+
+
+def canonical(body: dict) -> bytes:
+    return identity.canonical_json(body)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=request(), b=request())
+def test_a_recording_never_reaches_another_credential_session_or_body(a, b):
+    with tempfile.TemporaryDirectory() as d:
+        led = Ledger(os.path.join(d, "l.sqlite3"), "p")
+        led.open(1000.0)
+        try:
+            ia, ib = ident_of(a), ident_of(b)
+            d1 = led.admit(ia, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+                           flow_id="a")
+            assert isinstance(d1, policy.Dispatch)
+            rec = Recording(200, (("content-type", "text/event-stream"),), b"A's answer")
+            led.finish(d1.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=1001.0)
+            got = led.admit(ib, method="POST", path="/v1/responses", now=1002.0, guard=GUARD,
+                            flow_id="b")
+            if isinstance(got, policy.Replay):
+                # only the same credential, session and request (same key or same body)
+                assert same_scope(a, b)
+                if b["idem"] is not None:
+                    assert a["idem"] == b["idem"] and canonical(a["body"]) == canonical(b["body"])
+                else:
+                    assert a["idem"] is None and canonical(a["body"]) == canonical(b["body"])
+            if isinstance(got, policy.Conflict):  # 422: same key, same scope, another body
+                assert same_scope(a, b) and a["idem"] == b["idem"] is not None
+            if not same_scope(a, b):
+                assert ia.op_key != ib.op_key and isinstance(got, policy.Dispatch)
+                assert got.kind == "original"
+        finally:
+            led.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=request())
+def test_the_same_request_spelled_differently_is_replayed(a):
+    """The positive control: identity is stable under header case/order and JSON layout."""
+    assert ident_of(a).op_key == ident_of(a, reorder=True).op_key
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=request(), auth2=TOKEN, key=TOKEN)
+def test_an_idempotency_key_collision_across_credentials_is_two_operations(a, auth2, key):
+    assume(auth2 != a["auth"])
+    a = {**a, "idem": key}
+    b = {**a, "auth": auth2, "body": {**a["body"], "x": "another body"}}
+    with tempfile.TemporaryDirectory() as d:
+        led = Ledger(os.path.join(d, "l.sqlite3"), "p")
+        led.open(1000.0)
+        try:
+            kinds = []
+            for r in (a, b):
+                got = led.admit(ident_of(r), method="POST", path="/v1/responses", now=1000.0,
+                                guard=GUARD, flow_id="f")
+                kinds.append(type(got).__name__)
+            assert kinds == ["Dispatch", "Dispatch"]  # no 422, no hold, no replay
+        finally:
+            led.close()
+
+
+# The same property through a real mitmdump: a handful of generated pairs, each answered by the
+# mock (every dispatch gets its own response id, so a leaked recording is visible).
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("security-live")
+    up = MockUpstream(tmp)
+    try:
+        p = guarded(tmp, up)
+    except BaseException:
+        up.stop()
+        raise
+    try:
+        yield p, up
+    finally:
+        p.stop()
+        up.stop()
+
+
+VARIANTS = ["authorization", "chatgpt-account-id", "session-id", "session_via_metadata", "body"]
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(variant=st.sampled_from(VARIANTS), seed=TOKEN, text=st.text(max_size=20))
+def test_live_a_recording_never_reaches_another_scope(live, variant, seed, text):
+    p, up = live
+    tag = secrets.token_hex(4)
+    base_headers = {"authorization": f"Bearer k-{seed}", "chatgpt-account-id": f"acct-{seed}",
+                    "session-id": f"s-{seed}-{tag}"}
+    body = {"model": "m", "input": f"{text} {tag}", "stream": True}
+    first = post(p.url, base_headers, body)
+    assert first[0] == 200
+    again = post(p.url, base_headers, body)  # the control: the same request is replayed
+    assert again[1].get("x-turnguard") == "replayed" and again[2] == first[2]
+    other_headers, other_body = dict(base_headers), dict(body)
+    if variant == "session_via_metadata":
+        del other_headers["session-id"]
+        other_headers["x-codex-turn-metadata"] = json.dumps({"session_id": f"m-{seed}-{tag}"})
+    elif variant == "body":
+        other_body["input"] += " (changed)"
+    else:
+        other_headers[variant] += "-other"
+    n = len(up.dispatches())
+    status, h, b = post(p.url, other_headers, other_body)
+    assert status == 200 and "x-turnguard" not in h
+    assert response_id(b) != response_id(first[2])
+    assert len(up.dispatches()) == n + 1
+
+
+def test_live_idempotency_key_collision_across_credentials_is_two_operations(live):
+    p, up = live
+    n = len(up.dispatches())
+    key = f"key-{secrets.token_hex(4)}"
+    a = post(p.url, {"authorization": "Bearer alice", "idempotency-key": key},
+             {"model": "m", "input": "alice's turn"})
+    b = post(p.url, {"authorization": "Bearer bob", "idempotency-key": key},
+             {"model": "m", "input": "bob's turn"})
+    c = post(p.url, {"authorization": "Bearer bob", "idempotency-key": key},
+             {"model": "m", "input": "bob's turn"})
+    assert a[0] == b[0] == 200 and "x-turnguard" not in b[1]
+    assert response_id(a[2]) != response_id(b[2])
+    assert c[1].get("x-turnguard") == "replayed" and c[2] == b[2]  # bob's own retry
+    assert len(up.dispatches()) == n + 2
+
+
+@pytest.mark.parametrize("header", ["api-key", "x-api-key"])
+def test_live_no_replay_across_api_key_headers(live, header):
+    """Azure OpenAI sends its key as ``api-key`` (and its ``/openai/v1/responses`` route is
+    guarded by the default filter); several gateways use ``x-api-key``."""
+    p, up = live
+    body = {"model": "m", "input": f"same question {secrets.token_hex(4)}", "stream": True}
+    alice = post(p.url, {header: "alice-key"}, body, path="/openai/v1/responses")
+    bob = post(p.url, {header: "bob-key"}, body, path="/openai/v1/responses")
+    assert alice[0] == 200 and bob[0] == 200
+    check(bob[1].get("x-turnguard") != "replayed" and response_id(bob[2]) != response_id(
+        alice[2]), f"bob ({header}: bob-key) got alice's recorded response")
+
+
+# -----------------------------------------------------------------------------------------------
+# replay=false keeps no bodies; retention purges
+
+
+def test_replay_off_stores_no_response_bodies(tmp_path):
+    marker = f"BODY-MARKER-{secrets.token_hex(6)}"
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1000, "text": marker}],
+                "default": {"kind": "ok", "text": marker}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, turnguard_replay=False) as p:
+        h = {"authorization": "Bearer k", "session-id": "s"}
+        body = {"model": "m", "input": "no recordings please", "stream": True}
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            first = pool.submit(post, p.url, h, body)
+            wait_until(lambda: up.dispatches(), 10, what="the original")
+            dups = [pool.submit(post, p.url, h, body) for _ in range(2)]
+            results = [first.result(), *(f.result() for f in dups)]
+        assert [r[0] for r in results] == [200, 200, 200]
+        assert all("x-turnguard" not in r[1] for r in results)  # forwarded, never replayed
+        later = post(p.url, h, body)
+        assert later[0] == 200 and "x-turnguard" not in later[1]
+        assert len(up.dispatches()) == 4
+        # forwarded one at a time: no two dispatches of the operation overlap upstream
+        recs = up.records()
+        in_flight = 0
+        for r in recs:
+            if r.get("event") == "dispatch":
+                in_flight += 1
+                assert in_flight == 1
+            elif r.get("event") == "dispatch_end":
+                in_flight -= 1
+        ledger = tmp_path / "ledger.sqlite3"
+        assert query(ledger, "SELECT COUNT(*) FROM spool") == [(0,)]
+        assert query(ledger, "SELECT COUNT(*) FROM attempts WHERE replayable<>0 OR headers IS NOT"
+                             " NULL OR body_bytes IS NOT NULL") == [(0,)]
+        assert query(ledger, "SELECT COUNT(*) FROM operations WHERE replay_attempt IS NOT NULL") \
+            == [(0,)]
+        for f in ledger_files(ledger):
+            assert marker.encode() not in f.read_bytes()
+        assert_no_traceback(p.log_text())
+
+
+def _marker_run(tmp_path: Path, up: MockUpstream, name: str, marker: str, **options) -> None:
+    with guarded(tmp_path, up, name, **options) as p:
+        for i in range(3):
+            assert post(p.url, {"session-id": "r", "idempotency-key": f"k{i}"},
+                        {"model": "m", "input": f"retained {i}"})[0] == 200
+    ledger = tmp_path / "ledger.sqlite3"
+    assert query(ledger, "SELECT COUNT(*) FROM operations") == [(3,)]
+    assert any(marker.encode() in f.read_bytes() for f in ledger_files(ledger))
+
+
+def test_retention_purges_operations_and_their_bytes_at_restart(tmp_path):
+    marker = f"RETAINED-{secrets.token_hex(6)}"
+    opts = dict(turnguard_retention_ms=1500, turnguard_replay_window_ms=1000)
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "text": marker}}) as up:
+        _marker_run(tmp_path, up, "first", marker, **opts)
+        time.sleep(1.8)
+        with guarded(tmp_path, up, "restarted", **opts) as p:  # collects garbage at open
+            ledger = tmp_path / "ledger.sqlite3"
+            wait_until(lambda: query(ledger, "SELECT COUNT(*) FROM operations") == [(0,)], 10,
+                       what="the purge at open")
+            assert query(ledger, "SELECT COUNT(*) FROM spool") == [(0,)]
+            assert query(ledger, "SELECT COUNT(*) FROM attempts") == [(0,)]
+            gc = [e for e in read_jsonl(tmp_path / "restarted-events.jsonl")
+                  if e["event"] == "ledger_gc"]
+            assert gc and gc[0]["operations_deleted"] == 3
+            still = [str(f) for f in ledger_files(ledger) if marker.encode() in f.read_bytes()]
+            assert not still, f"the purged response bodies are still readable in {still}"
+            # an Idempotency-Key past retention is a new operation, not a replay
+            n = len(up.dispatches())
+            status, h, _ = post(p.url, {"session-id": "r", "idempotency-key": "k0"},
+                                {"model": "m", "input": "retained 0"})
+            assert status == 200 and "x-turnguard" not in h and len(up.dispatches()) == n + 1
+
+
+def test_retention_purges_while_running(tmp_path):
+    opts = dict(turnguard_retention_ms=1500, turnguard_replay_window_ms=1000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, **opts) as p:
+        for i in range(3):
+            status, _, _ = post(p.url, {"session-id": "r"}, {"model": "m", "input": f"brief {i}"})
+            assert status == 200
+        ledger = tmp_path / "ledger.sqlite3"
+        ended = time.time()
+        # bound: the retention plus two heartbeats (~5 s each), generously
+        purged = False
+        for _ in range(40):  # bounded: 40 x 0.25 s = 10 s past the retention
+            if query(ledger, "SELECT COUNT(*) FROM operations") == [(0,)]:
+                purged = True
+                break
+            time.sleep(0.25 if time.time() - ended > 1.5 else 1.5)
+        assert_no_traceback(p.log_text())
+    check(purged, f"operations ended {time.time() - ended:.0f} s ago, with a retention of "
+                      "1.5 s, are still in the ledger")
