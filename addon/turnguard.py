@@ -55,6 +55,7 @@ INSTANCE_STALE_S = 30.0
 LEDGER_BUSY_MS = 2000  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
 STATUS_TIMEOUT_S = 1.0
+ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
 
 _UNAVAILABLE = object()  # what _ledger() returns when the ledger cannot be used
 
@@ -828,9 +829,10 @@ class TurnGuard:
         if attempt.attempt_id is not None and self._ledger_usable():
             self._submit("first_event", attempt.attempt_id)
 
-    def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> None:
+    def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> asyncio.Future:
         """Queue a ledger write without waiting for it (from a sync hook or the stream tee).
-        ``then(result)`` runs on the event loop afterwards; a fault is noted there."""
+        ``then(result)`` runs on the event loop afterwards; a fault is noted there. Returns
+        the future of the write, for a caller that wants to wait after all."""
         future = asyncio.wrap_future(self.db.submit(call, *args, **kwargs))
 
         def done(f: asyncio.Future) -> None:
@@ -841,21 +843,27 @@ class TurnGuard:
                 then(None if error is not None else f.result())
 
         future.add_done_callback(done)
+        return future
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._end_attempt(flow, body_complete=True)
 
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._end_attempt(flow, body_complete=False)
+    async def error(self, flow: http.HTTPFlow) -> None:
+        """A failed attempt is recorded before the client hears of the failure (a bounded
+        wait): a retry it sends at once, through any process sharing the ledger, then sees
+        the failure and the circuit it fed."""
+        recorded = self._end_attempt(flow, body_complete=False)
+        if recorded is not None:
+            await asyncio.wait([recorded], timeout=ERROR_RECORD_WAIT_S)
 
-    def _end_attempt(self, flow: http.HTTPFlow, *, body_complete: bool) -> None:
+    def _end_attempt(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         attempt = self._attempts.pop(flow.id, None)
         if attempt is None:
-            return
+            return None
         attempt.stop_timer()
-        why = _Ended("unknown")
+        why, recorded = _Ended("unknown"), None
         try:
-            why = self._record_end(flow, attempt, body_complete)
+            why, recorded = self._record_end(flow, attempt, body_complete)
         except Exception:
             logger.exception("turnguard: recording the outcome of %s failed", flow.id)
         finally:
@@ -864,8 +872,11 @@ class TurnGuard:
             # Held duplicates wake now: a recording is replayed from memory; anything else is
             # admitted again, and the ledger thread runs that after this attempt's finish.
             self._wake(attempt.ident.op_key, why)
+        return recorded
 
-    def _record_end(self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool) -> _Ended:
+    def _record_end(
+        self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool
+    ) -> tuple[_Ended, asyncio.Future | None]:
         """Classify the attempt's end, say so, and queue its record (and its circuit's)."""
         tee = attempt.tee
         if tee is None and body_complete and flow.response is not None:
@@ -927,8 +938,9 @@ class TurnGuard:
                                     reason="the attempt was ended meanwhile (reaped)")
             self._note_circuit(result)
 
+        recorded = None
         if attempt.attempt_id is not None and self._ledger_usable():
-            self._submit(
+            recorded = self._submit(
                 "finish", attempt.attempt_id,
                 AttemptEnd(outcome, status, events, failure or detail, recording),
                 now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
@@ -936,7 +948,7 @@ class TurnGuard:
             )
         else:
             in_memory()
-        return _Ended(outcome, recording)
+        return _Ended(outcome, recording), recorded
 
     def _note_circuit(self, result: FinishResult) -> None:
         if result.circuit_scope is None or result.circuit is None:

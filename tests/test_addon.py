@@ -443,7 +443,7 @@ async def test_client_aborts_do_not_open_the_retry_circuit(guard, error_msg, cli
         if client_closed:
             f.client_conn.state = ConnectionState.CLOSED
         f.error = mflow.Error(error_msg)
-        guard.tg.error(f)
+        await guard.tg.error(f)
     assert [o["outcome"] for o in guard.events("outcome")] == ["unknown", "unknown"]
     classes = [e["failure_class"] for e in guard.events("eventless_failure")]
     assert classes == ["client_abort", "client_abort"], classes
@@ -648,7 +648,7 @@ async def test_no_exception_escapes_the_response_hooks_on_odd_responses(guard):
     f = make_flow(body={**BODY, "input": "error"})
     await asyncio.wait_for(guard.tg.request(f), WAIT_S)
     f.error = tflow.terr("peer closed connection without sending complete message body")
-    guard.tg.error(f)
+    await guard.tg.error(f)
     assert len(guard.events("outcome")) == len(odd) + 1
     assert guard.status()["in_flight"] == 0
 
