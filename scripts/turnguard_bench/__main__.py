@@ -1,0 +1,177 @@
+"""scripts/bench: turnguard side by side with plain mitmdump, on one loopback upstream.
+
+    scripts/bench [--quick] [--json FILE] [--phases LIST] [--set K=V] [--addon-rev REV] [--keep]
+    scripts/bench --profile DIR [--profile-seconds S] [--addon-rev REV]
+
+Prints a table (absolute figures and turnguard/plain ratios) and the targets of issue 5; with
+``--json FILE`` also writes every measurement. The exit status is 1 when a correctness check
+failed (a request without an answer, a non-200, an incomplete stream, a second dispatch of a
+held operation, a replay that was not byte-identical, the exactly-once check), never because of
+a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from turnguard_bench import config, ledger_bench, micro, phases, procs, report
+from turnguard_bench.envinfo import environment, loadavg
+
+THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 65536)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def failed_checks(res: dict) -> list[str]:
+    bad = []
+    for phase, data in res.items():
+        if isinstance(data, dict):
+            checks = data.get("checks")
+            if isinstance(checks, dict):
+                bad += [f"{phase}.{k}" for k, v in checks.items() if v is False]
+            if phase == "ledger" and not data["exactly_once"]["passed"]:
+                bad.append("ledger.exactly_once")
+    return bad
+
+
+async def run_all(cfg: config.Config, workdir: Path) -> dict:
+    res: dict = {"mode": cfg.mode, "environment": environment(), "config": cfg.__dict__.copy(),
+                 "common_options": dict(procs.COMMON_OPTIONS)}
+    t0 = time.monotonic()
+    up = procs.start_upstream(workdir)
+    try:
+        if any(p in cfg.phases for p in THROUGHPUT_PHASES):
+            phases.log("starting plain, plain_stream and turnguard mitmdumps")
+            ms = procs.start_mitmdumps(workdir, up.url, {
+                "plain": ("plain", {}),
+                "plain_stream": ("plain_stream", {}),
+                # replay of the 5 MiB case needs a cap above 5 MiB (the default is 8 MiB)
+                "turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20}),
+            })
+            res["commands"] = {name: p.extra["cmd"] for name, p in ms.items()}
+            try:
+                for p in ms.values():
+                    await phases.warm(p, cfg.warmup)
+                if "per_request" in cfg.phases:
+                    res["per_request"] = await phases.per_request(cfg, up, ms)
+                if "streaming" in cfg.phases:
+                    res["streaming"] = await phases.streaming(cfg, up, ms)
+                if "replay" in cfg.phases:
+                    res["replay"] = await phases.replay(cfg, up, ms)
+            finally:
+                for p in ms.values():
+                    p.stop()
+        if "holds" in cfg.phases:
+            res["holds"] = await phases.holds(cfg, workdir)
+        if "ledger" in cfg.phases:
+            phases.log("ledger claims and the exactly-once check")
+            res["ledger"] = await asyncio.to_thread(ledger_bench.run, workdir, cfg)
+        if "soak" in cfg.phases:
+            res["soak"] = await phases.soak(cfg, workdir, up)
+        if "micro" in cfg.phases:
+            phases.log("micro-benchmarks of the core")
+            res["micro"] = await asyncio.to_thread(micro.run, workdir, cfg)
+    finally:
+        up.stop()
+    res["duration_s"] = time.monotonic() - t0
+    res["environment"]["loadavg_after"] = loadavg()
+    res["targets"] = report.targets(res)
+    res["failed_checks"] = failed_checks(res)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description="turnguard's benchmark suite: turnguard side by side with plain mitmdump "
+                    "(buffered and streaming) on one loopback upstream; a table plus JSON.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="small counts (CI smoke test, about a minute); default: the full mode "
+                        "(about 15 minutes on 2 cores)")
+    p.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
+    p.add_argument("--phases", metavar="LIST",
+                   help=f"comma-separated subset of {','.join(config.PHASES)} (default: all)")
+    p.add_argument("--repeats", type=int, help="override the number of repeats")
+    p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a mitmproxy/turnguard option for every mitmdump variant alike, e.g. "
+                        "--set connection_strategy=lazy (repeatable; recorded in the JSON)")
+    p.add_argument("--addon-rev", metavar="REV",
+                   help="measure addon/ as committed at this git revision instead of the "
+                        "working tree (the working tree is copied at start either way, so edits "
+                        "during a run change nothing)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the work folder (logs, ledgers) and print its path")
+    p.add_argument("--profile", metavar="DIR",
+                   help="instead of the benchmark: profile a turnguard mitmdump with py-spy under "
+                        "per-request load, streaming, replay and a hold release; write the "
+                        "collapsed stacks to DIR and print where turnguard's time goes")
+    p.add_argument("--profile-seconds", type=float, default=20.0,
+                   help="seconds of load per profiled scenario (default 20)")
+    args = p.parse_args(argv)
+
+    cfg = config.quick() if args.quick else config.full()
+    if args.phases:
+        wanted = tuple(x.strip() for x in args.phases.split(",") if x.strip())
+        unknown = set(wanted) - set(config.PHASES)
+        if unknown:
+            p.error(f"unknown phases {sorted(unknown)}; known: {','.join(config.PHASES)}")
+        cfg.phases = wanted
+    if args.repeats:
+        cfg.repeats = args.repeats
+        cfg.holds_repeats = args.repeats
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for kv in args.options:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            p.error(f"--set wants KEY=VALUE, not {kv!r}")
+        procs.COMMON_OPTIONS[key] = value
+    signal.signal(signal.SIGTERM, on_term)
+    _raise_nofile()
+    workdir = Path(tempfile.mkdtemp(prefix="turnguard-bench-"))
+    try:
+        procs.snapshot_addon(workdir, args.addon_rev)
+        if args.profile:
+            from turnguard_bench import profiling
+
+            return asyncio.run(profiling.run(
+                cfg, workdir, Path(args.profile), args.profile_seconds,
+                f"git {args.addon_rev}" if args.addon_rev else "working tree"))
+        res = asyncio.run(run_all(cfg, workdir))
+        if args.addon_rev:
+            res["environment"]["addon_from"] = f"git {args.addon_rev}"
+        print(report.render(res), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+            print(f"JSON written to {args.json}")
+        if res["failed_checks"]:
+            print(f"FAILED checks: {', '.join(res['failed_checks'])}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        procs.stop_all()
+        if args.keep:
+            print(f"work folder kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

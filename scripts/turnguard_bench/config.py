@@ -1,0 +1,82 @@
+"""Counts of the quick (CI smoke) and full benchmark modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KiB = 1024
+MiB = 1024 * 1024
+
+PHASES = ("per_request", "streaming", "holds", "replay", "ledger", "soak", "micro")
+
+
+@dataclass
+class Config:
+    mode: str
+    repeats: int  # repeats of the per-request, streaming and replay measurements
+    warmup: int  # requests per mitmdump before measuring
+    per_request: dict[int, int]  # concurrent clients -> requests per repeat
+    stream: dict[int, int]  # events per response -> responses per repeat
+    replay: dict[int, int]  # body bytes -> replayed requests per repeat
+    replay_concurrency: int
+    holds_ops: int
+    holds_dups_per_op: int
+    hold_s: float
+    holds_repeats: int
+    ledger_claims_1: int  # admissions in the one-process run
+    ledger_claims_4: int  # admissions per process in the four-process run
+    exactly_once_n: int  # identical identities admitted by each of four processes
+    soak_checkpoints: list[int]  # guarded requests done at each RSS reading
+    soak_concurrency: int
+    soak_baseline: bool  # also soak plain mitmdump
+    micro_scale: int
+    request_timeout_s: float = 60.0
+    load_time_limit_s: float = 120.0
+    phases: tuple[str, ...] = field(default=PHASES)
+
+
+def quick() -> Config:
+    return Config(
+        mode="quick",
+        repeats=2,
+        warmup=30,
+        per_request={1: 60, 8: 150, 32: 250},
+        stream={1000: 3, 10000: 2},
+        replay={1 * KiB: 30, 100 * KiB: 15, 5 * MiB: 3},
+        replay_concurrency=4,
+        holds_ops=5,
+        holds_dups_per_op=40,
+        hold_s=2.0,
+        holds_repeats=1,
+        ledger_claims_1=2000,
+        ledger_claims_4=500,
+        exactly_once_n=200,
+        soak_checkpoints=[200, 2000],
+        soak_concurrency=16,
+        soak_baseline=False,
+        micro_scale=1,
+        load_time_limit_s=30.0,
+    )
+
+
+def full() -> Config:
+    return Config(
+        mode="full",
+        repeats=3,
+        warmup=200,
+        per_request={1: 500, 8: 2000, 32: 3000},
+        stream={1000: 20, 10000: 6},
+        replay={1 * KiB: 400, 100 * KiB: 200, 5 * MiB: 20},
+        replay_concurrency=4,
+        holds_ops=20,
+        holds_dups_per_op=100,
+        hold_s=10.0,
+        holds_repeats=2,
+        ledger_claims_1=20000,
+        ledger_claims_4=10000,
+        exactly_once_n=3000,
+        soak_checkpoints=[10000, 25000, 50000, 75000, 100000],
+        soak_concurrency=16,
+        soak_baseline=True,
+        micro_scale=10,
+    )

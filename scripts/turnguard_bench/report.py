@@ -1,0 +1,290 @@
+"""The benchmark table (stdout) and the targets of issue 5, met or missed."""
+
+from __future__ import annotations
+
+import math
+
+NOTE = ("Absolute figures vary by machine (and by what else runs on it); the ratios to plain "
+        "mitmdump measured in the same run are what counts.")
+
+
+def _f(x, fmt: str = ".2f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:{fmt}}{suffix}"
+
+
+def _x(x) -> str:
+    return _f(x, ".2f", "x")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    cols = [header] + rows
+    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _section(title: str) -> str:
+    return f"\n== {title} " + "=" * max(0, 90 - len(title))
+
+
+def targets(res: dict) -> list[dict]:
+    """Each target of issue 5 with the measured value and whether it is met."""
+    out: list[dict] = []
+
+    def add(name, value, met, detail=""):
+        out.append({"target": name, "value": value, "met": met, "detail": detail})
+
+    pr = res.get("per_request")
+    if pr:
+        rows = pr["concurrency"]
+        c32 = rows.get("32", {})
+        r = c32.get("turnguard_vs_plain", {}).get("rps_ratio")
+        rs = c32.get("turnguard_vs_plain_stream", {}).get("rps_ratio")
+        if r is not None:
+            cr = c32.get("turnguard_vs_plain", {}).get("cpu_rps_ratio")
+            add("throughput >= 0.90x plain mitmdump at 32 clients", _x(r), r >= 0.90,
+                f"vs plain with streaming on: {_x(rs)}; from CPU per request: {_x(cr)}")
+        c1 = rows.get("1", {})
+        a = c1.get("turnguard_vs_plain", {})
+        if a:
+            others = ", ".join(
+                f"{c} clients {_f(rows[c].get('turnguard_vs_plain', {}).get('added_median_ms'), '+.2f')} ms"
+                for c in rows if c != "1")
+            add("median added latency <= 1 ms (1 client: unloaded)",
+                _f(a["added_median_ms"], "+.2f", " ms"), a["added_median_ms"] <= 1.0,
+                f"loaded (queueing included): {others}")
+            others = ", ".join(
+                f"{c} clients {_x(rows[c].get('turnguard_vs_plain', {}).get('p99_ratio'))}"
+                for c in rows if c != "1")
+            add("p99 latency <= 1.25x plain (1 client)", _x(a["p99_ratio"]), a["p99_ratio"] <= 1.25,
+                f"loaded: {others}")
+    st = res.get("streaming")
+    if st:
+        for ev, row in st["events"].items():
+            r = row.get("turnguard_vs_plain_stream", {}).get("events_per_s_ratio")
+            if r is not None:
+                add(f"streaming {int(ev):,} events: events/s >= 0.90x plain with streaming on",
+                    _x(r), r >= 0.90,
+                    f"vs buffered plain: {_x(row.get('turnguard_vs_plain', {}).get('events_per_s_ratio'))}"
+                    f"; from CPU per response: "
+                    f"{_x(row.get('turnguard_vs_plain_stream', {}).get('cpu_events_per_s_ratio'))}")
+    ho = res.get("holds")
+    if ho and "turnguard" in ho["variants"]:
+        t = ho["variants"]["turnguard"]
+        n = t["reps"][0]["duplicates"]
+        add(f"duplicates answered within 20 ms p99 of the original's completion ({n} held)",
+            _f(t["answer_after_completion_p99_ms"], ".1f", " ms"),
+            t["answer_after_completion_p99_ms"] <= 20.0,
+            f"plain mitmdump delivering {n} responses released at once: p99 "
+            f"{_f(ho['variants'].get('plain', {}).get('answer_after_completion_p99_ms'), '.1f', ' ms')}")
+        add(f"CPU during a hold of {n} flows < 0.2 s per 10 s",
+            _f(t["cpu_s_per_10s_hold"], ".3f", " s"), t["cpu_s_per_10s_hold"] < 0.2,
+            f"plain mitmdump with {n} requests waiting upstream: "
+            f"{_f(ho['variants'].get('plain', {}).get('cpu_s_per_10s_hold'), '.3f', ' s')}")
+        add("< 64 KiB resident memory per held flow", _f(t["rss_per_held_flow_kib"], ".1f", " KiB"),
+            t["rss_per_held_flow_kib"] < 64,
+            f"plain, per request waiting upstream: "
+            f"{_f(ho['variants'].get('plain', {}).get('rss_per_held_flow_kib'), '.1f', ' KiB')}")
+    le = res.get("ledger")
+    if le:
+        c1 = le["claims_1_process"]["claims_per_s"]
+        add("ledger >= 5,000 claims/s in one process", _f(c1, ",.0f", "/s"), c1 >= 5000,
+            f"4 processes: {_f(le['claims_4_processes']['claims_per_s'], ',.0f', '/s')} in all")
+        eo = le["exactly_once"]
+        add("exactly once across 4 processes",
+            f"{eo['dispatches']}/{eo['identities']}", eo["passed"],
+            f"{eo['admissions']} admissions, max {eo['max_dispatches_per_identity']} dispatch "
+            f"per identity")
+    so = res.get("soak")
+    if so and "turnguard" in so["variants"]:
+        t = so["variants"]["turnguard"]
+        p = so["variants"].get("plain")
+        limit = 10.0
+        add(f"flat memory in the soak (RSS {t['first_at']:,} -> {t['last_at']:,} requests, "
+            f"growth <= {limit:.0f}%)",
+            _f(t["rss_growth_pct"], "+.1f", "%"), t["rss_growth_pct"] <= limit,
+            f"{_f(t['rss_first_mib'], '.1f')} -> {_f(t['rss_last_mib'], '.1f')} MiB"
+            + (f"; plain {_f(p['rss_growth_pct'], '+.1f', '%')}" if p else ""))
+    return out
+
+
+def render(res: dict) -> str:
+    o: list[str] = []
+    env = res.get("environment", {})
+    o.append(f"turnguard benchmark, {res.get('mode')} mode, {env.get('started')}; "
+             f"git {env.get('git')}; addon from {env.get('addon_from')} (sha256 "
+             f"{env.get('addon_sha256')}); Python {env.get('python')}, mitmproxy {env.get('mitmproxy')}; "
+             f"{env.get('cpus')} CPUs, load average before {env.get('loadavg_before')} after "
+             f"{env.get('loadavg_after')}; {res.get('duration_s', 0):.0f} s")
+    from turnguard_bench.procs import VARIANTS
+
+    o.append("variants: " + "; ".join(f"{k} = {v}" for k, v in VARIANTS.items())
+             + "; all: mitmdump --mode reverse:<bench upstream> --listen-host 127.0.0.1, "
+             "default options otherwise, output to a file")
+    if res.get("common_options"):
+        o.append(f"options given to every mitmdump: {res['common_options']}")
+    o.append(NOTE)
+
+    pr = res.get("per_request")
+    if pr:
+        o.append(_section("1. per-request overhead: guarded POSTs, distinct bodies, 8-event SSE "
+                          "answers (medians over repeats)"))
+        rows = []
+        for c, row in pr["concurrency"].items():
+            for v in ("plain", "plain_stream", "turnguard"):
+                if v in row:
+                    r = row[v]
+                    rows.append([f"{c} clients", v, _f(r["rps"], ".0f"), _f(r["median_ms"]),
+                                 _f(r["p99_ms"]), _f(r["cpu_ms_per_request"]),
+                                 _f(r["rps_spread"] * 100, ".0f", "%")])
+            for base in ("plain", "plain_stream"):
+                k = f"turnguard_vs_{base}"
+                if k in row:
+                    r = row[k]
+                    rows.append([f"{c} clients", f"turnguard/{base}", _x(r["rps_ratio"]),
+                                 f"{_x(r['median_ratio'])} ({_f(r['added_median_ms'], '+.2f')})",
+                                 _x(r["p99_ratio"]),
+                                 _f(r["added_cpu_ms_per_request"], "+.2f"),
+                                 f"CPU: {_x(r.get('cpu_rps_ratio'))}"])
+        o.append(table(rows, ["clients", "variant", "req/s", "median ms", "p99 ms",
+                              "CPU ms/req", "req/s spread"]))
+        o.append("(ratio rows: req/s, latency ratios with the added median in ms, the added CPU "
+                 "per request, and 'CPU:' the throughput ratio implied by CPU per request)")
+        o.append(f"checks: {pr['checks']}")
+
+    st = res.get("streaming")
+    if st:
+        o.append(_section("2. streaming: one client, SSE responses of N events, ledger tee on"))
+        rows = []
+        for ev, row in st["events"].items():
+            for v in ("plain", "plain_stream", "turnguard"):
+                if v in row:
+                    r = row[v]
+                    rows.append([f"{int(ev):,} events", v, _f(r["events_per_s"], ",.0f"),
+                                 _f(r["mib_per_s"], ".1f"), _f(r["ttfb_ms"]), _f(r["total_ms"], ".1f"),
+                                 _f(r["cpu_ms_per_response"], ".1f"),
+                                 _f(r["events_per_s_spread"] * 100, ".0f", "%")])
+            for base in ("plain", "plain_stream"):
+                k = f"turnguard_vs_{base}"
+                if k in row:
+                    r = row[k]
+                    rows.append([f"{int(ev):,} events", f"turnguard/{base}", _x(r["events_per_s_ratio"]),
+                                 "", _x(r["ttfb_ratio"]), "",
+                                 f"CPU: {_x(r.get('cpu_events_per_s_ratio'))}", ""])
+        o.append(table(rows, ["stream", "variant", "events/s", "MiB/s", "TTFB ms", "total ms",
+                              "CPU ms/resp", "spread"]))
+        o.append(f"checks: {st['checks']}")
+
+    ho = res.get("holds")
+    if ho:
+        any_rep = next(iter(ho["variants"].values()))["reps"][0]
+        o.append(_section(
+            f"3. holds: {any_rep['duplicates']} concurrent duplicates of {any_rep['operations']} "
+            f"operations, originals held {any_rep['hold_s']:.0f} s by the upstream"))
+        rows = []
+        for v, r in ho["variants"].items():
+            rows.append([v, _f(r["answer_after_completion_p50_ms"], ".1f"),
+                         _f(r["answer_after_completion_p99_ms"], ".1f"),
+                         _f(r["answer_after_completion_max_ms"], ".1f"),
+                         _f(r["cpu_s_per_10s_hold"], ".3f"), _f(r["rss_before_mib"], ".1f"),
+                         _f(r["rss_during_hold_mib"], ".1f"), _f(r["rss_per_held_flow_kib"], ".1f"),
+                         _f(r["setup_s"], ".1f"), _f(r.get("burst_answers_per_s"), ",.0f")])
+        if "turnguard_vs_plain" in ho:
+            r = ho["turnguard_vs_plain"]
+            rows.append(["turnguard/plain", _x(r["p50_ratio"]), _x(r["p99_ratio"]), "",
+                         _x(r["cpu_ratio"]), "", "", _x(r["rss_per_flow_ratio"]), "", ""])
+        o.append(table(rows, ["variant", "p50 ms", "p99 ms", "max ms", "CPU s/10 s",
+                              "RSS before MiB", "RSS held MiB", "KiB/flow", "setup s",
+                              "answers/s"]))
+        o.append("(answer times are from the upstream's last byte of the response to the "
+                 "client's last byte; plain mitmdump has no holds: there every duplicate waits "
+                 "upstream and is answered by its own response, released at the same moment)")
+        o.append(f"checks: {ho['checks']}")
+
+    rp = res.get("replay")
+    if rp:
+        o.append(_section("4. replay: identical requests answered from the recording "
+                          "(plain variants: forwarded upstream)"))
+        rows = []
+        for size, row in rp["sizes"].items():
+            label = _size(int(size))
+            for v in ("plain", "plain_stream", "turnguard"):
+                if v in row:
+                    r = row[v]
+                    rows.append([label, v, _f(r["rps"], ".0f"), _f(r["mib_per_s"], ".1f"),
+                                 _f(r["median_ms"]), _f(r["p99_ms"]),
+                                 _f(r["rps_spread"] * 100, ".0f", "%")])
+            for base in ("plain", "plain_stream"):
+                k = f"turnguard_vs_{base}"
+                if k in row:
+                    r = row[k]
+                    rows.append([label, f"turnguard/{base}", _x(r["rps_ratio"]), "",
+                                 _x(r["median_ratio"]), _x(r["p99_ratio"]), ""])
+        o.append(table(rows, ["body", "variant", "req/s", "MiB/s", "median ms", "p99 ms", "spread"]))
+        o.append(f"checks: {rp['checks']}")
+
+    le = res.get("ledger")
+    if le:
+        o.append(_section("5. ledger: Ledger.admit() of distinct identities (one BEGIN IMMEDIATE "
+                          "claim each)"))
+        a, b, eo = le["claims_1_process"], le["claims_4_processes"], le["exactly_once"]
+        rows = [
+            ["1 process", f"{a['claims']:,}", _f(a["seconds"], ".2f"), _f(a["claims_per_s"], ",.0f")],
+            ["4 processes", f"{b['claims']:,}", _f(b["seconds"], ".2f"), _f(b["claims_per_s"], ",.0f")],
+        ]
+        o.append(table(rows, ["processes", "claims", "seconds", "claims/s"]))
+        o.append(f"exactly once: {eo['identities']} identical identities admitted by each of "
+                 f"{eo['processes']} processes at once -> {eo['dispatches']} dispatches, "
+                 f"max {eo['max_dispatches_per_identity']} per identity, "
+                 f"{eo['operations_in_ledger']} operations with at most "
+                 f"{eo['max_attempts_per_operation']} attempt each, errors {eo['errors']}: "
+                 f"{'PASSED' if eo['passed'] else 'FAILED'}")
+
+    so = res.get("soak")
+    if so:
+        o.append(_section("6. soak: distinct guarded requests, resident memory and ledger size"))
+        rows = []
+        for v, r in so["variants"].items():
+            for pt in r["points"]:
+                rows.append([v, f"{pt['requests']:,}", _f(pt["rss_mib"], ".1f"),
+                             _f(pt["ledger_bytes"]["total"] / 2**20, ".1f") if "ledger_bytes" in pt else "-",
+                             _f(pt["rps"], ".0f")])
+        o.append(table(rows, ["variant", "requests", "RSS MiB", "ledger MiB", "req/s"]))
+        t = so["variants"].get("turnguard")
+        if t:
+            o.append(f"turnguard RSS {t['first_at']:,} -> {t['last_at']:,} requests: "
+                     f"{_f(t['rss_growth_pct'], '+.1f', '%')}; ledger (db+wal+shm) "
+                     f"{t['ledger_bytes_last'] / 2**20:.1f} MiB = "
+                     f"{t['ledger_bytes_per_request']:.0f} B/request with retention "
+                     f"{t['retention_ms'] / 3600000:.0f} h (nothing expires within a soak: the "
+                     "steady-state size is about request rate x retention x B/request)")
+        o.append(f"checks: {so['checks']}")
+
+    mi = res.get("micro")
+    if mi:
+        o.append(_section("micro: turnguard's core in-process, per call (no mitmproxy)"))
+        rows = [[k, _f(v, ",.1f")] for k, v in mi.items()]
+        o.append(table(rows, ["measure", "value"]))
+
+    tg = res.get("targets")
+    if tg:
+        o.append(_section("targets of issue 5"))
+        rows = [[t["target"], t["value"], "met" if t["met"] else "MISSED", t["detail"]] for t in tg]
+        o.append(table(rows, ["target", "measured", "", "context"]))
+        if res.get("mode") == "quick":
+            o.append("(quick mode: small counts, indicative only; the full mode's figures count)")
+    o.append("")
+    o.append(NOTE)
+    return "\n".join(o)
+
+
+def _size(n: int) -> str:
+    if n >= 2**20:
+        return f"{n / 2**20:g} MiB"
+    if n >= 1024:
+        return f"{n / 1024:g} KiB"
+    return f"{n} B"

@@ -1,0 +1,202 @@
+"""The benchmark suite's CI smoke test: ``scripts/bench --quick`` runs end to end and reports
+every measurement, with sane counts. No timing is asserted (CI machines are shared and noisy):
+only that each figure exists and that the correctness checks of the run passed (every request
+answered, one upstream dispatch per held operation, replays byte-identical, exactly once
+across four processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+from turnguard_bench import profiling, upstream  # noqa: E402
+
+BENCH_TIMEOUT_S = 400
+VARIANTS = ("plain", "plain_stream", "turnguard")
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out_json = tmp / "bench.json"
+    out_text = tmp / "bench.out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "addon")])}
+    with open(out_text, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnguard_bench", "--quick", "--json", str(out_json)],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: on a timeout it all goes
+        )
+        try:
+            rc = proc.wait(BENCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            pytest.fail(f"scripts/bench --quick did not end within {BENCH_TIMEOUT_S} s:\n"
+                        + out_text.read_text(errors="replace")[-6000:])
+    text = out_text.read_text(errors="replace")
+    assert rc == 0, f"scripts/bench --quick exited {rc}:\n{text[-6000:]}"
+    return json.loads(out_json.read_text()), text
+
+
+@pytest.mark.slow
+def test_quick_mode_prints_the_table_and_the_note(quick_run, report):
+    data, text = quick_run
+    for heading in ("1. per-request overhead", "2. streaming", "3. holds", "4. replay",
+                    "5. ledger", "6. soak", "targets of issue 5"):
+        assert heading in text
+    assert "the ratios to plain mitmdump measured in the same run are what counts" in text
+    assert data["mode"] == "quick" and data["failed_checks"] == []
+    report(f"scripts/bench --quick: {len(data['targets'])} targets reported in "
+           f"{data['duration_s']:.0f} s, all correctness checks passed")
+
+
+@pytest.mark.slow
+def test_per_request_measures_every_variant_and_answers_every_request(quick_run):
+    pr = quick_run[0]["per_request"]
+    assert set(pr["concurrency"]) == {"1", "8", "32"}
+    for c, row in pr["concurrency"].items():
+        for v in VARIANTS:
+            r = row[v]
+            assert all(_num(r[k]) and r[k] > 0 for k in ("rps", "median_ms", "p99_ms",
+                                                         "cpu_ms_per_request"))
+            assert r["p99_ms"] >= r["median_ms"]
+            for rep in r["reps"]:
+                assert rep["answers"] == rep["ok"] == rep["requests"] > 0
+                assert rep["statuses"] == [200] and rep["events_ok"]
+                assert rep["upstream_dispatches"] == rep["requests"]  # distinct bodies: no replay
+        for base in ("plain", "plain_stream"):
+            ratios = row[f"turnguard_vs_{base}"]
+            assert all(_num(ratios[k]) for k in ("rps_ratio", "median_ratio", "p99_ratio",
+                                                  "added_median_ms"))
+    assert all(pr["checks"].values())
+
+
+@pytest.mark.slow
+def test_streaming_delivers_every_event(quick_run):
+    st = quick_run[0]["streaming"]
+    assert set(st["events"]) == {"1000", "10000"}
+    for row in st["events"].values():
+        for v in VARIANTS:
+            assert _num(row[v]["events_per_s"]) and row[v]["events_per_s"] > 0
+            assert _num(row[v]["ttfb_ms"])
+            assert all(rep["events_complete"] and rep["ok"] == rep["responses"]
+                       for rep in row[v]["reps"])
+        assert _num(row["turnguard_vs_plain_stream"]["events_per_s_ratio"])
+    assert all(st["checks"].values())
+
+
+@pytest.mark.slow
+def test_holds_coalesce_every_duplicate_into_one_dispatch(quick_run):
+    ho = quick_run[0]["holds"]
+    for rep in ho["variants"]["turnguard"]["reps"]:
+        assert rep["answers"] == rep["operations"] + rep["duplicates"]
+        assert rep["errors"] == 0 and rep["statuses"] == [200]
+        assert rep["upstream_dispatches"] == rep["operations"]
+        assert rep["replayed"] == rep["duplicates"]
+        assert rep["upstream_held_during_hold"] == rep["operations"]
+    for rep in ho["variants"]["plain"]["reps"]:
+        assert rep["upstream_dispatches"] == rep["operations"] + rep["duplicates"]
+    for v in ("plain", "turnguard"):
+        r = ho["variants"][v]
+        for k in ("answer_after_completion_p50_ms", "answer_after_completion_p99_ms",
+                  "cpu_s_per_10s_hold", "rss_per_held_flow_kib"):
+            assert _num(r[k]), (v, k, r[k])
+        assert r["cpu_s_per_10s_hold"] >= 0
+    assert all(ho["checks"].values())
+
+
+@pytest.mark.slow
+def test_replays_are_byte_identical_and_never_dispatched(quick_run):
+    rp = quick_run[0]["replay"]
+    assert set(rp["sizes"]) == {str(1024), str(100 * 1024), str(5 * 1024 * 1024)}
+    for size, row in rp["sizes"].items():
+        for rep in row["turnguard"]["reps"]:
+            assert rep["replayed"] == rep["requests"] == rep["ok"]
+            assert rep["distinct_bodies"] == 1 and rep["same_as_original"]
+            assert rep["upstream_dispatches"] == 0
+            assert rep["body_bytes"] == int(size)
+        for v in VARIANTS:
+            assert _num(row[v]["rps"]) and row[v]["rps"] > 0
+    assert all(rp["checks"].values())
+
+
+@pytest.mark.slow
+def test_ledger_claims_and_exactly_once(quick_run):
+    le = quick_run[0]["ledger"]
+    for k in ("claims_1_process", "claims_4_processes"):
+        assert le[k]["claims"] == le[k]["attempted"] > 0 and le[k]["errors"] == 0
+        assert _num(le[k]["claims_per_s"]) and le[k]["claims_per_s"] > 0
+    eo = le["exactly_once"]
+    assert eo["passed"]
+    assert eo["dispatches"] == eo["identities"] == eo["operations_in_ledger"]
+    assert eo["max_dispatches_per_identity"] == eo["max_attempts_per_operation"] == 1
+    assert eo["kinds"].get("Dispatch") == eo["identities"]
+    assert eo["kinds"].get("Hold", 0) == eo["admissions"] - eo["identities"]
+
+
+@pytest.mark.slow
+def test_soak_reports_memory_and_ledger_size(quick_run):
+    so = quick_run[0]["soak"]["variants"]["turnguard"]
+    assert so["requests"] == so["requested"] and so["errors"] == 0
+    assert [p["requests"] for p in so["points"]] == quick_run[0]["config"]["soak_checkpoints"]
+    assert all(p["rss_mib"] > 0 and p["ledger_bytes"]["total"] > 0 for p in so["points"])
+    assert so["ledger_bytes_last"] >= so["ledger_bytes_first"]
+    assert _num(so["rss_growth_pct"])
+
+
+@pytest.mark.slow
+def test_every_target_is_reported_and_micro_figures_exist(quick_run):
+    data = quick_run[0]
+    names = " | ".join(t["target"] for t in data["targets"])
+    for word in ("throughput", "median added latency", "p99 latency", "streaming 1,000",
+                 "streaming 10,000", "duplicates answered", "CPU during a hold",
+                 "per held flow", "claims/s", "exactly once", "flat memory"):
+        assert word in names
+    assert all(isinstance(t["met"], bool) for t in data["targets"])
+    assert all(_num(v) and v > 0 for v in data["micro"].values())
+
+
+# -- pure parts of the suite -----------------------------------------------------------------
+@pytest.mark.parametrize("size", [512, 600, 1024, 4200, 4300, 102400, 5 * 1024 * 1024])
+def test_the_bench_upstream_sizes_bodies_exactly(size):
+    frames = upstream.sized_body(size)
+    assert sum(map(len, frames)) == size
+    assert frames[-1].startswith(b"event: response.completed\n")
+
+
+def test_the_bench_upstream_streams_the_asked_number_of_events():
+    assert len(upstream.events_body(1000)) == 1000
+    assert b"".join(upstream.events_body(8)).count(b"\n\n") == 8
+
+
+def test_profile_categories():
+    ledger = "/x/turnguard_core/ledger.py"
+    addon = "/x/addon-snapshot/turnguard.py"
+    mitm = "/v/site-packages/mitmproxy/proxy/server.py"
+    stack = (f"run ({mitm});TurnGuard._record_end ({addon});_wrap.<locals>.wrapper ({ledger});"
+             f"Ledger.finish ({ledger});_Transaction.__exit__ ({ledger})")
+    assert profiling.categorize(stack) == "ledger.finish"
+    tee_then_ledger = (f"run ({mitm});ResponseTee.__call__ (/x/turnguard_core/tee.py);"
+                       f"TurnGuard._first_event ({addon});wrapper ({ledger});"
+                       f"Ledger.first_event ({ledger})")
+    assert profiling.categorize(tee_then_ledger) == "ledger.first_event"
+    assert profiling.categorize(f"run ({mitm});x ({mitm})").startswith("not turnguard")
+    assert profiling.categorize(f"run ({mitm});TurnGuard._show ({addon});trigger ({mitm})") \
+        == "addon._show (mitmweb UpdateHook trigger)"
