@@ -154,6 +154,7 @@ class TurnGuard:
         # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
         self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._last_heartbeat = 0.0
+        self._has_view: bool | None = None  # is there a UI whose flow list needs refreshing?
         self._last_gc = 0.0
         self._last_reap = 0.0
 
@@ -266,6 +267,12 @@ class TurnGuard:
         self._ensure_ticker()
 
     def done(self) -> None:
+        """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
+        once (killed, so their clients retry against the new instance) instead of waiting
+        out their bound on an addon that no longer gets events."""
+        for held in list(self._held.values()):
+            if not held.wake.done():
+                held.wake.set_result(_Gone("turnguard unloaded"))
         if self._ticker is not None:
             self._ticker.cancel()
         if self.db is not None:
@@ -791,10 +798,13 @@ class TurnGuard:
         if mark is not None:
             flow.marked = mark
         flow.comment = comment
-        try:
+        if self._has_view is None:
+            try:
+                self._has_view = ctx.master.addons.get("view") is not None
+            except AttributeError:  # no master (unit tests)
+                self._has_view = False
+        if self._has_view:  # mitmweb or the console: refresh the flow there
             ctx.master.addons.trigger(hooks.UpdateHook([flow]))
-        except Exception:  # no master (tests) or no view: nothing to refresh
-            pass
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

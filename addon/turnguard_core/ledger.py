@@ -237,16 +237,22 @@ class Ledger:
         return self._db is not None
 
     def _migrate(self) -> None:
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(
-                f"ledger schema version {version} is newer than this turnguard ({SCHEMA_VERSION})"
-            )
-        for v in range(version + 1, SCHEMA_VERSION + 1):
-            with self._tx():
-                for statement in _split_sql(_MIGRATIONS[v]):
-                    self._db.execute(statement)
-                self._db.execute(f"PRAGMA user_version={v}")
+        """Bring the schema to ``SCHEMA_VERSION``, one versioned step at a time. Each step
+        reads the version inside its write transaction, so processes that open a new ledger
+        together migrate it once."""
+        while True:
+            with self._tx() as db:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise sqlite3.DatabaseError(
+                        f"ledger schema version {version} is newer than this turnguard "
+                        f"({SCHEMA_VERSION})"
+                    )
+                if version == SCHEMA_VERSION:
+                    return
+                for statement in _split_sql(_MIGRATIONS[version + 1]):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version={version + 1}")
 
     # -- transactions --------------------------------------------------------------------------
     def _tx(self):

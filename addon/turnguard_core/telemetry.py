@@ -1,4 +1,5 @@
-"""Telemetry: one JSON line per decision, to an optional file (mode 0600) and to the log.
+"""Telemetry: one JSON line per decision, to an optional file (mode 0600) and to the log
+(routine per-request events at DEBUG, the others at INFO).
 
 Every line has ``ts`` (Unix seconds, float) and ``event``; callers add ``op``, ``flow``,
 ``session`` and the event's own fields. Values must be plain JSON data and never a secret.
@@ -14,6 +15,11 @@ from collections import Counter
 from typing import Callable
 
 logger = logging.getLogger("turnguard")
+
+# One of these per guarded request: logged at DEBUG (mitmdump --set termlog_verbosity=debug),
+# so that a busy proxy's log shows the decisions that change a request's fate. The events
+# file gets every event.
+ROUTINE = frozenset({"dispatch", "outcome"})
 
 
 def open_private(path: str, flags: int) -> int:
@@ -33,17 +39,21 @@ class Telemetry:
             fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
             self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
-    def emit(self, event: str, **fields: object) -> dict:
+    def emit(self, event: str, **fields: object) -> None:
+        self.counts[event] += 1
+        level = logging.DEBUG if event in ROUTINE else logging.INFO
+        to_log = logger.isEnabledFor(level)
+        if self._file is None and not to_log:
+            return
         record = {"ts": round(self._clock(), 6), "event": event, **fields}
         line = json.dumps(record, separators=(",", ":"), default=str)
-        self.counts[event] += 1
         if self._file is not None:
             try:
                 self._file.write(line + "\n")
             except OSError as e:  # a full disk must not break traffic
                 logger.warning("turnguard: cannot write telemetry to %s: %s", self.path, e)
-        logger.info("turnguard %s", line)
-        return record
+        if to_log:
+            logger.log(level, "turnguard %s", line)
 
     def close(self) -> None:
         if self._file is not None:
