@@ -56,6 +56,7 @@ LEDGER_BUSY_MS = 2000  # SQLite busy timeout: claims by other processes take mil
 LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
 STATUS_TIMEOUT_S = 1.0
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
+FIRST_EVENT_DELAY_S = 0.1  # a stream's first event is recorded this late, unless it ended
 
 _UNAVAILABLE = object()  # what _ledger() returns when the ledger cannot be used
 
@@ -835,8 +836,17 @@ class TurnGuard:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)
 
     def _first_event(self, attempt: _Attempt) -> None:
+        """The attempt has output now. The ledger learns it a moment later, and not at all
+        when the attempt ends first (its finish records the events): one transaction less
+        for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
-        if attempt.attempt_id is not None and self._ledger_usable():
+        if attempt.attempt_id is not None:
+            asyncio.get_running_loop().call_later(
+                FIRST_EVENT_DELAY_S, self._record_first_event, attempt
+            )
+
+    def _record_first_event(self, attempt: _Attempt) -> None:
+        if attempt.flow_id in self._attempts and self._ledger_usable():
             self._submit("first_event", attempt.attempt_id)
 
     def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> asyncio.Future:
