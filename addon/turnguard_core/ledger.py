@@ -179,7 +179,12 @@ class Ledger:
         check_path(self.path)
         if self.path != ":memory:":
             os.close(open_private(self.path, os.O_RDWR))
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=self._busy_timeout_ms / 1000)
+        # check_same_thread=False: the addon hands the connection between the event loop and
+        # the ledger thread, never using it from both at once (see ledger_thread)
+        db = sqlite3.connect(
+            self.path, isolation_level=None, timeout=self._busy_timeout_ms / 1000,
+            check_same_thread=False,
+        )
         try:
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             db.execute("PRAGMA journal_mode=WAL")
@@ -226,6 +231,12 @@ class Ledger:
             db.close()
             self._db = None
             raise
+
+    @_wrap
+    def set_busy_timeout(self, ms: int | None) -> None:
+        """How long a call waits for another process's lock (None: the ledger's own)."""
+        ms = self._busy_timeout_ms if ms is None else ms
+        self._conn().execute(f"PRAGMA busy_timeout={int(ms)}")
 
     def close(self) -> None:
         if self._db is not None:

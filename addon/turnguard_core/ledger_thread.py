@@ -1,41 +1,117 @@
-"""Runs one ``Ledger`` on a thread of its own, so SQLite never blocks the proxy's event loop.
+"""Runs one ``Ledger`` so that SQLite never freezes the proxy's event loop.
 
-Every call goes to the same single thread, in submission order: a call submitted after another
-sees its effects (the addon relies on that: an attempt's ``finish`` is submitted before any
-later request for the operation can be admitted). A locked database then makes only the calls
-that need the ledger wait (up to its busy timeout), never unrelated traffic.
+Two paths, one connection, calls strictly in submission order:
+
+- fast: while nothing is queued on the thread and the database has not been contended
+  lately, a call runs right away on the caller's thread with a short busy timeout
+  (``fast_busy_ms``). That is the common case and costs no thread hand-off;
+- slow: a call that meets a locked database there (it was rolled back, so it can run again),
+  and every call for ``slow_s`` after that, runs on a thread of its own with the ledger's full
+  busy timeout. Unrelated traffic then waits at most ``fast_busy_ms`` once.
+
+A call submitted after another sees its effects (the addon relies on it: an attempt's
+``finish`` is queued before any later request for the operation can be admitted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Any
 
-from .ledger import Ledger
+from .ledger import Ledger, LedgerError
+
+
+def _contended(error: LedgerError) -> bool:
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
 
 
 class LedgerThread:
-    def __init__(self, ledger: Ledger):
+    def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0):
         self.ledger = ledger
+        self._fast_busy_ms = fast_busy_ms
+        self._slow_s = slow_s
+        self._slow_until = 0.0
+        # calls handed to the thread, and calls it finished: each counter has one writer
+        # (the caller's thread, the ledger's thread), so no lock is needed
+        self._handed = 0
+        self._finished = 0
+        self._busy_ms: int | None = None  # the busy timeout the connection has now
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnguard-ledger"
         )
 
+    # -- the two paths ----------------------------------------------------------------------------
+    def _fast_possible(self) -> bool:
+        return (
+            self._handed == self._finished  # the thread is not using the connection
+            and time.monotonic() >= self._slow_until
+            and self.ledger.is_open
+        )
+
+    def _run(self, method: str, args, kwargs, busy_ms: int | None):
+        if busy_ms != self._busy_ms and self.ledger.is_open:
+            self.ledger.set_busy_timeout(busy_ms)
+            self._busy_ms = busy_ms
+        return getattr(self.ledger, method)(*args, **kwargs)
+
+    def _run_fast(self, method: str, args, kwargs):
+        """Run now; raises ``_Contended`` when the database was locked (nothing was done)."""
+        try:
+            return self._run(method, args, kwargs, self._fast_busy_ms)
+        except LedgerError as e:
+            if not _contended(e):
+                raise
+            self._slow_until = time.monotonic() + self._slow_s
+            raise _Contended from e
+
+    def _queue(self, method: str, args, kwargs) -> concurrent.futures.Future:
+        self._handed += 1
+        return self._pool.submit(self._run_on_thread, method, args, kwargs)
+
+    def _run_on_thread(self, method: str, args, kwargs):
+        try:
+            return self._run(method, args, kwargs, None)
+        finally:
+            self._finished += 1
+
+    # -- the interface ----------------------------------------------------------------------------
     def submit(self, method: str, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        """Queue ``ledger.<method>(*args, **kwargs)``; the future holds its result or error."""
-        return self._pool.submit(getattr(self.ledger, method), *args, **kwargs)
+        """``ledger.<method>(*args, **kwargs)``, now or queued; the future holds its result or
+        error."""
+        if self._fast_possible():
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(self._run_fast(method, args, kwargs))
+                return done
+            except _Contended:
+                pass
+            except Exception as e:  # noqa: BLE001 - the future carries it
+                done.set_exception(e)
+                return done
+        return self._queue(method, args, kwargs)
 
     async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a ledger method on the ledger's thread and await its result."""
-        return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
+        """Run a ledger method (now, or on the ledger's thread) and await its result."""
+        if self._fast_possible():
+            try:
+                return self._run_fast(method, args, kwargs)
+            except _Contended:
+                pass
+        return await asyncio.wrap_future(self._queue(method, args, kwargs))
 
     def call_sync(self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any):
         """Run a ledger method on the ledger's thread and wait for it here (start-up, status).
         Raises ``TimeoutError`` when it takes longer than ``timeout`` seconds."""
-        return self.submit(method, *args, **kwargs).result(timeout)
+        return self._queue(method, args, kwargs).result(timeout)
 
     def close(self) -> None:
         """Close the connection after every queued call; do not wait for it."""
         self._pool.submit(self.ledger.close)
         self._pool.shutdown(wait=False)
+
+
+class _Contended(Exception):
+    """The fast path met a locked database; the call goes to the thread."""
