@@ -139,7 +139,7 @@ def _headers(pairs) -> http.Headers:
 class TurnGuard:
     def __init__(self) -> None:
         self.instance_id = uuid.uuid4().hex[:16]
-        self.db: LedgerThread | None = None  # the ledger, on its own thread
+        self.db: LedgerThread | None = None  # the ledger; never blocks the loop for long
         self._ledger_retry_at = 0.0  # while in the future, the ledger is down: decide in memory
         self.ledger_path = ""
         self.ledger_error: str | None = None
@@ -200,7 +200,7 @@ class TurnGuard:
         return os.path.join(confdir, "turnguard.sqlite3")
 
     def _open_ledger(self, path: str) -> None:
-        """Open the ledger on its own thread (start-up, or a change of option). A path others
+        """Open the ledger (start-up, or a change of option). A path others
         could write to is refused; any other fault leaves turnguard running without it, and
         the ticker tries again every few seconds."""
         if self.db is not None:
@@ -234,7 +234,7 @@ class TurnGuard:
         return self.db is not None and time.monotonic() >= self._ledger_retry_at
 
     async def _ledger(self, during: str, call: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a ledger call off the event loop. ``_UNAVAILABLE`` when the ledger is down (then
+        """Run a ledger call (see ``ledger_thread``). ``_UNAVAILABLE`` when the ledger is down (then
         the caller decides in memory or fails closed), after noting the fault."""
         if not self._ledger_usable():
             return _UNAVAILABLE
@@ -890,7 +890,7 @@ class TurnGuard:
             if self._local.get(attempt.ident.op_key) == flow.id:
                 del self._local[attempt.ident.op_key]
             # Held duplicates wake now: a recording is replayed from memory; anything else is
-            # admitted again, and the ledger thread runs that after this attempt's finish.
+            # admitted again, and the ledger runs that after this attempt's finish.
             self._wake(attempt.ident.op_key, why)
         return recorded
 

@@ -333,3 +333,38 @@ def test_session_ownership_is_fenced_by_epoch(tmp_path):
     claim = policy.RecoveryClaim("s", 1, once=True)
     assert a.admit(i, method="POST", path="/v1/responses", now=1020.0, guard=GUARD, flow_id=None,
                    recovery=claim) == policy.Denied("upstream_request_timeout", "ownership_lost")
+
+
+async def test_ledger_thread_runs_at_once_and_moves_to_its_thread_when_contended(tmp_path):
+    import asyncio
+    import threading
+
+    from turnguard_core.ledger_thread import LedgerThread
+
+    path = tmp_path / "l.sqlite3"
+    runner = LedgerThread(Ledger(str(path), "a", busy_timeout_ms=5000), fast_busy_ms=20)
+    runner.call_sync("open", 1000.0)
+    threads = []
+    orig = runner.ledger.admit
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return orig(*a, **kw)
+
+    runner.ledger.admit = spy
+    assert isinstance(await runner.call("admit", ident({"n": 1}), method="POST",
+                                        path="/v1/responses", now=1000.0, guard=GUARD,
+                                        flow_id=None), policy.Dispatch)
+    assert threads == [threading.current_thread().name]  # uncontended: no hand-off
+
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, blocker.execute, "ROLLBACK")  # the lock goes away while it waits
+    got = await runner.call("admit", ident({"n": 2}), method="POST", path="/v1/responses",
+                            now=1000.0, guard=GUARD, flow_id=None)
+    assert isinstance(got, policy.Dispatch)
+    assert threads[-1].startswith("turnguard-ledger")  # retried on the thread, not lost
+    assert not runner._fast_possible()  # and calls stay there for a while
+    runner.close()
+    blocker.close()
