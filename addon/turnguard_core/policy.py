@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 Outcome = Literal["in_flight", "completed", "rejected", "partial", "unknown"]
-ENDED_OUTCOMES: frozenset[str] = frozenset({"completed", "rejected", "partial", "unknown"})
 
 RecoveryMode = Literal["fail_closed", "server_anchored_replay_once", "server_indefinite_recovery"]
 RECOVERY_MODES: tuple[str, ...] = (
