@@ -36,7 +36,7 @@ from turnguard_core.ledger import (  # noqa: E402
     check_path,
     instance_is_dead,
 )
-from turnguard_core.ledger_thread import LedgerThread  # noqa: E402
+from turnguard_core.ledger_runner import LedgerRunner  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
     cut_upstream,
@@ -139,7 +139,7 @@ def _headers(pairs) -> http.Headers:
 class TurnGuard:
     def __init__(self) -> None:
         self.instance_id = uuid.uuid4().hex[:16]
-        self.db: LedgerThread | None = None  # the ledger; never blocks the loop for long
+        self.db: LedgerRunner | None = None  # the ledger; never blocks the loop for long
         self._ledger_retry_at = 0.0  # while in the future, the ledger is down: decide in memory
         self.ledger_path = ""
         self.ledger_error: str | None = None
@@ -216,7 +216,7 @@ class TurnGuard:
         self._try_open(path)
 
     def _try_open(self, path: str) -> bool:
-        db = LedgerThread(Ledger(path, self.instance_id, busy_timeout_ms=LEDGER_BUSY_MS))
+        db = LedgerRunner(Ledger(path, self.instance_id, busy_timeout_ms=LEDGER_BUSY_MS))
         try:
             now = time.time()
             db.call_sync("open", now)
@@ -234,7 +234,7 @@ class TurnGuard:
         return self.db is not None and time.monotonic() >= self._ledger_retry_at
 
     async def _ledger(self, during: str, call: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a ledger call (see ``ledger_thread``). ``_UNAVAILABLE`` when the ledger is down (then
+        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger is down (then
         the caller decides in memory or fails closed), after noting the fault."""
         if not self._ledger_usable():
             return _UNAVAILABLE

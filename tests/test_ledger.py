@@ -335,14 +335,14 @@ def test_session_ownership_is_fenced_by_epoch(tmp_path):
                    recovery=claim) == policy.Denied("upstream_request_timeout", "ownership_lost")
 
 
-async def test_ledger_thread_runs_at_once_and_moves_to_its_thread_when_contended(tmp_path):
+async def test_ledger_runner_runs_at_once_and_moves_to_its_thread_when_contended(tmp_path):
     import asyncio
     import threading
 
-    from turnguard_core.ledger_thread import LedgerThread
+    from turnguard_core.ledger_runner import LedgerRunner
 
     path = tmp_path / "l.sqlite3"
-    runner = LedgerThread(Ledger(str(path), "a", busy_timeout_ms=5000), fast_busy_ms=20)
+    runner = LedgerRunner(Ledger(str(path), "a", busy_timeout_ms=5000), fast_busy_ms=20)
     runner.call_sync("open", 1000.0)
     threads = []
     orig = runner.ledger.admit

@@ -163,7 +163,7 @@ def _wrap(fn):
 
 class Ledger:
     """One connection to the ledger file, used from one thread at a time (the addon hands it
-    between the event loop and a thread of its own, see ``ledger_thread``)."""
+    between the event loop and a thread of its own, see ``ledger_runner``)."""
 
     def __init__(self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000):
         self.path = path
@@ -180,7 +180,7 @@ class Ledger:
         if self.path != ":memory:":
             os.close(open_private(self.path, os.O_RDWR))
         # check_same_thread=False: the addon hands the connection between the event loop and
-        # a thread of its own, never using it from both at once (see ledger_thread)
+        # a thread of its own, never using it from both at once (see ledger_runner)
         db = sqlite3.connect(
             self.path, isolation_level=None, timeout=self._busy_timeout_ms / 1000,
             check_same_thread=False,

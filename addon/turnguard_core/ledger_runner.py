@@ -28,7 +28,7 @@ def _contended(error: LedgerError) -> bool:
     return "locked" in text or "busy" in text
 
 
-class LedgerThread:
+class LedgerRunner:
     def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0):
         self.ledger = ledger
         self._fast_busy_ms = fast_busy_ms
