@@ -158,6 +158,8 @@ class TurnGuard:
         self._has_view: bool | None = None  # is there a UI whose flow list needs refreshing?
         self._last_gc = 0.0
         self._last_reap = 0.0
+        self._running = False  # set by the running hook: start-up is over
+        self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
 
     # -- options ---------------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -166,31 +168,54 @@ class TurnGuard:
                 spec.name, spec.type, spec.default, spec.help,
                 choices=list(spec.choices) if spec.choices else None,
             )
+        # --set values of not-yet-registered options wait in `deferred`; mitmproxy applies ours
+        # right after this hook. A typo there would be ignored for ever, and a value of the
+        # wrong type would make mitmproxy drop the script without a word: check them first.
+        deferred = getattr(loader.master.options, "deferred", {})
+        problems = options.deferred_problems({k: getattr(v, "val", v) for k, v in deferred.items()})
+        for name, message in problems.items():
+            deferred.pop(name, None)
+            self._refuse(message)
 
     def configure(self, updated: set[str]) -> None:
+        if self.refused:
+            return
         try:
             self.settings = options.settings_from(
                 {spec.name: getattr(ctx.options, spec.name) for spec in options.OPTIONS}
             )
         except ValueError as e:
-            raise exceptions.OptionsError(str(e)) from e
+            return self._refuse(str(e))
         o = ctx.options
         if "turnguard_filter" in updated:
             try:
                 self.filter = flowfilter.parse(o.turnguard_filter)
             except ValueError as e:
-                raise exceptions.OptionsError(f"turnguard_filter: {e}") from e
+                return self._refuse(f"turnguard_filter={o.turnguard_filter!r} is not valid: {e}")
         if "turnguard_events" in updated:
             try:
                 telemetry = Telemetry(os.path.expanduser(o.turnguard_events) or None)
             except OSError as e:
-                raise exceptions.OptionsError(
-                    f"turnguard_events: cannot open {o.turnguard_events!r}: {e.strerror}"
-                ) from e
+                return self._refuse(
+                    f"turnguard_events={o.turnguard_events!r} cannot be opened: {e.strerror}"
+                )
             self.telemetry.close()
             self.telemetry = telemetry
         if "turnguard_ledger" in updated or "confdir" in updated:
-            self._open_ledger(self._ledger_path())
+            try:
+                path = self._ledger_path()
+            except OSError as e:
+                return self._refuse(f"turnguard_ledger: cannot use the folder: {e}")
+            self._open_ledger(path)
+
+    def _refuse(self, message: str) -> None:
+        """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off
+        and mitmproxy exits (an error logged during start-up stops it). Later (an option changed
+        in mitmweb or the console): ``OptionsError``, so mitmproxy keeps the previous value."""
+        if self._running:
+            raise exceptions.OptionsError(message)
+        self.refused.append(message)
+        logger.error("turnguard: %s; turnguard is not running", message)
 
     def _ledger_path(self) -> str:
         if ctx.options.turnguard_ledger:
@@ -200,19 +225,16 @@ class TurnGuard:
         return os.path.join(confdir, "turnguard.sqlite3")
 
     def _open_ledger(self, path: str) -> None:
-        """Open the ledger (start-up, or a change of option). A path others
-        could write to is refused; any other fault leaves turnguard running without it, and
-        the ticker tries again every few seconds."""
-        if self.db is not None:
-            self.db.close()
-        self.db, self.ledger_path = None, path
-        folder = os.path.dirname(path)
-        if not os.path.isdir(folder):
-            raise exceptions.OptionsError(f"turnguard_ledger: folder {folder} does not exist")
+        """Open the ledger (start-up, or a change of option). A path others could write to is
+        refused (the ledger in use stays); any other fault leaves turnguard running without
+        it, and the ticker tries again every few seconds."""
         try:
             check_path(path)
         except LedgerError as e:
-            raise exceptions.OptionsError(f"turnguard_ledger: refused: {e}") from e
+            return self._refuse(f"turnguard_ledger={path} is refused: {e}")
+        if self.db is not None:
+            self.db.close()
+        self.db, self.ledger_path = None, path
         self._try_open(path)
 
     def _try_open(self, path: str) -> bool:
@@ -265,6 +287,11 @@ class TurnGuard:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def running(self) -> None:
+        self._running = True
+        if self.refused:
+            return
+        logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
+                    self.instance_id, self.settings.recovery_mode, self.ledger_path)
         self._ensure_ticker()
 
     def done(self) -> None:
@@ -346,7 +373,7 @@ class TurnGuard:
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
-        if self.filter is None or flow.response is not None or not self.filter(flow):
+        if self.refused or self.filter is None or flow.response is not None or not self.filter(flow):
             return
         self._ensure_ticker()
         try:

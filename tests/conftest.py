@@ -12,6 +12,23 @@ for p in (ROOT / "addon", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+# The fast tier: modules that run in-process (pure core, the addon under mitmproxy's taddons,
+# the ledger on a temporary file). Every other module starts real subprocesses (mitmdump, the
+# mock upstream, the scripts) and is marked ``e2e``. `scripts/test --quick` runs the fast tier,
+# and `scripts/test` runs it on every other supported Python too, with the tests marked
+# ``every_python``.
+FAST_MODULES = frozenset({
+    "test_addon", "test_circuit", "test_identity", "test_ledger", "test_options", "test_policy",
+    "test_proxy_internals", "test_recovery_machine", "test_repro_models", "test_sse", "test_tee",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] not in FAST_MODULES:
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_configure(config):
     """The end-to-end results go to one file that every xdist worker appends to."""
     if not hasattr(config, "workerinput"):

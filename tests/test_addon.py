@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -145,8 +146,10 @@ async def make_guard(tmp_path: Path, **options):
             **options,
         }
         tctx.options.update(**settings_)
-        # The script loader calls configure with every option once the script is loaded.
+        # The script loader calls configure with every option once the script is loaded, then
+        # running (the proxy is up): from then on a bad option is refused with OptionsError.
         tctx.master.addons.invoke_addon_sync(tg, hooks.ConfigureHook(set(tctx.options.keys())))
+        tctx.master.addons.invoke_addon_sync(tg, hooks.RunningHook())
         try:
             yield Guard(tg, tctx, tmp_path)
         finally:
@@ -678,3 +681,41 @@ async def test_an_unusable_ledger_degrades_to_coalescing_in_memory(tmp_path):
         assert f2.response.headers["x-turnguard"] == "replayed"
         assert len(guard.events("dispatch")) == 1
         assert garbage.read_bytes().startswith(b"this is not an SQLite database")  # untouched
+
+
+async def test_at_start_up_a_bad_option_is_one_error_line_and_turnguard_stays_off(tmp_path, caplog):
+    """Before the running hook (mitmproxy still starting), a bad value is not raised (mitmproxy
+    would print it with a traceback): one error line names it, mitmproxy's start-up check then
+    exits, and turnguard guards nothing meanwhile."""
+    tg = turnguard.TurnGuard()
+    with taddons.context(tg, options=moptions.Options(confdir=str(tmp_path / "c"))) as tctx:
+        tctx.options.update(turnguard_recovery_mode="maybe")
+        with caplog.at_level(logging.ERROR, logger="turnguard"):
+            tctx.master.addons.invoke_addon_sync(tg, hooks.ConfigureHook(set(tctx.options.keys())))
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "turnguard_recovery_mode" in errors[0] and "'maybe'" in errors[0]
+        assert all(r.exc_info is None for r in caplog.records)
+        assert tg.refused and tg.db is None
+        flow = tflow.tflow()
+        flow.request.path = "/v1/responses"
+        await tg.request(flow)
+        assert flow.response is None and flow.metadata.get("turnguard") is None
+        tg.done()
+
+
+async def test_a_deferred_turnguard_option_with_a_typo_or_a_bad_type_is_reported_at_load(tmp_path, caplog):
+    """mitmproxy keeps `--set` values of options a script has not registered yet; turnguard
+    checks its own before mitmproxy applies them (a bad type would make it drop the script)."""
+    tg = turnguard.TurnGuard()
+    with taddons.context(options=moptions.Options(confdir=str(tmp_path / "c"))) as tctx:
+        tctx.options.set("turnguard_hold_timeout_ms=abc", "turnguard_holdtimeout_ms=5",
+                         "turnguard_replay=false", defer=True)
+        with caplog.at_level(logging.ERROR, logger="turnguard"):
+            tctx.master.addons.register(tg)
+        errors = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+        assert len(errors) == 2
+        assert "turnguard_hold_timeout_ms=abc is not an integer" in errors[0]
+        assert "unknown option turnguard_holdtimeout_ms=5 (did you mean turnguard_hold_timeout_ms?)" in errors[1]
+        assert tctx.options.turnguard_replay is False  # a good deferred value still applies
+        assert "turnguard_hold_timeout_ms" not in tctx.options.deferred
+        tg.done()

@@ -40,3 +40,34 @@ def test_readme_documents_every_option_with_its_default():
         if spec.name in ("turnguard_ledger", "turnguard_filter", "turnguard_events"):
             continue  # shown as words, not as the raw default
         assert rows[spec.name].strip("`").lower() == str(spec.default).lower(), spec.name
+
+
+@pytest.mark.parametrize(
+    "name, raw, message",
+    [
+        ("turnguard_hold_timeout_ms", ["abc"], "turnguard_hold_timeout_ms=abc is not an integer"),
+        ("turnguard_hold_timeout_ms", [], "turnguard_hold_timeout_ms=(no value) is not an integer"),
+        ("turnguard_replay", ["maybe"], "turnguard_replay=maybe is not true or false"),
+        ("turnguard_replay", ["yes"], "turnguard_replay=yes is not true or false"),
+        ("turnguard_ledger", ["a", "b"], "turnguard_ledger was set 2 times (a, b); set it once"),
+        ("turnguard_hold_timeout_ms", "30000", "turnguard_hold_timeout_ms='30000' is not an integer"),
+        ("turnguard_replay", 1, "turnguard_replay=1 is not bool"),
+        ("turnguard_holdtimeout_ms", ["5"],
+         "unknown option turnguard_holdtimeout_ms=5 (did you mean turnguard_hold_timeout_ms?)"),
+        ("turnguard_zzz", ["1"], "unknown option turnguard_zzz=1"),
+    ],
+)
+def test_deferred_problems_name_the_option_and_the_value(name, raw, message):
+    assert options.deferred_problems({name: raw}) == {name: message}
+
+
+@pytest.mark.parametrize(
+    "deferred",
+    [
+        {"turnguard_hold_timeout_ms": ["5"], "turnguard_replay": ["false"], "turnguard_events": ["x"]},
+        {"turnguard_replay": [], "turnguard_replay_max_bytes": 5},
+        {"stream_large_bodies": ["nonsense"], "other_addon_option": ["x"]},  # not ours
+    ],
+)
+def test_good_deferred_values_and_other_addons_options_are_no_problem(deferred):
+    assert options.deferred_problems(deferred) == {}

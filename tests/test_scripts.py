@@ -15,6 +15,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,25 +265,84 @@ def test_proxy_sigterm_to_the_script_alone_stops_its_children(tmp_path, report):
     report(f"scripts/proxy: SIGTERM to the script alone stopped mock + mitmdump in {run.stop_s:.1f} s")
 
 
-def test_proxy_stops_the_mock_when_mitmdump_fails_to_start(tmp_path):
+def _proxy_to_exit(tmp_path: Path, *args: str) -> tuple[int, str]:
+    """Run scripts/proxy (mock upstream) until it exits by itself; (status, output)."""
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen(
+            [str(PROXY), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            cwd=tmp_path, env=_env(TURNGUARD_STATE_DIR=str(tmp_path / "state")),
+            start_new_session=True,
+        )
+    try:
+        rc = proc.wait(START_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait(10)
+    return rc, (tmp_path / "out").read_text(errors="replace")
+
+
+def test_proxy_on_a_port_in_use_says_to_use_port_and_stops_the_mock(tmp_path):
     with socket.socket() as busy:  # mitmdump cannot listen on a port already taken
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with open(tmp_path / "out", "wb") as out:
-            proc = subprocess.Popen(
-                [str(PROXY), "--port", str(port), "--", "--set", f"confdir={tmp_path / 'c'}"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                env=_env(TURNGUARD_STATE_DIR=str(tmp_path / "state")), start_new_session=True,
-            )
+        rc, out = _proxy_to_exit(tmp_path, "--port", str(port), "--", "--set", f"confdir={tmp_path / 'c'}")
+    assert rc != 0
+    assert out.rstrip().splitlines()[-1] == (
+        f"scripts/proxy: port {port} on 127.0.0.1 is in use; choose another with --port N "
+        "(or TURNGUARD_PORT=N)"
+    ), out
+    assert "--mode reverse:" not in out  # mitmproxy's advice does not apply to this script
+    assert "try:" not in out and "curl" not in out  # no banner for a proxy that never ran
+    assert "Traceback" not in out
+    assert _processes_mentioning(str(tmp_path)) == {}
+
+
+@pytest.mark.parametrize(
+    "setting, needle",
+    [
+        ("turnguard_hold_timeout_ms=abc", "turnguard_hold_timeout_ms=abc is not an integer"),
+        ("turnguard_replay=maybe", "turnguard_replay=maybe is not true or false"),
+        ("turnguard_holdtimeout_ms=5", "unknown option turnguard_holdtimeout_ms=5"),
+    ],
+)
+def test_proxy_with_a_bad_option_stops_with_one_line_and_no_banner(tmp_path, setting, needle):
+    rc, out = _proxy_to_exit(
+        tmp_path, "--port", str(_free_port()), "--", "--set", f"confdir={tmp_path / 'c'}",
+        "--set", setting,
+    )
+    assert rc != 0, out
+    lines = [line for line in out.splitlines() if needle in line]
+    assert len(lines) == 1, out
+    assert "try:" not in out and "Traceback" not in out, out
+    assert _processes_mentioning(str(tmp_path)) == {}
+
+
+@pytest.mark.every_python
+@pytest.mark.slow
+def test_proxy_stops_on_a_group_sigterm_without_a_traceback_20_times(tmp_path, report):
+    """SIGTERM to the script's process group, as ^C or a supervisor sends it: the script alone
+    gets it and gives each child exactly one; no traceback, nothing left behind."""
+    for i in range(20):
+        run_dir = tmp_path / f"run{i}"
+        run_dir.mkdir()
+        proc, out_path, port = _start_proxy(run_dir, "proxy")
         try:
-            rc = proc.wait(START_TIMEOUT_S)
+            _wait_listening(proc, out_path, port)
+            wait_until(lambda: "try:" in out_path.read_text(errors="replace"), START_TIMEOUT_S,
+                       0.05, "the banner")
+            _stop(proc, signal.SIGTERM, group=True)
         finally:
             if proc.poll() is None:
                 _kill_group(proc, signal.SIGKILL)
                 proc.wait(10)
-    assert rc != 0
-    assert _processes_mentioning(str(tmp_path)) == {}
+        out = out_path.read_text(errors="replace")
+        assert proc.returncode == 128 + signal.SIGTERM, out
+        assert "Traceback" not in out and "Exception ignored" not in out, out
+        wait_until(lambda: _processes_mentioning(str(run_dir)) == {}, 5, 0.1, "no leftovers")
+    report(f"scripts/proxy on Python {sys.version.split()[0]}: stopped by a group SIGTERM 20 times, "
+           "no traceback, nothing left behind")
 
 
 # -- scripts/ledger on the proxy's ledger ----------------------------------------------------

@@ -468,9 +468,10 @@ def test_retention_purges_operations_and_their_bytes_at_restart(tmp_path):
                        what="the purge at open")
             assert query(ledger, "SELECT COUNT(*) FROM spool") == [(0,)]
             assert query(ledger, "SELECT COUNT(*) FROM attempts") == [(0,)]
-            gc = [e for e in read_jsonl(tmp_path / "restarted-events.jsonl")
-                  if e["event"] == "ledger_gc"]
-            assert gc and gc[0]["operations_deleted"] == 3
+            # the event (and the WAL checkpoint before it) follows the purge's commit: wait
+            gc = wait_until(lambda: [e for e in read_jsonl(tmp_path / "restarted-events.jsonl")
+                                     if e["event"] == "ledger_gc"], 10, what="ledger_gc")
+            assert gc[0]["operations_deleted"] == 3
             still = [str(f) for f in ledger_files(ledger) if marker.encode() in f.read_bytes()]
             assert not still, f"the purged response bodies are still readable in {still}"
             # an Idempotency-Key past retention is a new operation, not a replay

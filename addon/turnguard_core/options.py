@@ -8,6 +8,7 @@ table is checked against this list by the tests.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -176,3 +177,69 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
 
 
 DEFAULTS: Mapping[str, Any] = {spec.name: spec.default for spec in OPTIONS}
+
+PREFIX = "turnguard_"
+_SPECS = {spec.name: spec for spec in OPTIONS}
+
+
+def parse_set_value(spec: OptionSpec, values: list[str]) -> Any:
+    """The value of ``--set NAME=VALUE`` for one of our options, parsed as mitmproxy parses it
+    (``int()`` for ints; ``true``, ``false`` or nothing for bools; the string for strs).
+    Raises ``ValueError`` naming the option and the value."""
+    shown = ", ".join(values) if values else "(no value)"
+    if len(values) > 1:
+        raise ValueError(f"{spec.name} was set {len(values)} times ({shown}); set it once")
+    text = values[0] if values else None
+    if spec.type is int:
+        try:
+            return int(text or "")
+        except ValueError:
+            raise ValueError(f"{spec.name}={shown} is not an integer") from None
+    if spec.type is bool:
+        if text in (None, "", "true"):
+            return True
+        if text == "false":
+            return False
+        raise ValueError(f"{spec.name}={shown} is not true or false") from None
+    if text is None:
+        raise ValueError(f"{spec.name} needs a value")
+    return text
+
+
+def check_value_type(spec: OptionSpec, value: Any) -> None:
+    """Raise ``ValueError`` when ``value`` (e.g. from mitmproxy's config.yaml) is not of the
+    option's type."""
+    ok = isinstance(value, spec.type) and not (spec.type is int and isinstance(value, bool))
+    if not ok:
+        raise ValueError(
+            f"{spec.name}={value!r} is not {'an integer' if spec.type is int else spec.type.__name__}"
+        )
+
+
+def deferred_problems(deferred: Mapping[str, Any]) -> dict[str, str]:
+    """Problems with ``turnguard_*`` values that mitmproxy holds back until the script
+    registers its options: unknown names (a typo) and values of the wrong type. mitmproxy
+    would ignore the first for ever and, for the second, fail to load the script without a
+    word. ``deferred`` maps a name to its raw ``--set`` strings (a list) or, from a config
+    file, a value. Returns name -> one-line message naming the option and the value."""
+    problems: dict[str, str] = {}
+    for name, raw in deferred.items():
+        if not name.startswith(PREFIX):
+            continue
+        spec = _SPECS.get(name)
+        if spec is None:
+            shown = ", ".join(map(str, raw)) if isinstance(raw, list) else repr(raw)
+            close = difflib.get_close_matches(
+                name.removeprefix(PREFIX), [n.removeprefix(PREFIX) for n in _SPECS], n=1
+            )
+            hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
+            problems[name] = f"unknown option {name}={shown}{hint}"
+            continue
+        try:
+            if isinstance(raw, list):
+                parse_set_value(spec, [str(v) for v in raw])
+            else:
+                check_value_type(spec, raw)
+        except ValueError as e:
+            problems[name] = str(e)
+    return problems

@@ -1,0 +1,232 @@
+"""Start-up and shutdown as a user meets them: bad options stop mitmdump with one line, a
+refused ledger path with one line, the scripts find (or clearly fail to find) a Python, and
+mitmdump stops on one signal without a traceback, on every supported Python.
+
+Each test runs real processes: ``mitmdump -s addon/turnguard.py`` from this interpreter's
+virtual environment, and the scripts' Python discovery (``scripts/_python.sh``) in bash.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ADDON, MITMDUMP, REPO, Mitmdump, assert_no_traceback
+from turnguard_core import options
+
+RUN_TIMEOUT_S = 40.0
+BASH = shutil.which("bash") or "/bin/bash"
+STOP_ROUNDS = 20
+
+
+def _mitmdump_once(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    """mitmdump with turnguard and the given ``--set`` values, to its exit (it must exit)."""
+    cmd = [
+        str(MITMDUMP), "--mode", "reverse:http://127.0.0.1:9", "--listen-host", "127.0.0.1",
+        "--listen-port", "0", "--set", f"confdir={tmp_path / 'confdir'}", "-s", str(ADDON),
+    ]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL,
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _turnguard_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "turnguard:" in line]
+
+
+def _assert_refused(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """mitmdump exited non-zero with exactly one turnguard line, naming ``needles``, and no
+    traceback; returns that line."""
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "Traceback" not in out, out
+    lines = _turnguard_lines(out)
+    assert len(lines) == 1, out
+    for needle in needles:
+        assert needle in lines[0], out
+    assert "turnguard: running" not in out
+    return lines[0]
+
+
+WRONG_TYPE = {int: "abc", bool: "maybe"}
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in options.OPTIONS if s.type in WRONG_TYPE], ids=lambda s: s.name
+)
+def test_an_option_value_of_the_wrong_type_stops_mitmdump_with_one_line(tmp_path, spec):
+    value = WRONG_TYPE[spec.type]
+    r = _mitmdump_once(tmp_path, f"{spec.name}={value}")
+    _assert_refused(r, spec.name, value)
+    assert not (tmp_path / "confdir" / "turnguard.sqlite3").exists()
+
+
+def test_an_unknown_turnguard_option_stops_mitmdump_and_suggests_the_right_name(tmp_path):
+    r = _mitmdump_once(tmp_path, "turnguard_holdtimeout_ms=5")
+    line = _assert_refused(r, "turnguard_holdtimeout_ms=5")
+    assert "did you mean turnguard_hold_timeout_ms?" in line
+
+
+@pytest.mark.parametrize(
+    "setting, needle",
+    [
+        ("turnguard_recovery_mode=maybe", "turnguard_recovery_mode"),
+        ("turnguard_hold_timeout_ms=-1", "turnguard_hold_timeout_ms must be >= 0, not -1"),
+        ("turnguard_filter=~nosuchfilter", "turnguard_filter='~nosuchfilter'"),
+    ],
+)
+def test_an_invalid_option_value_stops_mitmdump_with_one_line(tmp_path, setting, needle):
+    _assert_refused(_mitmdump_once(tmp_path, setting), needle)
+
+
+@pytest.mark.parametrize("case", ["missing folder", "world-writable folder", "group-writable file"])
+def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp_path, case):
+    folder = tmp_path / "ledger-folder"
+    if case != "missing folder":
+        folder.mkdir()
+    path = folder / "l.sqlite3"
+    if case == "world-writable folder":
+        folder.chmod(0o777)
+    elif case == "group-writable file":
+        path.write_bytes(b"")
+        path.chmod(0o660)
+    line = _assert_refused(_mitmdump_once(tmp_path, f"turnguard_ledger={path}"), str(path), "refused")
+    assert {"missing folder": "does not exist", "world-writable folder": "world-writable",
+            "group-writable file": "writable by others"}[case] in line
+
+
+def test_a_good_start_says_turnguard_is_running(tmp_path):
+    with Mitmdump(tmp_path, "http://127.0.0.1:9") as proxy:
+        text = proxy.wait_for_log("turnguard: running")
+    assert "recovery mode fail_closed" in text
+    assert_no_traceback(text)
+
+
+@pytest.mark.every_python
+@pytest.mark.slow
+def test_mitmdump_stops_on_one_sigterm_without_a_traceback_20_times(tmp_path, report):
+    """Python 3.13 prints 'Exception ignored ... signal wakeup fd' when a second signal races
+    mitmdump's shutdown; one signal, then waiting, must never print anything of the kind."""
+    for i in range(STOP_ROUNDS):
+        proxy = Mitmdump(tmp_path, "http://127.0.0.1:9", name=f"stop-{i}")
+        proxy.wait_for_log("turnguard: running")
+        rc = proxy.stop()
+        text = proxy.log_text()
+        assert rc == 0, text
+        assert "Traceback" not in text and "Exception ignored" not in text, text
+    report(f"bare mitmdump + turnguard on Python {sys.version.split()[0]}: stopped by one SIGTERM "
+           f"{STOP_ROUNDS} times, no traceback")
+
+
+# -- scripts/_python.sh ------------------------------------------------------------------------
+
+
+def _bash(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [BASH, "-c", f'source "{REPO}/scripts/_python.sh"; {script}'], capture_output=True,
+        text=True, timeout=RUN_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL,
+    )
+
+
+def _fake_python(folder: Path, name: str, version: str | None, fails: str | None = None) -> Path:
+    """An executable that answers the version probe like a Python of ``version`` would (or
+    fails with ``fails``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    body = f"echo '{fails}' >&2; exit 1" if fails else f"echo {version}"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _isolated_env(tmp_path: Path, path_dirs: list[Path], **extra: str) -> dict[str, str]:
+    """An environment whose PATH holds only ``path_dirs`` and the basic tools, and whose
+    pyenv/uv folders are empty."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    tools = tmp_path / "tools"
+    tools.mkdir(exist_ok=True)
+    for tool in ("sort", "head", "cat", "ls", "realpath", "dirname", "cut", "sha256sum", "rm"):
+        src = shutil.which(tool)
+        if src and not (tools / tool).exists():
+            (tools / tool).symlink_to(src)
+    return {
+        "PATH": ":".join(str(p) for p in [*path_dirs, tools]), "HOME": str(home),
+        "PYENV_ROOT": str(home / "pyenv"), **extra,
+    }
+
+
+def test_turnguard_python_is_honoured_even_when_the_venv_exists():
+    venv = Path(sys.prefix)
+    env = {**os.environ, "TG_VENV": str(venv), "TURNGUARD_PYTHON": "/nonexistent/python3"}
+    r = subprocess.run(
+        [str(REPO / "scripts" / "reproduce"), "--list"], capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode != 0, r.stdout
+    assert "TURNGUARD_PYTHON=/nonexistent/python3: no such file or command" in r.stderr
+
+
+def test_turnguard_python_too_old_or_broken_says_which(tmp_path):
+    old = _fake_python(tmp_path / "bin", "python3.11", "3.11.4")
+    broken = _fake_python(tmp_path / "bin", "pythonx", None, fails="cannot execute")
+    env = _isolated_env(tmp_path, [tmp_path / "bin"])
+    r = _bash("tg_find_python", {**env, "TURNGUARD_PYTHON": str(old)})
+    assert r.returncode != 0
+    assert f"TURNGUARD_PYTHON={old} is Python 3.11.4; turnguard needs Python >= 3.12" in r.stderr
+    r = _bash("tg_find_python", {**env, "TURNGUARD_PYTHON": str(broken)})
+    assert r.returncode != 0 and f"TURNGUARD_PYTHON={broken} does not run (cannot execute)" in r.stderr
+
+
+def test_no_python_found_lists_what_was_looked_at(tmp_path):
+    if any(Path(p).exists() for d in ("/usr/bin", "/usr/local/bin") for p in
+           [f"{d}/python3.{m}" for m in range(12, 20)]):
+        pytest.skip("this machine has a system Python >= 3.12 in /usr/bin or /usr/local/bin")
+    _fake_python(tmp_path / "bin", "python3", "3.11.4")
+    _fake_python(tmp_path / "bin", "python3.13", None, fails="pyenv: python3.13: command not found")
+    r = _bash("tg_find_python", _isolated_env(tmp_path, [tmp_path / "bin"]))
+    assert r.returncode != 0
+    assert "turnguard needs Python >= 3.12 and found none. Looked at:" in r.stderr
+    assert f"{tmp_path}/bin/python3 is Python 3.11.4" in r.stderr
+    assert f"{tmp_path}/bin/python3.13 does not run (pyenv: python3.13: command not found)" in r.stderr
+    assert "TURNGUARD_PYTHON=" in r.stderr
+
+
+def test_the_newest_supported_python_is_chosen_and_the_others_listed(tmp_path):
+    _fake_python(tmp_path / "bin", "python3.12", "3.12.7")
+    _fake_python(tmp_path / "bin", "python3.13", "3.13.1")
+    _fake_python(tmp_path / "bin", "python3", "3.11.4")
+    env = _isolated_env(tmp_path, [tmp_path / "bin"])
+    r = _bash("tg_find_python", env)
+    assert r.returncode == 0 and r.stdout.strip() == f"{tmp_path}/bin/python3.13", r.stderr
+    r = _bash(f'TG_PY="{tmp_path}/bin/python3.13" tg_other_pythons', env)
+    assert r.stdout.split() == [f"{tmp_path}/bin/python3.12"], r.stderr
+
+
+def test_proxy_help_creates_nothing(tmp_path):
+    venv = tmp_path / "venv"
+    r = subprocess.run(
+        [str(REPO / "scripts" / "proxy"), "--help"], capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S, env={**os.environ, "TG_VENV": str(venv)}, stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("Usage: scripts/proxy")
+    assert not venv.exists()
+
+
+def test_test_help_creates_nothing(tmp_path):
+    venv = tmp_path / "venv"
+    r = subprocess.run(
+        [str(REPO / "scripts" / "test"), "--help"], capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S, env={**os.environ, "TG_VENV": str(venv)}, stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0 and "--quick" in r.stdout
+    assert not venv.exists()
