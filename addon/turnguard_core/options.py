@@ -8,15 +8,23 @@ table is checked against this list by the tests.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence  # the one mitmproxy's option manager knows
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .circuit import CircuitConfig
+from .identity import KNOWN_ROUTES
 from .policy import RECOVERY_MODES, GuardPolicy
 
+# POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
+# anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
 DEFAULT_FILTER = (
-    '~m POST & ~u "/(v1/responses|backend-api/codex/responses|v1/chat/completions)/?([?]|$)"'
+    '~m POST & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+('
+    + "|".join(KNOWN_ROUTES)
+    + ')/?([?]|$)"'
 )
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "turnguard_filter", str, DEFAULT_FILTER,
         "mitmproxy filter expression for the flows turnguard guards; everything else passes "
         "untouched.",
+    ),
+    OptionSpec(
+        "turnguard_credential_headers", Sequence[str], [],
+        "More request headers that carry a credential, beyond the built-in list "
+        "(Authorization, Proxy-Authorization, Cookie, the providers' API-key, account, "
+        "organization and project headers): requests that differ in them never share an "
+        "operation, a recording, a session or a circuit. Repeat --set to name several.",
     ),
     OptionSpec(
         "turnguard_hold_timeout_ms", int, 30000,
@@ -132,6 +147,7 @@ class Settings:
     response_created_timeout_s: float  # 0: off
     recovery_mode: str
     owner_lease_s: float
+    credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
 
 
 def settings_from(values: Mapping[str, Any]) -> Settings:
@@ -145,6 +161,10 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
             # mitmproxy checks choices= for command-line flags only, not for --set
             raise ValueError(f"{spec.name} must be one of {', '.join(spec.choices)}, not {value!r}")
     v = values
+    credential_headers = tuple(v["turnguard_credential_headers"])
+    for name in credential_headers:
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"turnguard_credential_headers: {name!r} is not a header name")
     if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
         raise ValueError(
             "turnguard_retention_ms must be >= turnguard_replay_window_ms "
@@ -172,6 +192,7 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         response_created_timeout_s=v["turnguard_response_created_timeout_ms"] / 1000,
         recovery_mode=v["turnguard_recovery_mode"],
         owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
+        credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
     )
 
 
