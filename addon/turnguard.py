@@ -133,6 +133,18 @@ def _accepts_sse(flow: http.HTTPFlow) -> bool:
     return "text/event-stream" in flow.request.headers.get("accept", "")
 
 
+def _via(flow: http.HTTPFlow) -> str | None:
+    """The upstream proxy a flow goes through (mitmproxy's upstream mode), as a URL."""
+    via = flow.server_conn.via
+    if via is None:
+        return None
+    try:
+        scheme, (host, port) = via
+        return f"{scheme}://{host}:{port}"
+    except (TypeError, ValueError):  # not a ServerSpec: still a value of its own
+        return repr(via)
+
+
 def _headers(pairs) -> http.Headers:
     return http.Headers(
         [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape")) for k, v in pairs]
@@ -542,7 +554,6 @@ class TurnGuard:
                     and all(isinstance(part, str) for part in proxy_auth)):
                 return identity.Passthrough("principal undetermined (proxyauth metadata)")
             proxy_auth = json.dumps(list(proxy_auth))
-        via = flow.server_conn.via  # upstream mode: the upstream proxy it goes through
         view = identity.RequestView(
             method=req.method,
             path=req.path,
@@ -550,7 +561,7 @@ class TurnGuard:
             body=body,
             upstream=identity.Upstream(
                 scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
-                via=None if via is None else f"{via[0]}://{via[1][0]}:{via[1][1]}",
+                via=_via(flow),
             ),
             proxy_auth=proxy_auth,
         )

@@ -903,15 +903,16 @@ class Dispatch:
         once in that coding (and ``first_event_ms`` and ``gap_ms`` are ignored)."""
         coding = self.b.get("content_encoding")
         if coding is not None and coding != "identity":
-            if self.body.get("stream") is False:
-                ctype, raw = "application/json", json.dumps(events[-1][1]["response"]).encode()
-            else:
+            streamed = self.body.get("stream") is not False
+            if streamed:
                 ctype, raw = "text/event-stream", b"".join(sse_frame(t, d) for t, d in events)
+            else:
+                ctype, raw = "application/json", json.dumps(events[-1][1]["response"]).encode()
             body = content_encode(raw, coding)
             self.status = 200
             headers = [("content-type", ctype), ("content-encoding", coding), ("content-length", str(len(body))), *self.common_headers, *self._extra_headers(), *self._close_header()]
             await self.conn.send(head_bytes(200, headers) + body)
-            self.events_sent += len(events)
+            self.events_sent += len(events) if streamed else 0
         elif self.body.get("stream") is False:
             self.status = 200
             final = events[-1][1]["response"]

@@ -40,13 +40,16 @@ class OptionSpec:
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_ledger", str, "",
-        "Path of the SQLite ledger shared by every turnguard process that guards the same "
-        "upstream. Empty: <confdir>/turnguard.sqlite3.",
+        "Path of the SQLite ledger, shared by every turnguard process that uses it (operations "
+        "of different upstreams and principals never mix). Refused if it, or the real file a "
+        "symlink leads to, is writable by others or in a world-writable folder without the "
+        "sticky bit. Empty: <confdir>/turnguard.sqlite3.",
     ),
     OptionSpec(
         "turnguard_filter", str, DEFAULT_FILTER,
         "mitmproxy filter expression for the flows turnguard guards; everything else passes "
-        "untouched.",
+        "untouched. The default guards POSTs to the known model routes at the start of the "
+        "path.",
     ),
     OptionSpec(
         "turnguard_credential_headers", Sequence[str], [],
@@ -129,8 +132,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "turnguard_events", str, "",
-        "Path of a JSON-lines telemetry file (created 0600); empty: telemetry goes to the "
-        "log only.",
+        "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
+        "like the ledger); empty: telemetry goes to the log only.",
     ),
 )
 
