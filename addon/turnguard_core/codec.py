@@ -2,8 +2,10 @@
 
 A recorded body is at most ``turnguard_replay_max_bytes``, but decoded it could be a
 decompression bomb: ``BoundedCodec.decode`` stops at ``max_bytes`` of output and raises
-``ValueError`` instead. Encoding uses mitmproxy's own codecs (``mitmproxy.net.encoding``, fast
-settings). The same brotli and zstd modules mitmproxy uses are used here; no proxy, clock or
+``ValueError`` instead. Encoding uses mitmproxy's own codec functions
+(``mitmproxy.net.encoding.custom_encode``, fast settings), not its ``encode``: that one keeps a
+module-wide cache, which a call from another thread (the addon recodes off the event loop) would
+race with. The same brotli and zstd modules mitmproxy uses are used here; no proxy, clock or
 disk.
 """
 
@@ -56,7 +58,7 @@ class BoundedCodec:
     def encode(self, data: bytes, coding: str) -> bytes:
         if coding not in ("gzip", "deflate", "br", "zstd"):
             raise ValueError(f"unsupported content coding {coding!r}")
-        return mitmproxy_encoding.encode(data, coding)
+        return mitmproxy_encoding.custom_encode[coding](data)
 
     def _too_big(self) -> ValueError:
         return _TooBig(f"decodes to more than {self.max_bytes} bytes")
