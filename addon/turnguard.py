@@ -26,7 +26,8 @@ if _HERE not in sys.path:
 
 from mitmproxy import command, ctx, exceptions, flowfilter, hooks, http  # noqa: E402
 
-from turnguard_core import answers, circuit, identity, options, policy  # noqa: E402
+from turnguard_core import answers, circuit, identity, negotiation, options, policy  # noqa: E402
+from turnguard_core.codec import BoundedCodec  # noqa: E402
 from turnguard_core.ledger import (  # noqa: E402
     AttemptEnd,
     FinishResult,
@@ -37,6 +38,7 @@ from turnguard_core.ledger import (  # noqa: E402
     instance_is_dead,
 )
 from turnguard_core.ledger_runner import LedgerRunner  # noqa: E402
+from turnguard_core.private_files import UnsafePath  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
     cut_upstream,
@@ -48,6 +50,7 @@ from turnguard_core.telemetry import Telemetry  # noqa: E402
 logger = logging.getLogger("turnguard")
 
 MAX_GUARDED_BODY = 64 * 1024 * 1024
+MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0  # notice killed or disconnected held flows; heartbeat
 HEARTBEAT_S = 5.0
@@ -130,6 +133,18 @@ def _accepts_sse(flow: http.HTTPFlow) -> bool:
     return "text/event-stream" in flow.request.headers.get("accept", "")
 
 
+def _via(flow: http.HTTPFlow) -> str | None:
+    """The upstream proxy a flow goes through (mitmproxy's upstream mode), as a URL."""
+    via = flow.server_conn.via
+    if via is None:
+        return None
+    try:
+        scheme, (host, port) = via
+        return f"{scheme}://{host}:{port}"
+    except (TypeError, ValueError):  # not a ServerSpec: still a value of its own
+        return repr(via)
+
+
 def _headers(pairs) -> http.Headers:
     return http.Headers(
         [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape")) for k, v in pairs]
@@ -195,6 +210,8 @@ class TurnGuard:
         if "turnguard_events" in updated:
             try:
                 telemetry = Telemetry(os.path.expanduser(o.turnguard_events) or None)
+            except UnsafePath as e:
+                return self._refuse(f"turnguard_events={o.turnguard_events!r} is refused: {e}")
             except OSError as e:
                 return self._refuse(
                     f"turnguard_events={o.turnguard_events!r} cannot be opened: {e.strerror}"
@@ -399,7 +416,7 @@ class TurnGuard:
         cfg = self.settings
         arrived = time.monotonic()
         budget_deadline = arrived + cfg.request_budget_s
-        scope = circuit.circuit_scope(ident.session, ident.scope, flow.request.path)
+        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
         owner = await self._ownership(ident.session)
         base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
         held_since: float | None = None
@@ -432,8 +449,8 @@ class TurnGuard:
                 if recording is None:
                     self.telemetry.emit("passthrough", **base, reason="recording missing")
                     return
-                self._replay(flow, ident, recording, held_ms, admission.attempt_id)
-                return
+                await self._replay(flow, ident, recording, held_ms, admission.attempt_id)
+                return  # replayed, or declined and forwarded
             if isinstance(admission, policy.Conflict):
                 self.telemetry.emit("idempotency_key_conflict", **base)
                 self._answer(flow, answers.idempotency_key_conflict(), MARK_REJECTED,
@@ -513,8 +530,8 @@ class TurnGuard:
                 return
             if isinstance(woke, _Ended) and woke.recording is not None:
                 held_ms = round((time.monotonic() - held_since) * 1000)
-                self._replay(flow, ident, woke.recording, held_ms, None)
-                return
+                await self._replay(flow, ident, woke.recording, held_ms, None)
+                return  # replayed, or declined and forwarded
             # The attempt ended without a recording: admit again (claim, replay or hold anew).
 
     async def _wait_out_cooldown(
@@ -556,13 +573,29 @@ class TurnGuard:
             body = req.content
         except ValueError:
             body = None
+        if not req.host:
+            return identity.Passthrough("upstream unknown (no host)")
+        proxy_auth = flow.metadata.get("proxyauth")  # mitmproxy's proxyauth took the header
+        if proxy_auth is not None:
+            if not (isinstance(proxy_auth, (tuple, list))
+                    and all(isinstance(part, str) for part in proxy_auth)):
+                return identity.Passthrough("principal undetermined (proxyauth metadata)")
+            proxy_auth = json.dumps(list(proxy_auth))
         view = identity.RequestView(
             method=req.method,
             path=req.path,
             headers=tuple(req.headers.items(multi=True)),
             body=body,
+            upstream=identity.Upstream(
+                scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
+                via=_via(flow),
+            ),
+            proxy_auth=proxy_auth,
         )
-        return identity.identify(view, max_body_bytes=MAX_GUARDED_BODY)
+        return identity.identify(
+            view, max_body_bytes=MAX_GUARDED_BODY,
+            credential_headers=self.settings.credential_headers,
+        )
 
     async def _admit(
         self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
@@ -574,7 +607,7 @@ class TurnGuard:
             return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
         admission = await self._ledger(
             "admit", "admit", ident, method=flow.request.method,
-            path=flow.request.path.split("?", 1)[0],  # a query may carry a credential
+            path=ident.route,  # a known route or a hash: the rest of a URL may carry a key
             now=time.time(), guard=self.settings.guard, flow_id=flow.id,
             circuit_scope=scope, recovery=recovery,
             once_mode=self.settings.recovery_mode == "server_anchored_replay_once",
@@ -798,23 +831,45 @@ class TurnGuard:
                      f"turnguard: failed closed with 503 {code} ({reason})")
 
     # -- answers ---------------------------------------------------------------------------------
-    def _replay(
+    async def _replay(
         self, flow: http.HTTPFlow, ident: identity.Identity, rec: Recording, held_ms: int,
         attempt_id: int | None,
-    ) -> None:
-        resp = http.Response.make(rec.status, b"", _headers(rec.headers))
-        resp.raw_content = rec.body  # as recorded: no re-encoding
-        resp.headers["content-length"] = str(len(rec.body))
+    ) -> bool:
+        """Answer the flow from the recording, in a form its request accepts (see
+        ``negotiation``): as recorded, byte for byte, when it can; decoded or re-encoded for a
+        client that does not accept the recorded content coding. False: the recording may not
+        be replayed to this request (``Vary``, or no acceptable coding); the flow is then
+        forwarded, with a ``replay_declined`` event."""
+        request_headers = tuple(flow.request.headers.items(multi=True))
+        how = negotiation.plan(rec.headers, rec.vary_key, request_headers)
+        headers, body = rec.headers, rec.body
+        if isinstance(how, negotiation.Recode):
+            # decoding and encoding megabytes takes a while: not on the event loop
+            how = await asyncio.to_thread(
+                negotiation.recode, rec.headers, rec.body, how, BoundedCodec(MAX_RECODED_BODY)
+            )
+            if isinstance(how, negotiation.Serve):
+                headers, body = how.headers, how.body
+        if isinstance(how, negotiation.Decline):
+            self.telemetry.emit("replay_declined", op=ident.op_id, flow=flow.id,
+                                session=ident.session, held_ms=held_ms, reason=how.reason)
+            self._show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
+            return False
+        resp = http.Response.make(rec.status, b"", _headers(headers))
+        resp.raw_content = body  # as recorded, or as negotiated: never re-encoded by mitmproxy
+        resp.headers["content-length"] = str(len(body))
         resp.headers["x-turnguard"] = "replayed"
         flow.response = resp
         flow.metadata["turnguard"] = {"role": "replay", "op": ident.op_id}
         self.telemetry.emit(
             "duplicate_replayed", op=ident.op_id, flow=flow.id, session=ident.session,
-            held_ms=held_ms, status=rec.status, bytes=len(rec.body), attempt=attempt_id,
+            held_ms=held_ms, status=rec.status, bytes=len(body), attempt=attempt_id,
+            recoded=isinstance(how, negotiation.Serve),
         )
         self._show(flow, MARK_REPLAYED, f"turnguard: replayed the recorded response of "
-                   f"operation {ident.op_id} ({len(rec.body)} bytes) after {held_ms} ms; "
+                   f"operation {ident.op_id} ({len(body)} bytes) after {held_ms} ms; "
                    "nothing was sent upstream")
+        return True
 
     def _answer(self, flow: http.HTTPFlow, a: answers.Answer, mark: str, comment: str) -> None:
         flow.response = http.Response.make(a.status, a.body, _headers(a.headers))
@@ -941,11 +996,17 @@ class TurnGuard:
             body_complete=complete,
             counts_events=tee.counts_events if tee else False,
         )
-        recording = None
+        recording, not_recorded = None, None
         if outcome == "completed" and tee is not None and tee.body is not None:
-            recording = Recording(
-                status, recordable_headers(flow.response.headers.items(multi=True)), tee.body
-            )
+            response_headers = recordable_headers(flow.response.headers.items(multi=True))
+            vary = negotiation.vary_names(response_headers)
+            if vary is None:
+                not_recorded = "Vary: *"
+            else:
+                recording = Recording(
+                    status, response_headers, tee.body,
+                    negotiation.vary_key(vary, flow.request.headers.items(multi=True)),
+                )
         detail = flow.error.msg if flow.error else None
         failure = None
         if outcome == "unknown":
@@ -962,7 +1023,8 @@ class TurnGuard:
             replayable=recording is not None, detail=detail,
             not_replayable_reason=(
                 None if recording is not None or outcome != "completed"
-                else ("over turnguard_replay_max_bytes" if tee and tee.over_cap else "replay off")
+                else not_recorded
+                or ("over turnguard_replay_max_bytes" if tee and tee.over_cap else "replay off")
             ),
         )
         if failure is not None:
@@ -1068,9 +1130,10 @@ class TurnGuard:
                 what = "an attempt in another process"
             else:
                 what = "an attempt in this process"
+            route = identity.split_target(h.flow.request.path).route  # no key from the URL
             lines.append(
                 f"{flow_id} op={h.op_key[:12]} held={now - h.since:.1f}s waiting for {what}: "
-                f"{h.flow.request.method} {h.flow.request.path}"
+                f"{h.flow.request.method} {route}"
             )
         return "\n".join(lines) if lines else "no held flows"
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import hashlib
 import itertools
 import json
@@ -76,6 +77,7 @@ import socket
 import struct
 import sys
 import time
+import zlib
 from typing import Any
 
 # Bounds: every read, wait and loop in this server is bounded by one of these.
@@ -105,6 +107,7 @@ DEFAULT_SCENARIO: dict[str, Any] = {"default": {"kind": "ok"}}
 SLOW_DEFAULT_DELAY_MS = 60_000
 DEFAULT_STALL_MS = 600_000
 PARTIAL_ENDS = ("reset", "clean_close", "stall", "failed")
+CONTENT_ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
 MAX_DELTA_BYTES = 1024 * 1024
 SCENARIO_META_KEYS = {"name", "description", "comment"}
 REPRO_ATTEMPT_HEADER = "x-turnguard-repro-attempt"
@@ -166,6 +169,8 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
             raise ValueError(f"{where}: {key} must be a string")
     if "arguments" in b and not isinstance(b["arguments"], (str, dict)):
         raise ValueError(f"{where}: arguments must be a string or a JSON object")
+    if "content_encoding" in b and b["content_encoding"] not in CONTENT_ENCODINGS:
+        raise ValueError(f"{where}: content_encoding must be one of {list(CONTENT_ENCODINGS)}")
     if "end" in b and b["end"] not in PARTIAL_ENDS:
         raise ValueError(f"{where}: end must be one of {list(PARTIAL_ENDS)}")
     if "headers" in b:
@@ -594,6 +599,26 @@ class Conn:
         raise BadRequest("too many chunks")
 
 
+def content_encode(data: bytes, coding: str) -> bytes:
+    """``data`` in a content coding. gzip and deflate are the standard library's; br and zstd
+    need the brotli and zstd modules mitmproxy brings (imported only when asked for)."""
+    if coding == "gzip":
+        return gzip.compress(data, mtime=0)
+    if coding == "deflate":
+        return zlib.compress(data)
+    if coding == "br":
+        import brotli
+
+        return brotli.compress(data)
+    if coding == "zstd":
+        try:
+            from compression import zstd  # type: ignore[import-not-found]
+        except ImportError:  # Python < 3.14
+            from backports import zstd  # type: ignore[no-redef]
+        return zstd.compress(data)
+    return data
+
+
 def head_bytes(status: int, headers: list[tuple[str, str]]) -> bytes:
     """A status line and header section."""
     lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}"]
@@ -874,8 +899,21 @@ class Dispatch:
     async def _complete(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Answer with ``events``: an SSE stream (``first_event_ms`` after the headers, then
         ``gap_ms`` between events), or the final response object as one JSON body when the
-        request says ``"stream": false``."""
-        if self.body.get("stream") is False:
+        request says ``"stream": false``. With ``content_encoding`` the whole body is sent at
+        once in that coding (and ``first_event_ms`` and ``gap_ms`` are ignored)."""
+        coding = self.b.get("content_encoding")
+        if coding is not None and coding != "identity":
+            streamed = self.body.get("stream") is not False
+            if streamed:
+                ctype, raw = "text/event-stream", b"".join(sse_frame(t, d) for t, d in events)
+            else:
+                ctype, raw = "application/json", json.dumps(events[-1][1]["response"]).encode()
+            body = content_encode(raw, coding)
+            self.status = 200
+            headers = [("content-type", ctype), ("content-encoding", coding), ("content-length", str(len(body))), *self.common_headers, *self._extra_headers(), *self._close_header()]
+            await self.conn.send(head_bytes(200, headers) + body)
+            self.events_sent += len(events) if streamed else 0
+        elif self.body.get("stream") is False:
             self.status = 200
             final = events[-1][1]["response"]
             body = json.dumps(final).encode()
@@ -895,7 +933,8 @@ class Dispatch:
         (after response.created and response.in_progress, before the output: a turn that
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``
         ("hello"), ``delta_bytes`` (size of each delta's text; default len(text)), ``headers``
-        (extra response headers). SSE stream, or one JSON object when the body says
+        (extra response headers), ``content_encoding`` (identity, gzip, deflate, br, zstd: the
+        whole body at once in that coding). SSE stream, or one JSON object when the body says
         ``"stream": false``."""
         deltas = int(self.b.get("events", 3))
         await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))

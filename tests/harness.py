@@ -42,6 +42,7 @@ _MOCK_LINE = re.compile(r"mock upstream listening at (http://127\.0\.0\.1:(\d+))
 # mitmproxy 12.3.1 prints e.g. "[01:29:22.706] reverse proxy to http://127.0.0.1:9 listening at
 # 127.0.0.1:47487."
 _MITM_LINE = re.compile(r"listening at (?:\[[^\]]*\]|[0-9.]+):(\d+)")
+_MITM_ADDRESS = re.compile(r"listening at (\[[^\]]*\]|[0-9.]+):(\d+)")
 
 
 def _unique(tmp_path: Path, name: str, suffix: str) -> Path:
@@ -197,6 +198,11 @@ class Mitmdump:
     """mitmdump in reverse-proxy mode in front of ``upstream_url``, on 127.0.0.1, port chosen by
     the OS, loading ``addon/turnguard.py`` unless ``addon=False``.
 
+    ``modes`` replaces that single reverse listener by several, given as mitmproxy mode specs
+    (``reverse:http://127.0.0.1:A@127.0.0.1:0``, ``regular@127.0.0.2:0``): mitmproxy refuses two
+    listeners on one address, so give each its own loopback address (127.0.0.N) with port 0.
+    ``ports`` and ``urls`` then list their ports and URLs, in the order of ``modes``.
+
     Its own confdir (``tmp_path/<name>-confdir``) keeps the test's CA away from ``~/.mitmproxy``;
     output is appended to ``tmp_path/<name>.log`` (so a restart under the same name, e.g. after
     ``kill9``, keeps one file; ``log_text`` returns this instance's part). ``env`` adds
@@ -205,8 +211,9 @@ class Mitmdump:
     def __init__(
         self,
         tmp_path: Path,
-        upstream_url: str,
+        upstream_url: str | None,
         *,
+        modes: list[str] | None = None,
         addon: bool = True,
         options: Mapping[str, object] | None = None,
         extra_args: list[str] | None = None,
@@ -217,9 +224,11 @@ class Mitmdump:
         self.name = name
         self.log_path = self.tmp_path / f"{name}.log"
         self.confdir = self.tmp_path / f"{name}-confdir"
-        cmd = [
-            str(MITMDUMP),
-            "--mode", f"reverse:{upstream_url}",
+        modes = modes or [f"reverse:{upstream_url}"]
+        cmd = [str(MITMDUMP)]
+        for mode in modes:
+            cmd += ["--mode", mode]
+        cmd += [
             "--listen-host", "127.0.0.1",
             "--listen-port", "0",
             "--set", f"confdir={self.confdir}",
@@ -233,9 +242,18 @@ class Mitmdump:
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
-        m = _wait_for_line(self.proc, self.log_path, _MITM_LINE, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})", self.log_offset)
-        self.port: int = int(m.group(1))
-        self.url: str = f"http://127.0.0.1:{self.port}"
+        every_listener = re.compile(r"(?:.*?" + _MITM_LINE.pattern + r"){%d}" % len(modes), re.S)
+        _wait_for_line(self.proc, self.log_path, every_listener, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})", self.log_offset)
+        found = _MITM_ADDRESS.findall(_read_from(self.log_path, self.log_offset))[: len(modes)]
+        if len(modes) == 1:  # what it always was, whatever address mitmproxy prints
+            found = [("127.0.0.1", found[0][1])]
+        else:  # in the order of ``modes``, told apart by their listen addresses
+            by_host = dict(found)
+            found = [(h, by_host[h]) for h in (m.rpartition("@")[2].rpartition(":")[0] for m in modes)]
+        self.urls: list[str] = [f"http://{host}:{port}" for host, port in found]
+        self.ports: list[int] = [int(port) for _, port in found]
+        self.port: int = self.ports[0]
+        self.url: str = self.urls[0]
 
     @property
     def pid(self) -> int:
@@ -265,6 +283,16 @@ class Mitmdump:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def upstream_of(url: str):
+    """The ``identity.Upstream`` turnguard sees for requests it sends to ``url``
+    (``http://127.0.0.1:PORT``), to compute op ids in tests."""
+    from turnguard_core.identity import Upstream  # tests/conftest.py puts addon/ on sys.path
+
+    scheme, _, rest = url.partition("://")
+    host, _, port = rest.rstrip("/").rpartition(":")
+    return Upstream(scheme, host, int(port))
 
 
 def assert_no_traceback(text: str) -> None:

@@ -719,3 +719,55 @@ async def test_a_deferred_turnguard_option_with_a_typo_or_a_bad_type_is_reported
         assert tctx.options.turnguard_replay is False  # a good deferred value still applies
         assert "turnguard_hold_timeout_ms" not in tctx.options.deferred
         tg.done()
+
+# ------------------------------------------------------------------------------------------------
+# isolation: what the shell gives identity beyond headers and body
+
+
+async def _second_is(guard: Guard, change) -> str:
+    """Dispatch an original (left in flight), then a request like it changed by ``change``:
+    its role ("dispatch" when it is another operation, "held" when the same), or "passthrough"."""
+    f1, f2 = make_flow(), make_flow()
+    await asyncio.wait_for(guard.tg.request(f1), WAIT_S)
+    assert f1.metadata["turnguard"]["role"] == "dispatch"
+    change(f2)
+    task = asyncio.create_task(guard.tg.request(f2))
+    try:
+        await until(lambda: f2.marked == MARK_HELD or task.done(), "the second request's fate")
+        if f2.marked == MARK_HELD:
+            return "held"
+        return f2.metadata.get("turnguard", {}).get("role", "passthrough")
+    finally:
+        if not task.done():
+            f2.kill()
+            guard.tg.update([f2])
+            await asyncio.wait([task], timeout=WAIT_S)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda f: None, "held"),  # the control: a duplicate
+    (lambda f: f.metadata.update(proxyauth=("bob", "pw")), "dispatch"),
+    (lambda f: setattr(f.server_conn, "via", ("http", ("127.0.0.1", 3128))), "dispatch"),
+    (lambda f: setattr(f.request, "port", 8443), "dispatch"),
+    (lambda f: f.request.headers.__setitem__("x-goog-api-key", "k"), "dispatch"),
+    (lambda f: f.request.headers.__setitem__("x-tenant", "t"), "dispatch"),  # configured
+    (lambda f: f.request.headers.__setitem__("accept-encoding", "br"), "held"),  # not identity
+    (lambda f: f.metadata.update(proxyauth=object()), "passthrough"),
+])
+async def test_the_upstream_and_every_credential_separate_operations(tmp_path, change, expected):
+    async with make_guard(tmp_path, turnguard_credential_headers=["X-Tenant"]) as guard:
+        assert await _second_is(guard, change) == expected
+
+
+async def test_a_credential_header_option_that_is_no_header_name_is_refused(guard):
+    with pytest.raises(exceptions.OptionsError, match="turnguard_credential_headers"):
+        guard.tctx.configure(guard.tg, turnguard_credential_headers=["x-ok", "no: way"])
+
+
+async def test_an_events_path_that_is_a_symlink_is_refused_naming_the_option(guard, tmp_path):
+    target = tmp_path / "target.txt"
+    target.write_text("")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(exceptions.OptionsError, match="turnguard_events=.* is refused: .* symbolic"):
+        guard.tctx.configure(guard.tg, turnguard_events=str(link))

@@ -27,6 +27,7 @@ from harness import (
     read_jsonl,
     sse_event_types,
     sse_post,
+    upstream_of,
     wait_until,
 )
 
@@ -444,7 +445,9 @@ from turnguard_core import identity, policy
 from turnguard_core.ledger import Ledger
 
 path, mode, headers, body = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5].encode()
-view = identity.RequestView("POST", "/v1/responses", tuple(headers.items()), body)
+scheme, host, port = json.loads(sys.argv[6])  # the upstream mitmdump sends the request to
+view = identity.RequestView("POST", "/v1/responses", tuple(headers.items()), body,
+                            identity.Upstream(scheme, host, port))
 ident = identity.identify(view)
 led = Ledger(path, "claimer-" + str(os.getpid()))
 led.open(time.time())
@@ -466,13 +469,14 @@ time.sleep(120)
 """
 
 
-def _start_claimer(tmp_path: Path, mode: str) -> subprocess.Popen:
+def _start_claimer(tmp_path: Path, mode: str, upstream_url: str) -> subprocess.Popen:
     out = tmp_path / f"claimer-{mode}.out"
     h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+    up = upstream_of(upstream_url)
     with open(out, "wb") as f:
         proc = subprocess.Popen(
             [PYTHON, "-c", _CLAIMER, str(REPO), str(tmp_path / "ledger.sqlite3"), mode,
-             json.dumps(h), json.dumps(BODY)],
+             json.dumps(h), json.dumps(BODY), json.dumps([up.scheme, up.host, up.port])],
             stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
         )
     try:
@@ -494,7 +498,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def test_process_killed_after_committing_a_claim_the_survivor_takes_over(tmp_path, report):
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "b") as b:
-        claimer = _start_claimer(tmp_path, "committed")
+        claimer = _start_claimer(tmp_path, "committed", up.url)
         pool = ThreadPoolExecutor(max_workers=2)
         try:
             waiting = [pool.submit(post, b.url) for _ in range(2)]
@@ -521,7 +525,7 @@ def test_process_killed_after_committing_a_claim_the_survivor_takes_over(tmp_pat
 
 def test_process_killed_inside_the_claim_transaction_leaves_no_trace(tmp_path):
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "b") as b:
-        claimer = _start_claimer(tmp_path, "uncommitted")
+        claimer = _start_claimer(tmp_path, "uncommitted", up.url)
         _kill(claimer)  # SIGKILL while it holds the write lock with an uncommitted claim
         status, _, _ = post(b.url)
         assert status == 200

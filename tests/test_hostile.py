@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import Mitmdump, assert_no_traceback, read_jsonl, wait_until
+from harness import Mitmdump, assert_no_traceback, read_jsonl, upstream_of, wait_until
 
 try:  # the same zstd mitmproxy uses
     from compression import zstd  # type: ignore[import-not-found]
@@ -402,7 +402,8 @@ def test_malformed_raw_requests_get_an_answer_or_a_close(rig, raw):
 def test_very_large_request_body_is_guarded_and_replayed(rig):
     body = json.dumps({"model": "m", "input": "z" * (20 * 1024 * 1024), "n": next(_ids)}).encode()
     h = {"content-type": "application/json", "accept": "text/event-stream"}
-    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body))
+    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body,
+                                                upstream_of(rig.up.url)))
     first = raw_post(rig, "/v1/responses", body, h)
     wait_until(lambda: any(e.get("op") == op.op_id for e in rig.events("outcome")), 10,
                what="the outcome of the first")
@@ -505,9 +506,13 @@ def expected_completion(script: dict) -> tuple[bool, int | None]:
 def _send_scripted(rig: Rig, script: dict, tag: str) -> tuple[tuple[int, dict, bytes], list[dict]]:
     sid = rig.up.add(script)
     body = json.dumps({"model": "m", "input": f"hostile {tag} {sid}", "stream": True}).encode()
+    # the client accepts every coding the upstream may send, so that its retry is replayed byte
+    # for byte (a client that does not is tested in test_isolation.py)
     h = {"content-type": "application/json", "accept": "text/event-stream", "x-script": sid,
-         "authorization": "Bearer sk-hostile", "session-id": f"hostile-{sid}"}
-    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body))
+         "authorization": "Bearer sk-hostile", "session-id": f"hostile-{sid}",
+         "accept-encoding": "gzip, deflate, br, zstd"}
+    op = identity.identify(identity.RequestView("POST", "/v1/responses", tuple(h.items()), body,
+                                                upstream_of(rig.up.url)))
 
     def of_op() -> list[dict]:
         return [e for e in read_jsonl(rig.events_path) if e.get("op") == op.op_id]

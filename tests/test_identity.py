@@ -11,29 +11,53 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from turnguard_core.identity import (
+    CREDENTIAL_HEADERS,
+    KNOWN_ROUTES,
     Identity,
     Passthrough,
     RequestView,
+    Target,
+    Upstream,
     canonical_json,
     identify,
+    split_target,
 )
 
 BODY = b'{"model":"gpt-5","input":[{"role":"user","content":"hi"}],"stream":true}'
 AUTH = "Bearer sk-test-SECRET-0123456789"
 
 
-def req(body=BODY, headers=(("Authorization", AUTH),), method="POST", path="/v1/responses"):
-    return RequestView(method, path, tuple(headers), body)
+UPSTREAM = Upstream("https", "api.openai.com", 443)
 
 
-def ident(*args, **kw) -> Identity:
-    r = identify(req(*args, **kw))
+def req(body=BODY, headers=(("Authorization", AUTH),), method="POST", path="/v1/responses",
+        upstream=UPSTREAM, proxy_auth=None):
+    return RequestView(method, path, tuple(headers), body, upstream, proxy_auth)
+
+
+def ident(*args, credential_headers=(), **kw) -> Identity:
+    r = identify(req(*args, **kw), credential_headers=credential_headers)
     assert isinstance(r, Identity), r
     return r
 
 
 def sha(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
+
+
+def tuple_hash(domain: str, *parts: str) -> str:
+    """The documented encoding, written out independently of the module."""
+    data = b"turnguard-" + domain.encode() + b"\0"
+    for part in parts:
+        b = part.encode()
+        data += str(len(b)).encode() + b":" + b + b"\0"
+    return hashlib.sha256(data).hexdigest()
+
+
+def session_of(key: str, **kw) -> str:
+    """The session hash of ``key`` for a request like ``ident(**kw)`` otherwise."""
+    kw = {"headers": (), **kw}
+    return ident(**{**kw, "headers": [*kw["headers"], ("session-id", key)]}).session
 
 
 # --- strategies --------------------------------------------------------------------------------
@@ -94,14 +118,31 @@ def test_canonical_json():
     assert canonical_json("\ud800") == b'"\xed\xa0\x80"'  # lone surrogate: total, not an error
 
 
-def test_scope_formula_and_field_shapes():
-    i = ident(headers=[("Authorization", "Bearer x"), ("ChatGPT-Account-Id", "acct")])
-    assert i.scope == hashlib.sha256(b"turnguard-scope\0Bearer x\0acct\0\0\0\0").hexdigest()
-    assert ident(headers=[]).scope == hashlib.sha256(b"turnguard-scope\0\0\0\0\0\0").hexdigest()
+def test_principal_upstream_scope_session_and_op_key_formulas():
+    i = ident(
+        headers=[("Authorization", "Bearer x"), ("ChatGPT-Account-Id", "acct"),
+                 ("session-id", "s1"), ("x-other", "not a credential")],
+        path="/base/v1/responses/?k=v",
+        upstream=Upstream("HTTPS", "API.example", 8443, host_header="api.example:8443",
+                          via="http://127.0.0.1:3128"),
+    )
+    principal = tuple_hash(
+        "principal", "headers", "2", "authorization", "1", "Bearer x", "chatgpt-account-id",
+        "1", "acct", "url", "/base", "/?k=v", "proxy-auth", "",
+    )
+    upstream = tuple_hash("upstream", "https", "api.example", "8443", "",
+                          "http://127.0.0.1:3128")
+    scope = tuple_hash("scope", principal, upstream)
+    assert (i.principal, i.upstream, i.scope) == (principal, upstream, scope)
+    assert i.session == tuple_hash("session", scope, "s1")[:32]
+    assert i.route == "/v1/responses"
+    assert i.op_key == tuple_hash("op", scope, i.session, "POST", "/v1/responses",
+                                  "body:" + i.fingerprint)
     assert ident(headers=[("Authorization", "")]).scope == ident(headers=[]).scope
     assert len(i.op_key) == 64 and len(i.fingerprint) == 64
     assert i.op_id == i.op_key[:12]
-    assert i.session is None and i.turn_state is None and i.idempotency_key is None
+    plain = ident(headers=[])
+    assert plain.session is None and plain.turn_state is None and plain.idempotency_key is None
 
 
 # --- separation --------------------------------------------------------------------------------
@@ -115,13 +156,43 @@ def test_different_authorization_differs(a1, a2):
     assert x.fingerprint == y.fingerprint
 
 
-@pytest.mark.parametrize(
-    "name", ["api-key", "x-api-key", "openai-organization", "openai-project"]
-)
-def test_other_credential_headers_separate_scopes(name):
-    a = ident(headers=[("Authorization", AUTH), (name, "alice")])
+@pytest.mark.parametrize("name", CREDENTIAL_HEADERS)
+def test_every_credential_header_separates_principals(name):
+    a = ident(headers=[("Authorization", AUTH), (name.upper(), "alice")])
     b = ident(headers=[("Authorization", AUTH), (name, "bob")])
-    assert a.scope != b.scope and a.op_key != b.op_key and "alice" not in repr(a)
+    c = ident(headers=[("Authorization", AUTH)])
+    assert len({a.principal, b.principal, c.principal}) == 3
+    assert a.op_key != b.op_key and "alice" not in repr(a)
+
+
+def test_the_built_in_credential_headers():
+    for name in ("authorization", "proxy-authorization", "cookie", "api-key", "x-api-key",
+                 "x-goog-api-key", "openai-organization", "openai-project", "chatgpt-account-id"):
+        assert name in CREDENTIAL_HEADERS
+
+
+def test_configured_credential_headers_separate_principals_and_nothing_else_does():
+    a = [("x-tenant-key", "alice"), ("x-trace", "1")]
+    b = [("x-tenant-key", "bob"), ("x-trace", "2")]
+    assert ident(headers=a).op_key == ident(headers=b).op_key  # not credentials by default
+    named = ("X-Tenant-Key",)
+    x, y = ident(headers=a, credential_headers=named), ident(headers=b, credential_headers=named)
+    assert x.principal != y.principal and x.op_key != y.op_key
+    # naming a header changes nothing for requests without it
+    assert ident(headers=[], credential_headers=named) == ident(headers=[])
+
+
+def test_every_value_of_a_repeated_credential_header_counts_in_order():
+    one = ident(headers=[("Cookie", "a=1")])
+    two = ident(headers=[("Cookie", "a=1"), ("cookie", "b=2")])
+    swapped = ident(headers=[("cookie", "b=2"), ("Cookie", "a=1")])
+    assert len({one.principal, two.principal, swapped.principal}) == 3
+
+
+def test_proxy_authentication_is_part_of_the_principal():
+    a, b = ident(proxy_auth='["alice", "pw"]'), ident(proxy_auth='["bob", "pw"]')
+    none, empty = ident(proxy_auth=None), ident(proxy_auth="")
+    assert len({a.principal, b.principal, none.principal, empty.principal}) == 4
 
 
 @given(header_text, header_text)
@@ -138,6 +209,96 @@ def test_credential_fields_do_not_bleed_into_each_other():
     x = ident(headers=[("Authorization", "ab")])
     y = ident(headers=[("Authorization", "a"), ("chatgpt-account-id", "b")])
     assert x.scope != y.scope
+    z = ident(headers=[("Authorization", "a"), ("Authorization", "b")])
+    assert len({x.scope, y.scope, z.scope}) == 3
+
+
+# --- the upstream ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("other", [
+    Upstream("http", "api.openai.com", 443),
+    Upstream("https", "api.openai.org", 443),
+    Upstream("https", "api.openai.com", 8443),
+    Upstream("https", "api.openai.com", 443, host_header="other.example"),
+    Upstream("https", "api.openai.com", 443, host_header="api.openai.com:444"),
+    Upstream("https", "api.openai.com", 443, via="http://127.0.0.1:3128"),
+    None,
+])
+def test_another_upstream_is_another_scope_session_and_operation(other):
+    h = [("Authorization", AUTH), ("session-id", "s1")]
+    a, b = ident(headers=h), ident(headers=h, upstream=other)
+    assert a.principal == b.principal
+    assert a.upstream != b.upstream and a.scope != b.scope
+    assert a.session != b.session and a.op_key != b.op_key
+
+
+@pytest.mark.parametrize("same", [
+    Upstream("HTTPS", "API.OpenAI.com", 443),
+    Upstream("https", "api.openai.com", 443, host_header="api.openai.com"),
+    Upstream("https", "api.openai.com", 443, host_header="API.openai.com:443"),
+])
+def test_the_same_upstream_spelled_differently_is_the_same(same):
+    assert ident(upstream=same) == ident()
+
+
+def test_ipv6_upstreams():
+    a = Upstream("http", "::1", 8080, host_header="[::1]:8080")
+    assert ident(upstream=a) == ident(upstream=Upstream("http", "::1", 8080))
+    assert ident(upstream=a) != ident(upstream=Upstream("http", "::1", 8081))
+
+
+# --- the target: route and URL rest -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("target", "route", "prefix", "suffix"), [
+    ("/v1/responses", "/v1/responses", "", ""),
+    ("/v1/responses/", "/v1/responses", "", "/"),
+    ("/v1/responses?stream=1", "/v1/responses", "", "?stream=1"),
+    ("/sk-SECRET/v1/responses", "/v1/responses", "/sk-SECRET", ""),
+    ("/openai/v1/responses?api-version=1", "/openai/v1/responses", "", "?api-version=1"),
+    ("/gw/openai/v1/chat/completions/", "/openai/v1/chat/completions", "/gw", "/"),
+    ("/backend-api/codex/responses", "/backend-api/codex/responses", "", ""),
+    ("/xv1/responses", None, "/xv1/responses", ""),
+    ("/v1/responses/resp_1?key=k", None, "/v1/responses/resp_1", "?key=k"),
+    ("/", None, "/", ""),
+    ("", None, "", ""),
+])
+def test_split_target(target, route, prefix, suffix):
+    t = split_target(target)
+    if route is None:
+        route = "sha256:" + sha(prefix)[:32]
+    assert t == Target(route, prefix, suffix)
+
+
+def test_known_routes_are_paths():
+    assert all(r.startswith("/") and not r.endswith("/") for r in KNOWN_ROUTES)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("/sk-alice/v1/responses", "/sk-bob/v1/responses"),
+    ("/v1/responses?key=alice", "/v1/responses?key=bob"),
+    ("/v1/responses?key=alice", "/v1/responses"),
+    ("/v1/responses/", "/v1/responses"),
+])
+def test_a_key_in_the_url_isolates_like_a_credential_and_is_not_kept(a, b):
+    h = [("Authorization", AUTH), ("session-id", "s1")]
+    x, y = ident(path=a, headers=h), ident(path=b, headers=h)
+    assert x.principal != y.principal and x.session != y.session and x.op_key != y.op_key
+    assert x.route == y.route == "/v1/responses"
+    assert "alice" not in repr(x)
+
+
+# --- sessions belong to a principal and an upstream ---------------------------------------------
+
+
+@given(header_text, header_text)
+def test_the_same_session_id_of_two_principals_is_two_sessions(cred1, cred2):
+    assume(cred1 != cred2)
+    for name in ("authorization", "cookie", "x-goog-api-key"):
+        x = ident(headers=[(name, cred1), ("session-id", "shared")])
+        y = ident(headers=[(name, cred2), ("session-id", "shared")])
+        assert x.session != y.session
 
 
 @given(json_objects, json_objects)
@@ -199,8 +360,9 @@ def test_raw_authorization_never_appears(token, json_body):
     text = repr(r)
     assert auth not in text and secret not in text
     if isinstance(r, Identity):
-        for field in (r.scope, r.session, r.turn_state, r.previous_response_id,
-                      r.idempotency_key, r.fingerprint, r.op_key, r.op_id):
+        for field in (r.principal, r.upstream, r.scope, r.session, r.route, r.turn_state,
+                      r.previous_response_id, r.idempotency_key, r.fingerprint, r.op_key,
+                      r.op_id):
             assert field is None or secret not in field
 
 
@@ -220,7 +382,7 @@ SOURCE_KEY = {"session-id": "A", "session_id": "B", "x-codex-turn-metadata": "C"
 @pytest.mark.parametrize("first", range(len(SOURCES) + 1))
 def test_session_precedence(first):
     present = SOURCES[first:]
-    expected = sha(SOURCE_KEY[present[0][0]])[:16] if present else None
+    expected = session_of(SOURCE_KEY[present[0][0]]) if present else None
     assert ident(headers=list(reversed(present))).session == expected
 
 
@@ -230,7 +392,7 @@ def test_session_precedence_any_order_and_case(names, rnd):
     rnd.shuffle(headers)
     headers = [("".join(c.upper() if rnd.random() < 0.5 else c for c in n), v) for n, v in headers]
     winner = next((SOURCE_KEY[n] for n, _ in SOURCES if n in names), None)
-    assert ident(headers=headers).session == (sha(winner)[:16] if winner else None)
+    assert ident(headers=headers).session == (session_of(winner) if winner else None)
 
 
 @pytest.mark.parametrize(
@@ -238,16 +400,17 @@ def test_session_precedence_any_order_and_case(names, rnd):
 )
 def test_turn_metadata_that_is_not_a_usable_object_is_ignored(meta):
     i = ident(headers=[("x-codex-turn-metadata", meta), ("conversation_id", "D")])
-    assert i.session == sha("D")[:16]
+    assert i.session == session_of("D")
 
 
 def test_first_occurrence_wins_and_empty_counts_as_absent():
-    assert ident(headers=[("Session-Id", "A"), ("session-id", "Z")]).session == sha("A")[:16]
-    assert ident(headers=[("session-id", ""), ("session_id", "B")]).session == sha("B")[:16]
+    assert ident(headers=[("Session-Id", "A"), ("session-id", "Z")]).session == session_of("A")
+    assert ident(headers=[("session-id", ""), ("session_id", "B")]).session == session_of("B")
     # an empty first occurrence does not hide a later non-empty one of the same name
-    assert ident(headers=[("session-id", ""), ("Session-Id", "A")]).session == sha("A")[:16]
+    assert ident(headers=[("session-id", ""), ("Session-Id", "A")]).session == session_of("A")
+    # but every value of a credential header counts
     x = ident(headers=[("Authorization", "a1"), ("authorization", "a2")])
-    assert x.scope == ident(headers=[("Authorization", "a1")]).scope
+    assert x.scope != ident(headers=[("Authorization", "a1")]).scope
 
 
 # --- anchors -----------------------------------------------------------------------------------
@@ -326,10 +489,11 @@ def test_body_too_large():
     assert isinstance(r, Passthrough) and r.reason.startswith("body too large")
 
 
-def test_nul_in_credentials_is_passthrough():
-    for h in (("Authorization", "a\0b"), ("chatgpt-account-id", "\0")):
-        r = identify(req(headers=[h]))
-        assert isinstance(r, Passthrough) and "NUL" in r.reason
+def test_nul_in_credentials_is_unambiguous():
+    a = ident(headers=[("Authorization", "a\0b")])
+    b = ident(headers=[("Authorization", "a"), ("Authorization", "b")])
+    c = ident(headers=[("chatgpt-account-id", "\0")])
+    assert len({a.principal, b.principal, c.principal}) == 3
 
 
 # --- totality ----------------------------------------------------------------------------------
@@ -353,7 +517,8 @@ bodies = (
 @given(any_text, any_text, st.lists(st.tuples(header_names, any_text | json_values.map(json.dumps)),
                                     max_size=8), bodies)
 def test_identify_never_raises(method, path, headers, body):
-    r = identify(RequestView(method, path, tuple(headers), body))
+    r = identify(RequestView(method, path, tuple(headers), body, UPSTREAM),
+                 credential_headers=("x-a", "Authorization"))
     assert isinstance(r, (Identity, Passthrough))
     if isinstance(r, Identity):
         assert len(r.op_key) == 64 and len(r.scope) == 64
@@ -367,6 +532,9 @@ def test_identify_never_raises_on_malformed_views():
         RequestView("POST", "/", (("a",),), BODY),  # type: ignore[arg-type]
         RequestView("POST", "/", None, BODY),  # type: ignore[arg-type]
         RequestView("POST", "/", (), "{}"),  # type: ignore[arg-type]
+        RequestView("POST", "/", (), BODY, Upstream("http", None, 1)),  # type: ignore[arg-type]
+        RequestView("POST", "/", (), BODY, Upstream("http", "h", "x")),  # type: ignore[arg-type]
+        RequestView("POST", None, (), BODY),  # type: ignore[arg-type]
     ]
     for view in bad:
         r = identify(view)

@@ -13,11 +13,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from turnguard_core import identity, policy
 from turnguard_core.ledger import (
+    _MIGRATIONS,
+    SCHEMA_VERSION,
     AttemptEnd,
     InstanceRow,
     Ledger,
     LedgerError,
     Recording,
+    _split_sql,
     instance_is_dead,
 )
 
@@ -53,8 +56,51 @@ def test_file_is_private_and_schema_versioned(tmp_path):
         p = str(path) + suffix
         if os.path.exists(p):
             assert stat.S_IMODE(os.stat(p).st_mode) & 0o077 == 0
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 1
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert led.integrity_check() == "ok"
+
+
+def test_a_version_1_ledger_migrates_and_keeps_its_recordings(tmp_path):
+    path = tmp_path / "v1.sqlite3"
+    db = sqlite3.connect(path)
+    for statement in _split_sql(_MIGRATIONS[1]):
+        db.execute(statement)
+    db.execute("PRAGMA user_version=1")
+    db.execute("INSERT INTO operations (op_key, scope, method, path, fingerprint, state,"
+               " replay_attempt, created_at, updated_at, ended_at)"
+               " VALUES ('op', 's', 'POST', '/v1/responses', 'f', 'completed', 1, 1, 1, 1)")
+    db.execute("INSERT INTO attempts (op_key, kind, instance_id, started_at, outcome, headers,"
+               " body_bytes, replayable) VALUES ('op', 'original', 'old', 1, 'completed',"
+               " '[[\"content-type\", \"text/event-stream\"]]', 3, 1)")
+    db.execute("INSERT INTO spool VALUES (1, 0, x'616263')")
+    db.commit()
+    db.close()
+    os.chmod(path, 0o600)
+    led = open_ledger(path)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert led.recording(1) == Recording(None,  # status was never set
+                                         (("content-type", "text/event-stream"),), b"abc", None)
+    assert led.integrity_check() == "ok"
+
+
+def test_the_vary_key_is_kept_with_the_recording(tmp_path):
+    led = open_ledger(tmp_path / "l.sqlite3")
+    d = admit(led, ident({"a": 1}))
+    rec = Recording(200, (("vary", "x-tenant"),), b"body", "k" * 64)
+    led.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, rec), now=1001.0)
+    assert led.recording(d.attempt_id) == rec
+
+
+def test_a_later_completion_without_a_recording_never_replays_an_older_one(tmp_path):
+    led = open_ledger(tmp_path / "l.sqlite3")
+    i = ident({"a": 1})
+    first = admit(led, i)
+    rec = Recording(200, (), b"old answer")
+    led.finish(first.attempt_id, AttemptEnd("completed", 200, 1, None, rec), now=1001.0)
+    again = admit(led, i, now=1001.0 + GUARD.replay_window_s + 1)  # the window passed
+    assert isinstance(again, policy.Dispatch)
+    led.finish(again.attempt_id, AttemptEnd("completed", 200, 1, None, None), now=1400.0)
+    assert isinstance(admit(led, i, now=1401.0), policy.Dispatch)  # not the old answer
 
 
 def test_world_writable_ledger_is_refused(tmp_path):

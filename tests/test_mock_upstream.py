@@ -462,3 +462,32 @@ def test_partial_endings(up, end, outcome, error):
 def test_status_extra_headers(up):
     status, headers, _ = sse_post(up.url, headers=behaviour(kind="status", code=500, headers={"x-should-retry": "false"}))
     assert status == 500 and headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd", "identity"])
+def test_ok_in_a_content_coding(up, coding):
+    from turnguard_core.codec import BoundedCodec
+
+    h = {"content-type": "application/json", "accept": "text/event-stream",
+         **behaviour(kind="ok", content_encoding=coding, headers={"vary": "x-tenant"})}
+    with httpx.Client(trust_env=False, timeout=10) as c:
+        with c.stream("POST", up.url + "/v1/responses", json={"model": "m", "input": "x"},
+                      headers=h) as r:
+            raw = b"".join(r.iter_raw())
+            headers = r.headers
+    assert headers.get("content-encoding") == (None if coding == "identity" else coding)
+    assert headers["vary"] == "x-tenant"
+    body = raw if coding == "identity" else BoundedCodec(1 << 20).decode(raw, coding)
+    assert sse_event_types(body) == OK_TYPES
+    status, _, _ = sse_post(up.url, headers=behaviour(kind="ok", content_encoding="compress"))
+    assert status == 400
+
+
+def test_mitmdump_with_several_listeners_lists_them_in_the_order_given(tmp_path):
+    with MockUpstream(tmp_path) as up, Mitmdump(tmp_path, None, addon=False, modes=[
+        "regular@127.0.0.2:0", f"reverse:{up.url}@127.0.0.1:0",
+    ]) as proxy:
+        assert [u.rsplit(":", 1)[0] for u in proxy.urls] == ["http://127.0.0.2", "http://127.0.0.1"]
+        assert sse_post(proxy.urls[1])[0] == 200
+        with httpx.Client(trust_env=False, timeout=10, proxy=proxy.urls[0]) as c:
+            assert c.post(up.url + "/v1/responses", json={"model": "m"}).status_code == 200

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from turnguard_core import options
+from turnguard_core import identity, options
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -21,6 +21,8 @@ def test_defaults_are_valid_and_derive_seconds():
 @pytest.mark.parametrize(
     "change, message",
     [
+        ({"turnguard_credential_headers": ["x-ok", "bad name"]},
+         "turnguard_credential_headers: 'bad name' is not a header name"),
         ({"turnguard_hold_timeout_ms": -1}, "turnguard_hold_timeout_ms must be >= 0"),
         ({"turnguard_request_budget_ms": 0}, "turnguard_request_budget_ms must be >= 1"),
         ({"turnguard_failure_threshold": 0}, "turnguard_failure_threshold must be >= 1"),
@@ -37,7 +39,8 @@ def test_readme_documents_every_option_with_its_default():
     rows = dict(re.findall(r"^\| `(turnguard_\w+)` \| (.*?) \|", README, re.M))
     assert set(rows) == {spec.name for spec in options.OPTIONS}
     for spec in options.OPTIONS:
-        if spec.name in ("turnguard_ledger", "turnguard_filter", "turnguard_events"):
+        if spec.name in ("turnguard_ledger", "turnguard_filter", "turnguard_events",
+                         "turnguard_credential_headers"):
             continue  # shown as words, not as the raw default
         assert rows[spec.name].strip("`").lower() == str(spec.default).lower(), spec.name
 
@@ -66,8 +69,36 @@ def test_deferred_problems_name_the_option_and_the_value(name, raw, message):
     [
         {"turnguard_hold_timeout_ms": ["5"], "turnguard_replay": ["false"], "turnguard_events": ["x"]},
         {"turnguard_replay": [], "turnguard_replay_max_bytes": 5},
+        {"turnguard_credential_headers": ["x-a", "x-b"]},
+        {"turnguard_credential_headers": ["x-a"]},
         {"stream_large_bodies": ["nonsense"], "other_addon_option": ["x"]},  # not ours
     ],
 )
 def test_good_deferred_values_and_other_addons_options_are_no_problem(deferred):
     assert options.deferred_problems(deferred) == {}
+
+def test_credential_headers_are_lower_cased_and_deduplicated():
+    s = options.settings_from({**options.DEFAULTS,
+                               "turnguard_credential_headers": ["X-Tenant", "x-tenant", "K"]})
+    assert s.credential_headers == ("x-tenant", "k")
+
+
+def test_the_default_filter_guards_the_known_routes_at_the_start_of_the_path_only():
+    from mitmproxy import flowfilter
+    from mitmproxy.test import tflow
+
+    guarded = flowfilter.parse(options.DEFAULT_FILTER)
+
+    def post(url: str) -> bool:
+        f = tflow.tflow()
+        f.request.method = "POST"
+        f.request.url = url
+        f.request.headers["host"] = f.request.host_header or f.request.host
+        return guarded(f)
+
+    for route in identity.KNOWN_ROUTES:
+        assert post(f"https://api.example{route}")
+        assert post(f"http://127.0.0.1:8080{route}/?stream=true")
+        assert not post(f"https://api.example/sk-SECRET{route}")
+        assert not post(f"https://api.example{route}x")
+        assert not post(f"https://api.example{route}/resp_1")

@@ -68,11 +68,12 @@ def record_outcome(
     return CircuitState(failures, now + cooldown, cooldown), "opened"
 
 
-def circuit_scope(session: str | None, credential_scope: str, path: str) -> str:
-    """The circuit's scope: the durable session when the request has one, else the credential
-    and route (path without query string)."""
+def circuit_scope(session: str | None, scope: str, route: str) -> str:
+    """The circuit's scope: the durable session when the request has one (its hash already
+    covers the principal and the upstream, see ``identity``), else the principal + upstream
+    ``scope`` and the route (a query string, if given, is ignored)."""
     if session is not None:
         return "session:" + session
-    route = path.split("?", 1)[0]
-    digest = hashlib.sha256(f"{credential_scope}\0{route}".encode()).hexdigest()[:32]
+    route = route.split("?", 1)[0]
+    digest = hashlib.sha256(f"{scope}\0{route}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return "route:" + digest

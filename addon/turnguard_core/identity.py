@@ -6,22 +6,38 @@ Contract
 (no duplicate keys, nesting at most 256 deep, at most ``max_body_bytes``), else a
 ``Passthrough`` naming the reason; it never raises (it runs inside a proxy hook).
 
-* Header lookup is case-insensitive; the first non-empty occurrence of a name wins; empty values
-  count as absent.
-* ``scope`` = sha256 hex of ``"turnguard-scope\\0"`` + the values of ``CREDENTIAL_HEADERS``
-  (Authorization, chatgpt-account-id, api-key, x-api-key, openai-organization, openai-project)
-  joined by NUL (missing headers are ""). Raw secrets appear in no field. A NUL in a value
-  would make that
-  encoding ambiguous (and is invalid HTTP), so such a request is a ``Passthrough``.
-* Session key: ``session-id``, else ``session_id``, else the str ``session_id`` member of the JSON
-  object in ``x-codex-turn-metadata``, else ``conversation_id``, else ``conversation-id``.
-  ``session`` is its sha256 hex, first 16 chars.
-* ``turn_state``: sha256 hex (16) of ``x-codex-turn-state``; ``idempotency_key``: sha256 hex (32)
-  of ``Idempotency-Key``; ``previous_response_id``: the body's top-level non-empty str member.
-* ``fingerprint`` = sha256 hex of ``canonical_json(body)``: stable under key order and whitespace.
-* ``op_key`` = sha256 hex over the length-prefixed tuple (scope, session or "", METHOD, path,
-  "idem:"+idempotency_key or "body:"+fingerprint). The same Idempotency-Key with another body
-  has the same op_key and a different fingerprint (the caller answers 422).
+Every field of an ``Identity`` is a hash, a known route or a value taken from the body: no raw
+credential, session id or URL appears in it. All hashes are sha256 hex over a length-prefixed
+tuple, so no two different tuples share an encoding.
+
+* **Target.** The request target (path and query) is split by ``split_target``: ``route`` is
+  the known route (``KNOWN_ROUTES``) the path ends with (one trailing "/" allowed), else
+  ``"sha256:"`` + a hash of the whole path; everything else of the target (the path before the
+  route, a trailing "/", the query string; for an unknown route the whole path and query) is
+  the *URL rest*, which may carry a key (``/sk-.../v1/responses``, ``?key=``) and so counts
+  as a credential.
+* **Principal** = hash of every credential the request carries: the values of the
+  credential-bearing headers present (``CREDENTIAL_HEADERS`` plus the caller's
+  ``credential_headers``; names case-insensitive; every non-empty value of a repeated header,
+  in order), the URL rest, and the proxy's own authentication (``proxy_auth``: mitmproxy's
+  proxyauth consumes ``Proxy-Authorization`` before turnguard sees it).
+* **Upstream** = hash of where the proxy sends the request: scheme, host and port it connects
+  to, the Host header it sends when that names another host or port (virtual hosting), and
+  the upstream proxy it goes through (mitmproxy's upstream mode). ``None`` (callers outside a
+  proxy: tests, tools) is a value of its own.
+* ``scope`` = hash(principal, upstream): whatever is shared, is shared only within it.
+* Session key: ``session-id``, else ``session_id``, else the str ``session_id`` member of the
+  JSON object in ``x-codex-turn-metadata``, else ``conversation_id``, else
+  ``conversation-id`` (header lookup case-insensitive; first non-empty occurrence wins).
+  ``session`` = hash(scope, session key)[:32]: a client-chosen session id never names
+  another principal's or another upstream's session.
+* ``turn_state``: sha256 hex (16) of ``x-codex-turn-state``; ``idempotency_key``: sha256 hex
+  (32) of ``Idempotency-Key``; ``previous_response_id``: the body's top-level non-empty str.
+* ``fingerprint`` = sha256 hex of ``canonical_json(body)``: stable under key order and
+  whitespace.
+* ``op_key`` = hash(scope, session or "", METHOD, route, "idem:"+idempotency_key or
+  "body:"+fingerprint). The same Idempotency-Key with another body has the same op_key and a
+  different fingerprint (the caller answers 422).
 """
 
 from __future__ import annotations
@@ -32,22 +48,71 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CREDENTIAL_HEADERS",
+    "KNOWN_ROUTES",
     "MAX_JSON_DEPTH",
     "Identity",
     "Passthrough",
     "RequestView",
+    "Target",
+    "Upstream",
     "canonical_json",
     "identify",
+    "split_target",
 ]
 
 MAX_JSON_DEPTH = 256  # the top-level object is depth 1
 
-# Who is asking: OpenAI's and ChatGPT's (Authorization, chatgpt-account-id), Azure OpenAI's and
-# gateways' API keys, and the OpenAI organization and project a key acts for.
+# Headers that say who is asking, by provider: the standard ones (Authorization,
+# Proxy-Authorization, Cookie); API keys of Azure OpenAI (api-key), Anthropic and many gateways
+# (x-api-key), Google (x-goog-api-key), Azure API Management (ocp-apim-subscription-key),
+# Cloudflare AI Gateway (cf-aig-authorization), Portkey (x-portkey-api-key,
+# x-portkey-virtual-key), Helicone (helicone-auth), LiteLLM (x-litellm-api-key); the account,
+# organization or project a key acts for (chatgpt-account-id, openai-organization,
+# openai-project, x-goog-user-project); AWS session tokens (x-amz-security-token).
+# More with the turnguard_credential_headers option.
 CREDENTIAL_HEADERS = (
-    "authorization", "chatgpt-account-id", "api-key", "x-api-key", "openai-organization",
-    "openai-project",
+    "authorization", "proxy-authorization", "cookie",
+    "api-key", "x-api-key", "x-goog-api-key", "ocp-apim-subscription-key",
+    "cf-aig-authorization", "x-portkey-api-key", "x-portkey-virtual-key", "helicone-auth",
+    "x-litellm-api-key",
+    "chatgpt-account-id", "openai-organization", "openai-project", "x-goog-user-project",
+    "x-amz-security-token",
 )
+
+# The model routes turnguard knows by name (the default filter guards POSTs to exactly these,
+# at the start of the path): OpenAI's Responses and Chat Completions, Codex's ChatGPT backend,
+# and Azure OpenAI's v1 API.
+KNOWN_ROUTES = (
+    "/v1/responses", "/v1/chat/completions", "/backend-api/codex/responses",
+    "/openai/v1/responses", "/openai/v1/chat/completions",
+)
+_ROUTES_LONGEST_FIRST = tuple(sorted(KNOWN_ROUTES, key=len, reverse=True))
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """Where the proxy sends a request: the address it connects to (scheme, host, port), the
+    Host header it sends (``host_header``), and the upstream proxy in between (``via``, e.g.
+    ``"http://127.0.0.1:3128"``), if any."""
+
+    scheme: str
+    host: str
+    port: int
+    host_header: str | None = None
+    via: str | None = None
+
+    def parts(self) -> tuple[str, ...]:
+        """The canonical parts that identify it. The Host header counts only when it names
+        another host or port than the one connected to."""
+        scheme, host = self.scheme.lower(), _bare_host(self.host)
+        vhost = ""
+        if self.host_header:
+            named = _parse_authority(self.host_header, _DEFAULT_PORTS.get(scheme))
+            if named != (host, self.port):
+                vhost = self.host_header.lower()
+        return (scheme, host, str(int(self.port)), vhost, (self.via or "").lower())
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +120,32 @@ class RequestView:
     """What identify() needs of a request."""
 
     method: str
-    path: str  # path including query string, as sent
+    path: str  # request target: path including query string, as sent
     headers: tuple[tuple[str, str], ...]  # (name, value), names any case; repeats possible
     body: bytes | None  # decoded body (content-encoding removed); None when undecodable
+    upstream: Upstream | None = None  # None: not known (outside a proxy)
+    proxy_auth: str | None = None  # credentials the proxy itself authenticated and removed
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A request target split into the route it names and the rest (see ``split_target``)."""
+
+    route: str  # a KNOWN_ROUTES entry, or "sha256:" + 32 hex digits of the path
+    prefix: str  # the path before the route (the whole path for an unknown route)
+    suffix: str  # a trailing "/" and the query string with its "?"
 
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """A request's identity. Every field is a hash or a value taken from the body; no secrets."""
+    """A request's identity. Every field is a hash, a known route, or a value taken from the
+    body; no secrets."""
 
+    principal: str
+    upstream: str
     scope: str
     session: str | None
+    route: str
     turn_state: str | None
     previous_response_id: str | None
     idempotency_key: str | None
@@ -110,12 +190,32 @@ def canonical_json(value: Any) -> bytes:
     ).encode("utf-8", "surrogatepass")
 
 
+def split_target(target: str) -> Target:
+    """Split a request target (path + query) into its route and the rest. The route is the
+    longest of ``KNOWN_ROUTES`` the path ends with (after dropping one trailing "/"), so that
+    ``/KEY/v1/responses`` has the route ``/v1/responses`` and the prefix ``/KEY``; a path that
+    ends with none has a hashed route and is all prefix. Never raises for a str."""
+    query_at = target.find("?")
+    path, query = (target, "") if query_at < 0 else (target[:query_at], target[query_at:])
+    trimmed = path[:-1] if path.endswith("/") and len(path) > 1 else path
+    for route in _ROUTES_LONGEST_FIRST:
+        if trimmed.endswith(route):
+            return Target(route, trimmed[: -len(route)], path[len(trimmed):] + query)
+    return Target("sha256:" + _sha(_utf8(path))[:32], path, query)
+
+
 def identify(
-    request: RequestView, *, max_body_bytes: int = 64 * 1024 * 1024
+    request: RequestView,
+    *,
+    max_body_bytes: int = 64 * 1024 * 1024,
+    credential_headers: tuple[str, ...] = (),
 ) -> Identity | Passthrough:
-    """The request's Identity, or a Passthrough with a reason. Never raises."""
+    """The request's Identity, or a Passthrough with a reason. Never raises.
+
+    ``credential_headers`` names more credential-bearing headers (any case) than
+    ``CREDENTIAL_HEADERS``."""
     try:
-        return _identify(request, max_body_bytes)
+        return _identify(request, max_body_bytes, credential_headers)
     except _Reject as r:
         return Passthrough(r.reason)
     except RecursionError:
@@ -124,17 +224,22 @@ def identify(
         return Passthrough(f"identity failed ({type(e).__name__})")
 
 
-def _identify(request: RequestView, max_body_bytes: int) -> Identity:
+def _identify(
+    request: RequestView, max_body_bytes: int, credential_headers: tuple[str, ...]
+) -> Identity:
     body = _parse_body(request.body, max_body_bytes)
     headers = _first_values(request.headers)
+    target = split_target(request.path)
 
-    credentials = [headers.get(name, "") for name in CREDENTIAL_HEADERS]
-    if any("\0" in value for value in credentials):
-        raise _Reject("credential header contains NUL")
-    scope = _sha(b"turnguard-scope\0" + b"\0".join(_utf8(value) for value in credentials))
+    principal = _principal(request, target, credential_headers)
+    upstream = (
+        _tuple_hash("upstream", *request.upstream.parts())
+        if request.upstream is not None else _tuple_hash("upstream-unknown")
+    )
+    scope = _tuple_hash("scope", principal, upstream)
 
     session_key = _session_key(headers)
-    session = _sha(_utf8(session_key))[:16] if session_key else None
+    session = _tuple_hash("session", scope, session_key)[:32] if session_key else None
     turn_state_raw = headers.get("x-codex-turn-state")
     turn_state = _sha(_utf8(turn_state_raw))[:16] if turn_state_raw else None
     idem_raw = headers.get("idempotency-key")
@@ -145,21 +250,42 @@ def _identify(request: RequestView, max_body_bytes: int) -> Identity:
 
     fingerprint = _sha(canonical_json(body))
     op_key = _tuple_hash(
+        "op",
         scope,
         session or "",
         request.method.upper(),
-        request.path,
+        target.route,
         f"idem:{idempotency_key}" if idempotency_key else f"body:{fingerprint}",
     )
     return Identity(
+        principal=principal,
+        upstream=upstream,
         scope=scope,
         session=session,
+        route=target.route,
         turn_state=turn_state,
         previous_response_id=previous_response_id,
         idempotency_key=idempotency_key,
         fingerprint=fingerprint,
         op_key=op_key,
     )
+
+
+def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...]) -> str:
+    """Hash of every credential the request carries (see the module docstring)."""
+    names = set(CREDENTIAL_HEADERS)
+    names.update(name.lower() for name in extra_names)
+    values: dict[str, list[str]] = {}
+    for name, value in request.headers:
+        key = name.lower()
+        if key in names and value:
+            values.setdefault(key, []).append(value)
+    parts = ["headers", str(len(values))]
+    for name in sorted(values):
+        parts += [name, str(len(values[name])), *values[name]]
+    parts += ["url", target.prefix, target.suffix]
+    parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
+    return _tuple_hash("principal", *parts)
 
 
 def _parse_body(body: bytes | None, max_body_bytes: int) -> dict[str, Any]:
@@ -246,12 +372,33 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _tuple_hash(*parts: str) -> str:
-    """sha256 hex over an unambiguous encoding: each part as b"<len>:" + utf8 + b"\\0"."""
-    h = hashlib.sha256(b"turnguard-op\0")
+def _tuple_hash(domain: str, *parts: str) -> str:
+    """sha256 hex over an unambiguous encoding: "turnguard-<domain>", then each part as
+    b"<len>:" + utf8 + b"\\0"."""
+    h = hashlib.sha256(b"turnguard-" + _utf8(domain) + b"\0")
     for part in parts:
         b = _utf8(part)
         h.update(b"%d:" % len(b))
         h.update(b)
         h.update(b"\0")
     return h.hexdigest()
+
+
+def _bare_host(host: str) -> str:
+    return host.lower().removeprefix("[").removesuffix("]")
+
+
+def _parse_authority(authority: str, default_port: int | None) -> tuple[str, int | None]:
+    """(host, port) of a Host header value; the port is ``default_port`` when absent and
+    None when it is not a number (then it matches no connection)."""
+    value = authority.strip()
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+    else:
+        host, colon, port_text = value.rpartition(":")
+        if not colon or ":" in host:  # no port, or a bare IPv6 address
+            host, port_text = value, None
+    if port_text is None:
+        return host.lower(), default_port
+    return host.lower(), int(port_text) if port_text.isdigit() and len(port_text) <= 5 else None

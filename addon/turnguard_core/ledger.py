@@ -18,16 +18,15 @@ import json
 import os
 import socket
 import sqlite3
-import stat
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import circuit, policy
 from .identity import Identity
-from .telemetry import open_private
+from .private_files import UnsafePath, check_private_path, open_private
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SPOOL_CHUNK = 256 * 1024
 
 _MIGRATIONS: dict[int, str] = {
@@ -102,6 +101,11 @@ _MIGRATIONS: dict[int, str] = {
         PRIMARY KEY (attempt_id, seq)
     );
     """,
+    # The hash of the original request's values of the headers its response's Vary names: a
+    # recording is replayed only to a request with the same values (see negotiation.py).
+    2: """
+    ALTER TABLE attempts ADD COLUMN vary_key TEXT;
+    """,
 }
 
 
@@ -116,6 +120,7 @@ class Recording:
     status: int
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    vary_key: str | None = None  # see negotiation.vary_key; None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +181,13 @@ class Ledger:
     @_wrap
     def open(self, now: float) -> None:
         """Create or open the file (0600), migrate the schema and register this instance."""
-        check_path(self.path)
+        real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
-            os.close(open_private(self.path, os.O_RDWR))
+            os.close(open_private(real_path, os.O_RDWR))
         # check_same_thread=False: the addon hands the connection between the event loop and
         # a thread of its own, never using it from both at once (see ledger_runner)
         db = sqlite3.connect(
-            self.path, isolation_level=None, timeout=self._busy_timeout_ms / 1000,
+            real_path, isolation_level=None, timeout=self._busy_timeout_ms / 1000,
             check_same_thread=False,
         )
         try:
@@ -401,12 +406,13 @@ class Ledger:
         with self._tx() as db:
             row = db.execute(
                 "UPDATE attempts SET ended_at=?, status=?, events_seen=MAX(events_seen, ?),"
-                " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?"
+                " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?, vary_key=?"
                 " WHERE attempt_id=? AND outcome='in_flight' RETURNING op_key",
                 (
                     now, end.status, end.events_seen, end.outcome, end.detail,
                     json.dumps(rec.headers) if rec else None,
-                    len(rec.body) if rec else None, 1 if rec else 0, attempt_id,
+                    len(rec.body) if rec else None, 1 if rec else 0,
+                    rec.vary_key if rec else None, attempt_id,
                 ),
             ).fetchone()
             if row is None:
@@ -422,11 +428,11 @@ class Ledger:
             moved = db.execute(
                 "UPDATE operations SET state=?, updated_at=?, ended_at=?,"
                 " events_seen=MAX(events_seen, ?),"
-                " replay_attempt=CASE WHEN ? THEN ? ELSE replay_attempt END"
+                " replay_attempt=?"  # never an older attempt's recording
                 " WHERE op_key=? AND current_attempt=? RETURNING circuit_scope",
                 (
-                    end.outcome, now, now, end.events_seen, rec is not None, attempt_id, row[0],
-                    attempt_id,
+                    end.outcome, now, now, end.events_seen,
+                    attempt_id if rec is not None else None, row[0], attempt_id,
                 ),
             ).fetchone()
             if moved is None:
@@ -532,7 +538,7 @@ class Ledger:
         """The replayable response of an attempt, or None if it has none (purged, not kept)."""
         db = self._conn()
         row = db.execute(
-            "SELECT status, headers FROM attempts WHERE attempt_id=? AND replayable=1",
+            "SELECT status, headers, vary_key FROM attempts WHERE attempt_id=? AND replayable=1",
             (attempt_id,),
         ).fetchone()
         if row is None:
@@ -544,7 +550,7 @@ class Ledger:
             )
         )
         headers = tuple((str(k), str(v)) for k, v in json.loads(row[1] or "[]"))
-        return Recording(row[0], headers, body)
+        return Recording(row[0], headers, body, row[2])
 
     # -- instances, restart, retention ----------------------------------------------------------
     @_wrap
@@ -673,19 +679,16 @@ class _Transaction:
             self.db.execute("ROLLBACK")
 
 
-def check_path(path: str) -> None:
-    """Refuse a ledger file others could write to: a world-writable file, or one inside a
-    world-writable folder without the sticky bit."""
+def check_path(path: str) -> str:
+    """Refuse a ledger path others could write to or redirect, by the rules of
+    ``private_files.check_private_path`` (on the path and on its real path); return the real
+    path, which is what SQLite opens."""
     if path == ":memory:":
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise LedgerError(f"folder {folder} does not exist")
-    mode = os.stat(folder).st_mode
-    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        raise LedgerError(f"folder {folder} is world-writable")
-    if os.path.exists(path) and os.stat(path).st_mode & (stat.S_IWOTH | stat.S_IWGRP):
-        raise LedgerError(f"ledger file {path} is writable by others")
+        return path
+    try:
+        return check_private_path(path)
+    except UnsafePath as e:
+        raise LedgerError(str(e)) from None
 
 
 def _split_sql(script: str) -> Iterable[str]:

@@ -9,15 +9,23 @@ table is checked against this list by the tests.
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Sequence  # the one mitmproxy's option manager knows
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .circuit import CircuitConfig
+from .identity import KNOWN_ROUTES
 from .policy import RECOVERY_MODES, GuardPolicy
 
+# POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
+# anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
 DEFAULT_FILTER = (
-    '~m POST & ~u "/(v1/responses|backend-api/codex/responses|v1/chat/completions)/?([?]|$)"'
+    '~m POST & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+('
+    + "|".join(KNOWN_ROUTES)
+    + ')/?([?]|$)"'
 )
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,13 +41,23 @@ class OptionSpec:
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_ledger", str, "",
-        "Path of the SQLite ledger shared by every turnguard process that guards the same "
-        "upstream. Empty: <confdir>/turnguard.sqlite3.",
+        "Path of the SQLite ledger, shared by every turnguard process that uses it (operations "
+        "of different upstreams and principals never mix). Refused if it, or the real file a "
+        "symlink leads to, is writable by others or in a world-writable folder without the "
+        "sticky bit. Empty: <confdir>/turnguard.sqlite3.",
     ),
     OptionSpec(
         "turnguard_filter", str, DEFAULT_FILTER,
         "mitmproxy filter expression for the flows turnguard guards; everything else passes "
-        "untouched.",
+        "untouched. The default guards POSTs to the known model routes at the start of the "
+        "path.",
+    ),
+    OptionSpec(
+        "turnguard_credential_headers", Sequence[str], [],
+        "More request headers that carry a credential, beyond the built-in list "
+        "(Authorization, Proxy-Authorization, Cookie, the providers' API-key, account, "
+        "organization and project headers): requests that differ in them never share an "
+        "operation, a recording, a session or a circuit. Repeat --set to name several.",
     ),
     OptionSpec(
         "turnguard_hold_timeout_ms", int, 30000,
@@ -115,8 +133,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "turnguard_events", str, "",
-        "Path of a JSON-lines telemetry file (created 0600); empty: telemetry goes to the "
-        "log only.",
+        "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
+        "like the ledger); empty: telemetry goes to the log only.",
     ),
 )
 
@@ -133,6 +151,7 @@ class Settings:
     response_created_timeout_s: float  # 0: off
     recovery_mode: str
     owner_lease_s: float
+    credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
 
 
 def settings_from(values: Mapping[str, Any]) -> Settings:
@@ -146,6 +165,10 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
             # mitmproxy checks choices= for command-line flags only, not for --set
             raise ValueError(f"{spec.name} must be one of {', '.join(spec.choices)}, not {value!r}")
     v = values
+    credential_headers = tuple(v["turnguard_credential_headers"])
+    for name in credential_headers:
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"turnguard_credential_headers: {name!r} is not a header name")
     if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
         raise ValueError(
             "turnguard_retention_ms must be >= turnguard_replay_window_ms "
@@ -173,6 +196,7 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         response_created_timeout_s=v["turnguard_response_created_timeout_ms"] / 1000,
         recovery_mode=v["turnguard_recovery_mode"],
         owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
+        credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
     )
 
 
@@ -187,6 +211,8 @@ def parse_set_value(spec: OptionSpec, values: list[str]) -> Any:
     (``int()`` for ints; ``true``, ``false`` or nothing for bools; the string for strs).
     Raises ``ValueError`` naming the option and the value."""
     shown = ", ".join(values) if values else "(no value)"
+    if spec.type not in (int, bool, str):  # a list option: one --set per value
+        return list(values)
     if len(values) > 1:
         raise ValueError(f"{spec.name} was set {len(values)} times ({shown}); set it once")
     text = values[0] if values else None
@@ -209,6 +235,11 @@ def parse_set_value(spec: OptionSpec, values: list[str]) -> Any:
 def check_value_type(spec: OptionSpec, value: Any) -> None:
     """Raise ``ValueError`` when ``value`` (e.g. from mitmproxy's config.yaml) is not of the
     option's type."""
+    if spec.type not in (int, bool, str):  # a list option
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        if not ok:
+            raise ValueError(f"{spec.name}={value!r} is not a list of strings")
+        return
     ok = isinstance(value, spec.type) and not (spec.type is int and isinstance(value, bool))
     if not ok:
         raise ValueError(

@@ -1,6 +1,10 @@
 """Telemetry: one JSON line per decision, to an optional file (mode 0600) and to the log
 (routine per-request events at DEBUG, the others at INFO).
 
+The file is opened by the rules of ``private_files`` (the ledger's): never through a symlink,
+never in a folder others may write to without the sticky bit, never a file others may write
+to; ``Telemetry(path)`` raises ``OSError`` (``UnsafePath`` for a refusal) otherwise.
+
 Every line has ``ts`` (Unix seconds, float) and ``event``; callers add ``op``, ``flow``,
 ``session`` and the event's own fields. Values must be plain JSON data and never a secret.
 """
@@ -14,19 +18,14 @@ import time
 from collections import Counter
 from typing import Callable
 
+from .private_files import check_private_path, open_private
+
 logger = logging.getLogger("turnguard")
 
 # One of these per guarded request: logged at DEBUG (mitmdump --set termlog_verbosity=debug),
 # so that a busy proxy's log shows the decisions that change a request's fate. The events
 # file gets every event.
 ROUTINE = frozenset({"dispatch", "outcome"})
-
-
-def open_private(path: str, flags: int) -> int:
-    """Open (creating if needed) a file readable and writable by its owner only (0600)."""
-    fd = os.open(path, flags | os.O_CREAT, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
 
 
 class Telemetry:
@@ -36,6 +35,7 @@ class Telemetry:
         self.path = path or None
         self.counts: Counter[str] = Counter()
         if self.path:
+            check_private_path(self.path)
             fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
             self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 

@@ -1,0 +1,100 @@
+"""Content codings for re-encoding a replay: gzip, deflate, br, zstd; decoding is bounded.
+
+A recorded body is at most ``turnguard_replay_max_bytes``, but decoded it could be a
+decompression bomb: ``BoundedCodec.decode`` stops at ``max_bytes`` of output and raises
+``ValueError`` instead. Encoding uses mitmproxy's own codec functions
+(``mitmproxy.net.encoding.custom_encode``, fast settings), not its ``encode``: that one keeps a
+module-wide cache, which a call from another thread (the addon recodes off the event loop) would
+race with. The same brotli and zstd modules mitmproxy uses are used here; no proxy, clock or
+disk.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import brotli
+from mitmproxy.net import encoding as mitmproxy_encoding
+
+if sys.version_info >= (3, 14):
+    from compression import zstd  # type: ignore[import-not-found]
+else:  # pragma: no cover - the backport mitmproxy depends on below 3.14
+    from backports import zstd  # type: ignore[no-redef]
+
+__all__ = ["BoundedCodec"]
+
+
+class _TooBig(ValueError):
+    pass
+
+
+class BoundedCodec:
+    """``decode`` and ``encode`` for ``negotiation.recode``. ``decode`` raises ValueError for
+    data that is not a complete, valid stream of the coding, or decodes to more than
+    ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+
+    def decode(self, data: bytes, coding: str) -> bytes:
+        if not data:
+            return b""
+        if coding == "gzip":
+            return self._zlib(data, 16 + zlib.MAX_WBITS)
+        if coding == "deflate":  # zlib-wrapped as the RFC says, or raw as some servers send
+            try:
+                return self._zlib(data, zlib.MAX_WBITS)
+            except _TooBig:
+                raise
+            except ValueError:
+                return self._zlib(data, -zlib.MAX_WBITS)
+        if coding == "br":
+            return self._brotli(data)
+        if coding == "zstd":
+            return self._zstd(data)
+        raise ValueError(f"unsupported content coding {coding!r}")
+
+    def encode(self, data: bytes, coding: str) -> bytes:
+        if coding not in ("gzip", "deflate", "br", "zstd"):
+            raise ValueError(f"unsupported content coding {coding!r}")
+        return mitmproxy_encoding.custom_encode[coding](data)
+
+    def _too_big(self) -> ValueError:
+        return _TooBig(f"decodes to more than {self.max_bytes} bytes")
+
+    def _zlib(self, data: bytes, wbits: int) -> bytes:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(data, self.max_bytes + 1)
+        except zlib.error as e:
+            raise ValueError(f"invalid data: {e}") from None
+        if len(out) > self.max_bytes:
+            raise self._too_big()
+        if not d.eof or d.unused_data:
+            raise ValueError("incomplete, or followed by other data")
+        return out
+
+    def _brotli(self, data: bytes) -> bytes:
+        d = brotli.Decompressor()
+        try:
+            out = d.process(data, output_buffer_limit=self.max_bytes + 1)
+        except brotli.error as e:
+            raise ValueError(f"invalid data: {e}") from None
+        if len(out) > self.max_bytes:
+            raise self._too_big()
+        if not d.is_finished():
+            raise ValueError("incomplete")
+        return out
+
+    def _zstd(self, data: bytes) -> bytes:
+        d = zstd.ZstdDecompressor()
+        try:
+            out = d.decompress(data, max_length=self.max_bytes + 1)
+        except zstd.ZstdError as e:
+            raise ValueError(f"invalid data: {e}") from None
+        if len(out) > self.max_bytes:
+            raise self._too_big()
+        if not d.eof or d.unused_data:
+            raise ValueError("incomplete, or followed by other data")
+        return out

@@ -1,0 +1,71 @@
+"""Private files: where turnguard may keep its ledger and its events file, and how it opens them.
+
+One set of rules for both (no clock or proxy here; only the file system):
+
+- ``check_private_path``: the folder of the path as given *and* the folder of its real path
+  (symlinks resolved) must exist and must not be world-writable unless sticky (like /tmp), and
+  an existing file (the real one) must not be writable by group or others. Otherwise another
+  user could swap the file, or read what turnguard writes next to it (SQLite's -wal and -shm
+  are created next to the real file).
+- ``open_private``: opens without following a symlink at the path (``O_NOFOLLOW``), creates
+  the file 0600, and refuses anything but a regular file owned by this user; the file is then
+  made 0600 whatever the umask.
+
+Refusals raise ``UnsafePath`` (an ``OSError``, so callers that handle a file they cannot open
+handle it too), with a message that says why.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+__all__ = ["UnsafePath", "check_private_path", "open_private"]
+
+
+class UnsafePath(OSError):
+    """The path is one another user could write to or redirect."""
+
+
+def check_private_path(path: str) -> str:
+    """Refuse ``path`` if another user could write to it or swap it (see the module
+    docstring); return its real path (symlinks resolved)."""
+    given = os.path.abspath(path)
+    real = os.path.realpath(given)
+    for folder in dict.fromkeys((os.path.dirname(given), os.path.dirname(real))):
+        if not os.path.isdir(folder):
+            raise UnsafePath(f"folder {folder} does not exist")
+        mode = os.stat(folder).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise UnsafePath(f"folder {folder} is world-writable (and not sticky)")
+    if os.path.exists(real) and os.stat(real).st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        shown = real if real == given else f"{given} (-> {real})"
+        raise UnsafePath(f"file {shown} is writable by others")
+    return real
+
+
+def open_private(path: str, flags: int) -> int:
+    """Open (creating if needed) ``path`` as a file readable and writable by its owner only
+    (0600); never through a symlink, never a FIFO, device or another user's file."""
+    try:
+        fd = os.open(
+            path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600
+        )
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePath(f"{path} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise UnsafePath(f"{path} belongs to another user (uid {st.st_uid})")
+        os.fchmod(fd, 0o600)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,478 @@
+"""Isolation (issue 11), through a real mitmdump: a recording never reaches another upstream,
+principal, session, body or encoding; sessions belong to a principal; nothing secret from a URL
+is kept; the ledger and events paths cannot be redirected.
+
+The rig is one mitmdump process with three listeners sharing one ledger: a reverse proxy to
+mock upstream U1, a reverse proxy to mock upstream U2, and a regular (forward) proxy through
+which a client can reach either. Every dispatch of the mock answers with its own response id,
+so a leaked recording shows as a response id the client's request never produced."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import secrets
+import sqlite3
+import stat
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import (
+    ADDON,
+    MITMDUMP,
+    REPO,
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    read_jsonl,
+    response_id,
+    wait_until,
+)
+
+REQUEST_TIMEOUT_S = 15
+EXTRA_CREDENTIAL = "x-tenant-key"  # named by turnguard_credential_headers in the rig
+
+
+@dataclass
+class Rig:
+    ups: list[MockUpstream]
+    proxy: Mitmdump
+    tmp: Path
+
+    @property
+    def reverse_urls(self) -> list[str]:
+        return self.proxy.urls[:2]
+
+    @property
+    def forward_proxy(self) -> str:
+        return self.proxy.urls[2]
+
+    @property
+    def ledger(self) -> Path:
+        return self.tmp / "ledger.sqlite3"
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in read_jsonl(self.tmp / "events.jsonl") if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("isolation")
+    ups: list[MockUpstream] = []
+    try:
+        ups = [MockUpstream(tmp, name="u1"), MockUpstream(tmp, name="u2")]
+        proxy = Mitmdump(tmp, None, modes=[
+            f"reverse:{ups[0].url}@127.0.0.1:0",
+            f"reverse:{ups[1].url}@127.0.0.2:0",
+            "regular@127.0.0.3:0",
+        ], options={
+            "turnguard_ledger": str(tmp / "ledger.sqlite3"),
+            "turnguard_events": str(tmp / "events.jsonl"),
+            "turnguard_credential_headers": EXTRA_CREDENTIAL,
+            "turnguard_cooldown_ms": 60000,
+        })
+    except BaseException:
+        for up in ups:
+            up.stop()
+        raise
+    try:
+        yield Rig(ups, proxy, tmp)
+        assert_no_traceback(proxy.log_text())
+    finally:
+        proxy.stop()
+        for up in ups:
+            up.stop()
+
+
+@dataclass(frozen=True)
+class Req:
+    upstream: int  # 0: U1, 1: U2
+    via: str  # "reverse": U's own reverse listener; "regular": the forward proxy
+    headers: tuple[tuple[str, str], ...]
+    body: dict
+    path: str = "/v1/responses"
+
+
+def send(rig: Rig, r: Req) -> httpx.Response:
+    """One request on a fresh connection, through the listener ``r.via`` names."""
+    h = {"content-type": "application/json", "accept": "text/event-stream",
+         "accept-encoding": "identity", **dict(r.headers)}
+    if r.via == "reverse":
+        with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+            return c.post(rig.reverse_urls[r.upstream] + r.path, json=r.body, headers=h)
+    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, proxy=rig.forward_proxy) as c:
+        return c.post(rig.ups[r.upstream].url + r.path, json=r.body, headers=h)
+
+
+def dispatches(rig: Rig, upstream: int) -> int:
+    return len(rig.ups[upstream].dispatches())
+
+
+def replayed(resp: httpx.Response) -> bool:
+    return resp.headers.get("x-turnguard") == "replayed"
+
+
+def assert_fresh(rig: Rig, r: Req, other: httpx.Response) -> httpx.Response:
+    """Send ``r``: it must be dispatched to its own upstream and not answered with ``other``'s
+    recording."""
+    before = dispatches(rig, r.upstream)
+    resp = send(rig, r)
+    assert resp.status_code == 200, resp.text[:300]
+    assert not replayed(resp), f"{r} got a replay"
+    assert response_id(resp.content) != response_id(other.content)
+    assert dispatches(rig, r.upstream) == before + 1
+    return resp
+
+
+def assert_replayed(rig: Rig, r: Req, original: httpx.Response) -> None:
+    before = dispatches(rig, r.upstream)
+    resp = send(rig, r)
+    assert resp.status_code == 200 and replayed(resp), f"{r} was not replayed"
+    assert resp.content == original.content
+    assert dispatches(rig, r.upstream) == before
+
+
+def turn(tag: str = "") -> dict:
+    return {"model": "m", "input": f"isolation {tag} {secrets.token_hex(6)}", "stream": True}
+
+
+# -----------------------------------------------------------------------------------------------
+# 1. The upstream is part of the identity
+
+
+@pytest.mark.parametrize("via", ["reverse", "regular"])
+def test_the_same_request_to_another_upstream_is_never_answered_from_the_recording(rig, via):
+    a = Req(0, via, (("authorization", "Bearer k"), ("session-id", "s-up")), turn("upstream"))
+    first = send(rig, a)
+    assert first.status_code == 200 and not replayed(first)
+    assert_replayed(rig, a, first)  # the control: the same request to the same upstream
+    assert_fresh(rig, replace(a, upstream=1), first)
+
+
+def test_the_same_upstream_through_either_listener_is_the_same_operation(rig):
+    """Identity is the upstream, not the listener: reverse and regular mode to U1 share."""
+    a = Req(0, "reverse", (("authorization", "Bearer k"),), turn("listener"))
+    first = send(rig, a)
+    assert_replayed(rig, replace(a, via="regular"), first)
+
+
+# -----------------------------------------------------------------------------------------------
+# 2. Every credential-bearing header, and the configured ones
+
+
+@pytest.mark.parametrize("header", ["cookie", "proxy-authorization", "x-goog-api-key",
+                                    "anthropic-version-is-not-one", EXTRA_CREDENTIAL])
+def test_requests_that_differ_only_in_a_credential_never_share_a_recording(rig, header):
+    body = turn(header)
+    alice = Req(0, "reverse", (("authorization", "Bearer shared"), (header, "alice")), body)
+    bob = replace(alice, headers=(("authorization", "Bearer shared"), (header, "bob")))
+    first = send(rig, alice)
+    if header == "anthropic-version-is-not-one":  # the control: not a credential, so shared
+        assert_replayed(rig, bob, first)
+    else:
+        assert_fresh(rig, bob, first)
+
+
+def test_a_second_value_of_a_credential_header_counts(rig):
+    body = turn("repeated")
+    one = Req(0, "reverse", (("cookie", "a=1"),), body)
+    first = send(rig, one)
+    assert_fresh(rig, replace(one, headers=(("cookie", "a=1"), ("cookie", "b=2"))), first)
+
+
+# -----------------------------------------------------------------------------------------------
+# 3. Sessions, circuits and ownership belong to principal + session
+
+
+def test_one_principal_cannot_fence_another_by_sending_its_session_id(rig):
+    session = f"victim-{secrets.token_hex(4)}"
+    attacker = (("authorization", "Bearer attacker"), ("session-id", session),
+                ("x-mock-behaviour", json.dumps({"kind": "reset"})))
+    for i in range(2):  # two eventless failures in the attacker's session: its circuit opens
+        send_quietly(rig, Req(0, "reverse", attacker, turn(f"fence {i}")))
+    fenced = send(rig, Req(0, "reverse", attacker[:2], turn("fenced")))
+    assert fenced.status_code == 503  # the control: the attacker's own session is fenced
+    victim = Req(0, "reverse", (("authorization", "Bearer victim"), ("session-id", session)),
+                 turn("victim"))
+    before = dispatches(rig, 0)
+    resp = send(rig, victim)
+    assert resp.status_code == 200 and dispatches(rig, 0) == before + 1
+
+
+def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):
+    session = f"shared-{secrets.token_hex(4)}"
+    db = rig.ledger
+    count = lambda: sqlite3.connect(db).execute("SELECT COUNT(*) FROM sessions").fetchone()[0]  # noqa: E731
+    before = count()
+    for who in ("alice", "bob"):
+        assert send(rig, Req(0, "reverse", (("authorization", f"Bearer {who}"),
+                                            ("session-id", session)), turn(who))).status_code == 200
+    assert count() == before + 2
+
+
+def send_quietly(rig: Rig, r: Req) -> int:
+    try:
+        return send(rig, r).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+# -----------------------------------------------------------------------------------------------
+# 4. Content negotiation and Vary
+
+
+def encoded_turn(rig: Rig, coding: str, accept: str, *, vary: str | None = None,
+                 delay_ms: int = 0) -> tuple[Req, httpx.Response]:
+    behaviour = {"kind": "ok", "content_encoding": coding, "delay_ms": delay_ms}
+    if vary:
+        behaviour["headers"] = {"vary": vary}
+    r = Req(0, "reverse", (("accept-encoding", accept), ("x-tenant", "t1"),
+                           ("x-mock-behaviour", json.dumps(behaviour))), turn(coding))
+    first = send(rig, r)
+    assert first.status_code == 200
+    assert first.headers.get("content-encoding") == (None if coding == "identity" else coding)
+    return r, first
+
+
+def with_accept(r: Req, accept: str, **changes: str) -> Req:
+    h = dict(r.headers)
+    h["accept-encoding"] = accept
+    h.update(changes)
+    return replace(r, headers=tuple(h.items()))
+
+
+def send_raw(rig: Rig, r: Req) -> tuple[int, dict, bytes]:
+    """Send ``r`` and read the body as it came over the wire (content coding kept)."""
+    h = {"content-type": "application/json", "accept": "text/event-stream", **dict(r.headers)}
+    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+        with c.stream("POST", rig.reverse_urls[r.upstream] + r.path, json=r.body, headers=h) as resp:
+            return resp.status_code, dict(resp.headers), b"".join(resp.iter_raw())
+
+
+def test_a_client_that_accepts_only_identity_gets_the_replay_decoded(rig):
+    r, first = encoded_turn(rig, "gzip", "gzip")
+    status, h, body = send_raw(rig, with_accept(r, "identity"))
+    assert status == 200 and h.get("x-turnguard") == "replayed"
+    assert "content-encoding" not in h and body == first.content  # httpx decoded the first
+    # the same Accept-Encoding as the original: byte for byte as recorded
+    status, h, body = send_raw(rig, r)
+    assert h.get("content-encoding") == "gzip" and gzip.decompress(body) == first.content
+
+
+def test_a_client_that_accepts_only_gzip_never_gets_br(rig):
+    r, first = encoded_turn(rig, "br", "br")
+    for accept, served in (("gzip", None), ("gzip, identity;q=0", "gzip")):
+        status, h, body = send_raw(rig, with_accept(r, accept))
+        assert status == 200 and h.get("x-turnguard") == "replayed"
+        assert h.get("content-encoding") == served
+        assert (gzip.decompress(body) if served else body) == first.content
+
+
+def test_a_client_that_accepts_nothing_producible_is_forwarded(rig):
+    r, first = encoded_turn(rig, "gzip", "gzip")
+    before = dispatches(rig, 0)
+    resp = send(rig, with_accept(r, "identity;q=0, compress"))
+    assert not replayed(resp) and dispatches(rig, 0) == before + 1
+    declined = wait_until(lambda: [e for e in rig.events("replay_declined")
+                                   if "no content coding" in e["reason"]], 10, what="the event")
+    assert declined
+
+
+def test_vary_replays_only_to_the_same_values_and_vary_star_never(rig):
+    r, first = encoded_turn(rig, "identity", "identity", vary="x-tenant")
+    assert_replayed(rig, r, first)
+    assert_fresh(rig, with_accept(r, "identity", **{"x-tenant": "t2"}), first)
+    star, first = encoded_turn(rig, "identity", "identity", vary="*")
+    assert_fresh(rig, star, first)
+
+
+def test_a_held_duplicate_gets_the_recording_in_its_own_encoding(rig):
+    behaviour = {"kind": "ok", "content_encoding": "gzip", "delay_ms": 1500}
+    r = Req(0, "reverse", (("accept-encoding", "gzip"),
+                           ("x-mock-behaviour", json.dumps(behaviour))), turn("held"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        before = dispatches(rig, 0)
+        original = pool.submit(send_raw, rig, r)
+        wait_until(lambda: dispatches(rig, 0) > before, 10, what="the original's dispatch")
+        held = pool.submit(send_raw, rig, with_accept(r, "identity"))
+        (s1, h1, b1), (s2, h2, b2) = original.result(), held.result()
+    assert s1 == s2 == 200 and h1.get("content-encoding") == "gzip"
+    assert h2.get("x-turnguard") == "replayed" and "content-encoding" not in h2
+    assert b2 == gzip.decompress(b1) and dispatches(rig, 0) == before + 1
+
+
+# -----------------------------------------------------------------------------------------------
+# 5. Nothing secret from the URL at rest
+
+
+def test_a_key_in_the_url_is_not_kept(tmp_path):
+    secret_path = f"sk-PATH-{secrets.token_hex(8)}"
+    secret_query = f"QUERY-{secrets.token_hex(8)}"
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up:
+        opts = {"turnguard_ledger": str(ledger), "turnguard_events": str(tmp_path / "ev.jsonl"),
+                "turnguard_filter": "~m POST", "flow_detail": 0}
+        with Mitmdump(tmp_path, up.url, options=opts) as p:
+            path = f"/{secret_path}/v1/responses?key={secret_query}"
+            h = {"content-type": "application/json", "accept": "text/event-stream"}
+            with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+                first = c.post(p.url + path, json={"model": "m", "input": "k"}, headers=h)
+                again = c.post(p.url + path, json={"model": "m", "input": "k"}, headers=h)
+                other = c.post(p.url + "/sk-OTHER/v1/responses", json={"model": "m", "input": "k"},
+                               headers=h)
+            assert first.status_code == again.status_code == other.status_code == 200
+            assert replayed(again) and not replayed(other)  # guarded, and the key isolates
+            log = p.log_text()
+        paths = {r[0] for r in sqlite3.connect(ledger).execute("SELECT path FROM operations")}
+        assert paths == {"/v1/responses"}
+        op = sqlite3.connect(ledger).execute("SELECT op_key FROM operations").fetchone()[0]
+        cli = [subprocess.run([str(REPO / "scripts" / "ledger"), "--ledger", str(ledger), *args],
+                              capture_output=True, text=True, timeout=120)
+               for args in (["list"], ["show", op[:12]], ["stats"])]
+        assert all(c.returncode == 0 for c in cli), [c.stderr for c in cli]
+        blobs = {str(f): f.read_bytes() for f in tmp_path.glob("ledger.sqlite3*")}
+        blobs["events"] = (tmp_path / "ev.jsonl").read_bytes()
+        blobs["log"] = log.encode()
+        blobs["scripts/ledger"] = "".join(c.stdout for c in cli).encode()
+        for where, blob in blobs.items():
+            for secret in (secret_path, secret_query):
+                assert secret.encode() not in blob, f"{secret} is in {where}"
+
+
+def test_the_default_filter_does_not_guard_a_route_after_a_key(rig):
+    r = Req(0, "reverse", (("authorization", "Bearer k"),), turn("unanchored"),
+            path=f"/sk-{secrets.token_hex(4)}/v1/responses")
+    first = send(rig, r)
+    before = dispatches(rig, 0)
+    again = send(rig, r)
+    assert first.status_code == again.status_code == 200
+    assert not replayed(again) and dispatches(rig, 0) == before + 1
+
+
+# -----------------------------------------------------------------------------------------------
+# 6. Path tricks: the ledger and the events file
+
+
+def start(tmp_path: Path, **options: str) -> subprocess.CompletedProcess:
+    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", "0",
+           "--set", f"confdir={tmp_path / 'confdir'}", "-s", str(ADDON)]
+    for k, v in options.items():
+        cmd += ["--set", f"{k}={v}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+def shared_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    os.chmod(folder, 0o777)  # world-writable, not sticky
+    return folder
+
+
+def test_a_ledger_symlink_into_a_world_writable_folder_is_refused(tmp_path):
+    target = shared_folder(tmp_path) / "ledger.sqlite3"
+    link = tmp_path / "ledger.sqlite3"
+    link.symlink_to(target)
+    proc = start(tmp_path, turnguard_ledger=str(link))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "turnguard_ledger=" in out and "is refused" in out, out
+    assert "world-writable" in out
+    assert os.listdir(target.parent) == []  # no ledger, -wal or -shm created there
+
+
+def test_an_events_symlink_is_refused_and_its_target_untouched(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    target = private / "victim.txt"
+    target.write_text("precious\n")
+    os.chmod(target, 0o644)
+    link = tmp_path / "events.jsonl"
+    link.symlink_to(target)
+    proc = start(tmp_path, turnguard_ledger=str(tmp_path / "l.sqlite3"),
+                 turnguard_events=str(link))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "turnguard_events=" in out and "is refused" in out, out
+    assert "symbolic link" in out
+    assert target.read_text() == "precious\n" and stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("case", ["world_writable_folder", "file_writable_by_others"])
+def test_an_unsafe_events_path_is_refused(tmp_path, case):
+    if case == "world_writable_folder":
+        events = shared_folder(tmp_path) / "events.jsonl"
+    else:
+        events = tmp_path / "events.jsonl"
+        events.write_text("")
+        os.chmod(events, 0o666)
+    proc = start(tmp_path, turnguard_ledger=str(tmp_path / "l.sqlite3"),
+                 turnguard_events=str(events))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "turnguard_events=" in out and "is refused" in out, out
+    assert "writable" in out
+    if case == "world_writable_folder":
+        assert not events.exists()
+
+
+# -----------------------------------------------------------------------------------------------
+# The property: any two requests that differ in upstream, principal, session or body never
+# share a recording, whichever listener (reverse or regular mode) each goes through.
+
+CREDENTIALS = ["authorization", "proxy-authorization", "cookie", "x-api-key", "api-key",
+               "x-goog-api-key", "chatgpt-account-id", "openai-organization", "openai-project",
+               EXTRA_CREDENTIAL]
+DIMENSIONS = ["upstream", *CREDENTIALS, "session", "body", "url key"]
+VALUE = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_=", min_size=1, max_size=10)
+
+
+@st.composite
+def request_pairs(draw, dim: str) -> tuple[Req, Req]:
+    """A request ``a`` (upstream, listener, credentials, session, body drawn) and a request
+    ``b`` that differs from it in ``dim`` only (and maybe in the listener it goes through)."""
+    creds = draw(st.dictionaries(st.sampled_from(CREDENTIALS), VALUE, max_size=3))
+    session = draw(st.none() | VALUE)
+    headers = dict(creds)
+    if session is not None:
+        headers["session-id"] = session
+    a = Req(draw(st.integers(0, 1)), draw(st.sampled_from(["reverse", "regular"])),
+            tuple(headers.items()), {"model": "m", "input": draw(VALUE), "stream": True})
+    b_headers = dict(headers)
+    b = replace(a, via=draw(st.sampled_from(["reverse", "regular"])))
+    if dim == "upstream":
+        b = replace(b, upstream=1 - a.upstream)
+    elif dim == "body":
+        b = replace(b, body={**a.body, "input": a.body["input"] + " (changed)"})
+    elif dim == "url key":
+        b = replace(b, path=a.path + "?key=" + draw(VALUE))
+    else:
+        name = "session-id" if dim == "session" else dim
+        if name in b_headers and draw(st.booleans()):
+            del b_headers[name]  # present in one, absent in the other
+        else:
+            b_headers[name] = b_headers.get(name, "") + draw(VALUE)
+        b = replace(b, headers=tuple(b_headers.items()))
+    return a, b
+
+
+@pytest.mark.parametrize("dim", DIMENSIONS)  # every dimension, every run: few examples each
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_two_requests_that_differ_never_share_a_recording(rig, dim, data):
+    a, b = data.draw(request_pairs(dim))
+    nonce = secrets.token_hex(6)  # not drawn: a re-run example is a new pair of operations
+    a = replace(a, body={**a.body, "nonce": nonce})
+    b = replace(b, body={**b.body, "nonce": nonce})
+    first = send(rig, a)
+    assert first.status_code == 200 and not replayed(first)
+    assert_replayed(rig, a, first)  # the control
+    b_first = assert_fresh(rig, b, first)
+    assert_replayed(rig, b, b_first)  # b's own recording, not a's
+    assert_replayed(rig, a, first)  # and a still gets its own
