@@ -8,6 +8,7 @@ into flow actions. "What happens to a duplicate" is ``TurnGuard._guard``.
 
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -26,8 +27,18 @@ if _HERE not in sys.path:
 
 from mitmproxy import command, ctx, exceptions, flowfilter, hooks, http  # noqa: E402
 
-from turnguard_core import answers, circuit, identity, negotiation, options, policy  # noqa: E402
+from turnguard_core import (  # noqa: E402
+    answers,
+    circuit,
+    identity,
+    liveness,
+    negotiation,
+    options,
+    policy,
+)
 from turnguard_core.codec import BoundedCodec  # noqa: E402
+from turnguard_core.heartbeat import Heartbeat  # noqa: E402
+from turnguard_core.knowledge import Knowledge, KnownRecording  # noqa: E402
 from turnguard_core.ledger import (  # noqa: E402
     AttemptEnd,
     FinishResult,
@@ -35,9 +46,8 @@ from turnguard_core.ledger import (  # noqa: E402
     LedgerError,
     Recording,
     check_path,
-    instance_is_dead,
 )
-from turnguard_core.ledger_runner import LedgerRunner  # noqa: E402
+from turnguard_core.ledger_runner import LedgerRunner, LedgerTimeout  # noqa: E402
 from turnguard_core.private_files import UnsafePath  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
@@ -52,10 +62,12 @@ logger = logging.getLogger("turnguard")
 MAX_GUARDED_BODY = 64 * 1024 * 1024
 MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
-TICK_S = 1.0  # notice killed or disconnected held flows; heartbeat
-HEARTBEAT_S = 5.0
-INSTANCE_STALE_S = 30.0
-LEDGER_BUSY_MS = 2000  # SQLite busy timeout: claims by other processes take milliseconds
+TICK_S = 1.0  # notice killed or disconnected held flows; probe a ledger that failed; reap
+HEARTBEAT_S = 5.0  # renew this instance's lease (on a thread of its own)
+REAP_S = 5.0  # look for dead peers' attempts this often (every FOREIGN_POLL_S when waiting on one)
+LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
+LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
+LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
 STATUS_TIMEOUT_S = 1.0
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
@@ -78,9 +90,12 @@ class _Attempt:
     flow_id: str
     ident: identity.Identity
     attempt_id: int | None  # None when the ledger was unavailable
+    generation: str  # of the ledger file that holds attempt_id
     kind: str
     started: float
     circuit_scope: str
+    method: str
+    route: str  # path without query, as the ledger stores it
     status: int | None = None
     tee: ResponseTee | None = None
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
@@ -129,6 +144,44 @@ class _OwnershipLost:
     epoch: int | None
 
 
+@dataclass
+class _PendingWrite:
+    """A ledger write that decides the future (an attempt's end or first event), kept in
+    order until it lands; ``landed`` runs with its result then."""
+
+    generation: str
+    call: str
+    args: tuple
+    kwargs: dict
+    landed: Any = None
+
+
+@dataclass
+class _ProcessState:
+    """What outlives a script reload (mitmproxy keeps its master and re-creates the addon):
+    the instance this process is in the ledger, and its attempts in flight, whose remaining
+    hooks go to the new addon instance. Kept on the master."""
+
+    instance_id: str
+    identity: liveness.ProcessIdentity
+    attempts: dict = dataclasses.field(default_factory=dict)  # flow id -> _Attempt
+    local: dict = dataclasses.field(default_factory=dict)  # op key -> flow id of an attempt
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    knowledge: Knowledge = dataclasses.field(default_factory=Knowledge)
+    guard: Any = None  # the TurnGuard instance that gets the hooks now
+
+    @classmethod
+    def of(cls, master) -> "_ProcessState":
+        state = getattr(master, "_turnguard_process", None)
+        if state is None:
+            state = cls(uuid.uuid4().hex[:16], liveness.read_process_identity())
+            try:
+                master._turnguard_process = state
+            except AttributeError:  # no master (unit tests without one)
+                pass
+        return state
+
+
 def _accepts_sse(flow: http.HTTPFlow) -> bool:
     return "text/event-stream" in flow.request.headers.get("accept", "")
 
@@ -153,31 +206,64 @@ def _headers(pairs) -> http.Headers:
 
 class TurnGuard:
     def __init__(self) -> None:
-        self.instance_id = uuid.uuid4().hex[:16]
+        # this process in the ledger; replaced in load by the one kept on the master
+        self._process = _ProcessState(uuid.uuid4().hex[:16], liveness.read_process_identity())
         self.db: LedgerRunner | None = None  # the ledger; never blocks the loop for long
+        self._heartbeat: Heartbeat | None = None
         self._ledger_retry_at = 0.0  # while in the future, the ledger is down: decide in memory
         self.ledger_path = ""
         self.ledger_error: str | None = None
         self.telemetry = Telemetry()
         self.filter: flowfilter.TFilter | None = None
         self.settings = options.settings_from(options.DEFAULTS)
-        self._attempts: dict[str, _Attempt] = {}  # flow id -> attempt in flight
-        self._local: dict[str, str] = {}  # op key -> flow id of this process's attempt in flight
         self._held: dict[str, _Held] = {}  # flow id -> held request
         self._sessions: dict[str, policy.SessionOwnership] = {}  # sessions this process owns
         self._circuits: dict[str, circuit.CircuitState] = {}  # last known, for when the ledger is down
         self._ticker: asyncio.Task | None = None
         # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
         self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._last_heartbeat = 0.0
+        self._last_probe = 0.0
         self._has_view: bool | None = None  # is there a UI whose flow list needs refreshing?
         self._last_gc = 0.0
         self._last_reap = 0.0
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
 
+    @property
+    def instance_id(self) -> str:
+        return self._process.instance_id
+
+    @property
+    def _attempts(self) -> dict[str, _Attempt]:
+        """Flow id -> this process's attempt in flight (kept across script reloads)."""
+        return self._process.attempts
+
+    @property
+    def _local(self) -> dict[str, str]:
+        """Op key -> flow id of this process's attempt of it in flight."""
+        return self._process.local
+
+    @property
+    def _pending(self) -> "collections.deque[_PendingWrite]":
+        """Ledger writes kept, in order, while the ledger is down."""
+        return self._process.pending
+
+    @property
+    def _knowledge(self) -> Knowledge:
+        """The ledger's durable facts this process learned, for deciding without it."""
+        return self._process.knowledge
+
+    def _current(self) -> "TurnGuard":
+        """The addon instance that gets the hooks now (another one after a script reload):
+        callbacks of a flow in flight go there, not to the instance that dispatched it."""
+        return self._process.guard or self
+
     # -- options ---------------------------------------------------------------------------------
     def load(self, loader) -> None:
+        # A script reload makes a new TurnGuard in the same process: it takes over the
+        # process's instance id and its attempts in flight (their hooks now come here).
+        self._process = _ProcessState.of(loader.master)
+        self._process.guard = self
         for spec in options.OPTIONS:
             loader.add_option(
                 spec.name, spec.type, spec.default, spec.help,
@@ -249,39 +335,209 @@ class TurnGuard:
             check_path(path)
         except LedgerError as e:
             return self._refuse(f"turnguard_ledger={path} is refused: {e}")
-        if self.db is not None:
-            self.db.close()
-        self.db, self.ledger_path = None, path
+        self._close_ledger()
+        self.ledger_path = path
         self._try_open(path)
 
-    def _try_open(self, path: str) -> bool:
-        db = LedgerRunner(Ledger(path, self.instance_id, busy_timeout_ms=LEDGER_BUSY_MS))
+    def _connect(
+        self, path: str, loop: asyncio.AbstractEventLoop
+    ) -> tuple[LedgerRunner, Heartbeat]:
+        """Open the ledger and start the heartbeat on its own connection (blocking; raises
+        ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
+        process = self._process
+        db = LedgerRunner(Ledger(
+            path, process.instance_id, busy_timeout_ms=LEDGER_BUSY_MS, identity=process.identity,
+        ))
         try:
-            now = time.time()
-            db.call_sync("open", now)
-            db.call_sync("heartbeat", now)
-        except (LedgerError, OSError) as e:
+            db.call_sync("open", time.time())
+            heartbeat = Heartbeat(
+                Ledger(path, process.instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
+                       identity=process.identity),
+                interval_s=HEARTBEAT_S,
+                on_reregistered=lambda n: loop.call_soon_threadsafe(self._reregistered, n),
+                on_file_gone=lambda why: loop.call_soon_threadsafe(self._ledger_file_gone, why),
+            )
+            heartbeat.start(time.time())
+        except BaseException:
             db.close()
+            raise
+        return db, heartbeat
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:  # configure called outside the loop (unit tests)
+            return asyncio.get_event_loop_policy().get_event_loop()
+
+    def _try_open(self, path: str) -> bool:
+        """Open the ledger now (start-up, a change of option)."""
+        try:
+            connected = self._connect(path, self._loop)
+        except (LedgerError, OSError) as e:
             self._ledger_down(e, "open")
             return False
-        self.db = db
-        self._ledger_up()
-        logger.info("turnguard: ledger %s (instance %s)", path, self.instance_id)
+        self._use(connected, path)
         return True
 
-    def _ledger_usable(self) -> bool:
-        return self.db is not None and time.monotonic() >= self._ledger_retry_at
+    async def _reopen(self) -> None:
+        """Try to open the ledger again (the ticker, after a fault at open or a lost file)."""
+        try:
+            loop = asyncio.get_running_loop()
+            connected = await loop.run_in_executor(None, self._connect, self.ledger_path, loop)
+        except (LedgerError, OSError) as e:
+            self._ledger_down(e, "open")
+            return
+        if self.db is not None:  # opened meanwhile (a change of option)
+            connected[0].close()
+            connected[1].stop()
+            return
+        self._use(connected, self.ledger_path)
 
-    async def _ledger(self, during: str, call: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger is down (then
-        the caller decides in memory or fails closed), after noting the fault."""
-        if not self._ledger_usable():
+    def _use(self, connected: tuple[LedgerRunner, Heartbeat], path: str) -> None:
+        self.db, self._heartbeat = connected
+        logger.info("turnguard: ledger %s (instance %s)", path, self.instance_id)
+        if self._catching_up():
+            return  # the ticker applies what is owed first, then says the ledger is usable
+        self._ledger_up()
+
+    def _close_ledger(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.db is not None:
+            self.db.close()
+            self.db = None
+
+    def _catching_up(self) -> bool:
+        """Does the ledger owe something before decisions may read it: writes kept while it
+        was down, or attempts in flight it does not know (its file was replaced)?"""
+        generation = self.db.ledger.generation if self.db is not None else None
+        return bool(self._pending) or any(
+            a.generation != generation for a in self._attempts.values() if a.attempt_id
+        )
+
+    def _ledger_usable(self) -> bool:
+        """Decisions may read the ledger: it is open, no fault was noted since the ticker last
+        found it working, and it owes nothing (kept writes, attempts to register)."""
+        return self.db is not None and self.ledger_error is None and not self._pending
+
+    async def _ledger(
+        self, during: str, call: str, /, *args: Any, deadline: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger is down
+        (then the caller decides in memory or fails closed), after noting the fault.
+
+        ``deadline`` (monotonic): the caller waits no longer (plus a grace for a call that
+        started in time); a call still queued then never runs, and a claim that one made
+        after all is given back (``_give_back``), so nothing stays in flight for nobody."""
+        if not self._ledger_usable() or deadline is not None and deadline <= time.monotonic():
             return _UNAVAILABLE
         try:
-            return await self.db.call(call, *args, **kwargs)
+            if deadline is None:
+                return await self.db.call(call, *args, **kwargs)
+            task = asyncio.ensure_future(self.db.call(call, *args, deadline=deadline, **kwargs))
+            wait_s = max(0.0, deadline - time.monotonic()) + LEDGER_LATE_S
+            done, _ = await asyncio.wait([task], timeout=wait_s)
+            if not done:
+                task.add_done_callback(self._give_back)
+                raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({call})")
+            return task.result()
         except LedgerError as e:
             self._ledger_down(e, during)
             return _UNAVAILABLE
+
+    def _give_back(self, task: asyncio.Future) -> None:
+        """A ledger call that answered after its caller stopped waiting: a claim it made is
+        ended at once (``rejected``: it never went upstream), or the operation would stay in
+        flight with no one to end it."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        claim = task.result()
+        if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
+            generation = self.db.ledger.generation if self.db is not None else ""
+            self._write(
+                generation, "finish", claim.attempt_id,
+                AttemptEnd("rejected", None, 0, "abandoned: the request stopped waiting for "
+                           "the ledger"),
+                now=time.time(),
+            )
+
+    def _write(
+        self, generation: str, call: str, /, *args: Any, landed=None, kept=None, **kwargs: Any
+    ) -> asyncio.Future | None:
+        """A ledger write that must never be lost (an attempt's end or first event): sent now
+        when the ledger is usable, else kept in order and applied by the ticker once it is
+        back (writes for a ledger file that was replaced meanwhile are dropped: their attempt
+        ids mean nothing in another file). ``kept()`` runs when it is kept instead of written
+        (now, or when sending it failed); ``landed(result, late)`` once it is written
+        (``late``: it had been kept). Returns the write's future when it was sent now."""
+        write = _PendingWrite(generation, call, args, kwargs, landed)
+        if not self._ledger_usable() or generation != self.db.ledger.generation:
+            self._pending.append(write)
+            if kept is not None:
+                kept()
+            return None
+        future = asyncio.wrap_future(self.db.submit(call, *args, **kwargs))
+
+        def done(f: asyncio.Future) -> None:
+            error = f.exception()
+            if error is not None:
+                self._pending.append(write)
+                self._ledger_down(error, call)
+                if kept is not None:
+                    kept()
+            elif landed is not None:
+                landed(f.result(), False)
+
+        future.add_done_callback(done)
+        return future
+
+    async def _catch_up(self) -> bool:
+        """Bring the ledger up to date before decisions read it again: register attempts in
+        flight that a replaced file does not know, then apply the kept writes in order. The
+        first write doubles as the probe; with none, a heartbeat is the probe. False: the
+        ledger failed again (noted)."""
+        db = self.db
+        try:
+            for attempt in list(self._attempts.values()):
+                if attempt.attempt_id is not None and attempt.generation != db.ledger.generation:
+                    await self._adopt(attempt)
+            probed = bool(self._pending)
+            dropped = 0
+            while self._pending:
+                write = self._pending[0]
+                if write.generation != db.ledger.generation:
+                    self._pending.popleft()
+                    dropped += 1
+                    continue
+                result = await db.call(write.call, *write.args, **write.kwargs)
+                self._pending.popleft()
+                if write.landed is not None:
+                    write.landed(result, True)
+            if dropped:
+                self.telemetry.emit("ledger_writes_dropped", writes=dropped,
+                                    reason="the ledger file they belong to was replaced")
+            if not probed and await db.call("heartbeat", time.time()) == "reregistered":
+                self._reregistered(db.ledger.incarnation)
+        except LedgerError as e:
+            self._ledger_down(e, "probe")
+            return False
+        return True
+
+    async def _adopt(self, attempt: _Attempt) -> None:
+        """Register an attempt in flight here in a ledger file that does not know it (the
+        file was deleted or replaced), so other processes hold its duplicates."""
+        ident = attempt.ident
+        attempt_id = await self.db.call(
+            "adopt_attempt", ident, method=attempt.method, path=attempt.route,
+            kind=attempt.kind, flow_id=attempt.flow_id, now=time.time(),
+            circuit_scope=attempt.circuit_scope,
+        )
+        attempt.attempt_id, attempt.generation = attempt_id, self.db.ledger.generation
+        self.telemetry.emit("attempt_adopted", op=ident.op_id, flow=attempt.flow_id,
+                            attempt=attempt_id, ledger_generation=attempt.generation)
 
     def _ledger_down(self, error: Exception, during: str) -> None:
         """Note that the ledger failed: for a few seconds decisions are made in memory (no
@@ -302,6 +558,26 @@ class TurnGuard:
         self.ledger_error = None
         self._ledger_retry_at = 0.0
 
+    def _ledger_file_gone(self, why: str) -> None:
+        """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
+        ledger. The ticker opens the file now at the path and registers this process's
+        attempts in flight in it before deciding from it."""
+        if self.db is None:
+            return
+        self._close_ledger()
+        self._ledger_down(LedgerError(why), "file check")
+        self._ledger_retry_at = 0.0  # open the new file at once
+
+    def _reregistered(self, incarnation: int) -> None:
+        """A peer judged this process dead and reaped its attempts in flight (a long pause);
+        it is registered again. Sessions it owned may have been taken over: forget them, so
+        the next request claims them afresh; its attempts' late ends will not overwrite."""
+        self._sessions.clear()
+        self.telemetry.emit("instance_reregistered", instance=self.instance_id,
+                            incarnation=incarnation, attempts_in_flight=len(self._attempts))
+        logger.warning("turnguard: this process was taken for dead by another one sharing the "
+                       "ledger and registered again (incarnation %d)", incarnation)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def running(self) -> None:
         self._running = True
@@ -314,16 +590,18 @@ class TurnGuard:
     def done(self) -> None:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
         once (killed, so their clients retry against the new instance) instead of waiting
-        out their bound on an addon that no longer gets events."""
+        out their bound on an addon that no longer gets events. Attempts in flight, writes
+        owed to the ledger and what is known of it stay with the process, for the next
+        instance after a reload."""
         for held in list(self._held.values()):
             if not held.wake.done():
                 held.wake.set_result(_Gone("turnguard unloaded"))
         if self._ticker is not None:
             self._ticker.cancel()
-        if self.db is not None:
-            self.db.close()
-            self.db = None
+        self._close_ledger()
         self.telemetry.close()
+        if self._process.guard is self:
+            self._process.guard = None
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -332,61 +610,72 @@ class TurnGuard:
     async def _tick_forever(self) -> None:
         """One task for the whole process: wakes held flows that were killed or whose client
         left, re-checks operations owned by other processes, renews the leases of sessions
-        with requests held through a cooldown, heartbeats and collects garbage. It sleeps
-        longer when nothing is held, so an idle proxy does next to no work."""
+        with requests held through a cooldown, brings a ledger that failed back, reaps dead
+        peers' attempts and collects garbage. It sleeps longer when nothing is held, so an
+        idle proxy does next to no work. (The heartbeat has a thread of its own.)"""
         while True:
             foreign = any(h.foreign_attempt is not None for h in self._held.values())
             await asyncio.sleep(FOREIGN_POLL_S if foreign else TICK_S)
             try:
                 self._wake_gone_flows()
+                await self._maintain(time.time())
                 if foreign:
                     await self._poll_foreign()
                 if any(h.cooldown for h in self._held.values()):
                     await self._check_cooldown_sessions(time.time())
-                await self._maintain(time.time())
             except Exception:
                 logger.exception("turnguard: maintenance tick failed")
 
     async def _maintain(self, now: float) -> None:
-        if now - self._last_heartbeat < HEARTBEAT_S:
+        if time.monotonic() < self._ledger_retry_at:
             return
-        self._last_heartbeat = now
         if self.db is None:
             if self.ledger_path:  # recover by itself once the fault is gone
-                await asyncio.get_running_loop().run_in_executor(
-                    None, self._try_open, self.ledger_path
-                )
+                await self._reopen()
             return
-        try:  # the heartbeat doubles as the probe of a ledger that failed
-            await self.db.call("heartbeat", now)
-        except LedgerError as e:
-            self._ledger_down(e, "heartbeat")
-            return
-        self._ledger_up()
-        await self._reap_dead(now)
+        if self.ledger_error is not None or self._catching_up():
+            if not await self._catch_up():
+                return
+            self._ledger_up()
+        if time.monotonic() - self._last_reap >= REAP_S:
+            await self._reap_dead(now)
         if now - self._last_gc >= policy.gc_interval_s(self.settings.guard.retention_s):
             self._last_gc = now
             n = await self._ledger(
                 "gc", "collect_garbage", now=now, retention_s=self.settings.guard.retention_s,
-                instance_stale_s=INSTANCE_STALE_S,
+                instance_stale_s=self.settings.instance_lease_s,
             )
             if n and n is not _UNAVAILABLE:
                 self.telemetry.emit("ledger_gc", operations_deleted=n)
 
     async def _reap_dead(self, now: float) -> None:
-        """Attempts left in flight by a dead process become ``unknown`` (or ``partial``)."""
-        self._last_reap = now
-        rows = await self._ledger("reap", "instances_with_attempts_in_flight")
-        if rows is _UNAVAILABLE:
+        """Attempts left in flight by a dead peer become ``unknown`` (or ``partial``). Dead
+        means proven gone, or silent for longer than its lease (see ``liveness``): a peer
+        that is only stalled keeps its attempts, so they never run twice."""
+        self._last_reap = time.monotonic()
+        peers = await self._ledger("reap", "peers_with_attempts_in_flight")
+        if peers is _UNAVAILABLE:
             return
-        for row in rows:
-            if instance_is_dead(row, host=self.db.ledger.host, now=now, stale_s=INSTANCE_STALE_S):
-                ops = await self._ledger("reap", "reap_instance", row.instance_id, now=now)
-                if ops is not _UNAVAILABLE:
-                    self.telemetry.emit(
-                        "instance_reaped", instance=row.instance_id, pid=row.pid,
-                        operations=[k[:12] for k in ops],
-                    )
+        lease_s = self.settings.instance_lease_s
+        for peer in peers:
+            verdict = liveness.verdict(
+                peer, me=self._process.identity, now=now, lease_s=lease_s,
+                start_ticks_of=liveness.probe_start_ticks,
+            )
+            if verdict == "alive":
+                continue
+            ops = await self._ledger(
+                "reap", "reap_instance", peer.instance_id, now=now,
+                stale_before=None if verdict == "dead" else now - lease_s,
+            )
+            if ops is not _UNAVAILABLE and ops:
+                for op_key in ops:
+                    self._knowledge.ended(op_key)
+                self.telemetry.emit(
+                    "instance_reaped", instance=peer.instance_id, pid=peer.identity.pid,
+                    proof="process gone" if verdict == "dead" else "lease expired",
+                    operations=[k[:12] for k in ops],
+                )
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -416,14 +705,18 @@ class TurnGuard:
         cfg = self.settings
         arrived = time.monotonic()
         budget_deadline = arrived + cfg.request_budget_s
+
+        def ledger_deadline() -> float:  # no wait for the ledger outlives the request's budget
+            return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
+
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
-        owner = await self._ownership(ident.session)
+        owner = await self._ownership(ident.session, ledger_deadline())
         base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
         held_since: float | None = None
         hold_deadline = 0.0
         recovery: policy.RecoveryClaim | None = None
         while True:
-            admission = await self._admit(flow, ident, scope, recovery)
+            admission = await self._admit(flow, ident, scope, recovery, ledger_deadline())
             now = time.monotonic()
             held_ms = 0 if held_since is None else round((now - held_since) * 1000)
             if isinstance(admission, policy.Dispatch):
@@ -442,14 +735,26 @@ class TurnGuard:
                     self._show(flow, None, f"turnguard: held {held_ms} ms, then forwarded "
                                f"(the earlier attempt of {ident.op_id} did not complete)")
                 return
-            if isinstance(admission, policy.Replay):
-                recording = await self._ledger("replay", "recording", admission.attempt_id)
-                if recording is _UNAVAILABLE:
-                    recording = None
+            if isinstance(admission, (policy.Replay, policy.ReplayFromMemory)):
+                recording = self._knowledge.recording(
+                    ident.op_key, fingerprint=ident.fingerprint, now=time.time(),
+                    window_s=self._replay_window_s(ident),
+                )
+                if recording is None and isinstance(admission, policy.Replay):
+                    recording = await self._ledger("replay", "recording", admission.attempt_id,
+                                                   deadline=ledger_deadline())
+                if recording is _UNAVAILABLE or recording is None and not isinstance(
+                    admission, policy.Replay
+                ):
+                    # it completed, but its bytes cannot be read now: never run it again
+                    await self._fail_closed(flow, base, scope, "ledger_unavailable",
+                                            deadline=ledger_deadline())
+                    return
                 if recording is None:
                     self.telemetry.emit("passthrough", **base, reason="recording missing")
                     return
-                await self._replay(flow, ident, recording, held_ms, admission.attempt_id)
+                attempt_id = admission.attempt_id if isinstance(admission, policy.Replay) else None
+                await self._replay(flow, ident, recording, held_ms, attempt_id)
                 return  # replayed, or declined and forwarded
             if isinstance(admission, policy.Conflict):
                 self.telemetry.emit("idempotency_key_conflict", **base)
@@ -457,9 +762,12 @@ class TurnGuard:
                              "turnguard: Idempotency-Key reused with a different body")
                 return
             if isinstance(admission, policy.Denied):
+                if admission.reason == "claim_exhausted":
+                    self._knowledge.exhausted(ident.op_key)
                 self.telemetry.emit("recovery_denied", **base, reason=admission.reason,
                                     code=admission.code)
-                await self._fail_closed(flow, base, scope, admission.reason, code=admission.code)
+                await self._fail_closed(flow, base, scope, admission.reason, code=admission.code,
+                                        deadline=ledger_deadline())
                 return
             if isinstance(admission, policy.Fenced):
                 denial = policy.fence_hold_denial(
@@ -476,7 +784,8 @@ class TurnGuard:
                     # no owner proof because there is no ledger to hold it: say so
                     self.telemetry.emit("ledger_unavailable", **base, during="recovery_decision",
                                         error=self.ledger_error)
-                    await self._fail_closed(flow, base, scope, "ledger_unavailable")
+                    await self._fail_closed(flow, base, scope, "ledger_unavailable",
+                                            deadline=ledger_deadline())
                     return
                 if denial is not None:
                     self._cooldown_reject(flow, base, admission.remaining_s, denial)
@@ -492,10 +801,12 @@ class TurnGuard:
                     return
                 if isinstance(woke, _OwnershipLost):
                     self.telemetry.emit("ownership_lost", **base, epoch=woke.epoch)
-                    await self._fail_closed(flow, base, scope, "ownership_lost")
+                    await self._fail_closed(flow, base, scope, "ownership_lost",
+                                            deadline=ledger_deadline())
                     return
                 if time.monotonic() >= budget_deadline:
-                    await self._fail_closed(flow, base, scope, "request_budget_expired")
+                    await self._fail_closed(flow, base, scope, "request_budget_expired",
+                                            deadline=time.monotonic())
                     return
                 recovery = policy.RecoveryClaim(
                     ident.session, owner.owner_epoch,
@@ -597,38 +908,53 @@ class TurnGuard:
             credential_headers=self.settings.credential_headers,
         )
 
+    def _replay_window_s(self, ident: identity.Identity) -> float | None:
+        """How long after its end a recording of this request may be replayed (None: never)."""
+        guard = self.settings.guard
+        if not guard.replay:
+            return None
+        return guard.retention_s if ident.idempotency_key else guard.replay_window_s
+
     async def _admit(
         self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
-        recovery: policy.RecoveryClaim | None,
-    ) -> policy.Admission:
+        recovery: policy.RecoveryClaim | None, deadline: float,
+    ) -> policy.Admission | policy.ReplayFromMemory:
         local_flow = self._local.get(ident.op_key)
         if local_flow is not None:
             attempt = self._attempts.get(local_flow)
             return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
+        once_mode = self.settings.recovery_mode == "server_anchored_replay_once"
         admission = await self._ledger(
             "admit", "admit", ident, method=flow.request.method,
             path=ident.route,  # a known route or a hash: the rest of a URL may carry a key
             now=time.time(), guard=self.settings.guard, flow_id=flow.id,
-            circuit_scope=scope, recovery=recovery,
-            once_mode=self.settings.recovery_mode == "server_anchored_replay_once",
+            circuit_scope=scope, recovery=recovery, once_mode=once_mode, deadline=deadline,
         )
         if admission is _UNAVAILABLE:
-            # Coalesce in memory, keep a known cooldown, never recover blind.
-            if ident.op_key in self._local:  # another request claimed it meanwhile
-                return policy.Hold(None, self.instance_id)
-            remaining = self._circuits.get(scope, circuit.CircuitState()).remaining_s(time.time())
-            if remaining > 0:
-                return policy.Fenced(remaining, output_seen=False)
-            if recovery is not None:
-                return policy.Denied("upstream_request_timeout", "ledger_unavailable")
-            return policy.Dispatch("original")
+            # Decide in memory: coalesce here, keep a known cooldown, never against what the
+            # ledger said durably, never recover blind.
+            now = time.time()
+            facts = self._knowledge.facts(
+                ident.op_key, in_flight_here=ident.op_key in self._local,
+                fingerprint=ident.fingerprint, now=now, window_s=self._replay_window_s(ident),
+            )
+            return policy.admit_without_ledger(
+                facts,
+                circuit_remaining_s=self._circuits.get(scope, circuit.CircuitState()).remaining_s(now),
+                recovering=recovery is not None, once_mode=once_mode,
+                has_session=ident.session is not None,
+            )
         if isinstance(admission, policy.Fenced):
             self._circuits[scope] = circuit.CircuitState(
                 self.settings.circuit.threshold, time.time() + admission.remaining_s
             )
+        elif isinstance(admission, policy.Hold) and admission.owner_instance != self.instance_id:
+            self._knowledge.in_flight_elsewhere(ident.op_key, admission.attempt_id)
         return admission
 
-    async def _ownership(self, session: str | None) -> policy.SessionOwnership | None:
+    async def _ownership(
+        self, session: str | None, deadline: float
+    ) -> policy.SessionOwnership | None:
         """Claim or renew this process's ownership of a durable session (None: not owned).
         The ledger is written only when the lease is past half its length."""
         if session is None:
@@ -640,7 +966,7 @@ class TurnGuard:
             return cached
         claimed = await self._ledger(
             "claim_session", "claim_session", session, now=now, lease_s=lease_s,
-            new_id=uuid.uuid4().hex,
+            new_id=uuid.uuid4().hex, deadline=deadline,
         )
         if claimed is _UNAVAILABLE:
             return None
@@ -657,7 +983,12 @@ class TurnGuard:
     def _dispatch(
         self, flow: http.HTTPFlow, ident: identity.Identity, d: policy.Dispatch, scope: str
     ) -> None:
-        attempt = _Attempt(flow.id, ident, d.attempt_id, d.kind, time.monotonic(), scope)
+        generation = self.db.ledger.generation if self.db is not None else ""
+        attempt = _Attempt(
+            flow.id, ident, d.attempt_id, generation if d.attempt_id is not None else "",
+            d.kind, time.monotonic(), scope, flow.request.method,
+            flow.request.path.split("?", 1)[0],
+        )
         self._attempts[flow.id] = attempt
         self._local[ident.op_key] = flow.id
         flow.metadata["turnguard"] = {
@@ -666,7 +997,7 @@ class TurnGuard:
         timeout_s = self.settings.response_created_timeout_s
         if timeout_s > 0:
             attempt.timer = asyncio.get_running_loop().call_later(
-                timeout_s, self._response_created_timeout, flow
+                timeout_s, lambda: self._current()._response_created_timeout(flow)
             )
 
     def _response_created_timeout(self, flow: http.HTTPFlow) -> None:
@@ -814,12 +1145,12 @@ class TurnGuard:
 
     async def _fail_closed(
         self, flow: http.HTTPFlow, base: dict, scope: str, reason: str,
-        code: str = "upstream_request_timeout",
+        code: str = "upstream_request_timeout", *, deadline: float,
     ) -> None:
         """503 for a request that may not be recovered (owner proof lost, budget spent, claim
         exhausted, output exists, ledger unusable). Nothing is dispatched."""
         now = time.time()
-        state = await self._ledger("fail_closed", "circuit_state", scope)
+        state = await self._ledger("fail_closed", "circuit_state", scope, deadline=deadline)
         if state is _UNAVAILABLE:
             state = self._circuits.get(scope, circuit.CircuitState())
         remaining = state.remaining_s(now)
@@ -911,7 +1242,8 @@ class TurnGuard:
             attempt.tee = ResponseTee(
                 counts_events=counts_events,
                 keep_max_bytes=keep if 200 <= resp.status_code < 300 else 0,
-                on_first_event=lambda: self._first_event(attempt),
+                # after a script reload the first event goes to the instance running then
+                on_first_event=lambda: self._current()._first_event(attempt),
             )
             resp.stream = attempt.tee
         except Exception:
@@ -924,28 +1256,12 @@ class TurnGuard:
         attempt.stop_timer()
         if attempt.attempt_id is not None:
             asyncio.get_running_loop().call_later(
-                FIRST_EVENT_DELAY_S, self._record_first_event, attempt
+                FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt)
             )
 
     def _record_first_event(self, attempt: _Attempt) -> None:
-        if attempt.flow_id in self._attempts and self._ledger_usable():
-            self._submit("first_event", attempt.attempt_id)
-
-    def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> asyncio.Future:
-        """Queue a ledger write without waiting for it (from a sync hook or the stream tee).
-        ``then(result)`` runs on the event loop afterwards; a fault is noted there. Returns
-        the future of the write, for a caller that wants to wait after all."""
-        future = asyncio.wrap_future(self.db.submit(call, *args, **kwargs))
-
-        def done(f: asyncio.Future) -> None:
-            error = f.exception()
-            if error is not None:
-                self._ledger_down(error, call)
-            if then is not None:
-                then(None if error is not None else f.result())
-
-        future.add_done_callback(done)
-        return future
+        if attempt.flow_id in self._attempts and attempt.attempt_id is not None:
+            self._write(attempt.generation, "first_event", attempt.attempt_id)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._end_attempt(flow, body_complete=True)
@@ -1033,36 +1349,48 @@ class TurnGuard:
                 status=status, counts_for_circuit=eventless, detail=detail,
             )
         now = time.time()
+        op_key = attempt.ident.op_key
+        if recording is not None:
+            self._knowledge.completed(
+                op_key, KnownRecording(recording, now, attempt.ident.fingerprint)
+            )
+        else:
+            self._knowledge.ended(op_key)
+            if attempt.kind == "recovery" and outcome in ("unknown", "partial"):
+                self._knowledge.exhausted(op_key)
 
-        def in_memory(result: FinishResult | None = None) -> None:
-            if result is None:  # no ledger: keep the circuit in memory
-                before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
-                after, transition = circuit.record_outcome(
-                    before, eventless_failure=eventless, completed=outcome == "completed",
-                    now=now, cfg=self.settings.circuit,
-                )
-                result = FinishResult(True, attempt.circuit_scope, after, transition)
-            elif not result.applied:
+        def in_memory() -> None:  # no ledger (yet): keep the circuit in memory
+            before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
+            after, transition = circuit.record_outcome(
+                before, eventless_failure=eventless, completed=outcome == "completed",
+                now=now, cfg=self.settings.circuit,
+            )
+            self._note_circuit(FinishResult(True, attempt.circuit_scope, after, transition))
+
+        def landed(result: FinishResult, late: bool) -> None:
+            if not result.applied:
                 self.telemetry.emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
                                     reason="the attempt was ended meanwhile (reaped)")
-            self._note_circuit(result)
+            self._note_circuit(result, quiet=late)  # a late write's effect was told already
 
         recorded = None
-        if attempt.attempt_id is not None and self._ledger_usable():
-            recorded = self._submit(
-                "finish", attempt.attempt_id,
+        if attempt.attempt_id is not None:
+            recorded = self._write(
+                attempt.generation, "finish", attempt.attempt_id,
                 AttemptEnd(outcome, status, events, failure or detail, recording),
                 now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
-                then=in_memory,
+                landed=landed, kept=in_memory,
             )
         else:
             in_memory()
         return _Ended(outcome, recording), recorded
 
-    def _note_circuit(self, result: FinishResult) -> None:
+    def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
         if result.circuit_scope is None or result.circuit is None:
             return
         self._circuits[result.circuit_scope] = result.circuit
+        if quiet:
+            return
         if result.transition == "opened":
             self.telemetry.emit(
                 "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
@@ -1113,6 +1441,7 @@ class TurnGuard:
                     for scope, st in cooldowns
                 ],
                 "owned_sessions": len(self._sessions),
+                "ledger_writes_pending": len(self._pending),
                 "events": dict(self.telemetry.counts),
             },
             indent=2,

@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import sqlite3
 import stat
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -16,21 +17,23 @@ from turnguard_core.ledger import (
     _MIGRATIONS,
     SCHEMA_VERSION,
     AttemptEnd,
-    InstanceRow,
     Ledger,
     LedgerError,
     Recording,
     _split_sql,
-    instance_is_dead,
 )
 
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 
 
-def ident(body: dict, *, auth="Bearer k1", idem: str | None = None) -> identity.Identity:
+def ident(
+    body: dict, *, auth="Bearer k1", idem: str | None = None, turn_state: str | None = None
+) -> identity.Identity:
     headers = [("authorization", auth), ("session-id", "s1")]
     if idem:
         headers.append(("idempotency-key", idem))
+    if turn_state:
+        headers.append(("x-codex-turn-state", turn_state))
     view = identity.RequestView("POST", "/v1/responses", tuple(headers), json.dumps(body).encode())
     out = identity.identify(view)
     assert isinstance(out, identity.Identity)
@@ -77,9 +80,12 @@ def test_a_version_1_ledger_migrates_and_keeps_its_recordings(tmp_path):
     db.close()
     os.chmod(path, 0o600)
     led = open_ledger(path)
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert led.recording(1) == Recording(None,  # status was never set
                                          (("content-type", "text/event-stream"),), b"abc", None)
+    assert len(led.generation) == 32  # made by the migration
+    # the old instance's attempt is not in flight: nothing to reap
+    assert led.peers_with_attempts_in_flight() == []
     assert led.integrity_check() == "ok"
 
 
@@ -161,25 +167,87 @@ def test_idempotency_key_conflict(tmp_path):
     assert isinstance(admit(a, ident({"n": 2}, idem="k", auth="Bearer other")), policy.Dispatch)
 
 
-def test_reap_dead_instance_and_instance_liveness(tmp_path):
+def test_reap_dead_instance(tmp_path):
     a = open_ledger(tmp_path / "l.sqlite3", "a")
     b = open_ledger(tmp_path / "l.sqlite3", "b")
     i1, i2 = ident({"n": 1}), ident({"n": 2})
     d1, d2 = admit(a, i1), admit(a, i2)
     a.first_event(d2.attempt_id)
-    rows = b.instances_with_attempts_in_flight()
+    rows = b.peers_with_attempts_in_flight()
     assert [r.instance_id for r in rows] == ["a"]
+    assert rows[0].identity == a.identity and rows[0].heartbeat_at == 1000.0
     moved = b.reap_instance("a", now=1005.0)
     assert sorted(moved) == sorted([i1.op_key, i2.op_key])
     assert b.snapshot(i1.op_key).state == "unknown"
     assert b.snapshot(i2.op_key).state == "partial"
     assert isinstance(admit(b, i1, now=1006.0), policy.Dispatch)
+    # the reaped process's late outcome is kept for the record, and changes nothing else
     assert not a.finish(d1.attempt_id, AttemptEnd("completed", 200, 1), now=1007.0).applied
+    op = b.find_operation(i1.op_key)
+    assert [(r["outcome"], r["late_outcome"]) for r in op["attempt_rows"]] == [
+        ("unknown", "completed"), ("in_flight", None)]
 
-    row = InstanceRow("x", 123, "h", 1000.0)
-    assert instance_is_dead(row, host="h", now=1001.0, stale_s=30, alive=lambda pid: False)
-    assert not instance_is_dead(row, host="h", now=1001.0, stale_s=30, alive=lambda pid: True)
-    assert instance_is_dead(row, host="other", now=1031.0, stale_s=30, alive=lambda pid: True)
+
+def test_a_reaped_instance_reregisters_at_its_next_heartbeat_under_a_new_incarnation(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")
+    admit(a, ident({"n": 1}))
+    assert a.heartbeat(1001.0) == "renewed" and a.incarnation == 1
+    b.reap_instance("a", now=1002.0)
+    assert a.heartbeat(1003.0) == "reregistered" and a.incarnation == 2
+    assert a.heartbeat(1004.0) == "renewed"
+    # a reload of the same process (same instance id) keeps its incarnation
+    again = open_ledger(tmp_path / "l.sqlite3", "a", now=1005.0)
+    assert again.incarnation == 2
+
+
+def test_a_reap_judged_by_the_lease_does_not_happen_once_the_instance_came_back(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    b = open_ledger(tmp_path / "l.sqlite3", "b")
+    i = ident({"n": 1})
+    admit(a, i)
+    [peer] = b.peers_with_attempts_in_flight()  # judged: heartbeat 1000 is older than 1200
+    a.heartbeat(1300.0)  # ...but it resumes before the reap runs
+    assert b.reap_instance("a", now=1301.0, stale_before=1200.0) == []
+    assert b.snapshot(i.op_key).state == "in_flight"
+    assert b.reap_instance("a", now=1600.0, stale_before=1400.0) == [i.op_key]
+
+
+def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    i = ident({"n": 1})
+    admit(a, i)
+    generation = a.generation
+    assert a.file_replaced() is None
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{path}{suffix}").exists():
+            os.unlink(f"{path}{suffix}")
+    assert "was deleted" in a.file_replaced()
+    with pytest.raises(LedgerError, match="was deleted"):
+        admit(a, i)
+    b = open_ledger(path, "b")  # a new process makes a new file there
+    assert b.generation != generation
+    assert "replaced by another file" in a.file_replaced()
+    with pytest.raises(LedgerError, match="replaced"):
+        a.heartbeat(1001.0)
+
+
+def test_a_spent_once_claim_outlives_retention_as_a_tombstone(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3", "a")
+    i = ident({"n": 1}, turn_state="ts")
+    owner, _ = a.claim_session(i.session, now=1000.0, lease_s=1e9, new_id="d")
+    d = a.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id=None,
+                recovery=policy.RecoveryClaim(i.session, owner.owner_epoch, once=True),
+                once_mode=True)
+    assert d.kind == "recovery"
+    a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1001.0)
+    a.collect_garbage(now=1e7, retention_s=3600, instance_stale_s=30)
+    assert a.snapshot(i.op_key) is not None  # the row stays; its attempts are gone
+    assert a.find_operation(i.op_key)["attempt_rows"] == []
+    again = a.admit(i, method="POST", path="/v1/responses", now=1e7, guard=GUARD, flow_id=None,
+                    once_mode=True)
+    assert again == policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
 
 
 def test_garbage_collection_purges_ended_operations_and_spool(tmp_path):
@@ -414,3 +482,31 @@ async def test_ledger_runner_runs_at_once_and_moves_to_its_thread_when_contended
     assert not runner._fast_possible()  # and calls stay there for a while
     runner.close()
     blocker.close()
+
+
+def test_a_second_connection_in_the_same_process_keeps_the_first_ones_locks(tmp_path):
+    """Closing any descriptor of a file drops every POSIX lock the process holds on it. Opening
+    a second connection (the heartbeat's, or a reloaded script's) must not open and close the
+    file: SQLite's locks of the first would vanish, another process's connection would take
+    itself for the last one and delete the WAL on close, and every later write of the first
+    would go to a deleted file that no one else reads."""
+    import subprocess
+    import sys
+
+    def count_elsewhere() -> int:
+        out = subprocess.run(
+            [sys.executable, "-c",
+             "import sqlite3, sys; db = sqlite3.connect(sys.argv[1]);"
+             " print(db.execute('SELECT COUNT(*) FROM attempts').fetchone()[0]); db.close()",
+             str(path)],
+            capture_output=True, text=True, timeout=30,
+        )
+        return int(out.stdout)
+
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    open_ledger(path, "b")
+    admit(a, ident({"n": 1}))
+    assert count_elsewhere() == 1
+    admit(a, ident({"n": 2}))
+    assert count_elsewhere() == 2

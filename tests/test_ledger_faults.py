@@ -205,8 +205,11 @@ def test_disk_full_keeps_proxying_fails_closed_and_recovers(tmp_path, report):
     folder = tmp_path / "ledger-fs"
     with tiny_tmpfs(folder, "2m"):
         ledger = folder / "ledger.sqlite3"
+        # indefinite mode: once mode fails a session's requests closed while the ledger is
+        # down (see test_at_most_once.py)
         with MockUpstream(tmp_path) as up, proxy(
-            tmp_path, up, ledger, turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=2000,
+            tmp_path, up, ledger, turnguard_recovery_mode="server_indefinite_recovery",
+            turnguard_cooldown_ms=2000,
         ) as p:
             # one eventless failure of the anchored turn while the ledger works: the session is
             # claimed (owner proof in hand), the circuit has one failure
@@ -376,11 +379,13 @@ def test_ledger_fault_at_startup_proxy_keeps_running_and_recovers(tmp_path, kind
 
 
 def test_recovery_decision_without_a_ledger_fails_closed_as_ledger_unavailable(tmp_path):
+    """Indefinite mode (once mode fails such requests closed at once, see below): the turn
+    runs in memory until a cooldown, and the recovery needs the ledger's owner proof."""
     ledger = tmp_path / "ledger.sqlite3"
     _junk(ledger)
     with MockUpstream(tmp_path) as up:
         try:
-            p = proxy(tmp_path, up, ledger, turnguard_recovery_mode=ONCE,
+            p = proxy(tmp_path, up, ledger, turnguard_recovery_mode="server_indefinite_recovery",
                       turnguard_cooldown_ms=3000)
         except RuntimeError as e:
             raise Regression(f"mitmdump did not start with a junk ledger: {e}") from e

@@ -9,7 +9,12 @@ import time
 import pytest
 
 from turnguard_core.ledger import Ledger, LedgerError
-from turnguard_core.private_files import UnsafePath, check_private_path, open_private
+from turnguard_core.private_files import (
+    UnsafePath,
+    check_private_path,
+    ensure_private_file,
+    open_private,
+)
 from turnguard_core.telemetry import Telemetry
 
 
@@ -120,3 +125,21 @@ def test_telemetry_refuses_a_world_writable_folder(shared):
     with pytest.raises(UnsafePath, match="world-writable"):
         Telemetry(str(shared / "events.jsonl"))
     assert os.listdir(shared) == []
+
+
+def test_ensure_private_file_creates_0600_tightens_and_refuses_what_is_not_a_plain_file(tmp_path):
+    new = tmp_path / "new"
+    ensure_private_file(str(new))
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600
+    loose = tmp_path / "loose"
+    loose.write_bytes(b"x")
+    loose.chmod(0o644)
+    ensure_private_file(str(loose))
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o600 and loose.read_bytes() == b"x"
+    link = tmp_path / "link"
+    link.symlink_to(loose)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ensure_private_file(str(link))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UnsafePath, match="not a regular file"):
+        ensure_private_file(str(tmp_path / "fifo"))

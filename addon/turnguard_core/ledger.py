@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable, Literal
 
-from . import circuit, policy
+from . import circuit, liveness, policy
 from .identity import Identity
-from .private_files import UnsafePath, check_private_path, open_private
+from .private_files import UnsafePath, check_private_path, ensure_private_file
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SPOOL_CHUNK = 256 * 1024
 
 _MIGRATIONS: dict[int, str] = {
@@ -106,6 +105,18 @@ _MIGRATIONS: dict[int, str] = {
     2: """
     ALTER TABLE attempts ADD COLUMN vary_key TEXT;
     """,
+    # Liveness by proof (see liveness.py): who each instance is; the ledger's generation, so
+    # that writes queued for a ledger file that was since replaced are never applied to
+    # another; the outcome an attempt reported after it had been ended by someone else.
+    3: """
+    ALTER TABLE instances ADD COLUMN boot_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE instances ADD COLUMN pid_ns TEXT NOT NULL DEFAULT '';
+    ALTER TABLE instances ADD COLUMN start_ticks INTEGER;
+    ALTER TABLE instances ADD COLUMN incarnation INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE attempts ADD COLUMN late_outcome TEXT;
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    INSERT INTO meta (key, value) VALUES ('generation', lower(hex(randomblob(16))));
+    """,
 }
 
 
@@ -145,12 +156,7 @@ class FinishResult:
     transition: "circuit.Transition" = None
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceRow:
-    instance_id: str
-    pid: int
-    host: str
-    heartbeat_at: float
+HeartbeatResult = Literal["renewed", "reregistered"]
 
 
 def _wrap(fn):
@@ -170,12 +176,18 @@ class Ledger:
     """One connection to the ledger file, used from one thread at a time (the addon hands it
     between the event loop and a thread of its own, see ``ledger_runner``)."""
 
-    def __init__(self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000):
+    def __init__(
+        self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000,
+        identity: liveness.ProcessIdentity | None = None,
+    ):
         self.path = path
         self.instance_id = instance_id
-        self.host = socket.gethostname()
+        self.identity = identity or liveness.read_process_identity()
         self._busy_timeout_ms = busy_timeout_ms
         self._db: sqlite3.Connection | None = None
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self.generation = ""  # random id of this ledger file, made when it was created
+        self.incarnation = 0  # this instance's registration; goes up when it re-registers
 
     # -- opening -------------------------------------------------------------------------------
     @_wrap
@@ -183,7 +195,7 @@ class Ledger:
         """Create or open the file (0600), migrate the schema and register this instance."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
-            os.close(open_private(real_path, os.O_RDWR))
+            ensure_private_file(real_path)
         # check_same_thread=False: the addon hands the connection between the event loop and
         # a thread of its own, never using it from both at once (see ledger_runner)
         db = sqlite3.connect(
@@ -197,15 +209,19 @@ class Ledger:
             db.execute("PRAGMA foreign_keys=ON")
             db.execute("PRAGMA secure_delete=ON")  # purged recordings leave no bytes behind
             self._db = db
+            if self.path != ":memory:":
+                st = os.stat(self.path)
+                self._file_id = (st.st_dev, st.st_ino)
             self._migrate()
-            with self._tx():
-                self._db.execute(
-                    "INSERT OR REPLACE INTO instances VALUES (?,?,?,?,?)",
-                    (self.instance_id, os.getpid(), self.host, now, now),
-                )
+            with self._tx() as tx:
+                self.generation = tx.execute(
+                    "SELECT value FROM meta WHERE key='generation'"
+                ).fetchone()[0]
+                self.incarnation = self._register(tx, now, keep_incarnation=True)
         except BaseException:
             db.close()
             self._db = None
+            self._file_id = None
             raise
 
     @_wrap
@@ -249,6 +265,11 @@ class Ledger:
             self._db = None
 
     @property
+    def busy_timeout_ms(self) -> int:
+        """How long a call waits for another process's lock, unless told otherwise."""
+        return self._busy_timeout_ms
+
+    @property
     def is_open(self) -> bool:
         return self._db is not None
 
@@ -272,7 +293,30 @@ class Ledger:
 
     # -- transactions --------------------------------------------------------------------------
     def _tx(self):
+        self._check_file()
         return _Transaction(self._conn())
+
+    def _check_file(self) -> None:
+        why = self.file_replaced()
+        if why is not None:
+            raise sqlite3.OperationalError(why)
+
+    def file_replaced(self) -> str | None:
+        """Why the file at ``path`` is no longer the one this connection opened (deleted, or
+        replaced by another file), or None. Writing on would go to a file nobody else sees, and
+        reading a fresh file there as if it were this ledger would forget every attempt in
+        flight: the caller treats it as an outage. A stat, no transaction: cheap."""
+        if self._file_id is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return f"ledger file {self.path} was deleted"
+        except OSError as e:
+            return f"ledger file {self.path} cannot be checked: {e.strerror}"
+        if (st.st_dev, st.st_ino) != self._file_id:
+            return f"ledger file {self.path} was replaced by another file"
+        return None
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -328,36 +372,68 @@ class Ledger:
             if not isinstance(decision, policy.Dispatch):
                 return decision
             if snapshot is None:
-                db.execute(
-                    "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
-                    " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
-                    " created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?, ?)",
-                    (
-                        identity.op_key, identity.scope, identity.session, method,
-                        path, identity.idempotency_key, identity.fingerprint,
-                        identity.turn_state, identity.previous_response_id, circuit_scope,
-                        now, now,
-                    ),
-                )
-            cur = db.execute(
-                "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
-                " VALUES (?,?,?,?,?)",
-                (identity.op_key, decision.kind, self.instance_id, flow_id, now),
+                self._insert_operation(db, identity, method, path, circuit_scope, now)
+            return policy.Dispatch(
+                decision.kind, self._claim(db, identity, decision.kind, flow_id, now)
             )
-            attempt_id = cur.lastrowid
-            claimed = db.execute(
-                "UPDATE operations SET state='in_flight', current_attempt=?, attempts=attempts+1,"
-                " recovery_dispatches=recovery_dispatches+?, fingerprint=?, turn_state=?,"
-                " previous_response_id=?, updated_at=?, ended_at=NULL"
-                " WHERE op_key=? AND state<>'in_flight' RETURNING attempts",
-                (
-                    attempt_id, 1 if decision.kind == "recovery" else 0, identity.fingerprint,
-                    identity.turn_state, identity.previous_response_id, now, identity.op_key,
-                ),
-            ).fetchone()
-            if claimed is None:  # cannot happen inside BEGIN IMMEDIATE; refuse rather than double
-                raise sqlite3.IntegrityError("operation was claimed concurrently")
-            return policy.Dispatch(decision.kind, attempt_id)
+
+    @_wrap
+    def adopt_attempt(
+        self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
+        now: float, circuit_scope: str | None = None,
+    ) -> int | None:
+        """Register an attempt this instance has in flight in a ledger that does not know it
+        (its file was deleted or replaced under the running process), so that other processes
+        hold the operation's duplicates. Returns the new attempt id; None when the operation
+        is in flight here already (another process claimed it meanwhile)."""
+        with self._tx() as db:
+            snapshot = self._snapshot(db, identity.op_key)
+            if snapshot is not None and snapshot.state == "in_flight":
+                return None
+            if snapshot is None:
+                self._insert_operation(db, identity, method, path, circuit_scope, now)
+            return self._claim(db, identity, kind, flow_id, now)
+
+    def _insert_operation(
+        self, db: sqlite3.Connection, identity: Identity, method: str, path: str,
+        circuit_scope: str | None, now: float,
+    ) -> None:
+        db.execute(
+            "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
+            " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
+            " created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?, ?)",
+            (
+                identity.op_key, identity.scope, identity.session, method,
+                path, identity.idempotency_key, identity.fingerprint,
+                identity.turn_state, identity.previous_response_id, circuit_scope,
+                now, now,
+            ),
+        )
+
+    def _claim(
+        self, db: sqlite3.Connection, identity: Identity, kind: str, flow_id: str | None,
+        now: float,
+    ) -> int:
+        """A new attempt, made the operation's current one (the operation is not in flight)."""
+        cur = db.execute(
+            "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
+            " VALUES (?,?,?,?,?)",
+            (identity.op_key, kind, self.instance_id, flow_id, now),
+        )
+        attempt_id = cur.lastrowid
+        claimed = db.execute(
+            "UPDATE operations SET state='in_flight', current_attempt=?, attempts=attempts+1,"
+            " recovery_dispatches=recovery_dispatches+?, fingerprint=?, turn_state=?,"
+            " previous_response_id=?, updated_at=?, ended_at=NULL"
+            " WHERE op_key=? AND state<>'in_flight' RETURNING attempts",
+            (
+                attempt_id, 1 if kind == "recovery" else 0, identity.fingerprint,
+                identity.turn_state, identity.previous_response_id, now, identity.op_key,
+            ),
+        ).fetchone()
+        if claimed is None:  # cannot happen inside BEGIN IMMEDIATE; refuse rather than double
+            raise sqlite3.IntegrityError("operation was claimed concurrently")
+        return attempt_id
 
     @staticmethod
     def _snapshot(db: sqlite3.Connection, op_key: str) -> policy.OperationSnapshot | None:
@@ -401,7 +477,9 @@ class Ledger:
         ``circuit_cfg``, feed the outcome to the operation's retry circuit (same transaction).
 
         Fenced: only an attempt still in flight is finished, and only the operation's current
-        attempt moves the operation. ``applied`` is False when fenced out (e.g. reaped)."""
+        attempt moves the operation. ``applied`` is False when fenced out (e.g. reaped); the
+        outcome is then kept as the attempt's ``late_outcome`` (for the record), and nothing
+        else changes."""
         rec = end.recording
         with self._tx() as db:
             row = db.execute(
@@ -416,6 +494,10 @@ class Ledger:
                 ),
             ).fetchone()
             if row is None:
+                db.execute(
+                    "UPDATE attempts SET late_outcome=? WHERE attempt_id=? AND late_outcome IS NULL",
+                    (end.outcome, attempt_id),
+                )
                 return FinishResult(False)
             if rec is not None:
                 db.executemany(
@@ -553,30 +635,74 @@ class Ledger:
         return Recording(row[0], headers, body, row[2])
 
     # -- instances, restart, retention ----------------------------------------------------------
-    @_wrap
-    def heartbeat(self, now: float) -> None:
-        with self._tx() as db:
-            db.execute(
-                "UPDATE instances SET heartbeat_at=? WHERE instance_id=?", (now, self.instance_id)
-            )
+    def _register(self, db: sqlite3.Connection, now: float, *, keep_incarnation: bool) -> int:
+        """Insert or refresh this instance's row; returns its incarnation. A row that exists
+        (a script reload in this process) keeps its incarnation when ``keep_incarnation``."""
+        me = self.identity
+        row = db.execute(
+            "INSERT INTO instances (instance_id, pid, host, started_at, heartbeat_at, boot_id,"
+            " pid_ns, start_ticks, incarnation) VALUES (?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT(instance_id) DO UPDATE SET heartbeat_at=excluded.heartbeat_at,"
+            " pid=excluded.pid, host=excluded.host, boot_id=excluded.boot_id,"
+            " pid_ns=excluded.pid_ns, start_ticks=excluded.start_ticks,"
+            " incarnation=CASE WHEN ? THEN incarnation ELSE excluded.incarnation END"
+            " RETURNING incarnation",
+            (
+                self.instance_id, me.pid, me.host, now, now, me.boot_id, me.pid_ns,
+                me.start_ticks, self.incarnation + 1, keep_incarnation,
+            ),
+        ).fetchone()
+        return row[0]
 
     @_wrap
-    def instances_with_attempts_in_flight(self) -> list[InstanceRow]:
-        """Other instances that own attempts still in flight (candidates for reaping)."""
+    def heartbeat(self, now: float) -> HeartbeatResult:
+        """Renew this instance's lease. ``reregistered`` when its row was gone (another
+        process judged it dead and reaped its attempts): it is registered again under a new
+        incarnation, and the caller must assume its attempts in flight were ended."""
+        with self._tx() as db:
+            if db.execute(
+                "UPDATE instances SET heartbeat_at=? WHERE instance_id=? RETURNING 1",
+                (now, self.instance_id),
+            ).fetchone():
+                return "renewed"
+            self.incarnation = self._register(db, now, keep_incarnation=False)
+            return "reregistered"
+
+    @_wrap
+    def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:
+        """Other instances that own attempts still in flight (candidates for reaping). An
+        instance without a row (reaped before, or never registered) has an empty identity and
+        a heartbeat of 0."""
         rows = self._conn().execute(
-            "SELECT DISTINCT a.instance_id, COALESCE(i.pid, -1), COALESCE(i.host, ''),"
+            "SELECT DISTINCT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
+            " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
             " COALESCE(i.heartbeat_at, 0) FROM attempts a LEFT JOIN instances i"
             " ON i.instance_id = a.instance_id"
             " WHERE a.outcome='in_flight' AND a.instance_id<>?",
             (self.instance_id,),
         ).fetchall()
-        return [InstanceRow(*r) for r in rows]
+        return [
+            liveness.PeerRow(r[0], liveness.ProcessIdentity(r[1], r[2], r[3], r[4], r[5]), r[6])
+            for r in rows
+        ]
 
     @_wrap
-    def reap_instance(self, instance_id: str, *, now: float) -> list[str]:
+    def reap_instance(
+        self, instance_id: str, *, now: float, stale_before: float | None = None
+    ) -> list[str]:
         """End the in-flight attempts of a dead instance: ``unknown`` when they saw no event,
-        ``partial`` otherwise. Returns the keys of the operations that moved."""
+        ``partial`` otherwise. Returns the keys of the operations that moved.
+
+        ``stale_before``: the instance was judged dead by its lease, not by proof; the reap
+        happens only if its heartbeat is still older than this inside the transaction (it may
+        have come back since it was judged)."""
         with self._tx() as db:
+            if stale_before is not None:
+                row = db.execute(
+                    "SELECT heartbeat_at FROM instances WHERE instance_id=?", (instance_id,)
+                ).fetchone()
+                if row is not None and row[0] >= stale_before:
+                    return []
             ended = db.execute(
                 "UPDATE attempts SET ended_at=?, detail='owner process gone',"
                 " outcome=CASE WHEN events_seen>0 THEN 'partial' ELSE 'unknown' END"
@@ -602,8 +728,18 @@ class Ledger:
         ``instance_stale_s`` that own nothing in flight. Returns the operations deleted."""
         horizon = now - retention_s
         with self._tx() as db:
+            # An operation whose one recovery dispatch ended without a known result stays as
+            # a tombstone (its row, without attempts or bodies), so once mode refuses it for
+            # good, not only for the retention.
+            db.execute(
+                "DELETE FROM attempts WHERE op_key IN (SELECT op_key FROM operations"
+                f" WHERE {_SPENT} AND updated_at<?)",
+                (horizon,),
+            )
             n = db.execute(
-                "DELETE FROM operations WHERE state<>'in_flight' AND updated_at<?", (horizon,)
+                "DELETE FROM operations WHERE state<>'in_flight' AND updated_at<?"
+                f" AND NOT ({_SPENT})",
+                (horizon,),
             ).rowcount
             db.execute(
                 "DELETE FROM circuits WHERE updated_at<? AND COALESCE(open_until, 0)<?",
@@ -691,6 +827,11 @@ def check_path(path: str) -> str:
         raise LedgerError(str(e)) from None
 
 
+# An operation whose once-only recovery claim was spent on a dispatch that ended unknown or
+# partial (see policy.admit): kept for good.
+_SPENT = "recovery_dispatches>=1 AND state IN ('unknown','partial')"
+
+
 def _split_sql(script: str) -> Iterable[str]:
     return (s.strip() for s in script.split(";") if s.strip())
 
@@ -698,27 +839,3 @@ def _split_sql(script: str) -> Iterable[str]:
 def _dicts(cur: sqlite3.Cursor) -> list[dict]:
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row)) for row in cur.fetchall()]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def instance_is_dead(
-    row: InstanceRow, *, host: str, now: float, stale_s: float,
-    alive: Callable[[int], bool] = pid_alive,
-) -> bool:
-    """An instance is dead when it runs on this host and its pid is gone, or when it has not
-    sent a heartbeat for ``stale_s`` (another host, or a reused pid)."""
-    if row.host == host and not alive(row.pid):
-        return True
-    return now - row.heartbeat_at > stale_s

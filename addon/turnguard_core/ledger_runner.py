@@ -6,8 +6,13 @@ Two paths, one connection, calls strictly in submission order:
   lately, a call runs right away on the caller's thread with a short busy timeout
   (``fast_busy_ms``). That is the common case and costs no thread hand-off;
 - slow: a call that meets a locked database there (it was rolled back, so it can run again),
-  and every call for ``slow_s`` after that, runs on a thread of its own with the ledger's full
+  and every call for ``slow_s`` after that, runs on a thread of its own with the ledger's
   busy timeout. Unrelated traffic then waits at most ``fast_busy_ms`` once.
+
+A call may carry a ``deadline`` (``time.monotonic()``): on the thread it waits for a lock at
+most until then, and a call whose deadline passed while it was queued is not run at all
+(``LedgerTimeout``). So a request never waits for the ledger past its own bound, however many
+calls queue up behind a lock; and a call that was not run claimed nothing.
 
 A call submitted after another sees its effects (the addon relies on it: an attempt's
 ``finish`` is queued before any later request for the operation can be admitted).
@@ -21,6 +26,10 @@ import time
 from typing import Any
 
 from .ledger import Ledger, LedgerError
+
+
+class LedgerTimeout(LedgerError):
+    """The call's deadline passed before the ledger could run it; it did nothing."""
 
 
 def _contended(error: LedgerError) -> bool:
@@ -52,6 +61,7 @@ class LedgerRunner:
         )
 
     def _run(self, method: str, args, kwargs, busy_ms: int | None):
+        busy_ms = None if busy_ms is None else max(1, int(busy_ms))
         if busy_ms != self._busy_ms and self.ledger.is_open:
             self.ledger.set_busy_timeout(busy_ms)
             self._busy_ms = busy_ms
@@ -67,13 +77,21 @@ class LedgerRunner:
             self._slow_until = time.monotonic() + self._slow_s
             raise _Contended from e
 
-    def _queue(self, method: str, args, kwargs) -> concurrent.futures.Future:
+    def _queue(
+        self, method: str, args, kwargs, deadline: float | None = None
+    ) -> concurrent.futures.Future:
         self._handed += 1
-        return self._pool.submit(self._run_on_thread, method, args, kwargs)
+        return self._pool.submit(self._run_on_thread, method, args, kwargs, deadline)
 
-    def _run_on_thread(self, method: str, args, kwargs):
+    def _run_on_thread(self, method: str, args, kwargs, deadline: float | None):
         try:
-            return self._run(method, args, kwargs, None)
+            busy_ms = None
+            if deadline is not None:
+                left_ms = (deadline - time.monotonic()) * 1000
+                if left_ms <= 0:
+                    raise LedgerTimeout(f"gave up waiting for the ledger ({method})")
+                busy_ms = min(left_ms, self.ledger.busy_timeout_ms)
+            return self._run(method, args, kwargs, busy_ms)
         finally:
             self._finished += 1
 
@@ -93,14 +111,17 @@ class LedgerRunner:
                 return done
         return self._queue(method, args, kwargs)
 
-    async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a ledger method (now, or on the ledger's thread) and await its result."""
+    async def call(
+        self, method: str, /, *args: Any, deadline: float | None = None, **kwargs: Any
+    ) -> Any:
+        """Run a ledger method (now, or on the ledger's thread) and await its result; on the
+        thread, bounded by ``deadline`` (see the module docstring)."""
         if self._fast_possible():
             try:
                 return self._run_fast(method, args, kwargs)
             except _Contended:
                 pass
-        return await asyncio.wrap_future(self._queue(method, args, kwargs))
+        return await asyncio.wrap_future(self._queue(method, args, kwargs, deadline))
 
     def call_sync(self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any):
         """Run a ledger method on the ledger's thread and wait for it here (start-up, status).

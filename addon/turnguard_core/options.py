@@ -132,6 +132,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         minimum=1,
     ),
     OptionSpec(
+        "turnguard_instance_lease_ms", int, 300000,
+        "How long another turnguard process sharing the ledger may stay silent (no heartbeat) "
+        "before its attempts in flight are ended as unknown, when it cannot be proven gone "
+        "(it runs on another host or in another pid namespace). A process on this host and in "
+        "this pid namespace is reaped only once its process is gone, however long it stalls.",
+        minimum=15000,
+    ),
+    OptionSpec(
         "turnguard_events", str, "",
         "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
         "like the ledger); empty: telemetry goes to the log only.",
@@ -151,6 +159,7 @@ class Settings:
     response_created_timeout_s: float  # 0: off
     recovery_mode: str
     owner_lease_s: float
+    instance_lease_s: float
     credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
 
 
@@ -196,6 +205,7 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         response_created_timeout_s=v["turnguard_response_created_timeout_ms"] / 1000,
         recovery_mode=v["turnguard_recovery_mode"],
         owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
+        instance_lease_s=v["turnguard_instance_lease_ms"] / 1000,
         credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
     )
 

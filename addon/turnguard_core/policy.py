@@ -178,6 +178,56 @@ def _admit_unfenced(
     return Dispatch("retry")
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayFromMemory:
+    """Answer from a recording this process keeps in memory (the ledger cannot be read)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFacts:
+    """What this process knows of an operation without reading the ledger: only durable facts
+    it learned from the ledger or its own attempts. ``exhausted`` never reverts (a spent
+    once-claim); the others describe now."""
+
+    in_flight_here: bool = False  # this process has an attempt of it in flight
+    in_flight_elsewhere: bool = False  # the ledger last said another process has one
+    exhausted: bool = False  # its once-only recovery was spent on an unknown/partial end
+    replayable: bool = False  # a completed recording within its window is in memory
+
+
+def admit_without_ledger(
+    facts: MemoryFacts,
+    *,
+    circuit_remaining_s: float,
+    recovering: bool,
+    once_mode: bool,
+    has_session: bool,
+) -> Admission | ReplayFromMemory:
+    """Decide without the ledger (it is locked, full, gone): coalesce in this process, never
+    against what the ledger said durably.
+
+    - an attempt in flight here or elsewhere: ``Hold`` (never a second dispatch of it);
+    - a recording in memory: ``ReplayFromMemory``;
+    - once mode: an operation of a session (only those can ever have a recovery dispatch)
+      has a recovery state that cannot be read now, so it fails closed: ``Denied`` (and an
+      exhausted one says so);
+    - a known cooling circuit: ``Fenced``; a recovery claim: ``Denied`` (needs the ledger);
+    - otherwise ``Dispatch`` (an attempt with no ledger row)."""
+    if facts.in_flight_here or facts.in_flight_elsewhere:
+        return Hold(None, None)
+    if facts.replayable:
+        return ReplayFromMemory()
+    if once_mode and facts.exhausted:
+        return Denied("upstream_operation_status_unknown", "claim_exhausted")
+    if once_mode and has_session:
+        return Denied("upstream_request_timeout", "ledger_unavailable")
+    if circuit_remaining_s > 0:
+        return Fenced(circuit_remaining_s, output_seen=False)
+    if recovering:
+        return Denied("upstream_request_timeout", "ledger_unavailable")
+    return Dispatch("original")
+
+
 def fence_hold_denial(
     mode: str,
     *,

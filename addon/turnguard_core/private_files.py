@@ -22,7 +22,7 @@ import fcntl
 import os
 import stat
 
-__all__ = ["UnsafePath", "check_private_path", "open_private"]
+__all__ = ["UnsafePath", "check_private_path", "ensure_private_file", "open_private"]
 
 
 class UnsafePath(OSError):
@@ -69,3 +69,24 @@ def open_private(path: str, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def ensure_private_file(path: str) -> None:
+    """Make sure ``path`` is a private regular file (created 0600 if missing), without keeping
+    a descriptor open. For a file that SQLite may already hold open in this process (a second
+    connection, a script reload): closing any descriptor of a file drops every POSIX lock this
+    process holds on it, including SQLite's, so an existing file is checked by its path, never
+    opened."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        os.close(open_private(path, os.O_RDWR))
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{path} is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePath(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(f"{path} belongs to another user (uid {st.st_uid})")
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        os.chmod(path, 0o600, follow_symlinks=False)

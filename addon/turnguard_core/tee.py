@@ -58,8 +58,11 @@ class ResponseTee:
 
     @property
     def body(self) -> bytes | None:
-        """The whole body as the client got it, or None when it was not (entirely) kept."""
-        if self._chunks is None or not self.ended:
+        """The whole body as the client got it, or None when it was not (entirely) kept. An
+        event stream that delivered its terminal success event is whole even when the
+        transport broke afterwards (before the end of the chunked body, say): its events are
+        complete, and its operation completed upstream."""
+        if self._chunks is None or not (self.ended or self.terminal == "success"):
             return None
         return b"".join(self._chunks)
 

@@ -1,0 +1,72 @@
+"""The instance's heartbeat, renewed from a thread of its own.
+
+Peers that cannot prove this process dead (see ``liveness``) go by its lease, so the lease must
+not lapse because the event loop is busy (a large body, a long hook) or the main ledger
+connection waits behind a lock. ``Heartbeat`` runs on a daemon thread with its own connection:
+every ``interval_s`` it renews the lease and, every second, checks that the ledger file is still
+the one it opened. It reports to the caller's callbacks (called on the thread: they must only
+hand over to the event loop, e.g. with ``loop.call_soon_threadsafe``):
+
+- ``on_reregistered(incarnation)``: the instance's row was gone (a peer reaped it): it is
+  registered again, and its attempts in flight must be assumed ended by the peer;
+- ``on_file_gone(reason)``: the ledger file was deleted or replaced.
+
+A failed renewal (locked, full) is left to the lease's margin and tried again next time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .ledger import Ledger, LedgerError
+
+logger = logging.getLogger("turnguard")
+
+FILE_CHECK_S = 1.0
+
+
+class Heartbeat:
+    def __init__(
+        self, ledger: Ledger, *, interval_s: float,
+        on_reregistered: Callable[[int], None], on_file_gone: Callable[[str], None],
+    ):
+        self._ledger = ledger
+        self._interval_s = interval_s
+        self._on_reregistered = on_reregistered
+        self._on_file_gone = on_file_gone
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="turnguard-heartbeat", daemon=True)
+
+    def start(self, now: float) -> None:
+        """Open the connection (raises ``LedgerError``) and start renewing."""
+        self._ledger.open(now)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing; the connection closes on the thread (does not wait)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self._interval_s
+        try:
+            while not self._stop.wait(FILE_CHECK_S):
+                why = self._ledger.file_replaced()
+                if why is not None:
+                    self._on_file_gone(why)
+                    return
+                if time.monotonic() < next_beat:
+                    continue
+                next_beat = time.monotonic() + self._interval_s
+                try:
+                    if self._ledger.heartbeat(time.time()) == "reregistered":
+                        self._on_reregistered(self._ledger.incarnation)
+                except LedgerError as e:
+                    logger.debug("turnguard: heartbeat not written (%s); next try in %.0f s",
+                                 e, self._interval_s)
+        except Exception:  # a thread's exception would only reach stderr
+            logger.exception("turnguard: heartbeat thread failed")
+        finally:
+            self._ledger.close()
