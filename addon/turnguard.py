@@ -48,6 +48,7 @@ from turnguard_core.ledger import (  # noqa: E402
     check_path,
 )
 from turnguard_core.ledger_runner import LedgerRunner, LedgerTimeout  # noqa: E402
+from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker  # noqa: E402
 from turnguard_core.private_files import UnsafePath  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
@@ -60,6 +61,7 @@ from turnguard_core.telemetry import Telemetry  # noqa: E402
 logger = logging.getLogger("turnguard")
 
 MAX_GUARDED_BODY = 64 * 1024 * 1024
+IDENTITY_TIMEOUT_S = 5.0  # a large body not identified by then is passed through
 MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0  # notice killed or disconnected held flows; probe a ledger that failed; reap
@@ -68,7 +70,7 @@ REAP_S = 5.0  # look for dead peers' attempts this often (every FOREIGN_POLL_S w
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
-LEDGER_RETRY_S = 5.0  # after a ledger fault, decide in memory this long, then probe again
+LEDGER_REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 STATUS_TIMEOUT_S = 1.0
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
 FIRST_EVENT_DELAY_S = 0.1  # a stream's first event is recorded this late, unless it ended
@@ -210,7 +212,9 @@ class TurnGuard:
         self._process = _ProcessState(uuid.uuid4().hex[:16], liveness.read_process_identity())
         self.db: LedgerRunner | None = None  # the ledger; never blocks the loop for long
         self._heartbeat: Heartbeat | None = None
-        self._ledger_retry_at = 0.0  # while in the future, the ledger is down: decide in memory
+        self._identity_worker = IdentityWorker()  # large bodies are identified there
+        self._reopen_at = 0.0  # a ledger that could not be opened is not tried before then
+        self._recovering = asyncio.Lock()  # one catch-up of a failed ledger at a time
         self.ledger_path = ""
         self.ledger_error: str | None = None
         self.telemetry = Telemetry()
@@ -382,6 +386,7 @@ class TurnGuard:
 
     async def _reopen(self) -> None:
         """Try to open the ledger again (the ticker, after a fault at open or a lost file)."""
+        self._reopen_at = time.monotonic() + LEDGER_REOPEN_S
         try:
             loop = asyncio.get_running_loop()
             connected = await loop.run_in_executor(None, self._connect, self.ledger_path, loop)
@@ -397,9 +402,7 @@ class TurnGuard:
     def _use(self, connected: tuple[LedgerRunner, Heartbeat], path: str) -> None:
         self.db, self._heartbeat = connected
         logger.info("turnguard: ledger %s (instance %s)", path, self.instance_id)
-        if self._catching_up():
-            return  # the ticker applies what is owed first, then says the ledger is usable
-        self._ledger_up()
+        # After a fault, it stays noted until a try applies what is owed (_recover).
 
     def _close_ledger(self) -> None:
         if self._heartbeat is not None:
@@ -408,14 +411,6 @@ class TurnGuard:
         if self.db is not None:
             self.db.close()
             self.db = None
-
-    def _catching_up(self) -> bool:
-        """Does the ledger owe something before decisions may read it: writes kept while it
-        was down, or attempts in flight it does not know (its file was replaced)?"""
-        generation = self.db.ledger.generation if self.db is not None else None
-        return bool(self._pending) or any(
-            a.generation != generation for a in self._attempts.values() if a.attempt_id
-        )
 
     def _ledger_usable(self) -> bool:
         """Decisions may read the ledger: it is open, no fault was noted since the ticker last
@@ -426,13 +421,17 @@ class TurnGuard:
         self, during: str, call: str, /, *args: Any, deadline: float | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger is down
-        (then the caller decides in memory or fails closed), after noting the fault.
+        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger cannot
+        answer (then the caller decides in memory or fails closed), after noting the fault.
 
-        ``deadline`` (monotonic): the caller waits no longer (plus a grace for a call that
-        started in time); a call still queued then never runs, and a claim that one made
+        A ledger that failed is tried again first (``_recover``): the moment a fault ends,
+        decisions read the ledger again, rather than deciding in memory what another process
+        may be running. ``deadline`` (monotonic) bounds the whole wait (plus a grace for a call
+        that started in time); a call still queued then never runs, and a claim that one made
         after all is given back (``_give_back``), so nothing stays in flight for nobody."""
-        if not self._ledger_usable() or deadline is not None and deadline <= time.monotonic():
+        if self.db is None or deadline is not None and deadline <= time.monotonic():
+            return _UNAVAILABLE
+        if not self._ledger_usable() and not await self._recover(deadline):
             return _UNAVAILABLE
         try:
             if deadline is None:
@@ -494,7 +493,24 @@ class TurnGuard:
         future.add_done_callback(done)
         return future
 
-    async def _catch_up(self) -> bool:
+    async def _recover(self, deadline: float | None) -> bool:
+        """Try to bring a ledger that failed (or owes writes) back, one try at a time, within
+        ``deadline``. True: it is usable again."""
+        try:
+            async with asyncio.timeout_at(
+                None if deadline is None else self._loop.time() + deadline - time.monotonic()
+            ):
+                async with self._recovering:
+                    if self._ledger_usable():
+                        return True
+                    if self.db is None or not await self._catch_up(deadline):
+                        return False
+                    self._ledger_up()
+                    return True
+        except TimeoutError:
+            return False
+
+    async def _catch_up(self, deadline: float | None = None) -> bool:
         """Bring the ledger up to date before decisions read it again: register attempts in
         flight that a replaced file does not know, then apply the kept writes in order. The
         first write doubles as the probe; with none, a heartbeat is the probe. False: the
@@ -503,7 +519,7 @@ class TurnGuard:
         try:
             for attempt in list(self._attempts.values()):
                 if attempt.attempt_id is not None and attempt.generation != db.ledger.generation:
-                    await self._adopt(attempt)
+                    await self._adopt(attempt, deadline)
             probed = bool(self._pending)
             dropped = 0
             while self._pending:
@@ -512,51 +528,51 @@ class TurnGuard:
                     self._pending.popleft()
                     dropped += 1
                     continue
-                result = await db.call(write.call, *write.args, **write.kwargs)
+                result = await db.call(write.call, *write.args, deadline=deadline, **write.kwargs)
                 self._pending.popleft()
                 if write.landed is not None:
                     write.landed(result, True)
             if dropped:
                 self.telemetry.emit("ledger_writes_dropped", writes=dropped,
                                     reason="the ledger file they belong to was replaced")
-            if not probed and await db.call("heartbeat", time.time()) == "reregistered":
+            if not probed and await db.call(
+                "heartbeat", time.time(), deadline=deadline
+            ) == "reregistered":
                 self._reregistered(db.ledger.incarnation)
         except LedgerError as e:
             self._ledger_down(e, "probe")
             return False
         return True
 
-    async def _adopt(self, attempt: _Attempt) -> None:
+    async def _adopt(self, attempt: _Attempt, deadline: float | None) -> None:
         """Register an attempt in flight here in a ledger file that does not know it (the
         file was deleted or replaced), so other processes hold its duplicates."""
         ident = attempt.ident
         attempt_id = await self.db.call(
             "adopt_attempt", ident, method=attempt.method, path=attempt.route,
             kind=attempt.kind, flow_id=attempt.flow_id, now=time.time(),
-            circuit_scope=attempt.circuit_scope,
+            circuit_scope=attempt.circuit_scope, deadline=deadline,
         )
         attempt.attempt_id, attempt.generation = attempt_id, self.db.ledger.generation
         self.telemetry.emit("attempt_adopted", op=ident.op_id, flow=attempt.flow_id,
                             attempt=attempt_id, ledger_generation=attempt.generation)
 
     def _ledger_down(self, error: Exception, during: str) -> None:
-        """Note that the ledger failed: for a few seconds decisions are made in memory (no
-        call waits on a broken ledger), then the ticker probes it again."""
-        self._ledger_retry_at = time.monotonic() + LEDGER_RETRY_S
+        """Note that the ledger failed (said once per outage): decisions are made in memory
+        until a try (the next request's, or the ticker's) finds it working again."""
         if self.ledger_error is None:
             # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
             # broken ledger must not stop the proxy.
             logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
                            "it recovers", self.ledger_path, during, error)
+            self.telemetry.emit("ledger_unavailable", during=during, error=str(error))
         self.ledger_error = str(error)
-        self.telemetry.emit("ledger_unavailable", during=during, error=str(error))
 
     def _ledger_up(self) -> None:
         if self.ledger_error is not None:
             logger.warning("turnguard: ledger %s usable again", self.ledger_path)
             self.telemetry.emit("ledger_recovered", error_was=self.ledger_error)
         self.ledger_error = None
-        self._ledger_retry_at = 0.0
 
     def _ledger_file_gone(self, why: str) -> None:
         """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
@@ -566,7 +582,7 @@ class TurnGuard:
             return
         self._close_ledger()
         self._ledger_down(LedgerError(why), "file check")
-        self._ledger_retry_at = 0.0  # open the new file at once
+        self._reopen_at = 0.0  # open the new file at once
 
     def _reregistered(self, incarnation: int) -> None:
         """A peer judged this process dead and reaped its attempts in flight (a long pause);
@@ -599,6 +615,7 @@ class TurnGuard:
         if self._ticker is not None:
             self._ticker.cancel()
         self._close_ledger()
+        self._identity_worker.close()
         self.telemetry.close()
         if self._process.guard is self:
             self._process.guard = None
@@ -627,16 +644,12 @@ class TurnGuard:
                 logger.exception("turnguard: maintenance tick failed")
 
     async def _maintain(self, now: float) -> None:
-        if time.monotonic() < self._ledger_retry_at:
-            return
         if self.db is None:
-            if self.ledger_path:  # recover by itself once the fault is gone
-                await self._reopen()
+            if self.ledger_path and time.monotonic() >= self._reopen_at:
+                await self._reopen()  # recover by itself once the fault is gone
             return
-        if self.ledger_error is not None or self._catching_up():
-            if not await self._catch_up():
-                return
-            self._ledger_up()
+        if not self._ledger_usable() and not await self._recover(None):
+            return
         if time.monotonic() - self._last_reap >= REAP_S:
             await self._reap_dead(now)
         if now - self._last_gc >= policy.gc_interval_s(self.settings.guard.retention_s):
@@ -698,7 +711,7 @@ class TurnGuard:
         past the hold bound it gets 409 turn_in_progress. A fenced request fails closed (503)
         unless the recovery mode lets it wait out the cooldown; then it asks for a recovery
         claim. Every path ends in exactly one answer or one dispatch."""
-        ident = self._identify(flow)
+        ident = await self._identify(flow, self.settings.request_budget_s)
         if isinstance(ident, identity.Passthrough):
             self.telemetry.emit("passthrough", flow=flow.id, reason=ident.reason)
             return
@@ -872,7 +885,23 @@ class TurnGuard:
         )
         return woke
 
-    def _identify(self, flow: http.HTTPFlow) -> identity.Identity | identity.Passthrough:
+    async def _identify(
+        self, flow: http.HTTPFlow, timeout_s: float
+    ) -> identity.Identity | identity.Passthrough:
+        """The request's identity: computed here for a small body, in the worker process for a
+        large one (``offload``), so that no body holds the event loop for long."""
+        view = self._request_view(flow)
+        if isinstance(view, identity.Passthrough):
+            return view
+        kwargs = dict(max_body_bytes=MAX_GUARDED_BODY,
+                      credential_headers=self.settings.credential_headers)
+        if view.body is None or len(view.body) <= INLINE_MAX_BYTES:
+            return identity.identify(view, **kwargs)
+        return await self._identity_worker.identify(
+            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs
+        )
+
+    def _request_view(self, flow: http.HTTPFlow) -> identity.RequestView | identity.Passthrough:
         req = flow.request
         if req.raw_content is None:
             return identity.Passthrough("request body is streamed")
@@ -903,10 +932,7 @@ class TurnGuard:
             ),
             proxy_auth=proxy_auth,
         )
-        return identity.identify(
-            view, max_body_bytes=MAX_GUARDED_BODY,
-            credential_headers=self.settings.credential_headers,
-        )
+        return view
 
     def _replay_window_s(self, ident: identity.Identity) -> float | None:
         """How long after its end a recording of this request may be replayed (None: never)."""

@@ -173,6 +173,8 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
         raise ValueError(f"{where}: content_encoding must be one of {list(CONTENT_ENCODINGS)}")
     if "end" in b and b["end"] not in PARTIAL_ENDS:
         raise ValueError(f"{where}: end must be one of {list(PARTIAL_ENDS)}")
+    if "after_completed" in b and b["after_completed"] not in ("reset", "clean_close"):
+        raise ValueError(f"{where}: after_completed must be reset or clean_close")
     if "headers" in b:
         h = b["headers"]
         if not isinstance(h, dict) or not all(
@@ -923,12 +925,25 @@ class Dispatch:
             await self._sse_headers()
             await self._sleep(_ms(self.b, "first_event_ms", 0))
             await self._stream(events, _ms(self.b, "gap_ms", 0))
+            after = self.b.get("after_completed")
+            if after in ("reset", "clean_close"):
+                # every event, response.completed included, then a broken transport: the
+                # chunked body never ends
+                await self.conn.flush_kernel()
+                if after == "reset":
+                    self.conn.reset()
+                else:
+                    await self.conn.close()
+                self.outcome = f"completed_then_{after}"
+                return
             await self.conn.send(b"0\r\n\r\n")
         self.outcome = "completed"
         self.reusable = True
 
     async def _do_ok(self, default_delay_ms: float = 0) -> None:
-        """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``delay_ms``
+        """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``after_completed``
+        (``reset`` or ``clean_close``: the transport breaks after the last event, before the
+        end of the chunked body), ``delay_ms``
         (before the headers, 0), ``first_event_ms`` (headers to first event, 0), ``think_ms``
         (after response.created and response.in_progress, before the output: a turn that
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``

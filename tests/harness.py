@@ -206,7 +206,8 @@ class Mitmdump:
     Its own confdir (``tmp_path/<name>-confdir``) keeps the test's CA away from ``~/.mitmproxy``;
     output is appended to ``tmp_path/<name>.log`` (so a restart under the same name, e.g. after
     ``kill9``, keeps one file; ``log_text`` returns this instance's part). ``env`` adds
-    environment variables."""
+    environment variables; ``addon`` may name another script to load; ``prefix`` goes before
+    the command (e.g. ``unshare`` to run it in a pid namespace of its own)."""
 
     def __init__(
         self,
@@ -214,18 +215,19 @@ class Mitmdump:
         upstream_url: str | None,
         *,
         modes: list[str] | None = None,
-        addon: bool = True,
+        addon: bool | Path = True,
         options: Mapping[str, object] | None = None,
         extra_args: list[str] | None = None,
         name: str = "mitmdump",
         env: Mapping[str, str] | None = None,
+        prefix: list[str] | None = None,
     ):
         self.tmp_path = Path(tmp_path)
         self.name = name
         self.log_path = self.tmp_path / f"{name}.log"
         self.confdir = self.tmp_path / f"{name}-confdir"
         modes = modes or [f"reverse:{upstream_url}"]
-        cmd = [str(MITMDUMP)]
+        cmd = [*(prefix or []), str(MITMDUMP)]
         for mode in modes:
             cmd += ["--mode", mode]
         cmd += [
@@ -234,7 +236,7 @@ class Mitmdump:
             "--set", f"confdir={self.confdir}",
         ]  # fmt: skip
         if addon:
-            cmd += ["-s", str(ADDON)]
+            cmd += ["-s", str(ADDON if addon is True else addon)]
         cmd += _option_args(options or {})
         cmd += list(extra_args or [])
         self.cmd = cmd

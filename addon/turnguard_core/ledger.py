@@ -671,14 +671,15 @@ class Ledger:
     @_wrap
     def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:
         """Other instances that own attempts still in flight (candidates for reaping). An
-        instance without a row (reaped before, or never registered) has an empty identity and
-        a heartbeat of 0."""
+        instance without a row (reaped, and not heard of since) has an empty identity, and
+        the start of its newest attempt in flight stands for its heartbeat: it made that
+        attempt, so it was alive then."""
         rows = self._conn().execute(
-            "SELECT DISTINCT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
+            "SELECT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
             " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
-            " COALESCE(i.heartbeat_at, 0) FROM attempts a LEFT JOIN instances i"
+            " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM attempts a LEFT JOIN instances i"
             " ON i.instance_id = a.instance_id"
-            " WHERE a.outcome='in_flight' AND a.instance_id<>?",
+            " WHERE a.outcome='in_flight' AND a.instance_id<>? GROUP BY a.instance_id",
             (self.instance_id,),
         ).fetchall()
         return [
@@ -699,9 +700,12 @@ class Ledger:
         with self._tx() as db:
             if stale_before is not None:
                 row = db.execute(
-                    "SELECT heartbeat_at FROM instances WHERE instance_id=?", (instance_id,)
+                    "SELECT MAX(COALESCE((SELECT heartbeat_at FROM instances WHERE instance_id=?),"
+                    " 0), COALESCE((SELECT MAX(started_at) FROM attempts WHERE instance_id=?"
+                    " AND outcome='in_flight'), 0))",
+                    (instance_id, instance_id),
                 ).fetchone()
-                if row is not None and row[0] >= stale_before:
+                if row[0] >= stale_before:
                     return []
             ended = db.execute(
                 "UPDATE attempts SET ended_at=?, detail='owner process gone',"

@@ -67,6 +67,44 @@ def identity_us(scale: int) -> dict:
     return out
 
 
+def large_identity_ms() -> dict:
+    """Identity of large bodies: a realistic 10 MiB one (a long Codex history: messages of a
+    few KB each) inline and through the worker process the addon sends bodies over 256 KiB to
+    (``offload``), and the worst inline case, a 256 KiB body of tiny objects."""
+    import asyncio
+
+    from turnguard_core import identity
+    from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker
+
+    items, size = [], 0
+    while size < 10 * 2**20:
+        item = {"type": "message", "role": "user", "id": f"msg_{len(items)}",
+                "content": [{"type": "input_text", "text": f"{len(items)} " + "words " * 500}]}
+        items.append(item)
+        size += len(json.dumps(item))
+    big = identity.RequestView("POST", PATH, _headers(), json.dumps({"model": "m", "input": items}).encode())
+    hostile_body = '{"input":[' + ",".join('{"a":1}' for _ in range(INLINE_MAX_BYTES // 8)) + "]}"
+    hostile = identity.RequestView("POST", PATH, _headers(), hostile_body.encode()[:INLINE_MAX_BYTES])
+    out = {"identify_10MiB_body_inline_ms": _best(lambda i: identity.identify(big), 1, 5) * 1e3,
+           "identify_hostile_256KiB_inline_ms": _best(lambda i: identity.identify(hostile), 1, 5) * 1e3}
+    worker = IdentityWorker()
+
+    async def offloaded() -> float:
+        await worker.identify(big, timeout_s=60)  # starts the worker
+        per = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            await worker.identify(big, timeout_s=60)
+            per.append(time.perf_counter() - t0)
+        return statistics.median(per)
+
+    try:
+        out["identify_10MiB_body_worker_ms"] = asyncio.run(offloaded()) * 1e3
+    finally:
+        worker.close()
+    return out
+
+
 def sse_tee(scale: int) -> dict:
     from turnguard_core.sse import SseParser
     from turnguard_core.tee import ResponseTee
@@ -183,6 +221,7 @@ def ledger_us(scale: int, workdir: Path) -> dict:
 def run(workdir: Path, cfg) -> dict:
     out: dict = {}
     out.update(identity_us(cfg.micro_scale))
+    out.update(large_identity_ms())
     out.update(ledger_us(cfg.micro_scale, workdir))
     out.update(telemetry_us(cfg.micro_scale, workdir))
     out.update(sse_tee(cfg.micro_scale))

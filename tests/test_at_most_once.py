@@ -1,0 +1,433 @@
+"""At most once under the faults that broke it (issue 10): a paused, reloaded or namespaced
+process, a ledger locked or full exactly when a turn ends, a stream cut after its last event,
+once mode without a ledger, retention, the request budget against a locked ledger, and the
+ledger file deleted under a running process.
+
+Each test runs real mitmdump processes in front of the bundled mock upstream, makes the fault
+for real (SIGSTOP/SIGCONT, a write lock held by another connection, a full tmpfs, unlinking the
+file, mitmproxy's own script reload, a pid namespace made with unshare) and counts what the
+upstream saw in its dispatch log: zero double executions, zero turns left in flight once the
+fault is over, every request answered within its budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import (
+    ADDON,
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    read_jsonl,
+    sse_event_types,
+    sse_post,
+    wait_until,
+)
+from test_ledger_faults import fill, tiny_tmpfs, unfill
+
+SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
+ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
+ONCE = "server_anchored_replay_once"
+
+
+def behaviour(**b) -> dict[str, str]:
+    """The header that picks the mock upstream's behaviour for one request (not part of the
+    request's identity: duplicates may carry another one)."""
+    return {"x-mock-behaviour": json.dumps(b)}
+
+
+def body_of(text: str) -> dict:
+    return {"model": "gpt-test", "input": text, "stream": True}
+
+
+def guarded(tmp_path: Path, up: MockUpstream, name: str, **options) -> Mitmdump:
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        **options,
+    }
+    extra = {k: opts.pop(k) for k in ("prefix", "addon") if k in opts}
+    return Mitmdump(tmp_path, up.url, options=opts, name=name, **extra)
+
+
+def events(tmp_path: Path, name: str, kind: str | None = None) -> list[dict]:
+    return [r for r in read_jsonl(tmp_path / f"{name}-events.jsonl")
+            if kind is None or r["event"] == kind]
+
+
+def query(ledger: Path, sql: str, args=()) -> list[tuple]:
+    db = sqlite3.connect(ledger, timeout=10)
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def post(url: str, headers: dict, body: dict | bytes, timeout: float = 90):
+    """One request; a transport error (a cut stream) is status 0."""
+    try:
+        return sse_post(url, body=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return 0, {}, b""
+
+
+def in_background(fn, *args):
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
+def in_flight(ledger: Path) -> list[tuple]:
+    return query(ledger, "SELECT op_key FROM operations WHERE state='in_flight'")
+
+
+@contextlib.contextmanager
+def write_lock(ledger: Path):
+    """Another process's connection holding the ledger's write lock (``BEGIN EXCLUSIVE``)
+    until the block ends."""
+    db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+
+
+# -- 1. a live process is never reaped --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report):
+    """A is paused 36 s (longer than the old 30 s heartbeat limit) with its original in
+    flight; B holds the duplicate the whole time instead of reaping A and dispatching it."""
+    opts = dict(turnguard_hold_timeout_ms=60000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=2000)},
+                                 body_of("paused turn"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            duplicate = in_background(post, b.url, SESSION, body_of("paused turn"))
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holds it")
+            time.sleep(36)
+            assert not events(tmp_path, "b", "instance_reaped"), "a paused process was reaped"
+            assert len(up.dispatches()) == 1
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        first, second = original.result(60), duplicate.result(60)
+        assert first[0] == second[0] == 200 and first[2] == second[2]
+        assert second[1].get("x-turnguard") == "replayed"
+        # A is alive and registered: a new turn via A and its duplicate via B run once
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=1500)},
+                                 body_of("after the pause"))
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the second turn dispatched")
+        again = post(b.url, SESSION, body_of("after the pause"))
+        assert original.result(30)[0] == again[0] == 200
+        assert len(up.dispatches()) == 2
+        assert not in_flight(tmp_path / "ledger.sqlite3")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("process paused 36 s with its original in flight: not reaped; the duplicate on "
+           "another process was held and replayed; upstream dispatches=2 for 2 turns")
+
+
+def test_a_process_in_another_pid_namespace_is_not_judged_dead(tmp_path, report):
+    """Two containers on one host: B's pid namespace cannot see A's pid. B must not take that
+    for A's death (it waits for A's lease instead)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    prefix = [unshare, "--pid", "--fork", "--mount-proc"]
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b", prefix=prefix) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=7000)},
+                                 body_of("two namespaces"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = post(b.url, SESSION, body_of("two namespaces"))
+        assert original.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert not events(tmp_path, "b", "instance_reaped")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("two mitmdumps in different pid namespaces: the duplicate waited for the live "
+           "original (7 s) instead of reaping it; upstream dispatches=1")
+
+
+def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
+    """mitmproxy reloads a changed script: the new addon instance keeps the process's
+    identity, gets the original's remaining hooks and records its end (so the retry is
+    replayed, not held behind an attempt no one ends)."""
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    with MockUpstream(tmp_path) as up, guarded(
+        tmp_path, up, "a", addon=script, turnguard_hold_timeout_ms=3000
+    ) as a:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
+                                 body_of("reloaded"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        os.utime(script)
+        wait_until(lambda: a.log_text().count("turnguard: running") >= 2, 15,
+                   what="the script reloaded")
+        assert original.result(30)[0] == 200
+        ledger = tmp_path / "ledger.sqlite3"
+        wait_until(lambda: query(ledger, "SELECT outcome FROM attempts") == [("completed",)], 10,
+                   what="the new instance recorded the original's end")
+        retry = post(a.url, SESSION, body_of("reloaded"))
+        assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert len(query(ledger, "SELECT DISTINCT instance_id FROM attempts")) == 1
+        assert_no_traceback(a.log_text())
+    report("script reloaded mid-turn: the new addon instance ended the original's attempt; "
+           "the retry was replayed; upstream dispatches=1")
+
+
+def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
+    """A's instance row is gone (as a peer's reap leaves it). A's next attempt must not look
+    dead for want of a row: its heartbeat registers it again, and B holds its duplicate."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        a.wait_for_log("turnguard: running")
+        db = sqlite3.connect(ledger, timeout=10)
+        a_id = db.execute("SELECT instance_id FROM instances WHERE pid=?", (a.pid,)).fetchone()[0]
+        db.execute("DELETE FROM instances WHERE instance_id=?", (a_id,))
+        db.commit()
+        db.close()
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=7000)},
+                                 body_of("after a reap"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = post(b.url, SESSION, body_of("after a reap"))
+        assert original.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert not events(tmp_path, "b", "instance_reaped")
+        assert events(tmp_path, "a", "instance_reregistered")
+        assert query(ledger, "SELECT incarnation FROM instances WHERE instance_id=?", (a_id,)) \
+            == [(2,)]
+    report("a process whose instance row was reaped registered again (incarnation 2); its next "
+           "turn was not reaped; upstream dispatches=1")
+
+
+# -- 2. a ledger fault when a turn ends does not wedge it ---------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["locked", "full"])
+def test_a_ledger_fault_when_the_original_ends_does_not_wedge_the_turn(tmp_path, fault, report):
+    """The ledger is locked (6 s) or the disk full exactly when the original finishes: its
+    end is kept and written once the fault is over, so the retries through either process
+    are replayed, not refused 409 for ever."""
+    folder = tmp_path / "ledger-fs"
+    mount = tiny_tmpfs(folder, "2m") if fault == "full" else contextlib.nullcontext(
+        folder.mkdir(mode=0o700))
+    with mount:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=2000)
+        with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+                guarded(tmp_path, up, "b", **opts) as b:
+            turn = {**SESSION, **behaviour(kind="ok", events=12, gap_ms=150)}
+            original = in_background(post, a.url, turn, body_of("fault at the end"))
+            wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
+                       what="the original streaming")
+            if fault == "locked":
+                with write_lock(ledger):
+                    status = original.result(30)[0]
+                    time.sleep(6)
+            else:
+                fill(folder)
+                try:
+                    status = original.result(30)[0]
+                    time.sleep(2)
+                finally:
+                    unfill(folder)
+            assert status == 200
+            assert events(tmp_path, "a", "ledger_unavailable")
+            wait_until(lambda: not in_flight(ledger), 20, what="the kept end written")
+            retries = [post(a.url, SESSION, body_of("fault at the end")),
+                       post(b.url, SESSION, body_of("fault at the end"))]
+            assert [r[0] for r in retries] == [200, 200]
+            assert all(r[1].get("x-turnguard") == "replayed" for r in retries)
+            assert len(up.dispatches()) == 1
+            assert query(ledger, "SELECT state FROM operations") == [("completed",)]
+            assert_no_traceback(a.log_text() + b.log_text())
+    report(f"ledger {fault} when the original ended: its end was written after the fault; "
+           "retries via both processes replayed; upstream dispatches=1")
+
+
+# -- 3. completed means replayable --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", ["reset", "clean_close"])
+def test_a_stream_cut_after_response_completed_is_replayed_not_run_again(tmp_path, cut):
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        turn = {**SESSION, **behaviour(kind="ok", events=5, gap_ms=200, after_completed=cut)}
+        original = in_background(post, a.url, turn, body_of("cut after completed"))
+        wait_until(lambda: events(tmp_path, "a", "dispatch"), 10, what="the dispatch")
+        held = post(a.url, SESSION, body_of("cut after completed"))
+        original.result(30)
+        later = post(a.url, SESSION, body_of("cut after completed"))
+        for status, headers, body in (held, later):
+            assert status == 200 and headers.get("x-turnguard") == "replayed"
+            assert sse_event_types(body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        [outcome] = events(tmp_path, "a", "outcome")
+        assert outcome["outcome"] == "completed" and outcome["replayable"] is True
+
+
+# -- 4. once means once ---------------------------------------------------------------------------
+
+
+def _spend_the_once_claim(url: str, up: MockUpstream, text: str) -> None:
+    """Two eventless failures open the cooldown; the next request is held through it and
+    recovered once, and that recovery fails eventless too: the claim is spent."""
+    failing = {**ANCHORED, **behaviour(kind="reset")}
+    for _ in range(2):
+        assert post(url, failing, body_of(text))[0] in (0, 502)
+    assert post(url, failing, body_of(text))[0] in (0, 502, 503)  # the recovery, reset
+    wait_until(lambda: len(up.dispatches()) == 3, 15, what="the recovery dispatch")
+
+
+def test_once_mode_never_dispatches_a_spent_operation_while_the_ledger_is_locked(tmp_path):
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a:
+        _spend_the_once_claim(a.url, up, "spent turn")
+        wait_until(lambda: not in_flight(ledger), 10, what="the recovery's end recorded")
+        time.sleep(2)  # past the cooldown
+        with write_lock(ledger):
+            status, _, body = post(a.url, {**ANCHORED, "accept": "application/json"},
+                                   body_of("spent turn"))
+            also = post(a.url, {**SESSION, "accept": "application/json"}, body_of("spent turn"))
+        assert status == 503 and also[0] == 503
+        assert len(up.dispatches()) == 3, "a spent operation was dispatched again"
+        assert_no_traceback(a.log_text())
+
+
+def test_a_spent_once_claim_outlives_retention(tmp_path):
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500,
+                turnguard_retention_ms=2000, turnguard_replay_window_ms=1000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a:
+        _spend_the_once_claim(a.url, up, "spent for good")
+        # garbage collection (every 5 s here) purges the attempts, and keeps the operation
+        wait_until(lambda: not query(ledger, "SELECT 1 FROM attempts"), 20,
+                   what="the attempts purged")
+        assert query(ledger, "SELECT state, recovery_dispatches FROM operations") == [
+            ("unknown", 1)]
+        status, _, body = post(a.url, {**ANCHORED, "accept": "application/json"},
+                               body_of("spent for good"))
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+        assert len(up.dispatches()) == 3
+
+
+# -- 5. every wait honours the request budget ---------------------------------------------------
+
+
+def test_the_request_budget_bounds_waits_for_a_locked_ledger(tmp_path, report):
+    """Budget 3 s, the ledger write-locked 10 s by another process: 20 requests arriving at
+    once are all answered within their budget (in memory), not one after another."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a",
+                                               turnguard_request_budget_ms=3000) as a:
+        a.wait_for_log("turnguard: running")
+        took: list[float] = []
+        with write_lock(ledger), ThreadPoolExecutor(max_workers=20) as pool:
+
+            def one(i: int):
+                t0 = time.monotonic()
+                r = post(a.url, {"authorization": "Bearer sk-budget"}, body_of(f"budget {i}"),
+                         timeout=30)
+                took.append(time.monotonic() - t0)
+                return r[0]
+
+            statuses = list(pool.map(one, range(20)))
+            lock_held_s = 10 - max(took)
+            if lock_held_s > 0:
+                time.sleep(lock_held_s)
+        assert statuses == [200] * 20
+        assert max(took) < 3.0 + 1.5, f"slowest answer after {max(took):.1f} s"
+        assert_no_traceback(a.log_text())
+    report(f"ledger write-locked 10 s, budget 3 s: 20 requests answered, slowest after "
+           f"{max(took):.2f} s")
+
+
+# -- 6. the ledger file is watched --------------------------------------------------------------
+
+
+def test_deleting_the_ledger_under_a_running_process_is_an_outage_not_an_empty_ledger(
+    tmp_path, report
+):
+    """The file is deleted while A's original is in flight. A notices, opens a new file there
+    and registers its attempt in it, so B, started on the same path afterwards, holds the
+    duplicate instead of running the turn a second time."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=6000)},
+                                 body_of("deleted ledger"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        wait_until(lambda: events(tmp_path, "a", "attempt_adopted"), 10,
+                   what="A registering its attempt in the new file")
+        unavailable = events(tmp_path, "a", "ledger_unavailable")
+        assert unavailable and "deleted" in unavailable[0]["error"]
+        with guarded(tmp_path, up, "b") as b:
+            duplicate = post(b.url, SESSION, body_of("deleted ledger"))
+            assert_no_traceback(b.log_text())
+        assert original.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text())
+    report("ledger file deleted under a running process with a turn in flight: detected, the "
+           "attempt registered in the new file; a new process held its duplicate; "
+           "upstream dispatches=1")
+
+
+# -- 7. nothing a client sends holds the event loop ---------------------------------------------
+
+
+def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
+    """A 20 MB body of millions of tiny JSON objects (seconds to parse) is identified in the
+    worker process and, past its bound, passed through; meanwhile other requests are answered
+    as usual, and no peer takes the stall for a death."""
+    hostile = ('{"model":"m","stream":true,"input":['
+               + ",".join('{"a":1}' for _ in range(2_600_000)) + "]}").encode()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        big = in_background(post, a.url, SESSION, hostile, 120)
+        wait_until(lambda: "client connect" in a.log_text(), 10, what="the hostile request")
+        time.sleep(1.0)  # its 20 MB upload, then the worker parses it for seconds
+        answered_meanwhile = 0
+        for i in range(5):
+            status = post(a.url, SESSION, body_of(f"meanwhile {i}"), 30)[0]
+            answered_meanwhile += status == 200 and not big.done()
+        assert big.result(120)[0] == 200  # passed through to the upstream, answered
+        passed = [e["reason"] for e in events(tmp_path, "a", "passthrough")]
+        assert any("took longer" in r for r in passed), passed
+        assert answered_meanwhile == 5
+        assert_no_traceback(a.log_text())
+    report(f"a {len(hostile) // 2**20} MiB body of 2.6 M JSON objects: identified off the event "
+           f"loop and passed through past the bound; {answered_meanwhile} other requests "
+           "answered meanwhile")

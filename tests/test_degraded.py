@@ -1,0 +1,77 @@
+"""Deciding without the ledger: what a process remembers (``knowledge``) and how it decides
+from it (``policy.admit_without_ledger``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnguard_core import policy
+from turnguard_core.knowledge import Knowledge, KnownRecording
+from turnguard_core.ledger import Recording
+from turnguard_core.policy import MemoryFacts, admit_without_ledger
+
+
+def rec(size: int = 10) -> KnownRecording:
+    return KnownRecording(Recording(200, (), b"x" * size), ended_at=1000.0, fingerprint="f")
+
+
+def decide(facts: MemoryFacts, **kw):
+    args = dict(circuit_remaining_s=0.0, recovering=False, once_mode=False, has_session=True)
+    return admit_without_ledger(facts, **{**args, **kw})
+
+
+def test_an_attempt_in_flight_anywhere_is_held_never_dispatched_again():
+    assert decide(MemoryFacts(in_flight_here=True)) == policy.Hold(None, None)
+    assert decide(MemoryFacts(in_flight_elsewhere=True), once_mode=True) == policy.Hold(None, None)
+
+
+def test_a_recording_in_memory_is_replayed():
+    assert decide(MemoryFacts(replayable=True), once_mode=True) == policy.ReplayFromMemory()
+
+
+@pytest.mark.parametrize("has_session", [True, False])
+def test_once_mode_fails_closed_what_it_cannot_read_and_refuses_a_spent_claim(has_session):
+    spent = decide(MemoryFacts(exhausted=True), once_mode=True, has_session=has_session)
+    assert spent == policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
+    unknown = decide(MemoryFacts(), once_mode=True, has_session=has_session)
+    if has_session:  # only a session's operation can ever have a recovery dispatch
+        assert unknown == policy.Denied("upstream_request_timeout", "ledger_unavailable")
+    else:
+        assert unknown == policy.Dispatch("original")
+
+
+def test_other_modes_keep_a_known_cooldown_and_never_recover_blind():
+    assert decide(MemoryFacts(), circuit_remaining_s=3.0) == policy.Fenced(3.0, False)
+    assert decide(MemoryFacts(), recovering=True) == policy.Denied(
+        "upstream_request_timeout", "ledger_unavailable")
+    assert decide(MemoryFacts()) == policy.Dispatch("original")
+
+
+def test_knowledge_learns_and_forgets_as_the_ledger_would():
+    k = Knowledge()
+    k.in_flight_elsewhere("op", 7)
+    assert k.facts("op", in_flight_here=False, fingerprint="f", now=1000.0,
+                   window_s=300).in_flight_elsewhere
+    k.completed("op", rec())
+    facts = k.facts("op", in_flight_here=False, fingerprint="f", now=1100.0, window_s=300)
+    assert facts.replayable and not facts.in_flight_elsewhere
+    # another body under the same key (an Idempotency-Key reuse), a passed window, replay off
+    assert not k.facts("op", in_flight_here=False, fingerprint="g", now=1100.0, window_s=300).replayable
+    assert not k.facts("op", in_flight_here=False, fingerprint="f", now=1400.0, window_s=300).replayable
+    assert not k.facts("op", in_flight_here=False, fingerprint="f", now=1100.0, window_s=None).replayable
+    k.exhausted("spent")
+    assert k.facts("spent", in_flight_here=False, fingerprint="f", now=0, window_s=1).exhausted
+
+
+def test_knowledge_is_bounded_in_entries_and_bytes():
+    k = Knowledge(max_operations=3, max_bytes=25)
+    for i in range(5):
+        k.exhausted(f"op{i}")
+        k.completed(f"r{i}", rec(10))
+    assert k.recording_bytes <= 25
+    kept = [i for i in range(5) if k.recording(f"r{i}", fingerprint="f", now=1000, window_s=9)]
+    assert kept == [3, 4]  # the oldest dropped first
+    assert [i for i in range(5) if k.facts(f"op{i}", in_flight_here=False, fingerprint="f",
+                                            now=0, window_s=None).exhausted] == [2, 3, 4]
+    k.completed("huge", rec(100))  # larger than the whole budget: not kept
+    assert k.recording("huge", fingerprint="f", now=1000, window_s=9) is None

@@ -1,0 +1,57 @@
+"""Liveness by proof (``liveness``): when a peer process counts as gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from turnguard_core import liveness
+from turnguard_core.liveness import PeerRow, ProcessIdentity, verdict
+
+ME = ProcessIdentity("host", "boot-1", "pid:[1]", 100, 5000)
+
+
+def peer(**changes) -> PeerRow:
+    fields = {"host": "host", "boot_id": "boot-1", "pid_ns": "pid:[1]", "pid": 200,
+              "start_ticks": 7000, **changes}
+    return PeerRow("peer", ProcessIdentity(**fields), heartbeat_at=1000.0)
+
+
+def judge(row: PeerRow, *, now: float = 1001.0, running: dict[int, int] | None = None) -> str:
+    running = {200: 7000} if running is None else running
+    return verdict(row, me=ME, now=now, lease_s=300, start_ticks_of=running.get)
+
+
+def test_a_peer_in_this_kernel_and_pid_namespace_is_judged_by_its_pid_only():
+    assert judge(peer()) == "alive"
+    assert judge(peer(), now=1e9) == "alive"  # silent for ages but running: a stall, not death
+    assert judge(peer(), running={}) == "dead"  # its pid is gone
+    assert judge(peer(), running={200: 9999}) == "dead"  # its pid now belongs to another process
+
+
+def test_a_peer_that_cannot_be_checked_is_judged_by_its_lease():
+    for other in (peer(boot_id="boot-2"), peer(pid_ns="pid:[2]"), peer(start_ticks=None),
+                  peer(boot_id=""), PeerRow("gone", ProcessIdentity("", "", "", -1, None), 1000.0)):
+        assert judge(other, running={}) == "alive"  # within its lease, even if no such pid here
+        assert judge(other, now=1000.0 + 301, running={}) == "stale"
+
+
+def test_without_proc_this_process_is_never_comparable():
+    me_unknown = ProcessIdentity("host", "", "", 100, None)
+    assert verdict(peer(), me=me_unknown, now=1001.0, lease_s=300,
+                   start_ticks_of=lambda pid: None) == "alive"
+
+
+def test_this_process_identity_and_the_probe_agree():
+    me = liveness.read_process_identity()
+    assert me.pid == os.getpid() and me.boot_id and me.pid_ns.startswith("pid:[")
+    assert liveness.probe_start_ticks(me.pid) == me.start_ticks
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ticks = liveness.probe_start_ticks(child.pid)
+        assert ticks is not None and ticks >= me.start_ticks
+    finally:
+        child.kill()
+        child.wait(10)
+    assert liveness.probe_start_ticks(child.pid) is None  # reaped: gone

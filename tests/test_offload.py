@@ -1,0 +1,65 @@
+"""Large bodies are identified in a worker process (``offload``): the same identity as inline,
+and a body too costly to identify in time is passed through instead of holding the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from turnguard_core import identity
+from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker
+
+UPSTREAM = identity.Upstream("https", "api.example", 443)
+
+
+def view(body: bytes) -> identity.RequestView:
+    headers = (("authorization", "Bearer k"), ("session-id", "s"))
+    return identity.RequestView("POST", "/v1/responses", headers, body, UPSTREAM)
+
+
+@pytest.fixture
+def worker():
+    w = IdentityWorker()
+    yield w
+    w.close()
+
+
+async def test_the_worker_computes_the_same_identity_as_inline(worker):
+    items = [{"type": "message", "role": "user", "content": "x" * 1000, "n": i} for i in range(400)]
+    body = json.dumps({"model": "m", "input": items}).encode()
+    assert len(body) > INLINE_MAX_BYTES
+    reordered = json.dumps({"input": items, "model": "m"}, indent=1).encode()
+    offloaded = await worker.identify(view(body), timeout_s=30)
+    assert offloaded == identity.identify(view(body))
+    assert (await worker.identify(view(reordered), timeout_s=30)).op_key == offloaded.op_key
+    hostile = await worker.identify(view(b'{"a": 1, "a": 2}' + b" " * INLINE_MAX_BYTES), timeout_s=30)
+    assert hostile == identity.Passthrough("duplicate keys in JSON body")
+
+
+async def test_a_body_too_costly_to_identify_in_time_is_passed_through(worker):
+    body = ('{"input":[' + ",".join('{"a":1,"b":[2]}' for _ in range(1_500_000)) + "]}").encode()
+    out = await worker.identify(view(body), timeout_s=0.2)
+    assert isinstance(out, identity.Passthrough) and "took longer than 0.2 s" in out.reason
+    # the worker was replaced: the next large body is identified again
+    small_enough = json.dumps({"input": "y" * (INLINE_MAX_BYTES + 1)}).encode()
+    assert isinstance(await worker.identify(view(small_enough), timeout_s=30), identity.Identity)
+
+
+async def test_the_event_loop_runs_while_the_worker_parses(worker):
+    body = ('{"input":[' + ",".join('{"a":1}' for _ in range(200_000)) + "]}").encode()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    task = asyncio.ensure_future(ticker())
+    try:
+        await worker.identify(view(body), timeout_s=60)
+    finally:
+        task.cancel()
+    assert ticks > 5  # the loop kept turning while a body of 200,000 objects was parsed
