@@ -1,278 +1,91 @@
 """turnguard: hold duplicate AI model turns instead of executing them twice.
 
-Load it with ``mitmdump -s addon/turnguard.py --mode reverse:https://api.openai.com``. This file is
-the imperative shell: the only code that speaks mitmproxy. It translates hooks into calls on the
-pure core (``turnguard_core``: identity, policy, SSE, tee) and the ledger, and the core's decisions
-into flow actions. "What happens to a duplicate" is ``TurnGuard._guard``.
+Load it with ``mitmdump -s addon/turnguard.py --mode reverse:https://api.openai.com``. This file
+is the mitmproxy-facing shell: ``TurnGuard`` turns hooks into calls on the pure core
+(``turnguard_core``) and the core's decisions into flow actions; the parts of the shell that
+hold state live in ``turnguard_shell``. What happens to a request, and so to a duplicate, is
+the loop of ``TurnGuard._guard`` over the states of ``turnguard_core.machine``.
 """
 
-
 import asyncio
-import collections
-import dataclasses
-import json
 import logging
 import os
 import sys
 import time
-import uuid
-import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import assert_never
 
 # mitmproxy puts this folder on sys.path only while it loads the script: import the core now.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from mitmproxy import command, ctx, exceptions, flowfilter, hooks, http  # noqa: E402
+from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
-from turnguard_core import (  # noqa: E402
-    answers,
-    circuit,
-    identity,
-    liveness,
-    negotiation,
-    options,
-    policy,
-)
+from turnguard_core import circuit, identity, machine, negotiation, options, policy  # noqa: E402
 from turnguard_core.codec import BoundedCodec  # noqa: E402
-from turnguard_core.heartbeat import Heartbeat  # noqa: E402
-from turnguard_core.knowledge import Knowledge, KnownRecording  # noqa: E402
-from turnguard_core.ledger import (  # noqa: E402
-    AttemptEnd,
-    FinishResult,
-    Ledger,
-    LedgerError,
-    Recording,
-    check_path,
-)
-from turnguard_core.ledger_runner import LedgerRunner, LedgerTimeout  # noqa: E402
+from turnguard_core.failover import FailoverStore  # noqa: E402
 from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker  # noqa: E402
-from turnguard_core.private_files import UnsafePath  # noqa: E402
-from turnguard_core.proxy_internals import (  # noqa: E402
-    client_stream_closed,
-    cut_upstream,
-    find_http_layer,
-)
-from turnguard_core.tee import ResponseTee, recordable_headers  # noqa: E402
 from turnguard_core.telemetry import Telemetry  # noqa: E402
+from turnguard_shell import config, flows  # noqa: E402
+from turnguard_shell.commands import Commands  # noqa: E402
+from turnguard_shell.inflight import InFlight  # noqa: E402
+from turnguard_shell.maintenance import Maintenance  # noqa: E402
+from turnguard_shell.process import ProcessState  # noqa: E402
+from turnguard_shell.sessions import Sessions  # noqa: E402
+from turnguard_shell.waiters import Waiters  # noqa: E402
 
 logger = logging.getLogger("turnguard")
 
 MAX_GUARDED_BODY = 64 * 1024 * 1024
 IDENTITY_TIMEOUT_S = 5.0  # a large body not identified by then is passed through
 MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
-FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
-TICK_S = 1.0  # notice killed or disconnected held flows; probe a ledger that failed; reap
-HEARTBEAT_S = 5.0  # renew this instance's lease (on a thread of its own)
-REAP_S = 5.0  # look for dead peers' attempts this often (every FOREIGN_POLL_S when waiting on one)
-LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
-LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
-LEDGER_REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
-STATUS_TIMEOUT_S = 1.0
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
-FIRST_EVENT_DELAY_S = 0.1  # a stream's first event is recorded this late, unless it ended
-
-_UNAVAILABLE = object()  # what _ledger() returns when the ledger cannot be used
-
-MARK_HELD = ":hourglass:"
-MARK_COOLDOWN = ":snowflake:"
-MARK_REPLAYED = ":recycle:"
-MARK_REJECTED = ":no_entry:"
-MARK_CUT = ":scissors:"
-MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
-
-
-@dataclass
-class _Attempt:
-    """A guarded flow this process dispatched upstream, until its outcome is recorded."""
-
-    flow_id: str
-    ident: identity.Identity
-    attempt_id: int | None  # None when the ledger was unavailable
-    generation: str  # of the ledger file that holds attempt_id
-    kind: str
-    started: float
-    circuit_scope: str
-    method: str
-    route: str  # path without query, as the ledger stores it
-    status: int | None = None
-    tee: ResponseTee | None = None
-    cut_reason: str | None = None  # set when turnguard cut the upstream itself
-    timer: asyncio.TimerHandle | None = None  # response_created timeout
-
-    def stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-
-@dataclass
-class _Held:
-    """A request turnguard keeps waiting: a duplicate of an attempt in flight, or a request
-    held through a cooldown (``cooldown``), which waits on a timer and its session's lease."""
-
-    flow: http.HTTPFlow
-    op_key: str
-    since: float
-    wake: asyncio.Future
-    foreign_attempt: int | None = None  # set when another process owns the attempt
-    cooldown: bool = False
-    session: str | None = None
-    epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class _Ended:
-    """Why a held flow woke up: the attempt ended (maybe with a recording to replay)."""
-
-    outcome: str
-    recording: Recording | None = None
-
-
-@dataclass(frozen=True)
-class _Gone:
-    """Why a held flow woke up: it was killed or its client went away."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class _OwnershipLost:
-    """Why a cooldown-held flow woke up: another process took its session (higher epoch)."""
-
-    epoch: int | None
-
-
-@dataclass
-class _PendingWrite:
-    """A ledger write that decides the future (an attempt's end or first event), kept in
-    order until it lands; ``landed`` runs with its result then."""
-
-    generation: str
-    call: str
-    args: tuple
-    kwargs: dict
-    landed: Any = None
-
-
-@dataclass
-class _ProcessState:
-    """What outlives a script reload (mitmproxy keeps its master and re-creates the addon):
-    the instance this process is in the ledger, and its attempts in flight, whose remaining
-    hooks go to the new addon instance. Kept on the master."""
-
-    instance_id: str
-    identity: liveness.ProcessIdentity
-    attempts: dict = dataclasses.field(default_factory=dict)  # flow id -> _Attempt
-    local: dict = dataclasses.field(default_factory=dict)  # op key -> flow id of an attempt
-    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
-    knowledge: Knowledge = dataclasses.field(default_factory=Knowledge)
-    guard: Any = None  # the TurnGuard instance that gets the hooks now
-
-    @classmethod
-    def of(cls, master) -> "_ProcessState":
-        state = getattr(master, "_turnguard_process", None)
-        if state is None:
-            state = cls(uuid.uuid4().hex[:16], liveness.read_process_identity())
-            try:
-                master._turnguard_process = state
-            except AttributeError:  # no master (unit tests without one)
-                pass
-        return state
-
-
-def _accepts_sse(flow: http.HTTPFlow) -> bool:
-    return "text/event-stream" in flow.request.headers.get("accept", "")
-
-
-def _via(flow: http.HTTPFlow) -> str | None:
-    """The upstream proxy a flow goes through (mitmproxy's upstream mode), as a URL."""
-    via = flow.server_conn.via
-    if via is None:
-        return None
-    try:
-        scheme, (host, port) = via
-        return f"{scheme}://{host}:{port}"
-    except (TypeError, ValueError):  # not a ServerSpec: still a value of its own
-        return repr(via)
-
-
-def _headers(pairs) -> http.Headers:
-    return http.Headers(
-        [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape")) for k, v in pairs]
-    )
 
 
 class TurnGuard:
     def __init__(self) -> None:
-        # this process in the ledger; replaced in load by the one kept on the master
-        self._process = _ProcessState(uuid.uuid4().hex[:16], liveness.read_process_identity())
-        self.db: LedgerRunner | None = None  # the ledger; never blocks the loop for long
-        self._heartbeat: Heartbeat | None = None
-        self._identity_worker = IdentityWorker()  # large bodies are identified there
-        self._reopen_at = 0.0  # a ledger that could not be opened is not tried before then
-        self._recovering = asyncio.Lock()  # one catch-up of a failed ledger at a time
-        self.ledger_path = ""
-        self.ledger_error: str | None = None
-        self.telemetry = Telemetry()
-        self.filter: flowfilter.TFilter | None = None
         self.settings = options.settings_from(options.DEFAULTS)
-        self._held: dict[str, _Held] = {}  # flow id -> held request
-        self._sessions: dict[str, policy.SessionOwnership] = {}  # sessions this process owns
-        self._circuits: dict[str, circuit.CircuitState] = {}  # last known, for when the ledger is down
-        self._ticker: asyncio.Task | None = None
-        # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
-        self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._last_probe = 0.0
-        self._has_view: bool | None = None  # is there a UI whose flow list needs refreshing?
-        self._last_gc = 0.0
-        self._last_reap = 0.0
+        self.filter: flowfilter.TFilter | None = None
+        self.telemetry = Telemetry()
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
+        self._identity_worker = IdentityWorker()  # large bodies are identified there
+        self._build(ProcessState.new())
+
+    def _build(self, process: ProcessState) -> None:
+        """The parts, around ``process`` (kept on mitmproxy's master across script reloads)."""
+        self._process = process
+        self.waiters = Waiters()
+        self.clients = flows.ClientWatch()
+        self.explainer = flows.Explainer()
+        self.store = FailoverStore(
+            instance_id=process.instance_id, identity=process.identity, emit=self._emit,
+            memory=process.memory, kept=process.kept_writes, attempts=lambda: self.inflight,
+            on_reregistered=lambda incarnation: self.sessions.forget_all(),
+        )
+        self.inflight = InFlight(process, self.store, self.waiters, self.explainer, self._emit,
+                                 lambda: self.settings)
+        self.sessions = Sessions(self.store, self._emit)
+        self.maintenance = Maintenance(self)
+        self.addons = [self.maintenance, Commands(self)]
 
     @property
     def instance_id(self) -> str:
         return self._process.instance_id
 
-    @property
-    def _attempts(self) -> dict[str, _Attempt]:
-        """Flow id -> this process's attempt in flight (kept across script reloads)."""
-        return self._process.attempts
-
-    @property
-    def _local(self) -> dict[str, str]:
-        """Op key -> flow id of this process's attempt of it in flight."""
-        return self._process.local
-
-    @property
-    def _pending(self) -> "collections.deque[_PendingWrite]":
-        """Ledger writes kept, in order, while the ledger is down."""
-        return self._process.pending
-
-    @property
-    def _knowledge(self) -> Knowledge:
-        """The ledger's durable facts this process learned, for deciding without it."""
-        return self._process.knowledge
-
-    def _current(self) -> "TurnGuard":
-        """The addon instance that gets the hooks now (another one after a script reload):
-        callbacks of a flow in flight go there, not to the instance that dispatched it."""
-        return self._process.guard or self
+    def _emit(self, event: str, **fields) -> None:
+        self.telemetry.emit(event, **fields)
 
     # -- options ---------------------------------------------------------------------------------
     def load(self, loader) -> None:
         # A script reload makes a new TurnGuard in the same process: it takes over the
         # process's instance id and its attempts in flight (their hooks now come here).
-        self._process = _ProcessState.of(loader.master)
+        self._build(ProcessState.of(loader.master))
         self._process.guard = self
         for spec in options.OPTIONS:
-            loader.add_option(
-                spec.name, spec.type, spec.default, spec.help,
-                choices=list(spec.choices) if spec.choices else None,
-            )
+            loader.add_option(spec.name, spec.type, spec.default, spec.help,
+                              choices=list(spec.choices) if spec.choices else None)
         # --set values of not-yet-registered options wait in `deferred`; mitmproxy applies ours
         # right after this hook. A typo there would be ignored for ever, and a value of the
         # wrong type would make mitmproxy drop the script without a word: check them first.
@@ -285,35 +98,21 @@ class TurnGuard:
     def configure(self, updated: set[str]) -> None:
         if self.refused:
             return
-        try:
-            self.settings = options.settings_from(
-                {spec.name: getattr(ctx.options, spec.name) for spec in options.OPTIONS}
-            )
-        except ValueError as e:
-            return self._refuse(str(e))
         o = ctx.options
-        if "turnguard_filter" in updated:
-            try:
-                self.filter = flowfilter.parse(o.turnguard_filter)
-            except ValueError as e:
-                return self._refuse(f"turnguard_filter={o.turnguard_filter!r} is not valid: {e}")
-        if "turnguard_events" in updated:
-            try:
-                telemetry = Telemetry(os.path.expanduser(o.turnguard_events) or None)
-            except UnsafePath as e:
-                return self._refuse(f"turnguard_events={o.turnguard_events!r} is refused: {e}")
-            except OSError as e:
-                return self._refuse(
-                    f"turnguard_events={o.turnguard_events!r} cannot be opened: {e.strerror}"
-                )
-            self.telemetry.close()
-            self.telemetry = telemetry
-        if "turnguard_ledger" in updated or "confdir" in updated:
-            try:
-                path = self._ledger_path()
-            except OSError as e:
-                return self._refuse(f"turnguard_ledger: cannot use the folder: {e}")
-            self._open_ledger(path)
+        try:
+            self.settings = options.settings_from({s.name: getattr(o, s.name) for s in options.OPTIONS})
+            if "turnguard_filter" in updated:
+                self.filter = config.parse_filter(o.turnguard_filter)
+            if "turnguard_events" in updated:
+                telemetry = config.open_events(o.turnguard_events)
+                self.telemetry.close()
+                self.telemetry = telemetry
+            if "turnguard_ledger" in updated or "confdir" in updated:
+                # a refused path leaves the ledger in use; a fault at open is noted and the
+                # ledger tried again later
+                self.store.open(config.ledger_path(o.turnguard_ledger, o.confdir))
+        except ValueError as e:
+            self._refuse(str(e))
 
     def _refuse(self, message: str) -> None:
         """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off
@@ -324,573 +123,113 @@ class TurnGuard:
         self.refused.append(message)
         logger.error("turnguard: %s; turnguard is not running", message)
 
-    def _ledger_path(self) -> str:
-        if ctx.options.turnguard_ledger:
-            return os.path.abspath(os.path.expanduser(ctx.options.turnguard_ledger))
-        confdir = os.path.expanduser(ctx.options.confdir)
-        os.makedirs(confdir, mode=0o700, exist_ok=True)
-        return os.path.join(confdir, "turnguard.sqlite3")
-
-    def _open_ledger(self, path: str) -> None:
-        """Open the ledger (start-up, or a change of option). A path others could write to is
-        refused (the ledger in use stays); any other fault leaves turnguard running without
-        it, and the ticker tries again every few seconds."""
-        try:
-            check_path(path)
-        except LedgerError as e:
-            return self._refuse(f"turnguard_ledger={path} is refused: {e}")
-        self._close_ledger()
-        self.ledger_path = path
-        self._try_open(path)
-
-    def _connect(
-        self, path: str, loop: asyncio.AbstractEventLoop
-    ) -> tuple[LedgerRunner, Heartbeat]:
-        """Open the ledger and start the heartbeat on its own connection (blocking; raises
-        ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
-        process = self._process
-        db = LedgerRunner(Ledger(
-            path, process.instance_id, busy_timeout_ms=LEDGER_BUSY_MS, identity=process.identity,
-        ))
-        try:
-            db.call_sync("open", time.time())
-            heartbeat = Heartbeat(
-                Ledger(path, process.instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
-                       identity=process.identity),
-                interval_s=HEARTBEAT_S,
-                on_reregistered=lambda n: loop.call_soon_threadsafe(self._reregistered, n),
-                on_file_gone=lambda why: loop.call_soon_threadsafe(self._ledger_file_gone, why),
-            )
-            heartbeat.start(time.time())
-        except BaseException:
-            db.close()
-            raise
-        return db, heartbeat
-
-    @property
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        try:
-            return asyncio.get_running_loop()
-        except RuntimeError:  # configure called outside the loop (unit tests)
-            return asyncio.get_event_loop_policy().get_event_loop()
-
-    def _try_open(self, path: str) -> bool:
-        """Open the ledger now (start-up, a change of option)."""
-        try:
-            connected = self._connect(path, self._loop)
-        except (LedgerError, OSError) as e:
-            self._ledger_down(e, "open")
-            return False
-        self._use(connected, path)
-        return True
-
-    async def _reopen(self) -> None:
-        """Try to open the ledger again (the ticker, after a fault at open or a lost file)."""
-        self._reopen_at = time.monotonic() + LEDGER_REOPEN_S
-        try:
-            loop = asyncio.get_running_loop()
-            connected = await loop.run_in_executor(None, self._connect, self.ledger_path, loop)
-        except (LedgerError, OSError) as e:
-            self._ledger_down(e, "open")
-            return
-        if self.db is not None:  # opened meanwhile (a change of option)
-            connected[0].close()
-            connected[1].stop()
-            return
-        self._use(connected, self.ledger_path)
-
-    def _use(self, connected: tuple[LedgerRunner, Heartbeat], path: str) -> None:
-        self.db, self._heartbeat = connected
-        logger.info("turnguard: ledger %s (instance %s)", path, self.instance_id)
-        # After a fault, it stays noted until a try applies what is owed (_recover).
-
-    def _close_ledger(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self.db is not None:
-            self.db.close()
-            self.db = None
-
-    def _ledger_usable(self) -> bool:
-        """Decisions may read the ledger: it is open, no fault was noted since the ticker last
-        found it working, and it owes nothing (kept writes, attempts to register)."""
-        return self.db is not None and self.ledger_error is None and not self._pending
-
-    async def _ledger(
-        self, during: str, call: str, /, *args: Any, deadline: float | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Run a ledger call (see ``ledger_runner``). ``_UNAVAILABLE`` when the ledger cannot
-        answer (then the caller decides in memory or fails closed), after noting the fault.
-
-        A ledger that failed is tried again first (``_recover``): the moment a fault ends,
-        decisions read the ledger again, rather than deciding in memory what another process
-        may be running. ``deadline`` (monotonic) bounds the whole wait (plus a grace for a call
-        that started in time); a call still queued then never runs, and a claim that one made
-        after all is given back (``_give_back``), so nothing stays in flight for nobody."""
-        if self.db is None or deadline is not None and deadline <= time.monotonic():
-            return _UNAVAILABLE
-        if not self._ledger_usable() and not await self._recover(deadline):
-            return _UNAVAILABLE
-        try:
-            if deadline is None:
-                return await self.db.call(call, *args, **kwargs)
-            task = asyncio.ensure_future(self.db.call(call, *args, deadline=deadline, **kwargs))
-            wait_s = max(0.0, deadline - time.monotonic()) + LEDGER_LATE_S
-            done, _ = await asyncio.wait([task], timeout=wait_s)
-            if not done:
-                task.add_done_callback(self._give_back)
-                raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({call})")
-            return task.result()
-        except LedgerError as e:
-            self._ledger_down(e, during)
-            return _UNAVAILABLE
-
-    def _give_back(self, task: asyncio.Future) -> None:
-        """A ledger call that answered after its caller stopped waiting: a claim it made is
-        ended at once (``rejected``: it never went upstream), or the operation would stay in
-        flight with no one to end it."""
-        if task.cancelled() or task.exception() is not None:
-            return
-        claim = task.result()
-        if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
-            generation = self.db.ledger.generation if self.db is not None else ""
-            self._write(
-                generation, "finish", claim.attempt_id,
-                AttemptEnd("rejected", None, 0, "abandoned: the request stopped waiting for "
-                           "the ledger"),
-                now=time.time(),
-            )
-
-    def _write(
-        self, generation: str, call: str, /, *args: Any, landed=None, kept=None, **kwargs: Any
-    ) -> asyncio.Future | None:
-        """A ledger write that must never be lost (an attempt's end or first event): sent now
-        when the ledger is usable, else kept in order and applied by the ticker once it is
-        back (writes for a ledger file that was replaced meanwhile are dropped: their attempt
-        ids mean nothing in another file). ``kept()`` runs when it is kept instead of written
-        (now, or when sending it failed); ``landed(result, late)`` once it is written
-        (``late``: it had been kept). Returns the write's future when it was sent now."""
-        write = _PendingWrite(generation, call, args, kwargs, landed)
-        if not self._ledger_usable() or generation != self.db.ledger.generation:
-            self._pending.append(write)
-            if kept is not None:
-                kept()
-            return None
-        future = asyncio.wrap_future(self.db.submit(call, *args, **kwargs))
-
-        def done(f: asyncio.Future) -> None:
-            error = f.exception()
-            if error is not None:
-                self._pending.append(write)
-                self._ledger_down(error, call)
-                if kept is not None:
-                    kept()
-            elif landed is not None:
-                landed(f.result(), False)
-
-        future.add_done_callback(done)
-        return future
-
-    async def _recover(self, deadline: float | None) -> bool:
-        """Try to bring a ledger that failed (or owes writes) back, one try at a time, within
-        ``deadline``. True: it is usable again."""
-        try:
-            async with asyncio.timeout_at(
-                None if deadline is None else self._loop.time() + deadline - time.monotonic()
-            ):
-                async with self._recovering:
-                    if self._ledger_usable():
-                        return True
-                    if self.db is None or not await self._catch_up(deadline):
-                        return False
-                    self._ledger_up()
-                    return True
-        except TimeoutError:
-            return False
-
-    async def _catch_up(self, deadline: float | None = None) -> bool:
-        """Bring the ledger up to date before decisions read it again: register attempts in
-        flight that a replaced file does not know, then apply the kept writes in order. The
-        first write doubles as the probe; with none, a heartbeat is the probe. False: the
-        ledger failed again (noted)."""
-        db = self.db
-        try:
-            for attempt in list(self._attempts.values()):
-                if attempt.attempt_id is not None and attempt.generation != db.ledger.generation:
-                    await self._adopt(attempt, deadline)
-            probed = bool(self._pending)
-            dropped = 0
-            while self._pending:
-                write = self._pending[0]
-                if write.generation != db.ledger.generation:
-                    self._pending.popleft()
-                    dropped += 1
-                    continue
-                result = await db.call(write.call, *write.args, deadline=deadline, **write.kwargs)
-                self._pending.popleft()
-                if write.landed is not None:
-                    write.landed(result, True)
-            if dropped:
-                self.telemetry.emit("ledger_writes_dropped", writes=dropped,
-                                    reason="the ledger file they belong to was replaced")
-            if not probed and await db.call(
-                "heartbeat", time.time(), deadline=deadline
-            ) == "reregistered":
-                self._reregistered(db.ledger.incarnation)
-        except LedgerError as e:
-            self._ledger_down(e, "probe")
-            return False
-        return True
-
-    async def _adopt(self, attempt: _Attempt, deadline: float | None) -> None:
-        """Register an attempt in flight here in a ledger file that does not know it (the
-        file was deleted or replaced), so other processes hold its duplicates."""
-        ident = attempt.ident
-        attempt_id = await self.db.call(
-            "adopt_attempt", ident, method=attempt.method, path=attempt.route,
-            kind=attempt.kind, flow_id=attempt.flow_id, now=time.time(),
-            circuit_scope=attempt.circuit_scope, deadline=deadline,
-        )
-        attempt.attempt_id, attempt.generation = attempt_id, self.db.ledger.generation
-        self.telemetry.emit("attempt_adopted", op=ident.op_id, flow=attempt.flow_id,
-                            attempt=attempt_id, ledger_generation=attempt.generation)
-
-    def _ledger_down(self, error: Exception, during: str) -> None:
-        """Note that the ledger failed (said once per outage): decisions are made in memory
-        until a try (the next request's, or the ticker's) finds it working again."""
-        if self.ledger_error is None:
-            # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
-            # broken ledger must not stop the proxy.
-            logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
-                           "it recovers", self.ledger_path, during, error)
-            self.telemetry.emit("ledger_unavailable", during=during, error=str(error))
-        self.ledger_error = str(error)
-
-    def _ledger_up(self) -> None:
-        if self.ledger_error is not None:
-            logger.warning("turnguard: ledger %s usable again", self.ledger_path)
-            self.telemetry.emit("ledger_recovered", error_was=self.ledger_error)
-        self.ledger_error = None
-
-    def _ledger_file_gone(self, why: str) -> None:
-        """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
-        ledger. The ticker opens the file now at the path and registers this process's
-        attempts in flight in it before deciding from it."""
-        if self.db is None:
-            return
-        self._close_ledger()
-        self._ledger_down(LedgerError(why), "file check")
-        self._reopen_at = 0.0  # open the new file at once
-
-    def _reregistered(self, incarnation: int) -> None:
-        """A peer judged this process dead and reaped its attempts in flight (a long pause);
-        it is registered again. Sessions it owned may have been taken over: forget them, so
-        the next request claims them afresh; its attempts' late ends will not overwrite."""
-        self._sessions.clear()
-        self.telemetry.emit("instance_reregistered", instance=self.instance_id,
-                            incarnation=incarnation, attempts_in_flight=len(self._attempts))
-        logger.warning("turnguard: this process was taken for dead by another one sharing the "
-                       "ledger and registered again (incarnation %d)", incarnation)
-
     # -- lifecycle -------------------------------------------------------------------------------
     def running(self) -> None:
         self._running = True
-        if self.refused:
-            return
-        logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
-                    self.instance_id, self.settings.recovery_mode, self.ledger_path)
-        self._ensure_ticker()
+        if not self.refused:
+            logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
+                        self.instance_id, self.settings.recovery_mode, self.store.path)
 
     def done(self) -> None:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
         once (killed, so their clients retry against the new instance) instead of waiting
         out their bound on an addon that no longer gets events. Attempts in flight, writes
-        owed to the ledger and what is known of it stay with the process, for the next
-        instance after a reload."""
-        for held in list(self._held.values()):
-            if not held.wake.done():
-                held.wake.set_result(_Gone("turnguard unloaded"))
-        if self._ticker is not None:
-            self._ticker.cancel()
-        self._close_ledger()
+        owed to the ledger and what is known of it stay with the process."""
+        self.waiters.release_all("turnguard unloaded")
+        self.store.close()
         self._identity_worker.close()
         self.telemetry.close()
         if self._process.guard is self:
             self._process.guard = None
 
-    def _ensure_ticker(self) -> None:
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
-
-    async def _tick_forever(self) -> None:
-        """One task for the whole process: wakes held flows that were killed or whose client
-        left, re-checks operations owned by other processes, renews the leases of sessions
-        with requests held through a cooldown, brings a ledger that failed back, reaps dead
-        peers' attempts and collects garbage. It sleeps longer when nothing is held, so an
-        idle proxy does next to no work. (The heartbeat has a thread of its own.)"""
-        while True:
-            foreign = any(h.foreign_attempt is not None for h in self._held.values())
-            await asyncio.sleep(FOREIGN_POLL_S if foreign else TICK_S)
-            try:
-                self._wake_gone_flows()
-                await self._maintain(time.time())
-                if foreign:
-                    await self._poll_foreign()
-                if any(h.cooldown for h in self._held.values()):
-                    await self._check_cooldown_sessions(time.time())
-            except Exception:
-                logger.exception("turnguard: maintenance tick failed")
-
-    async def _maintain(self, now: float) -> None:
-        if self.db is None:
-            if self.ledger_path and time.monotonic() >= self._reopen_at:
-                await self._reopen()  # recover by itself once the fault is gone
-            return
-        if not self._ledger_usable() and not await self._recover(None):
-            return
-        if time.monotonic() - self._last_reap >= REAP_S:
-            await self._reap_dead(now)
-        if now - self._last_gc >= policy.gc_interval_s(self.settings.guard.retention_s):
-            self._last_gc = now
-            n = await self._ledger(
-                "gc", "collect_garbage", now=now, retention_s=self.settings.guard.retention_s,
-                instance_stale_s=self.settings.instance_lease_s,
-            )
-            if n and n is not _UNAVAILABLE:
-                self.telemetry.emit("ledger_gc", operations_deleted=n)
-
-    async def _reap_dead(self, now: float) -> None:
-        """Attempts left in flight by a dead peer become ``unknown`` (or ``partial``). Dead
-        means proven gone, or silent for longer than its lease (see ``liveness``): a peer
-        that is only stalled keeps its attempts, so they never run twice."""
-        self._last_reap = time.monotonic()
-        peers = await self._ledger("reap", "peers_with_attempts_in_flight")
-        if peers is _UNAVAILABLE:
-            return
-        lease_s = self.settings.instance_lease_s
-        for peer in peers:
-            verdict = liveness.verdict(
-                peer, me=self._process.identity, now=now, lease_s=lease_s,
-                start_ticks_of=liveness.probe_start_ticks,
-            )
-            if verdict == "alive":
-                continue
-            ops = await self._ledger(
-                "reap", "reap_instance", peer.instance_id, now=now,
-                stale_before=None if verdict == "dead" else now - lease_s,
-            )
-            if ops is not _UNAVAILABLE and ops:
-                for op_key in ops:
-                    self._knowledge.ended(op_key)
-                self.telemetry.emit(
-                    "instance_reaped", instance=peer.instance_id, pid=peer.identity.pid,
-                    proof="process gone" if verdict == "dead" else "lease expired",
-                    operations=[k[:12] for k in ops],
-                )
-
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
         if self.refused or self.filter is None or flow.response is not None or not self.filter(flow):
             return
-        self._ensure_ticker()
+        self.maintenance.ensure_running()
         try:
             await self._guard(flow)
         except Exception as e:  # never break traffic: the flow goes on as a plain proxy's would
             logger.exception("turnguard: request hook failed; forwarding %s unguarded", flow.id)
-            self.telemetry.emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}")
+            self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}")
 
     async def _guard(self, flow: http.HTTPFlow) -> None:
-        """What happens to a guarded request, and so to a duplicate.
-
-        Admit it against the ledger: dispatch (the first, a retry after a failed attempt, or a
-        recovery after a cooldown), replay (a completed recording), conflict (422), hold while
-        another attempt of the same operation is in flight, or fenced by a cooling circuit.
-        A held duplicate waits, event-driven, for that attempt to end and is admitted again;
-        past the hold bound it gets 409 turn_in_progress. A fenced request fails closed (503)
-        unless the recovery mode lets it wait out the cooldown; then it asks for a recovery
-        claim. Every path ends in exactly one answer or one dispatch."""
-        ident = await self._identify(flow, self.settings.request_budget_s)
-        if isinstance(ident, identity.Passthrough):
-            self.telemetry.emit("passthrough", flow=flow.id, reason=ident.reason)
-            return
+        """What happens to a guarded request: the machine's states, until a terminal one."""
         cfg = self.settings
-        arrived = time.monotonic()
-        budget_deadline = arrived + cfg.request_budget_s
+        budget_deadline = time.monotonic() + cfg.request_budget_s
+        ident = await self._identify(flow, cfg.request_budget_s)
+        if isinstance(ident, identity.Passthrough):
+            self._emit("passthrough", flow=flow.id, reason=ident.reason)
+            return
 
         def ledger_deadline() -> float:  # no wait for the ledger outlives the request's budget
             return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
 
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
-        owner = await self._ownership(ident.session, ledger_deadline())
-        base = {"op": ident.op_id, "flow": flow.id, "session": ident.session}
-        held_since: float | None = None
-        hold_deadline = 0.0
-        recovery: policy.RecoveryClaim | None = None
+        owner = await self.sessions.ownership(ident.session, lease_s=cfg.owner_lease_s,
+                                              deadline=ledger_deadline())
+        req = machine.RequestFacts(
+            ident.op_id, ident.op_key, flow.id, ident.session, ident.turn_state is not None,
+            ident.previous_response_id is not None, flows.accepts_sse(flow), budget_deadline,
+            cfg.hold_timeout_s, cfg.recovery_mode, cfg.circuit.threshold, owner)
+        state: machine.State = machine.start()
         while True:
-            admission = await self._admit(flow, ident, scope, recovery, ledger_deadline())
-            now = time.monotonic()
-            held_ms = 0 if held_since is None else round((now - held_since) * 1000)
-            if isinstance(admission, policy.Dispatch):
-                self._dispatch(flow, ident, admission, scope)
-                self.telemetry.emit(
-                    "dispatch", **base, attempt=admission.attempt_id, kind=admission.kind,
-                    ledger=admission.attempt_id is not None,
-                )
-                if admission.kind == "recovery":
-                    self.telemetry.emit("recovery_claimed", **base, attempt=admission.attempt_id,
-                                        epoch=recovery.epoch if recovery else None)
-                    self._show(flow, None, "turnguard: held through the cooldown, then sent "
-                               f"upstream once as the recovery dispatch of {ident.op_id}")
-                elif held_since is not None:
-                    self.telemetry.emit("duplicate_forwarded", **base, held_ms=held_ms)
-                    self._show(flow, None, f"turnguard: held {held_ms} ms, then forwarded "
-                               f"(the earlier attempt of {ident.op_id} did not complete)")
-                return
-            if isinstance(admission, (policy.Replay, policy.ReplayFromMemory)):
-                recording = self._knowledge.recording(
-                    ident.op_key, fingerprint=ident.fingerprint, now=time.time(),
-                    window_s=self._replay_window_s(ident),
-                )
-                if recording is None and isinstance(admission, policy.Replay):
-                    recording = await self._ledger("replay", "recording", admission.attempt_id,
-                                                   deadline=ledger_deadline())
-                if recording is _UNAVAILABLE or recording is None and not isinstance(
-                    admission, policy.Replay
-                ):
-                    # it completed, but its bytes cannot be read now: never run it again
-                    await self._fail_closed(flow, base, scope, "ledger_unavailable",
-                                            deadline=ledger_deadline())
+            match state:
+                case machine.Admit():
+                    admission = await self._admit(flow, ident, scope, state, ledger_deadline())
+                    state, effects = machine.on_admission(req, state, admission, time.monotonic(),
+                                                          ledger_down=self.store.down_reason())
+                case machine.HoldDuplicate():
+                    local = self.inflight.is_local(ident.op_key)
+                    woke = await self.waiters.duplicate(
+                        flow, ident.op_key, None if local else (state.attempt_id or 0),
+                        state.deadline - time.monotonic())
+                    state, effects = machine.on_woke(req, state, woke, time.monotonic(),
+                                                     gone=self.clients.gone(flow))
+                case machine.WaitCooldown():
+                    woke = await self.waiters.cooldown(flow, ident.op_key, ident.session,
+                                                       state.epoch, state.wait_s)
+                    state, effects = machine.on_woke(req, state, woke, time.monotonic(),
+                                                     gone=self.clients.gone(flow))
+                case machine.FetchRecording():
+                    recording, readable = await self.store.recording(
+                        ident, state.attempt_id, window_s=self._replay_window_s(ident),
+                        deadline=ledger_deadline())
+                    state, effects = machine.on_recording(req, state, recording, readable=readable)
+                case machine.FailClosed():
+                    remaining = await self.store.circuit_remaining(scope, deadline=ledger_deadline())
+                    state, effects = machine.fail_closed(req, state, remaining)
+                case machine.Forward():
+                    self.inflight.start(flow, ident, state.dispatch, scope)
                     return
-                if recording is None:
-                    self.telemetry.emit("passthrough", **base, reason="recording missing")
+                case machine.Replay():
+                    await self._replay(flow, ident, state)
                     return
-                attempt_id = admission.attempt_id if isinstance(admission, policy.Replay) else None
-                await self._replay(flow, ident, recording, held_ms, attempt_id)
-                return  # replayed, or declined and forwarded
-            if isinstance(admission, policy.Conflict):
-                self.telemetry.emit("idempotency_key_conflict", **base)
-                self._answer(flow, answers.idempotency_key_conflict(), MARK_REJECTED,
-                             "turnguard: Idempotency-Key reused with a different body")
-                return
-            if isinstance(admission, policy.Denied):
-                if admission.reason == "claim_exhausted":
-                    self._knowledge.exhausted(ident.op_key)
-                self.telemetry.emit("recovery_denied", **base, reason=admission.reason,
-                                    code=admission.code)
-                await self._fail_closed(flow, base, scope, admission.reason, code=admission.code,
-                                        deadline=ledger_deadline())
-                return
-            if isinstance(admission, policy.Fenced):
-                denial = policy.fence_hold_denial(
-                    cfg.recovery_mode,
-                    has_turn_state=ident.turn_state is not None,
-                    has_previous_response_id=ident.previous_response_id is not None,
-                    owns_session=owner is not None,
-                    output_seen=admission.output_seen,
-                )
-                remaining_budget = budget_deadline - now
-                if denial is None and remaining_budget <= 0:
-                    denial = "request_budget_expired"
-                if denial == "owner_proof_missing" and ident.session and not self._ledger_usable():
-                    # no owner proof because there is no ledger to hold it: say so
-                    self.telemetry.emit("ledger_unavailable", **base, during="recovery_decision",
-                                        error=self.ledger_error)
-                    await self._fail_closed(flow, base, scope, "ledger_unavailable",
-                                            deadline=ledger_deadline())
+                case machine.Respond():
+                    flows.answer(flow, state.answer)
                     return
-                if denial is not None:
-                    self._cooldown_reject(flow, base, admission.remaining_s, denial)
+                case machine.Abandon():
+                    if flow.killable:
+                        flow.kill()  # never dispatch a request whose client is gone
                     return
-                woke = await self._wait_out_cooldown(
-                    flow, ident, base, owner, min(admission.remaining_s, remaining_budget),
-                    admission.remaining_s,
-                )
-                gone = woke if isinstance(woke, _Gone) else self._client_gone(flow)
-                if gone is not None:
-                    self._abandon(flow, base, gone if isinstance(gone, _Gone) else _Gone(gone),
-                                  held_since or now)
-                    return
-                if isinstance(woke, _OwnershipLost):
-                    self.telemetry.emit("ownership_lost", **base, epoch=woke.epoch)
-                    await self._fail_closed(flow, base, scope, "ownership_lost",
-                                            deadline=ledger_deadline())
-                    return
-                if time.monotonic() >= budget_deadline:
-                    await self._fail_closed(flow, base, scope, "request_budget_expired",
-                                            deadline=time.monotonic())
-                    return
-                recovery = policy.RecoveryClaim(
-                    ident.session, owner.owner_epoch,
-                    once=cfg.recovery_mode == "server_anchored_replay_once",
-                )
-                held_since = None  # what follows is a new phase: a duplicate hold, if any
-                continue
-            # Hold: another attempt of this operation is in flight.
-            if held_since is None:
-                held_since = now
-                hold_deadline = policy.hold_deadline(
-                    now, hold_timeout_s=cfg.hold_timeout_s, budget_deadline=budget_deadline
-                )
-                self.telemetry.emit(
-                    "duplicate_held", **base, attempt=admission.attempt_id,
-                    owner=admission.owner_instance,
-                    timeout_ms=max(0, round((hold_deadline - now) * 1000)),
-                )
-                self._show(flow, MARK_HELD, f"turnguard: held as a duplicate of operation "
-                           f"{ident.op_id}, waiting for its attempt in flight")
-            if now >= hold_deadline:
-                self._reject_in_progress(flow, base, held_since)
-                return
-            woke = await self._wait(flow, ident.op_key, admission, hold_deadline - now)
-            if woke is None:
-                self._reject_in_progress(flow, base, held_since)
-                return
-            gone = woke if isinstance(woke, _Gone) else self._client_gone(flow)
-            if gone is not None:
-                self._abandon(flow, base, gone if isinstance(gone, _Gone) else _Gone(gone),
-                              held_since)
-                return
-            if isinstance(woke, _Ended) and woke.recording is not None:
-                held_ms = round((time.monotonic() - held_since) * 1000)
-                await self._replay(flow, ident, woke.recording, held_ms, None)
-                return  # replayed, or declined and forwarded
-            # The attempt ended without a recording: admit again (claim, replay or hold anew).
+                case machine.PassThrough():
+                    return  # forwarded untouched
+                case _:
+                    assert_never(state)
+            self._apply(flow, effects)
 
-    async def _wait_out_cooldown(
-        self, flow: http.HTTPFlow, ident: identity.Identity, base: dict,
-        owner: policy.SessionOwnership, wait_s: float, cooldown_s: float,
-    ) -> "_Ended | _Gone | _OwnershipLost | None":
-        """Hold an eligible request through the cooldown: nothing is dispatched meanwhile; the
-        session's lease is renewed by the ticker; ownership loss or a kill wakes it early."""
-        wait_ms = round(wait_s * 1000)
-        self.telemetry.emit(
-            "wait_operation_fenced_cooldown", **base, wait_ms=wait_ms,
-            cooldown_remaining_ms=round(cooldown_s * 1000), epoch=owner.owner_epoch,
-        )
-        self._show(flow, MARK_COOLDOWN, f"turnguard: held through the retry circuit's cooldown "
-                   f"({wait_ms} ms); nothing is sent upstream while it waits")
-        started = time.monotonic()
-        woke = await self._wait(
-            flow, ident.op_key, None, wait_s,
-            cooldown=True, session=ident.session, epoch=owner.owner_epoch,
-        )
-        reason = {
-            type(None): "cooldown_elapsed", _Gone: "gone", _OwnershipLost: "ownership_lost",
-        }.get(type(woke), "woken")
-        self.telemetry.emit(
-            "wait_finished", **base, waited_ms=round((time.monotonic() - started) * 1000),
-            reason=reason,
-        )
-        return woke
+    def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
+        for effect in effects:
+            match effect:
+                case machine.Emit(event=event, fields=fields):
+                    self._emit(event, **fields)
+                case machine.Show(mark=mark, comment=comment):
+                    self.explainer.show(flow, mark, comment)
 
-    async def _identify(
-        self, flow: http.HTTPFlow, timeout_s: float
-    ) -> identity.Identity | identity.Passthrough:
+    async def _identify(self, flow: http.HTTPFlow, timeout_s: float) -> identity.Identity | identity.Passthrough:
         """The request's identity: computed here for a small body, in the worker process for a
         large one (``offload``), so that no body holds the event loop for long."""
-        view = self._request_view(flow)
+        view = flows.request_view(flow, MAX_GUARDED_BODY)
         if isinstance(view, identity.Passthrough):
             return view
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY,
@@ -898,41 +237,7 @@ class TurnGuard:
         if view.body is None or len(view.body) <= INLINE_MAX_BYTES:
             return identity.identify(view, **kwargs)
         return await self._identity_worker.identify(
-            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs
-        )
-
-    def _request_view(self, flow: http.HTTPFlow) -> identity.RequestView | identity.Passthrough:
-        req = flow.request
-        if req.raw_content is None:
-            return identity.Passthrough("request body is streamed")
-        if len(req.raw_content) > MAX_GUARDED_BODY:
-            return identity.Passthrough(
-                f"body too large ({len(req.raw_content)} bytes > limit {MAX_GUARDED_BODY})"
-            )
-        try:
-            body = req.content
-        except ValueError:
-            body = None
-        if not req.host:
-            return identity.Passthrough("upstream unknown (no host)")
-        proxy_auth = flow.metadata.get("proxyauth")  # mitmproxy's proxyauth took the header
-        if proxy_auth is not None:
-            if not (isinstance(proxy_auth, (tuple, list))
-                    and all(isinstance(part, str) for part in proxy_auth)):
-                return identity.Passthrough("principal undetermined (proxyauth metadata)")
-            proxy_auth = json.dumps(list(proxy_auth))
-        view = identity.RequestView(
-            method=req.method,
-            path=req.path,
-            headers=tuple(req.headers.items(multi=True)),
-            body=body,
-            upstream=identity.Upstream(
-                scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
-                via=_via(flow),
-            ),
-            proxy_auth=proxy_auth,
-        )
-        return view
+            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)
 
     def _replay_window_s(self, ident: identity.Identity) -> float | None:
         """How long after its end a recording of this request may be replayed (None: never)."""
@@ -941,556 +246,68 @@ class TurnGuard:
             return None
         return guard.retention_s if ident.idempotency_key else guard.replay_window_s
 
-    async def _admit(
-        self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
-        recovery: policy.RecoveryClaim | None, deadline: float,
-    ) -> policy.Admission | policy.ReplayFromMemory:
-        local_flow = self._local.get(ident.op_key)
-        if local_flow is not None:
-            attempt = self._attempts.get(local_flow)
-            return policy.Hold(attempt.attempt_id if attempt else None, self.instance_id)
-        once_mode = self.settings.recovery_mode == "server_anchored_replay_once"
-        admission = await self._ledger(
-            "admit", "admit", ident, method=flow.request.method,
-            path=ident.route,  # a known route or a hash: the rest of a URL may carry a key
-            now=time.time(), guard=self.settings.guard, flow_id=flow.id,
-            circuit_scope=scope, recovery=recovery, once_mode=once_mode, deadline=deadline,
-        )
-        if admission is _UNAVAILABLE:
-            # Decide in memory: coalesce here, keep a known cooldown, never against what the
-            # ledger said durably, never recover blind.
-            now = time.time()
-            facts = self._knowledge.facts(
-                ident.op_key, in_flight_here=ident.op_key in self._local,
-                fingerprint=ident.fingerprint, now=now, window_s=self._replay_window_s(ident),
-            )
-            return policy.admit_without_ledger(
-                facts,
-                circuit_remaining_s=self._circuits.get(scope, circuit.CircuitState()).remaining_s(now),
-                recovering=recovery is not None, once_mode=once_mode,
-                has_session=ident.session is not None,
-            )
-        if isinstance(admission, policy.Fenced):
-            self._circuits[scope] = circuit.CircuitState(
-                self.settings.circuit.threshold, time.time() + admission.remaining_s
-            )
-        elif isinstance(admission, policy.Hold) and admission.owner_instance != self.instance_id:
-            self._knowledge.in_flight_elsewhere(ident.op_key, admission.attempt_id)
-        return admission
+    async def _admit(self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
+                     state: machine.Admit, deadline: float):
+        local = self.inflight.of_operation(ident.op_key)
+        if local is not None:  # this process's attempt is in flight: hold, no ledger needed
+            return policy.Hold(local.attempt_id, self.instance_id)
+        cfg = self.settings
+        return await self.store.admit(
+            ident, method=flow.request.method, route=ident.route, flow_id=flow.id,
+            circuit_scope=scope, recovery=state.recovery,
+            once_mode=cfg.recovery_mode == machine.ONCE_MODE,
+            in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
+            window_s=self._replay_window_s(ident), threshold=cfg.circuit.threshold,
+            deadline=deadline)
 
-    async def _ownership(
-        self, session: str | None, deadline: float
-    ) -> policy.SessionOwnership | None:
-        """Claim or renew this process's ownership of a durable session (None: not owned).
-        The ledger is written only when the lease is past half its length."""
-        if session is None:
-            return None
-        now = time.time()
-        lease_s = self.settings.owner_lease_s
-        cached = self._sessions.get(session)
-        if cached is not None and cached.lease_until - now > lease_s / 2:
-            return cached
-        claimed = await self._ledger(
-            "claim_session", "claim_session", session, now=now, lease_s=lease_s,
-            new_id=uuid.uuid4().hex, deadline=deadline,
-        )
-        if claimed is _UNAVAILABLE:
-            return None
-        row, result = claimed
-        if result == "owned_by_other":
-            self._sessions.pop(session, None)
-            return None
-        if result != "renewed":
-            self.telemetry.emit("session_claimed", session=session, result=result,
-                                epoch=row.owner_epoch, durable_id=row.durable_id)
-        self._sessions[session] = row
-        return row
-
-    def _dispatch(
-        self, flow: http.HTTPFlow, ident: identity.Identity, d: policy.Dispatch, scope: str
-    ) -> None:
-        generation = self.db.ledger.generation if self.db is not None else ""
-        attempt = _Attempt(
-            flow.id, ident, d.attempt_id, generation if d.attempt_id is not None else "",
-            d.kind, time.monotonic(), scope, flow.request.method,
-            flow.request.path.split("?", 1)[0],
-        )
-        self._attempts[flow.id] = attempt
-        self._local[ident.op_key] = flow.id
-        flow.metadata["turnguard"] = {
-            "role": "dispatch", "op": ident.op_id, "attempt": d.attempt_id, "kind": d.kind,
-        }
-        timeout_s = self.settings.response_created_timeout_s
-        if timeout_s > 0:
-            attempt.timer = asyncio.get_running_loop().call_later(
-                timeout_s, lambda: self._current()._response_created_timeout(flow)
-            )
-
-    def _response_created_timeout(self, flow: http.HTTPFlow) -> None:
-        """No response event in time: cut the upstream; the error hook records ``unknown``."""
-        attempt = self._attempts.get(flow.id)
-        if attempt is None or (attempt.tee is not None and attempt.tee.events_seen > 0):
-            return
-        attempt.timer = None
-        attempt.cut_reason = MISSING_RESPONSE_CREATED
-        why_not = cut_upstream(
-            self._proxyserver(), flow.client_conn.id, flow.server_conn,
-            f"turnguard: {MISSING_RESPONSE_CREATED}",
-        )
-        self.telemetry.emit(
-            "upstream_cut", op=attempt.ident.op_id, flow=flow.id,
-            session=attempt.ident.session, reason=MISSING_RESPONSE_CREATED,
-            after_ms=round(self.settings.response_created_timeout_s * 1000),
-            headers_seen=attempt.status is not None, cut=why_not is None, why_not=why_not,
-        )
-        if why_not is not None:
-            logger.warning("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
-        else:
-            self._show(flow, MARK_CUT, "turnguard: no response event within "
-                       f"{round(self.settings.response_created_timeout_s * 1000)} ms "
-                       f"({MISSING_RESPONSE_CREATED}); cut the upstream connection")
-
-    async def _wait(
-        self, flow: http.HTTPFlow, op_key: str, hold: policy.Hold | None, timeout_s: float,
-        *, cooldown: bool = False, session: str | None = None, epoch: int | None = None,
-    ) -> "_Ended | _Gone | _OwnershipLost | None":
-        """Wait for the attempt in flight to end (or, ``cooldown``, for the timeout alone).
-        None: the bound passed first."""
-        wake = asyncio.get_running_loop().create_future()
-        foreign = None
-        if hold is not None and op_key not in self._local:
-            foreign = hold.attempt_id or 0
-        self._held[flow.id] = _Held(
-            flow, op_key, time.monotonic(), wake, foreign, cooldown, session, epoch
-        )
-        try:
-            return await asyncio.wait_for(wake, timeout_s)
-        except TimeoutError:
-            return None
-        finally:
-            self._held.pop(flow.id, None)
-
-    def _wake(self, op_key: str, why: _Ended) -> None:
-        for held in list(self._held.values()):
-            if held.op_key == op_key and not held.cooldown and not held.wake.done():
-                held.wake.set_result(why)
-
-    @staticmethod
-    def _proxyserver():
-        try:
-            return ctx.master.addons.get("proxyserver")
-        except AttributeError:  # no master (unit tests)
-            return None
-
-    def _client_gone(self, flow: http.HTTPFlow) -> str | None:
-        """Why the client of a held flow no longer wants an answer, if it does not."""
-        if flow.error is not None:
-            return "killed"
-        if not flow.client_conn.connected:
-            return "client disconnected"
-        if flow.request.http_version == "HTTP/2.0":
-            layer = self._http_layers.get(flow.client_conn.id)
-            if layer is None:
-                layer = find_http_layer(self._proxyserver(), flow.client_conn.id)
-                if layer is not None:
-                    self._http_layers[flow.client_conn.id] = layer
-            if layer is not None and client_stream_closed(layer, flow, flow.client_conn):
-                return "stream reset by client"
-        return None
-
-    def _wake_gone_flows(self) -> None:
-        for held in list(self._held.values()):
-            reason = self._client_gone(held.flow)
-            if reason is not None and not held.wake.done():
-                held.wake.set_result(_Gone(reason))
-
-    async def _check_cooldown_sessions(self, now: float) -> None:
-        """Renew the leases of sessions with requests held through a cooldown, and wake those
-        requests if another process took the session."""
-        lease_s = self.settings.owner_lease_s
-        for session, epoch in {(h.session, h.epoch) for h in self._held.values() if h.cooldown}:
-            owned = self._sessions.get(session)
-            if owned is None or owned.lease_until - now < lease_s * 2 / 3:
-                kept = await self._ledger("renew_session", "renew_session", session, epoch,
-                                          now=now, lease_s=lease_s)
-                if kept is True and owned is not None:
-                    self._sessions[session] = dataclasses.replace(
-                        owned, lease_until=now + lease_s
-                    )
-            else:
-                kept = await self._ledger("renew_session", "session_owned_by", session,
-                                          self.instance_id, epoch)
-            if kept is False:
-                self._sessions.pop(session, None)
-                for held in list(self._held.values()):
-                    if held.cooldown and held.session == session and not held.wake.done():
-                        held.wake.set_result(_OwnershipLost(epoch))
-
-    async def _poll_foreign(self) -> None:
-        """Operations another process owns: wake their waiters once the attempt changed."""
-        now = time.time()
-        if now - self._last_reap >= 1.0:
-            await self._reap_dead(now)
-        for op_key in {h.op_key for h in self._held.values() if h.foreign_attempt is not None}:
-            snap = await self._ledger("poll", "snapshot", op_key)
-            if snap is _UNAVAILABLE:
-                return
-            watched = {h.foreign_attempt for h in self._held.values() if h.op_key == op_key}
-            if snap is None or snap.state != "in_flight" or snap.current_attempt not in watched:
-                self._wake(op_key, _Ended(snap.state if snap else "gone"))
-
-    def _abandon(self, flow: http.HTTPFlow, base: dict, gone: _Gone, held_since: float) -> None:
-        self.telemetry.emit("hold_abandoned", **base, reason=gone.reason,
-                            held_ms=round((time.monotonic() - held_since) * 1000))
-        if flow.killable:
-            flow.kill()  # never dispatch a request whose client is gone
-
-    def _reject_in_progress(self, flow: http.HTTPFlow, base: dict, held_since: float) -> None:
-        held_ms = round((time.monotonic() - held_since) * 1000)
-        retry_after = policy.retry_after_seconds(1)
-        self.telemetry.emit("duplicate_rejected", **base, held_ms=held_ms,
-                            retry_after_s=retry_after)
-        self._answer(flow, answers.turn_in_progress(retry_after, held_ms), MARK_REJECTED,
-                     f"turnguard: held {held_ms} ms; the original was still in flight, "
-                     "answered 409 turn_in_progress")
-
-    def _cooldown_reject(
-        self, flow: http.HTTPFlow, base: dict, remaining_s: float, reason: str
-    ) -> None:
-        """503 during a cooldown, nothing dispatched (the default mode's answer)."""
-        retry_after = policy.retry_after_seconds(remaining_s)
-        self.telemetry.emit("cooldown_rejected", **base, retry_after_s=retry_after,
-                            cooldown_remaining_ms=round(remaining_s * 1000), reason=reason)
-        if reason != "mode_fail_closed":
-            self.telemetry.emit("fail_closed", **base, reason=reason)
-        answer = answers.cooldown_rejected(
-            retry_after, self.settings.circuit.threshold, accepts_sse=_accepts_sse(flow)
-        )
-        self._answer(flow, answer, MARK_REJECTED,
-                     f"turnguard: cooldown, answered 503 without dispatching ({reason})")
-
-    async def _fail_closed(
-        self, flow: http.HTTPFlow, base: dict, scope: str, reason: str,
-        code: str = "upstream_request_timeout", *, deadline: float,
-    ) -> None:
-        """503 for a request that may not be recovered (owner proof lost, budget spent, claim
-        exhausted, output exists, ledger unusable). Nothing is dispatched."""
-        now = time.time()
-        state = await self._ledger("fail_closed", "circuit_state", scope, deadline=deadline)
-        if state is _UNAVAILABLE:
-            state = self._circuits.get(scope, circuit.CircuitState())
-        remaining = state.remaining_s(now)
-        retry_after = policy.retry_after_seconds(remaining)
-        self.telemetry.emit("fail_closed", **base, reason=reason, code=code,
-                            retry_after_s=retry_after)
-        answer = answers.failed_closed(code, reason, retry_after, accepts_sse=_accepts_sse(flow))
-        self._answer(flow, answer, MARK_REJECTED,
-                     f"turnguard: failed closed with 503 {code} ({reason})")
-
-    # -- answers ---------------------------------------------------------------------------------
-    async def _replay(
-        self, flow: http.HTTPFlow, ident: identity.Identity, rec: Recording, held_ms: int,
-        attempt_id: int | None,
-    ) -> bool:
-        """Answer the flow from the recording, in a form its request accepts (see
-        ``negotiation``): as recorded, byte for byte, when it can; decoded or re-encoded for a
-        client that does not accept the recorded content coding. False: the recording may not
-        be replayed to this request (``Vary``, or no acceptable coding); the flow is then
-        forwarded, with a ``replay_declined`` event."""
-        request_headers = tuple(flow.request.headers.items(multi=True))
-        how = negotiation.plan(rec.headers, rec.vary_key, request_headers)
+    async def _replay(self, flow: http.HTTPFlow, ident: identity.Identity, r: machine.Replay) -> None:
+        """Answer from the recording, in a form the request accepts (see ``negotiation``): as
+        recorded, byte for byte, when it can; decoded or re-encoded for a client that does not
+        accept the recorded content coding. Declined (``Vary``, or no acceptable coding): the
+        flow is forwarded untouched, with a ``replay_declined`` event."""
+        rec, base = r.recording, {"op": ident.op_id, "flow": flow.id, "session": ident.session}
+        how = negotiation.plan(rec.headers, rec.vary_key, flows.request_headers(flow))
         headers, body = rec.headers, rec.body
         if isinstance(how, negotiation.Recode):
             # decoding and encoding megabytes takes a while: not on the event loop
-            how = await asyncio.to_thread(
-                negotiation.recode, rec.headers, rec.body, how, BoundedCodec(MAX_RECODED_BODY)
-            )
+            how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
+                                          BoundedCodec(MAX_RECODED_BODY))
             if isinstance(how, negotiation.Serve):
                 headers, body = how.headers, how.body
         if isinstance(how, negotiation.Decline):
-            self.telemetry.emit("replay_declined", op=ident.op_id, flow=flow.id,
-                                session=ident.session, held_ms=held_ms, reason=how.reason)
-            self._show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
-            return False
-        resp = http.Response.make(rec.status, b"", _headers(headers))
-        resp.raw_content = body  # as recorded, or as negotiated: never re-encoded by mitmproxy
-        resp.headers["content-length"] = str(len(body))
-        resp.headers["x-turnguard"] = "replayed"
-        flow.response = resp
-        flow.metadata["turnguard"] = {"role": "replay", "op": ident.op_id}
-        self.telemetry.emit(
-            "duplicate_replayed", op=ident.op_id, flow=flow.id, session=ident.session,
-            held_ms=held_ms, status=rec.status, bytes=len(body), attempt=attempt_id,
-            recoded=isinstance(how, negotiation.Serve),
-        )
-        self._show(flow, MARK_REPLAYED, f"turnguard: replayed the recorded response of "
-                   f"operation {ident.op_id} ({len(body)} bytes) after {held_ms} ms; "
-                   "nothing was sent upstream")
-        return True
-
-    def _answer(self, flow: http.HTTPFlow, a: answers.Answer, mark: str, comment: str) -> None:
-        flow.response = http.Response.make(a.status, a.body, _headers(a.headers))
-        flow.metadata["turnguard"] = {"role": "answered", "status": a.status}
-        self._show(flow, mark, comment)
-
-    def _show(self, flow: http.HTTPFlow, mark: str | None, comment: str) -> None:
-        """Explain the flow in mitmweb (mark + comment) and make the UI refresh it."""
-        if mark is not None:
-            flow.marked = mark
-        flow.comment = comment
-        if self._has_view is None:
-            try:
-                self._has_view = ctx.master.addons.get("view") is not None
-            except AttributeError:  # no master (unit tests)
-                self._has_view = False
-        if self._has_view:  # mitmweb or the console: refresh the flow there
-            ctx.master.addons.trigger(hooks.UpdateHook([flow]))
+            self._emit("replay_declined", **base, held_ms=r.held_ms, reason=how.reason)
+            self.explainer.show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
+            return
+        flows.replay(flow, ident.op_id, rec.status, headers, body)
+        self._emit("duplicate_replayed", **base, held_ms=r.held_ms, status=rec.status,
+                   bytes=len(body), attempt=r.attempt_id, recoded=isinstance(how, negotiation.Serve))
+        self.explainer.show(flow, flows.MARK_REPLAYED, "turnguard: replayed the recorded response "
+                            f"of operation {ident.op_id} ({len(body)} bytes) after {r.held_ms} ms; "
+                            "nothing was sent upstream")
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        attempt = self._attempts.get(flow.id)
-        if attempt is None or flow.response is None:
-            return
         try:
-            resp = flow.response
-            attempt.status = resp.status_code
-            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
-            is_sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
-            counts_events = is_sse and encoding in ("", "identity") and 200 <= resp.status_code < 300
-            if is_sse and encoding not in ("", "identity"):
-                self.telemetry.emit(
-                    "passthrough", op=attempt.ident.op_id, flow=flow.id,
-                    reason=f"response content-encoding {encoding}: events not counted",
-                )
-            if not counts_events:
-                attempt.stop_timer()  # an answer that is not an event stream is its own event
-            keep = self.settings.replay_max_bytes if self.settings.guard.replay else 0
-            attempt.tee = ResponseTee(
-                counts_events=counts_events,
-                keep_max_bytes=keep if 200 <= resp.status_code < 300 else 0,
-                # after a script reload the first event goes to the instance running then
-                on_first_event=lambda: self._current()._first_event(attempt),
-            )
-            resp.stream = attempt.tee
+            self.inflight.tee_response(flow)
         except Exception:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)
 
-    def _first_event(self, attempt: _Attempt) -> None:
-        """The attempt has output now. The ledger learns it a moment later, and not at all
-        when the attempt ends first (its finish records the events): one transaction less
-        for short responses; a crash within that moment records ``unknown``, not ``partial``."""
-        attempt.stop_timer()
-        if attempt.attempt_id is not None:
-            asyncio.get_running_loop().call_later(
-                FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt)
-            )
-
-    def _record_first_event(self, attempt: _Attempt) -> None:
-        if attempt.flow_id in self._attempts and attempt.attempt_id is not None:
-            self._write(attempt.generation, "first_event", attempt.attempt_id)
-
     def response(self, flow: http.HTTPFlow) -> None:
-        self._end_attempt(flow, body_complete=True)
+        self.inflight.end(flow, body_complete=True)
 
     async def error(self, flow: http.HTTPFlow) -> None:
         """A failed attempt is recorded before the client hears of the failure (a bounded
         wait): a retry it sends at once, through any process sharing the ledger, then sees
         the failure and the circuit it fed."""
-        recorded = self._end_attempt(flow, body_complete=False)
+        recorded = self.inflight.end(flow, body_complete=False)
         if recorded is not None:
             await asyncio.wait([recorded], timeout=ERROR_RECORD_WAIT_S)
 
-    def _end_attempt(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
-        attempt = self._attempts.pop(flow.id, None)
-        if attempt is None:
-            return None
-        attempt.stop_timer()
-        why, recorded = _Ended("unknown"), None
-        try:
-            why, recorded = self._record_end(flow, attempt, body_complete)
-        except Exception:
-            logger.exception("turnguard: recording the outcome of %s failed", flow.id)
-        finally:
-            if self._local.get(attempt.ident.op_key) == flow.id:
-                del self._local[attempt.ident.op_key]
-            # Held duplicates wake now: a recording is replayed from memory; anything else is
-            # admitted again, and the ledger runs that after this attempt's finish.
-            self._wake(attempt.ident.op_key, why)
-        return recorded
-
-    def _record_end(
-        self, flow: http.HTTPFlow, attempt: _Attempt, body_complete: bool
-    ) -> tuple[_Ended, asyncio.Future | None]:
-        """Classify the attempt's end, say so, and queue its record (and its circuit's)."""
-        tee = attempt.tee
-        if tee is None and body_complete and flow.response is not None:
-            # No streaming happened (e.g. another addon answered): read the whole body.
-            tee = ResponseTee(counts_events=False, keep_max_bytes=0)
-            tee(flow.response.raw_content or b"")
-            tee(b"")
-        events = tee.events_seen if tee else 0
-        status = flow.response.status_code if flow.response is not None else None
-        complete = body_complete and (tee is None or tee.ended)
-        outcome = policy.classify_outcome(
-            status=status,
-            events_seen=events,
-            terminal=tee.terminal if tee else None,
-            body_complete=complete,
-            counts_events=tee.counts_events if tee else False,
-        )
-        recording, not_recorded = None, None
-        if outcome == "completed" and tee is not None and tee.body is not None:
-            response_headers = recordable_headers(flow.response.headers.items(multi=True))
-            vary = negotiation.vary_names(response_headers)
-            if vary is None:
-                not_recorded = "Vary: *"
-            else:
-                recording = Recording(
-                    status, response_headers, tee.body,
-                    negotiation.vary_key(vary, flow.request.headers.items(multi=True)),
-                )
-        detail = flow.error.msg if flow.error else None
-        failure = None
-        if outcome == "unknown":
-            failure = policy.failure_class(
-                cut_reason=attempt.cut_reason, status=status, error=detail,
-                body_complete=complete, client_gone=not flow.client_conn.connected,
-            )
-        eventless = failure is not None and policy.counts_for_circuit(failure)
-        base = {"op": attempt.ident.op_id, "flow": flow.id, "session": attempt.ident.session}
-        self.telemetry.emit(
-            "outcome", **base, attempt=attempt.attempt_id, kind=attempt.kind, outcome=outcome,
-            events_seen=events, status=status,
-            duration_ms=round((time.monotonic() - attempt.started) * 1000),
-            replayable=recording is not None, detail=detail,
-            not_replayable_reason=(
-                None if recording is not None or outcome != "completed"
-                else not_recorded
-                or ("over turnguard_replay_max_bytes" if tee and tee.over_cap else "replay off")
-            ),
-        )
-        if failure is not None:
-            self.telemetry.emit(
-                "eventless_failure", **base, failure_class=failure, events_seen=events,
-                status=status, counts_for_circuit=eventless, detail=detail,
-            )
-        now = time.time()
-        op_key = attempt.ident.op_key
-        if recording is not None:
-            self._knowledge.completed(
-                op_key, KnownRecording(recording, now, attempt.ident.fingerprint)
-            )
-        else:
-            self._knowledge.ended(op_key)
-            if attempt.kind == "recovery" and outcome in ("unknown", "partial"):
-                self._knowledge.exhausted(op_key)
-
-        def in_memory() -> None:  # no ledger (yet): keep the circuit in memory
-            before = self._circuits.get(attempt.circuit_scope, circuit.CircuitState())
-            after, transition = circuit.record_outcome(
-                before, eventless_failure=eventless, completed=outcome == "completed",
-                now=now, cfg=self.settings.circuit,
-            )
-            self._note_circuit(FinishResult(True, attempt.circuit_scope, after, transition))
-
-        def landed(result: FinishResult, late: bool) -> None:
-            if not result.applied:
-                self.telemetry.emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
-                                    reason="the attempt was ended meanwhile (reaped)")
-            self._note_circuit(result, quiet=late)  # a late write's effect was told already
-
-        recorded = None
-        if attempt.attempt_id is not None:
-            recorded = self._write(
-                attempt.generation, "finish", attempt.attempt_id,
-                AttemptEnd(outcome, status, events, failure or detail, recording),
-                now=now, circuit_cfg=self.settings.circuit, eventless_failure=eventless,
-                landed=landed, kept=in_memory,
-            )
-        else:
-            in_memory()
-        return _Ended(outcome, recording), recorded
-
-    def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
-        if result.circuit_scope is None or result.circuit is None:
-            return
-        self._circuits[result.circuit_scope] = result.circuit
-        if quiet:
-            return
-        if result.transition == "opened":
-            self.telemetry.emit(
-                "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
-                cooldown_ms=round((result.circuit.cooldown_s or 0) * 1000),
-                open_until=result.circuit.open_until,
-            )
-        elif result.transition == "reset":
-            self.telemetry.emit("circuit_reset", scope=result.circuit_scope)
-
-    def update(self, flows) -> None:
+    def update(self, flows_) -> None:
         """A flow was changed elsewhere (e.g. killed with the flow.kill command): wake it if held."""
-        for f in flows:
-            held = self._held.get(f.id)
-            if held is not None and f.error is not None and not held.wake.done():
-                held.wake.set_result(_Gone("killed"))
-
-    # -- commands --------------------------------------------------------------------------------
-    @command.command("turnguard.status")
-    def status(self) -> str:
-        """turnguard's state as JSON: mode, ledger, operations by state, flows in flight and
-        held, circuits cooling down, counts of its telemetry events."""
-        now = time.time()
-        ledger_counts: dict[str, Any] = {}
-        cooldowns = [
-            (scope, state) for scope, state in self._circuits.items() if state.remaining_s(now)
-        ]
-        if self._ledger_usable():
-            try:
-                ledger_counts = self.db.call_sync("counts", timeout=STATUS_TIMEOUT_S)
-                cooldowns = self.db.call_sync("open_circuits", now, timeout=STATUS_TIMEOUT_S)
-            except (LedgerError, TimeoutError) as e:
-                ledger_counts = {"error": str(e) or "ledger busy"}
-        return json.dumps(
-            {
-                "instance": self.instance_id,
-                "recovery_mode": self.settings.recovery_mode,
-                "ledger": self.ledger_path,
-                "ledger_ok": self.db is not None and self.ledger_error is None,
-                "ledger_error": self.ledger_error,
-                "operations_by_state": ledger_counts,
-                "in_flight": len(self._attempts),
-                "held_duplicates": sum(not h.cooldown for h in self._held.values()),
-                "held_through_cooldown": sum(h.cooldown for h in self._held.values()),
-                "cooldowns": [
-                    {"scope": scope, "failures": st.failures,
-                     "remaining_ms": round(st.remaining_s(now) * 1000),
-                     "cooldown_ms": round((st.cooldown_s or 0) * 1000)}
-                    for scope, st in cooldowns
-                ],
-                "owned_sessions": len(self._sessions),
-                "ledger_writes_pending": len(self._pending),
-                "events": dict(self.telemetry.counts),
-            },
-            indent=2,
-        )
-
-    @command.command("turnguard.held")
-    def held(self) -> str:
-        """One line per held flow: flow id, operation, seconds held, and what it waits for."""
-        now = time.monotonic()
-        lines = []
-        for flow_id, h in self._held.items():
-            if h.cooldown:
-                what = "the retry circuit's cooldown to end"
-            elif h.foreign_attempt is not None:
-                what = "an attempt in another process"
-            else:
-                what = "an attempt in this process"
-            route = identity.split_target(h.flow.request.path).route  # no key from the URL
-            lines.append(
-                f"{flow_id} op={h.op_key[:12]} held={now - h.since:.1f}s waiting for {what}: "
-                f"{h.flow.request.method} {route}"
-            )
-        return "\n".join(lines) if lines else "no held flows"
+        for f in flows_:
+            if f.error is not None:
+                self.waiters.gone(f.id, "killed")
 
 
 addons = [TurnGuard()]

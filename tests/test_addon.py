@@ -249,7 +249,7 @@ async def test_valid_defaults_load(tmp_path):
     with taddons.context(tg, options=moptions.Options(confdir=str(confdir))) as tctx:
         tctx.master.addons.invoke_addon_sync(tg, hooks.ConfigureHook(set(tctx.options.keys())))
         try:
-            status = json.loads(tg.status())
+            status = json.loads(tctx.master.commands.call("turnguard.status"))
             assert status["ledger_ok"] is True and status["ledger_error"] is None
             assert status["ledger"] == str(confdir / "turnguard.sqlite3")
             assert status["recovery_mode"] == "fail_closed"
@@ -695,7 +695,7 @@ async def test_at_start_up_a_bad_option_is_one_error_line_and_turnguard_stays_of
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and "turnguard_recovery_mode" in errors[0] and "'maybe'" in errors[0]
         assert all(r.exc_info is None for r in caplog.records)
-        assert tg.refused and tg.db is None
+        assert tg.refused and not tg.store.is_open
         flow = tflow.tflow()
         flow.request.path = "/v1/responses"
         await tg.request(flow)

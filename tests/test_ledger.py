@@ -457,7 +457,7 @@ async def test_ledger_runner_runs_at_once_and_moves_to_its_thread_when_contended
 
     path = tmp_path / "l.sqlite3"
     runner = LedgerRunner(Ledger(str(path), "a", busy_timeout_ms=5000), fast_busy_ms=20)
-    runner.call_sync("open", 1000.0)
+    runner.call_sync(lambda led: led.open(1000.0))
     threads = []
     orig = runner.ledger.admit
 
@@ -466,17 +466,18 @@ async def test_ledger_runner_runs_at_once_and_moves_to_its_thread_when_contended
         return orig(*a, **kw)
 
     runner.ledger.admit = spy
-    assert isinstance(await runner.call("admit", ident({"n": 1}), method="POST",
-                                        path="/v1/responses", now=1000.0, guard=GUARD,
-                                        flow_id=None), policy.Dispatch)
+    assert isinstance(await runner.call(lambda led: led.admit(
+        ident({"n": 1}), method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+        flow_id=None)), policy.Dispatch)
     assert threads == [threading.current_thread().name]  # uncontended: no hand-off
 
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
     loop = asyncio.get_running_loop()
     loop.call_later(0.3, blocker.execute, "ROLLBACK")  # the lock goes away while it waits
-    got = await runner.call("admit", ident({"n": 2}), method="POST", path="/v1/responses",
-                            now=1000.0, guard=GUARD, flow_id=None)
+    got = await runner.call(lambda led: led.admit(
+        ident({"n": 2}), method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+        flow_id=None))
     assert isinstance(got, policy.Dispatch)
     assert threads[-1].startswith("turnguard-ledger")  # retried on the thread, not lost
     assert not runner._fast_possible()  # and calls stay there for a while

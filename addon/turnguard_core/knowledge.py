@@ -1,4 +1,5 @@
-"""What a process remembers of the ledger's durable facts, to decide while it cannot read it.
+"""What a process remembers of the ledger's durable facts, to decide while it cannot read it
+(``MemoryStore``).
 
 While the ledger is locked, full or gone, turnguard decides in memory
 (``policy.admit_without_ledger``). Deciding from nothing would dispatch again what the ledger
@@ -13,8 +14,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .circuit import CircuitState
+from .identity import Identity
 from .ledger import Recording
-from .policy import MemoryFacts
+from .policy import (
+    Admission,
+    Denied,
+    Fenced,
+    Hold,
+    MemoryFacts,
+    ReplayFromMemory,
+    admit_without_ledger,
+)
 
 MAX_OPERATIONS = 10_000
 MAX_RECORDING_BYTES = 64 * 1024 * 1024
@@ -100,3 +111,59 @@ class Knowledge:
     @property
     def recording_bytes(self) -> int:
         return self._bytes
+
+
+class MemoryStore:
+    """Decisions while the ledger cannot be read, from what this process learned of it: its
+    ``Knowledge`` and the last known state of each retry circuit (pure: times are passed in)."""
+
+    def __init__(self) -> None:
+        self.knowledge = Knowledge()
+        self.circuits: dict[str, CircuitState] = {}
+
+    def admit(
+        self, ident: Identity, *, circuit_scope: str, recovering: bool, once_mode: bool,
+        in_flight_here: bool, now: float, window_s: float | None,
+    ) -> Admission | ReplayFromMemory:
+        facts = self.knowledge.facts(ident.op_key, in_flight_here=in_flight_here,
+                                     fingerprint=ident.fingerprint, now=now, window_s=window_s)
+        return admit_without_ledger(
+            facts, circuit_remaining_s=self.circuit_state(circuit_scope).remaining_s(now),
+            recovering=recovering, once_mode=once_mode, has_session=ident.session is not None,
+        )
+
+    def recording(self, ident: Identity, *, now: float, window_s: float | None) -> Recording | None:
+        if window_s is None:
+            return None
+        return self.knowledge.recording(ident.op_key, fingerprint=ident.fingerprint, now=now,
+                                        window_s=window_s)
+
+    def circuit_state(self, scope: str) -> CircuitState:
+        return self.circuits.get(scope, CircuitState())
+
+    def learn(
+        self, ident: Identity, admission: Admission, *, me: str, circuit_scope: str,
+        now: float, threshold: int,
+    ) -> None:
+        """What a ledger admission says durably: a cooling circuit, another process's attempt
+        in flight, a spent once-claim."""
+        match admission:
+            case Fenced(remaining_s=remaining):
+                self.circuits[circuit_scope] = CircuitState(threshold, now + remaining)
+            case Hold(attempt_id=attempt_id, owner_instance=owner) if owner != me:
+                self.knowledge.in_flight_elsewhere(ident.op_key, attempt_id)
+            case Denied(reason="claim_exhausted"):
+                self.knowledge.exhausted(ident.op_key)
+
+    def attempt_ended(
+        self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,
+        now: float,
+    ) -> None:
+        """One of this process's attempts ended (``spent_once_claim``: a recovery that ended
+        without a known result)."""
+        if recording is not None:
+            self.knowledge.completed(ident.op_key, KnownRecording(recording, now, ident.fingerprint))
+            return
+        self.knowledge.ended(ident.op_key)
+        if spent_once_claim:
+            self.knowledge.exhausted(ident.op_key)

@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Any
+from typing import Callable, TypeVar
 
 from .ledger import Ledger, LedgerError
+
+T = TypeVar("T")
 
 
 class LedgerTimeout(LedgerError):
@@ -35,6 +37,10 @@ class LedgerTimeout(LedgerError):
 def _contended(error: LedgerError) -> bool:
     text = str(error).lower()
     return "locked" in text or "busy" in text
+
+
+Job = Callable[[Ledger], T]
+"""A ledger call: a function of the ledger, e.g. ``lambda ledger: ledger.admit(...)``."""
 
 
 class LedgerRunner:
@@ -60,73 +66,68 @@ class LedgerRunner:
             and self.ledger.is_open
         )
 
-    def _run(self, method: str, args, kwargs, busy_ms: int | None):
-        busy_ms = None if busy_ms is None else max(1, int(busy_ms))
-        if busy_ms != self._busy_ms and self.ledger.is_open:
-            self.ledger.set_busy_timeout(busy_ms)
-            self._busy_ms = busy_ms
-        return getattr(self.ledger, method)(*args, **kwargs)
+    def _run(self, job: Job[T], busy_ms: float | None) -> T:
+        busy = None if busy_ms is None else max(1, int(busy_ms))
+        if busy != self._busy_ms and self.ledger.is_open:
+            self.ledger.set_busy_timeout(busy)
+            self._busy_ms = busy
+        return job(self.ledger)
 
-    def _run_fast(self, method: str, args, kwargs):
+    def _run_fast(self, job: Job[T]) -> T:
         """Run now; raises ``_Contended`` when the database was locked (nothing was done)."""
         try:
-            return self._run(method, args, kwargs, self._fast_busy_ms)
+            return self._run(job, self._fast_busy_ms)
         except LedgerError as e:
             if not _contended(e):
                 raise
             self._slow_until = time.monotonic() + self._slow_s
             raise _Contended from e
 
-    def _queue(
-        self, method: str, args, kwargs, deadline: float | None = None
-    ) -> concurrent.futures.Future:
+    def _queue(self, job: Job[T], deadline: float | None = None) -> concurrent.futures.Future:
         self._handed += 1
-        return self._pool.submit(self._run_on_thread, method, args, kwargs, deadline)
+        return self._pool.submit(self._run_on_thread, job, deadline)
 
-    def _run_on_thread(self, method: str, args, kwargs, deadline: float | None):
+    def _run_on_thread(self, job: Job[T], deadline: float | None) -> T:
         try:
             busy_ms = None
             if deadline is not None:
                 left_ms = (deadline - time.monotonic()) * 1000
                 if left_ms <= 0:
-                    raise LedgerTimeout(f"gave up waiting for the ledger ({method})")
+                    raise LedgerTimeout("gave up waiting for the ledger")
                 busy_ms = min(left_ms, self.ledger.busy_timeout_ms)
-            return self._run(method, args, kwargs, busy_ms)
+            return self._run(job, busy_ms)
         finally:
             self._finished += 1
 
     # -- the interface ----------------------------------------------------------------------------
-    def submit(self, method: str, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        """``ledger.<method>(*args, **kwargs)``, now or queued; the future holds its result or
-        error."""
+    def submit(self, job: Job[T]) -> concurrent.futures.Future:
+        """Run ``job`` now or queued, without waiting; the future holds its result or error."""
         if self._fast_possible():
             done: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                done.set_result(self._run_fast(method, args, kwargs))
+                done.set_result(self._run_fast(job))
                 return done
             except _Contended:
                 pass
             except Exception as e:  # noqa: BLE001 - the future carries it
                 done.set_exception(e)
                 return done
-        return self._queue(method, args, kwargs)
+        return self._queue(job)
 
-    async def call(
-        self, method: str, /, *args: Any, deadline: float | None = None, **kwargs: Any
-    ) -> Any:
-        """Run a ledger method (now, or on the ledger's thread) and await its result; on the
-        thread, bounded by ``deadline`` (see the module docstring)."""
+    async def call(self, job: Job[T], *, deadline: float | None = None) -> T:
+        """Run ``job`` (now, or on the ledger's thread) and await its result; on the thread,
+        bounded by ``deadline`` (see the module docstring)."""
         if self._fast_possible():
             try:
-                return self._run_fast(method, args, kwargs)
+                return self._run_fast(job)
             except _Contended:
                 pass
-        return await asyncio.wrap_future(self._queue(method, args, kwargs, deadline))
+        return await asyncio.wrap_future(self._queue(job, deadline))
 
-    def call_sync(self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any):
-        """Run a ledger method on the ledger's thread and wait for it here (start-up, status).
-        Raises ``TimeoutError`` when it takes longer than ``timeout`` seconds."""
-        return self._queue(method, args, kwargs).result(timeout)
+    def call_sync(self, job: Job[T], *, timeout: float | None = None) -> T:
+        """Run ``job`` on the ledger's thread and wait for it here (start-up, status). Raises
+        ``TimeoutError`` when it takes longer than ``timeout`` seconds."""
+        return self._queue(job).result(timeout)
 
     def close(self) -> None:
         """Close the connection after every queued call; do not wait for it."""

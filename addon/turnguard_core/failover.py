@@ -1,0 +1,512 @@
+"""The one owner of "the ledger is down": try the ledger, fall back to memory, come back.
+
+``FailoverStore`` gives the shell typed answers whether or not the ledger can be read:
+
+- decisions (``admit``, ``recording``, sessions, circuits) go to the ``Store`` when it is
+  usable, within the caller's deadline; when it is not (locked, full, gone, owing writes),
+  a failed ledger is first tried again (``recover``: the moment a fault ends, decisions read it
+  again), and otherwise ``MemoryStore`` decides from what this process learned durably;
+- writes that decide the future (an attempt's end, its first event) are sent when the ledger
+  is usable and otherwise kept, in order, and applied before it is read again; writes for a
+  ledger file that was replaced meanwhile are dropped (their attempt ids mean nothing there);
+- its lifecycle: opening (and re-opening after a fault), the heartbeat thread, a ledger file
+  deleted or replaced under the process (an outage, never an empty ledger: this process's
+  attempts in flight are registered in the new file before decisions read it), a
+  registration that a peer reaped.
+
+Outages are said once each (``ledger_unavailable`` ... ``ledger_recovered``) through ``emit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+from . import circuit, liveness, policy
+from .ending import AttemptEnding
+from .heartbeat import Heartbeat
+from .identity import Identity
+from .knowledge import MemoryStore
+from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
+from .ledger_runner import LedgerRunner, LedgerTimeout
+from .store import FinishWrite, FirstEventWrite, GiveBackWrite, SqliteStore, Store, Write
+
+logger = logging.getLogger("turnguard")
+
+LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
+LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
+REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
+HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
+
+Emit = Callable[..., None]  # telemetry: emit(event, **fields)
+
+
+class AttemptInFlight(Protocol):
+    """What the store needs of an attempt this process has in flight."""
+
+    ident: Identity
+    attempt_id: int | None
+    generation: str  # of the ledger file that holds attempt_id
+    kind: str
+    flow_id: str
+    method: str
+    route: str
+    circuit_scope: str
+
+
+@dataclass
+class KeptWrite:
+    generation: str
+    write: Write
+    landed: Callable[[Any, bool], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unread:
+    """The ledger could not be read now (say nothing, decide nothing from it)."""
+
+
+UNREAD = Unread()
+
+
+class FailoverStore:
+    def __init__(
+        self, *, instance_id: str, identity: liveness.ProcessIdentity, emit: Emit,
+        memory: MemoryStore, kept: collections.deque[KeptWrite],
+        attempts: Callable[[], Iterable[AttemptInFlight]],
+        on_reregistered: Callable[[int], None],
+    ):
+        self._instance_id = instance_id
+        self._identity = identity
+        self._emit = emit
+        self.memory = memory
+        self._kept = kept  # outlives a script reload, with the attempts it concerns
+        self._attempts = attempts
+        self._on_reregistered = on_reregistered
+        self._store: Store | None = None
+        self._heartbeat: Heartbeat | None = None
+        self.path = ""
+        self.error: str | None = None  # the fault noted last; None: the ledger works
+        self._reopen_at = 0.0
+        self._recovering = asyncio.Lock()  # one catch-up at a time
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._store is not None
+
+    @property
+    def usable(self) -> bool:
+        """Decisions may read the ledger: it is open, no fault was noted since it last worked,
+        and it owes nothing (kept writes, attempts to register)."""
+        return self._store is not None and self.error is None and not self._kept
+
+    def down_reason(self) -> str | None:
+        """Why decisions cannot read the ledger now (None: they can)."""
+        if self.usable:
+            return None
+        return self.error or ("writes owed" if self._kept else "ledger not open")
+
+    @property
+    def generation(self) -> str:
+        return self._store.generation if self._store is not None else ""
+
+    @property
+    def kept_writes(self) -> int:
+        return len(self._kept)
+
+    # -- opening and closing -------------------------------------------------------------------
+    def open(self, path: str) -> bool:
+        """Open the ledger at ``path`` now (start-up, a change of option); a fault is noted
+        and the ledger is tried again later (``reopen_if_due``)."""
+        self.close()
+        self.path = path
+        try:
+            connected = self._connect(path, _loop())
+        except (LedgerError, OSError) as e:
+            self._down(e, "open")
+            return False
+        self._use(connected)
+        return True
+
+    async def reopen_if_due(self) -> None:
+        """The ticker: try to open a ledger that could not be opened (or whose file is gone)."""
+        if self._store is not None or not self.path or time.monotonic() < self._reopen_at:
+            return
+        self._reopen_at = time.monotonic() + REOPEN_S
+        loop = asyncio.get_running_loop()
+        try:
+            connected = await loop.run_in_executor(None, self._connect, self.path, loop)
+        except (LedgerError, OSError) as e:
+            self._down(e, "open")
+            return
+        if self._store is not None:  # opened meanwhile (a change of option)
+            connected[0].close()
+            connected[1].stop()
+            return
+        self._use(connected)
+
+    def _connect(self, path: str, loop: asyncio.AbstractEventLoop) -> tuple[Store, Heartbeat]:
+        """Open the ledger and start the heartbeat on its own connection (blocking; raises
+        ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
+        runner = LedgerRunner(Ledger(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
+                                     identity=self._identity))
+        try:
+            runner.call_sync(lambda led: led.open(time.time()))
+            heartbeat = Heartbeat(
+                Ledger(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
+                       identity=self._identity),
+                interval_s=HEARTBEAT_S,
+                on_reregistered=lambda n: loop.call_soon_threadsafe(self._reregistered, n),
+                on_file_gone=lambda why: loop.call_soon_threadsafe(self._file_gone, why),
+            )
+            heartbeat.start(time.time())
+        except BaseException:
+            runner.close()
+            raise
+        return SqliteStore(runner), heartbeat
+
+    def _use(self, connected: tuple[Store, Heartbeat]) -> None:
+        self._store, self._heartbeat = connected
+        logger.info("turnguard: ledger %s (instance %s)", self.path, self._instance_id)
+        # after a fault, it stays noted until a try applies what is owed (recover)
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _file_gone(self, why: str) -> None:
+        """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
+        ledger. The ticker opens the file now at the path and registers this process's
+        attempts in flight in it before deciding from it."""
+        if self._store is None:
+            return
+        self.close()
+        self._down(LedgerError(why), "file check")
+        self._reopen_at = 0.0  # open the new file at once
+
+    def _reregistered(self, incarnation: int) -> None:
+        self._emit("instance_reregistered", instance=self._instance_id,
+                   incarnation=incarnation,
+                   attempts_in_flight=sum(1 for _ in self._attempts()))
+        logger.warning("turnguard: this process was taken for dead by another one sharing the "
+                       "ledger and registered again (incarnation %d)", incarnation)
+        self._on_reregistered(incarnation)
+
+    # -- faults --------------------------------------------------------------------------------
+    def _down(self, error: Exception, during: str) -> None:
+        """Note that the ledger failed (said once per outage): decisions are made in memory
+        until a try (the next request's, or the ticker's) finds it working again."""
+        if self.error is None:
+            # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
+            # broken ledger must not stop the proxy.
+            logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
+                           "it recovers", self.path, during, error)
+            self._emit("ledger_unavailable", during=during, error=str(error))
+        self.error = str(error)
+
+    def _up(self) -> None:
+        if self.error is not None:
+            logger.warning("turnguard: ledger %s usable again", self.path)
+            self._emit("ledger_recovered", error_was=self.error)
+        self.error = None
+
+    async def recover(self, deadline: float | None) -> bool:
+        """Try to bring a ledger that failed (or owes writes) back, one try at a time, within
+        ``deadline``. True: it is usable again."""
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                async with self._recovering:
+                    if self.usable:
+                        return True
+                    if self._store is None or not await self._catch_up(deadline):
+                        return False
+                    self._up()
+                    return True
+        except TimeoutError:
+            return False
+
+    async def _catch_up(self, deadline: float | None) -> bool:
+        """Register attempts in flight that a replaced file does not know, then apply the kept
+        writes in order. The first write doubles as the probe; with none, a heartbeat is the
+        probe. False: the ledger failed again (noted)."""
+        store = self._store
+        try:
+            for attempt in list(self._attempts()):
+                if attempt.attempt_id is not None and attempt.generation != store.generation:
+                    await self._adopt(store, attempt, deadline)
+            probed, dropped = bool(self._kept), 0
+            while self._kept:
+                kept = self._kept[0]
+                if kept.generation != store.generation:
+                    self._kept.popleft()
+                    dropped += 1
+                    continue
+                result = await store.write(kept.write, deadline=deadline)
+                self._kept.popleft()
+                if kept.landed is not None:
+                    kept.landed(result, True)
+            if dropped:
+                self._emit("ledger_writes_dropped", writes=dropped,
+                           reason="the ledger file they belong to was replaced")
+            if not probed and await store.heartbeat(time.time(), deadline=deadline) == "reregistered":
+                self._reregistered(store.incarnation)
+        except LedgerError as e:
+            self._down(e, "probe")
+            return False
+        return True
+
+    async def _adopt(self, store: Store, attempt: AttemptInFlight, deadline: float | None) -> None:
+        attempt.attempt_id = await store.adopt_attempt(
+            attempt.ident, method=attempt.method, route=attempt.route, kind=attempt.kind,
+            flow_id=attempt.flow_id, now=time.time(), circuit_scope=attempt.circuit_scope,
+            deadline=deadline,
+        )
+        attempt.generation = store.generation
+        self._emit("attempt_adopted", op=attempt.ident.op_id, flow=attempt.flow_id,
+                   attempt=attempt.attempt_id, ledger_generation=attempt.generation)
+
+    async def _call(self, during: str, call: Callable[[Store], Any], *,
+                    deadline: float | None = None, on_late=None) -> Any:
+        """``call(store)`` within ``deadline``: its result, or ``UNREAD`` (noted) when the
+        ledger cannot answer. A call still queued at the deadline never runs; one that
+        answers after its caller stopped waiting goes to ``on_late``."""
+        if self._store is None or deadline is not None and deadline <= time.monotonic():
+            return UNREAD
+        if not self.usable and not await self.recover(deadline):
+            return UNREAD
+        try:
+            if deadline is None:
+                return await call(self._store)
+            task = asyncio.ensure_future(call(self._store))
+            wait_s = max(0.0, deadline - time.monotonic()) + LEDGER_LATE_S
+            done, _ = await asyncio.wait([task], timeout=wait_s)
+            if not done:
+                if on_late is not None:
+                    task.add_done_callback(on_late)
+                raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({during})")
+            return task.result()
+        except LedgerError as e:
+            self._down(e, during)
+            return UNREAD
+
+    # -- decisions -----------------------------------------------------------------------------
+    async def admit(
+        self, ident: Identity, *, method: str, route: str, flow_id: str, circuit_scope: str,
+        recovery: policy.RecoveryClaim | None, once_mode: bool,
+        in_flight_here: Callable[[], bool], guard: policy.GuardPolicy, window_s: float | None,
+        threshold: int, deadline: float,
+    ) -> policy.Admission | policy.ReplayFromMemory:
+        """The ledger's decision for the request (a claim when it dispatches), or, without a
+        ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
+        flight now, asked after the ledger failed)."""
+        now = time.time()
+        admission = await self._call("admit", lambda store: store.admit(
+            ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
+            circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
+            deadline=deadline,
+        ), deadline=deadline, on_late=self._give_back)
+        if isinstance(admission, Unread):
+            return self.memory.admit(
+                ident, circuit_scope=circuit_scope, recovering=recovery is not None,
+                once_mode=once_mode, in_flight_here=in_flight_here(), now=now, window_s=window_s,
+            )
+        self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,
+                          now=now, threshold=threshold)
+        return admission
+
+    def _give_back(self, task: asyncio.Future) -> None:
+        """A claim made for a request that stopped waiting for it is ended at once
+        (``rejected``: it never went upstream), or it would stay in flight for no one."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        claim = task.result()
+        if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
+            self.write(self.generation, GiveBackWrite(claim.attempt_id, time.time()))
+
+    async def recording(
+        self, ident: Identity, attempt_id: int | None, *, window_s: float | None,
+        deadline: float,
+    ) -> tuple[Recording | None, bool]:
+        """The recording to replay: the one in memory, else ``attempt_id``'s in the ledger.
+        (recording or None, readable): not readable when the ledger could not be read."""
+        recording = self.memory.recording(ident, now=time.time(), window_s=window_s)
+        if recording is not None or attempt_id is None:
+            return recording, True
+        found = await self._call("replay", lambda store: store.recording(
+            attempt_id, deadline=deadline), deadline=deadline)
+        return (None, False) if isinstance(found, Unread) else (found, True)
+
+    async def claim_session(
+        self, session: str, *, now: float, lease_s: float, new_id: str, deadline: float,
+    ) -> tuple[policy.SessionOwnership, policy.SessionClaimResult] | None:
+        """Claim or renew this process's durable session (None: the ledger cannot say)."""
+        claimed = await self._call("claim_session", lambda store: store.claim_session(
+            session, now=now, lease_s=lease_s, new_id=new_id, deadline=deadline,
+        ), deadline=deadline)
+        return None if isinstance(claimed, Unread) else claimed
+
+    async def renew_session(self, session: str, epoch: int, *, now: float,
+                            lease_s: float) -> bool | None:
+        kept = await self._call("renew_session", lambda store: store.renew_session(
+            session, epoch, now=now, lease_s=lease_s))
+        return None if isinstance(kept, Unread) else kept
+
+    async def session_owned_by(self, session: str, epoch: int) -> bool | None:
+        kept = await self._call("renew_session", lambda store: store.session_owned_by(
+            session, self._instance_id, epoch))
+        return None if isinstance(kept, Unread) else kept
+
+    async def circuit_remaining(self, scope: str, *, deadline: float) -> float:
+        """Seconds of cooldown left in the circuit (the memory's when the ledger cannot say)."""
+        state = await self._call("fail_closed", lambda store: store.circuit_state(
+            scope, deadline=deadline), deadline=deadline)
+        if isinstance(state, Unread):
+            state = self.memory.circuit_state(scope)
+        return state.remaining_s(time.time())
+
+    async def snapshot(self, op_key: str) -> policy.OperationSnapshot | None | Unread:
+        return await self._call("poll", lambda store: store.snapshot(op_key))
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, generation: str, write: Write, *, landed=None, kept=None) -> asyncio.Future | None:
+        """A write that must never be lost: sent now when the ledger is usable, else kept in
+        order. ``kept()`` runs when it is kept instead of written (now, or when sending it
+        failed); ``landed(result, late)`` once it is written (``late``: it had been kept).
+        Returns the write's future when it was sent now."""
+        entry = KeptWrite(generation, write, landed)
+        if not self.usable or generation != self.generation:
+            self._kept.append(entry)
+            if kept is not None:
+                kept()
+            return None
+        future = self._store.send(write)
+
+        def done(f: asyncio.Future) -> None:
+            error = f.exception()
+            if error is not None:
+                self._kept.append(entry)
+                self._down(error, type(write).__name__)
+                if kept is not None:
+                    kept()
+            elif landed is not None:
+                landed(f.result(), False)
+
+        future.add_done_callback(done)
+        return future
+
+    def first_event(self, attempt: AttemptInFlight) -> None:
+        if attempt.attempt_id is not None:
+            self.write(attempt.generation, FirstEventWrite(attempt.attempt_id))
+
+    def finish(
+        self, attempt: AttemptInFlight, ending: AttemptEnding, end: AttemptEnd, *, now: float,
+        circuit_cfg: circuit.CircuitConfig, base: dict[str, Any],
+    ) -> asyncio.Future | None:
+        """Record an attempt's end, in the ledger (kept if need be) and in memory, and say what
+        it did to its retry circuit. Returns the write's future when it was sent now."""
+        self.memory.attempt_ended(
+            attempt.ident, recording=ending.recording,
+            spent_once_claim=attempt.kind == "recovery" and ending.spends_once_claim, now=now,
+        )
+
+        def in_memory() -> None:  # no ledger (yet): keep the circuit in memory
+            before = self.memory.circuit_state(attempt.circuit_scope)
+            after, transition = circuit.record_outcome(
+                before, eventless_failure=ending.eventless,
+                completed=ending.outcome == "completed", now=now, cfg=circuit_cfg,
+            )
+            self._note_circuit(FinishResult(True, attempt.circuit_scope, after, transition))
+
+        def landed(result: FinishResult, late: bool) -> None:
+            if not result.applied:
+                self._emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
+                           reason="the attempt was ended meanwhile (reaped)")
+            self._note_circuit(result, quiet=late)  # a late write's effect was told already
+
+        if attempt.attempt_id is None:
+            in_memory()
+            return None
+        return self.write(
+            attempt.generation,
+            FinishWrite(attempt.attempt_id, end, now, circuit_cfg, ending.eventless),
+            landed=landed, kept=in_memory,
+        )
+
+    def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
+        if result.circuit_scope is None or result.circuit is None:
+            return
+        self.memory.circuits[result.circuit_scope] = result.circuit
+        if quiet:
+            return
+        if result.transition == "opened":
+            self._emit(
+                "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
+                cooldown_ms=round((result.circuit.cooldown_s or 0) * 1000),
+                open_until=result.circuit.open_until,
+            )
+        elif result.transition == "reset":
+            self._emit("circuit_reset", scope=result.circuit_scope)
+
+    # -- maintenance ---------------------------------------------------------------------------
+    async def reap_dead_peers(self, now: float, *, lease_s: float) -> None:
+        """Attempts left in flight by a dead peer become ``unknown`` (or ``partial``). Dead
+        means proven gone, or silent for longer than its lease (see ``liveness``): a peer
+        that is only stalled keeps its attempts, so they never run twice."""
+        peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight())
+        if isinstance(peers, Unread):
+            return
+        for peer in peers:
+            verdict = liveness.verdict(peer, me=self._identity, now=now, lease_s=lease_s,
+                                       start_ticks_of=liveness.probe_start_ticks)
+            if verdict == "alive":
+                continue
+            stale_before = None if verdict == "dead" else now - lease_s
+            ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
+                peer.instance_id, now=now, stale_before=stale_before))
+            if isinstance(ops, Unread) or not ops:
+                continue
+            for op_key in ops:
+                self.memory.knowledge.ended(op_key)
+            self._emit("instance_reaped", instance=peer.instance_id, pid=peer.identity.pid,
+                       proof="process gone" if verdict == "dead" else "lease expired",
+                       operations=[k[:12] for k in ops])
+
+    async def collect_garbage(self, now: float, *, retention_s: float, lease_s: float) -> None:
+        n = await self._call("gc", lambda store: store.collect_garbage(
+            now=now, retention_s=retention_s, instance_stale_s=lease_s))
+        if not isinstance(n, Unread) and n:
+            self._emit("ledger_gc", operations_deleted=n)
+
+    def status(self, now: float, *, timeout: float) -> tuple[dict, list | None]:
+        """Operations by state and the cooling circuits, for ``turnguard.status`` (a bounded
+        wait; the circuits are None when only memory can say)."""
+        if not self.usable:
+            return {}, None
+        try:
+            return (self._store.counts(timeout=timeout),
+                    self._store.open_circuits(now, timeout=timeout))
+        except (LedgerError, TimeoutError) as e:
+            return {"error": str(e) or "ledger busy"}, None
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # configured outside the loop (unit tests)
+        return asyncio.get_event_loop_policy().get_event_loop()
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A monotonic deadline as the running loop's time (what ``asyncio.timeout_at`` takes)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + deadline - time.monotonic()

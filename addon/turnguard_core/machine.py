@@ -1,0 +1,412 @@
+"""A guarded request's whole fate, as a pure state machine (in the style of h11's ``_state``).
+
+No proxy, clock, disk or network: the shell runs the loop, does what a state asks (ask the
+store, wait, read a recording) and feeds the result back to one transition function, which
+returns the next state and the effects to show (telemetry records, a mark and a comment for
+mitmweb). Every request starts in ``Admit`` and ends in exactly one terminal state:
+
+    Forward      dispatch it upstream as a new attempt (the store claimed it)
+    PassThrough  forward it untouched, outside single flight (nothing to guard it with)
+    Replay       answer from a recording (the shell may still decline it: Vary, encodings)
+    Respond      answer it with turnguard's own answer (409, 422, 503)
+    FailClosed   answer 503 (the shell reads the circuit's remaining cooldown, then
+                 ``fail_closed`` gives the answer)
+    Abandon      its client is gone: kill it, never dispatch it
+
+and in between it waits in ``HoldDuplicate`` (another attempt of its operation is in flight),
+``WaitCooldown`` (held through a retry circuit's cooldown, recovery modes) or
+``FetchRecording``. Who moves a state:
+
+    Admit           --on_admission(store's decision)-->  any state
+    HoldDuplicate   --on_woke(Ended | TimedOut | Gone)-->  Admit | Replay | Respond | Abandon
+    WaitCooldown    --on_woke(TimedOut | Gone | OwnershipLost)-->  Admit | FailClosed | Abandon
+    FetchRecording  --on_recording(recording or not)-->  Replay | PassThrough | FailClosed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import answers, policy
+from .ledger import Recording
+
+MARK_HELD = ":hourglass:"
+MARK_COOLDOWN = ":snowflake:"
+MARK_REJECTED = ":no_entry:"
+
+ONCE_MODE = "server_anchored_replay_once"
+
+
+# -- what a request is -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the machine knows of one guarded request. Times are the shell's monotonic clock."""
+
+    op_id: str
+    op_key: str
+    flow_id: str
+    session: str | None
+    has_turn_state: bool
+    has_previous_response_id: bool
+    accepts_sse: bool
+    budget_deadline: float
+    hold_timeout_s: float
+    recovery_mode: str
+    circuit_threshold: int
+    owner: policy.SessionOwnership | None  # this process's ownership of its session, if any
+
+    @property
+    def base(self) -> dict[str, Any]:
+        """The fields every telemetry record of the request starts with."""
+        return {"op": self.op_id, "flow": self.flow_id, "session": self.session}
+
+
+# -- effects -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """One telemetry record."""
+
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Show:
+    """What mitmweb shows of the flow: a mark (None: keep it) and a comment."""
+
+    mark: str | None
+    comment: str
+
+
+Effect = Emit | Show
+
+
+# -- states ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Ask the store what to do (a recovery claim when ``recovery`` is given). ``held_since``
+    and ``hold_deadline`` carry a duplicate hold across re-admissions."""
+
+    recovery: policy.RecoveryClaim | None = None
+    held_since: float | None = None
+    hold_deadline: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HoldDuplicate:
+    """Wait for the operation's attempt in flight (``attempt_id``, if known) to end, until
+    ``deadline``."""
+
+    attempt_id: int | None
+    held_since: float
+    deadline: float
+    recovery: policy.RecoveryClaim | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitCooldown:
+    """Held through the circuit's cooldown for ``wait_s`` (nothing is dispatched meanwhile),
+    with the session owned at ``epoch``."""
+
+    wait_s: float
+    epoch: int
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRecording:
+    """Read the recording to replay: ``attempt_id``'s in the store (None: only the one this
+    process keeps in memory)."""
+
+    attempt_id: int | None
+    held_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Terminal: dispatch upstream as the attempt the store claimed."""
+
+    dispatch: policy.Dispatch
+
+
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """Terminal: forward untouched (no attempt), saying why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Terminal: answer from ``recording``."""
+
+    recording: Recording
+    held_ms: int
+    attempt_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Respond:
+    """Terminal: turnguard's own answer."""
+
+    answer: answers.Answer
+
+
+@dataclass(frozen=True, slots=True)
+class FailClosed:
+    """Terminal: 503 with ``code``, nothing dispatched (see ``fail_closed``)."""
+
+    reason: str
+    code: str = "upstream_request_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    """Terminal: the client is gone (or the flow was killed); never dispatch it."""
+
+    reason: str
+
+
+Terminal = Forward | PassThrough | Replay | Respond | FailClosed | Abandon
+State = Admit | HoldDuplicate | WaitCooldown | FetchRecording | Terminal
+Transition = tuple["State", tuple[Effect, ...]]
+
+
+# -- why a wait ended --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The attempt waited for ended (``recording``: completed and replayable)."""
+
+    outcome: str
+    recording: Recording | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """The wait's bound passed first."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """The flow was killed or its client went away."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OwnershipLost:
+    """Another process took the session (a higher epoch)."""
+
+    epoch: int | None
+
+
+Woke = Ended | TimedOut | Gone | OwnershipLost
+
+
+# -- transitions -------------------------------------------------------------------------------
+def start() -> Admit:
+    return Admit()
+
+
+def on_admission(
+    req: RequestFacts, state: Admit, admission: policy.Admission | policy.ReplayFromMemory,
+    now: float, *, ledger_down: str | None,
+) -> Transition:
+    """The store decided (``admission``) for the request in ``state``. ``ledger_down``: why
+    the ledger cannot be used now (None: it can)."""
+    base = req.base
+    held_ms = 0 if state.held_since is None else round((now - state.held_since) * 1000)
+    match admission:
+        case policy.Dispatch(kind=kind, attempt_id=attempt_id):
+            effects: list[Effect] = [Emit("dispatch", {**base, "attempt": attempt_id,
+                                                       "kind": kind,
+                                                       "ledger": attempt_id is not None})]
+            if kind == "recovery":
+                epoch = state.recovery.epoch if state.recovery else None
+                effects += [
+                    Emit("recovery_claimed", {**base, "attempt": attempt_id, "epoch": epoch}),
+                    Show(None, "turnguard: held through the cooldown, then sent upstream once "
+                               f"as the recovery dispatch of {req.op_id}"),
+                ]
+            elif state.held_since is not None:
+                effects += [
+                    Emit("duplicate_forwarded", {**base, "held_ms": held_ms}),
+                    Show(None, f"turnguard: held {held_ms} ms, then forwarded (the earlier "
+                               f"attempt of {req.op_id} did not complete)"),
+                ]
+            return Forward(admission), tuple(effects)
+        case policy.Replay(attempt_id=attempt_id):
+            return FetchRecording(attempt_id, held_ms), ()
+        case policy.ReplayFromMemory():
+            return FetchRecording(None, held_ms), ()
+        case policy.Conflict():
+            return Respond(answers.idempotency_key_conflict()), (
+                Emit("idempotency_key_conflict", base),
+                Show(MARK_REJECTED, "turnguard: Idempotency-Key reused with a different body"),
+            )
+        case policy.Denied(code=code, reason=reason):
+            return FailClosed(reason, code), (
+                Emit("recovery_denied", {**base, "reason": reason, "code": code}),
+            )
+        case policy.Fenced():
+            return _fenced(req, admission, now, ledger_down)
+        case policy.Hold():
+            return _hold(req, state, admission, now)
+    raise AssertionError(f"unknown admission {admission!r}")  # pragma: no cover
+
+
+def _fenced(
+    req: RequestFacts, fenced: policy.Fenced, now: float, ledger_down: str | None
+) -> Transition:
+    """The circuit cools down: fail closed (503), or hold through the cooldown."""
+    base = req.base
+    denial = policy.fence_hold_denial(
+        req.recovery_mode,
+        has_turn_state=req.has_turn_state,
+        has_previous_response_id=req.has_previous_response_id,
+        owns_session=req.owner is not None,
+        output_seen=fenced.output_seen,
+    )
+    remaining_budget = req.budget_deadline - now
+    if denial is None and remaining_budget <= 0:
+        denial = "request_budget_expired"
+    if denial == "owner_proof_missing" and req.session and ledger_down is not None:
+        # no owner proof because there is no ledger to hold it: say so
+        return FailClosed("ledger_unavailable"), (
+            Emit("ledger_unavailable", {**base, "during": "recovery_decision",
+                                        "error": ledger_down}),
+        )
+    if denial is not None:
+        retry_after = policy.retry_after_seconds(fenced.remaining_s)
+        effects: list[Effect] = [Emit("cooldown_rejected", {
+            **base, "retry_after_s": retry_after,
+            "cooldown_remaining_ms": round(fenced.remaining_s * 1000), "reason": denial,
+        })]
+        if denial != "mode_fail_closed":
+            effects.append(Emit("fail_closed", {**base, "reason": denial}))
+        effects.append(Show(MARK_REJECTED, "turnguard: cooldown, answered 503 without "
+                                           f"dispatching ({denial})"))
+        answer = answers.cooldown_rejected(retry_after, req.circuit_threshold,
+                                           accepts_sse=req.accepts_sse)
+        return Respond(answer), tuple(effects)
+    assert req.owner is not None  # fence_hold_denial says owner_proof_missing otherwise
+    wait_s = min(fenced.remaining_s, remaining_budget)
+    wait_ms = round(wait_s * 1000)
+    return WaitCooldown(wait_s, req.owner.owner_epoch, now), (
+        Emit("wait_operation_fenced_cooldown", {
+            **base, "wait_ms": wait_ms, "cooldown_remaining_ms": round(fenced.remaining_s * 1000),
+            "epoch": req.owner.owner_epoch,
+        }),
+        Show(MARK_COOLDOWN, f"turnguard: held through the retry circuit's cooldown ({wait_ms} "
+                            "ms); nothing is sent upstream while it waits"),
+    )
+
+
+def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Transition:
+    """Another attempt of the operation is in flight: hold (bounded), or 409 past the bound."""
+    effects: tuple[Effect, ...] = ()
+    held_since, deadline = state.held_since, state.hold_deadline
+    if held_since is None:
+        held_since = now
+        deadline = policy.hold_deadline(now, hold_timeout_s=req.hold_timeout_s,
+                                        budget_deadline=req.budget_deadline)
+        effects = (
+            Emit("duplicate_held", {**req.base, "attempt": hold.attempt_id,
+                                    "owner": hold.owner_instance,
+                                    "timeout_ms": max(0, round((deadline - now) * 1000))}),
+            Show(MARK_HELD, f"turnguard: held as a duplicate of operation {req.op_id}, waiting "
+                            "for its attempt in flight"),
+        )
+    if now >= deadline:
+        return _reject_in_progress(req, held_since, now, effects)
+    return HoldDuplicate(hold.attempt_id, held_since, deadline, state.recovery), effects
+
+
+def _reject_in_progress(
+    req: RequestFacts, held_since: float, now: float, effects: tuple[Effect, ...] = ()
+) -> Transition:
+    held_ms = round((now - held_since) * 1000)
+    retry_after = policy.retry_after_seconds(1)
+    return Respond(answers.turn_in_progress(retry_after, held_ms)), (
+        *effects,
+        Emit("duplicate_rejected", {**req.base, "held_ms": held_ms, "retry_after_s": retry_after}),
+        Show(MARK_REJECTED, f"turnguard: held {held_ms} ms; the original was still in flight, "
+                            "answered 409 turn_in_progress"),
+    )
+
+
+def on_woke(
+    req: RequestFacts, state: HoldDuplicate | WaitCooldown, woke: Woke, now: float,
+    *, gone: str | None = None,
+) -> Transition:
+    """A wait ended: ``woke`` says why; ``gone`` says why the client no longer wants an answer,
+    if the shell found so when it woke (a client that left gets nothing dispatched)."""
+    if isinstance(state, WaitCooldown):
+        return _cooldown_ended(req, state, woke, now, gone)
+    if isinstance(woke, Gone):
+        gone = woke.reason
+    match woke:
+        case TimedOut():
+            return _reject_in_progress(req, state.held_since, now)
+        case _ if gone is not None:
+            return _abandon(req, gone, state.held_since, now)
+        case Ended(recording=recording) if recording is not None:
+            return Replay(recording, round((now - state.held_since) * 1000), None), ()
+        case _:  # ended without a recording: admit again (claim, replay or hold anew)
+            return Admit(state.recovery, state.held_since, state.deadline), ()
+
+
+def _cooldown_ended(
+    req: RequestFacts, state: WaitCooldown, woke: Woke, now: float, gone: str | None
+) -> Transition:
+    reason = {TimedOut: "cooldown_elapsed", Gone: "gone", OwnershipLost: "ownership_lost"}.get(
+        type(woke), "woken")
+    finished = Emit("wait_finished", {**req.base, "waited_ms": round((now - state.since) * 1000),
+                                      "reason": reason})
+    if isinstance(woke, Gone):
+        gone = woke.reason
+    if gone is not None:
+        abandon, effects = _abandon(req, gone, state.since, now)
+        return abandon, (finished, *effects)
+    match woke:
+        case OwnershipLost(epoch=epoch):
+            return FailClosed("ownership_lost"), (
+                finished, Emit("ownership_lost", {**req.base, "epoch": epoch}))
+    if now >= req.budget_deadline:
+        return FailClosed("request_budget_expired"), (finished,)
+    recovery = policy.RecoveryClaim(req.session, state.epoch, once=req.recovery_mode == ONCE_MODE)
+    return Admit(recovery), (finished,)  # a new phase: a duplicate hold, if any
+
+
+def _abandon(req: RequestFacts, reason: str, held_since: float, now: float) -> Transition:
+    return Abandon(reason), (
+        Emit("hold_abandoned", {**req.base, "reason": reason,
+                                "held_ms": round((now - held_since) * 1000)}),
+    )
+
+
+def on_recording(
+    req: RequestFacts, state: FetchRecording, recording: Recording | None, *, readable: bool
+) -> Transition:
+    """The recording to replay was read (``readable`` False: the store could not be read)."""
+    if recording is not None:
+        return Replay(recording, state.held_ms, state.attempt_id), ()
+    if not readable or state.attempt_id is None:
+        # it completed, but its bytes cannot be read now: never run it again
+        return FailClosed("ledger_unavailable"), ()
+    return PassThrough("recording missing"), (
+        Emit("passthrough", {**req.base, "reason": "recording missing"}),
+    )
+
+
+def fail_closed(req: RequestFacts, state: FailClosed, remaining_s: float) -> Transition:
+    """The 503 of ``FailClosed``, with ``remaining_s`` of cooldown left in its circuit."""
+    retry_after = policy.retry_after_seconds(remaining_s)
+    answer = answers.failed_closed(state.code, state.reason, retry_after,
+                                   accepts_sse=req.accepts_sse)
+    return Respond(answer), (
+        Emit("fail_closed", {**req.base, "reason": state.reason, "code": state.code,
+                             "retry_after_s": retry_after}),
+        Show(MARK_REJECTED, f"turnguard: failed closed with 503 {state.code} ({state.reason})"),
+    )

@@ -1,0 +1,200 @@
+"""What the addon needs of a ledger, typed, whatever database holds it.
+
+``Store`` is the protocol the shell (through ``failover.FailoverStore``) uses: async calls
+bounded by a ``deadline`` (``time.monotonic()``), and the writes that decide the future as
+data (``Write``), so that they can be kept while the ledger is down and applied later, in
+order. Every call may raise ``LedgerError``; deciding without the ledger is ``MemoryStore``'s
+job. ``SqliteStore`` is the embedded one: ``ledger.Ledger`` (the only SQL) run by a
+``LedgerRunner`` (never blocking the event loop for long). A PostgreSQL store implements the
+same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+from . import circuit, liveness, policy
+from .identity import Identity
+from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
+from .ledger_runner import LedgerRunner
+
+
+@dataclass(frozen=True, slots=True)
+class FinishWrite:
+    """An attempt's end (its operation's outcome, its recording, its circuit's effect)."""
+
+    attempt_id: int
+    end: AttemptEnd
+    now: float
+    circuit_cfg: circuit.CircuitConfig | None = None
+    eventless_failure: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FirstEventWrite:
+    """An attempt saw its first response event (its operation has output now)."""
+
+    attempt_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBackWrite:
+    """A claim made for a request that stopped waiting for it: ended, never dispatched."""
+
+    attempt_id: int
+    now: float
+
+
+Write = FinishWrite | FirstEventWrite | GiveBackWrite
+
+
+class Store(Protocol):
+    generation: str  # this ledger's identity: kept writes name it
+
+    async def admit(
+        self, ident: Identity, *, method: str, route: str, now: float,
+        guard: policy.GuardPolicy, flow_id: str | None, circuit_scope: str | None,
+        recovery: policy.RecoveryClaim | None, once_mode: bool, deadline: float | None,
+    ) -> policy.Admission: ...
+
+    async def recording(self, attempt_id: int, *, deadline: float | None) -> Recording | None: ...
+
+    async def claim_session(
+        self, session: str, *, now: float, lease_s: float, new_id: str, deadline: float | None,
+    ) -> tuple[policy.SessionOwnership, policy.SessionClaimResult]: ...
+
+    async def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float) -> bool: ...
+
+    async def session_owned_by(self, session: str, instance_id: str, epoch: int) -> bool: ...
+
+    async def circuit_state(self, scope: str, *, deadline: float | None) -> circuit.CircuitState: ...
+
+    async def snapshot(self, op_key: str) -> policy.OperationSnapshot | None: ...
+
+    async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
+
+    async def adopt_attempt(
+        self, ident: Identity, *, method: str, route: str, kind: str, flow_id: str | None,
+        now: float, circuit_scope: str | None, deadline: float | None,
+    ) -> int | None: ...
+
+    async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
+
+    async def reap_instance(
+        self, instance_id: str, *, now: float, stale_before: float | None,
+    ) -> list[str]: ...
+
+    async def collect_garbage(
+        self, *, now: float, retention_s: float, instance_stale_s: float,
+    ) -> int: ...
+
+    def send(self, write: Write) -> asyncio.Future: ...
+
+    async def write(self, write: Write, *, deadline: float | None) -> FinishResult | None: ...
+
+    def counts(self, *, timeout: float) -> dict[str, int]: ...
+
+    def open_circuits(self, now: float, *, timeout: float) -> list[tuple[str, circuit.CircuitState]]: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
+    match write:
+        case FinishWrite():
+            return ledger.finish(write.attempt_id, write.end, now=write.now,
+                                 circuit_cfg=write.circuit_cfg,
+                                 eventless_failure=write.eventless_failure)
+        case FirstEventWrite():
+            ledger.first_event(write.attempt_id)
+            return None
+        case GiveBackWrite():
+            return ledger.finish(write.attempt_id, AttemptEnd(
+                "rejected", None, 0, "abandoned: the request stopped waiting for the ledger"),
+                now=write.now)
+
+
+class SqliteStore:
+    """``Store`` on the SQLite ledger."""
+
+    def __init__(self, runner: LedgerRunner):
+        self._runner = runner
+
+    @property
+    def generation(self) -> str:
+        return self._runner.ledger.generation
+
+    @property
+    def incarnation(self) -> int:
+        return self._runner.ledger.incarnation
+
+    async def admit(self, ident, *, method, route, now, guard, flow_id, circuit_scope, recovery,
+                    once_mode, deadline):
+        return await self._runner.call(lambda led: led.admit(
+            ident, method=method, path=route, now=now, guard=guard, flow_id=flow_id,
+            circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
+        ), deadline=deadline)
+
+    async def recording(self, attempt_id, *, deadline):
+        return await self._runner.call(lambda led: led.recording(attempt_id), deadline=deadline)
+
+    async def claim_session(self, session, *, now, lease_s, new_id, deadline):
+        return await self._runner.call(
+            lambda led: led.claim_session(session, now=now, lease_s=lease_s, new_id=new_id),
+            deadline=deadline,
+        )
+
+    async def renew_session(self, session, epoch, *, now, lease_s):
+        return await self._runner.call(
+            lambda led: led.renew_session(session, epoch, now=now, lease_s=lease_s))
+
+    async def session_owned_by(self, session, instance_id, epoch):
+        return await self._runner.call(
+            lambda led: led.session_owned_by(session, instance_id, epoch))
+
+    async def circuit_state(self, scope, *, deadline):
+        return await self._runner.call(lambda led: led.circuit_state(scope), deadline=deadline)
+
+    async def snapshot(self, op_key):
+        return await self._runner.call(lambda led: led.snapshot(op_key))
+
+    async def heartbeat(self, now, *, deadline):
+        return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
+
+    async def adopt_attempt(self, ident, *, method, route, kind, flow_id, now, circuit_scope,
+                            deadline):
+        return await self._runner.call(lambda led: led.adopt_attempt(
+            ident, method=method, path=route, kind=kind, flow_id=flow_id, now=now,
+            circuit_scope=circuit_scope,
+        ), deadline=deadline)
+
+    async def peers_with_attempts_in_flight(self):
+        return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
+
+    async def reap_instance(self, instance_id, *, now, stale_before):
+        return await self._runner.call(
+            lambda led: led.reap_instance(instance_id, now=now, stale_before=stale_before))
+
+    async def collect_garbage(self, *, now, retention_s, instance_stale_s):
+        return await self._runner.call(lambda led: led.collect_garbage(
+            now=now, retention_s=retention_s, instance_stale_s=instance_stale_s))
+
+    def send(self, write):
+        return asyncio.wrap_future(self._runner.submit(lambda led: _apply(write, led)))
+
+    async def write(self, write, *, deadline):
+        return await self._runner.call(lambda led: _apply(write, led), deadline=deadline)
+
+    def counts(self, *, timeout):
+        return self._runner.call_sync(lambda led: led.counts(), timeout=timeout)
+
+    def open_circuits(self, now, *, timeout):
+        return self._runner.call_sync(lambda led: led.open_circuits(now), timeout=timeout)
+
+    def close(self) -> None:
+        self._runner.close()

@@ -1,0 +1,48 @@
+"""Options that need more than a value check: the filter expression, the events file and the
+ledger path. Each raises ``ValueError`` with the one line a user sees when it is refused."""
+
+from __future__ import annotations
+
+import os
+
+from mitmproxy import flowfilter
+
+from turnguard_core.ledger import LedgerError, check_path
+from turnguard_core.private_files import UnsafePath
+from turnguard_core.telemetry import Telemetry
+
+
+def parse_filter(expression: str) -> flowfilter.TFilter:
+    try:
+        return flowfilter.parse(expression)
+    except ValueError as e:
+        raise ValueError(f"turnguard_filter={expression!r} is not valid: {e}") from None
+
+
+def open_events(path: str) -> Telemetry:
+    """The telemetry sink: the events file at ``path`` (empty: the log only)."""
+    try:
+        return Telemetry(os.path.expanduser(path) or None)
+    except UnsafePath as e:
+        raise ValueError(f"turnguard_events={path!r} is refused: {e}") from None
+    except OSError as e:
+        raise ValueError(f"turnguard_events={path!r} cannot be opened: {e.strerror}") from None
+
+
+def ledger_path(option: str, confdir: str) -> str:
+    """The ledger's path (``<confdir>/turnguard.sqlite3`` when the option is empty), checked:
+    a path others could write to or redirect is refused."""
+    try:
+        if option:
+            path = os.path.abspath(os.path.expanduser(option))
+        else:
+            folder = os.path.expanduser(confdir)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            path = os.path.join(folder, "turnguard.sqlite3")
+    except OSError as e:
+        raise ValueError(f"turnguard_ledger: cannot use the folder: {e}") from None
+    try:
+        check_path(path)
+    except LedgerError as e:
+        raise ValueError(f"turnguard_ledger={path} is refused: {e}") from None
+    return path

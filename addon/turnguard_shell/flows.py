@@ -1,0 +1,143 @@
+"""Everything turnguard reads from or does to an HTTP flow (mitmproxy's ``http.HTTPFlow``).
+
+The pure core never sees a flow: this module turns a flow into a ``RequestView`` for identity,
+tells whether its client still wants an answer, answers it (turnguard's own answers and
+replays), and explains it in mitmweb (a mark and a comment).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+from mitmproxy import ctx, hooks, http
+
+from turnguard_core import answers, identity
+from turnguard_core.proxy_internals import client_stream_closed, find_http_layer
+
+MARK_REPLAYED = ":recycle:"
+
+
+def accepts_sse(flow: http.HTTPFlow) -> bool:
+    return "text/event-stream" in flow.request.headers.get("accept", "")
+
+
+def request_headers(flow: http.HTTPFlow) -> tuple[tuple[str, str], ...]:
+    return tuple(flow.request.headers.items(multi=True))
+
+
+def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | identity.Passthrough:
+    """What identity needs of the request, or why it cannot be guarded."""
+    req = flow.request
+    if req.raw_content is None:
+        return identity.Passthrough("request body is streamed")
+    if len(req.raw_content) > max_body:
+        return identity.Passthrough(f"body too large ({len(req.raw_content)} bytes > limit {max_body})")
+    try:
+        body = req.content
+    except ValueError:
+        body = None
+    if not req.host:
+        return identity.Passthrough("upstream unknown (no host)")
+    proxy_auth = flow.metadata.get("proxyauth")  # mitmproxy's proxyauth took the header
+    if proxy_auth is not None:
+        if not (isinstance(proxy_auth, (tuple, list))
+                and all(isinstance(part, str) for part in proxy_auth)):
+            return identity.Passthrough("principal undetermined (proxyauth metadata)")
+        proxy_auth = json.dumps(list(proxy_auth))
+    return identity.RequestView(
+        method=req.method,
+        path=req.path,
+        headers=request_headers(flow),
+        body=body,
+        upstream=identity.Upstream(
+            scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
+            via=_via(flow),
+        ),
+        proxy_auth=proxy_auth,
+    )
+
+
+def _via(flow: http.HTTPFlow) -> str | None:
+    """The upstream proxy a flow goes through (mitmproxy's upstream mode), as a URL."""
+    via = flow.server_conn.via
+    if via is None:
+        return None
+    try:
+        scheme, (host, port) = via
+        return f"{scheme}://{host}:{port}"
+    except (TypeError, ValueError):  # not a ServerSpec: still a value of its own
+        return repr(via)
+
+
+def _headers(pairs) -> http.Headers:
+    return http.Headers(
+        [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
+         for k, v in pairs]
+    )
+
+
+def answer(flow: http.HTTPFlow, a: answers.Answer) -> None:
+    """Answer the flow with turnguard's own answer (nothing goes upstream)."""
+    flow.response = http.Response.make(a.status, a.body, _headers(a.headers))
+    flow.metadata["turnguard"] = {"role": "answered", "status": a.status}
+
+
+def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes) -> None:
+    """Answer the flow from a recording: the bytes as given (never re-encoded by mitmproxy)."""
+    resp = http.Response.make(status, b"", _headers(headers))
+    resp.raw_content = body
+    resp.headers["content-length"] = str(len(body))
+    resp.headers["x-turnguard"] = "replayed"
+    flow.response = resp
+    flow.metadata["turnguard"] = {"role": "replay", "op": op_id}
+
+
+def proxyserver():
+    try:
+        return ctx.master.addons.get("proxyserver")
+    except AttributeError:  # no master (unit tests)
+        return None
+
+
+class ClientWatch:
+    """Tells whether the client of a held flow still wants an answer."""
+
+    def __init__(self) -> None:
+        # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
+        self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def gone(self, flow: http.HTTPFlow) -> str | None:
+        """Why the client no longer wants an answer (None: it still does)."""
+        if flow.error is not None:
+            return "killed"
+        if not flow.client_conn.connected:
+            return "client disconnected"
+        if flow.request.http_version == "HTTP/2.0":
+            layer = self._http_layers.get(flow.client_conn.id)
+            if layer is None:
+                layer = find_http_layer(proxyserver(), flow.client_conn.id)
+                if layer is not None:
+                    self._http_layers[flow.client_conn.id] = layer
+            if layer is not None and client_stream_closed(layer, flow, flow.client_conn):
+                return "stream reset by client"
+        return None
+
+
+class Explainer:
+    """Explains flows in mitmweb or the console: a mark and a comment, then a refresh."""
+
+    def __init__(self) -> None:
+        self._has_view: bool | None = None  # is there a UI whose flow list needs refreshing?
+
+    def show(self, flow: http.HTTPFlow, mark: str | None, comment: str) -> None:
+        if mark is not None:
+            flow.marked = mark
+        flow.comment = comment
+        if self._has_view is None:
+            try:
+                self._has_view = ctx.master.addons.get("view") is not None
+            except AttributeError:  # no master (unit tests)
+                self._has_view = False
+        if self._has_view:  # mitmweb or the console: refresh the flow there
+            ctx.master.addons.trigger(hooks.UpdateHook([flow]))

@@ -1,0 +1,233 @@
+"""This process's attempts in flight: dispatched upstream, until their end is recorded.
+
+An attempt is registered when a request is forwarded upstream (``start``); its response goes
+through a tee that counts events and keeps a bounded copy (``tee_response``); a timer cuts the
+upstream when no response event arrives in time (``turnguard_response_created_timeout_ms``);
+and its end (``end``, from the response or error hook) is classified (``ending``), recorded
+(``FailoverStore.finish``) and wakes the attempt's held duplicates. The registry itself (by
+flow and by operation) lives in ``ProcessState``, so a script reload hands it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from mitmproxy import http
+
+from turnguard_core import identity, options, policy
+from turnguard_core.ending import EndFacts, classify_end, end_telemetry
+from turnguard_core.failover import FailoverStore
+from turnguard_core.ledger import AttemptEnd
+from turnguard_core.machine import Ended
+from turnguard_core.proxy_internals import cut_upstream
+from turnguard_core.tee import ResponseTee
+
+from . import flows
+from .process import ProcessState
+from .waiters import Waiters
+
+logger = logging.getLogger("turnguard")
+
+FIRST_EVENT_DELAY_S = 0.1  # a stream's first event is recorded this late, unless it ended
+MARK_CUT = ":scissors:"
+MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
+
+
+@dataclass
+class Attempt:
+    """A guarded flow this process dispatched upstream, until its outcome is recorded."""
+
+    flow_id: str
+    ident: identity.Identity
+    attempt_id: int | None  # None when the ledger was unavailable
+    generation: str  # of the ledger file that holds attempt_id
+    kind: str
+    started: float
+    circuit_scope: str
+    method: str
+    route: str  # as the ledger stores it
+    status: int | None = None
+    tee: ResponseTee | None = None
+    cut_reason: str | None = None  # set when turnguard cut the upstream itself
+    timer: asyncio.TimerHandle | None = None  # response_created timeout
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    @property
+    def base(self) -> dict:
+        return {"op": self.ident.op_id, "flow": self.flow_id, "session": self.ident.session}
+
+
+class InFlight:
+    def __init__(
+        self, process: ProcessState, store: FailoverStore, waiters: Waiters,
+        explainer: flows.Explainer, emit: Callable[..., None],
+        settings: Callable[[], options.Settings],
+    ):
+        self._process = process
+        self._store = store
+        self._waiters = waiters
+        self._explainer = explainer
+        self._emit = emit
+        self._settings = settings
+
+    def _current(self) -> "InFlight":
+        """The registry of the addon instance that gets the hooks now (another one after a
+        script reload): callbacks of a flow in flight go there."""
+        guard = self._process.guard
+        return guard.inflight if guard is not None else self
+
+    def __len__(self) -> int:
+        return len(self._process.attempts)
+
+    def __iter__(self):
+        return iter(list(self._process.attempts.values()))
+
+    def of_operation(self, op_key: str) -> Attempt | None:
+        flow_id = self._process.by_op.get(op_key)
+        return None if flow_id is None else self._process.attempts.get(flow_id)
+
+    def is_local(self, op_key: str) -> bool:
+        return op_key in self._process.by_op
+
+    def start(
+        self, flow: http.HTTPFlow, ident: identity.Identity, dispatch: policy.Dispatch,
+        circuit_scope: str,
+    ) -> None:
+        """Register the dispatch as this process's attempt of its operation."""
+        generation = self._store.generation if dispatch.attempt_id is not None else ""
+        attempt = Attempt(flow.id, ident, dispatch.attempt_id, generation, dispatch.kind,
+                          time.monotonic(), circuit_scope, flow.request.method, ident.route)
+        self._process.attempts[flow.id] = attempt
+        self._process.by_op[ident.op_key] = flow.id
+        flow.metadata["turnguard"] = {"role": "dispatch", "op": ident.op_id,
+                                      "attempt": dispatch.attempt_id, "kind": dispatch.kind}
+        timeout_s = self._settings().response_created_timeout_s
+        if timeout_s > 0:
+            attempt.timer = asyncio.get_running_loop().call_later(
+                timeout_s, lambda: self._current()._cut_if_silent(flow)
+            )
+
+    def _cut_if_silent(self, flow: http.HTTPFlow) -> None:
+        """No response event in time: cut the upstream; the error hook records ``unknown``."""
+        attempt = self._process.attempts.get(flow.id)
+        if attempt is None or (attempt.tee is not None and attempt.tee.events_seen > 0):
+            return
+        attempt.timer = None
+        attempt.cut_reason = MISSING_RESPONSE_CREATED
+        why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id, flow.server_conn,
+                               f"turnguard: {MISSING_RESPONSE_CREATED}")
+        after_ms = round(self._settings().response_created_timeout_s * 1000)
+        self._emit("upstream_cut", **attempt.base, reason=MISSING_RESPONSE_CREATED,
+                   after_ms=after_ms, headers_seen=attempt.status is not None,
+                   cut=why_not is None, why_not=why_not)
+        if why_not is not None:
+            logger.warning("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
+        else:
+            self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
+                                 f" ms ({MISSING_RESPONSE_CREATED}); cut the upstream connection")
+
+    def tee_response(self, flow: http.HTTPFlow) -> None:
+        """The response headers of an attempt arrived: stream its body through a tee."""
+        attempt = self._process.attempts.get(flow.id)
+        if attempt is None or flow.response is None:
+            return
+        resp = flow.response
+        attempt.status = resp.status_code
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        is_sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
+        ok = 200 <= resp.status_code < 300
+        counts_events = is_sse and encoding in ("", "identity") and ok
+        if is_sse and encoding not in ("", "identity"):
+            self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id,
+                       reason=f"response content-encoding {encoding}: events not counted")
+        if not counts_events:
+            attempt.stop_timer()  # an answer that is not an event stream is its own event
+        settings = self._settings()
+        keep = settings.replay_max_bytes if settings.guard.replay and ok else 0
+        attempt.tee = ResponseTee(
+            counts_events=counts_events, keep_max_bytes=keep,
+            on_first_event=lambda: self._current()._first_event(attempt),
+        )
+        resp.stream = attempt.tee
+
+    def _first_event(self, attempt: Attempt) -> None:
+        """The attempt has output now. The ledger learns it a moment later, and not at all
+        when the attempt ends first (its finish records the events): one transaction less
+        for short responses; a crash within that moment records ``unknown``, not ``partial``."""
+        attempt.stop_timer()
+        if attempt.attempt_id is not None:
+            asyncio.get_running_loop().call_later(
+                FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
+
+    def _record_first_event(self, attempt: Attempt) -> None:
+        if attempt.flow_id in self._process.attempts:
+            self._store.first_event(attempt)
+
+    def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
+        """The attempt's response ended (or failed): record it and wake its duplicates.
+        Returns the ledger write's future when it was sent now."""
+        attempt = self._process.attempts.pop(flow.id, None)
+        if attempt is None:
+            return None
+        attempt.stop_timer()
+        why, recorded = Ended("unknown"), None
+        try:
+            why, recorded = self._record_end(flow, attempt, body_complete)
+        except Exception:
+            logger.exception("turnguard: recording the outcome of %s failed", flow.id)
+        finally:
+            op_key = attempt.ident.op_key
+            if self._process.by_op.get(op_key) == flow.id:
+                del self._process.by_op[op_key]
+            # Held duplicates wake now: a recording is replayed from memory; anything else is
+            # admitted again, and the ledger runs that after this attempt's finish.
+            self._waiters.attempt_ended(op_key, why)
+        return recorded
+
+    def _record_end(
+        self, flow: http.HTTPFlow, attempt: Attempt, body_complete: bool
+    ) -> tuple[Ended, asyncio.Future | None]:
+        facts = self._end_facts(flow, attempt, body_complete)
+        ending = classify_end(facts)
+        duration_ms = round((time.monotonic() - attempt.started) * 1000)
+        for record in end_telemetry(ending, facts, attempt.base, attempt_id=attempt.attempt_id,
+                                    duration_ms=duration_ms):
+            self._emit(record.event, **record.fields)
+        end = AttemptEnd(ending.outcome, facts.status, facts.events_seen, ending.record_detail,
+                         ending.recording)
+        recorded = self._store.finish(attempt, ending, end, now=time.time(),
+                                      circuit_cfg=self._settings().circuit, base=attempt.base)
+        return Ended(ending.outcome, ending.recording), recorded
+
+    @staticmethod
+    def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool) -> EndFacts:
+        tee = attempt.tee
+        if tee is None and body_complete and flow.response is not None:
+            # No streaming happened (e.g. another addon answered): read the whole body.
+            tee = ResponseTee(counts_events=False, keep_max_bytes=0)
+            tee(flow.response.raw_content or b"")
+            tee(b"")
+        resp = flow.response
+        return EndFacts(
+            kind=attempt.kind,
+            status=resp.status_code if resp is not None else None,
+            events_seen=tee.events_seen if tee else 0,
+            terminal=tee.terminal if tee else None,
+            counts_events=tee.counts_events if tee else False,
+            body_complete=body_complete and (tee is None or tee.ended),
+            kept_body=tee.body if tee else None,
+            over_cap=bool(tee and tee.over_cap),
+            response_headers=tuple(resp.headers.items(multi=True)) if resp is not None else (),
+            request_headers=flows.request_headers(flow),
+            error=flow.error.msg if flow.error else None,
+            cut_reason=attempt.cut_reason,
+            client_gone=not flow.client_conn.connected,
+        )

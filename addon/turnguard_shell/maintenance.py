@@ -1,0 +1,96 @@
+"""The ticker: one task for the whole addon, a sub-addon of ``TurnGuard``.
+
+It wakes held flows that were killed or whose client left, brings a ledger that failed back
+(or opens it again), reaps dead peers' attempts, polls the attempts of other processes that
+duplicates here wait on, renews the leases of sessions with requests held through a cooldown,
+and collects garbage. It sleeps longer when nothing is held, so an idle proxy does next to no
+work. (The heartbeat has a thread of its own: see ``turnguard_core.heartbeat``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from turnguard_core import policy
+from turnguard_core.failover import Unread
+from turnguard_core.machine import Ended
+
+if TYPE_CHECKING:
+    from turnguard import TurnGuard
+
+logger = logging.getLogger("turnguard")
+
+FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
+TICK_S = 1.0
+REAP_S = 5.0  # look for dead peers' attempts this often (every second when waiting on one)
+FOREIGN_REAP_S = 1.0
+
+
+class Maintenance:
+    name = "turnguard-maintenance"
+
+    def __init__(self, guard: "TurnGuard"):
+        self._guard = guard
+        self._task: asyncio.Task | None = None
+        self._last_gc = 0.0
+        self._last_reap = 0.0
+
+    def running(self) -> None:
+        if not self._guard.refused:
+            self.ensure_running()
+
+    def done(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._tick_forever(), name="turnguard-maintenance")
+
+    async def _tick_forever(self) -> None:
+        g = self._guard
+        while True:
+            foreign = g.waiters.foreign()
+            await asyncio.sleep(FOREIGN_POLL_S if foreign else TICK_S)
+            try:
+                g.waiters.wake_gone(g.clients.gone)
+                await self._maintain_ledger(time.time())
+                if foreign:
+                    await self._poll_foreign(foreign)
+                await g.sessions.keep_held(g.waiters, now=time.time(),
+                                           lease_s=g.settings.owner_lease_s)
+            except Exception:
+                logger.exception("turnguard: maintenance tick failed")
+
+    async def _maintain_ledger(self, now: float) -> None:
+        store, settings = self._guard.store, self._guard.settings
+        if not store.is_open:
+            await store.reopen_if_due()  # recover by itself once the fault is gone
+            return
+        if not store.usable and not await store.recover(None):
+            return
+        if time.monotonic() - self._last_reap >= REAP_S:
+            await self._reap(now)
+        if now - self._last_gc >= policy.gc_interval_s(settings.guard.retention_s):
+            self._last_gc = now
+            await store.collect_garbage(now, retention_s=settings.guard.retention_s,
+                                        lease_s=settings.instance_lease_s)
+
+    async def _reap(self, now: float) -> None:
+        self._last_reap = time.monotonic()
+        await self._guard.store.reap_dead_peers(now, lease_s=self._guard.settings.instance_lease_s)
+
+    async def _poll_foreign(self, watched: dict[str, set[int | None]]) -> None:
+        """Operations another process owns: wake their waiters once the attempt changed."""
+        if time.monotonic() - self._last_reap >= FOREIGN_REAP_S:
+            await self._reap(time.time())
+        for op_key, attempts in watched.items():
+            snap = await self._guard.store.snapshot(op_key)
+            if isinstance(snap, Unread):
+                return
+            if snap is None or snap.state != "in_flight" or snap.current_attempt not in attempts:
+                self._guard.waiters.attempt_ended(op_key, Ended(snap.state if snap else "gone"))

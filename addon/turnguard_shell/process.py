@@ -1,0 +1,45 @@
+"""What outlives a script reload.
+
+mitmproxy reloads a changed script by dropping the addon instance and making a new one, while
+flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
+process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
+this process is in the ledger, its attempts in flight, the ledger writes it still owes, and what
+it learned of the ledger.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnguard_core import liveness
+from turnguard_core.knowledge import MemoryStore
+
+
+@dataclass
+class ProcessState:
+    instance_id: str
+    identity: liveness.ProcessIdentity
+    attempts: dict = field(default_factory=dict)  # flow id -> inflight.Attempt
+    by_op: dict = field(default_factory=dict)  # op key -> flow id of an attempt in flight
+    kept_writes: collections.deque = field(default_factory=collections.deque)
+    memory: MemoryStore = field(default_factory=MemoryStore)
+    guard: Any = None  # the addon instance that gets the hooks now
+
+    @classmethod
+    def new(cls) -> "ProcessState":
+        return cls(uuid.uuid4().hex[:16], liveness.read_process_identity())
+
+    @classmethod
+    def of(cls, master) -> "ProcessState":
+        """The process's state, kept on ``master`` (made on first use)."""
+        state = getattr(master, "_turnguard_process", None)
+        if state is None:
+            state = cls.new()
+            try:
+                master._turnguard_process = state
+            except AttributeError:  # no master (unit tests without one)
+                pass
+        return state

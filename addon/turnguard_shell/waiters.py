@@ -1,0 +1,135 @@
+"""Requests turnguard keeps waiting, and the one place that wakes them.
+
+A request waits either as a duplicate of an attempt in flight (``DuplicateWait``: woken when
+that attempt ends, here or, polled, in another process) or through a retry circuit's cooldown
+(``CooldownWait``: woken by its timer, or early when its session's ownership is lost). Either
+is woken early when its flow is killed or its client leaves. Every wake-up goes through
+``resolve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from mitmproxy import http
+
+from turnguard_core import identity
+from turnguard_core.machine import Ended, Gone, OwnershipLost, TimedOut, Woke
+
+
+@dataclass
+class DuplicateWait:
+    flow: http.HTTPFlow
+    op_key: str
+    foreign_attempt: int | None  # set when the attempt is another process's: polled
+    since: float
+    wake: asyncio.Future
+
+
+@dataclass
+class CooldownWait:
+    flow: http.HTTPFlow
+    op_key: str
+    session: str
+    epoch: int
+    since: float
+    wake: asyncio.Future
+
+
+Wait = DuplicateWait | CooldownWait
+
+
+class Waiters:
+    def __init__(self) -> None:
+        self._held: dict[str, Wait] = {}  # flow id -> its wait
+
+    def __iter__(self):
+        return iter(list(self._held.values()))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def _wait(self, wait: Wait, timeout_s: float) -> Woke:
+        self._held[wait.flow.id] = wait
+        try:
+            return await asyncio.wait_for(wait.wake, max(0.0, timeout_s))
+        except TimeoutError:
+            return TimedOut()
+        finally:
+            self._held.pop(wait.flow.id, None)
+
+    async def duplicate(
+        self, flow: http.HTTPFlow, op_key: str, foreign_attempt: int | None, timeout_s: float
+    ) -> Woke:
+        """Wait for the operation's attempt in flight to end (``foreign_attempt``: another
+        process's, whose end the maintenance ticker polls for)."""
+        loop = asyncio.get_running_loop()
+        return await self._wait(DuplicateWait(flow, op_key, foreign_attempt, time.monotonic(),
+                                              loop.create_future()), timeout_s)
+
+    async def cooldown(
+        self, flow: http.HTTPFlow, op_key: str, session: str, epoch: int, timeout_s: float
+    ) -> Woke:
+        """Wait out the cooldown (``TimedOut`` when it is over)."""
+        loop = asyncio.get_running_loop()
+        return await self._wait(CooldownWait(flow, op_key, session, epoch, time.monotonic(),
+                                             loop.create_future()), timeout_s)
+
+    @staticmethod
+    def resolve(wait: Wait, why: Woke) -> None:
+        """Wake one waiting request (the one place that does)."""
+        if not wait.wake.done():
+            wait.wake.set_result(why)
+
+    def attempt_ended(self, op_key: str, why: Ended) -> None:
+        for wait in self:
+            if isinstance(wait, DuplicateWait) and wait.op_key == op_key:
+                self.resolve(wait, why)
+
+    def ownership_lost(self, session: str, epoch: int) -> None:
+        for wait in self:
+            if isinstance(wait, CooldownWait) and wait.session == session:
+                self.resolve(wait, OwnershipLost(epoch))
+
+    def gone(self, flow_id: str, reason: str) -> None:
+        wait = self._held.get(flow_id)
+        if wait is not None:
+            self.resolve(wait, Gone(reason))
+
+    def release_all(self, reason: str) -> None:
+        for wait in self:
+            self.resolve(wait, Gone(reason))
+
+    def wake_gone(self, gone: Callable[[http.HTTPFlow], str | None]) -> None:
+        """Wake the waits whose flow was killed or whose client left."""
+        for wait in self:
+            reason = gone(wait.flow)
+            if reason is not None:
+                self.resolve(wait, Gone(reason))
+
+    def foreign(self) -> dict[str, set[int | None]]:
+        """Operations waited on whose attempt is another process's -> the attempts seen."""
+        watched: dict[str, set[int | None]] = {}
+        for wait in self:
+            if isinstance(wait, DuplicateWait) and wait.foreign_attempt is not None:
+                watched.setdefault(wait.op_key, set()).add(wait.foreign_attempt)
+        return watched
+
+    def cooldown_sessions(self) -> set[tuple[str, int]]:
+        return {(w.session, w.epoch) for w in self if isinstance(w, CooldownWait)}
+
+    def describe(self, now: float) -> Iterable[str]:
+        """One line per held flow, for ``turnguard.held``."""
+        for flow_id, w in list(self._held.items()):
+            if isinstance(w, CooldownWait):
+                what = "the retry circuit's cooldown to end"
+            elif w.foreign_attempt is not None:
+                what = "an attempt in another process"
+            else:
+                what = "an attempt in this process"
+            route = identity.split_target(w.flow.request.path).route  # no key from the URL
+            yield (f"{flow_id} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
+                   f"{w.flow.request.method} {route}")
