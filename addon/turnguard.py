@@ -38,6 +38,7 @@ from turnguard_core.ledger import (  # noqa: E402
     instance_is_dead,
 )
 from turnguard_core.ledger_runner import LedgerRunner  # noqa: E402
+from turnguard_core.metrics import GaugeState, Metrics  # noqa: E402
 from turnguard_core.private_files import UnsafePath  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
@@ -84,6 +85,7 @@ class _Attempt:
     status: int | None = None
     tee: ResponseTee | None = None
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
+    first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
 
     def stop_timer(self) -> None:
@@ -175,6 +177,10 @@ class TurnGuard:
         self._last_reap = 0.0
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
+        self.metrics: Metrics | None = None  # the Prometheus endpoint, when turnguard_metrics
+        # scope -> end of its cooldown, as last seen (ledger every heartbeat, and transitions
+        # here); replaced, never changed in place: the metrics thread reads it
+        self._circuit_view: dict[str, float] = {}
 
     # -- options ---------------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -216,14 +222,64 @@ class TurnGuard:
                 return self._refuse(
                     f"turnguard_events={o.turnguard_events!r} cannot be opened: {e.strerror}"
                 )
+            telemetry.sink = self.telemetry.sink
             self.telemetry.close()
             self.telemetry = telemetry
+        if "turnguard_metrics" in updated:
+            self._configure_metrics()
         if "turnguard_ledger" in updated or "confdir" in updated:
             try:
                 path = self._ledger_path()
             except OSError as e:
                 return self._refuse(f"turnguard_ledger: cannot use the folder: {e}")
             self._open_ledger(path)
+
+    def _configure_metrics(self) -> None:
+        """Serve the metrics on the address of ``turnguard_metrics`` (or stop serving). The new
+        address is bound before the old one is let go: a refused address keeps the old one."""
+        address = self.settings.metrics
+        if self.metrics is not None and self.metrics.wanted == address:
+            return
+        if address is None:
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics.wanted = None
+            self.telemetry.sink = None
+            return
+        metrics = self.metrics or Metrics(self.instance_id, self._gauge_state)
+        previous = metrics.wanted
+        if self.metrics is not None:
+            # the same registry on a new address: the counters go on
+            metrics.close()
+        try:
+            host, port = metrics.serve(*address)
+        except OSError as e:
+            if previous is not None:
+                try:
+                    metrics.serve(*previous)
+                except OSError:
+                    pass
+            shown = ctx.options.turnguard_metrics
+            return self._refuse(f"turnguard_metrics={shown!r}: cannot serve metrics there: "
+                                f"{e.strerror or e}")
+        metrics.wanted = address
+        self.metrics = metrics
+        self.telemetry.sink = metrics.observe
+        shown_host = f"[{host}]" if ":" in host else host
+        logger.info("turnguard: metrics at http://%s:%d/metrics", shown_host, port)
+
+    def _gauge_state(self) -> GaugeState:
+        """The gauges, read by the metrics thread at scrape time (plain reads and copies)."""
+        held = list(self._held.values())
+        return GaugeState(
+            held_duplicates=sum(not h.cooldown for h in held),
+            held_through_cooldown=sum(h.cooldown for h in held),
+            attempts_in_flight=len(self._attempts),
+            circuits_open_until=tuple(self._circuit_view.values()),
+            owned_sessions=len(self._sessions),
+            ledger_up=self.db is not None and self.ledger_error is None,
+            recovery_mode=self.settings.recovery_mode,
+        )
 
     def _refuse(self, message: str) -> None:
         """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off
@@ -323,6 +379,9 @@ class TurnGuard:
         if self.db is not None:
             self.db.close()
             self.db = None
+        if self.metrics is not None:
+            self.metrics.close()  # frees the address: a reloaded script binds it again
+            self.metrics = None
         self.telemetry.close()
 
     def _ensure_ticker(self) -> None:
@@ -363,6 +422,7 @@ class TurnGuard:
             self._ledger_down(e, "heartbeat")
             return
         self._ledger_up()
+        await self._refresh_circuits(now)
         await self._reap_dead(now)
         if now - self._last_gc >= policy.gc_interval_s(self.settings.guard.retention_s):
             self._last_gc = now
@@ -372,6 +432,22 @@ class TurnGuard:
             )
             if n and n is not _UNAVAILABLE:
                 self.telemetry.emit("ledger_gc", operations_deleted=n)
+
+    async def _refresh_circuits(self, now: float) -> None:
+        """Learn which circuits cool down now (for the metrics), and wake the requests held
+        through a cooldown whose circuit an operator cleared (from another process: the
+        control CLI), so they go on to their recovery claim now."""
+        rows = await self._ledger("heartbeat", "open_circuits", now)
+        if rows is _UNAVAILABLE:
+            return
+        self._circuit_view = {scope: st.open_until for scope, st in rows}
+        self._wake_cleared(set(self._circuit_view))
+
+    def _wake_cleared(self, still_open: set[str]) -> None:
+        for held in list(self._held.values()):
+            if (held.cooldown and held.session is not None and not held.wake.done()
+                    and "session:" + held.session not in still_open):
+                held.wake.set_result(_Ended("circuit_cleared"))
 
     async def _reap_dead(self, now: float) -> None:
         """Attempts left in flight by a dead process become ``unknown`` (or ``partial``)."""
@@ -452,7 +528,8 @@ class TurnGuard:
                 await self._replay(flow, ident, recording, held_ms, admission.attempt_id)
                 return  # replayed, or declined and forwarded
             if isinstance(admission, policy.Conflict):
-                self.telemetry.emit("idempotency_key_conflict", **base)
+                self.telemetry.emit("idempotency_key_conflict", **base, answer_status=422,
+                                    code="idempotency_key_conflict")
                 self._answer(flow, answers.idempotency_key_conflict(), MARK_REJECTED,
                              "turnguard: Idempotency-Key reused with a different body")
                 return
@@ -514,6 +591,7 @@ class TurnGuard:
                     owner=admission.owner_instance,
                     timeout_ms=max(0, round((hold_deadline - now) * 1000)),
                 )
+                self._note_duplicate(ident.op_key, held=1)
                 self._show(flow, MARK_HELD, f"turnguard: held as a duplicate of operation "
                            f"{ident.op_id}, waiting for its attempt in flight")
             if now >= hold_deadline:
@@ -626,6 +704,9 @@ class TurnGuard:
             self._circuits[scope] = circuit.CircuitState(
                 self.settings.circuit.threshold, time.time() + admission.remaining_s
             )
+            if scope not in self._circuit_view:
+                self._circuit_view = {**self._circuit_view,
+                                      scope: time.time() + admission.remaining_s}
         return admission
 
     async def _ownership(self, session: str | None) -> policy.SessionOwnership | None:
@@ -792,7 +873,7 @@ class TurnGuard:
         held_ms = round((time.monotonic() - held_since) * 1000)
         retry_after = policy.retry_after_seconds(1)
         self.telemetry.emit("duplicate_rejected", **base, held_ms=held_ms,
-                            retry_after_s=retry_after)
+                            retry_after_s=retry_after, answer_status=409, code="turn_in_progress")
         self._answer(flow, answers.turn_in_progress(retry_after, held_ms), MARK_REJECTED,
                      f"turnguard: held {held_ms} ms; the original was still in flight, "
                      "answered 409 turn_in_progress")
@@ -803,7 +884,8 @@ class TurnGuard:
         """503 during a cooldown, nothing dispatched (the default mode's answer)."""
         retry_after = policy.retry_after_seconds(remaining_s)
         self.telemetry.emit("cooldown_rejected", **base, retry_after_s=retry_after,
-                            cooldown_remaining_ms=round(remaining_s * 1000), reason=reason)
+                            cooldown_remaining_ms=round(remaining_s * 1000), reason=reason,
+                            answer_status=503, code="upstream_request_timeout")
         if reason != "mode_fail_closed":
             self.telemetry.emit("fail_closed", **base, reason=reason)
         answer = answers.cooldown_rejected(
@@ -825,7 +907,7 @@ class TurnGuard:
         remaining = state.remaining_s(now)
         retry_after = policy.retry_after_seconds(remaining)
         self.telemetry.emit("fail_closed", **base, reason=reason, code=code,
-                            retry_after_s=retry_after)
+                            retry_after_s=retry_after, answer_status=503)
         answer = answers.failed_closed(code, reason, retry_after, accepts_sse=_accepts_sse(flow))
         self._answer(flow, answer, MARK_REJECTED,
                      f"turnguard: failed closed with 503 {code} ({reason})")
@@ -866,6 +948,7 @@ class TurnGuard:
             held_ms=held_ms, status=rec.status, bytes=len(body), attempt=attempt_id,
             recoded=isinstance(how, negotiation.Serve),
         )
+        self._note_duplicate(ident.op_key, replayed=1)
         self._show(flow, MARK_REPLAYED, f"turnguard: replayed the recorded response of "
                    f"operation {ident.op_id} ({len(body)} bytes) after {held_ms} ms; "
                    "nothing was sent upstream")
@@ -922,6 +1005,7 @@ class TurnGuard:
         when the attempt ends first (its finish records the events): one transaction less
         for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
+        attempt.first_event_at = time.monotonic()
         if attempt.attempt_id is not None:
             asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, self._record_first_event, attempt
@@ -930,6 +1014,12 @@ class TurnGuard:
     def _record_first_event(self, attempt: _Attempt) -> None:
         if attempt.flow_id in self._attempts and self._ledger_usable():
             self._submit("first_event", attempt.attempt_id)
+
+    def _note_duplicate(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
+        """Count a duplicate on its operation in the ledger (for ``scripts/turnguard``), without
+        waiting; skipped while the ledger is down."""
+        if self._ledger_usable():
+            self._submit("note_duplicates", op_key, held=held, replayed=replayed)
 
     def _submit(self, call: str, /, *args: Any, then=None, **kwargs: Any) -> asyncio.Future:
         """Queue a ledger write without waiting for it (from a sync hook or the stream tee).
@@ -1020,6 +1110,8 @@ class TurnGuard:
             "outcome", **base, attempt=attempt.attempt_id, kind=attempt.kind, outcome=outcome,
             events_seen=events, status=status,
             duration_ms=round((time.monotonic() - attempt.started) * 1000),
+            first_event_ms=(None if attempt.first_event_at is None
+                            else round((attempt.first_event_at - attempt.started) * 1000, 1)),
             replayable=recording is not None, detail=detail,
             not_replayable_reason=(
                 None if recording is not None or outcome != "completed"
@@ -1063,6 +1155,12 @@ class TurnGuard:
         if result.circuit_scope is None or result.circuit is None:
             return
         self._circuits[result.circuit_scope] = result.circuit
+        if result.transition is not None:
+            view = dict(self._circuit_view)
+            view.pop(result.circuit_scope, None)
+            if result.transition == "opened" and result.circuit.open_until is not None:
+                view[result.circuit_scope] = result.circuit.open_until
+            self._circuit_view = view
         if result.transition == "opened":
             self.telemetry.emit(
                 "circuit_opened", scope=result.circuit_scope, failures=result.circuit.failures,
@@ -1117,6 +1215,73 @@ class TurnGuard:
             },
             indent=2,
         )
+
+    @command.command("turnguard.circuit.list")
+    def circuit_list(self) -> str:
+        """Retry circuits that count failures or cool down, as JSON (from the ledger; this
+        process's last known ones when it is down)."""
+        now = time.time()
+        try:
+            rows = [(r.scope, r.state) for r in self._control("circuits", now)]
+        except exceptions.CommandError:
+            rows = [(k, v) for k, v in self._circuits.items() if v.failures or v.remaining_s(now)]
+        return json.dumps([
+            {"scope": scope, "failures": st.failures,
+             "remaining_ms": round(st.remaining_s(now) * 1000),
+             "cooldown_ms": round((st.cooldown_s or 0) * 1000)}
+            for scope, st in rows
+        ], indent=2)
+
+    @command.command("turnguard.circuit.clear")
+    def circuit_clear(self, scope: str) -> str:
+        """Close a retry circuit by hand: its scope (or a unique prefix; ``all``: every circuit
+        with failures). Audited in the ledger; requests held through its cooldown go on to
+        their recovery claim, and the next request dispatches. In once mode an operation still
+        gets at most one recovery dispatch ever."""
+        now = time.time()
+        cleared = self._control("clear_circuits", None if scope == "all" else scope, now=now,
+                                actor=self._actor("turnguard.circuit.clear"))
+        self._circuits = {k: v for k, v in self._circuits.items()
+                          if k not in {r.scope for r in cleared}}
+        self._circuit_view = {k: v for k, v in self._circuit_view.items()
+                              if k not in {r.scope for r in cleared}}
+        self._wake_cleared(set(self._circuit_view))
+        for row in cleared:
+            self.telemetry.emit(
+                "circuit_cleared", scope=row.scope, failures=row.state.failures,
+                remaining_ms=round(row.state.remaining_s(now) * 1000), by="command",
+            )
+        return json.dumps({"cleared": [r.scope for r in cleared]}, indent=2)
+
+    @command.command("turnguard.session.release")
+    def session_release(self, session: str) -> str:
+        """Release a durable session (its id or a unique prefix): no process owns it, its
+        epoch goes up (writes fenced with the old one fail), the next process to serve it
+        takes it over. Audited in the ledger."""
+        key, before, after = self._control("release_session", session, now=time.time(),
+                                           actor=self._actor("turnguard.session.release"))
+        self._sessions.pop(key, None)
+        self.telemetry.emit(
+            "session_released", session=key, owner_was=before.owner_instance,
+            epoch_was=before.owner_epoch, epoch=after.owner_epoch, by="command",
+        )
+        return json.dumps({"released": key, "owner_was": before.owner_instance,
+                           "epoch": after.owner_epoch}, indent=2)
+
+    def _actor(self, command_name: str) -> str:
+        return f"{command_name} (instance {self.instance_id}, pid {os.getpid()})"
+
+    def _control(self, call: str, /, *args: Any, **kwargs: Any) -> Any:
+        """A control command's ledger call, waited for here (bounded)."""
+        if not self._ledger_usable():
+            raise exceptions.CommandError(
+                f"turnguard: the ledger is not usable now ({self.ledger_error or 'not open'})")
+        try:
+            return self.db.call_sync(call, *args, timeout=STATUS_TIMEOUT_S, **kwargs)
+        except TimeoutError:
+            raise exceptions.CommandError("turnguard: the ledger is busy; try again") from None
+        except LedgerError as e:
+            raise exceptions.CommandError(f"turnguard: {e}") from None
 
     @command.command("turnguard.held")
     def held(self) -> str:

@@ -77,7 +77,7 @@ def test_a_version_1_ledger_migrates_and_keeps_its_recordings(tmp_path):
     db.close()
     os.chmod(path, 0o600)
     led = open_ledger(path)
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert led.recording(1) == Recording(None,  # status was never set
                                          (("content-type", "text/event-stream"),), b"abc", None)
     assert led.integrity_check() == "ok"

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from .circuit import CircuitConfig
 from .identity import KNOWN_ROUTES
+from .metrics import parse_listen_address
 from .policy import RECOVERY_MODES, GuardPolicy
 
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
@@ -132,6 +133,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         minimum=1,
     ),
     OptionSpec(
+        "turnguard_metrics", str, "",
+        "Serve Prometheus metrics on this HOST:PORT ([V6]:PORT for IPv6), at /metrics, e.g. "
+        "127.0.0.1:9464; empty: off. Any address is accepted: the metrics carry no secret, "
+        "but a non-loopback address exposes traffic volumes, so firewall it. Each process "
+        "sharing a ledger needs its own address; a port in use stops start-up.",
+    ),
+    OptionSpec(
         "turnguard_events", str, "",
         "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
         "like the ledger); empty: telemetry goes to the log only.",
@@ -152,6 +160,7 @@ class Settings:
     recovery_mode: str
     owner_lease_s: float
     credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
+    metrics: tuple[str, int] | None = None  # (host, port) to serve /metrics on; None: off
 
 
 def settings_from(values: Mapping[str, Any]) -> Settings:
@@ -169,6 +178,10 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
     for name in credential_headers:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"turnguard_credential_headers: {name!r} is not a header name")
+    try:
+        metrics = parse_listen_address(v["turnguard_metrics"])
+    except ValueError as e:
+        raise ValueError(f"turnguard_metrics: {e}") from None
     if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
         raise ValueError(
             "turnguard_retention_ms must be >= turnguard_replay_window_ms "
@@ -197,6 +210,7 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         recovery_mode=v["turnguard_recovery_mode"],
         owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
         credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
+        metrics=metrics,
     )
 
 
