@@ -247,18 +247,9 @@ class TurnGuard:
             self.telemetry.sink = None
             return
         metrics = self.metrics or Metrics(self.instance_id, self._gauge_state)
-        previous = metrics.wanted
-        if self.metrics is not None:
-            # the same registry on a new address: the counters go on
-            metrics.close()
         try:
-            host, port = metrics.serve(*address)
+            host, port = metrics.serve(*address)  # the same registry: the counters go on
         except OSError as e:
-            if previous is not None:
-                try:
-                    metrics.serve(*previous)
-                except OSError:
-                    pass
             shown = ctx.options.turnguard_metrics
             return self._refuse(f"turnguard_metrics={shown!r}: cannot serve metrics there: "
                                 f"{e.strerror or e}")

@@ -385,9 +385,8 @@ class Metrics:
     # -- the endpoint ----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> tuple[str, int]:
         """Serve ``/metrics`` on ``host:port`` (port 0: one the OS picks) from a thread of its
-        own; return the address bound. Raises ``OSError`` when it cannot bind."""
-        if self._server is not None:
-            raise RuntimeError("already serving")
+        own, instead of the address served so far (if any); return the address bound. Raises
+        ``OSError`` when it cannot bind: the address served so far is then kept."""
         family = _family(host, port)
 
         class Server(ThreadingWSGIServer):
@@ -399,6 +398,7 @@ class Metrics:
             target=server.serve_forever, kwargs={"poll_interval": SERVER_POLL_S},
             name="turnguard-metrics", daemon=True,
         )
+        self.close()
         thread.start()
         self._server, self._thread = server, thread
         self.address = (host, server.server_address[1])
