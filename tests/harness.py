@@ -395,14 +395,20 @@ def response_id(body: bytes) -> str | None:
 
 def scrape(url: str, timeout: float = 10) -> dict[str, list[tuple[dict[str, str], float]]]:
     """GET ``url`` (a turnguard ``/metrics`` endpoint) and parse the exposition: sample name ->
-    [(labels, value), ...]. Raises on a status other than 200 or a body that does not parse."""
+    [(labels, value), ...] (an empty list for a declared series with no sample yet, e.g. a
+    labelled counter no label value was seen for). Raises on a status other than 200 or a body
+    that does not parse."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with httpx.Client(trust_env=False, timeout=timeout) as c:
         r = c.get(url)
     r.raise_for_status()
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("_sum", "_count", "")}
     for family in text_string_to_metric_families(r.text):
+        for suffix in suffixes.get(family.type, ("",)):  # declared, maybe no sample yet
+            out.setdefault(family.name + suffix, [])
         for s in family.samples:
             out.setdefault(s.name, []).append((dict(s.labels), s.value))
     return out

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
@@ -210,6 +216,9 @@ class Metrics:
         clock: Callable[[], float] = time.time,
     ):
         self.instance = instance
+        # no *_created series (a timestamp per counter child): they double the series and no
+        # dashboard uses them. A process-wide switch of the client library; mitmdump is ours.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.names = _Names()
         self._server: WSGIServer | None = None
