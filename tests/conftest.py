@@ -20,7 +20,7 @@ for p in (ROOT / "addon", ROOT / "tests"):
 FAST_MODULES = frozenset({
     "test_addon", "test_circuit", "test_identity", "test_ledger", "test_options", "test_policy",
     "test_proxy_internals", "test_recovery_machine", "test_repro_models", "test_sse", "test_tee",
-    "test_metrics", "test_control",
+    "test_metrics", "test_control", "test_ops",
 })
 
 

@@ -47,6 +47,11 @@ def proxy(tmp_path, up, name="mitmdump", **options):
     return Mitmdump(tmp_path, up.url, options=opts, name=name)
 
 
+def scrape_until(url, predicate, what, timeout=10):
+    """Scrape until ``predicate(samples)`` holds; return those samples (bounded)."""
+    return wait_until(lambda: (s if predicate(s := scrape(url)) else None), timeout, what=what)
+
+
 def post(url, headers=HEADERS, body=BODY, timeout=30):
     try:
         return sse_post(url, body=body, headers=headers, timeout=timeout)[0]
@@ -56,22 +61,23 @@ def post(url, headers=HEADERS, body=BODY, timeout=30):
 
 def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):
     scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, turnguard_response_created_timeout_ms=60000
+    ) as p:
         url = metrics_url(p)
         with ThreadPoolExecutor(max_workers=6) as pool:
             first = pool.submit(post, p.url)
             time.sleep(0.5)
             dups = [pool.submit(post, p.url) for _ in range(5)]
-            during = wait_until(
-                lambda: (s := scrape(url)) if metric(s, "turnguard_flows_held", wait="duplicate") == 5
-                else None, 10, what="5 held flows in the gauge")
+            during = scrape_until(
+                url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 5,
+                "5 held flows in the gauge")
             statuses = [first.result()] + [d.result() for d in dups]
         assert statuses == [200] * 6
         assert metric(during, "turnguard_attempts_in_flight") == 1
         upstream = up.dispatches()
-        after = wait_until(
-            lambda: (s := scrape(url)) if metric(s, "turnguard_outcomes_total") == len(upstream)
-            else None, 10, what="the outcome counted")
+        after = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == len(upstream),
+                             "the outcome counted")
         assert metric(after, "turnguard_dispatches_total") == len(upstream) == 1
         assert metric(after, "turnguard_dispatches_total", kind="original") == 1
         assert metric(after, "turnguard_duplicates_total", action="held") == 5
@@ -101,9 +107,8 @@ def test_cooldown_storm_counters_match_the_upstream_log_in_default_and_once_mode
         with MockUpstream(d, STORM) as up, proxy(d, up, turnguard_recovery_mode=mode) as p:
             url = metrics_url(p)
             statuses = [post(p.url, ANCHORED), post(p.url, ANCHORED)]  # the circuit opens
-            cooling = wait_until(
-                lambda: (s := scrape(url)) if metric(s, "turnguard_circuits_open") == 1 else None,
-                10, what="the open circuit in the gauge")
+            cooling = scrape_until(url, lambda s: metric(s, "turnguard_circuits_open") == 1,
+                                   "the open circuit in the gauge")
             assert 0 < metric(cooling, "turnguard_cooldown_remaining_seconds") <= COOLDOWN_MS / 1000
             for _ in range(6):  # a client that ignores Retry-After
                 statuses.append(post(p.url, ANCHORED))
@@ -111,9 +116,8 @@ def test_cooldown_storm_counters_match_the_upstream_log_in_default_and_once_mode
                     break
                 time.sleep(0.2)
             upstream = up.dispatches()
-            s = wait_until(
-                lambda: (s := scrape(url)) if metric(s, "turnguard_outcomes_total") == len(upstream)
-                else None, 10, what="every outcome counted")
+            s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == len(upstream),
+                             "every outcome counted")
             assert metric(s, "turnguard_dispatches_total") == len(upstream)
             assert metric(s, "turnguard_upstream_cuts_total") == 1
             assert metric(s, "turnguard_eventless_failures_total",
@@ -183,7 +187,7 @@ def test_every_metric_the_dashboard_and_rules_query_is_in_a_real_scrape(tmp_path
     wanted = set().union(*(queried_names(e) for e in exprs))
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
         post(p.url)  # one request, so the labelled counters have a series
-        s = wait_until(lambda: (s := scrape(metrics_url(p))) if metric(
-            s, "turnguard_outcomes_total") else None, 10, what="a counted request")
+        s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_outcomes_total"),
+                         "a counted request")
     missing = wanted - set(s)
     assert not missing, f"queried by ops/ but not in a real /metrics scrape: {sorted(missing)}"
