@@ -38,7 +38,6 @@ from turnguard_core.ledger import (  # noqa: E402
     instance_is_dead,
 )
 from turnguard_core.ledger_runner import LedgerRunner  # noqa: E402
-from turnguard_core.metrics import GaugeState, Metrics  # noqa: E402
 from turnguard_core.private_files import UnsafePath  # noqa: E402
 from turnguard_core.proxy_internals import (  # noqa: E402
     client_stream_closed,
@@ -177,7 +176,7 @@ class TurnGuard:
         self._last_reap = 0.0
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
-        self.metrics: Metrics | None = None  # the Prometheus endpoint, when turnguard_metrics
+        self.metrics = None  # metrics.Metrics: the Prometheus endpoint, when turnguard_metrics
         # scope -> end of its cooldown, as last seen (ledger every heartbeat, and transitions
         # here); replaced, never changed in place: the metrics thread reads it
         self._circuit_view: dict[str, float] = {}
@@ -246,7 +245,12 @@ class TurnGuard:
                 self.metrics.wanted = None
             self.telemetry.sink = None
             return
-        metrics = self.metrics or Metrics(self.instance_id, self._gauge_state)
+        if self.metrics is None:
+            # imported when wanted: the client library costs ~50 ms at every start-up
+            from turnguard_core.metrics import Metrics
+
+            self.metrics = Metrics(self.instance_id, self._gauge_state)
+        metrics = self.metrics
         try:
             host, port = metrics.serve(*address)  # the same registry: the counters go on
         except OSError as e:
@@ -254,13 +258,15 @@ class TurnGuard:
             return self._refuse(f"turnguard_metrics={shown!r}: cannot serve metrics there: "
                                 f"{e.strerror or e}")
         metrics.wanted = address
-        self.metrics = metrics
         self.telemetry.sink = metrics.observe
         shown_host = f"[{host}]" if ":" in host else host
         logger.info("turnguard: metrics at http://%s:%d/metrics", shown_host, port)
 
-    def _gauge_state(self) -> GaugeState:
-        """The gauges, read by the metrics thread at scrape time (plain reads and copies)."""
+    def _gauge_state(self):
+        """The gauges (``metrics.GaugeState``), read by the metrics thread at scrape time
+        (plain reads and copies)."""
+        from turnguard_core.metrics import GaugeState
+
         held = list(self._held.values())
         return GaugeState(
             held_duplicates=sum(not h.cooldown for h in held),
@@ -1270,7 +1276,9 @@ class TurnGuard:
         try:
             return self.db.call_sync(call, *args, timeout=STATUS_TIMEOUT_S, **kwargs)
         except TimeoutError:
-            raise exceptions.CommandError("turnguard: the ledger is busy; try again") from None
+            raise exceptions.CommandError(  # it stays queued: it may still be applied
+                "turnguard: the ledger is busy; the action may still apply: check with "
+                "turnguard.circuit.list or scripts/turnguard audit") from None
         except LedgerError as e:
             raise exceptions.CommandError(f"turnguard: {e}") from None
 

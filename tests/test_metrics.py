@@ -14,6 +14,7 @@ from mitmproxy import exceptions
 from harness import metric, scrape
 from test_addon import WAIT_S, hold_duplicate, make_guard, sse_body, stream_response, until
 from turnguard_core import metrics as m
+from turnguard_core.options import parse_listen_address
 
 
 def url_of(guard) -> str:
@@ -29,14 +30,14 @@ def url_of(guard) -> str:
     ("localhost:1", ("localhost", 1)), ("0.0.0.0:9464", ("0.0.0.0", 9464)),
 ])
 def test_listen_addresses_parse(text, want):
-    assert m.parse_listen_address(text) == want
+    assert parse_listen_address(text) == want
 
 
 @pytest.mark.parametrize("text", ["9464", ":9464", "::1:9464", "[::1:9", "h:65536", "h:x", "a b:1",
                                   "h/x:1"])
 def test_bad_listen_addresses_say_why(text):
     with pytest.raises(ValueError):
-        m.parse_listen_address(text)
+        parse_listen_address(text)
 
 
 # -- the sink ----------------------------------------------------------------------------------

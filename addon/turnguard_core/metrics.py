@@ -436,25 +436,3 @@ class _QuietHandler(WSGIRequestHandler):
 def _family(host: str, port: int) -> socket.AddressFamily:
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
     return infos[0][0]
-
-
-def parse_listen_address(text: str) -> tuple[str, int] | None:
-    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); "" -> None (metrics off).
-    Raises ``ValueError`` saying what is wrong. Port 0 lets the OS choose (tests)."""
-    text = text.strip()
-    if not text:
-        return None
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9464)")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
-    if any(c.isspace() or c in "/?#@" for c in host):
-        raise ValueError(f"{text!r}: {host!r} is not a host name or address")
-    return host, int(port_text)

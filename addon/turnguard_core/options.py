@@ -16,7 +16,6 @@ from typing import Any, Mapping
 
 from .circuit import CircuitConfig
 from .identity import KNOWN_ROUTES
-from .metrics import parse_listen_address
 from .policy import RECOVERY_MODES, GuardPolicy
 
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
@@ -212,6 +211,28 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
         metrics=metrics,
     )
+
+
+def parse_listen_address(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); "" -> None (metrics off).
+    Raises ``ValueError`` saying what is wrong. Port 0 lets the OS choose (tests)."""
+    text = text.strip()
+    if not text:
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9464)")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise ValueError(f"{text!r}: {host!r} is not a host name or address")
+    return host, int(port_text)
 
 
 DEFAULTS: Mapping[str, Any] = {spec.name: spec.default for spec in OPTIONS}
