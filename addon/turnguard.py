@@ -224,8 +224,8 @@ class TurnGuard:
             telemetry.sink = self.telemetry.sink
             self.telemetry.close()
             self.telemetry = telemetry
-        if "turnguard_metrics" in updated:
-            self._configure_metrics()
+        if "turnguard_metrics" in updated and not self._configure_metrics():
+            return
         if "turnguard_ledger" in updated or "confdir" in updated:
             try:
                 path = self._ledger_path()
@@ -233,18 +233,19 @@ class TurnGuard:
                 return self._refuse(f"turnguard_ledger: cannot use the folder: {e}")
             self._open_ledger(path)
 
-    def _configure_metrics(self) -> None:
+    def _configure_metrics(self) -> bool:
         """Serve the metrics on the address of ``turnguard_metrics`` (or stop serving). The new
-        address is bound before the old one is let go: a refused address keeps the old one."""
+        address is bound before the old one is let go: a refused address keeps the old one.
+        False: refused (see ``_refuse``)."""
         address = self.settings.metrics
         if self.metrics is not None and self.metrics.wanted == address:
-            return
+            return True
         if address is None:
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics.wanted = None
             self.telemetry.sink = None
-            return
+            return True
         if self.metrics is None:
             # imported when wanted: the client library costs ~50 ms at every start-up
             from turnguard_core.metrics import Metrics
@@ -255,12 +256,14 @@ class TurnGuard:
             host, port = metrics.serve(*address)  # the same registry: the counters go on
         except OSError as e:
             shown = ctx.options.turnguard_metrics
-            return self._refuse(f"turnguard_metrics={shown!r}: cannot serve metrics there: "
-                                f"{e.strerror or e}")
+            self._refuse(f"turnguard_metrics={shown!r}: cannot serve metrics there: "
+                         f"{e.strerror or e}")
+            return False
         metrics.wanted = address
         self.telemetry.sink = metrics.observe
         shown_host = f"[{host}]" if ":" in host else host
         logger.info("turnguard: metrics at http://%s:%d/metrics", shown_host, port)
+        return True
 
     def _gauge_state(self):
         """The gauges (``metrics.GaugeState``), read by the metrics thread at scrape time

@@ -72,6 +72,9 @@ def test_clearing_an_open_circuit_lets_the_next_request_dispatch(tmp_path, repor
         open_circuit(p.url)
         status, body = post(p.url)
         assert status == 503 and json.loads(body)["error"]["code"] == "upstream_request_timeout"
+        helped = turnguard(tmp_path, "--help").stdout
+        for command in ("status", "circuit", "session", "audit", "list", "show", "stats"):
+            assert command in helped
         listed = turnguard(tmp_path, "circuit", "list", "--json")
         assert listed.returncode == 0, listed.stderr
         (c,) = json.loads(listed.stdout)
