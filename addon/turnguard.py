@@ -30,6 +30,7 @@ from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
 from turnguard_shell.inflight import InFlight  # noqa: E402
 from turnguard_shell.maintenance import Maintenance  # noqa: E402
+from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
 from turnguard_shell.process import ProcessState  # noqa: E402
 from turnguard_shell.sessions import Sessions  # noqa: E402
 from turnguard_shell.waiters import Waiters  # noqa: E402
@@ -68,11 +69,17 @@ class TurnGuard:
                                  lambda: self.settings)
         self.sessions = Sessions(self.store, self._emit)
         self.maintenance = Maintenance(self)
+        self.metrics_endpoint = MetricsEndpoint(self)
         self.addons = [self.maintenance, Commands(self)]
 
     @property
     def instance_id(self) -> str:
         return self._process.instance_id
+
+    @property
+    def metrics(self):
+        """The Prometheus metrics served (``turnguard_metrics``), or None."""
+        return self.metrics_endpoint.metrics
 
     def _emit(self, event: str, **fields) -> None:
         self.telemetry.emit(event, **fields)
@@ -105,8 +112,11 @@ class TurnGuard:
                 self.filter = config.parse_filter(o.turnguard_filter)
             if "turnguard_events" in updated:
                 telemetry = config.open_events(o.turnguard_events)
+                telemetry.sink = self.telemetry.sink
                 self.telemetry.close()
                 self.telemetry = telemetry
+            if "turnguard_metrics" in updated:  # before the ledger: a port in use stops start-up
+                self.metrics_endpoint.configure(self.settings.metrics, o.turnguard_metrics)
             if "turnguard_ledger" in updated or "confdir" in updated:
                 # a refused path leaves the ledger in use; a fault at open is noted and the
                 # ledger tried again later
@@ -136,6 +146,7 @@ class TurnGuard:
         out their bound on an addon that no longer gets events. Attempts in flight, writes
         owed to the ledger and what is known of it stay with the process."""
         self.waiters.release_all("turnguard unloaded")
+        self.metrics_endpoint.close()
         self.store.close()
         self._identity_worker.close()
         self.telemetry.close()
@@ -225,6 +236,8 @@ class TurnGuard:
                     self._emit(event, **fields)
                 case machine.Show(mark=mark, comment=comment):
                     self.explainer.show(flow, mark, comment)
+                case machine.CountHeld(op_key=op_key):
+                    self.store.note_duplicates(op_key, held=1)
 
     async def _identify(self, flow: http.HTTPFlow, timeout_s: float) -> identity.Identity | identity.Passthrough:
         """The request's identity: computed here for a small body, in the worker process for a
@@ -279,6 +292,7 @@ class TurnGuard:
             self.explainer.show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
             return
         flows.replay(flow, ident.op_id, rec.status, headers, body)
+        self.store.note_duplicates(ident.op_key, replayed=1)
         self._emit("duplicate_replayed", **base, held_ms=r.held_ms, status=rec.status,
                    bytes=len(body), attempt=r.attempt_id, recoded=isinstance(how, negotiation.Serve))
         self.explainer.show(flow, flows.MARK_REPLAYED, "turnguard: replayed the recorded response "

@@ -15,7 +15,10 @@ Routes
 ``POST .../responses`` and ``POST .../chat/completions`` (query ignored)
     A model *dispatch*: numbered n = 0, 1, 2, ... across the server, logged, and answered by a
     behaviour: the ``x-mock-behaviour`` request header (a BEHAVIOUR JSON) if present, else
-    ``scenario["sequence"][n]`` if it exists, else ``scenario["default"]``.
+    ``scenario["sequence"][n]`` if it exists, else ``scenario["default"]``. As the API: SSE
+    when the body says ``"stream": true``, else one JSON object; a body that is not a JSON
+    object gets 400 and is no dispatch (logged as ``invalid_body``). ``--help`` lists every
+    behaviour.
 ``GET /_mock/health``
     200 ``ok``.
 ``GET /_mock/dispatches``
@@ -111,6 +114,12 @@ CONTENT_ENCODINGS = ("identity", "gzip", "deflate", "br", "zstd")
 MAX_DELTA_BYTES = 1024 * 1024
 SCENARIO_META_KEYS = {"name", "description", "comment"}
 REPRO_ATTEMPT_HEADER = "x-turnguard-repro-attempt"
+INVALID_BODY_ERROR = {"error": {
+    "message": "We could not parse the JSON body of your request. (HINT: This likely means you "
+               "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload, "
+               "but what was sent was not valid JSON.)",
+    "type": "invalid_request_error", "param": None, "code": None,
+}}
 
 REASONS = {
     200: "OK",
@@ -771,7 +780,18 @@ class MockUpstream:
         return ("default", self.scenario["default"]), session_n, op_n
 
     async def dispatch(self, conn: Conn, req: Request) -> bool:
-        """Number, log and answer a model request; return False if the connection is done."""
+        """Number, log and answer a model request; return False if the connection is done.
+        A body that is not a JSON object is answered 400, as the real API does, and is not a
+        dispatch (logged as ``invalid_body``)."""
+        try:
+            parsed = json.loads(req.body)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            self.record({"event": "invalid_body", "ts": time.time(), "path": req.path,
+                         "bytes": len(req.body)})
+            await self.send_json(conn, 400, INVALID_BODY_ERROR, close=not req.keep_alive)
+            return req.keep_alive
         override = req.header("x-mock-behaviour")
         if override is not None:
             try:
@@ -900,12 +920,12 @@ class Dispatch:
 
     async def _complete(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Answer with ``events``: an SSE stream (``first_event_ms`` after the headers, then
-        ``gap_ms`` between events), or the final response object as one JSON body when the
-        request says ``"stream": false``. With ``content_encoding`` the whole body is sent at
+        ``gap_ms`` between events) when the request says ``"stream": true``, else the final
+        response object as one JSON body, like the API. With ``content_encoding`` the whole body is sent at
         once in that coding (and ``first_event_ms`` and ``gap_ms`` are ignored)."""
         coding = self.b.get("content_encoding")
+        streamed = self.body.get("stream") is True  # like the API: JSON unless asked to stream
         if coding is not None and coding != "identity":
-            streamed = self.body.get("stream") is not False
             if streamed:
                 ctype, raw = "text/event-stream", b"".join(sse_frame(t, d) for t, d in events)
             else:
@@ -915,7 +935,7 @@ class Dispatch:
             headers = [("content-type", ctype), ("content-encoding", coding), ("content-length", str(len(body))), *self.common_headers, *self._extra_headers(), *self._close_header()]
             await self.conn.send(head_bytes(200, headers) + body)
             self.events_sent += len(events) if streamed else 0
-        elif self.body.get("stream") is False:
+        elif not streamed:
             self.status = 200
             final = events[-1][1]["response"]
             body = json.dumps(final).encode()
@@ -949,8 +969,8 @@ class Dispatch:
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``
         ("hello"), ``delta_bytes`` (size of each delta's text; default len(text)), ``headers``
         (extra response headers), ``content_encoding`` (identity, gzip, deflate, br, zstd: the
-        whole body at once in that coding). SSE stream, or one JSON object when the body says
-        ``"stream": false``."""
+        whole body at once in that coding). SSE stream when the body says ``"stream": true``,
+        else one JSON object (the API's default)."""
         deltas = int(self.b.get("events", 3))
         await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))
         await self._complete(ok_events(self.rid, self.model, deltas, self._text()))
@@ -1083,13 +1103,76 @@ async def serve(args: argparse.Namespace, scenario: dict[str, Any]) -> int:
     return 0
 
 
+HELP_INTRO = """\
+A mock OpenAI Responses API upstream you can make stall, reset, fail or answer slowly, per
+request or by script: put turnguard (scripts/proxy) in front of it to see holds, replays,
+409s, cooldown 503s and recoveries without a network. Standard library only.
+
+Model routes: POST .../responses and POST .../chat/completions (any prefix, query ignored).
+  The request body must be a JSON object (else 400 invalid_request_error, like the API; not
+  counted as a dispatch). The answer is SSE when the body says "stream": true, else one JSON
+  response object. Every model request is a numbered *dispatch* n = 0, 1, 2, ... and is
+  answered by a BEHAVIOUR, the first of:
+    1. the x-mock-behaviour request header, a BEHAVIOUR as JSON, e.g.
+         -H 'x-mock-behaviour: {"kind": "slow", "delay_ms": 5000}'
+    2. the scenario's "operations" selector of the request body's sha256 (a prefix of >= 8
+       hex digits), then its "sessions" selector of the session-id / session_id header
+    3. the scenario's "sequence"[n], else its "default" ({"kind": "ok"} when absent)
+
+Control endpoints:
+  GET  /_mock/health       200 ok
+  GET  /_mock/dispatches   JSON list of the dispatch records so far (/_mock/records: all)
+  POST /_mock/scenario     body: a SCENARIO; replaces it and restarts the count at n = 0
+
+SCENARIO (JSON, every key optional; --scenario FILE or POST /_mock/scenario):
+  {"default": BEHAVIOUR, "sequence": [BEHAVIOUR, ...],
+   "sessions": {"SESSION-ID": {"sequence": [...], "default": BEHAVIOUR}},
+   "operations": {"BODY-SHA256-PREFIX": {"sequence": [...], "default": BEHAVIOUR}}}
+
+Log (--log FILE, JSON lines, 0600): a "dispatch" record when a dispatch starts (n, ts, path,
+session, body_sha256, behaviour, ...), "client_gone" when its client left early, "dispatch_end"
+(status, events_sent, outcome), "invalid_body", "scenario". No Authorization value is logged.
+"""
+
+
+def behaviours_help() -> str:
+    """Every behaviour kind with its parameters: the ``_do_*`` docstrings, so the help never
+    drifts from the code."""
+    import inspect
+    import textwrap
+
+    lines = ["BEHAVIOUR = {\"kind\": KIND, ...parameters} (times in ms):"]
+    for kind in sorted(KINDS):
+        doc = inspect.getdoc(getattr(Dispatch, "_do_" + kind)) or ""
+        text = " ".join(doc.replace("``", "").split())
+        lines += textwrap.wrap(text, 92, initial_indent="  ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+EXAMPLES = """\
+Examples:
+  scripts/mock --port 9000 --log /tmp/mock.jsonl
+  curl -s 127.0.0.1:9000/v1/responses -d '{"model": "m", "input": "hi"}'
+  curl -sN 127.0.0.1:9000/v1/responses -d '{"model": "m", "input": "hi", "stream": true}' \\
+       -H 'x-mock-behaviour: {"kind": "partial", "events": 3, "end": "reset"}'
+  curl -s 127.0.0.1:9000/_mock/scenario -d '{"sequence": [{"kind": "stall_before_headers",
+       "ms": 8000}, {"kind": "reset"}], "default": {"kind": "ok"}}'
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the scenario and serve."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--scenario", help="scenario JSON file")
-    p.add_argument("--log", help="JSON-lines log file (appended, mode 0600)")
+    p = argparse.ArgumentParser(
+        prog=os.environ.get("TURNGUARD_MOCK_PROG") or "mock_upstream.py",
+        description=HELP_INTRO, epilog=behaviours_help() + "\n\n" + EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; keep it on loopback)")
+    p.add_argument("--port", type=int, default=0,
+                   help="port (default 0: one the OS picks; the listening line names it)")
+    p.add_argument("--scenario", metavar="FILE", help="scenario JSON file (see SCENARIO above)")
+    p.add_argument("--log", metavar="FILE", help="JSON-lines log file (appended, mode 0600)")
     args = p.parse_args(argv)
     scenario: Any = DEFAULT_SCENARIO
     if args.scenario:

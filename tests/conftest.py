@@ -18,10 +18,10 @@ for p in (ROOT / "addon", ROOT / "tests"):
 # and `scripts/test` runs it on every other supported Python too, with the tests marked
 # ``every_python``.
 FAST_MODULES = frozenset({
-    "test_addon", "test_circuit", "test_degraded", "test_identity", "test_ledger",
-    "test_liveness", "test_negotiation", "test_offload", "test_options", "test_policy",
-    "test_private_files", "test_proxy_internals", "test_recovery_machine", "test_repro_models",
-    "test_sse", "test_tee",
+    "test_addon", "test_circuit", "test_control", "test_degraded", "test_identity",
+    "test_ledger", "test_liveness", "test_metrics", "test_negotiation", "test_offload",
+    "test_ops", "test_options", "test_policy", "test_private_files", "test_proxy_internals",
+    "test_recovery_machine", "test_repro_models", "test_sse", "test_tee",
 })
 
 

@@ -389,3 +389,43 @@ def response_id(body: bytes) -> str | None:
     except ValueError:
         return None
     return obj.get("id") if isinstance(obj, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+
+
+def scrape(url: str, timeout: float = 10) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET ``url`` (a turnguard ``/metrics`` endpoint) and parse the exposition: sample name ->
+    [(labels, value), ...] (an empty list for a declared series with no sample yet, e.g. a
+    labelled counter no label value was seen for). Raises on a status other than 200 or a body
+    that does not parse."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(trust_env=False, timeout=timeout) as c:
+        r = c.get(url)
+    r.raise_for_status()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("_sum", "_count", "")}
+    for family in text_string_to_metric_families(r.text):
+        for suffix in suffixes.get(family.type, ("",)):  # declared, maybe no sample yet
+            out.setdefault(family.name + suffix, [])
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def metric(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+_METRICS_LINE = re.compile(r"turnguard: metrics at (http://\S+/metrics)")
+
+
+def metrics_url(proxy: "Mitmdump", timeout: float = 10.0) -> str:
+    """The metrics URL a mitmdump started with ``turnguard_metrics`` printed."""
+    m = _METRICS_LINE.search(proxy.wait_for_log("turnguard: metrics at", timeout))
+    assert m, proxy.log_text()
+    return m.group(1)

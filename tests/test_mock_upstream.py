@@ -471,8 +471,8 @@ def test_ok_in_a_content_coding(up, coding):
     h = {"content-type": "application/json", "accept": "text/event-stream",
          **behaviour(kind="ok", content_encoding=coding, headers={"vary": "x-tenant"})}
     with httpx.Client(trust_env=False, timeout=10) as c:
-        with c.stream("POST", up.url + "/v1/responses", json={"model": "m", "input": "x"},
-                      headers=h) as r:
+        with c.stream("POST", up.url + "/v1/responses",
+                      json={"model": "m", "input": "x", "stream": True}, headers=h) as r:
             raw = b"".join(r.iter_raw())
             headers = r.headers
     assert headers.get("content-encoding") == (None if coding == "identity" else coding)
@@ -491,3 +491,41 @@ def test_mitmdump_with_several_listeners_lists_them_in_the_order_given(tmp_path)
         assert sse_post(proxy.urls[1])[0] == 200
         with httpx.Client(trust_env=False, timeout=10, proxy=proxy.urls[0]) as c:
             assert c.post(up.url + "/v1/responses", json={"model": "m"}).status_code == 200
+
+
+def test_like_the_api_json_unless_the_body_asks_to_stream_and_400_to_a_body_that_is_not_json(up):
+    for body in ({"model": "m", "input": "hi"}, {"model": "m", "input": "hi", "stream": False}):
+        status, headers, raw = sse_post(up.url, body=body)
+        assert status == 200 and headers["content-type"] == "application/json"
+        assert json.loads(raw)["status"] == "completed"
+    status, headers, raw = sse_post(up.url, body={"model": "m", "input": "hi", "stream": True})
+    assert headers["content-type"] == "text/event-stream" and sse_event_types(raw) == OK_TYPES
+    before = len(up.dispatches())
+    for garbage in (b"not json", b"", b"[1, 2]", b'{"truncated": '):
+        status, headers, raw = sse_post(up.url, body=garbage)
+        assert status == 400, garbage
+        err = json.loads(raw)["error"]
+        assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+    assert len(up.dispatches()) == before  # not dispatches
+    assert [r["event"] for r in up.records()].count("invalid_body") == 4
+
+
+def test_the_help_explains_every_behaviour_header_endpoint_and_scenario():
+    import subprocess
+    import sys
+
+    from harness import MOCK_UPSTREAM
+
+    r = subprocess.run([sys.executable, str(MOCK_UPSTREAM), "--help"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    for needle in ("x-mock-behaviour", "/_mock/health", "/_mock/dispatches", "/_mock/scenario",
+                   '"sequence"', '"sessions"', '"operations"', "stream", "400", "--log"):
+        assert needle in r.stdout, needle
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mock_upstream", MOCK_UPSTREAM)
+    mock_upstream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mock_upstream)
+    for kind in mock_upstream.KINDS:
+        assert f"\n  {kind}: " in r.stdout, kind

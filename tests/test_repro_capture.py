@@ -97,5 +97,15 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert default["turnguard"]["replayed"] == 1
     dispatched = data["columns"]["plain"]["dispatches"]
     assert [d["behaviour"] for d in dispatched] == ["ok", "ok", "partial", "status", "stall_before_headers", "tool_call"]
+    # the capture's own timings: C's 1.2 s stall plays out whole (nothing shortened)
+    assert data["timings"]["turnguard_response_created_timeout_ms"]["value"] == 60000
+    assert data["warnings"] == [] and default["turnguard"]["upstream_cuts"] == 0
+    # B was retried and never completed: lost; C failed once and nobody retried it: apart
+    assert plain["outcomes"] == {client["name"]: "lost"} and plain["failed_not_retried"] == 1
+    table = reproduce("run", str(scenario_path), "--columns", "default",
+                      "--set", "turnguard_response_created_timeout_ms=1000").stdout
+    assert "turnguard_response_created_timeout_ms=1000 (production 60000)" in table
+    assert "WARNING: " in table and "longer than turnguard_response_created_timeout_ms=1000" in table
+    assert "failed, no client retried" in table
     report(f"capture round trip: captured {captured} dispatches; replay plain={plain['upstream_dispatches']}, "
            f"turnguard default={default['upstream_dispatches']} (duplicate replayed)")

@@ -38,6 +38,13 @@ def test_list_show_and_usage_errors():
     assert bad.returncode == 2 and "unknown scenario" in bad.stderr
     bad = reproduce("duplicate-storm", "--set", "cooldown=1", check=False)
     assert bad.returncode != 0 and "turnguard_NAME=VALUE" in bad.stderr
+    # the built-ins carry their shortened timings: a shown scenario runs as the built-in does
+    assert shown["turnguard_options"]["turnguard_response_created_timeout_ms"] == 1000
+    helped = reproduce("--help").stdout
+    assert "from-capture" in helped and "reproduce show NAME" in helped and "TURN LOST" in helped
+    show_help = reproduce("show", "--help")
+    assert show_help.stdout.startswith("usage: reproduce show") and "duplicate-storm" in show_help.stdout
+    assert reproduce("show", "nope", check=False).returncode == 2
 
 
 def test_duplicate_storm(tmp_path, report):
@@ -73,11 +80,18 @@ def test_duplicate_storm(tmp_path, report):
            f"once={once['upstream_dispatches']}")
 
 
-def test_cooldown_503_storm(report):
-    proc = reproduce("cooldown-503-storm")
+def test_cooldown_503_storm(tmp_path, report):
+    svg = tmp_path / "storm.svg"
+    proc = reproduce("cooldown-503-storm", "--columns", "default,once", "--timeline", str(svg),
+                     "--set", "turnguard_cooldown_ms=2500")
     table = proc.stdout
     assert "turnguard default: desktop lost the turn: retry budget spent" in table
-    assert "turnguard_cooldown_ms=3000 (production 60000)" in table
+    # the header shows the values in force, an override included
+    assert "turnguard_cooldown_ms=2500 (production 60000)" in table
+    assert "turnguard_response_created_timeout_ms=1000 (production 60000)" in table
+    # the stall turnguard cut is drawn as a cut, not as a dispatch the client closed
+    text = svg.read_text()
+    assert text.count("✂ cut by turnguard") >= 2  # one per turnguard column
     data = json.loads(reproduce("cooldown-503-storm", "--json", "--columns", "default,once").stdout)
     default, once = data["columns"]["default"]["metrics"], data["columns"]["once"]["metrics"]
     assert default["outcomes"] == {"desktop": "lost"}

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import stat
 import socket
 import sqlite3
 import subprocess
@@ -248,6 +249,11 @@ def test_proxy_fronts_the_mock_replays_and_leaves_nothing_behind(proxy_run: Prox
     assert status2 == 200 and headers2.get("x-turnguard") == "replayed"
     assert body2 == body
     assert [d["n"] for d in run.dispatches] == [0], "the replay must not reach the upstream"
+    events_file = run.ledger.parent / "state" / "turnguard-events.jsonl"  # the default
+    assert f"events file {events_file}" in run.out
+    assert stat.S_IMODE(events_file.stat().st_mode) == 0o600
+    kinds = [e["event"] for e in read_jsonl(events_file)]
+    assert kinds.count("dispatch") == 1 and kinds.count("duplicate_replayed") == 1
     assert run.mitmdump_pids, f"no mitmdump process found for {run.tmp}"
     assert run.leftovers == {}, f"processes left behind: {run.leftovers}"
     assert not any(_alive(p) for p in [run.mock_pid, *run.mitmdump_pids])

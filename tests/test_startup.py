@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,13 @@ def test_test_help_creates_nothing(tmp_path):
     )
     assert r.returncode == 0 and "--quick" in r.stdout
     assert not venv.exists()
+
+
+def test_a_metrics_address_that_cannot_be_bound_stops_mitmdump_with_one_line(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = _mitmdump_once(tmp_path, f"turnguard_metrics=127.0.0.1:{port}")
+    line = _assert_refused(r, f"turnguard_metrics='127.0.0.1:{port}'", "cannot serve metrics there")
+    assert "in use" in line
+    _assert_refused(_mitmdump_once(tmp_path, "turnguard_metrics=9464"), "turnguard_metrics",
+                    "HOST:PORT")

@@ -90,13 +90,13 @@ def classify_end(facts: EndFacts) -> AttemptEnding:
 
 def end_telemetry(
     ending: AttemptEnding, facts: EndFacts, base: dict[str, Any], *, attempt_id: int | None,
-    duration_ms: int,
+    duration_ms: int, first_event_ms: float | None = None,
 ) -> tuple[Emit, ...]:
     """The ``outcome`` record, and an ``eventless_failure`` one when it is one."""
     records = [Emit("outcome", {
         **base, "attempt": attempt_id, "kind": facts.kind, "outcome": ending.outcome,
         "events_seen": facts.events_seen, "status": facts.status, "duration_ms": duration_ms,
-        "replayable": ending.recording is not None, "detail": ending.detail,
+        "first_event_ms": first_event_ms, "replayable": ending.recording is not None, "detail": ending.detail,
         "not_replayable_reason": ending.not_replayable_reason,
     })]
     if ending.failure is not None:

@@ -24,7 +24,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from . import circuit, liveness, policy
 from .ending import AttemptEnding
@@ -33,7 +33,15 @@ from .identity import Identity
 from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_runner import LedgerRunner, LedgerTimeout
-from .store import FinishWrite, FirstEventWrite, GiveBackWrite, SqliteStore, Store, Write
+from .store import (
+    DuplicatesWrite,
+    FinishWrite,
+    FirstEventWrite,
+    GiveBackWrite,
+    SqliteStore,
+    Store,
+    Write,
+)
 
 logger = logging.getLogger("turnguard")
 
@@ -43,6 +51,11 @@ REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
+T = TypeVar("T")
+
+
+class ControlError(Exception):
+    """An operator's control action could not be run (the message says why)."""
 
 
 class AttemptInFlight(Protocol):
@@ -441,6 +454,18 @@ class FailoverStore:
             landed=landed, kept=in_memory,
         )
 
+    def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
+        """Count a duplicate on its operation in the ledger (for inspection), without waiting;
+        skipped while the ledger is down (no decision reads it)."""
+        if not self.usable:
+            return
+
+        def done(f: asyncio.Future) -> None:
+            if f.exception() is not None:
+                self._down(f.exception(), "count")
+
+        self._store.send(DuplicatesWrite(op_key, held, replayed)).add_done_callback(done)
+
     def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
         if result.circuit_scope is None or result.circuit is None:
             return
@@ -485,6 +510,32 @@ class FailoverStore:
             now=now, retention_s=retention_s, instance_stale_s=lease_s))
         if not isinstance(n, Unread) and n:
             self._emit("ledger_gc", operations_deleted=n)
+
+    async def refresh_circuits(self, now: float) -> set[str] | None:
+        """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns
+        another process opened or an operator cleared); returns their scopes (None: unread)."""
+        rows = await self._call("circuits", lambda store: store.cooling_circuits(now))
+        if isinstance(rows, Unread):
+            return None
+        cooling = dict(rows)
+        circuits = {scope: state for scope, state in self.memory.circuits.items()
+                    if not state.remaining_s(now) or scope in cooling}
+        circuits.update(cooling)
+        self.memory.circuits = circuits  # replaced whole: the metrics thread reads it
+        return set(cooling)
+
+    def control(self, action: Callable[[Store], T]) -> T:
+        """Run an operator's control action on the ledger, waiting for it here (bounded by the
+        action's own timeout). Raises ``ControlError`` saying why it could not run."""
+        if not self.usable:
+            raise ControlError(f"the ledger is not usable now ({self.down_reason()})")
+        try:
+            return action(self._store)
+        except TimeoutError:
+            raise ControlError("the ledger is busy; the action may still apply: check with "
+                               "turnguard.circuit.list or scripts/turnguard audit") from None
+        except LedgerError as e:
+            raise ControlError(str(e)) from None
 
     def status(self, now: float, *, timeout: float) -> tuple[dict, list | None]:
         """Operations by state and the cooling circuits, for ``turnguard.status`` (a bounded

@@ -1,26 +1,41 @@
-"""Inspect a turnguard ledger from the command line (read only).
+"""turnguard's status and control tool, working on the ledger (so with any mitmdump):
 
+    python -m turnguard_core.ledger_cli [--ledger PATH] status [--json]
     python -m turnguard_core.ledger_cli [--ledger PATH] list [--limit N] [--json]
     python -m turnguard_core.ledger_cli [--ledger PATH] show OP_PREFIX [--json]
     python -m turnguard_core.ledger_cli [--ledger PATH] stats [--json]
+    python -m turnguard_core.ledger_cli [--ledger PATH] circuit list [--json]
+    python -m turnguard_core.ledger_cli [--ledger PATH] circuit clear SCOPE|--all [--events FILE]
+    python -m turnguard_core.ledger_cli [--ledger PATH] session release SESSION [--events FILE]
+    python -m turnguard_core.ledger_cli [--ledger PATH] audit [--limit N] [--json]
 
-``scripts/ledger`` runs it with the set-up done. The ledger is opened with
-``Ledger.open_readonly``: nothing is written, so it is safe next to running proxies. The ledger
-holds no secret (credentials, sessions and turn-state tokens are hashes); recorded response
-headers are never printed. Exit status: 0 ok, 1 error (missing ledger, no such operation,
-ambiguous prefix, failed integrity check), 2 usage error.
+``scripts/turnguard`` runs it with the set-up done (``scripts/ledger`` too: the same program,
+kept for the inspection commands). Inspection opens the ledger with ``Ledger.open_readonly``:
+nothing is written, so it is safe next to running proxies. The control commands (``circuit
+clear``, ``session release``) write through the ledger module's fenced transactions, the same
+the addon uses, record who did what in the ledger's audit table and, with ``--events`` (or
+$TURNGUARD_EVENTS), append a telemetry line. The ledger holds no secret (credentials,
+sessions and turn-state tokens are hashes); recorded response headers are never printed. Exit
+status: 0 ok, 1 error (missing ledger, no such operation, circuit or session, ambiguous prefix,
+failed integrity check), 2 usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import getpass
 import json
 import os
 import sys
+import time
 from typing import Any, TextIO
 
+from . import liveness
 from .ledger import Ledger, LedgerError
+from .options import DEFAULTS
+from .private_files import UnsafePath
+from .telemetry import Telemetry
 
 DEFAULT_LEDGER = "~/.mitmproxy/turnguard.sqlite3"
 OP_ID_CHARS = 12
@@ -42,10 +57,17 @@ def default_ledger_path() -> str:
     return os.environ.get("TURNGUARD_LEDGER") or DEFAULT_LEDGER
 
 
-def _parser() -> argparse.ArgumentParser:
+# the addon's default turnguard_instance_lease_ms: a process that cannot be checked on this host
+# is taken for dead after this long without a heartbeat
+INSTANCE_LEASE_S = DEFAULTS["turnguard_instance_lease_ms"] / 1000
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="scripts/ledger",
-        description="Inspect a turnguard ledger (read only).",
+        prog=prog,
+        description="turnguard's status and control, on its ledger: works with any mitmdump "
+        "(or none) that uses the ledger. Inspection is read only; circuit clear and session "
+        "release write through the ledger's fenced transactions and are audited.",
         epilog="The ledger defaults to $TURNGUARD_LEDGER, else " + DEFAULT_LEDGER
         + " (the proxy's default with confdir ~/.mitmproxy).",
     )
@@ -66,8 +88,44 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("op_prefix", metavar="OP_PREFIX", help="the start of an operation id")
     show.add_argument("--json", action="store_true", help="print JSON")
     st = sub.add_parser("stats", parents=[common],
-                        help="operations by state and an integrity check")
+                        help="operations by state, duplicates, open circuits and an integrity "
+                             "check")
     st.add_argument("--json", action="store_true", help="print JSON")
+    status = sub.add_parser(
+        "status", parents=[common],
+        help="operations by state, duplicates held and replayed, open circuits with their "
+             "remaining cooldown, sessions and owners, instances and heartbeats")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    events = argparse.ArgumentParser(add_help=False)
+    events.add_argument(
+        "--events", metavar="FILE", default=os.environ.get("TURNGUARD_EVENTS") or None,
+        help="append the action as a telemetry line to this JSON-lines file (0600; default: "
+             "$TURNGUARD_EVENTS; use the proxy's turnguard_events file)")
+    circuit = sub.add_parser("circuit", help="retry circuits: list, clear")
+    csub = circuit.add_subparsers(dest="circuit_command", metavar="ACTION", required=True)
+    clist = csub.add_parser("list", parents=[common],
+                            help="circuits that count failures or cool down")
+    clist.add_argument("--json", action="store_true", help="print JSON")
+    clear = csub.add_parser(
+        "clear", parents=[common, events],
+        help="close a circuit by hand: the next request dispatches (audited). In once mode an "
+             "operation still gets at most one recovery dispatch ever.")
+    clear.add_argument("scope", nargs="?", metavar="SCOPE",
+                       help="the circuit's scope, or a unique start of it (see circuit list)")
+    clear.add_argument("--all", action="store_true",
+                       help="every circuit that counts failures or cools down")
+    session = sub.add_parser("session", help="durable sessions: release")
+    ssub = session.add_subparsers(dest="session_command", metavar="ACTION", required=True)
+    release = ssub.add_parser(
+        "release", parents=[common, events],
+        help="release a durable session: no process owns it, its epoch goes up (writes fenced "
+             "with the old one fail), the next process to serve it takes it over (audited)")
+    release.add_argument("session", metavar="SESSION",
+                         help="the session id (a hash, see status) or a unique start of it")
+    audit = sub.add_parser("audit", parents=[common], help="the latest control actions")
+    audit.add_argument("--limit", type=_positive_int, default=20, metavar="N",
+                       help="at most N actions (default 20)")
+    audit.add_argument("--json", action="store_true", help="print JSON")
     return p
 
 
@@ -99,6 +157,24 @@ def operation_summary(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def circuit_view(scope: str, state, now: float) -> dict[str, Any]:
+    remaining = state.remaining_s(now)
+    return {
+        "scope": scope,
+        "open": remaining > 0,
+        "failures": state.failures,
+        "remaining_s": round(remaining, 3),
+        "cooldown_s": state.cooldown_s,
+        "open_until": iso(state.open_until),
+    }
+
+
 # Columns never shown: the recorded response headers (they could carry anything an upstream
 # sent) and the spool's bytes.
 HIDDEN = {"headers", "data"}
@@ -123,12 +199,16 @@ _ATTEMPT_COLUMNS = {
 _OPERATION_COLUMNS = {
     "op_key", "state", "method", "path", "scope", "session", "idempotency_key", "fingerprint",
     "turn_state", "previous_response_id", "attempts", "current_attempt", "replay_attempt",
-    "created_at", "updated_at", "ended_at",
+    "created_at", "updated_at", "ended_at", "duplicates_held", "duplicates_replayed",
+    "recovery_dispatches", "circuit_scope",
 }
 
 
-def attempt_view(row: dict[str, Any]) -> dict[str, Any]:
+def attempt_view(row: dict[str, Any], number: int) -> dict[str, Any]:
+    """An attempt; ``number`` counts the operation's attempts from 1 (``attempt`` is the
+    ledger's id, global across operations)."""
     return {
+        "number": number,
         "attempt": row["attempt_id"],
         "kind": row["kind"],
         "instance": row["instance_id"],
@@ -145,7 +225,7 @@ def attempt_view(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def operation_view(op: dict[str, Any]) -> dict[str, Any]:
+def operation_view(op: dict[str, Any], circuit: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "op": op["op_key"][:OP_ID_CHARS],
         "op_key": op["op_key"],
@@ -161,11 +241,15 @@ def operation_view(op: dict[str, Any]) -> dict[str, Any]:
         "attempts": op["attempts"],
         "current_attempt": op["current_attempt"],
         "replay_attempt": op["replay_attempt"],
+        "recovery_dispatches": op["recovery_dispatches"],
+        "duplicates_held": op["duplicates_held"],
+        "duplicates_replayed": op["duplicates_replayed"],
+        "circuit": circuit,
         "created": iso(op["created_at"]),
         "updated": iso(op["updated_at"]),
         "ended": iso(op["ended_at"]),
         **_extra(op, _OPERATION_COLUMNS),
-        "attempt_rows": [attempt_view(a) for a in op["attempt_rows"]],
+        "attempt_rows": [attempt_view(a, i) for i, a in enumerate(op["attempt_rows"], 1)],
     }
 
 
@@ -203,7 +287,11 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
             f"operation id prefix {prefix!r} is ambiguous (matches {found} and maybe more);"
             " give more characters"
         )
-    view = operation_view(op)
+    now = time.time()
+    circuit = None
+    if op["circuit_scope"]:
+        circuit = circuit_view(op["circuit_scope"], ledger.circuit_state(op["circuit_scope"]), now)
+    view = operation_view(op, circuit)
     if args.json:
         json.dump(view, out, indent=2)
         out.write("\n")
@@ -219,8 +307,12 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
         ("turn state", view["turn_state"]),
         ("previous response", view["previous_response_id"]),
         ("attempts", view["attempts"]),
-        ("current attempt", view["current_attempt"]),
-        ("replay attempt", view["replay_attempt"]),
+        ("current attempt", _number_of(view, view["current_attempt"])),
+        ("replay attempt", _number_of(view, view["replay_attempt"])),
+        ("recovery dispatches", view["recovery_dispatches"]),
+        ("duplicates held", view["duplicates_held"]),
+        ("duplicates replayed", view["duplicates_replayed"]),
+        ("circuit", _circuit_text(circuit)),
         ("created", view["created"]),
         ("updated", view["updated"]),
         ("ended", view["ended"]),
@@ -229,9 +321,10 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     for name, value in fields:
         out.write(f"{name + ':':<21} {_text(value)}\n")
     for a in view["attempt_rows"]:
-        out.write(f'\nattempt {a["attempt"]} ({a["kind"]})\n')
+        out.write(f'\nattempt {a["number"]} ({a["kind"]})\n')
+        a = {"ledger id": a["attempt"], **a}
         for name, value in a.items():
-            if name in ("attempt", "kind"):
+            if name in ("attempt", "kind", "number"):
                 continue
             if name == "replayable":
                 value = "yes" if value else "no"
@@ -241,15 +334,38 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _number_of(view: dict[str, Any], attempt_id: int | None) -> str | None:
+    """An attempt id as the operation's own numbering ("2 (ledger id 7)")."""
+    if attempt_id is None:
+        return None
+    for a in view["attempt_rows"]:
+        if a["attempt"] == attempt_id:
+            return f'{a["number"]} (ledger id {attempt_id})'
+    return f"ledger id {attempt_id}"
+
+
+def _circuit_text(c: dict[str, Any] | None) -> str | None:
+    if c is None:
+        return None
+    if c["open"]:
+        return (f'OPEN: cooldown {duration(c["remaining_s"])} left, {c["failures"]} consecutive '
+                f'eventless failures (scope {c["scope"]})')
+    return f'closed, {c["failures"]} consecutive eventless failures (scope {c["scope"]})'
+
+
 def cmd_stats(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+    now = time.time()
     counts = ledger.counts()
+    dups = ledger.duplicate_totals()
+    open_circuits = ledger.open_circuits(now)
     integrity = ledger.integrity_check()
     ok = integrity == "ok"
     if args.json:
         json.dump(
             {"ledger": ledger.path, "operations": sum(counts.values()),
-             "by_state": dict(sorted(counts.items())), "integrity": integrity,
-             "integrity_ok": ok},
+             "by_state": dict(sorted(counts.items())), "duplicates": dups,
+             "open_circuits": [circuit_view(s, st, now) for s, st in open_circuits],
+             "integrity": integrity, "integrity_ok": ok},
             out, indent=2,
         )
         out.write("\n")
@@ -258,11 +374,178 @@ def cmd_stats(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"operations: {sum(counts.values())}\n")
         for state, n in sorted(counts.items()):
             out.write(f"  {state + ':':<11} {n}\n")
+        out.write(f"duplicates: held {dups['held']}, replayed {dups['replayed']}\n")
+        longest = max((st.remaining_s(now) for _, st in open_circuits), default=0.0)
+        out.write(f"cooldowns:  {len(open_circuits)} open"
+                  + (f" (longest {duration(longest)} left)\n" if open_circuits else "\n"))
         out.write(f"integrity:  {'ok' if ok else 'FAILED: ' + integrity}\n")
     return 0 if ok else 1
 
 
-COMMANDS = {"list": cmd_list, "show": cmd_show, "stats": cmd_stats}
+def status_view(ledger: Ledger, now: float) -> dict[str, Any]:
+    counts = ledger.counts()
+    instances = ledger.instances()
+    return {
+        "ledger": ledger.path,
+        "operations": sum(counts.values()),
+        "operations_by_state": dict(sorted(counts.items())),
+        "duplicates": ledger.duplicate_totals(),
+        "circuits": [circuit_view(r.scope, r.state, now) for r in ledger.circuits(now)],
+        "sessions": [
+            {"session": r.session, "durable_id": r.ownership.durable_id,
+             "owner": r.ownership.owner_instance or None, "epoch": r.ownership.owner_epoch,
+             "lease_left_s": round(max(0.0, r.ownership.lease_until - now), 1),
+             "updated": iso(r.updated_at)}
+            for r in ledger.sessions()
+        ],
+        "instances": [
+            {"instance": r.instance_id, "pid": r.identity.pid, "host": r.identity.host,
+             "heartbeat": iso(r.heartbeat_at),
+             "heartbeat_age_s": round(now - r.heartbeat_at, 1),
+             "alive": liveness.verdict(
+                 r, me=liveness.read_process_identity(), now=now, lease_s=INSTANCE_LEASE_S,
+                 start_ticks_of=liveness.probe_start_ticks) == "alive"}
+            for r in instances
+        ],
+        "recent_control_actions": [_audit_view(a) for a in ledger.audit_log(5)],
+    }
+
+
+def cmd_status(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+    now = time.time()
+    v = status_view(ledger, now)
+    if args.json:
+        json.dump(v, out, indent=2)
+        out.write("\n")
+        return 0
+    by_state = ", ".join(f"{k} {n}" for k, n in v["operations_by_state"].items())
+    out.write(f"ledger:      {v['ledger']}\n")
+    out.write(f"operations:  {v['operations']}" + (f" ({by_state})" if by_state else "") + "\n")
+    out.write(f"duplicates:  held {v['duplicates']['held']}, "
+              f"replayed {v['duplicates']['replayed']}\n")
+    cooling = [c for c in v["circuits"] if c["open"]]
+    out.write(f"circuits:    {len(cooling)} cooling down, "
+              f"{len(v['circuits']) - len(cooling)} counting failures\n")
+    if v["circuits"]:
+        _table(["  SCOPE", "STATE", "FAILURES", "COOLDOWN LEFT"], [
+            ["  " + c["scope"], "open" if c["open"] else "closed", str(c["failures"]),
+             duration(c["remaining_s"]) if c["open"] else "-"]
+            for c in v["circuits"]
+        ], out)
+    out.write(f"sessions:    {len(v['sessions'])}\n")
+    if v["sessions"]:
+        _table(["  SESSION", "OWNER", "EPOCH", "LEASE LEFT"], [
+            ["  " + s["session"], s["owner"] or "(released)", str(s["epoch"]),
+             duration(s["lease_left_s"])]
+            for s in v["sessions"]
+        ], out)
+    out.write(f"instances:   {len(v['instances'])}\n")
+    if v["instances"]:
+        _table(["  INSTANCE", "PID", "HOST", "HEARTBEAT", "STATE"], [
+            ["  " + i["instance"], str(i["pid"]), i["host"], f"{i['heartbeat_age_s']:.1f} s ago",
+             "alive" if i["alive"] else "dead (its attempts get reaped)"]
+            for i in v["instances"]
+        ], out)
+    if v["recent_control_actions"]:
+        out.write("recent control actions:\n")
+        for a in v["recent_control_actions"]:
+            out.write(f"  {a['at']}  {a['action']} {a['target']}  by {a['actor']}\n")
+    return 0
+
+
+def _audit_view(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "at": iso(row["at"]), "action": row["action"], "target": row["target"],
+        "actor": row["actor"],
+        "before": json.loads(row["before"]) if row["before"] else None,
+        "after": json.loads(row["after"]) if row["after"] else None,
+    }
+
+
+def cmd_audit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+    rows = [_audit_view(r) for r in ledger.audit_log(args.limit)]
+    if args.json:
+        json.dump(rows, out, indent=2)
+        out.write("\n")
+    elif not rows:
+        out.write("no control actions recorded\n")
+    else:
+        for a in rows:
+            out.write(f"{a['at']}  {a['action']} {a['target']}  by {a['actor']}\n"
+                      f"    before {json.dumps(a['before'])}\n    after  {json.dumps(a['after'])}\n")
+    return 0
+
+
+def cmd_circuit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+    now = time.time()
+    if args.circuit_command == "list":
+        rows = [circuit_view(r.scope, r.state, now) for r in ledger.circuits(now)]
+        if args.json:
+            json.dump(rows, out, indent=2)
+            out.write("\n")
+        elif not rows:
+            out.write("no circuit counts failures or cools down\n")
+        else:
+            _table(["SCOPE", "STATE", "FAILURES", "COOLDOWN LEFT", "OPEN UNTIL (UTC)"], [
+                [c["scope"], "open" if c["open"] else "closed", str(c["failures"]),
+                 duration(c["remaining_s"]) if c["open"] else "-", c["open_until"] or "-"]
+                for c in rows
+            ], out)
+        return 0
+    if bool(args.all) == bool(args.scope):
+        raise UsageError("circuit clear needs a SCOPE or --all (not both)")
+    telemetry = _events(args)
+    cleared = ledger.clear_circuits(None if args.all else args.scope, now=now, actor=_actor())
+    for row in cleared:
+        telemetry.emit("circuit_cleared", scope=row.scope, failures=row.state.failures,
+                       remaining_ms=round(row.state.remaining_s(now) * 1000), by="cli")
+        out.write(f"cleared {row.scope} ({row.state.failures} failures, "
+                  f"{duration(row.state.remaining_s(now))} of cooldown left)\n")
+    if not cleared:
+        out.write("no circuit counts failures or cools down: nothing to clear\n")
+    telemetry.close()
+    return 0
+
+
+def cmd_session(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+    telemetry = _events(args)
+    key, before, after = ledger.release_session(args.session, now=time.time(), actor=_actor())
+    telemetry.emit("session_released", session=key, owner_was=before.owner_instance,
+                   epoch_was=before.owner_epoch, epoch=after.owner_epoch, by="cli")
+    telemetry.close()
+    out.write(f"released session {key} (owner was {before.owner_instance or 'none'}, epoch "
+              f"{before.owner_epoch} -> {after.owner_epoch}); the next process to serve it "
+              "takes it over\n")
+    return 0
+
+
+def _events(args: argparse.Namespace) -> Telemetry:
+    try:
+        return Telemetry(os.path.abspath(os.path.expanduser(args.events)) if args.events else None)
+    except UnsafePath as e:
+        raise CliError(f"--events {args.events} is refused: {e}") from None
+    except OSError as e:
+        raise CliError(f"--events {args.events} cannot be opened: {e.strerror}") from None
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    return f"{PROG_NAME} (user {user}, pid {os.getpid()})"
+
+
+class UsageError(Exception):
+    """A usage error found after parsing: exit status 2."""
+
+
+COMMANDS = {
+    "list": cmd_list, "show": cmd_show, "stats": cmd_stats, "status": cmd_status,
+    "circuit": cmd_circuit, "session": cmd_session, "audit": cmd_audit,
+}
+WRITES = {"circuit": lambda a: a.circuit_command == "clear", "session": lambda a: True}
+PROG_NAME = os.environ.get("TURNGUARD_PROG") or "scripts/turnguard"
 
 
 def _text(value: Any) -> str:
@@ -281,12 +564,15 @@ def _table(header: list[str], rows: list[list[str]], out: TextIO) -> None:
 def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    parser = _parser(PROG_NAME)
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
     path = os.path.abspath(os.path.expanduser(args.ledger or default_ledger_path()))
     ledger = Ledger(path, f"cli-{os.getpid()}")
+    writes = WRITES.get(args.command, lambda a: False)(args)
+    name = os.path.basename(PROG_NAME)
     try:
         if not os.path.exists(path):
             raise CliError(
@@ -294,15 +580,27 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
                 " another file with --ledger PATH or TURNGUARD_LEDGER"
             )
         try:
-            ledger.open_readonly()
+            if writes:  # migrates an older ledger, as the addon would; registers no instance
+                ledger.open(time.time(), register=False)
+            else:
+                ledger.open_readonly()
         except LedgerError as e:
             raise CliError(f"cannot open the ledger: {e}") from e
-        return COMMANDS[args.command](ledger, args, out)
+        try:
+            return COMMANDS[args.command](ledger, args, out)
+        except LedgerError as e:
+            if writes:
+                raise CliError(str(e)) from e
+            raise
+    except UsageError as e:
+        parser.print_usage(err)
+        err.write(f"{name}: error: {e}\n")
+        return 2
     except CliError as e:
-        err.write(f"ledger: error: {e}\n")
+        err.write(f"{name}: error: {e}\n")
         return 1
     except LedgerError as e:
-        err.write(f"ledger: error: reading {path} failed: {e}\n")
+        err.write(f"{name}: error: reading {path} failed: {e}\n")
         return 1
     finally:
         ledger.close()

@@ -79,7 +79,15 @@ class Show:
     comment: str
 
 
-Effect = Emit | Show
+@dataclass(frozen=True, slots=True)
+class CountHeld:
+    """A duplicate of ``op_key`` began to be held: counted on the operation in the ledger
+    (for inspection)."""
+
+    op_key: str
+
+
+Effect = Emit | Show | CountHeld
 
 
 # -- states ------------------------------------------------------------------------------------
@@ -242,7 +250,8 @@ def on_admission(
             return FetchRecording(None, held_ms), ()
         case policy.Conflict():
             return Respond(answers.idempotency_key_conflict()), (
-                Emit("idempotency_key_conflict", base),
+                Emit("idempotency_key_conflict", {**base, "answer_status": 422,
+                                                  "code": "idempotency_key_conflict"}),
                 Show(MARK_REJECTED, "turnguard: Idempotency-Key reused with a different body"),
             )
         case policy.Denied(code=code, reason=reason):
@@ -282,6 +291,7 @@ def _fenced(
         effects: list[Effect] = [Emit("cooldown_rejected", {
             **base, "retry_after_s": retry_after,
             "cooldown_remaining_ms": round(fenced.remaining_s * 1000), "reason": denial,
+            "answer_status": 503, "code": "upstream_request_timeout",
         })]
         if denial != "mode_fail_closed":
             effects.append(Emit("fail_closed", {**base, "reason": denial}))
@@ -315,6 +325,7 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
             Emit("duplicate_held", {**req.base, "attempt": hold.attempt_id,
                                     "owner": hold.owner_instance,
                                     "timeout_ms": max(0, round((deadline - now) * 1000))}),
+            CountHeld(req.op_key),
             Show(MARK_HELD, f"turnguard: held as a duplicate of operation {req.op_id}, waiting "
                             "for its attempt in flight"),
         )
@@ -330,7 +341,8 @@ def _reject_in_progress(
     retry_after = policy.retry_after_seconds(1)
     return Respond(answers.turn_in_progress(retry_after, held_ms)), (
         *effects,
-        Emit("duplicate_rejected", {**req.base, "held_ms": held_ms, "retry_after_s": retry_after}),
+        Emit("duplicate_rejected", {**req.base, "held_ms": held_ms, "retry_after_s": retry_after,
+                                    "answer_status": 409, "code": "turn_in_progress"}),
         Show(MARK_REJECTED, f"turnguard: held {held_ms} ms; the original was still in flight, "
                             "answered 409 turn_in_progress"),
     )
@@ -407,6 +419,6 @@ def fail_closed(req: RequestFacts, state: FailClosed, remaining_s: float) -> Tra
                                    accepts_sse=req.accepts_sse)
     return Respond(answer), (
         Emit("fail_closed", {**req.base, "reason": state.reason, "code": state.code,
-                             "retry_after_s": retry_after}),
+                             "retry_after_s": retry_after, "answer_status": 503}),
         Show(MARK_REJECTED, f"turnguard: failed closed with 503 {state.code} ({state.reason})"),
     )

@@ -140,6 +140,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         minimum=15000,
     ),
     OptionSpec(
+        "turnguard_metrics", str, "",
+        "Serve Prometheus metrics on this HOST:PORT ([V6]:PORT for IPv6), at /metrics, e.g. "
+        "127.0.0.1:9464; empty: off. Any address is accepted: the metrics carry no secret, "
+        "but a non-loopback address exposes traffic volumes, so firewall it. Each process "
+        "sharing a ledger needs its own address; a port in use stops start-up.",
+    ),
+    OptionSpec(
         "turnguard_events", str, "",
         "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
         "like the ledger); empty: telemetry goes to the log only.",
@@ -161,6 +168,7 @@ class Settings:
     owner_lease_s: float
     instance_lease_s: float
     credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
+    metrics: tuple[str, int] | None = None  # (host, port) to serve /metrics on; None: off
 
 
 def settings_from(values: Mapping[str, Any]) -> Settings:
@@ -178,6 +186,10 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
     for name in credential_headers:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"turnguard_credential_headers: {name!r} is not a header name")
+    try:
+        metrics = parse_listen_address(v["turnguard_metrics"])
+    except ValueError as e:
+        raise ValueError(f"turnguard_metrics: {e}") from None
     if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
         raise ValueError(
             "turnguard_retention_ms must be >= turnguard_replay_window_ms "
@@ -207,7 +219,30 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         owner_lease_s=v["turnguard_owner_lease_ms"] / 1000,
         instance_lease_s=v["turnguard_instance_lease_ms"] / 1000,
         credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
+        metrics=metrics,
     )
+
+
+def parse_listen_address(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) -> (host, port); "" -> None (metrics off).
+    Raises ``ValueError`` saying what is wrong. Port 0 lets the OS choose (tests)."""
+    text = text.strip()
+    if not text:
+        return None
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9464)")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise ValueError(f"{text!r}: {host!r} is not a host name or address")
+    return host, int(port_text)
 
 
 DEFAULTS: Mapping[str, Any] = {spec.name: spec.default for spec in OPTIONS}

@@ -285,6 +285,14 @@ def claim_session(
     return row, "owned_by_other"
 
 
+def release_session(row: SessionOwnership, *, now: float) -> SessionOwnership:
+    """A session released by an operator: owned by no process (``owner_instance`` empty), its
+    lease over, its epoch one higher. Every write fenced with the old epoch then fails, and
+    ``claim_session`` lets the next process take it over (epoch one higher again), including
+    the old owner: fencing tokens only ever grow."""
+    return SessionOwnership(row.durable_id, "", row.owner_epoch + 1, min(row.lease_until, now))
+
+
 def classify_outcome(
     *,
     status: int | None,

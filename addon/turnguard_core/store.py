@@ -17,7 +17,7 @@ from typing import Protocol
 
 from . import circuit, liveness, policy
 from .identity import Identity
-from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
+from .ledger import AttemptEnd, CircuitRow, FinishResult, HeartbeatResult, Ledger, Recording
 from .ledger_runner import LedgerRunner
 
 
@@ -40,6 +40,15 @@ class FirstEventWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class DuplicatesWrite:
+    """Duplicates of an operation held or replayed (for inspection; no decision reads it)."""
+
+    op_key: str
+    held: int = 0
+    replayed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class GiveBackWrite:
     """A claim made for a request that stopped waiting for it: ended, never dispatched."""
 
@@ -47,7 +56,7 @@ class GiveBackWrite:
     now: float
 
 
-Write = FinishWrite | FirstEventWrite | GiveBackWrite
+Write = FinishWrite | FirstEventWrite | GiveBackWrite | DuplicatesWrite
 
 
 class Store(Protocol):
@@ -98,6 +107,17 @@ class Store(Protocol):
 
     def open_circuits(self, now: float, *, timeout: float) -> list[tuple[str, circuit.CircuitState]]: ...
 
+    async def cooling_circuits(self, now: float) -> list[tuple[str, circuit.CircuitState]]: ...
+
+    # operators' control actions (audited in the ledger), waited for on the caller's thread
+    def list_circuits(self, now: float, *, timeout: float) -> list[CircuitRow]: ...
+
+    def clear_circuits(self, scope: str | None, *, now: float, actor: str,
+                       timeout: float) -> list[CircuitRow]: ...
+
+    def release_session(self, session: str, *, now: float, actor: str, timeout: float
+                        ) -> tuple[str, policy.SessionOwnership, policy.SessionOwnership]: ...
+
     @property
     def incarnation(self) -> int: ...
 
@@ -117,6 +137,9 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
             return ledger.finish(write.attempt_id, AttemptEnd(
                 "rejected", None, 0, "abandoned: the request stopped waiting for the ledger"),
                 now=write.now)
+        case DuplicatesWrite():
+            ledger.note_duplicates(write.op_key, held=write.held, replayed=write.replayed)
+            return None
 
 
 class SqliteStore:
@@ -195,6 +218,20 @@ class SqliteStore:
 
     def open_circuits(self, now, *, timeout):
         return self._runner.call_sync(lambda led: led.open_circuits(now), timeout=timeout)
+
+    async def cooling_circuits(self, now):
+        return await self._runner.call(lambda led: led.open_circuits(now))
+
+    def list_circuits(self, now, *, timeout):
+        return self._runner.call_sync(lambda led: led.circuits(now), timeout=timeout)
+
+    def clear_circuits(self, scope, *, now, actor, timeout):
+        return self._runner.call_sync(
+            lambda led: led.clear_circuits(scope, now=now, actor=actor), timeout=timeout)
+
+    def release_session(self, session, *, now, actor, timeout):
+        return self._runner.call_sync(
+            lambda led: led.release_session(session, now=now, actor=actor), timeout=timeout)
 
     def close(self) -> None:
         self._runner.close()

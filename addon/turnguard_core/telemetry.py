@@ -1,5 +1,6 @@
 """Telemetry: one JSON line per decision, to an optional file (mode 0600) and to the log
-(routine per-request events at DEBUG, the others at INFO).
+(routine per-request events at DEBUG, the others at INFO), and each record to an optional
+``sink`` (the Prometheus metrics, ``metrics.Metrics.observe``).
 
 The file is opened by the rules of ``private_files`` (the ledger's): never through a symlink,
 never in a folder others may write to without the sticky bit, never a file others may write
@@ -23,8 +24,9 @@ from .private_files import check_private_path, open_private
 logger = logging.getLogger("turnguard")
 
 # One of these per guarded request: logged at DEBUG (mitmdump --set termlog_verbosity=debug),
-# so that a busy proxy's log shows the decisions that change a request's fate. The events
-# file gets every event.
+# so that a busy proxy's log shows the decisions that change a request's fate (mitmdump
+# already prints a line per flow; two more per request would triple a busy log). The events
+# file and the metrics get every event.
 ROUTINE = frozenset({"dispatch", "outcome"})
 
 
@@ -34,6 +36,8 @@ class Telemetry:
         self._file = None
         self.path = path or None
         self.counts: Counter[str] = Counter()
+        # called with (event, fields) for every record, before it is written; must not raise
+        self.sink: Callable[[str, dict], None] | None = None
         if self.path:
             check_private_path(self.path)
             fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
@@ -41,6 +45,8 @@ class Telemetry:
 
     def emit(self, event: str, **fields: object) -> None:
         self.counts[event] += 1
+        if self.sink is not None:
+            self.sink(event, fields)
         level = logging.DEBUG if event in ROUTINE else logging.INFO
         to_log = logger.isEnabledFor(level)
         if self._file is None and not to_log:

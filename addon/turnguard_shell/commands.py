@@ -1,15 +1,23 @@
-"""``turnguard.status`` and ``turnguard.held``: mitmproxy commands, a sub-addon of
-``TurnGuard`` (mitmproxy console ``:``, mitmweb)."""
+"""turnguard's mitmproxy commands (console ``:``, mitmweb), a sub-addon of ``TurnGuard``:
+``turnguard.status`` and ``turnguard.held`` to look, ``turnguard.circuit.list``,
+``turnguard.circuit.clear`` and ``turnguard.session.release`` to steer (audited in the
+ledger, like ``scripts/turnguard``'s)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from mitmproxy import command
+from mitmproxy import command, exceptions
+
+from turnguard_core.failover import ControlError
+from turnguard_core.store import Store
 
 from .waiters import CooldownWait, DuplicateWait
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from turnguard import TurnGuard
@@ -63,3 +71,66 @@ class Commands:
         """One line per held flow: flow id, operation, seconds held, and what it waits for."""
         lines = list(self._guard.waiters.describe(time.monotonic()))
         return "\n".join(lines) if lines else "no held flows"
+
+    @command.command("turnguard.circuit.list")
+    def circuit_list(self) -> str:
+        """Retry circuits that count failures or cool down, as JSON (from the ledger; this
+        process's last known ones when it is down)."""
+        g, now = self._guard, time.time()
+        try:
+            rows = [(r.scope, r.state) for r in self._control(
+                lambda store: store.list_circuits(now, timeout=STATUS_TIMEOUT_S))]
+        except exceptions.CommandError:
+            rows = [(k, v) for k, v in g.store.memory.circuits.items()
+                    if v.failures or v.remaining_s(now)]
+        return json.dumps([
+            {"scope": scope, "failures": st.failures,
+             "remaining_ms": round(st.remaining_s(now) * 1000),
+             "cooldown_ms": round((st.cooldown_s or 0) * 1000)}
+            for scope, st in rows
+        ], indent=2)
+
+    @command.command("turnguard.circuit.clear")
+    def circuit_clear(self, scope: str) -> str:
+        """Close a retry circuit by hand: its scope (or a unique prefix; ``all``: every circuit
+        with failures). Audited in the ledger; requests held through its cooldown go on to
+        their recovery claim, and the next request dispatches. In once mode an operation still
+        gets at most one recovery dispatch ever."""
+        g, now = self._guard, time.time()
+        actor = self._actor("turnguard.circuit.clear")
+        cleared = self._control(lambda store: store.clear_circuits(
+            None if scope == "all" else scope, now=now, actor=actor, timeout=STATUS_TIMEOUT_S))
+        scopes = {row.scope for row in cleared}
+        g.store.memory.circuits = {k: v for k, v in g.store.memory.circuits.items()
+                                   if k not in scopes}
+        g.waiters.cooldowns_cleared({k for k, v in g.store.memory.circuits.items()
+                                     if v.remaining_s(now)})
+        for row in cleared:
+            g.telemetry.emit("circuit_cleared", scope=row.scope, failures=row.state.failures,
+                             remaining_ms=round(row.state.remaining_s(now) * 1000), by="command")
+        return json.dumps({"cleared": sorted(scopes)}, indent=2)
+
+    @command.command("turnguard.session.release")
+    def session_release(self, session: str) -> str:
+        """Release a durable session (its id or a unique prefix): no process owns it, its
+        epoch goes up (writes fenced with the old one fail), the next process to serve it
+        takes it over. Audited in the ledger."""
+        g = self._guard
+        actor = self._actor("turnguard.session.release")
+        key, before, after = self._control(lambda store: store.release_session(
+            session, now=time.time(), actor=actor, timeout=STATUS_TIMEOUT_S))
+        g.sessions.forget(key)
+        g.telemetry.emit("session_released", session=key, owner_was=before.owner_instance,
+                         epoch_was=before.owner_epoch, epoch=after.owner_epoch, by="command")
+        return json.dumps({"released": key, "owner_was": before.owner_instance,
+                           "epoch": after.owner_epoch}, indent=2)
+
+    def _actor(self, command_name: str) -> str:
+        return f"{command_name} (instance {self._guard.instance_id}, pid {os.getpid()})"
+
+    def _control(self, action: Callable[[Store], T]) -> T:
+        """A control command's ledger call, waited for here (bounded)."""
+        try:
+            return self._guard.store.control(action)
+        except ControlError as e:
+            raise exceptions.CommandError(f"turnguard: {e}") from None

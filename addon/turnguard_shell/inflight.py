@@ -53,6 +53,7 @@ class Attempt:
     status: int | None = None
     tee: ResponseTee | None = None
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
+    first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
 
     def stop_timer(self) -> None:
@@ -163,6 +164,7 @@ class InFlight:
         when the attempt ends first (its finish records the events): one transaction less
         for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
+        attempt.first_event_at = time.monotonic()
         if attempt.attempt_id is not None:
             asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
@@ -198,8 +200,10 @@ class InFlight:
         facts = self._end_facts(flow, attempt, body_complete)
         ending = classify_end(facts)
         duration_ms = round((time.monotonic() - attempt.started) * 1000)
+        first_event_ms = (None if attempt.first_event_at is None
+                          else round((attempt.first_event_at - attempt.started) * 1000, 1))
         for record in end_telemetry(ending, facts, attempt.base, attempt_id=attempt.attempt_id,
-                                    duration_ms=duration_ms):
+                                    duration_ms=duration_ms, first_event_ms=first_event_ms):
             self._emit(record.event, **record.fields)
         end = AttemptEnd(ending.outcome, facts.status, facts.events_seen, ending.record_detail,
                          ending.recording)

@@ -75,10 +75,19 @@ class Maintenance:
             return
         if time.monotonic() - self._last_reap >= REAP_S:
             await self._reap(now)
+            await self._refresh_circuits(now)
         if now - self._last_gc >= policy.gc_interval_s(settings.guard.retention_s):
             self._last_gc = now
             await store.collect_garbage(now, retention_s=settings.guard.retention_s,
                                         lease_s=settings.instance_lease_s)
+
+    async def _refresh_circuits(self, now: float) -> None:
+        """Learn which circuits cool down (for the gauges), and wake the requests held through
+        a cooldown that an operator cleared from another process (the control CLI), so they
+        go on to their recovery claim now."""
+        cooling = await self._guard.store.refresh_circuits(now)
+        if cooling is not None:
+            self._guard.waiters.cooldowns_cleared(cooling)
 
     async def _reap(self, now: float) -> None:
         self._last_reap = time.monotonic()

@@ -31,6 +31,10 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._owned)
 
+    def forget(self, session: str) -> None:
+        """An operator released it: the next request claims it afresh (a higher epoch)."""
+        self._owned.pop(session, None)
+
     def forget_all(self) -> None:
         """Another process may have taken any of them (this one was taken for dead)."""
         self._owned.clear()

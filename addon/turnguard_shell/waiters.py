@@ -94,6 +94,13 @@ class Waiters:
             if isinstance(wait, CooldownWait) and wait.session == session:
                 self.resolve(wait, OwnershipLost(epoch))
 
+    def cooldowns_cleared(self, cooling_scopes: set[str]) -> None:
+        """Wake the waits through a cooldown whose circuit no longer cools (an operator
+        cleared it): they go on to their recovery claim."""
+        for wait in self:
+            if isinstance(wait, CooldownWait) and "session:" + wait.session not in cooling_scopes:
+                self.resolve(wait, Ended("circuit_cleared"))
+
     def gone(self, flow_id: str, reason: str) -> None:
         wait = self._held.get(flow_id)
         if wait is not None:

@@ -21,14 +21,27 @@ from pathlib import Path
 from . import capture, runner, scenarios, timeline
 
 EPILOG = """\
+Commands:
+  reproduce NAME [options]              run a built-in scenario (--list names them)
+  reproduce run FILE.json [options]     run a scenario file (yours, or one from a capture)
+  reproduce show NAME                   print a built-in scenario, to start your own
+  reproduce from-capture FLOWS -o FILE  turn a mitmdump -w capture into a scenario file
+                                        (reproduce from-capture --help for its options)
+
 Columns: plain (mitmdump without turnguard), guard409 (turnguard answering duplicates 409 at
 once), default (turnguard defaults, fail_closed), once (server_anchored_replay_once),
 indefinite (server_indefinite_recovery). Each column gets a fresh mock upstream, mitmdump,
 ledger and events file on loopback ports; columns run side by side.
 
-Timings are shortened so a scenario runs in seconds: turnguard_cooldown_ms=3000 (production
-60000) and turnguard_response_created_timeout_ms=1000 (production 60000), plus the scenario's
-own notes. Counts come from the mock's dispatch log and turnguard's events file.
+The built-in scenarios shorten turnguard's timings so that they run in seconds:
+turnguard_cooldown_ms=3000 (production 60000) and turnguard_response_created_timeout_ms=1000
+(production 60000), in their own turnguard_options (reproduce show prints them). A scenario
+file from a capture runs with turnguard's defaults, so the captured timings play out as they
+were; --set overrides either, and the table's header shows the values in force. A captured
+stall longer than the response_created timeout in force gets a WARNING (turnguard would cut
+it). Counts come from the mock's dispatch log and turnguard's events file. TURN LOST: a turn
+(same path and body, whoever sent it) that was retried and never completed; a failed request
+no client retried is counted apart.
 
 -w FILE.flows saves each column's flows (FILE.<column>.flows with several columns); open one
 with `mitmweb -r FILE.default.flows`: held, replayed and rejected flows carry turnguard's marks
@@ -103,15 +116,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {a.output}; replay it with: scripts/reproduce run {a.output}")
         return 0
     if argv[:1] == ["show"]:
-        if len(argv) != 2 or argv[1] not in scenarios.BUILTIN:
-            print(_list(), file=sys.stderr)
-            return 2
-        print(json.dumps(scenarios.builtin(argv[1]), indent=2))
+        p = argparse.ArgumentParser(
+            prog="reproduce show", description="Print a built-in scenario as a scenario file "
+            "(JSON), to start your own: scripts/reproduce show NAME > mine.json, edit it, then "
+            "scripts/reproduce run mine.json.", epilog=_list(),
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("name", metavar="NAME", choices=list(scenarios.BUILTIN),
+                       help="a built-in scenario (listed below)")
+        a = p.parse_args(argv[1:])
+        print(json.dumps(scenarios.builtin(a.name), indent=2))
         return 0
 
     p = argparse.ArgumentParser(
         prog="reproduce", description=__doc__.splitlines()[0],
-        usage="reproduce [--list] NAME|run FILE [options]", epilog=EPILOG,
+        usage="reproduce [--list] NAME|run FILE [options]\n"
+              "       reproduce show NAME\n"
+              "       reproduce from-capture FLOWS_FILE -o SCENARIO.json [--keep-bodies]",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--list", action="store_true", help="list the built-in scenarios")
@@ -145,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix="turnguard-repro-")
         workdir = Path(tmp)
     try:
+        for w in runner.stall_warnings(scen, extra):
+            print(f"reproduce: WARNING: {w}", file=sys.stderr)
         results = asyncio.run(runner.run_scenario(
             scen, workdir, columns=columns,
             save_flows=Path(a.save_flows).resolve() if a.save_flows else None,
@@ -153,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.timeline:
             Path(a.timeline).write_text(timeline.render_svg(scen, results), encoding="utf-8")
         if a.json:
-            print(json.dumps(runner.to_json(scen, results), indent=2))
+            print(json.dumps(runner.to_json(scen, results, extra), indent=2))
         else:
-            print(runner.render_table(scen, results))
+            print(runner.render_table(scen, results, extra))
             for r in results:
                 if r.flows_file:
                     print(f"  flows of {r.title}: {r.flows_file}  (mitmweb -r {r.flows_file})")

@@ -17,7 +17,9 @@ from typing import Any
 
 from . import clients as clientmod
 from . import procs
-from .scenarios import COLUMNS, PRODUCTION, SHORTENED
+from .scenarios import COLUMNS, PRODUCTION
+
+DEFAULT_RESPONSE_CREATED_TIMEOUT_MS = 60000  # turnguard's default, when nothing sets it
 
 SETTLE_TIMEOUT_S = 3.0  # after the clients: wait for the mock to log every dispatch's end
 
@@ -48,12 +50,12 @@ class ColumnResult:
 
 def turnguard_options(scenario: dict[str, Any], column: str, workdir: Path,
                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every --set for a turnguard column: ledger/events in the column's folder, the shortened
-    timings, the scenario's options, the column's own, then ``extra`` (command line)."""
+    """Every --set for a turnguard column: ledger/events in the column's folder, the
+    scenario's options (a built-in's include its shortened timings), the column's own, then
+    ``extra`` (command line)."""
     opts: dict[str, Any] = {
         "turnguard_ledger": str(workdir / "ledger.sqlite3"),
         "turnguard_events": str(workdir / "turnguard-events.jsonl"),
-        **SHORTENED,
         **scenario.get("turnguard_options", {}),
         **COLUMNS[column]["options"],
         **(extra or {}),
@@ -136,6 +138,58 @@ async def run_scenario(
     return list(await asyncio.gather(*(job() for _, job in jobs)))
 
 
+def timings_in_force(scenario: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, int]:
+    """The values of the options ``PRODUCTION`` names that a turnguard column runs with (the
+    scenario's, then the command line's; turnguard's default otherwise)."""
+    opts = {**scenario.get("turnguard_options", {}), **(extra or {})}
+    return {k: int(opts.get(k, v)) for k, v in PRODUCTION.items()}
+
+
+def _stall_ms(b: dict[str, Any]) -> tuple[float, str] | None:
+    """How long a behaviour keeps a dispatch without a response event, and how."""
+    kind = b.get("kind")
+    if kind == "stall_before_headers":
+        return float(b.get("ms", 600000)), "no response headers"
+    if kind == "stall_after_headers":
+        return float(b.get("ms", 600000)), "headers, then no event"
+    before = float(b.get("delay_ms", 60000 if kind == "slow" else 0) or 0)
+    before += float(b.get("first_event_ms", 0) or 0)
+    if kind in ("ok", "slow", "tool_call", "partial") and before > 0:
+        return before, "no response event"
+    return None
+
+
+def stall_warnings(scenario: dict[str, Any], extra: dict[str, Any] | None = None) -> list[str]:
+    """One line per upstream behaviour that keeps a dispatch without a response event for
+    longer than the ``turnguard_response_created_timeout_ms`` in force: turnguard cuts such a
+    dispatch (``missing_response_created_timeout``), which a capture did not show."""
+    timeout = timings_in_force(scenario, extra)["turnguard_response_created_timeout_ms"]
+    if timeout <= 0 or "source" not in scenario:  # only a capture's stalls: the built-ins
+        return []  # shorten the timeout on purpose
+    up = scenario.get("upstream") or {}
+    found: list[tuple[str, dict[str, Any]]] = []
+    for i, b in enumerate(up.get("sequence") or []):
+        found.append((f"dispatch {i}", b))
+    if isinstance(up.get("default"), dict):
+        found.append(("every other dispatch", up["default"]))
+    for group in ("sessions", "operations"):
+        for key, sel in (up.get(group) or {}).items():
+            for i, b in enumerate(sel.get("sequence") or []):
+                found.append((f"{group[:-1]} {key[:12]} dispatch {i}", b))
+            if isinstance(sel.get("default"), dict):
+                found.append((f"{group[:-1]} {key[:12]} default", sel["default"]))
+    out = []
+    for where, b in found:
+        stall = _stall_ms(b)
+        if stall is not None and stall[0] > timeout:
+            out.append(f"{where}: {stall[1]} for {stall[0] / 1000:g} s, longer than "
+                       f"turnguard_response_created_timeout_ms={timeout}: turnguard columns cut it "
+                       "(missing_response_created_timeout); set "
+                       f"--set turnguard_response_created_timeout_ms={int(stall[0]) + 1000} to "
+                       "replay it whole")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Metrics: pure functions of the records
 
@@ -154,6 +208,38 @@ def cooldown_windows(tg_events: list[dict[str, Any]]) -> list[tuple[float, float
         (e["ts"], e["ts"] + e.get("cooldown_ms", 0) / 1000 - COOLDOWN_END_SLACK_S)
         for e in tg_events if e.get("event") == "circuit_opened"
     ]
+
+
+def turn_outcomes(
+    clients: list[clientmod.ClientResult],
+) -> tuple[dict[str, str], dict[str, str], int]:
+    """Each client's outcome, the reason, and the number of recorded requests that failed and
+    that no client retried. A timeline client (a capture's replay) lost its turn only when one
+    of its recorded turns (same path and body, whoever sent it) was retried and still never
+    completed by any client: a failure nobody retried in the capture is the capture's, not a
+    lost turn."""
+    outcomes = {c.name: c.outcome for c in clients}
+    reasons = {c.name: c.reason for c in clients}
+    turns: dict[str, dict[str, int]] = {}
+    for c in clients:
+        for key, t in (c.extra.get("turns") or {}).items():
+            agg = turns.setdefault(key, {"requests": 0, "completed": 0})
+            agg["requests"] += t["requests"]
+            agg["completed"] += bool(t["completed"])
+    unretried = 0
+    for c in clients:
+        mine = c.extra.get("turns")
+        if mine is None:
+            continue
+        lost = [k for k in mine if not turns[k]["completed"] and turns[k]["requests"] > 1]
+        unretried += sum(1 for k in mine if not turns[k]["completed"] and turns[k]["requests"] == 1)
+        if lost:
+            outcomes[c.name] = "lost"
+            reasons[c.name] = (f"{len(lost)} of {len(mine)} recorded turns were retried and "
+                               "never completed")
+        else:
+            outcomes[c.name] = "completed"
+    return outcomes, reasons, unretried
 
 
 def summarize(res: ColumnResult) -> dict[str, Any]:
@@ -194,7 +280,8 @@ def summarize(res: ColumnResult) -> dict[str, Any]:
     holds = [e[f] for e in res.tg_events for k, f in HOLD_FIELDS.items()
              if e.get("event") == k and isinstance(e.get(f), (int, float))]
     ev = Counter(e.get("event") for e in res.tg_events)
-    lost = [c.name for c in res.clients if c.outcome != "completed"]
+    outcomes, reasons, unretried = turn_outcomes(res.clients)
+    lost = [name for name, o in outcomes.items() if o != "completed"]
     incident = []
     if lost:
         incident.append("turn lost")
@@ -205,8 +292,9 @@ def summarize(res: ColumnResult) -> dict[str, Any]:
     if during:
         incident.append(f"{during} dispatch(es) during the cooldown")
     return {
-        "outcomes": {c.name: c.outcome for c in res.clients},
-        "reasons": {c.name: c.reason for c in res.clients},
+        "outcomes": outcomes,
+        "reasons": reasons,
+        "failed_not_retried": unretried,
         "attempts": sum(len(c.attempts) for c in res.clients),
         "errors": dict(sorted(errors.items())),
         "upstream_dispatches": len(res.dispatches),
@@ -282,6 +370,9 @@ def table_rows(scenario: dict[str, Any], results: list[ColumnResult]) -> list[tu
             cells.append("turn completed" if out == "completed" else "TURN LOST")
         rows.append((f"{name} ({spec['model']})", cells))
     rows.append(("client attempts", [str(r.metrics["attempts"]) for r in results]))
+    if any(r.metrics.get("failed_not_retried") for r in results):
+        rows.append(("failed, no client retried", [str(r.metrics.get("failed_not_retried", 0))
+                                                   for r in results]))
     rows.append(("client-visible errors", [_errors_text(r.metrics["errors"]) for r in results]))
     if any(r.metrics["gateway_accounts_marked_rate_limited"] for r in results):
         rows.append(("accounts marked rate-limited",
@@ -317,16 +408,21 @@ def _wrap(text: str, width: int) -> list[str]:
     return lines + [cur] if cur else lines or [""]
 
 
-def render_table(scenario: dict[str, Any], results: list[ColumnResult]) -> str:
+def render_table(scenario: dict[str, Any], results: list[ColumnResult],
+                 extra: dict[str, Any] | None = None) -> str:
     rows = table_rows(scenario, results)
     width = 24
     label_w = max(len(label) for label, _ in rows) + 2
     out = [f"scenario {scenario['name']}"
            + (f" ({scenario['incident']})" if scenario.get("incident") else "")]
     out += ["  " + line for line in _wrap(scenario.get("description", ""), 96)]
-    short = [f"{k}={v} (production {PRODUCTION.get(k, '?')})" for k, v in SHORTENED.items()]
     if any(COLUMNS[r.column]["addon"] for r in results):
-        out.append("  shortened for a quick run: " + ", ".join(short))
+        force = timings_in_force(scenario, extra)
+        shown = [f"{k}={v}" + ("" if v == PRODUCTION[k] else f" (production {PRODUCTION[k]})")
+                 for k, v in force.items()]
+        out.append("  turnguard timings in force: " + ", ".join(shown))
+        for w in stall_warnings(scenario, extra):
+            out.append(f"  WARNING: {w}")
     for note in scenario.get("shortened", []):
         out.append(f"  shortened: {note}")
     out.append("")
@@ -343,17 +439,20 @@ def render_table(scenario: dict[str, Any], results: list[ColumnResult]) -> str:
     out.append("")
     for r in results:
         for c in r.clients:
-            if c.outcome != "completed":
-                out.append(f"  {r.title}: {c.name} lost the turn: {c.reason}")
+            if r.metrics["outcomes"].get(c.name) != "completed":
+                out.append(f"  {r.title}: {c.name} lost the turn: {r.metrics['reasons'][c.name]}")
     return "\n".join(out)
 
 
-def to_json(scenario: dict[str, Any], results: list[ColumnResult]) -> dict[str, Any]:
+def to_json(scenario: dict[str, Any], results: list[ColumnResult],
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "scenario": scenario["name"],
         "description": scenario.get("description", ""),
         "incident": scenario.get("incident"),
-        "shortened": {k: {"value": v, "production": PRODUCTION.get(k)} for k, v in SHORTENED.items()},
+        "timings": {k: {"value": v, "production": PRODUCTION[k]}
+                    for k, v in timings_in_force(scenario, extra).items()},
+        "warnings": stall_warnings(scenario, extra),
         "shortened_notes": scenario.get("shortened", []),
         "columns": {
             r.column: {

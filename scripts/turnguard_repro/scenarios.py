@@ -9,7 +9,9 @@ A scenario file is JSON::
      "clients": [CLIENT, ...],         # see clients.make_client
      "columns": ["plain", "default", "once"],   # optional; see COLUMNS
      "turnguard_options": {"turnguard_cooldown_ms": 3000, ...},  # optional, for every
-                                       # turnguard column (on top of SHORTENED)
+                                       # turnguard column; absent options take turnguard's
+                                       # defaults (a capture's timings are replayed as they
+                                       # were; the built-ins shorten theirs, see SHORTENED)
      "deadline_s": 60}                 # optional: hard bound of one column's run
 
 ``reproduce show NAME`` prints a built-in one as a starting point for your own.
@@ -22,8 +24,11 @@ from typing import Any
 
 from . import clients
 
-# Production defaults of the turnguard options the scenarios shorten, for the report.
+# Production defaults of the turnguard options a scenario may shorten, for the report.
 PRODUCTION = {"turnguard_cooldown_ms": 60000, "turnguard_response_created_timeout_ms": 60000}
+# What the built-in scenarios use so that they run in seconds: part of each built-in's own
+# turnguard_options (so `reproduce show NAME` prints them). A scenario file (one from a capture,
+# or your own) gets turnguard's defaults unless it, or --set, says otherwise.
 SHORTENED = {"turnguard_cooldown_ms": 3000, "turnguard_response_created_timeout_ms": 1000}
 
 COLUMNS: dict[str, dict[str, Any]] = {
@@ -163,9 +168,12 @@ BUILTIN: dict[str, dict[str, Any]] = {
 
 
 def builtin(name: str) -> dict[str, Any]:
+    """A built-in scenario as a scenario file would hold it (with its shortened timings)."""
     if name not in BUILTIN:
         raise KeyError(name)
-    return {"name": name, **copy.deepcopy(BUILTIN[name])}
+    s = {"name": name, **copy.deepcopy(BUILTIN[name])}
+    s["turnguard_options"] = {**SHORTENED, **s.get("turnguard_options", {})}
+    return s
 
 
 def validate(s: Any, where: str = "scenario") -> dict[str, Any]:

@@ -4,7 +4,8 @@ Rows per panel: each client's attempts (light while waiting for the response hea
 while the body streams; green completed, red an error status, orange a transport error or a
 cut stream, grey cancelled by the client itself), turnguard's holds (a duplicate held for its
 original, a request held through the cooldown), the upstream's dispatches (from the mock's
-log), and the retry circuit's cooldown window shaded across the panel. Hover any bar for its
+log; purple with ✂ when turnguard cut it for want of a response event), and the retry
+circuit's cooldown window shaded across the panel. Hover any bar for its
 details. Plain SVG text; no plotting library.
 """
 
@@ -23,6 +24,8 @@ ROW_GAP = 8
 PANEL_GAP = 26
 
 GREEN, RED, ORANGE, GREY, BLUE, CYAN = "#2e7d32", "#c62828", "#ef6c00", "#9e9e9e", "#1565c0", "#00838f"
+PURPLE = "#6a1b9a"
+CUT_MATCH_S = 1.0  # a cut dispatch's end, as the upstream logged it, follows turnguard's cut
 
 HOLD_ENDS = {
     "duplicate_replayed": "replayed",
@@ -95,8 +98,28 @@ def _hold_bars(res: ColumnResult) -> list[dict[str, Any]]:
     return bars
 
 
+def cut_dispatches(res: ColumnResult) -> set[int]:
+    """The numbers (``n``) of the upstream dispatches turnguard cut (its ``upstream_cut``
+    events): matched by the client attempt of the cut flow (mitmproxy's flow log), else by
+    time (the upstream saw its client go within a moment of the cut)."""
+    attempt_of = {r["flow"]: r.get("attempt") for r in res.flowlog if r.get("flow")}
+    cuts = [e for e in res.tg_events if e.get("event") == "upstream_cut" and e.get("cut")]
+    found: set[int] = set()
+    for e in cuts:
+        attempt = attempt_of.get(e.get("flow"))
+        match = [d for d in res.dispatches if attempt and d.get("client_attempt") == attempt]
+        if not match:
+            match = [d for d in res.dispatches
+                     if (d.get("end") or {}).get("outcome") == "client_gone"
+                     and 0 <= d["end"]["ts"] - e["ts"] <= CUT_MATCH_S and d["n"] not in found]
+            match = match[:1]
+        found.update(d["n"] for d in match)
+    return found
+
+
 def _dispatch_bars(res: ColumnResult) -> list[dict[str, Any]]:
     bars = []
+    cut = cut_dispatches(res)
     for d in res.dispatches:
         end = d.get("end") or {}
         outcome = end.get("outcome", "unfinished")
@@ -104,6 +127,8 @@ def _dispatch_bars(res: ColumnResult) -> list[dict[str, Any]]:
         label = d.get("behaviour", "?")
         if outcome == "status":
             label = f"{end.get('status')}"
+        if d["n"] in cut:
+            color, label, outcome = PURPLE, "✂ cut by turnguard", "cut by turnguard (no response event in time)"
         tip = (f"dispatch {d['n']} ({d.get('client_attempt') or 'unknown attempt'}): behaviour "
                f"{d.get('behaviour')}, outcome {outcome}, status {end.get('status')}, "
                f"{end.get('events_sent')} events, turn-state {'yes' if d.get('turn_state') else 'no'}")
@@ -185,7 +210,8 @@ def render_svg(scenario: dict[str, Any], results: list[ColumnResult]) -> str:
         y += panel_h + PANEL_GAP
     title = f"turnguard reproduce: {scenario['name']}"
     legend = ("light: waiting for headers · solid: streaming · green completed · red error status · "
-              "orange transport error / cut · grey closed by the client · blue held duplicate · "
+              "orange transport error / cut · grey closed by the client · purple ✂ cut by turnguard · "
+              "blue held duplicate · "
               "teal held through the cooldown · shaded: cooldown")
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y + 10}" '
             f'font-family="sans-serif" font-size="12">'

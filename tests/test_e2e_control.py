@@ -1,0 +1,152 @@
+"""End to end: ``scripts/turnguard circuit clear`` and ``session release`` against the ledger of
+running mitmdump processes (any mitmdump: the tool speaks to the ledger only). A cleared
+circuit lets the next request dispatch; in once mode it never yields a second recovery
+dispatch of an operation, through either of two processes sharing the ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl, sse_post, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+TURNGUARD = REPO / "scripts" / "turnguard"
+TURN = {"model": "gpt-test", "input": [{"role": "user", "content": "fix the bug"}], "stream": True}
+ANCHORED = {
+    "authorization": "Bearer sk-control-test",
+    "session-id": "sess-control",
+    "x-codex-turn-state": "ts_turn_1",
+}
+LONG_COOLDOWN_MS = 60000  # so that only the clear can end it within the test
+
+
+def proxy(tmp_path, up, name="mitmdump", **options):
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        "turnguard_response_created_timeout_ms": 600,
+        "turnguard_cooldown_ms": LONG_COOLDOWN_MS,
+        "turnguard_cooldown_max_ms": LONG_COOLDOWN_MS * 2,
+        **options,
+    }
+    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+
+
+def turnguard(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNGUARD_")}
+    return subprocess.run(
+        [str(TURNGUARD), "--ledger", str(tmp_path / "ledger.sqlite3"), *args],
+        capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL,
+    )
+
+
+def post(url, headers=ANCHORED, timeout=90):
+    try:
+        status, h, body = sse_post(url, body=TURN, headers={**headers, "accept": "application/json"},
+                                   timeout=timeout)
+    except httpx.HTTPError:
+        return 0, b""
+    return status, body
+
+
+def events(tmp_path, kind, name="mitmdump"):
+    return [r for r in read_jsonl(tmp_path / f"{name}-events.jsonl") if r["event"] == kind]
+
+
+def open_circuit(url):
+    assert post(url)[0] == 502  # cut: no response headers within 600 ms
+    assert post(url)[0] in (0, 502)  # upstream reset: the circuit opens
+
+
+def test_clearing_an_open_circuit_lets_the_next_request_dispatch(tmp_path, report):
+    scenario = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        open_circuit(p.url)
+        status, body = post(p.url)
+        assert status == 503 and json.loads(body)["error"]["code"] == "upstream_request_timeout"
+        helped = turnguard(tmp_path, "--help").stdout
+        for command in ("status", "circuit", "session", "audit", "list", "show", "stats"):
+            assert command in helped
+        listed = turnguard(tmp_path, "circuit", "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        (c,) = json.loads(listed.stdout)
+        assert c["open"] and c["failures"] == 2 and c["remaining_s"] > 50
+        r = turnguard(tmp_path, "circuit", "clear", c["scope"][:16], "--events",
+                      str(tmp_path / "control-events.jsonl"))
+        assert r.returncode == 0 and f"cleared {c['scope']}" in r.stdout, r.stderr
+        assert post(p.url)[0] == 200  # dispatched at once: no cooldown left
+        assert len(up.dispatches()) == 3
+        (audit,) = json.loads(turnguard(tmp_path, "audit", "--json").stdout)
+        assert audit["action"] == "circuit_clear" and audit["target"] == c["scope"]
+        assert "scripts/turnguard" in audit["actor"] and audit["before"]["failures"] == 2
+        (event,) = read_jsonl(tmp_path / "control-events.jsonl")
+        assert event["event"] == "circuit_cleared" and event["by"] == "cli"
+        status_out = turnguard(tmp_path, "status")
+        assert "0 cooling down" in status_out.stdout and "circuit_clear" in status_out.stdout
+        assert_no_traceback(p.log_text())
+    report("circuit clear (scripts/turnguard, default mode): 503 before, 200 after, "
+           f"upstream dispatches={len(up.dispatches())}")
+
+
+def test_in_once_mode_a_cleared_circuit_never_gives_a_second_recovery_dispatch(tmp_path, report):
+    scenario = {  # the recovery dispatch fails without events too
+        "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},
+                     {"kind": "reset"}],
+        "default": {"kind": "ok"},
+    }
+    once = {"turnguard_recovery_mode": "server_anchored_replay_once"}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "a", **once) as a, \
+            proxy(tmp_path, up, "b", **once) as b:
+        open_circuit(a.url)  # a owns the session
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(post, a.url)
+            wait_until(lambda: events(tmp_path, "wait_operation_fenced_cooldown", "a"), 10,
+                       what="a request held through the 60 s cooldown")
+            cleared_at = time.monotonic()
+            r = turnguard(tmp_path, "circuit", "clear", "--all")
+            assert r.returncode == 0 and "cleared session:" in r.stdout, r.stderr
+            status, _ = held.result(timeout=30)
+        waited = time.monotonic() - cleared_at
+        assert status in (0, 502)  # released by the clear, recovered once, failed again
+        assert waited < 30  # the clear, not the 60 s cooldown, ended the wait
+        assert len(up.dispatches()) == 3
+        assert len(events(tmp_path, "recovery_claimed", "a")) == 1
+        assert [e["reason"] for e in events(tmp_path, "wait_finished", "a")] == ["woken"]
+        for attempt in range(2):  # clear again and retry through both processes
+            turnguard(tmp_path, "circuit", "clear", "--all")
+            for p in (a, b):
+                status, body = post(p.url)
+                assert status == 503, (attempt, p.name, status)
+                assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+        assert len(up.dispatches()) == 3  # never a second recovery dispatch
+        recovered = (events(tmp_path, "recovery_claimed", "a")
+                     + events(tmp_path, "recovery_claimed", "b"))
+        assert len(recovered) == 1
+        for p in (a, b):
+            assert_no_traceback(p.log_text())
+    report(f"once mode, circuit cleared 3 times, retried through 2 processes: upstream "
+           f"dispatches={len(up.dispatches())}, recovery dispatches={len(recovered)}")
+
+
+def test_releasing_a_session_moves_it_to_the_next_process_that_serves_it(tmp_path):
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, "a") as a, \
+            proxy(tmp_path, up, "b") as b:
+        assert post(a.url)[0] == 200  # a owns the session now
+        status = json.loads(turnguard(tmp_path, "status", "--json").stdout)
+        (session,) = status["sessions"]
+        assert session["epoch"] == 1 and {i["instance"] for i in status["instances"]} >= {session["owner"]}
+        assert all(i["alive"] for i in status["instances"]) and len(status["instances"]) == 2
+        r = turnguard(tmp_path, "session", "release", session["session"][:10])
+        assert r.returncode == 0 and "epoch 1 -> 2" in r.stdout, r.stderr
+        assert post(b.url, headers={**ANCHORED, "x-codex-turn-state": "ts_2"})[0] == 200
+        after = json.loads(turnguard(tmp_path, "status", "--json").stdout)["sessions"][0]
+        assert after["epoch"] == 3 and after["owner"] not in (None, session["owner"])
+        assert [e["result"] for e in events(tmp_path, "session_claimed", "b")] == ["taken_over"]

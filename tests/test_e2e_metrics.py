@@ -1,0 +1,193 @@
+"""End to end: ``/metrics`` of a real mitmdump (``turnguard_metrics``) scraped during the
+duplicate storm and the cooldown 503 storm, its counters checked against what the upstream
+saw (the mock's dispatch log) and what the clients got; and the dashboard and alert rules in
+``ops/`` checked against a real scrape."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from harness import (
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    metric,
+    metrics_url,
+    scrape,
+    sse_post,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BODY = {"model": "gpt-test", "input": "a stalled turn", "stream": True}
+HEADERS = {"authorization": "Bearer sk-metrics-test", "session-id": "sess-metrics"}
+ANCHORED = {**HEADERS, "x-codex-turn-state": "ts_turn_1"}
+COOLDOWN_MS = 3000
+STORM = {
+    "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+    "default": {"kind": "ok", "events": 4},
+}
+
+
+def proxy(tmp_path, up, name="mitmdump", **options):
+    opts = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        "turnguard_metrics": "127.0.0.1:0",
+        "turnguard_response_created_timeout_ms": 600,
+        "turnguard_cooldown_ms": COOLDOWN_MS,
+        **options,
+    }
+    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+
+
+def scrape_until(url, predicate, what, timeout=10):
+    """Scrape until ``predicate(samples)`` holds; return those samples (bounded)."""
+    return wait_until(lambda: (s if predicate(s := scrape(url)) else None), timeout, what=what)
+
+
+def post(url, headers=HEADERS, body=BODY, timeout=30):
+    try:
+        return sse_post(url, body=body, headers=headers, timeout=timeout)[0]
+    except httpx.HTTPError:
+        return 0
+
+
+def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, turnguard_response_created_timeout_ms=60000
+    ) as p:
+        url = metrics_url(p)
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            first = pool.submit(post, p.url)
+            time.sleep(0.5)
+            dups = [pool.submit(post, p.url) for _ in range(5)]
+            during = scrape_until(
+                url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 5,
+                "5 held flows in the gauge")
+            statuses = [first.result()] + [d.result() for d in dups]
+        assert statuses == [200] * 6
+        assert metric(during, "turnguard_attempts_in_flight") == 1
+        upstream = up.dispatches()
+        after = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == len(upstream),
+                             "the outcome counted")
+        assert metric(after, "turnguard_dispatches_total") == len(upstream) == 1
+        assert metric(after, "turnguard_dispatches_total", kind="original") == 1
+        assert metric(after, "turnguard_duplicates_total", action="held") == 5
+        assert metric(after, "turnguard_duplicates_total", action="replayed") == 5
+        assert metric(after, "turnguard_hold_seconds_count", result="replayed") == 5
+        assert metric(after, "turnguard_hold_seconds_sum") > 5 * 2.0  # each waited seconds
+        assert metric(after, "turnguard_outcomes_total", outcome="completed") == 1
+        assert metric(after, "turnguard_attempt_duration_seconds_sum") >= 4.0
+        assert metric(after, "turnguard_time_to_first_event_seconds_count") == 1
+        assert metric(after, "turnguard_flows_held") == 0
+        assert metric(after, "turnguard_answers_total") == 0
+        instances = {lab["turnguard_instance"] for rows in after.values() for lab, _ in rows
+                     if "turnguard_instance" in lab}
+        assert len(instances) == 1
+        assert_no_traceback(p.log_text())
+    report(f"metrics, duplicate storm: dispatches_total={metric(after, 'turnguard_dispatches_total'):g} "
+           f"= upstream log {len(upstream)}; held gauge peaked at 5; duplicates held/replayed "
+           f"{metric(after, 'turnguard_duplicates_total', action='held'):g}/"
+           f"{metric(after, 'turnguard_duplicates_total', action='replayed'):g}")
+
+
+def test_cooldown_storm_counters_match_the_upstream_log_in_default_and_once_mode(tmp_path, report):
+    lines = []
+    for mode in ("fail_closed", "server_anchored_replay_once"):
+        d = tmp_path / mode
+        d.mkdir()
+        with MockUpstream(d, STORM) as up, proxy(d, up, turnguard_recovery_mode=mode) as p:
+            url = metrics_url(p)
+            statuses = [post(p.url, ANCHORED), post(p.url, ANCHORED)]  # the circuit opens
+            cooling = scrape_until(url, lambda s: metric(s, "turnguard_circuits_open") == 1,
+                                   "the open circuit in the gauge")
+            assert 0 < metric(cooling, "turnguard_cooldown_remaining_seconds") <= COOLDOWN_MS / 1000
+            for _ in range(6):  # a client that ignores Retry-After
+                statuses.append(post(p.url, ANCHORED))
+                if statuses[-1] == 200:
+                    break
+                time.sleep(0.2)
+            upstream = up.dispatches()
+            s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == len(upstream),
+                             "every outcome counted")
+            assert metric(s, "turnguard_dispatches_total") == len(upstream)
+            assert metric(s, "turnguard_upstream_cuts_total") == 1
+            assert metric(s, "turnguard_eventless_failures_total",
+                          failure_class="missing_response_created_timeout") == 1
+            assert metric(s, "turnguard_circuit_opened_total") == 1
+            assert metric(s, "turnguard_answers_total", status="503") == statuses.count(503)
+            if mode == "fail_closed":
+                assert len(upstream) == 2 and statuses[2:] == [503] * 6
+                assert metric(s, "turnguard_fail_closed_total") == 0  # the mode's own answer
+                assert metric(s, "turnguard_recovery_claimed_total") == 0
+            else:
+                assert len(upstream) == 3 and statuses[2:] == [200]
+                assert metric(s, "turnguard_dispatches_total", kind="recovery") == 1
+                assert metric(s, "turnguard_recovery_claimed_total") == 1
+                assert metric(s, "turnguard_cooldown_wait_seconds_count",
+                              reason="cooldown_elapsed") == 1
+                assert metric(s, "turnguard_circuit_reset_total") == 1
+                assert metric(s, "turnguard_circuits_open") == 0
+            assert_no_traceback(p.log_text())
+        lines.append(f"{mode}: upstream {len(upstream)} = dispatches_total "
+                     f"{metric(s, 'turnguard_dispatches_total'):g}, 503 answers "
+                     f"{metric(s, 'turnguard_answers_total', status='503'):g}")
+    report("metrics, cooldown storm: " + "; ".join(lines))
+
+
+# -- the dashboard and the alert rules ---------------------------------------------------------
+
+METRIC_NAME = re.compile(r"\b(turnguard_[a-z_]+|process_[a-z_]+)\b")
+
+
+def queried_names(text: str) -> set[str]:
+    """The metric names a PromQL expression uses (label names such as turnguard_instance are
+    not metric names: they appear after a brace or in by()/without())."""
+    names = set(METRIC_NAME.findall(text))
+    return {n for n in names if n != "turnguard_instance"}
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def rule_exprs(rules_text: str) -> list[str]:
+    """The ``expr:`` values of the rules file (a YAML subset: one expression per rule, either
+    on the line or as a ``|`` / ``>`` block)."""
+    exprs, lines, i = [], rules_text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)expr:\s*(.*)$", lines[i])
+        i += 1
+        if not m:
+            continue
+        indent, value = len(m.group(1)), m.group(2).strip()
+        if value in ("|", ">", "|-", ">-"):
+            block = []
+            while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
+                block.append(lines[i].strip())
+                i += 1
+            value = " ".join(block)
+        exprs.append(value)
+    return exprs
+
+
+def test_every_metric_the_dashboard_and_rules_query_is_in_a_real_scrape(tmp_path):
+    dashboard = json.loads((REPO / "ops" / "grafana-dashboard.json").read_text())
+    rules = (REPO / "ops" / "prometheus-alerts.yml").read_text()
+    exprs = dashboard_exprs(dashboard) + rule_exprs(rules)
+    assert len(exprs) >= 10
+    wanted = set().union(*(queried_names(e) for e in exprs))
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        post(p.url)  # one request, so the labelled counters have a series
+        s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_outcomes_total"),
+                         "a counted request")
+    missing = wanted - set(s)
+    assert not missing, f"queried by ops/ but not in a real /metrics scrape: {sorted(missing)}"

@@ -1,0 +1,192 @@
+"""Prometheus metrics in-process: the telemetry sink, the endpoint's life (serve, reload, refuse)
+and the gauges, through the addon in a ``taddons`` context and a real loopback HTTP scrape.
+The end-to-end checks against a real mitmdump and the upstream's log are in
+``test_e2e_metrics.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from mitmproxy import exceptions
+
+from harness import metric, scrape
+from test_addon import WAIT_S, hold_duplicate, make_guard, sse_body, stream_response, until
+from turnguard_core import metrics as m
+from turnguard_core.ledger import Ledger
+from turnguard_core.options import parse_listen_address
+
+
+def url_of(guard) -> str:
+    host, port = guard.tg.metrics.address
+    return f"http://{host}:{port}/metrics"
+
+
+# -- the listen address ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [
+    ("", None), ("  ", None), ("127.0.0.1:9464", ("127.0.0.1", 9464)), ("[::1]:0", ("::1", 0)),
+    ("localhost:1", ("localhost", 1)), ("0.0.0.0:9464", ("0.0.0.0", 9464)),
+])
+def test_listen_addresses_parse(text, want):
+    assert parse_listen_address(text) == want
+
+
+@pytest.mark.parametrize("text", ["9464", ":9464", "::1:9464", "[::1:9", "h:65536", "h:x", "a b:1",
+                                  "h/x:1"])
+def test_bad_listen_addresses_say_why(text):
+    with pytest.raises(ValueError):
+        parse_listen_address(text)
+
+
+# -- the sink ----------------------------------------------------------------------------------
+
+
+def samples(metrics: m.Metrics) -> dict:
+    out: dict = {}
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def test_every_record_counts_and_labels_come_from_fixed_sets():
+    metrics = m.Metrics("inst1")
+    emit = metrics.observe
+    emit("dispatch", {"kind": "original"})
+    emit("dispatch", {"kind": "made-up"})
+    emit("passthrough", {"reason": "body too large (99 bytes > limit 1)"})
+    emit("passthrough", {"reason": "sk-secret-looking free text"})
+    emit("fail_closed", {"reason": "owner_proof_missing", "code": "x", "answer_status": 503})
+    emit("cooldown_rejected", {"reason": "mode_fail_closed", "answer_status": 503,
+                               "code": "upstream_request_timeout"})
+    emit("duplicate_held", {"flow": "f1"})
+    emit("duplicate_replayed", {"flow": "f1", "held_ms": 1500})
+    emit("duplicate_replayed", {"flow": "f2", "held_ms": 0})  # a retry answered, never held
+    emit("outcome", {"outcome": "completed", "duration_ms": 2000, "first_event_ms": 120.5})
+    emit("circuit_opened", {"scope": "session:abc"})
+    emit("ledger_unavailable", {"during": "admit", "error": "disk I/O error"})
+    s = samples(metrics)
+    assert metric(s, "turnguard_dispatches_total", kind="original") == 1
+    assert metric(s, "turnguard_dispatches_total", kind="other") == 1
+    assert metric(s, "turnguard_passthrough_total", reason="body_too_large") == 1
+    assert metric(s, "turnguard_passthrough_total", reason="other") == 1
+    assert metric(s, "turnguard_fail_closed_total", reason="owner_proof_missing") == 1
+    assert metric(s, "turnguard_answers_total", status="503") == 2
+    assert metric(s, "turnguard_answers_total", code="other") == 1
+    assert metric(s, "turnguard_duplicates_total", action="replayed") == 2
+    assert metric(s, "turnguard_hold_seconds_count", result="replayed") == 1  # only the held one
+    assert metric(s, "turnguard_hold_seconds_sum") == 1.5
+    assert metric(s, "turnguard_attempt_duration_seconds_sum", outcome="completed") == 2.0
+    assert metric(s, "turnguard_time_to_first_event_seconds_sum") == pytest.approx(0.1205)
+    assert metric(s, "turnguard_circuit_opened_total") == 1
+    assert metric(s, "turnguard_ledger_outages_total", during="admit") == 1
+    assert metric(s, "turnguard_events_total") == 12
+    # every series names its process; no label value is free text from a request
+    for name, rows in s.items():
+        if name.startswith("turnguard_"):
+            for labels, _ in rows:
+                assert labels["turnguard_instance"] == "inst1"
+                assert "secret" not in "".join(labels.values())
+
+
+def test_the_sink_never_raises():
+    metrics = m.Metrics("i")
+    metrics.observe("outcome", {"duration_ms": "not a number", "outcome": object()})
+    metrics.observe("duplicate_rejected", {"flow": None, "held_ms": -5})
+    assert metric(samples(metrics), "turnguard_outcomes_total", outcome="other") == 1
+
+
+def test_each_metrics_object_has_its_own_registry():
+    a, b = m.Metrics("a"), m.Metrics("b")
+    a.observe("dispatch", {"kind": "original"})
+    assert metric(samples(a), "turnguard_dispatches_total") == 1
+    assert metric(samples(b), "turnguard_dispatches_total") == 0
+
+
+def test_the_passthrough_reasons_of_the_code_map_to_their_own_labels():
+    reasons = ["request body is streamed", "body too large (5 bytes > limit 1)",
+               "upstream unknown (no host)", "principal undetermined (proxyauth metadata)",
+               "body could not be decoded", "no body", "body is not UTF-8",
+               "duplicate keys in JSON body", "JSON nesting too deep", "body is not JSON",
+               "body is not a JSON object", "identity failed (KeyError)",
+               "internal error: ValueError()", "recording missing",
+               "response content-encoding gzip: events not counted"]
+    labels = [m.passthrough_label(r) for r in reasons]
+    assert m.OTHER not in labels and len(set(labels)) == len(labels)
+
+
+# -- the endpoint through the addon ------------------------------------------------------------
+
+
+async def test_a_hold_and_a_replay_show_in_a_scrape_and_the_gauges_follow(tmp_path):
+    async with make_guard(tmp_path, turnguard_metrics="127.0.0.1:0") as g:
+        url = url_of(g)
+        before = await asyncio.to_thread(scrape, url)
+        assert metric(before, "turnguard_ledger_up") == 1
+        assert metric(before, "turnguard_info", recovery_mode="fail_closed") == 1
+        f1, f2, task = await hold_duplicate(g)
+        held = await asyncio.to_thread(scrape, url)
+        assert metric(held, "turnguard_flows_held", wait="duplicate") == 1
+        assert metric(held, "turnguard_attempts_in_flight") == 1
+        assert metric(held, "turnguard_dispatches_total", kind="original") == 1
+        assert metric(held, "turnguard_duplicates_total", action="held") == 1
+        stream_response(g, f1, sse_body())
+        await asyncio.wait_for(task, WAIT_S)
+        after = await asyncio.to_thread(scrape, url)
+        assert metric(after, "turnguard_flows_held") == 0
+        assert metric(after, "turnguard_attempts_in_flight") == 0
+        assert metric(after, "turnguard_duplicates_total", action="replayed") == 1
+        assert metric(after, "turnguard_outcomes_total", outcome="completed") == 1
+        assert metric(after, "turnguard_hold_seconds_count", result="replayed") == 1
+        assert metric(after, "turnguard_time_to_first_event_seconds_count") == 1
+        assert metric(after, "process_resident_memory_bytes") > 0
+        # the ledger counts the duplicate on its operation too (for scripts/turnguard)
+        ledger = Ledger(str(g.tmp_path / "ledger.sqlite3"), "inspector")
+        ledger.open_readonly()
+        try:
+            await until(lambda: ledger.duplicate_totals() == {"held": 1, "replayed": 1},
+                        "the duplicate counts in the ledger")
+        finally:
+            ledger.close()
+
+
+async def test_done_frees_the_address_so_a_reloaded_script_binds_it_again(tmp_path):
+    async with make_guard(tmp_path, turnguard_metrics="127.0.0.1:0") as g:
+        host, port = g.tg.metrics.address
+        g.tg.done()
+        with socket.create_server((host, port)):  # free at once
+            pass
+    (tmp_path / "again").mkdir()
+    async with make_guard(tmp_path / "again", turnguard_metrics=f"127.0.0.1:{port}") as g2:
+        assert g2.tg.metrics.address == ("127.0.0.1", port)
+        assert metric(await asyncio.to_thread(scrape, url_of(g2)), "turnguard_ledger_up") == 1
+
+
+async def test_an_address_in_use_is_refused_at_start_up(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        async with make_guard(tmp_path, turnguard_metrics=f"127.0.0.1:{port}") as g:
+            pass
+    assert g.tg.refused and "turnguard_metrics" in g.tg.refused[0]
+    assert "cannot serve metrics there" in g.tg.refused[0]
+
+
+async def test_a_bad_address_while_running_keeps_the_endpoint_in_use(tmp_path):
+    async with make_guard(tmp_path, turnguard_metrics="127.0.0.1:0") as g:
+        url = url_of(g)
+        with socket.create_server(("127.0.0.1", 0)) as busy:
+            with pytest.raises(exceptions.OptionsError, match="turnguard_metrics"):
+                g.tctx.configure(g.tg, turnguard_metrics=f"127.0.0.1:{busy.getsockname()[1]}")
+        with pytest.raises(exceptions.OptionsError, match="turnguard_metrics"):
+            g.tctx.configure(g.tg, turnguard_metrics="nonsense")
+        assert metric(await asyncio.to_thread(scrape, url), "turnguard_ledger_up") == 1
+        g.tctx.configure(g.tg, turnguard_metrics="")  # off
+        assert g.tg.telemetry.sink is None
+
+
+async def test_metrics_off_by_default_and_nothing_listens(tmp_path):
+    async with make_guard(tmp_path) as g:
+        assert g.tg.metrics is None and g.tg.telemetry.sink is None
