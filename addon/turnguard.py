@@ -21,12 +21,11 @@ if _HERE not in sys.path:
 
 from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
-from turnguard_core import circuit, identity, machine, negotiation, options, policy  # noqa: E402
-from turnguard_core.codec import BoundedCodec  # noqa: E402
+from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
-from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker  # noqa: E402
 from turnguard_core.telemetry import Telemetry  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
+from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
 from turnguard_shell.inflight import InFlight  # noqa: E402
 from turnguard_shell.maintenance import Maintenance  # noqa: E402
@@ -37,11 +36,13 @@ from turnguard_shell.waiters import Waiters  # noqa: E402
 
 logger = logging.getLogger("turnguard")
 
-MAX_GUARDED_BODY = 64 * 1024 * 1024
-IDENTITY_TIMEOUT_S = 5.0  # a large body not identified by then is passed through
-MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
+
+
+def _ledger_deadline(budget_deadline: float) -> float:
+    """How long a request may wait for the ledger now: never past its budget."""
+    return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
 
 
 class TurnGuard:
@@ -51,7 +52,7 @@ class TurnGuard:
         self.telemetry = Telemetry()
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
-        self._identity_worker = IdentityWorker()  # large bodies are identified there
+        self.identifier = Identifier()
         self._build(ProcessState.new())
 
     def _build(self, process: ProcessState) -> None:
@@ -70,6 +71,7 @@ class TurnGuard:
         self.sessions = Sessions(self.store, self._emit)
         self.maintenance = Maintenance(self)
         self.metrics_endpoint = MetricsEndpoint(self)
+        self.replayer = Replayer(self.store, self.explainer, self._emit)
         self.addons = [self.maintenance, Commands(self)]
 
     @property
@@ -148,7 +150,7 @@ class TurnGuard:
         self.waiters.release_all("turnguard unloaded")
         self.metrics_endpoint.close()
         self.store.close()
-        self._identity_worker.close()
+        self.identifier.close()
         self.telemetry.close()
         if self._process.guard is self:
             self._process.guard = None
@@ -165,69 +167,69 @@ class TurnGuard:
             self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}")
 
     async def _guard(self, flow: http.HTTPFlow) -> None:
-        """What happens to a guarded request: the machine's states, until a terminal one."""
+        """What happens to a guarded request: identify it, then run the machine."""
         cfg = self.settings
         budget_deadline = time.monotonic() + cfg.request_budget_s
-        ident = await self._identify(flow, cfg.request_budget_s)
+        ident = await self.identifier.identify(flow, cfg.request_budget_s, cfg.credential_headers)
         if isinstance(ident, identity.Passthrough):
             self._emit("passthrough", flow=flow.id, reason=ident.reason)
             return
-
-        def ledger_deadline() -> float:  # no wait for the ledger outlives the request's budget
-            return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
-
-        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
         owner = await self.sessions.ownership(ident.session, lease_s=cfg.owner_lease_s,
-                                              deadline=ledger_deadline())
+                                              deadline=_ledger_deadline(budget_deadline))
         req = machine.RequestFacts(
             ident.op_id, ident.op_key, flow.id, ident.session, ident.turn_state is not None,
             ident.previous_response_id is not None, flows.accepts_sse(flow), budget_deadline,
             cfg.hold_timeout_s, cfg.recovery_mode, cfg.circuit.threshold, owner)
+        await self._run(flow, ident, req)
+
+    async def _run(self, flow: http.HTTPFlow, ident: identity.Identity,
+                   req: machine.RequestFacts) -> None:
+        """The request loop: do what each state asks, feed the result to the machine, show
+        its effects, until a terminal state (exactly one answer, dispatch or abandon)."""
+        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
         state: machine.State = machine.start()
         while True:
+            deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
             match state:
                 case machine.Admit():
-                    admission = await self._admit(flow, ident, scope, state, ledger_deadline())
-                    state, effects = machine.on_admission(req, state, admission, time.monotonic(),
+                    admission = await self._admit(flow, ident, scope, state, deadline)
+                    state, effects = machine.on_admission(req, state, admission, now(),
                                                           ledger_down=self.store.down_reason())
-                case machine.HoldDuplicate():
-                    local = self.inflight.is_local(ident.op_key)
-                    woke = await self.waiters.duplicate(
-                        flow, ident.op_key, None if local else (state.attempt_id or 0),
-                        state.deadline - time.monotonic())
-                    state, effects = machine.on_woke(req, state, woke, time.monotonic(),
-                                                     gone=self.clients.gone(flow))
-                case machine.WaitCooldown():
-                    woke = await self.waiters.cooldown(flow, ident.op_key, ident.session,
-                                                       state.epoch, state.wait_s)
-                    state, effects = machine.on_woke(req, state, woke, time.monotonic(),
+                case machine.HoldDuplicate() | machine.WaitCooldown():
+                    woke = await self._wait(flow, ident, state)
+                    state, effects = machine.on_woke(req, state, woke, now(),
                                                      gone=self.clients.gone(flow))
                 case machine.FetchRecording():
                     recording, readable = await self.store.recording(
                         ident, state.attempt_id, window_s=self._replay_window_s(ident),
-                        deadline=ledger_deadline())
+                        deadline=deadline)
                     state, effects = machine.on_recording(req, state, recording, readable=readable)
                 case machine.FailClosed():
-                    remaining = await self.store.circuit_remaining(scope, deadline=ledger_deadline())
+                    remaining = await self.store.circuit_remaining(scope, deadline=deadline)
                     state, effects = machine.fail_closed(req, state, remaining)
                 case machine.Forward():
-                    self.inflight.start(flow, ident, state.dispatch, scope)
-                    return
+                    return self.inflight.start(flow, ident, state.dispatch, scope)
                 case machine.Replay():
-                    await self._replay(flow, ident, state)
-                    return
+                    return await self.replayer.replay(flow, ident, state)
                 case machine.Respond():
-                    flows.answer(flow, state.answer)
-                    return
+                    return flows.answer(flow, state.answer)
                 case machine.Abandon():
-                    if flow.killable:
-                        flow.kill()  # never dispatch a request whose client is gone
-                    return
+                    return flow.kill() if flow.killable else None  # never dispatch it
                 case machine.PassThrough():
-                    return  # forwarded untouched
+                    return None  # forwarded untouched
                 case _:
                     assert_never(state)
             self._apply(flow, effects)
+
+    async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity,
+                    state: machine.HoldDuplicate | machine.WaitCooldown) -> machine.Woke:
+        if isinstance(state, machine.WaitCooldown):
+            return await self.waiters.cooldown(flow, ident.op_key, ident.session, state.epoch,
+                                               state.wait_s)
+        # an attempt of another process is polled for; this process's wakes its waiters
+        foreign = None if self.inflight.is_local(ident.op_key) else (state.attempt_id or 0)
+        return await self.waiters.duplicate(flow, ident.op_key, foreign,
+                                            state.deadline - time.monotonic())
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
         for effect in effects:
@@ -238,19 +240,6 @@ class TurnGuard:
                     self.explainer.show(flow, mark, comment)
                 case machine.CountHeld(op_key=op_key):
                     self.store.note_duplicates(op_key, held=1)
-
-    async def _identify(self, flow: http.HTTPFlow, timeout_s: float) -> identity.Identity | identity.Passthrough:
-        """The request's identity: computed here for a small body, in the worker process for a
-        large one (``offload``), so that no body holds the event loop for long."""
-        view = flows.request_view(flow, MAX_GUARDED_BODY)
-        if isinstance(view, identity.Passthrough):
-            return view
-        kwargs = dict(max_body_bytes=MAX_GUARDED_BODY,
-                      credential_headers=self.settings.credential_headers)
-        if view.body is None or len(view.body) <= INLINE_MAX_BYTES:
-            return identity.identify(view, **kwargs)
-        return await self._identity_worker.identify(
-            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)
 
     def _replay_window_s(self, ident: identity.Identity) -> float | None:
         """How long after its end a recording of this request may be replayed (None: never)."""
@@ -268,36 +257,10 @@ class TurnGuard:
         return await self.store.admit(
             ident, method=flow.request.method, route=ident.route, flow_id=flow.id,
             circuit_scope=scope, recovery=state.recovery,
-            once_mode=cfg.recovery_mode == machine.ONCE_MODE,
+            once_mode=policy.recovery_is_once(cfg.recovery_mode),
             in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
             window_s=self._replay_window_s(ident), threshold=cfg.circuit.threshold,
             deadline=deadline)
-
-    async def _replay(self, flow: http.HTTPFlow, ident: identity.Identity, r: machine.Replay) -> None:
-        """Answer from the recording, in a form the request accepts (see ``negotiation``): as
-        recorded, byte for byte, when it can; decoded or re-encoded for a client that does not
-        accept the recorded content coding. Declined (``Vary``, or no acceptable coding): the
-        flow is forwarded untouched, with a ``replay_declined`` event."""
-        rec, base = r.recording, {"op": ident.op_id, "flow": flow.id, "session": ident.session}
-        how = negotiation.plan(rec.headers, rec.vary_key, flows.request_headers(flow))
-        headers, body = rec.headers, rec.body
-        if isinstance(how, negotiation.Recode):
-            # decoding and encoding megabytes takes a while: not on the event loop
-            how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
-                                          BoundedCodec(MAX_RECODED_BODY))
-            if isinstance(how, negotiation.Serve):
-                headers, body = how.headers, how.body
-        if isinstance(how, negotiation.Decline):
-            self._emit("replay_declined", **base, held_ms=r.held_ms, reason=how.reason)
-            self.explainer.show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
-            return
-        flows.replay(flow, ident.op_id, rec.status, headers, body)
-        self.store.note_duplicates(ident.op_key, replayed=1)
-        self._emit("duplicate_replayed", **base, held_ms=r.held_ms, status=rec.status,
-                   bytes=len(body), attempt=r.attempt_id, recoded=isinstance(how, negotiation.Serve))
-        self.explainer.show(flow, flows.MARK_REPLAYED, "turnguard: replayed the recorded response "
-                            f"of operation {ident.op_id} ({len(body)} bytes) after {r.held_ms} ms; "
-                            "nothing was sent upstream")
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -15,6 +15,7 @@ import gzip
 import json
 import logging
 import os
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -771,3 +772,48 @@ async def test_an_events_path_that_is_a_symlink_is_refused_naming_the_option(gua
     link.symlink_to(target)
     with pytest.raises(exceptions.OptionsError, match="turnguard_events=.* is refused: .* symbolic"):
         guard.tctx.configure(guard.tg, turnguard_events=str(link))
+
+
+async def test_a_turn_completed_while_the_ledger_was_locked_is_replayed_after_the_lock(tmp_path):
+    """Dispatched and completed without the ledger: its end is kept and recorded whole once
+    the ledger is back, so a retry after the lock is replayed, not run again."""
+    async with make_guard(tmp_path) as guard:
+        lock = sqlite3.connect(tmp_path / "ledger.sqlite3", timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        f1 = make_flow()
+        await asyncio.wait_for(guard.tg.request(f1), WAIT_S)
+        assert f1.metadata["turnguard"]["attempt"] is None  # decided without the ledger
+        body = stream_response(guard, f1, sse_body())
+        lock.execute("ROLLBACK")
+        lock.close()
+        f3 = make_flow()
+        await asyncio.wait_for(guard.tg.request(f3), WAIT_S)
+        assert f3.response is not None and f3.response.headers["x-turnguard"] == "replayed"
+        assert f3.response.raw_content == body
+        assert len(guard.events("dispatch")) == 1
+        assert guard.status()["ledger_writes_pending"] == 0
+
+
+async def test_a_turn_dispatched_while_the_ledger_was_locked_is_held_by_another_process(tmp_path):
+    """Dispatched without the ledger and still streaming when the lock ends: it is registered
+    in the ledger, so another process holds its duplicate instead of running it twice."""
+    async with make_guard(tmp_path) as guard:
+        lock = sqlite3.connect(tmp_path / "ledger.sqlite3", timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        f1 = make_flow()
+        await asyncio.wait_for(guard.tg.request(f1), WAIT_S)
+        assert f1.metadata["turnguard"]["attempt"] is None
+        lock.execute("ROLLBACK")
+        lock.close()
+        await until(lambda: guard.status()["ledger_ok"], "the ledger back")
+        assert guard.events("attempt_adopted")
+        other_dir = tmp_path / "other"
+        other_dir.mkdir()
+        async with make_guard(other_dir, turnguard_ledger=str(tmp_path / "ledger.sqlite3")) as other:
+            f2 = make_flow()
+            task = asyncio.create_task(other.tg.request(f2))
+            await until(lambda: f2.marked == MARK_HELD, "the other process holding it")
+            body = stream_response(guard, f1, sse_body())
+            await asyncio.wait_for(task, WAIT_S)
+            assert f2.response is not None and f2.response.raw_content == body
+            assert not other.events("dispatch")

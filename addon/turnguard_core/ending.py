@@ -49,7 +49,7 @@ class AttemptEnding:
     @property
     def spends_once_claim(self) -> bool:
         """A recovery that ends like this has used its operation's one recovery for good."""
-        return self.outcome in ("unknown", "partial")
+        return self.outcome in policy.SPENT_OUTCOMES
 
     @property
     def record_detail(self) -> str | None:

@@ -37,6 +37,7 @@ from .store import (
     DuplicatesWrite,
     FinishWrite,
     FirstEventWrite,
+    OfflineEndWrite,
     GiveBackWrite,
     SqliteStore,
     Store,
@@ -71,11 +72,17 @@ class AttemptInFlight(Protocol):
     circuit_scope: str
 
 
+ANY_LEDGER = ""  # a kept write that names no ledger file (it needs no row of one)
+
+
 @dataclass
 class KeptWrite:
-    generation: str
+    generation: str  # the ledger file whose rows it names (ANY_LEDGER: none)
     write: Write
     landed: Callable[[Any, bool], None] | None = None
+
+    def belongs_to(self, generation: str) -> bool:
+        return self.generation in (ANY_LEDGER, generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,18 +255,18 @@ class FailoverStore:
             return False
 
     async def _catch_up(self, deadline: float | None) -> bool:
-        """Register attempts in flight that a replaced file does not know, then apply the kept
-        writes in order. The first write doubles as the probe; with none, a heartbeat is the
-        probe. False: the ledger failed again (noted)."""
+        """Register the attempts in flight it does not know (dispatched while it was down, or
+        its file was replaced), then apply the kept writes in order. The first write doubles as
+        the probe; with none, a heartbeat is the probe. False: the ledger failed again (noted)."""
         store = self._store
         try:
             for attempt in list(self._attempts()):
-                if attempt.attempt_id is not None and attempt.generation != store.generation:
+                if attempt.generation != store.generation:
                     await self._adopt(store, attempt, deadline)
             probed, dropped = bool(self._kept), 0
             while self._kept:
                 kept = self._kept[0]
-                if kept.generation != store.generation:
+                if not kept.belongs_to(store.generation):
                     self._kept.popleft()
                     dropped += 1
                     continue
@@ -396,7 +403,7 @@ class FailoverStore:
         failed); ``landed(result, late)`` once it is written (``late``: it had been kept).
         Returns the write's future when it was sent now."""
         entry = KeptWrite(generation, write, landed)
-        if not self.usable or generation != self.generation:
+        if not self.usable or not entry.belongs_to(self.generation):
             self._kept.append(entry)
             if kept is not None:
                 kept()
@@ -445,9 +452,11 @@ class FailoverStore:
                            reason="the attempt was ended meanwhile (reaped)")
             self._note_circuit(result, quiet=late)  # a late write's effect was told already
 
-        if attempt.attempt_id is None:
-            in_memory()
-            return None
+        if attempt.attempt_id is None:  # dispatched without a ledger: recorded whole later
+            write: Write = OfflineEndWrite(
+                attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
+                attempt.circuit_scope, end, now, circuit_cfg, ending.eventless)
+            return self.write(ANY_LEDGER, write, landed=landed, kept=in_memory)
         return self.write(
             attempt.generation,
             FinishWrite(attempt.attempt_id, end, now, circuit_cfg, ending.eventless),

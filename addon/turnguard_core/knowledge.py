@@ -148,12 +148,16 @@ class MemoryStore:
         """What a ledger admission says durably: a cooling circuit, another process's attempt
         in flight, a spent once-claim."""
         match admission:
-            case Fenced(remaining_s=remaining):
-                self.circuits[circuit_scope] = CircuitState(threshold, now + remaining)
             case Hold(attempt_id=attempt_id, owner_instance=owner) if owner != me:
                 self.knowledge.in_flight_elsewhere(ident.op_key, attempt_id)
+                return
+            case Hold():
+                return
+            case Fenced(remaining_s=remaining):
+                self.circuits[circuit_scope] = CircuitState(threshold, now + remaining)
             case Denied(reason="claim_exhausted"):
                 self.knowledge.exhausted(ident.op_key)
+        self.knowledge.ended(ident.op_key)  # whatever was in flight elsewhere is over
 
     def attempt_ended(
         self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,

@@ -527,62 +527,96 @@ class Ledger:
         attempt moves the operation. ``applied`` is False when fenced out (e.g. reaped); the
         outcome is then kept as the attempt's ``late_outcome`` (for the record), and nothing
         else changes."""
-        rec = end.recording
         with self._tx() as db:
-            row = db.execute(
-                "UPDATE attempts SET ended_at=?, status=?, events_seen=MAX(events_seen, ?),"
-                " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?, vary_key=?"
-                " WHERE attempt_id=? AND outcome='in_flight' RETURNING op_key",
-                (
-                    now, end.status, end.events_seen, end.outcome, end.detail,
-                    json.dumps(rec.headers) if rec else None,
-                    len(rec.body) if rec else None, 1 if rec else 0,
-                    rec.vary_key if rec else None, attempt_id,
-                ),
-            ).fetchone()
-            if row is None:
-                db.execute(
-                    "UPDATE attempts SET late_outcome=? WHERE attempt_id=? AND late_outcome IS NULL",
-                    (end.outcome, attempt_id),
-                )
+            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure)
+
+    @_wrap
+    def record_offline_attempt(
+        self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
+        circuit_scope: str | None, end: AttemptEnd, now: float,
+        circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
+    ) -> FinishResult:
+        """Record an attempt this instance dispatched and ended while the ledger could not be
+        written (it has no row): its operation, the attempt and its end, as ``finish`` would
+        have, so that other processes replay it rather than run it again. Nothing is recorded
+        (``applied`` False) when the operation is in flight meanwhile (another process's)."""
+        with self._tx() as db:
+            snapshot = self._snapshot(db, identity.op_key)
+            if snapshot is not None and snapshot.state == "in_flight":
                 return FinishResult(False)
-            if rec is not None:
-                db.executemany(
-                    "INSERT INTO spool (attempt_id, seq, data) VALUES (?,?,?)",
-                    (
-                        (attempt_id, i, rec.body[off : off + SPOOL_CHUNK])
-                        for i, off in enumerate(range(0, max(len(rec.body), 1), SPOOL_CHUNK))
-                    ),
-                )
-            moved = db.execute(
-                "UPDATE operations SET state=?, updated_at=?, ended_at=?,"
-                " events_seen=MAX(events_seen, ?),"
-                " replay_attempt=?"  # never an older attempt's recording
-                " WHERE op_key=? AND current_attempt=? RETURNING circuit_scope",
-                (
-                    end.outcome, now, now, end.events_seen,
-                    attempt_id if rec is not None else None, row[0], attempt_id,
-                ),
-            ).fetchone()
-            if moved is None:
-                return FinishResult(False)
-            scope = moved[0]
-            if circuit_cfg is None or scope is None:
-                return FinishResult(True)
-            before = self._circuit(db, scope)
-            after, transition = circuit.record_outcome(
-                before, eventless_failure=eventless_failure,
-                completed=end.outcome == "completed", now=now, cfg=circuit_cfg,
+            if snapshot is None:
+                self._insert_operation(db, identity, method, path, circuit_scope, now)
+            attempt_id = self._claim(db, identity, kind, flow_id, now)
+            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure)
+
+    def _finish(
+        self, db: sqlite3.Connection, attempt_id: int, end: AttemptEnd, now: float,
+        circuit_cfg: circuit.CircuitConfig | None, eventless_failure: bool,
+    ) -> FinishResult:
+        rec = end.recording
+        row = db.execute(
+            "UPDATE attempts SET ended_at=?, status=?, events_seen=MAX(events_seen, ?),"
+            " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?, vary_key=?"
+            " WHERE attempt_id=? AND outcome='in_flight' RETURNING op_key",
+            (
+                now, end.status, end.events_seen, end.outcome, end.detail,
+                json.dumps(rec.headers) if rec else None,
+                len(rec.body) if rec else None, 1 if rec else 0,
+                rec.vary_key if rec else None, attempt_id,
+            ),
+        ).fetchone()
+        if row is None:
+            db.execute(
+                "UPDATE attempts SET late_outcome=? WHERE attempt_id=? AND late_outcome IS NULL",
+                (end.outcome, attempt_id),
             )
-            if after != before:
-                db.execute(
-                    "INSERT INTO circuits (scope, failures, open_until, cooldown_s, updated_at)"
-                    " VALUES (?,?,?,?,?) ON CONFLICT(scope) DO UPDATE SET failures=excluded.failures,"
-                    " open_until=excluded.open_until, cooldown_s=excluded.cooldown_s,"
-                    " updated_at=excluded.updated_at",
-                    (scope, after.failures, after.open_until, after.cooldown_s, now),
-                )
-            return FinishResult(True, scope, after, transition)
+            return FinishResult(False)
+        if rec is not None:
+            self._spool(db, attempt_id, rec.body)
+        moved = db.execute(
+            "UPDATE operations SET state=?, updated_at=?, ended_at=?,"
+            " events_seen=MAX(events_seen, ?),"
+            " replay_attempt=?"  # never an older attempt's recording
+            " WHERE op_key=? AND current_attempt=? RETURNING circuit_scope",
+            (
+                end.outcome, now, now, end.events_seen,
+                attempt_id if rec is not None else None, row[0], attempt_id,
+            ),
+        ).fetchone()
+        if moved is None:
+            return FinishResult(False)
+        if circuit_cfg is None or moved[0] is None:
+            return FinishResult(True)
+        return self._feed_circuit(db, moved[0], end, now, circuit_cfg, eventless_failure)
+
+    def _feed_circuit(
+        self, db: sqlite3.Connection, scope: str, end: AttemptEnd, now: float,
+        cfg: circuit.CircuitConfig, eventless_failure: bool,
+    ) -> FinishResult:
+        """The attempt's end, fed to its operation's retry circuit (inside ``finish``)."""
+        before = self._circuit(db, scope)
+        after, transition = circuit.record_outcome(
+            before, eventless_failure=eventless_failure,
+            completed=end.outcome == "completed", now=now, cfg=cfg,
+        )
+        if after != before:
+            db.execute(
+                "INSERT INTO circuits (scope, failures, open_until, cooldown_s, updated_at)"
+                " VALUES (?,?,?,?,?) ON CONFLICT(scope) DO UPDATE SET failures=excluded.failures,"
+                " open_until=excluded.open_until, cooldown_s=excluded.cooldown_s,"
+                " updated_at=excluded.updated_at",
+                (scope, after.failures, after.open_until, after.cooldown_s, now),
+            )
+        return FinishResult(True, scope, after, transition)
+
+    @staticmethod
+    def _spool(db: sqlite3.Connection, attempt_id: int, body: bytes) -> None:
+        """Keep a recording's body, in chunks."""
+        db.executemany(
+            "INSERT INTO spool (attempt_id, seq, data) VALUES (?,?,?)",
+            ((attempt_id, i, body[off: off + SPOOL_CHUNK])
+             for i, off in enumerate(range(0, max(len(body), 1), SPOOL_CHUNK))),
+        )
 
     @staticmethod
     def _circuit(db: sqlite3.Connection, scope: str) -> circuit.CircuitState:
@@ -1020,9 +1054,9 @@ def check_path(path: str) -> str:
         raise LedgerError(str(e)) from None
 
 
-# An operation whose once-only recovery claim was spent on a dispatch that ended unknown or
-# partial (see policy.admit): kept for good.
-_SPENT = "recovery_dispatches>=1 AND state IN ('unknown','partial')"
+# An operation whose once-only recovery claim was spent (policy.once_claim_spent): kept for good.
+_SPENT = ("recovery_dispatches>=1 AND state IN ("
+          + ",".join(f"'{state}'" for state in policy.SPENT_OUTCOMES) + ")")
 
 
 def _split_sql(script: str) -> Iterable[str]:

@@ -35,8 +35,6 @@ MARK_HELD = ":hourglass:"
 MARK_COOLDOWN = ":snowflake:"
 MARK_REJECTED = ":no_entry:"
 
-ONCE_MODE = "server_anchored_replay_once"
-
 
 # -- what a request is -------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,7 @@ class RequestFacts:
     accepts_sse: bool
     budget_deadline: float
     hold_timeout_s: float
-    recovery_mode: str
+    recovery_mode: policy.RecoveryMode
     circuit_threshold: int
     owner: policy.SessionOwnership | None  # this process's ownership of its session, if any
 
@@ -387,7 +385,8 @@ def _cooldown_ended(
                 finished, Emit("ownership_lost", {**req.base, "epoch": epoch}))
     if now >= req.budget_deadline:
         return FailClosed("request_budget_expired"), (finished,)
-    recovery = policy.RecoveryClaim(req.session, state.epoch, once=req.recovery_mode == ONCE_MODE)
+    recovery = policy.RecoveryClaim(req.session, state.epoch,
+                                    once=policy.recovery_is_once(req.recovery_mode))
     return Admit(recovery), (finished,)  # a new phase: a duplicate hold, if any
 
 

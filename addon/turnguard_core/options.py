@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .circuit import CircuitConfig
 from .identity import KNOWN_ROUTES
-from .policy import RECOVERY_MODES, GuardPolicy
+from .policy import RECOVERY_MODES, GuardPolicy, RecoveryMode
 
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
 # anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
@@ -164,7 +164,7 @@ class Settings:
     request_budget_s: float
     replay_max_bytes: int
     response_created_timeout_s: float  # 0: off
-    recovery_mode: str
+    recovery_mode: RecoveryMode
     owner_lease_s: float
     instance_lease_s: float
     credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS

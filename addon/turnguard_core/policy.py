@@ -14,9 +14,24 @@ from typing import Literal
 Outcome = Literal["in_flight", "completed", "rejected", "partial", "unknown"]
 
 RecoveryMode = Literal["fail_closed", "server_anchored_replay_once", "server_indefinite_recovery"]
-RECOVERY_MODES: tuple[str, ...] = (
+RECOVERY_MODES: tuple[RecoveryMode, ...] = (
     "fail_closed", "server_anchored_replay_once", "server_indefinite_recovery",
 )
+
+# The once rule, in one place. In once mode an operation gets at most one recovery dispatch,
+# ever; and one whose recovery dispatch ended without a known result (these outcomes, a crash
+# included) is never dispatched again, by any path.
+SPENT_OUTCOMES: tuple[Outcome, ...] = ("unknown", "partial")
+
+
+def recovery_is_once(mode: RecoveryMode) -> bool:
+    """Whether ``mode`` allows one recovery dispatch per operation, ever."""
+    return mode == "server_anchored_replay_once"
+
+
+def once_claim_spent(recovery_dispatches: int, state: Outcome) -> bool:
+    """Whether an operation's one recovery was used up without a known result."""
+    return recovery_dispatches >= 1 and state in SPENT_OUTCOMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +138,9 @@ def admit(
       ``original`` after a completed one whose window passed (people do ask twice).
 
     A dispatch is then fenced: while the circuit cools down (``circuit_remaining_s`` > 0) the
-    answer is ``Fenced``. A request released from a cooldown wait (``recovery_once`` given:
-    True in once mode) gets a ``recovery`` dispatch only if its session is still owned by this
-    process (``owner_ok``), the operation has no output, and, in once mode, had no recovery
-    dispatch yet; otherwise ``Denied``. In once mode (``once_mode``) an operation whose one
-    recovery dispatch ended without a known result (unknown or partial, a crash included) is
-    never dispatched again, by any path: ``Denied`` (claim exhausted).
+    answer is ``Fenced``; a request released from a cooldown wait (``recovery_once`` given)
+    asks for a recovery (``_recovery``). In once mode (``once_mode``) a spent operation
+    (``once_claim_spent``) is never dispatched again, by any path: ``Denied``.
     """
     decision = _admit_unfenced(
         snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
@@ -136,21 +148,26 @@ def admit(
     )
     if not isinstance(decision, Dispatch):
         return decision
-    output_seen = snapshot is not None and snapshot.events_seen > 0
-    if (
-        once_mode and snapshot is not None and snapshot.recovery_dispatches >= 1
-        and snapshot.state in ("unknown", "partial")
+    if once_mode and snapshot is not None and once_claim_spent(
+        snapshot.recovery_dispatches, snapshot.state
     ):
         return Denied("upstream_operation_status_unknown", "claim_exhausted")
     if circuit_remaining_s > 0:
-        return Fenced(circuit_remaining_s, output_seen)
+        return Fenced(circuit_remaining_s, snapshot is not None and snapshot.events_seen > 0)
     if recovery_once is None:
         return decision
+    return _recovery(snapshot, once=recovery_once, owner_ok=owner_ok)
+
+
+def _recovery(snapshot: OperationSnapshot | None, *, once: bool, owner_ok: bool) -> Admission:
+    """A request released from a cooldown wait gets a ``recovery`` dispatch only if its session
+    is still owned by this process, the operation has no output, and, in once mode, had no
+    recovery dispatch yet; otherwise ``Denied``."""
     if not owner_ok:
         return Denied("upstream_request_timeout", "ownership_lost")
-    if output_seen:
+    if snapshot is not None and snapshot.events_seen > 0:
         return Denied("upstream_request_timeout", "output_exists")
-    if recovery_once and snapshot is not None and snapshot.recovery_dispatches >= 1:
+    if once and snapshot is not None and snapshot.recovery_dispatches >= 1:
         return Denied("upstream_operation_status_unknown", "claim_exhausted")
     return Dispatch("recovery")
 
@@ -229,7 +246,7 @@ def admit_without_ledger(
 
 
 def fence_hold_denial(
-    mode: str,
+    mode: RecoveryMode,
     *,
     has_turn_state: bool,
     has_previous_response_id: bool,

@@ -33,6 +33,23 @@ class FinishWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class OfflineEndWrite:
+    """The end of an attempt dispatched while the ledger could not be written (it has no row
+    there): recorded whole once the ledger is back (``Ledger.record_offline_attempt``)."""
+
+    ident: Identity
+    method: str
+    route: str
+    kind: str
+    flow_id: str | None
+    circuit_scope: str | None
+    end: AttemptEnd
+    now: float
+    circuit_cfg: circuit.CircuitConfig | None = None
+    eventless_failure: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class FirstEventWrite:
     """An attempt saw its first response event (its operation has output now)."""
 
@@ -56,7 +73,7 @@ class GiveBackWrite:
     now: float
 
 
-Write = FinishWrite | FirstEventWrite | GiveBackWrite | DuplicatesWrite
+Write = FinishWrite | OfflineEndWrite | FirstEventWrite | GiveBackWrite | DuplicatesWrite
 
 
 class Store(Protocol):
@@ -130,6 +147,12 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
             return ledger.finish(write.attempt_id, write.end, now=write.now,
                                  circuit_cfg=write.circuit_cfg,
                                  eventless_failure=write.eventless_failure)
+        case OfflineEndWrite():
+            return ledger.record_offline_attempt(
+                write.ident, method=write.method, path=write.route, kind=write.kind,
+                flow_id=write.flow_id, circuit_scope=write.circuit_scope, end=write.end,
+                now=write.now, circuit_cfg=write.circuit_cfg,
+                eventless_failure=write.eventless_failure)
         case FirstEventWrite():
             ledger.first_event(write.attempt_id)
             return None
