@@ -12,6 +12,7 @@ from mitmproxy import exceptions
 
 from turnguard_core import circuit, identity, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, LedgerError
+from turnguard_core.ledger_admin import LedgerAdmin
 
 GUARD = policy.GuardPolicy()
 CFG = circuit.CircuitConfig(threshold=2, cooldown_s=60, cooldown_max_s=600)
@@ -33,8 +34,8 @@ def scope_of(i: identity.Identity) -> str:
     return circuit.circuit_scope(i.session, i.scope, i.route)
 
 
-def open_ledger(tmp_path, instance="a") -> Ledger:
-    led = Ledger(str(tmp_path / "l.sqlite3"), instance)
+def open_ledger(tmp_path, instance="a") -> LedgerAdmin:
+    led = LedgerAdmin(str(tmp_path / "l.sqlite3"), instance)
     led.open(T0)
     return led
 
@@ -103,7 +104,7 @@ def test_in_once_mode_a_cleared_circuit_never_yields_a_second_recovery_dispatch(
 
 def test_releasing_a_session_fences_the_old_owner_and_lets_another_take_it_over(tmp_path):
     a = open_ledger(tmp_path, "a")
-    b = Ledger(str(tmp_path / "l.sqlite3"), "b")
+    b = LedgerAdmin(str(tmp_path / "l.sqlite3"), "b")
     b.open(T0)
     i = ident()
     owner, result = a.claim_session(i.session, now=T0, lease_s=300, new_id="d")
@@ -123,7 +124,7 @@ def test_releasing_a_session_fences_the_old_owner_and_lets_another_take_it_over(
 
 def test_a_control_tool_registers_no_instance(tmp_path):
     open_ledger(tmp_path).close()
-    tool = Ledger(str(tmp_path / "l.sqlite3"), "cli")
+    tool = LedgerAdmin(str(tmp_path / "l.sqlite3"), "cli")
     tool.open(T0 + 1, register=False)
     assert [r.instance_id for r in tool.instances()] == ["a"]
 
@@ -135,7 +136,7 @@ async def test_the_commands_clear_a_circuit_and_release_a_session(tmp_path):
     from test_addon import make_guard
 
     async with make_guard(tmp_path, turnguard_metrics="127.0.0.1:0") as g:
-        led = Ledger(str(tmp_path / "ledger.sqlite3"), "another process")  # the same file
+        led = LedgerAdmin(str(tmp_path / "ledger.sqlite3"), "another process")  # the same file
         led.open(T0, register=False)
         i = ident()
         open_circuit(led, i, now=__import__("time").time())

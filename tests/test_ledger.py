@@ -22,6 +22,7 @@ from turnguard_core.ledger import (
     Recording,
     _split_sql,
 )
+from turnguard_core.ledger_admin import LedgerAdmin
 
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 
@@ -40,8 +41,8 @@ def ident(
     return out
 
 
-def open_ledger(path, name="a", now=1000.0) -> Ledger:
-    led = Ledger(str(path), name)
+def open_ledger(path, name="a", now=1000.0) -> LedgerAdmin:
+    led = LedgerAdmin(str(path), name)
     led.open(now)
     return led
 

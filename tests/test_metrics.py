@@ -14,7 +14,7 @@ from mitmproxy import exceptions
 from harness import metric, scrape
 from test_addon import WAIT_S, hold_duplicate, make_guard, sse_body, stream_response, until
 from turnguard_core import metrics as m
-from turnguard_core.ledger import Ledger
+from turnguard_core.ledger_admin import LedgerAdmin
 from turnguard_core.options import parse_listen_address
 
 
@@ -144,7 +144,7 @@ async def test_a_hold_and_a_replay_show_in_a_scrape_and_the_gauges_follow(tmp_pa
         assert metric(after, "turnguard_time_to_first_event_seconds_count") == 1
         assert metric(after, "process_resident_memory_bytes") > 0
         # the ledger counts the duplicate on its operation too (for scripts/turnguard)
-        ledger = Ledger(str(g.tmp_path / "ledger.sqlite3"), "inspector")
+        ledger = LedgerAdmin(str(g.tmp_path / "ledger.sqlite3"), "inspector")
         ledger.open_readonly()
         try:
             await until(lambda: ledger.duplicate_totals() == {"held": 1, "replayed": 1},

@@ -65,36 +65,30 @@ class BoundedCodec:
 
     def _zlib(self, data: bytes, wbits: int) -> bytes:
         d = zlib.decompressobj(wbits)
-        try:
-            out = d.decompress(data, self.max_bytes + 1)
-        except zlib.error as e:
-            raise ValueError(f"invalid data: {e}") from None
-        if len(out) > self.max_bytes:
-            raise self._too_big()
-        if not d.eof or d.unused_data:
-            raise ValueError("incomplete, or followed by other data")
-        return out
+        return self._bounded(lambda: d.decompress(data, self.max_bytes + 1), zlib.error,
+                             lambda: d.eof and not d.unused_data)
 
     def _brotli(self, data: bytes) -> bytes:
         d = brotli.Decompressor()
-        try:
-            out = d.process(data, output_buffer_limit=self.max_bytes + 1)
-        except brotli.error as e:
-            raise ValueError(f"invalid data: {e}") from None
-        if len(out) > self.max_bytes:
-            raise self._too_big()
-        if not d.is_finished():
-            raise ValueError("incomplete")
-        return out
+        return self._bounded(
+            lambda: d.process(data, output_buffer_limit=self.max_bytes + 1), brotli.error,
+            d.is_finished)
 
     def _zstd(self, data: bytes) -> bytes:
         d = zstd.ZstdDecompressor()
+        return self._bounded(lambda: d.decompress(data, max_length=self.max_bytes + 1),
+                             zstd.ZstdError, lambda: d.eof and not d.unused_data)
+
+    def _bounded(self, decompress, error: type[Exception], whole) -> bytes:
+        """``decompress()`` (made to stop one byte past the bound), checked: a decoder error,
+        an output over the bound, or a stream that did not end exactly at the end of the data
+        (``whole()`` False) raise ``ValueError``."""
         try:
-            out = d.decompress(data, max_length=self.max_bytes + 1)
-        except zstd.ZstdError as e:
+            out = decompress()
+        except error as e:
             raise ValueError(f"invalid data: {e}") from None
         if len(out) > self.max_bytes:
             raise self._too_big()
-        if not d.eof or d.unused_data:
+        if not whole():
             raise ValueError("incomplete, or followed by other data")
         return out

@@ -32,6 +32,7 @@ from .heartbeat import Heartbeat
 from .identity import Identity
 from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
+from .ledger_admin import LedgerAdmin
 from .ledger_runner import LedgerRunner, LedgerTimeout
 from .store import (
     DuplicatesWrite,
@@ -173,8 +174,9 @@ class FailoverStore:
     def _connect(self, path: str, loop: asyncio.AbstractEventLoop) -> tuple[Store, Heartbeat]:
         """Open the ledger and start the heartbeat on its own connection (blocking; raises
         ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
-        runner = LedgerRunner(Ledger(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
-                                     identity=self._identity))
+        # the admin queries too: turnguard.status and the control commands use this connection
+        runner = LedgerRunner(LedgerAdmin(path, self._instance_id,
+                                          busy_timeout_ms=LEDGER_BUSY_MS, identity=self._identity))
         try:
             runner.call_sync(lambda led: led.open(time.time()))
             heartbeat = Heartbeat(

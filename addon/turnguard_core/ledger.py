@@ -176,32 +176,6 @@ class FinishResult:
 HeartbeatResult = Literal["renewed", "reregistered"]
 
 
-@dataclass(frozen=True, slots=True)
-class CircuitRow:
-    scope: str
-    state: circuit.CircuitState
-    updated_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class SessionRow:
-    session: str
-    ownership: policy.SessionOwnership
-    updated_at: float
-
-
-def _circuit_json(state: circuit.CircuitState, now: float) -> str:
-    return json.dumps({
-        "failures": state.failures, "open_until": state.open_until,
-        "cooldown_s": state.cooldown_s, "remaining_s": round(state.remaining_s(now), 3),
-    })
-
-
-def _session_dict(row: policy.SessionOwnership) -> dict:
-    return {"owner_instance": row.owner_instance, "owner_epoch": row.owner_epoch,
-            "lease_until": row.lease_until}
-
-
 def _wrap(fn):
     def wrapper(self, *args, **kwargs):
         try:
@@ -715,7 +689,8 @@ class Ledger:
         headers = tuple((str(k), str(v)) for k, v in json.loads(row[1] or "[]"))
         return Recording(row[0], headers, body, row[2])
 
-    # -- duplicates and control actions ---------------------------------------------------------
+    # -- duplicates (inspection only) -----------------------------------------------------------
+
     @_wrap
     def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
         """Count duplicates of an operation: ``held`` (a hold began), ``replayed`` (answered
@@ -727,87 +702,6 @@ class Ledger:
                 (held, replayed, op_key),
             )
 
-    @_wrap
-    def clear_circuits(
-        self, scope: str | None, *, now: float, actor: str
-    ) -> list[CircuitRow]:
-        """Close retry circuits by hand (``scope``: a whole scope or a unique prefix of one;
-        None: every circuit that counts failures or cools down). Each is audited with its state
-        before. Returns the circuits as they were; raises ``LedgerError`` for an unknown or
-        ambiguous scope.
-
-        Clearing changes what the circuit fences and nothing else: an operation's recovery
-        dispatches are counted on the operation (``recovery_dispatches``), so in once mode a
-        cleared circuit never yields a second recovery dispatch (``policy.admit``)."""
-        with self._tx() as db:
-            if scope is None:
-                rows = db.execute(
-                    "SELECT scope, failures, open_until, cooldown_s, updated_at FROM circuits"
-                    " WHERE failures>0 OR open_until>?", (now,),
-                ).fetchall()
-            else:
-                rows = db.execute(
-                    "SELECT scope, failures, open_until, cooldown_s, updated_at FROM circuits"
-                    " WHERE scope >= ? AND scope < ? ORDER BY scope LIMIT 2",
-                    (scope, scope + "\uffff"),
-                ).fetchall()
-                exact = [r for r in rows if r[0] == scope]
-                rows = exact or rows
-                if not rows:
-                    raise LedgerError(f"no circuit whose scope starts with {scope!r}")
-                if len(rows) > 1:
-                    raise LedgerError(f"circuit scope {scope!r} is ambiguous; give more of it")
-            cleared = [CircuitRow(r[0], circuit.CircuitState(*r[1:4]), r[4]) for r in rows]
-            for row in cleared:
-                db.execute(
-                    "UPDATE circuits SET failures=0, open_until=NULL, cooldown_s=NULL,"
-                    " updated_at=? WHERE scope=?", (now, row.scope),
-                )
-                self._audit(db, now, "circuit_clear", row.scope, actor,
-                            _circuit_json(row.state, now), _circuit_json(circuit.CircuitState(), now))
-            return cleared
-
-    @_wrap
-    def release_session(
-        self, session: str, *, now: float, actor: str
-    ) -> tuple[str, policy.SessionOwnership, policy.SessionOwnership]:
-        """Release a durable session's ownership by hand (``session``: the session or a unique
-        prefix): no process owns it afterwards and its epoch moves on, so every write fenced
-        with the old epoch fails (a request held through a cooldown by the old owner fails
-        closed) and the next process to serve the session takes it over with a higher epoch
-        (``policy.release_session``). Audited. Returns the session and its row before and
-        after."""
-        with self._tx() as db:
-            found = db.execute(
-                "SELECT session FROM sessions WHERE session >= ? AND session < ?"
-                " ORDER BY session LIMIT 2", (session, session + "\uffff"),
-            ).fetchall()
-            exact = [r for r in found if r[0] == session]
-            found = exact or found
-            if not found:
-                raise LedgerError(f"no durable session whose id starts with {session!r}")
-            if len(found) > 1:
-                raise LedgerError(f"session {session!r} is ambiguous; give more of it")
-            key = found[0][0]
-            before = self._session(db, key)
-            after = policy.release_session(before, now=now)
-            db.execute(
-                "UPDATE sessions SET owner_instance=?, owner_epoch=?, lease_until=?,"
-                " updated_at=? WHERE session=? AND owner_epoch=?",
-                (after.owner_instance, after.owner_epoch, after.lease_until, now, key,
-                 before.owner_epoch),
-            )
-            self._audit(db, now, "session_release", key, actor,
-                        json.dumps(_session_dict(before)), json.dumps(_session_dict(after)))
-            return key, before, after
-
-    @staticmethod
-    def _audit(db: sqlite3.Connection, now: float, action: str, target: str, actor: str,
-               before: str | None, after: str | None) -> None:
-        db.execute(
-            "INSERT INTO control_audit (at, action, target, actor, before, after)"
-            " VALUES (?,?,?,?,?,?)", (now, action, target, actor, before, after),
-        )
 
     # -- instances, restart, retention ----------------------------------------------------------
     def _register(self, db: sqlite3.Connection, now: float, *, keep_incarnation: bool) -> int:
@@ -935,95 +829,6 @@ class Ledger:
         if n:  # move the deletions out of the WAL too, so purged bodies are gone from disk
             self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return n
-
-    # -- inspection ----------------------------------------------------------------------------
-    @_wrap
-    def counts(self) -> dict[str, int]:
-        rows = self._conn().execute("SELECT state, COUNT(*) FROM operations GROUP BY state")
-        return {state: n for state, n in rows}
-
-    @_wrap
-    def list_operations(self, limit: int = 50) -> list[dict]:
-        cur = self._conn().execute(
-            "SELECT op_key, state, method, path, session, attempts, created_at, updated_at,"
-            " replay_attempt IS NOT NULL AS replayable FROM operations"
-            " ORDER BY updated_at DESC LIMIT ?",
-            (limit,),
-        )
-        return _dicts(cur)
-
-    @_wrap
-    def find_operation(self, op_prefix: str) -> dict | None:
-        """One operation whose key starts with ``op_prefix``, with its attempts."""
-        db = self._conn()
-        cur = db.execute(
-            "SELECT * FROM operations WHERE op_key >= ? AND op_key < ? ORDER BY op_key LIMIT 2",
-            (op_prefix, op_prefix + "\uffff"),
-        )
-        ops = _dicts(cur)
-        if len(ops) != 1:
-            return None if not ops else {"ambiguous": [o["op_key"] for o in ops]}
-        op = ops[0]
-        cur = db.execute(
-            "SELECT a.*, (SELECT COUNT(*) FROM spool s WHERE s.attempt_id=a.attempt_id)"
-            " AS spool_chunks FROM attempts a WHERE op_key=? ORDER BY attempt_id",
-            (op["op_key"],),
-        )
-        op["attempt_rows"] = _dicts(cur)
-        return op
-
-    @_wrap
-    def duplicate_totals(self) -> dict[str, int]:
-        """Duplicates held and replayed, over the operations the ledger still keeps."""
-        held, replayed = self._conn().execute(
-            "SELECT COALESCE(SUM(duplicates_held), 0), COALESCE(SUM(duplicates_replayed), 0)"
-            " FROM operations"
-        ).fetchone()
-        return {"held": held, "replayed": replayed}
-
-    @_wrap
-    def circuits(self, now: float) -> list[CircuitRow]:
-        """Every circuit that counts failures or cools down now, most recently changed first."""
-        rows = self._conn().execute(
-            "SELECT scope, failures, open_until, cooldown_s, updated_at FROM circuits"
-            " WHERE failures>0 OR open_until>? ORDER BY updated_at DESC",
-            (now,),
-        ).fetchall()
-        return [CircuitRow(r[0], circuit.CircuitState(*r[1:4]), r[4]) for r in rows]
-
-    @_wrap
-    def sessions(self, limit: int = 100) -> list[SessionRow]:
-        """Durable sessions, most recently changed first."""
-        rows = self._conn().execute(
-            "SELECT session, durable_id, owner_instance, owner_epoch, lease_until, updated_at"
-            " FROM sessions ORDER BY updated_at DESC LIMIT ?",
-            (limit,),
-        ).fetchall()
-        return [SessionRow(r[0], policy.SessionOwnership(*r[1:5]), r[5]) for r in rows]
-
-    @_wrap
-    def instances(self) -> list[liveness.PeerRow]:
-        """Every registered process, most recent heartbeat first."""
-        rows = self._conn().execute(
-            "SELECT instance_id, host, boot_id, pid_ns, pid, start_ticks, heartbeat_at"
-            " FROM instances ORDER BY heartbeat_at DESC"
-        ).fetchall()
-        return [liveness.PeerRow(r[0], liveness.ProcessIdentity(*r[1:6]), r[6]) for r in rows]
-
-    @_wrap
-    def audit_log(self, limit: int = 50) -> list[dict]:
-        """The latest control actions, newest first."""
-        cur = self._conn().execute(
-            "SELECT audit_id, at, action, target, actor, before, after FROM control_audit"
-            " ORDER BY audit_id DESC LIMIT ?",
-            (limit,),
-        )
-        return _dicts(cur)
-
-    @_wrap
-    def integrity_check(self) -> str:
-        return self._conn().execute("PRAGMA integrity_check").fetchone()[0]
-
 
 class _Transaction:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception."""

@@ -32,7 +32,8 @@ import time
 from typing import Any, TextIO
 
 from . import liveness
-from .ledger import Ledger, LedgerError
+from .ledger import LedgerError
+from .ledger_admin import LedgerAdmin
 from .options import DEFAULTS
 from .private_files import UnsafePath
 from .telemetry import Telemetry
@@ -79,6 +80,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--ledger", metavar="PATH", default=argparse.SUPPRESS, help="ledger file")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _inspection_commands(sub, common)
+    _control_commands(sub, common)
+    return p
+
+
+def _inspection_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Read-only: list, show, stats, status, audit."""
     ls = sub.add_parser("list", parents=[common],
                         help="recent operations, most recently updated first")
     ls.add_argument("--limit", type=_positive_int, default=50, metavar="N",
@@ -96,6 +104,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="operations by state, duplicates held and replayed, open circuits with their "
              "remaining cooldown, sessions and owners, instances and heartbeats")
     status.add_argument("--json", action="store_true", help="print JSON")
+    audit = sub.add_parser("audit", parents=[common], help="the latest control actions")
+    audit.add_argument("--limit", type=_positive_int, default=20, metavar="N",
+                       help="at most N actions (default 20)")
+    audit.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _control_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Audited writes: circuit list|clear, session release."""
     events = argparse.ArgumentParser(add_help=False)
     events.add_argument(
         "--events", metavar="FILE", default=os.environ.get("TURNGUARD_EVENTS") or None,
@@ -122,11 +138,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
              "with the old one fail), the next process to serve it takes it over (audited)")
     release.add_argument("session", metavar="SESSION",
                          help="the session id (a hash, see status) or a unique start of it")
-    audit = sub.add_parser("audit", parents=[common], help="the latest control actions")
-    audit.add_argument("--limit", type=_positive_int, default=20, metavar="N",
-                       help="at most N actions (default 20)")
-    audit.add_argument("--json", action="store_true", help="print JSON")
-    return p
 
 
 def _positive_int(text: str) -> int:
@@ -256,7 +267,7 @@ def operation_view(op: dict[str, Any], circuit: dict[str, Any] | None = None) ->
 # -- commands --------------------------------------------------------------------------------
 
 
-def cmd_list(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_list(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     ops = [operation_summary(r) for r in ledger.list_operations(args.limit)]
     if args.json:
         json.dump(ops, out, indent=2)
@@ -274,19 +285,8 @@ def cmd_list(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
-    prefix = args.op_prefix.strip().lower()
-    if not prefix:
-        raise CliError("OP_PREFIX is empty; give the start of an operation id (see `list`)")
-    op = ledger.find_operation(prefix)
-    if op is None:
-        raise CliError(f"no operation whose id starts with {prefix!r} in {ledger.path}")
-    if "ambiguous" in op:
-        found = ", ".join(k[:OP_ID_CHARS] + "..." for k in op["ambiguous"])
-        raise CliError(
-            f"operation id prefix {prefix!r} is ambiguous (matches {found} and maybe more);"
-            " give more characters"
-        )
+def cmd_show(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
+    op = _find_operation(ledger, args.op_prefix.strip().lower())
     now = time.time()
     circuit = None
     if op["circuit_scope"]:
@@ -320,7 +320,27 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     fields += [(k.replace("_", " "), v) for k, v in _extra(op, _OPERATION_COLUMNS).items()]
     for name, value in fields:
         out.write(f"{name + ':':<21} {_text(value)}\n")
-    for a in view["attempt_rows"]:
+    _write_attempts(view["attempt_rows"], out)
+    return 0
+
+
+def _find_operation(ledger: LedgerAdmin, prefix: str) -> dict[str, Any]:
+    if not prefix:
+        raise CliError("OP_PREFIX is empty; give the start of an operation id (see `list`)")
+    op = ledger.find_operation(prefix)
+    if op is None:
+        raise CliError(f"no operation whose id starts with {prefix!r} in {ledger.path}")
+    if "ambiguous" in op:
+        found = ", ".join(k[:OP_ID_CHARS] + "..." for k in op["ambiguous"])
+        raise CliError(
+            f"operation id prefix {prefix!r} is ambiguous (matches {found} and maybe more);"
+            " give more characters"
+        )
+    return op
+
+
+def _write_attempts(rows: list[dict[str, Any]], out: TextIO) -> None:
+    for a in rows:
         out.write(f'\nattempt {a["number"]} ({a["kind"]})\n')
         a = {"ledger id": a["attempt"], **a}
         for name, value in a.items():
@@ -329,9 +349,8 @@ def cmd_show(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
             if name == "replayable":
                 value = "yes" if value else "no"
             out.write(f"  {name.replace('_', ' ') + ':':<14} {_text(value)}\n")
-    if not view["attempt_rows"]:
+    if not rows:
         out.write("\nno attempts recorded\n")
-    return 0
 
 
 def _number_of(view: dict[str, Any], attempt_id: int | None) -> str | None:
@@ -353,7 +372,7 @@ def _circuit_text(c: dict[str, Any] | None) -> str | None:
     return f'closed, {c["failures"]} consecutive eventless failures (scope {c["scope"]})'
 
 
-def cmd_stats(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_stats(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     counts = ledger.counts()
     dups = ledger.duplicate_totals()
@@ -382,7 +401,7 @@ def cmd_stats(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     return 0 if ok else 1
 
 
-def status_view(ledger: Ledger, now: float) -> dict[str, Any]:
+def status_view(ledger: LedgerAdmin, now: float) -> dict[str, Any]:
     counts = ledger.counts()
     instances = ledger.instances()
     return {
@@ -411,7 +430,7 @@ def status_view(ledger: Ledger, now: float) -> dict[str, Any]:
     }
 
 
-def cmd_status(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_status(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     v = status_view(ledger, now)
     if args.json:
@@ -462,7 +481,7 @@ def _audit_view(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def cmd_audit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_audit(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     rows = [_audit_view(r) for r in ledger.audit_log(args.limit)]
     if args.json:
         json.dump(rows, out, indent=2)
@@ -476,7 +495,7 @@ def cmd_audit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def cmd_circuit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_circuit(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     if args.circuit_command == "list":
         rows = [circuit_view(r.scope, r.state, now) for r in ledger.circuits(now)]
@@ -507,7 +526,7 @@ def cmd_circuit(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def cmd_session(ledger: Ledger, args: argparse.Namespace, out: TextIO) -> int:
+def cmd_session(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     telemetry = _events(args)
     key, before, after = ledger.release_session(args.session, now=time.time(), actor=_actor())
     telemetry.emit("session_released", session=key, owner_was=before.owner_instance,
@@ -570,7 +589,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
     path = os.path.abspath(os.path.expanduser(args.ledger or default_ledger_path()))
-    ledger = Ledger(path, f"cli-{os.getpid()}")
+    ledger = LedgerAdmin(path, f"cli-{os.getpid()}")
     writes = WRITES.get(args.command, lambda a: False)(args)
     name = os.path.basename(PROG_NAME)
     try:

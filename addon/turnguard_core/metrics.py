@@ -226,18 +226,29 @@ class Metrics:
         self.address: tuple[str, int] | None = None  # bound (the port the OS chose)
         self.wanted: tuple[str, int] | None = None  # as configured (the addon's bookkeeping)
         self._held: dict[str, None] = {}  # flow ids held as duplicates (insertion ordered)
-        r = self.registry
+        self._declare_counters(self._counter)
+        self._declare_health_counters(self._counter)
+        self._declare_histograms(self._histogram)
+        self.names.gauges.extend(GAUGES)
+        if state is not None:
+            self.registry.register(_StateCollector(instance, state, clock))
+        try:  # process_resident_memory_bytes, ... (Linux /proc)
+            ProcessCollector(registry=self.registry)
+        except Exception:  # pragma: no cover - a platform without /proc
+            pass
+        self._bind_children(instance)
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            self.names.counters.append(f"{NAMESPACE}_{name}_total")
-            return Counter(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE, registry=r)
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        self.names.counters.append(f"{NAMESPACE}_{name}_total")
+        return Counter(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE,
+                       registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
-            self.names.histograms.append(f"{NAMESPACE}_{name}")
-            return Histogram(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE,
-                             registry=r, buckets=buckets)
+    def _histogram(self, name: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
+        self.names.histograms.append(f"{NAMESPACE}_{name}")
+        return Histogram(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE,
+                         registry=self.registry, buckets=buckets)
 
-        i = instance
+    def _declare_counters(self, counter) -> None:
         self.events = counter("events", "Telemetry records emitted, by event name.", ("event",))
         self.dispatches = counter(
             "dispatches", "Guarded requests sent upstream, by kind (original, retry, recovery).",
@@ -268,6 +279,8 @@ class Metrics:
             "than the fail_closed mode itself, by reason.", ("reason",))
         self.passthrough = counter(
             "passthrough", "Guarded requests forwarded unguarded, by reason.", ("reason",))
+
+    def _declare_health_counters(self, counter) -> None:
         self.ledger_outages = counter(
             "ledger_outages", "Times the ledger became or was found unusable, by the call that "
             "found it (turnguard then decides in memory, or fails closed).", ("during",))
@@ -289,6 +302,8 @@ class Metrics:
             "sessions_released", "Durable sessions released by an operator in this process.")
         self.instances_reaped = counter(
             "instances_reaped", "Dead processes whose attempts in flight this process ended.")
+
+    def _declare_histograms(self, histogram) -> None:
         self.hold_seconds = histogram(
             "hold_seconds", "How long a duplicate was held, by how the hold ended (replayed, "
             "rejected, forwarded, declined, abandoned).", HOLD_BUCKETS, ("result",))
@@ -301,14 +316,9 @@ class Metrics:
         self.attempt_seconds = histogram(
             "attempt_duration_seconds", "From dispatch to the end of the response, by outcome.",
             ATTEMPT_BUCKETS, ("outcome",))
-        self.names.gauges.extend(GAUGES)
-        if state is not None:
-            r.register(_StateCollector(i, state, clock))
-        try:
-            ProcessCollector(registry=r)  # process_resident_memory_bytes, ... (Linux /proc)
-        except Exception:  # pragma: no cover - a platform without /proc
-            pass
-        # children bound once: the hot path does one dict lookup and one locked add
+
+    def _bind_children(self, i: str) -> None:
+        """Children bound once: the hot path does one dict lookup and one locked add."""
         self._plain = {
             "circuit_opened": self.circuit_opened.labels(i),
             "circuit_reset": self.circuit_reset.labels(i),

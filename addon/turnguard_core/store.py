@@ -17,7 +17,8 @@ from typing import Protocol
 
 from . import circuit, liveness, policy
 from .identity import Identity
-from .ledger import AttemptEnd, CircuitRow, FinishResult, HeartbeatResult, Ledger, Recording
+from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
+from .ledger_admin import CircuitRow
 from .ledger_runner import LedgerRunner
 
 
