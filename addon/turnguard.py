@@ -33,6 +33,7 @@ from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
 from turnguard_shell.process import ProcessState  # noqa: E402
 from turnguard_shell.sessions import Sessions  # noqa: E402
 from turnguard_shell.waiters import Waiters  # noqa: E402
+from turnguard_shell.websocket import WebSockets  # noqa: E402
 
 logger = logging.getLogger("turnguard")
 
@@ -72,6 +73,7 @@ class TurnGuard:
         self.maintenance = Maintenance(self)
         self.metrics_endpoint = MetricsEndpoint(self)
         self.replayer = Replayer(self.store, self.explainer, self._emit)
+        self.websockets = WebSockets(process)
         self.addons = [self.maintenance, Commands(self)]
 
     @property
@@ -167,36 +169,63 @@ class TurnGuard:
             self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}")
 
     async def _guard(self, flow: http.HTTPFlow) -> None:
-        """What happens to a guarded request: identify it, then run the machine."""
+        """What happens to a guarded request: identify it, run the machine, do what it ends in."""
         cfg = self.settings
         budget_deadline = time.monotonic() + cfg.request_budget_s
         ident = await self.identifier.identify(flow, cfg.request_budget_s, cfg.credential_headers)
         if isinstance(ident, identity.Passthrough):
-            self._emit("passthrough", flow=flow.id, reason=ident.reason)
+            self._emit("passthrough", flow=flow.id, reason=ident.reason, transport="http")
             return
+        req = await self.request_facts(ident, flow.id, budget_deadline,
+                                       accepts_sse=flows.accepts_sse(flow))
+        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
+        state = await self.decide(flow, ident, req, flow.request.method, scope)
+        match state:
+            case machine.Forward():
+                self.inflight.start(flow, ident, state.dispatch, scope)
+            case machine.Replay():
+                await self.replayer.replay(flow, ident, state)
+            case machine.Respond():
+                flows.answer(flow, state.answer)
+            case machine.Abandon():
+                if flow.killable:  # never dispatch it
+                    flow.kill()
+            case machine.PassThrough():
+                pass  # forwarded untouched
+            case _:
+                assert_never(state)
+
+    async def request_facts(self, ident: identity.Identity, key: str, budget_deadline: float,
+                            *, accepts_sse: bool, turn_anchor: bool | None = None,
+                            transport: str = "http") -> machine.RequestFacts:
+        """What the machine knows of a request (``key``: its flow, or its call on a socket).
+        ``turn_anchor``: whether it is anchored to a turn (None: it carries
+        ``x-codex-turn-state``)."""
+        cfg = self.settings
         owner = await self.sessions.ownership(ident.session, lease_s=cfg.owner_lease_s,
                                               deadline=_ledger_deadline(budget_deadline))
-        req = machine.RequestFacts(
-            ident.op_id, ident.op_key, flow.id, ident.session, ident.turn_state is not None,
-            ident.previous_response_id is not None, flows.accepts_sse(flow), budget_deadline,
-            cfg.hold_timeout_s, cfg.recovery_mode, cfg.circuit.threshold, owner)
-        await self._run(flow, ident, req)
+        anchored = ident.turn_state is not None if turn_anchor is None else turn_anchor
+        return machine.RequestFacts(
+            ident.op_id, ident.op_key, key, ident.session, anchored,
+            ident.previous_response_id is not None, accepts_sse, budget_deadline,
+            cfg.hold_timeout_s, cfg.recovery_mode, cfg.circuit.threshold, owner, transport)
 
-    async def _run(self, flow: http.HTTPFlow, ident: identity.Identity,
-                   req: machine.RequestFacts) -> None:
+    async def decide(self, flow: http.HTTPFlow, ident: identity.Identity,
+                     req: machine.RequestFacts, method: str, scope: str) -> machine.Terminal:
         """The request loop: do what each state asks, feed the result to the machine, show
-        its effects, until a terminal state (exactly one answer, dispatch or abandon)."""
-        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
+        its effects, until a state the transport acts on (exactly one of: dispatch, replay,
+        answer, abandon, pass through)."""
         state: machine.State = machine.start()
         while True:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
             match state:
                 case machine.Admit():
-                    admission = await self._admit(flow, ident, scope, state, deadline)
+                    admission = await self._admit(method, ident, req.flow_id, scope, state,
+                                                  deadline)
                     state, effects = machine.on_admission(req, state, admission, now(),
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
-                    woke = await self._wait(flow, ident, state)
+                    woke = await self._wait(flow, ident, req.flow_id, state)
                     state, effects = machine.on_woke(req, state, woke, now(),
                                                      gone=self.clients.gone(flow))
                 case machine.FetchRecording():
@@ -207,28 +236,21 @@ class TurnGuard:
                 case machine.FailClosed():
                     remaining = await self.store.circuit_remaining(scope, deadline=deadline)
                     state, effects = machine.fail_closed(req, state, remaining)
-                case machine.Forward():
-                    return self.inflight.start(flow, ident, state.dispatch, scope)
-                case machine.Replay():
-                    return await self.replayer.replay(flow, ident, state)
-                case machine.Respond():
-                    return flows.answer(flow, state.answer)
-                case machine.Abandon():
-                    return flow.kill() if flow.killable else None  # never dispatch it
-                case machine.PassThrough():
-                    return None  # forwarded untouched
+                case (machine.Forward() | machine.Replay() | machine.Respond() | machine.Abandon()
+                      | machine.PassThrough()):
+                    return state
                 case _:
                     assert_never(state)
             self._apply(flow, effects)
 
-    async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity,
+    async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,
                     state: machine.HoldDuplicate | machine.WaitCooldown) -> machine.Woke:
         if isinstance(state, machine.WaitCooldown):
-            return await self.waiters.cooldown(flow, ident.op_key, ident.session, state.epoch,
-                                               state.wait_s)
+            return await self.waiters.cooldown(flow, key, ident.op_key, ident.session,
+                                               state.epoch, state.wait_s)
         # an attempt of another process is polled for; this process's wakes its waiters
         foreign = None if self.inflight.is_local(ident.op_key) else (state.attempt_id or 0)
-        return await self.waiters.duplicate(flow, ident.op_key, foreign,
+        return await self.waiters.duplicate(flow, key, ident.op_key, foreign,
                                             state.deadline - time.monotonic())
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
@@ -248,14 +270,14 @@ class TurnGuard:
             return None
         return guard.retention_s if ident.idempotency_key else guard.replay_window_s
 
-    async def _admit(self, flow: http.HTTPFlow, ident: identity.Identity, scope: str,
+    async def _admit(self, method: str, ident: identity.Identity, key: str, scope: str,
                      state: machine.Admit, deadline: float):
         local = self.inflight.of_operation(ident.op_key)
         if local is not None:  # this process's attempt is in flight: hold, no ledger needed
             return policy.Hold(local.attempt_id, self.instance_id)
         cfg = self.settings
         return await self.store.admit(
-            ident, method=flow.request.method, route=ident.route, flow_id=flow.id,
+            ident, method=method, route=ident.route, flow_id=key,
             circuit_scope=scope, recovery=state.recovery,
             once_mode=policy.recovery_is_once(cfg.recovery_mode),
             in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
@@ -279,6 +301,29 @@ class TurnGuard:
         recorded = self.inflight.end(flow, body_complete=False)
         if recorded is not None:
             await asyncio.wait([recorded], timeout=ERROR_RECORD_WAIT_S)
+
+    # -- Responses over WebSocket (turnguard_shell.websocket) --------------------------------------
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        if self.refused or self.filter is None or not self.filter(flow):
+            return
+        try:
+            self.maintenance.ensure_running()
+            self.websockets.start(flow)
+        except Exception as e:
+            logger.exception("turnguard: websocket_start failed; %s is not guarded", flow.id)
+            self._emit("passthrough", flow=flow.id, transport="ws", reason=f"internal error: {e!r}")
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        try:
+            self.websockets.message(flow)
+        except Exception:
+            logger.exception("turnguard: websocket_message failed for %s", flow.id)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        try:
+            self.websockets.end(flow)
+        except Exception:
+            logger.exception("turnguard: websocket_end failed for %s", flow.id)
 
     def update(self, flows_) -> None:
         """A flow was changed elsewhere (e.g. killed with the flow.kill command): wake it if held."""

@@ -62,7 +62,7 @@ def test_a_dispatch_is_forwarded_and_said(kind):
                                           ledger_down=None)
     assert state == Forward(policy.Dispatch(kind, 7))
     assert events(effects) == ["dispatch"]
-    assert record(effects, "dispatch") == {"op": "op1", "flow": "flow1", "session": "s1",
+    assert record(effects, "dispatch") == {"op": "op1", "flow": "flow1", "session": "s1", "transport": "http",
                                            "attempt": 7, "kind": kind, "ledger": True}
 
 
@@ -137,7 +137,7 @@ def test_without_a_ledger_missing_owner_proof_says_the_ledger_is_why():
                                           NOW, ledger_down="database is locked")
     assert state == FailClosed("ledger_unavailable")
     assert record(effects, "ledger_unavailable") == {
-        "op": "op1", "flow": "flow1", "session": "s1", "during": "recovery_decision",
+        "op": "op1", "flow": "flow1", "session": "s1", "transport": "http", "during": "recovery_decision",
         "error": "database is locked"}
 
 
@@ -213,7 +213,7 @@ WAIT = WaitCooldown(10, 3, NOW - 10)
 def test_after_the_cooldown_a_recovery_claim_with_the_epoch():
     state, effects = machine.on_woke(facts(), WAIT, TimedOut(), NOW)
     assert state == Admit(policy.RecoveryClaim("s1", 3, once=True))
-    assert record(effects, "wait_finished") == {"op": "op1", "flow": "flow1", "session": "s1",
+    assert record(effects, "wait_finished") == {"op": "op1", "flow": "flow1", "session": "s1", "transport": "http",
                                                 "waited_ms": 10000, "reason": "cooldown_elapsed"}
 
 
@@ -269,7 +269,7 @@ def test_fail_closed_is_503_with_the_cooldown_left_as_retry_after():
     assert ("retry-after", "8") in state.answer.headers
     assert ("content-type", "text/event-stream") in state.answer.headers
     assert record(effects, "fail_closed") == {
-        "op": "op1", "flow": "flow1", "session": "s1", "reason": "ownership_lost",
+        "op": "op1", "flow": "flow1", "session": "s1", "transport": "http", "reason": "ownership_lost",
         "code": "upstream_request_timeout", "retry_after_s": 8, "answer_status": 503}
 
 

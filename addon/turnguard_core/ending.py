@@ -35,6 +35,8 @@ class EndFacts:
     error: str | None  # why the connection ended early (mitmproxy's message)
     cut_reason: str | None  # turnguard cut the upstream itself (e.g. no event in time)
     client_gone: bool
+    transport: str = "http"  # or "ws": a call on a WebSocket
+    failed_event: str | None = None  # "error" / "response.failed" that ended it (WebSocket)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,7 @@ def classify_end(facts: EndFacts) -> AttemptEnding:
         failure = policy.failure_class(
             cut_reason=facts.cut_reason, status=facts.status, error=facts.error,
             body_complete=facts.body_complete, client_gone=facts.client_gone,
+            transport=facts.transport, failed_event=facts.failed_event,
         )
     why_not = None
     if recording is None and outcome == "completed":

@@ -33,8 +33,10 @@ tuple, so no two different tuples share an encoding.
   another principal's or another upstream's session.
 * ``turn_state``: sha256 hex (16) of ``x-codex-turn-state``; ``idempotency_key``: sha256 hex
   (32) of ``Idempotency-Key``; ``previous_response_id``: the body's top-level non-empty str.
-* ``fingerprint`` = sha256 hex of ``canonical_json(body)``: stable under key order and
-  whitespace.
+* ``fingerprint`` = sha256 hex of ``canonical_json(operation_body(body))``: stable under key
+  order and whitespace, and blind to the fields only a transport adds (``operation_body``), so
+  a Responses call sent as a WebSocket ``response.create`` frame, its retries and its HTTP
+  POST fallback have one fingerprint.
 * ``op_key`` = hash(scope, session or "", METHOD, route, "idem:"+idempotency_key or
   "body:"+fingerprint). The same Idempotency-Key with another body has the same op_key and a
   different fingerprint (the caller answers 422).
@@ -58,6 +60,8 @@ __all__ = [
     "Upstream",
     "canonical_json",
     "identify",
+    "operation_body",
+    "parse_json_object",
     "split_target",
 ]
 
@@ -87,6 +91,11 @@ KNOWN_ROUTES = (
     "/v1/responses", "/v1/chat/completions", "/backend-api/codex/responses",
     "/openai/v1/responses", "/openai/v1/chat/completions",
 )
+# What Codex adds to a Responses request only when it sends it as a WebSocket frame: the frame
+# type, the moment of this send (new on every retry) and copies of transport headers.
+WS_FRAME_TYPE = "response.create"
+WS_ONLY_METADATA = frozenset({"x-codex-ws-stream-request-start-ms"})
+WS_ONLY_METADATA_PREFIX = "ws_request_header_"
 _ROUTES_LONGEST_FIRST = tuple(sorted(KNOWN_ROUTES, key=len, reverse=True))
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -190,6 +199,25 @@ def canonical_json(value: Any) -> bytes:
     ).encode("utf-8", "surrogatepass")
 
 
+def operation_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request body as its operation: ``body`` without the fields a transport adds (a
+    top-level ``"type": "response.create"``, and in ``client_metadata`` the WebSocket-only
+    keys ``WS_ONLY_METADATA`` and ``ws_request_header_*``). A body without them is returned
+    as is; ``body`` is never changed."""
+    out = body
+    if body.get("type") == WS_FRAME_TYPE:
+        out = {k: v for k, v in body.items() if k != "type"}
+    meta = body.get("client_metadata")
+    if isinstance(meta, dict) and any(_ws_only_metadata(k) for k in meta):
+        out = {**out, "client_metadata": {k: v for k, v in meta.items()
+                                          if not _ws_only_metadata(k)}}
+    return out
+
+
+def _ws_only_metadata(key: str) -> bool:
+    return key in WS_ONLY_METADATA or key.startswith(WS_ONLY_METADATA_PREFIX)
+
+
 def split_target(target: str) -> Target:
     """Split a request target (path + query) into its route and the rest. The route is the
     longest of ``KNOWN_ROUTES`` the path ends with (after dropping one trailing "/"), so that
@@ -248,7 +276,7 @@ def _identify(
     prev = body.get("previous_response_id")
     previous_response_id = prev if isinstance(prev, str) and prev else None
 
-    fingerprint = _sha(canonical_json(body))
+    fingerprint = _sha(canonical_json(operation_body(body)))
     op_key = _tuple_hash(
         "op",
         scope,
@@ -286,6 +314,18 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     parts += ["url", target.prefix, target.suffix]
     parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
     return _tuple_hash("principal", *parts)
+
+
+def parse_json_object(body: bytes | None, max_bytes: int) -> dict[str, Any] | Passthrough:
+    """``body`` as a JSON object under the same rules as a request body (UTF-8, no duplicate
+    keys, at most ``MAX_JSON_DEPTH`` deep, at most ``max_bytes``), or a Passthrough naming
+    what is wrong. Never raises."""
+    try:
+        return _parse_body(body, max_bytes)
+    except _Reject as r:
+        return Passthrough(r.reason)
+    except RecursionError:
+        return Passthrough("JSON nesting too deep")
 
 
 def _parse_body(body: bytes | None, max_body_bytes: int) -> dict[str, Any]:

@@ -53,11 +53,13 @@ class RequestFacts:
     recovery_mode: policy.RecoveryMode
     circuit_threshold: int
     owner: policy.SessionOwnership | None  # this process's ownership of its session, if any
+    transport: str = "http"  # or "ws": a call on a WebSocket
 
     @property
     def base(self) -> dict[str, Any]:
         """The fields every telemetry record of the request starts with."""
-        return {"op": self.op_id, "flow": self.flow_id, "session": self.session}
+        return {"op": self.op_id, "flow": self.flow_id, "session": self.session,
+                "transport": self.transport}
 
 
 # -- effects -----------------------------------------------------------------------------------

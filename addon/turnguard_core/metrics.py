@@ -71,10 +71,12 @@ RECOVERY_DENIED_REASONS = ("ownership_lost", "output_exists", "claim_exhausted",
 FAILURE_CLASSES = (
     "missing_response_created_timeout", "client_abort", "connection_error",
     "upstream_closed_before_headers", "upstream_clean_close", "upstream_closed_after_headers",
+    "upstream_error_event", "upstream_response_failed", "upstream_ws_closed",
 )
 ABANDON_REASONS = {
     "killed": "killed", "client disconnected": "client_disconnected",
     "stream reset by client": "stream_reset", "turnguard unloaded": "unloaded",
+    "websocket closed": "websocket_closed",
 }
 WAIT_END_REASONS = ("cooldown_elapsed", "gone", "ownership_lost", "woken")
 SESSION_CLAIM_RESULTS = ("created", "taken_over")

@@ -21,7 +21,7 @@ from .policy import RECOVERY_MODES, GuardPolicy, RecoveryMode
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
 # anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
 DEFAULT_FILTER = (
-    '~m POST & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+('
+    '(~websocket | ~m POST) & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+('
     + "|".join(KNOWN_ROUTES)
     + ')/?([?]|$)"'
 )
@@ -49,8 +49,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_filter", str, DEFAULT_FILTER,
         "mitmproxy filter expression for the flows turnguard guards; everything else passes "
-        "untouched. The default guards POSTs to the known model routes at the start of the "
-        "path.",
+        "untouched. The default guards POSTs and WebSockets (Codex's Responses over "
+        "WebSocket) to the known model routes at the start of the path.",
     ),
     OptionSpec(
         "turnguard_credential_headers", Sequence[str], [],

@@ -353,16 +353,24 @@ def retry_after_seconds(remaining_s: float) -> int:
 
 def failure_class(
     *, cut_reason: str | None, status: int | None, error: str | None, body_complete: bool,
-    client_gone: bool = False,
+    client_gone: bool = False, transport: str = "http", failed_event: str | None = None,
 ) -> str:
     """Name the kind of an eventless failure, for telemetry and for the circuit.
     ``client_gone``: the client's connection is closed (mitmproxy's HTTP/2 messages do not say
-    whose side closed, so the caller checks the connection)."""
+    whose side closed, so the caller checks the connection). On a WebSocket (``transport``
+    "ws") a response ends with an event or with the socket: ``failed_event`` is the ``error``
+    or ``response.failed`` event that ended it before any output, if one did."""
     if cut_reason:
         return cut_reason
     msg = (error or "").lower()
     if client_gone or any(w in msg for w in ("client disconnected", "reset by client")):
         return "client_abort"
+    if transport == "ws":
+        if failed_event == "error":
+            return "upstream_error_event"
+        if failed_event is not None:
+            return "upstream_response_failed"
+        return "upstream_ws_closed"
     if status is None:
         if any(w in msg for w in ("refused", "connect call failed", "cannot connect",
                                   "resolve", "unreachable", "no route")):

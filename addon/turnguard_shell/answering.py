@@ -30,7 +30,13 @@ class Identifier:
     ) -> identity.Identity | identity.Passthrough:
         """The request's identity: computed here for a small body, in the worker process for a
         large one (``offload``), so that no body holds the event loop for long."""
-        view = flows.request_view(flow, MAX_GUARDED_BODY)
+        return await self.identify_view(flows.request_view(flow, MAX_GUARDED_BODY), timeout_s,
+                                        credential_headers)
+
+    async def identify_view(
+        self, view: identity.RequestView | identity.Passthrough, timeout_s: float,
+        credential_headers: tuple[str, ...],
+    ) -> identity.Identity | identity.Passthrough:
         if isinstance(view, identity.Passthrough):
             return view
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY, credential_headers=credential_headers)

@@ -37,6 +37,20 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
         body = req.content
     except ValueError:
         body = None
+    return _view(flow, req.method, request_headers(flow), body)
+
+
+def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | identity.Passthrough:
+    """What identity needs of a call sent on the WebSocket ``flow``: the call's full request
+    (``body``) as a POST to the socket's path, with the handshake's headers (its credentials,
+    its session) but no ``Idempotency-Key``: a socket's calls are many operations."""
+    headers = tuple((k, v) for k, v in request_headers(flow) if k.lower() != "idempotency-key")
+    return _view(flow, "POST", headers, body)
+
+
+def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...],
+          body: bytes | None) -> identity.RequestView | identity.Passthrough:
+    req = flow.request
     if not req.host:
         return identity.Passthrough("upstream unknown (no host)")
     proxy_auth = flow.metadata.get("proxyauth")  # mitmproxy's proxyauth took the header
@@ -46,9 +60,9 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
             return identity.Passthrough("principal undetermined (proxyauth metadata)")
         proxy_auth = json.dumps(list(proxy_auth))
     return identity.RequestView(
-        method=req.method,
+        method=method,
         path=req.path,
-        headers=request_headers(flow),
+        headers=headers,
         body=body,
         upstream=identity.Upstream(
             scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
@@ -113,6 +127,8 @@ class ClientWatch:
             return "killed"
         if not flow.client_conn.connected:
             return "client disconnected"
+        if flow.websocket is not None and flow.websocket.timestamp_end is not None:
+            return "websocket closed"
         if flow.request.http_version == "HTTP/2.0":
             layer = self._http_layers.get(flow.client_conn.id)
             if layer is None:

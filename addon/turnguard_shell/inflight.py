@@ -25,6 +25,7 @@ from turnguard_core.ledger import AttemptEnd
 from turnguard_core.machine import Ended
 from turnguard_core.proxy_internals import cut_upstream
 from turnguard_core.tee import ResponseTee
+from turnguard_core.ws import ResponseEvents
 
 from . import flows
 from .process import ProcessState
@@ -50,8 +51,10 @@ class Attempt:
     circuit_scope: str
     method: str
     route: str  # as the ledger stores it
+    transport: str = "http"
     status: int | None = None
     tee: ResponseTee | None = None
+    ws_events: ResponseEvents | None = None  # a WebSocket call's response, read as it passes
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
     first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
@@ -62,8 +65,15 @@ class Attempt:
             self.timer = None
 
     @property
+    def events_seen(self) -> int:
+        if self.ws_events is not None:
+            return self.ws_events.events_seen
+        return self.tee.events_seen if self.tee is not None else 0
+
+    @property
     def base(self) -> dict:
-        return {"op": self.ident.op_id, "flow": self.flow_id, "session": self.ident.session}
+        return {"op": self.ident.op_id, "flow": self.flow_id, "session": self.ident.session,
+                "transport": self.transport}
 
 
 class InFlight:
@@ -100,26 +110,32 @@ class InFlight:
 
     def start(
         self, flow: http.HTTPFlow, ident: identity.Identity, dispatch: policy.Dispatch,
-        circuit_scope: str,
-    ) -> None:
-        """Register the dispatch as this process's attempt of its operation."""
+        circuit_scope: str, *, key: str | None = None, ws_events: ResponseEvents | None = None,
+    ) -> Attempt:
+        """Register the dispatch as this process's attempt of its operation: the flow's
+        request (HTTP), or (``ws_events`` given) the call ``key`` on the WebSocket ``flow``."""
+        key = key or flow.id
         generation = self._store.generation if dispatch.attempt_id is not None else ""
-        attempt = Attempt(flow.id, ident, dispatch.attempt_id, generation, dispatch.kind,
-                          time.monotonic(), circuit_scope, flow.request.method, ident.route)
-        self._process.attempts[flow.id] = attempt
-        self._process.by_op[ident.op_key] = flow.id
-        flow.metadata["turnguard"] = {"role": "dispatch", "op": ident.op_id,
-                                      "attempt": dispatch.attempt_id, "kind": dispatch.kind}
+        attempt = Attempt(key, ident, dispatch.attempt_id, generation, dispatch.kind,
+                          time.monotonic(), circuit_scope, "POST" if ws_events else
+                          flow.request.method, ident.route,
+                          transport="ws" if ws_events else "http", ws_events=ws_events)
+        self._process.attempts[key] = attempt
+        self._process.by_op[ident.op_key] = key
+        if ws_events is None:
+            flow.metadata["turnguard"] = {"role": "dispatch", "op": ident.op_id,
+                                          "attempt": dispatch.attempt_id, "kind": dispatch.kind}
         timeout_s = self._settings().response_created_timeout_s
         if timeout_s > 0:
             attempt.timer = asyncio.get_running_loop().call_later(
-                timeout_s, lambda: self._current()._cut_if_silent(flow)
+                timeout_s, lambda: self._current()._cut_if_silent(key, flow)
             )
+        return attempt
 
-    def _cut_if_silent(self, flow: http.HTTPFlow) -> None:
-        """No response event in time: cut the upstream; the error hook records ``unknown``."""
-        attempt = self._process.attempts.get(flow.id)
-        if attempt is None or (attempt.tee is not None and attempt.tee.events_seen > 0):
+    def _cut_if_silent(self, key: str, flow: http.HTTPFlow) -> None:
+        """No response event in time: cut the upstream; its end records ``unknown``."""
+        attempt = self._process.attempts.get(key)
+        if attempt is None or attempt.events_seen > 0:
             return
         attempt.timer = None
         attempt.cut_reason = MISSING_RESPONSE_CREATED
@@ -173,21 +189,36 @@ class InFlight:
         if attempt.flow_id in self._process.attempts:
             self._store.first_event(attempt)
 
+    def ws_event(self, key: str, first_output: bool) -> None:
+        """A WebSocket call's response sent an event (``first_output``: its first event that
+        carries output, which the ledger learns as for an HTTP stream's first event)."""
+        attempt = self._process.attempts.get(key)
+        if attempt is None:
+            return
+        attempt.stop_timer()
+        if first_output:
+            self._first_event(attempt)
+
     def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         """The attempt's response ended (or failed): record it and wake its duplicates.
         Returns the ledger write's future when it was sent now."""
-        attempt = self._process.attempts.pop(flow.id, None)
+        return self.close(flow.id, lambda a: self._end_facts(flow, a, body_complete))
+
+    def close(self, key: str, facts_of: Callable[[Attempt], EndFacts]) -> asyncio.Future | None:
+        """End the attempt ``key`` with the facts ``facts_of`` it gives: record it and wake
+        its duplicates. Returns the ledger write's future when it was sent now."""
+        attempt = self._process.attempts.pop(key, None)
         if attempt is None:
             return None
         attempt.stop_timer()
         why, recorded = Ended("unknown"), None
         try:
-            why, recorded = self._record_end(flow, attempt, body_complete)
+            why, recorded = self._record_end(attempt, facts_of(attempt))
         except Exception:
-            logger.exception("turnguard: recording the outcome of %s failed", flow.id)
+            logger.exception("turnguard: recording the outcome of %s failed", key)
         finally:
             op_key = attempt.ident.op_key
-            if self._process.by_op.get(op_key) == flow.id:
+            if self._process.by_op.get(op_key) == key:
                 del self._process.by_op[op_key]
             # Held duplicates wake now: a recording is replayed from memory; anything else is
             # admitted again, and the ledger runs that after this attempt's finish.
@@ -195,9 +226,8 @@ class InFlight:
         return recorded
 
     def _record_end(
-        self, flow: http.HTTPFlow, attempt: Attempt, body_complete: bool
+        self, attempt: Attempt, facts: EndFacts
     ) -> tuple[Ended, asyncio.Future | None]:
-        facts = self._end_facts(flow, attempt, body_complete)
         ending = classify_end(facts)
         duration_ms = round((time.monotonic() - attempt.started) * 1000)
         first_event_ms = (None if attempt.first_event_at is None

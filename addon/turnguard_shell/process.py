@@ -24,6 +24,7 @@ class ProcessState:
     identity: liveness.ProcessIdentity
     attempts: dict = field(default_factory=dict)  # flow id -> inflight.Attempt
     by_op: dict = field(default_factory=dict)  # op key -> flow id of an attempt in flight
+    sockets: dict = field(default_factory=dict)  # flow id -> websocket.Socket (guarded)
     kept_writes: collections.deque = field(default_factory=collections.deque)
     memory: MemoryStore = field(default_factory=MemoryStore)
     guard: Any = None  # the addon instance that gets the hooks now

@@ -23,6 +23,7 @@ from turnguard_core.machine import Ended, Gone, OwnershipLost, TimedOut, Woke
 @dataclass
 class DuplicateWait:
     flow: http.HTTPFlow
+    key: str  # the flow's id, or its call's on a WebSocket
     op_key: str
     foreign_attempt: int | None  # set when the attempt is another process's: polled
     since: float
@@ -32,6 +33,7 @@ class DuplicateWait:
 @dataclass
 class CooldownWait:
     flow: http.HTTPFlow
+    key: str
     op_key: str
     session: str
     epoch: int
@@ -44,7 +46,7 @@ Wait = DuplicateWait | CooldownWait
 
 class Waiters:
     def __init__(self) -> None:
-        self._held: dict[str, Wait] = {}  # flow id -> its wait
+        self._held: dict[str, Wait] = {}  # key (flow id, or a WebSocket call's) -> its wait
 
     def __iter__(self):
         return iter(list(self._held.values()))
@@ -53,30 +55,32 @@ class Waiters:
         return len(self._held)
 
     async def _wait(self, wait: Wait, timeout_s: float) -> Woke:
-        self._held[wait.flow.id] = wait
+        self._held[wait.key] = wait
         try:
             return await asyncio.wait_for(wait.wake, max(0.0, timeout_s))
         except TimeoutError:
             return TimedOut()
         finally:
-            self._held.pop(wait.flow.id, None)
+            self._held.pop(wait.key, None)
 
     async def duplicate(
-        self, flow: http.HTTPFlow, op_key: str, foreign_attempt: int | None, timeout_s: float
+        self, flow: http.HTTPFlow, key: str, op_key: str, foreign_attempt: int | None,
+        timeout_s: float,
     ) -> Woke:
         """Wait for the operation's attempt in flight to end (``foreign_attempt``: another
         process's, whose end the maintenance ticker polls for)."""
         loop = asyncio.get_running_loop()
-        return await self._wait(DuplicateWait(flow, op_key, foreign_attempt, time.monotonic(),
-                                              loop.create_future()), timeout_s)
+        return await self._wait(DuplicateWait(flow, key, op_key, foreign_attempt,
+                                              time.monotonic(), loop.create_future()), timeout_s)
 
     async def cooldown(
-        self, flow: http.HTTPFlow, op_key: str, session: str, epoch: int, timeout_s: float
+        self, flow: http.HTTPFlow, key: str, op_key: str, session: str, epoch: int,
+        timeout_s: float,
     ) -> Woke:
         """Wait out the cooldown (``TimedOut`` when it is over)."""
         loop = asyncio.get_running_loop()
-        return await self._wait(CooldownWait(flow, op_key, session, epoch, time.monotonic(),
-                                             loop.create_future()), timeout_s)
+        return await self._wait(CooldownWait(flow, key, op_key, session, epoch,
+                                             time.monotonic(), loop.create_future()), timeout_s)
 
     @staticmethod
     def resolve(wait: Wait, why: Woke) -> None:
@@ -102,9 +106,10 @@ class Waiters:
                 self.resolve(wait, Ended("circuit_cleared"))
 
     def gone(self, flow_id: str, reason: str) -> None:
-        wait = self._held.get(flow_id)
-        if wait is not None:
-            self.resolve(wait, Gone(reason))
+        """Wake the waits of flow ``flow_id`` (a WebSocket may have one per call)."""
+        for wait in self:
+            if wait.flow.id == flow_id:
+                self.resolve(wait, Gone(reason))
 
     def release_all(self, reason: str) -> None:
         for wait in self:
@@ -130,7 +135,7 @@ class Waiters:
 
     def describe(self, now: float) -> Iterable[str]:
         """One line per held flow, for ``turnguard.held``."""
-        for flow_id, w in list(self._held.items()):
+        for key, w in list(self._held.items()):
             if isinstance(w, CooldownWait):
                 what = "the retry circuit's cooldown to end"
             elif w.foreign_attempt is not None:
@@ -138,5 +143,5 @@ class Waiters:
             else:
                 what = "an attempt in this process"
             route = identity.split_target(w.flow.request.path).route  # no key from the URL
-            yield (f"{flow_id} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
+            yield (f"{key} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
                    f"{w.flow.request.method} {route}")

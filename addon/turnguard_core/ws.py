@@ -1,0 +1,302 @@
+"""The Responses API over WebSocket, as Codex speaks it: pure (no mitmproxy, clock, disk or network).
+
+A client sends each model call as one text frame, ``{"type": "response.create", ...}``: the
+Responses request body plus ``type``. The upstream answers with the response's events, one JSON
+object per text frame (``response.created`` ... ``response.completed``), on the same socket.
+Follow-ups on that socket are *delta frames*: ``previous_response_id`` names the socket's last
+response and ``input`` holds only the new items. A new socket (a retry after a fault, the
+next process) and the HTTP POST fallback send the *full* input instead.
+
+Contract
+--------
+* ``parse_client_frame(content, is_text)`` says what a client frame is: a ``Call`` (a
+  ``response.create`` that asks for generation), a ``Prewarm`` (``generate: false``: it warms
+  the socket and is never an operation) or ``NotACall`` with the reason (binary, not UTF-8, not
+  a JSON object, duplicate keys, too deep or too large, another ``type``). Never raises.
+* ``SocketRecord`` is one client socket's memory: the responses it carried (their full input
+  and their output items, the last ``MAX_REMEMBERED`` of them) and which of them the upstream
+  socket knows (it produced them; a replayed one it never saw). ``full_request(body)`` rebuilds
+  a delta frame into the full request (earlier input + earlier output + new items, without
+  ``previous_response_id``) when the record knows the response it names; ``outbound`` is what
+  to send upstream for a call: the frame as the client sent it when the upstream knows its
+  ``previous_response_id`` (or it has none), else the rebuilt full request.
+* ``ResponseEvents`` reads one response's events as they pass (``feed(text)``): counts them,
+  tells output from bookkeeping, finds the terminal event, the response id and output items,
+  and keeps a bounded copy as an SSE body (the form a recording has whatever its transport, so
+  an HTTP client can be answered from a WebSocket attempt and the other way round).
+* ``frames_of_recording(body)`` turns a recorded SSE body back into event frames;
+  ``error_frame`` is turnguard's own answer on this transport: an ``error`` event that always
+  carries a numeric ``status`` (Codex ignores one without and hangs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .identity import WS_FRAME_TYPE, Passthrough, canonical_json, parse_json_object
+from .sse import SseParser, terminal_kind
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "Call",
+    "NotACall",
+    "Prewarm",
+    "ResponseEvents",
+    "SocketRecord",
+    "error_frame",
+    "frames_of_recording",
+    "parse_client_frame",
+    "ws_status",
+]
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_REMEMBERED = 8  # responses a socket record keeps for delta frames
+# Events that say a response exists but carry none of its output.
+_BOOKKEEPING = frozenset({"response.created", "response.in_progress", "response.queued"})
+SSE_HEADERS = (("content-type", "text/event-stream"),)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A ``response.create`` frame that asks for generation: a model call."""
+
+    body: dict[str, Any]
+    turn_id: str | None  # client_metadata.turn_id, when a non-empty str
+
+    @property
+    def previous_response_id(self) -> str | None:
+        prev = self.body.get("previous_response_id")
+        return prev if isinstance(prev, str) and prev else None
+
+
+@dataclass(frozen=True, slots=True)
+class Prewarm:
+    """A ``response.create`` with ``generate: false``: warms the socket, generates nothing."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NotACall:
+    reason: str
+
+
+def parse_client_frame(content: bytes, is_text: bool, *,
+                       max_bytes: int = MAX_FRAME_BYTES) -> Call | Prewarm | NotACall:
+    """What a client frame is (see the module's contract). Never raises."""
+    if not is_text:
+        return NotACall("binary frame")
+    parsed = parse_json_object(content, max_bytes)
+    if isinstance(parsed, Passthrough):
+        return NotACall(parsed.reason.replace("body", "frame"))
+    kind = parsed.get("type")
+    if kind != WS_FRAME_TYPE:
+        return NotACall(f"frame type {str(kind)[:40]!r} is not {WS_FRAME_TYPE}")
+    if parsed.get("generate") is False:
+        return Prewarm(parsed)
+    meta = parsed.get("client_metadata")
+    turn_id = meta.get("turn_id") if isinstance(meta, dict) else None
+    return Call(parsed, turn_id if isinstance(turn_id, str) and turn_id else None)
+
+
+@dataclass(frozen=True, slots=True)
+class FullRequest:
+    """A call as its operation: ``body`` is the full request (``rebuilt``: made from a delta
+    frame and the socket's record). ``unresolved`` names a ``previous_response_id`` the record
+    does not know (the body then keeps it, and stands for itself)."""
+
+    body: dict[str, Any]
+    rebuilt: bool
+    unresolved: str | None = None
+
+    def encoded(self) -> bytes:
+        return canonical_json(self.body)
+
+
+@dataclass(slots=True)
+class _Remembered:
+    input: list[Any]  # the full input of the request
+    output: list[Any]  # its response's output items, in order
+
+
+@dataclass
+class SocketRecord:
+    """One client socket's memory of the responses it carried (see the module's contract)."""
+
+    _responses: OrderedDict[str, _Remembered] = field(default_factory=OrderedDict)
+    _upstream_knows: set[str] = field(default_factory=set)
+
+    def full_request(self, body: dict[str, Any]) -> FullRequest:
+        prev = body.get("previous_response_id")
+        if not (isinstance(prev, str) and prev):
+            return FullRequest(body, rebuilt=False)
+        known = self._responses.get(prev)
+        delta = body.get("input", [])
+        if known is None or not isinstance(delta, list):
+            return FullRequest(body, rebuilt=False, unresolved=prev)
+        full = {k: v for k, v in body.items() if k != "previous_response_id"}
+        full["input"] = [*known.input, *known.output, *delta]
+        return FullRequest(full, rebuilt=True)
+
+    def upstream_knows(self, response_id: str | None) -> bool:
+        return response_id is not None and response_id in self._upstream_knows
+
+    def outbound(self, frame: dict[str, Any], full: FullRequest) -> dict[str, Any] | None:
+        """What to send upstream for ``frame``: None to send it as the client did, else the
+        full request to send instead (the upstream cannot know the response it names)."""
+        prev = frame.get("previous_response_id")
+        if not full.rebuilt or self.upstream_knows(prev if isinstance(prev, str) else None):
+            return None
+        return full.body
+
+    def remember(self, request: dict[str, Any], events: "ResponseEvents", *,
+                 from_upstream: bool) -> None:
+        """``events`` answered ``request`` (a full request) on this socket: by the upstream
+        (``from_upstream``), or by turnguard from a recording."""
+        rid, items = events.response_id, request.get("input", [])
+        if (rid is None or events.terminal != "success" or not isinstance(items, list)
+                or events.output_items is None):
+            return
+        self._responses[rid] = _Remembered(list(items), list(events.output_items))
+        self._responses.move_to_end(rid)
+        while len(self._responses) > MAX_REMEMBERED:
+            old, _ = self._responses.popitem(last=False)
+            self._upstream_knows.discard(old)
+        if from_upstream:
+            self._upstream_knows.add(rid)
+        else:
+            self._upstream_knows.discard(rid)
+
+
+class ResponseEvents:
+    """One response's events, read as they pass (see the module's contract). Never raises:
+    a frame that is not a JSON event is passed over (``unreadable`` counts it)."""
+
+    def __init__(self, keep_max_bytes: int = 0, max_event_bytes: int = 8 * 1024 * 1024):
+        self.events_seen = 0  # every event
+        self.output_seen = 0  # events that carry output (not created / in_progress / error)
+        self.unreadable = 0
+        self.terminal: Literal["success", "failure"] | None = None
+        self.terminal_type: str | None = None
+        self.error_status: int | None = None  # the status of an ``error`` event, if any
+        self.response_id: str | None = None
+        self.output_items: list[Any] | None = []  # None: more than the socket record keeps
+        self.over_cap = False
+        self._keep_max = keep_max_bytes
+        self._max_event = max_event_bytes
+        self._kept: list[bytes] | None = [] if keep_max_bytes > 0 else None
+        self._kept_bytes = 0
+        self._items_bytes = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.terminal is not None
+
+    @property
+    def sse_body(self) -> bytes | None:
+        """The events as an SSE body, when all were kept and the response succeeded."""
+        if self._kept is None or self.terminal != "success":
+            return None
+        return b"".join(self._kept)
+
+    def feed(self, text: str) -> str | None:
+        """Take one server frame's text; returns its event type (None: not an event)."""
+        event = _parse_event(text, self._max_event)
+        if event is None:
+            self.unreadable += 1
+            return None
+        kind = event["type"]
+        self.events_seen += 1
+        if kind not in _BOOKKEEPING and kind != "error":
+            self.output_seen += 1
+        self._learn(kind, event, len(text))
+        self._keep(kind, text)
+        return kind
+
+    def _learn(self, kind: str, event: dict[str, Any], size: int) -> None:
+        response = event.get("response")
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            self.response_id = response["id"]
+        if kind == "response.output_item.done" and "item" in event:
+            self._items_bytes += size
+            if self.output_items is None or self._items_bytes > MAX_FRAME_BYTES:
+                self.output_items = None
+            else:
+                self.output_items.append(event["item"])
+        if kind == "error":
+            status = event.get("status")
+            if isinstance(status, int) and not isinstance(status, bool):
+                self.error_status = status
+        terminal = terminal_kind(kind)
+        if terminal is not None and self.terminal is None:
+            self.terminal, self.terminal_type = terminal, kind
+
+    def _keep(self, kind: str, text: str) -> None:
+        if self._kept is None:
+            return
+        chunk = b"event: " + kind.encode() + b"\ndata: " + _one_line(text) + b"\n\n"
+        self._kept_bytes += len(chunk)
+        if self._kept_bytes > self._keep_max:
+            self._kept, self.over_cap = None, True
+        else:
+            self._kept.append(chunk)
+
+
+def _one_line(text: str) -> bytes:
+    """The event's JSON on one line (an SSE ``data:`` field ends at a line break)."""
+    if "\n" not in text and "\r" not in text:
+        return text.encode("utf-8", "surrogatepass")
+    return json.dumps(json.loads(text), separators=(",", ":"),
+                      ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _parse_event(text: str, max_bytes: int) -> dict[str, Any] | None:
+    if len(text) > max_bytes or not text.lstrip().startswith("{"):
+        return None
+    try:
+        event = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        return None
+    return event
+
+
+def frames_of_recording(body: bytes) -> list[str] | None:
+    """The event frames of a recorded SSE body (each event's data, a JSON object with a
+    ``type``), or None when it is not such a stream (then it cannot be replayed over a
+    WebSocket)."""
+    parser = SseParser()
+    events = parser.feed(body) + parser.close()
+    frames = []
+    for ev in events:
+        if ev.data.strip() == "[DONE]":
+            continue
+        if ev.truncated or _parse_event(ev.data, len(ev.data) + 1) is None:
+            return None
+        frames.append(ev.data)
+    return frames or None
+
+
+def ws_status(status: int) -> int:
+    """The status of turnguard's HTTP answer as an ``error`` event's ``status``. 409
+    (``turn_in_progress``: retry later) becomes 503: Codex retries a 5xx on a new socket and
+    may give up the turn on another 4xx."""
+    return 503 if status == 409 else status
+
+
+def error_frame(status: int, answer_body: bytes) -> str:
+    """turnguard's answer (an OpenAI-shaped JSON error body) as an ``error`` event frame with a
+    numeric ``status``."""
+    try:
+        error = json.loads(answer_body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if not isinstance(error, dict):
+        error = {"type": "turnguard_error", "code": "turnguard_error",
+                 "message": answer_body.decode("utf-8", "replace")[:500]}
+    return json.dumps({"type": "error", "status": ws_status(status), "error": error},
+                      separators=(",", ":"))

@@ -1,0 +1,344 @@
+"""The guard on a WebSocket: Codex's Responses calls sent as ``response.create`` frames.
+
+Each guarded socket (its upgrade matched ``turnguard_filter``) gets a ``Socket``. The client's
+frames are dropped as they arrive (``websocket_message`` never waits) and queued; a task per
+socket takes them in order, one response at a time (the protocol's own rule), and for each
+call runs the same request machine, with the same ledger, as an HTTP request:
+
+    Forward      the frame goes upstream (as sent, or rebuilt to its full input when the
+                 upstream cannot know the response it continues); the response's events are
+                 relayed live, read as they pass and recorded as one attempt
+    Replay       the recorded events are sent to the client; nothing goes upstream
+    Respond      turnguard's answer as an ``error`` event with a numeric ``status``
+    PassThrough  the frame goes upstream untouched, no attempt
+    Abandon      nothing is sent upstream; a client still there gets a 503 ``error`` event
+
+Frames that are not calls (a prewarm, binary, not JSON, other types) go upstream untouched,
+in order, and are named in the telemetry. A frame is never lost: if guarding it fails, it is
+forwarded. The socket's ``SocketRecord`` remembers the responses it carried, so that a delta
+frame (``previous_response_id`` + new items) has the same identity as its full resend on a
+new socket or as the HTTP POST fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mitmproxy import ctx, http
+
+from turnguard_core import answers, circuit, identity, machine, negotiation, ws
+from turnguard_core.codec import BoundedCodec
+from turnguard_core.ending import EndFacts
+
+from . import flows
+from .answering import MAX_GUARDED_BODY, MAX_RECODED_BODY
+
+if TYPE_CHECKING:
+    from .inflight import Attempt
+
+logger = logging.getLogger("turnguard")
+
+MARK_WS = ":electric_plug:"
+MAX_QUEUED_FRAMES = 64  # frames a client may send ahead of the socket's response in flight
+
+
+@dataclass
+class Response:
+    """The response the upstream is sending on a socket now."""
+
+    request: dict  # the full request it answers
+    events: ws.ResponseEvents
+    attempt_key: str | None  # its attempt, when it is a guarded dispatch
+
+
+@dataclass
+class Socket:
+    flow: http.HTTPFlow
+    record: ws.SocketRecord = field(default_factory=ws.SocketRecord)
+    frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # (content, is_text) | None
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # no response in flight
+    current: Response | None = None
+    calls: int = 0
+    closed: bool = False
+    task: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def begin(self, response: Response) -> None:
+        self.current = response
+        self.idle.clear()
+
+    def finish(self) -> Response | None:
+        current, self.current = self.current, None
+        self.idle.set()
+        return current
+
+
+def inject(flow: http.HTTPFlow, content: bytes | str, *, to_client: bool,
+           is_text: bool = True) -> None:
+    """Send a message on the socket (mitmproxy's ``inject.websocket``)."""
+    data = content.encode("utf-8", "surrogatepass") if isinstance(content, str) else content
+    ctx.master.commands.call("inject.websocket", flow, to_client, data, is_text)
+
+
+class WebSockets:
+    """The guarded sockets. They are the process's (``ProcessState.sockets``): after a script
+    reload the new addon instance gets their hooks, and their tasks work for it."""
+
+    def __init__(self, process) -> None:
+        self._process = process
+        self._sockets: dict[str, Socket] = process.sockets
+
+    @property
+    def _guard(self):
+        return self._process.guard
+
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def start(self, flow: http.HTTPFlow) -> None:
+        sock = Socket(flow)
+        self._sockets[flow.id] = sock
+        sock.task = asyncio.get_running_loop().create_task(self._serve(sock))
+        self._guard.explainer.show(flow, MARK_WS, "turnguard: guarding the Responses calls "
+                                   "on this WebSocket")
+
+    def message(self, flow: http.HTTPFlow) -> None:
+        sock = self._sockets.get(flow.id)
+        if sock is None or flow.websocket is None or not flow.websocket.messages:
+            return
+        message = flow.websocket.messages[-1]
+        if message.injected:
+            return  # ours, on its way
+        if not message.from_client:
+            return self._upstream_frame(sock, message)
+        if sock.frames.qsize() >= MAX_QUEUED_FRAMES:
+            self._guard._emit("passthrough", flow=flow.id, transport="ws",
+                              reason=f"more than {MAX_QUEUED_FRAMES} frames queued")
+            return  # forwarded as it is, now
+        message.drop()
+        sock.frames.put_nowait((message.content, message.is_text))
+
+    def end(self, flow: http.HTTPFlow) -> None:
+        sock = self._sockets.pop(flow.id, None)
+        if sock is None:
+            return
+        sock.closed = True
+        sock.frames.put_nowait(None)
+        data = flow.websocket
+        by_client = bool(data and data.closed_by_client)
+        code = data.close_code if data else None
+        if sock.current is not None:
+            side = "client" if by_client else "upstream"
+            self._response_ended(sock, error=f"websocket closed by {side} (code {code})",
+                                 client_gone=by_client)
+        self._guard.waiters.gone(flow.id, "websocket closed")
+        sock.idle.set()
+
+    # -- the client's frames, in order -----------------------------------------------------------
+    async def _serve(self, sock: Socket) -> None:
+        while not sock.closed:
+            item = await sock.frames.get()
+            if item is None:
+                return
+            await sock.idle.wait()  # one response at a time on a socket
+            if sock.closed:
+                return
+            content, is_text = item
+            try:
+                if self._guard is None:  # unloaded, and no instance took over
+                    self._forward(sock, content, is_text)
+                else:
+                    await self._frame(sock, content, is_text)
+            except Exception as e:  # never lose a frame: forward it as it came
+                logger.exception("turnguard: guarding a frame of %s failed; forwarding it",
+                                 sock.flow.id)
+                if self._guard is not None:
+                    self._guard._emit("passthrough", flow=sock.flow.id, transport="ws",
+                                      reason=f"internal error: {e!r}")
+                if sock.current is None:
+                    self._forward(sock, content, is_text)
+
+    def _forward(self, sock: Socket, content: bytes, is_text: bool,
+                 response: Response | None = None) -> None:
+        if sock.closed:
+            return
+        if response is not None:
+            sock.begin(response)
+        inject(sock.flow, content, to_client=False, is_text=is_text)
+
+    async def _frame(self, sock: Socket, content: bytes, is_text: bool) -> None:
+        frame = ws.parse_client_frame(content, is_text)
+        match frame:
+            case ws.NotACall(reason=reason):
+                self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
+                self._forward(sock, content, is_text)
+            case ws.Prewarm(body=body):
+                full = sock.record.full_request(body)
+                self._forward(sock, content, is_text, Response(full.body, self._events(), None))
+            case ws.Call():
+                await self._call(sock, frame, content)
+
+    def _events(self, keep: bool = False) -> ws.ResponseEvents:
+        settings = self._guard.settings
+        keep_max = settings.replay_max_bytes if keep and settings.guard.replay else 0
+        return ws.ResponseEvents(keep_max_bytes=keep_max)
+
+    async def _call(self, sock: Socket, frame: ws.Call, content: bytes) -> None:
+        guard, flow = self._guard, sock.flow
+        cfg = guard.settings
+        budget_deadline = time.monotonic() + cfg.request_budget_s
+        sock.calls += 1
+        key = f"{flow.id}:{sock.calls}"
+        full = sock.record.full_request(frame.body)
+        ident = await guard.identifier.identify_view(
+            flows.ws_call_view(flow, full.encoded()), cfg.request_budget_s,
+            cfg.credential_headers)
+        if isinstance(ident, identity.Passthrough):
+            guard._emit("passthrough", flow=key, transport="ws", reason=ident.reason)
+            return self._forward(sock, content, True, Response(full.body, self._events(), None))
+        req = await guard.request_facts(ident, key, budget_deadline, accepts_sse=False,
+                                        turn_anchor=frame.turn_id is not None, transport="ws")
+        scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
+        state = await guard.decide(flow, ident, req, "POST", scope)
+        if sock.closed:
+            return  # the client left while it was decided: nothing to send, nowhere
+        match state:
+            case machine.Forward(dispatch=dispatch):
+                events = self._events(keep=True)
+                guard.inflight.start(flow, ident, dispatch, scope, key=key, ws_events=events)
+                self._dispatch(sock, key, frame, full, content, events, ident, attempt_key=key)
+            case machine.PassThrough():
+                self._dispatch(sock, key, frame, full, content, self._events(), ident)
+            case machine.Replay():
+                if not await self._replay(sock, key, ident, full, state):
+                    self._dispatch(sock, key, frame, full, content, self._events(), ident)
+            case machine.Respond(answer=answer):
+                inject(flow, ws.error_frame(answer.status, answer.body), to_client=True)
+            case machine.Abandon(reason=reason):  # the client is still there: it may retry
+                released = answers.error_answer(
+                    503, "turnguard_hold_released", f"turnguard let this request go ({reason});"
+                    " nothing was sent upstream; retry it.", retry_after_s=1)
+                inject(flow, ws.error_frame(503, released.body), to_client=True)
+            case _:
+                raise AssertionError(f"unexpected terminal state {state!r}")
+
+    def _dispatch(self, sock: Socket, key: str, frame: ws.Call, full: ws.FullRequest,
+                  content: bytes, events: ws.ResponseEvents, ident: identity.Identity,
+                  *, attempt_key: str | None = None) -> None:
+        """Send the call upstream: as the client sent it, or rebuilt to its full input when
+        the upstream cannot know the response it continues (it was replayed, or answered
+        on another socket)."""
+        outbound = sock.record.outbound(frame.body, full)
+        if outbound is not None:
+            content = identity.canonical_json(outbound)
+            self._guard._emit("ws_full_input_sent", op=ident.op_id, flow=key, transport="ws",
+                              session=ident.session, reason="upstream does not know "
+                              "previous_response_id")
+        if full.unresolved is not None:
+            self._guard._emit("ws_unknown_previous_response", op=ident.op_id, flow=key,
+                              transport="ws", session=ident.session)
+        self._forward(sock, content, True, Response(full.body, events, attempt_key))
+
+    # -- the upstream's events -------------------------------------------------------------------
+    def _upstream_frame(self, sock: Socket, message) -> None:
+        current = sock.current
+        if current is None or not message.is_text:
+            return
+        try:
+            output_before = current.events.output_seen
+            if current.events.feed(message.text) is None:
+                return
+            if current.attempt_key is not None:
+                self._guard.inflight.ws_event(
+                    current.attempt_key, first_output=output_before == 0 < current.events.output_seen)
+            if current.events.ended:
+                self._response_ended(sock)
+        except Exception:  # the client's frames matter more than our bookkeeping
+            logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
+
+    def _response_ended(self, sock: Socket, *, error: str | None = None,
+                        client_gone: bool = False) -> None:
+        response = sock.finish()
+        if response is None:
+            return
+        sock.record.remember(response.request, response.events, from_upstream=True)
+        if response.attempt_key is not None:
+            headers = flows.request_headers(sock.flow)
+            self._guard.inflight.close(
+                response.attempt_key,
+                lambda attempt: _end_facts(attempt, response.events, headers, error, client_gone))
+
+    # -- replay ----------------------------------------------------------------------------------
+    async def _replay(self, sock: Socket, key: str, ident: identity.Identity,
+                      full: ws.FullRequest, r: machine.Replay) -> bool:
+        """Send the recorded events to the client; False when they cannot be (said why; the
+        caller forwards the call, as a declined HTTP replay is)."""
+        guard, flow = self._guard, sock.flow
+        base = {"op": ident.op_id, "flow": key, "session": ident.session, "transport": "ws"}
+        frames, why_not = await _recorded_frames(r.recording, flows.request_headers(flow))
+        if frames is None:
+            guard._emit("replay_declined", **base, held_ms=r.held_ms, reason=why_not)
+            guard.explainer.show(flow, None, f"turnguard: not replayed ({why_not}); forwarded")
+            return False
+        events = ws.ResponseEvents()
+        for text in frames:
+            events.feed(text)
+            inject(flow, text, to_client=True)
+        sock.record.remember(full.body, events, from_upstream=False)
+        guard.store.note_duplicates(ident.op_key, replayed=1)
+        guard._emit("duplicate_replayed", **base, held_ms=r.held_ms, status=r.recording.status,
+                    bytes=sum(len(t) for t in frames), frames=len(frames),
+                    attempt=r.attempt_id, recoded=False)
+        guard.explainer.show(flow, flows.MARK_REPLAYED, "turnguard: replayed the recorded "
+                             f"events of operation {ident.op_id} ({len(frames)} frames) after "
+                             f"{r.held_ms} ms; nothing was sent upstream")
+        return True
+
+
+async def _recorded_frames(rec, request_headers) -> tuple[list[str] | None, str | None]:
+    """The recording's events as frames, decoded when it was recorded with a content coding;
+    or None and why it cannot be replayed on a WebSocket."""
+    headers = tuple((k, v) for k, v in request_headers if k.lower() != "accept-encoding")
+    how = negotiation.plan(rec.headers, rec.vary_key, (*headers, ("accept-encoding", "identity")))
+    body, served = rec.body, rec.headers
+    if isinstance(how, negotiation.Recode):
+        how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
+                                      BoundedCodec(MAX_RECODED_BODY))
+        if isinstance(how, negotiation.Serve):
+            body, served = how.body, how.headers
+    if isinstance(how, negotiation.Decline):
+        return None, how.reason
+    content_type = next((v for k, v in served if k.lower() == "content-type"), "")
+    if not content_type.lower().startswith("text/event-stream"):
+        return None, "not an event stream"
+    frames = ws.frames_of_recording(body[:MAX_GUARDED_BODY])
+    return (frames, None) if frames is not None else (None, "events not readable as frames")
+
+
+def _end_facts(attempt: "Attempt", events: ws.ResponseEvents,
+               request_headers: tuple[tuple[str, str], ...], error: str | None,
+               client_gone: bool) -> EndFacts:
+    """What a call's response was, in the terms of an HTTP attempt's end: an ``error`` event
+    with a 4xx status before any output is a rejection (the call did not run); otherwise the
+    socket's 101 stands for a 2xx, and only events that carry output count as events."""
+    before_output = events.output_seen == 0
+    failed_event = events.terminal_type if events.terminal == "failure" and before_output else None
+    status = 200
+    if failed_event == "error" and events.error_status is not None \
+            and 400 <= events.error_status < 500:
+        status = events.error_status
+    return EndFacts(
+        kind=attempt.kind, status=status, events_seen=events.output_seen,
+        terminal=events.terminal, counts_events=True, body_complete=events.ended,
+        kept_body=events.sse_body, over_cap=events.over_cap, response_headers=ws.SSE_HEADERS,
+        request_headers=request_headers, error=error, cut_reason=attempt.cut_reason,
+        client_gone=client_gone, transport="ws", failed_event=failed_event,
+    )
+

@@ -1,0 +1,153 @@
+"""A small WebSocket client for the tests, speaking the Responses API over WebSocket as Codex
+does (``response.create`` frames out, one JSON event per frame back), on wsproto (installed
+with mitmproxy) and asyncio streams. Every wait is bounded.
+
+    async with WsClient.connect(proxy.url, headers={"session-id": "s1"}) as c:
+        await c.send({"type": "response.create", "model": "m", "input": [...]})
+        events = await c.response()          # the events up to the terminal one
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from wsproto import WSConnection
+from wsproto.connection import ConnectionType
+from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message, Ping,
+                            RejectConnection, Request, TextMessage)
+
+TIMEOUT_S = 15.0
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+CODEX_HEADERS = {"openai-beta": "responses_websockets=2026-02-06", "originator": "codex_exec"}
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The socket ended: the close code (1006: without a close frame)."""
+
+    code: int
+
+
+class WsClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 ws: WSConnection):
+        self._reader, self._writer, self._ws = reader, writer, ws
+        self._parts: list[str | bytes] = []
+        self._ready: list[str | bytes | Closed] = []
+        self.closed: Closed | None = None
+
+    @classmethod
+    def connect(cls, url: str, *, path: str = "/v1/responses",
+                headers: dict[str, str] | None = None) -> "_Connecting":
+        return _Connecting(url, path, {**CODEX_HEADERS, **(headers or {})})
+
+    @classmethod
+    async def open(cls, url: str, path: str, headers: dict[str, str]) -> "WsClient":
+        parts = urlsplit(url)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(parts.hostname, parts.port), TIMEOUT_S)
+        ws = WSConnection(ConnectionType.CLIENT)
+        extra = [(k.encode(), v.encode()) for k, v in headers.items()]
+        writer.write(ws.send(Request(host=parts.netloc, target=path, extra_headers=extra)))
+        client = cls(reader, writer, ws)
+        while True:
+            event = await client._next_event()
+            if isinstance(event, AcceptConnection):
+                return client
+            if isinstance(event, RejectConnection):
+                writer.close()
+                raise ConnectionError(f"upgrade rejected with {event.status_code}")
+
+    async def _next_event(self):
+        for _ in range(100_000):  # bounded: each pass reads or returns
+            for event in self._ws.events():
+                return event
+            data = await asyncio.wait_for(self._reader.read(65536), TIMEOUT_S)
+            self._ws.receive_data(data or None)
+        raise RuntimeError("too many reads")
+
+    async def send(self, message: dict[str, Any] | str | bytes) -> None:
+        if isinstance(message, dict):
+            message = json.dumps(message)
+        event = TextMessage(message) if isinstance(message, str) else BytesMessage(message)
+        self._writer.write(self._ws.send(event))
+        await self._writer.drain()
+
+    async def recv(self, timeout: float = TIMEOUT_S) -> str | bytes | Closed:
+        """The next whole message, or ``Closed``."""
+        return await asyncio.wait_for(self._recv(), timeout)
+
+    async def _recv(self) -> str | bytes | Closed:
+        if self.closed is not None:
+            return self.closed
+        while True:
+            try:
+                event = await self._next_event()
+            except (ConnectionError, OSError):
+                event = CloseConnection(1006)
+            if isinstance(event, Ping):
+                self._writer.write(self._ws.send(event.response()))
+            elif isinstance(event, CloseConnection):
+                self.closed = Closed(event.code)
+                return self.closed
+            elif isinstance(event, Message):
+                self._parts.append(event.data)
+                if event.message_finished:
+                    parts, self._parts = self._parts, []
+                    return "".join(parts) if isinstance(event, TextMessage) else b"".join(parts)
+
+    async def response(self, timeout: float = TIMEOUT_S) -> list[dict[str, Any]]:
+        """The events of one response, up to its terminal event (or the socket's end, then the
+        last item is a ``{"type": "closed", "code": ...}`` pseudo-event)."""
+        events: list[dict[str, Any]] = []
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            message = await self.recv(max(0.01, left))
+            if isinstance(message, Closed):
+                return [*events, {"type": "closed", "code": message.code}]
+            event = json.loads(message)
+            events.append(event)
+            if event.get("type") in TERMINAL:
+                return events
+
+    def abort(self) -> None:
+        """Drop the connection with a TCP reset (as a killed client does)."""
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._writer.close()
+
+    async def aclose(self) -> None:
+        try:
+            self._writer.close()
+            await asyncio.wait_for(self._writer.wait_closed(), 2)
+        except (OSError, TimeoutError, ConnectionError):
+            pass
+
+
+class _Connecting:
+    def __init__(self, url: str, path: str, headers: dict[str, str]):
+        self._args = (url, path, headers)
+        self._client: WsClient | None = None
+
+    def __await__(self):
+        return WsClient.open(*self._args).__await__()
+
+    async def __aenter__(self) -> WsClient:
+        self._client = await WsClient.open(*self._args)
+        return self._client
+
+    async def __aexit__(self, *exc) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def types(events: list[dict[str, Any]]) -> list[str]:
+    return [e.get("type") for e in events]
