@@ -166,7 +166,8 @@ class TurnGuard:
             await self._guard(flow)
         except Exception as e:  # never break traffic: the flow goes on as a plain proxy's would
             logger.exception("turnguard: request hook failed; forwarding %s unguarded", flow.id)
-            self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}")
+            self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}",
+                       transport="http")
 
     async def _guard(self, flow: http.HTTPFlow) -> None:
         """What happens to a guarded request: identify it, run the machine, do what it ends in."""

@@ -21,7 +21,8 @@ FAST_MODULES = frozenset({
     "test_addon", "test_circuit", "test_control", "test_degraded", "test_identity",
     "test_ledger", "test_liveness", "test_metrics", "test_negotiation", "test_offload",
     "test_ops", "test_options", "test_outage_machine", "test_policy", "test_private_files", "test_proxy_internals",
-    "test_recovery_machine", "test_repro_models", "test_sse", "test_tee",
+    "test_recovery_machine", "test_repro_models", "test_sse", "test_tee", "test_ws",
+    "test_machine",
 })
 
 

@@ -264,3 +264,99 @@ def test_codex_cli_turn_state_request_through_the_cooldown(codex, tmp_path, mode
             assert not rejected and len(events(tmp_path, "tg", "recovery_claimed")) == 1
     report(f"codex exec {CODEX_VERSION}, turn-state request vs cooldown, {mode}: completed in "
            f"{took:.1f} s, 503s seen={len(rejected)}, upstream dispatches={len(ds)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Codex CLI on its default transport: the built-in provider, Responses over WebSocket
+
+
+def codex_ws_exec(codex: Path, tmp_path: Path, base_url: str,
+                  prompt: str = "say hello") -> subprocess.CompletedProcess[str]:
+    """``codex exec`` pointed at turnguard the way users do it (``openai_base_url`` with the
+    built-in ``openai`` provider): it speaks the Responses API over a WebSocket."""
+    home, work = tmp_path / "codex-home", tmp_path / "codex-work"
+    home.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if not k.lower().endswith("_proxy") and not k.startswith(("OPENAI_", "CODEX_"))}
+    env.update({"CODEX_HOME": str(home), "OPENAI_API_KEY": "sk-repro-dummy-not-a-secret",
+                "NO_COLOR": "1"})
+    cmd = [str(codex), "exec", "--skip-git-repo-check", "--ephemeral", "--ignore-user-config",
+           "-C", str(work), "-c", f'openai_base_url="{base_url}/v1"', prompt]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=CODEX_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, cwd=work, env=env)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return subprocess.CompletedProcess(cmd, -9, out, f"codex exec timed out after {CODEX_TIMEOUT_S} s\n{err}")
+
+
+def test_codex_cli_over_websocket_a_turn_with_a_tool_call(codex, tmp_path, report):
+    scenario = {"sequence": [{"kind": "tool_call", "name": "repro_lookup"}],
+                "default": {"kind": "ok", "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "tg") as p:
+        done = codex_ws_exec(codex, tmp_path, p.url, "look it up")
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        ds = up.dispatches()
+        assert [d["transport"] for d in ds] == ["ws", "ws"], diagnose(tmp_path, "tg", up)
+        assert ds[1]["previous_response_id"] is not None  # the follow-up: a delta on its socket
+        dispatched = events(tmp_path, "tg", "dispatch")
+        assert [(d["transport"], d["kind"]) for d in dispatched] == [("ws", "original")] * 2
+        assert [o["outcome"] for o in events(tmp_path, "tg", "outcome")] == ["completed"] * 2
+    report(f"codex exec {CODEX_VERSION} over WebSocket, a turn with a tool call: upstream "
+           f"dispatches={len(ds)} (one per model call)")
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "server_anchored_replay_once"])
+def test_codex_cli_over_websocket_through_the_cooldown(codex, tmp_path, mode, report):
+    """The socket closes right after the frame twice (no event): the circuit opens. Default:
+    Codex gets 503 error events, goes down its reconnect ladder (and maybe to its POST
+    fallback, the same operation) and completes once the cooldown is over. Once mode: its next
+    frame is held through the cooldown and recovered with one dispatch."""
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+                "default": {"kind": "ok", "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, "tg", turnguard_recovery_mode=mode) as p:
+        started = time.monotonic()
+        done = codex_ws_exec(codex, tmp_path, p.url)
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        ds = up.dispatches()
+        assert len(ds) == 3 and during_cooldown(tmp_path, "tg", up) == 0, diagnose(tmp_path, "tg", up)
+        rejected = events(tmp_path, "tg", "cooldown_rejected")
+        if mode == "fail_closed":
+            assert rejected and all(r["transport"] in ("ws", "http") for r in rejected)
+        else:
+            assert not rejected and len(events(tmp_path, "tg", "recovery_claimed")) == 1
+    report(f"codex exec {CODEX_VERSION} over WebSocket vs cooldown, {mode}: completed in "
+           f"{took:.1f} s, 503s seen={len(rejected)}, upstream dispatches={len(ds)} "
+           f"({', '.join(d['transport'] for d in ds)})")
+
+
+def test_codex_cli_post_fallback_is_the_same_operation_as_its_websocket_frames(codex, tmp_path, report):
+    """A cooldown longer than Codex's reconnect ladder: it falls back to HTTP POST while the
+    circuit still cools. turnguard knows the POST as the frames' operation (the same op in
+    every 503), sends nothing upstream in the cooldown, and the turn completes after it."""
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+                "default": {"kind": "ok", "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, "tg", turnguard_cooldown_ms=9000) as p:
+        started = time.monotonic()
+        done = codex_ws_exec(codex, tmp_path, p.url)
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        assert "Falling back from WebSockets to HTTPS transport" in done.stderr
+        ds = up.dispatches()
+        assert [d["transport"] for d in ds] == ["ws", "ws", "http"], diagnose(tmp_path, "tg", up)
+        assert during_cooldown(tmp_path, "tg", up) == 0, diagnose(tmp_path, "tg", up)
+        rejected = events(tmp_path, "tg", "cooldown_rejected")
+        assert {r["transport"] for r in rejected} == {"ws", "http"}
+        ops = {e["op"] for e in [*rejected, *events(tmp_path, "tg", "dispatch")]}
+        assert len(ops) == 1, diagnose(tmp_path, "tg", up)  # one operation on both transports
+    report(f"codex exec {CODEX_VERSION}: WebSocket frames and their HTTP POST fallback as one "
+           f"operation through a 9 s cooldown: completed in {took:.1f} s, 503s seen="
+           f"{len(rejected)} ({sum(r['transport'] == 'http' for r in rejected)} over HTTP)")

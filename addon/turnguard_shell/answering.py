@@ -61,7 +61,8 @@ class Replayer:
         recorded, byte for byte, when it can; decoded or re-encoded for a client that does not
         accept the recorded content coding. Declined (``Vary``, or no acceptable coding): the
         flow is forwarded untouched, with a ``replay_declined`` event."""
-        rec, base = r.recording, {"op": ident.op_id, "flow": flow.id, "session": ident.session}
+        rec, base = r.recording, {"op": ident.op_id, "flow": flow.id, "session": ident.session,
+                                  "transport": "http"}
         how = negotiation.plan(rec.headers, rec.vary_key, flows.request_headers(flow))
         headers, body = rec.headers, rec.body
         if isinstance(how, negotiation.Recode):

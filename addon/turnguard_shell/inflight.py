@@ -163,7 +163,7 @@ class InFlight:
         ok = 200 <= resp.status_code < 300
         counts_events = is_sse and encoding in ("", "identity") and ok
         if is_sse and encoding not in ("", "identity"):
-            self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id,
+            self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id, transport="http",
                        reason=f"response content-encoding {encoding}: events not counted")
         if not counts_events:
             attempt.stop_timer()  # an answer that is not an event stream is its own event

@@ -112,6 +112,10 @@ class Dispatch:
             ("content-type", "text/event-stream"), ("cache-control", "no-cache"),
             ("transfer-encoding", "chunked"))))
 
+    async def _end_stream(self) -> None:
+        """The end of a complete event stream (the chunked body's last chunk)."""
+        await self.conn.send(LAST_CHUNK)
+
     async def _send_event(self, event: Event) -> None:
         await self.conn.send(chunk(frame(*event)))
         self.events_sent += 1
@@ -146,7 +150,7 @@ class Dispatch:
         response object as one JSON body, like the API. With ``content_encoding`` the whole
         body is sent at once in that coding (and ``first_event_ms`` and ``gap_ms`` are
         ignored)."""
-        coding = self.b.get("content_encoding")
+        coding = self._content_coding()
         streamed = self.body.get("stream") is True  # like the API: JSON unless asked to stream
         final = json.dumps(events[-1][1]["response"]).encode()
         if coding is not None and coding != "identity":
@@ -170,9 +174,12 @@ class Dispatch:
                 await self._break(after)
                 self.outcome = f"completed_then_{after}"
                 return
-            await self.conn.send(LAST_CHUNK)
+            await self._end_stream()
         self.outcome = "completed"
         self.reusable = True
+
+    def _content_coding(self) -> str | None:
+        return self.b.get("content_encoding")
 
     async def _do_ok(self, default_delay_ms: float = 0) -> None:
         """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``after_completed``
@@ -265,7 +272,7 @@ class Dispatch:
         await self._stream(events, _ms(self.b, "gap_ms", 0))
         if end == "failed":
             await self._send_event(failed_event(self.rid, self.model, k))
-            await self.conn.send(LAST_CHUNK)
+            await self._end_stream()
             self.outcome = "partial_failed"
             self.reusable = True
         elif end == "stall":

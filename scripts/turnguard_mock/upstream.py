@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from .behaviours import Dispatch
+from .responses_ws import serve_socket
 from .events import INVALID_BODY_ERROR
 from .scenario import DEFAULT_SCENARIO, Dispatcher, validate_behaviour
 from .server import ClientGone, Connection, Request, json_error
@@ -50,6 +51,10 @@ class MockUpstream:
         close = not req.keep_alive
         if req.method == "POST" and req.path.endswith(MODEL_ROUTES):
             return await self.dispatch(conn, req)
+        if (req.method == "GET" and req.path.endswith(MODEL_ROUTES)
+                and (req.header("upgrade") or "").lower() == "websocket"):
+            await serve_socket(self, conn, req)
+            return False
         if req.method == "GET" and req.path == "/_mock/health":
             await conn.send_whole(200, "text/plain", b"ok", close=close)
         elif req.method == "GET" and req.path == "/_mock/dispatches":
@@ -89,18 +94,26 @@ class MockUpstream:
             except ValueError as e:
                 await conn.send_json(400, json_error(str(e), "bad_mock_behaviour"), close=True)
                 return False
+        n, selected = self.select(conn, req, "http", override=behaviour if override else None)
+        d = Dispatch(conn, req, n, selected)
+        await self.run(d)
+        return d.reusable and req.keep_alive
+
+    def select(self, conn: Connection, req: Request, transport: str, *,
+               override: dict[str, Any] | None = None, **extra: Any) -> tuple[int, dict[str, Any]]:
+        """Number a dispatch, choose its behaviour (``override``: the x-mock-behaviour header's)
+        and log it; returns the number and the behaviour."""
         session = req.header("session-id") or req.header("session_id")
         body_sha = hashlib.sha256(req.body).hexdigest()
         sel = self.dispatcher.next(session, body_sha)
         if override is None:
             selected_by, behaviour = sel.selected_by, sel.behaviour
         else:
-            selected_by = "header"
-        n = sel.n
+            selected_by, behaviour = "header", override
         self.record(
             {
                 "event": "dispatch",
-                "n": n,
+                "n": sel.n,
                 "ts": time.time(),
                 "method": req.method,
                 "path": req.path,
@@ -116,18 +129,22 @@ class MockUpstream:
                 "session_n": sel.session_n,
                 "spec": behaviour,
                 "client_attempt": req.header(REPRO_ATTEMPT_HEADER),
+                "transport": transport,
+                **extra,
             }
         )
-        d = Dispatch(conn, req, n, behaviour)
+        return sel.n, behaviour
+
+    async def run(self, d: Dispatch) -> None:
+        """Answer a logged dispatch with its behaviour; log how it ended."""
         try:
             await d.run()
         except ClientGone:
             d.outcome = "client_gone"
-            self.record({"event": "client_gone", "n": n, "ts": time.time()})
+            self.record({"event": "client_gone", "n": d.n, "ts": time.time()})
         except asyncio.CancelledError:
             d.outcome = "server_shutdown"
             raise
         finally:
-            self.record({"event": "dispatch_end", "n": n, "ts": time.time(), "status": d.status,
+            self.record({"event": "dispatch_end", "n": d.n, "ts": time.time(), "status": d.status,
                          "events_sent": d.events_sent, "outcome": d.outcome})
-        return d.reusable and req.keep_alive

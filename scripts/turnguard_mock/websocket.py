@@ -46,6 +46,12 @@ class WebSocket:
         return cls(conn, WsConnection(ConnectionType.SERVER,
                                       trailing_data=conn.parser.take_buffered()))
 
+    def take(self, data: bytes) -> None:
+        """Bytes of this socket that were read elsewhere (while a behaviour watched for the
+        client leaving)."""
+        if data:
+            self._ws.receive_data(data)
+
     async def send(self, event: Event) -> None:
         """Send one event (a message, a close, a pong)."""
         await self.conn.send(self._ws.send(event))

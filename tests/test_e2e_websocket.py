@@ -1,0 +1,282 @@
+"""End to end: the guard on Codex's default transport, Responses over WebSocket, through a real
+mitmdump + turnguard in front of the real mock upstream speaking the same transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+from harness import (MockUpstream, assert_no_traceback, guarded, parse_sse, sse_post,
+                     turnguard_events, wait_until)
+from ws_client import WsClient, types
+
+SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
+HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
+COOLDOWN_MS = 2500
+
+
+def user(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def call(items: list, *, turn: str = "turn-1", seed: int = 0, **extra) -> dict:
+    """A ``response.create`` frame as Codex sends it: keys in a random order, a new start-ms."""
+    meta = {"turn_id": turn, "session_id": SESSION, "x-codex-window-id": f"{SESSION}:0",
+            "x-codex-ws-stream-request-start-ms": str(1796075676393 + seed),
+            "ws_request_header_x_openai_internal_codex_responses_lite": "true"}
+    frame = {"type": "response.create", "model": "gpt-test", "stream": True, "input": items,
+             "tool_choice": "auto", "parallel_tool_calls": False, "store": False,
+             "prompt_cache_key": SESSION, "client_metadata": meta, **extra}
+    rnd = random.Random(seed)
+    keys = list(frame)
+    rnd.shuffle(keys)
+    return {k: frame[k] for k in keys}
+
+
+def post_fallback(frame: dict) -> dict:
+    """The HTTP POST Codex falls back to: the frame without its WebSocket-only fields."""
+    body = {k: v for k, v in frame.items() if k != "type"}
+    body["client_metadata"] = {k: v for k, v in frame["client_metadata"].items()
+                               if k != "x-codex-ws-stream-request-start-ms"
+                               and not k.startswith("ws_request_header_")}
+    return body
+
+
+PREWARM = {"type": "response.create", "model": "gpt-test", "input": [], "generate": False,
+           "client_metadata": {"turn_id": "", "session_id": SESSION}}
+
+
+def ws_dispatches(up: MockUpstream) -> list[dict]:
+    return [r for r in up.dispatches() if r.get("transport") == "ws"]
+
+
+def events(tmp_path, kind=None):
+    return turnguard_events(tmp_path, "mitmdump", kind)
+
+
+def proxy(tmp_path, up, **options):
+    return guarded(tmp_path, up, **{"turnguard_cooldown_ms": COOLDOWN_MS, **options})
+
+
+async def one_call(url: str, frame: dict, *, prewarm: bool = False) -> list[dict]:
+    async with WsClient.connect(url, headers=HEADERS) as c:
+        if prewarm:
+            await c.send(PREWARM)
+            assert types(await c.response()) == ["response.created", "response.completed"]
+        await c.send(frame)
+        return await c.response()
+
+
+def test_a_call_goes_upstream_once_and_its_events_are_relayed(tmp_path):
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        got = asyncio.run(one_call(p.url, call([user("hi")]), prewarm=True))
+        assert types(got)[0] == "response.created" and types(got)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 1  # the prewarm is no dispatch
+        dispatch = events(tmp_path, "dispatch")
+        assert [(d["transport"], d["kind"]) for d in dispatch] == [("ws", "original")]
+        outcome = wait_until(lambda: events(tmp_path, "outcome"), what="outcome")
+        assert outcome[0]["outcome"] == "completed" and outcome[0]["replayable"] is True
+        assert outcome[0]["transport"] == "ws"
+        assert_no_traceback(p.log_text())
+
+
+def test_two_sockets_sending_the_same_call_make_one_dispatch(tmp_path):
+    """Same session, turn and input; another key order and start-ms: the second is held and
+    answered with the first one's events."""
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 1500}}) as up, \
+            proxy(tmp_path, up) as p:
+        async def both():
+            first = asyncio.create_task(one_call(p.url, call([user("hi")], seed=1)))
+            await asyncio.sleep(0.5)
+            second = await one_call(p.url, call([user("hi")], seed=2))
+            return await first, second
+
+        first, second = asyncio.run(both())
+        assert len(ws_dispatches(up)) == 1
+        assert first == second and types(first)[-1] == "response.completed"
+        assert [e["transport"] for e in events(tmp_path, "duplicate_held")] == ["ws"]
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+
+
+def test_a_completed_call_is_replayed_on_a_new_socket_and_to_its_post_fallback(tmp_path):
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")], seed=1)
+        first = asyncio.run(one_call(p.url, frame))
+        again = asyncio.run(one_call(p.url, call([user("hi")], seed=9)))
+        assert again == first and len(ws_dispatches(up)) == 1
+        status, headers, body = sse_post(p.url, body=post_fallback(frame),
+                                         headers={**HEADERS, "accept": "text/event-stream"})
+        assert status == 200 and headers.get("x-turnguard") == "replayed"
+        assert [data for _, data in parse_sse(body)] == first
+        assert len(up.dispatches()) == 1
+        replayed = events(tmp_path, "duplicate_replayed")
+        assert [r["transport"] for r in replayed] == ["ws", "http"]
+
+
+def test_a_call_answered_over_http_is_replayed_on_a_socket(tmp_path):
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")], seed=3)
+        status, _, body = sse_post(p.url, body=post_fallback(frame),
+                                   headers={**HEADERS, "accept": "text/event-stream"})
+        assert status == 200
+        got = asyncio.run(one_call(p.url, frame))
+        assert got == [data for _, data in parse_sse(body)]
+        assert len(up.dispatches()) == 1
+
+
+def test_a_delta_after_a_replayed_response_goes_upstream_with_its_full_input(tmp_path):
+    """The upstream never saw the replayed response: a ``previous_response_id`` naming it is
+    never forwarded as is (the mock, like the API, would not know it)."""
+    scenario = {"sequence": [{"kind": "tool_call", "name": "exec"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        first_items = [user("run it")]
+        first = asyncio.run(one_call(p.url, call(first_items, seed=1)))
+        tool_call = next(e["item"] for e in first if e["type"] == "response.output_item.done")
+        rid = first[-1]["response"]["id"]
+
+        async def replay_then_follow_up():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call(first_items, seed=2))  # a new socket: full resend
+                replayed = await c.response()
+                output = {"type": "function_call_output", "call_id": tool_call["call_id"],
+                          "output": "done"}
+                await c.send(call([output], seed=3, previous_response_id=rid))
+                return replayed, await c.response()
+
+        replayed, follow_up = asyncio.run(replay_then_follow_up())
+        assert replayed == first
+        assert types(follow_up)[-1] == "response.completed"
+        sent = ws_dispatches(up)
+        assert len(sent) == 2
+        assert sent[1]["previous_response_id"] is None and sent[1]["input_items"] == 3
+        assert len(events(tmp_path, "ws_full_input_sent")) == 1
+
+
+def test_a_delta_on_the_socket_that_produced_its_response_is_sent_as_a_delta(tmp_path):
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        async def turn():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("one")], seed=1))
+                first = await c.response()
+                await c.send(call([user("two")], seed=2,
+                                  previous_response_id=first[-1]["response"]["id"]))
+                return await c.response()
+
+        assert types(asyncio.run(turn()))[-1] == "response.completed"
+        sent = ws_dispatches(up)
+        assert [s["input_items"] for s in sent] == [1, 1]
+        assert sent[1]["previous_response_id"] is not None
+        assert events(tmp_path, "ws_full_input_sent") == []
+
+
+def test_eventless_failures_open_the_circuit_and_the_socket_gets_a_503_event(tmp_path):
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "reset"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")])
+        for _ in range(2):
+            got = asyncio.run(one_call(p.url, frame))
+            assert got[-1]["type"] == "closed"
+        wait_until(lambda: len(events(tmp_path, "eventless_failure")) == 2, what="2 failures")
+        fenced = asyncio.run(one_call(p.url, frame))
+        assert types(fenced) == ["error"]
+        assert fenced[0]["status"] == 503
+        assert fenced[0]["error"]["code"] == "upstream_request_timeout"
+        assert len(ws_dispatches(up)) == 2
+        classes = [e["failure_class"] for e in events(tmp_path, "eventless_failure")]
+        assert classes == ["upstream_ws_closed", "upstream_ws_closed"]
+
+
+def test_once_mode_holds_a_call_through_the_cooldown_then_recovers_it_once(tmp_path):
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once") as p:
+        frame = call([user("hi")])
+        for _ in range(2):
+            assert asyncio.run(one_call(p.url, frame))[-1]["type"] == "closed"
+        wait_until(lambda: len(events(tmp_path, "eventless_failure")) == 2, what="2 failures")
+        recovered = asyncio.run(one_call(p.url, frame))
+        assert types(recovered)[-1] == "response.completed"
+        sent = ws_dispatches(up)
+        assert len(sent) == 3
+        assert sent[2]["ts"] - sent[1]["ts"] >= COOLDOWN_MS / 1000 * 0.9  # none in the cooldown
+        assert [d["kind"] for d in events(tmp_path, "dispatch")] == ["original", "retry",
+                                                                    "recovery"]
+        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 1
+
+
+def test_an_error_event_without_output_counts_as_eventless_and_a_4xx_as_rejected(tmp_path):
+    scenario = {"sequence": [{"kind": "status", "code": 503}, {"kind": "status", "code": 429}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        first = asyncio.run(one_call(p.url, call([user("a")])))
+        second = asyncio.run(one_call(p.url, call([user("b")])))
+        assert [first[0]["status"], second[0]["status"]] == [503, 429]  # relayed as they came
+        outcomes = wait_until(lambda: (o := events(tmp_path, "outcome"))[1:] and o, what="2")
+        assert [o["outcome"] for o in outcomes] == ["unknown", "rejected"]
+        failures = events(tmp_path, "eventless_failure")
+        assert [f["failure_class"] for f in failures] == ["upstream_error_event"]
+        assert len(up.dispatches()) == 2
+
+
+def test_a_silent_upstream_is_cut_after_the_response_created_timeout(tmp_path):
+    scenario = {"sequence": [{"kind": "stall_before_headers", "ms": 30000}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_response_created_timeout_ms=800) as p:
+        got = asyncio.run(one_call(p.url, call([user("hi")])))
+        assert got[-1]["type"] == "closed"
+        failure = wait_until(lambda: events(tmp_path, "eventless_failure"), what="failure")
+        assert failure[0]["failure_class"] == "missing_response_created_timeout"
+        assert events(tmp_path, "upstream_cut")[0]["cut"] is True
+        assert len(up.dispatches()) == 1
+
+
+def test_a_client_that_leaves_while_held_ends_the_hold(tmp_path):
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 2500}}) as up, \
+            proxy(tmp_path, up) as p:
+        async def leave_while_held():
+            first = asyncio.create_task(one_call(p.url, call([user("hi")], seed=1)))
+            await asyncio.sleep(0.5)
+            c = await WsClient.connect(p.url, headers=HEADERS)
+            await c.send(call([user("hi")], seed=2))
+            await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held"),
+                                    what="the hold")
+            c.abort()
+            return await first
+
+        assert types(asyncio.run(leave_while_held()))[-1] == "response.completed"
+        abandoned = wait_until(lambda: events(tmp_path, "hold_abandoned"), what="abandoned")
+        assert abandoned[0]["reason"] in ("websocket closed", "client disconnected")
+        assert len(up.dispatches()) == 1
+        assert all(f["failure_class"] != "client_abort"
+                   for f in events(tmp_path, "eventless_failure"))
+
+
+def test_hostile_frames_pass_through_untouched(tmp_path):
+    hostile = [b"\x00\xff binary", "not json", "[1, 2]", '{"type": "response.cancel"}',
+               '{"type": "response.create", "type": "x"}', "{" * 5000,
+               json.dumps({"type": "response.create", "input": "x" * (2 << 20)})]
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        async def send_all():
+            answers = []
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                for frame in hostile:
+                    await c.send(frame)
+                    answers.append(await c.response())
+                await c.send(call([user("still guarded")]))
+                answers.append(await c.response())
+            return answers
+
+        answers = asyncio.run(send_all())
+        assert [a[0]["status"] for a in answers[:6]] == [400] * 6  # the mock's own answers
+        assert types(answers[6])[-1] == "response.completed"  # a call, however large
+        assert types(answers[7])[-1] == "response.completed"
+        reasons = [e["reason"] for e in events(tmp_path, "passthrough")]
+        assert reasons[:6] == ["binary frame", "frame is not JSON", "frame is not a JSON object",
+                               "frame type 'response.cancel' is not response.create",
+                               "duplicate keys in JSON frame", "frame is not JSON"]
+        assert len(ws_dispatches(up)) == 2
+        assert_no_traceback(p.log_text())
