@@ -221,8 +221,7 @@ class TurnGuard:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
             match state:
                 case machine.Admit():
-                    admission = await self._admit(method, ident, req.flow_id, scope, state,
-                                                  deadline)
+                    admission = await self._admit(method, ident, req, scope, state, deadline)
                     state, effects = machine.on_admission(req, state, admission, now(),
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
@@ -271,19 +270,19 @@ class TurnGuard:
             return None
         return guard.retention_s if ident.idempotency_key else guard.replay_window_s
 
-    async def _admit(self, method: str, ident: identity.Identity, key: str, scope: str,
-                     state: machine.Admit, deadline: float):
+    async def _admit(self, method: str, ident: identity.Identity, req: machine.RequestFacts,
+                     scope: str, state: machine.Admit, deadline: float):
         local = self.inflight.of_operation(ident.op_key)
         if local is not None:  # this process's attempt is in flight: hold, no ledger needed
             return policy.Hold(local.attempt_id, self.instance_id)
         cfg = self.settings
         return await self.store.admit(
-            ident, method=method, route=ident.route, flow_id=key,
+            ident, method=method, route=ident.route, flow_id=req.flow_id,
             circuit_scope=scope, recovery=state.recovery,
             once_mode=policy.recovery_is_once(cfg.recovery_mode),
             in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
             window_s=self._replay_window_s(ident), threshold=cfg.circuit.threshold,
-            deadline=deadline)
+            deadline=deadline, transport=req.transport)
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 
-from harness import (MockUpstream, assert_no_traceback, guarded, parse_sse, sse_post,
-                     turnguard_events, wait_until)
+from harness import (REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
+                     parse_sse, sse_post, turnguard_events, wait_until)
 from ws_client import WsClient, types
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
@@ -78,6 +79,15 @@ def test_a_call_goes_upstream_once_and_its_events_are_relayed(tmp_path):
         outcome = wait_until(lambda: events(tmp_path, "outcome"), what="outcome")
         assert outcome[0]["outcome"] == "completed" and outcome[0]["replayable"] is True
         assert outcome[0]["transport"] == "ws"
+        ledger = tmp_path / "ledger.sqlite3"
+        assert ledger_query(ledger, "SELECT transport, outcome FROM attempts") == [
+            ("ws", "completed")]
+        shown = subprocess.run([str(REPO / "scripts" / "ledger"), "--ledger", str(ledger),
+                                "show", outcome[0]["op"]], capture_output=True, text=True,
+                               timeout=60)
+        assert shown.returncode == 0 and "transport:" in shown.stdout, shown.stderr
+        assert [line.split()[-1] for line in shown.stdout.splitlines()
+                if line.strip().startswith("transport:")] == ["ws"]
         assert_no_traceback(p.log_text())
 
 
@@ -123,6 +133,8 @@ def test_a_call_answered_over_http_is_replayed_on_a_socket(tmp_path):
         got = asyncio.run(one_call(p.url, frame))
         assert got == [data for _, data in parse_sse(body)]
         assert len(up.dispatches()) == 1
+        assert ledger_query(tmp_path / "ledger.sqlite3", "SELECT transport FROM attempts") == [
+            ("http",)]
 
 
 def test_a_delta_after_a_replayed_response_goes_upstream_with_its_full_input(tmp_path):
@@ -280,3 +292,24 @@ def test_hostile_frames_pass_through_untouched(tmp_path):
                                "duplicate keys in JSON frame", "frame is not JSON"]
         assert len(ws_dispatches(up)) == 2
         assert_no_traceback(p.log_text())
+
+
+def test_a_continuation_after_partial_output_is_a_new_operation(tmp_path):
+    """Output that reached the client before a failure is Codex's: its next call carries it in
+    the input. That is another operation: dispatched, never answered from the old one."""
+    scenario = {"sequence": [{"kind": "partial", "events": 4, "end": "clean_close"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        first = asyncio.run(one_call(p.url, call([user("hi")], seed=1)))
+        assert first[-1] == {"type": "closed", "code": 1011}
+        said = {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "hel"}]}
+        then = asyncio.run(one_call(p.url, call([user("hi"), said], seed=2)))
+        assert types(then)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 2
+        outcomes = [o["outcome"] for o in events(tmp_path, "outcome")]
+        assert outcomes == ["partial", "completed"]
+        dispatched = events(tmp_path, "dispatch")
+        assert [d["kind"] for d in dispatched] == ["original", "original"]
+        assert dispatched[0]["op"] != dispatched[1]["op"]
+        assert events(tmp_path, "duplicate_held") == []

@@ -71,6 +71,7 @@ class AttemptInFlight(Protocol):
     method: str
     route: str
     circuit_scope: str
+    transport: str
 
 
 ANY_LEDGER = ""  # a kept write that names no ledger file (it needs no row of one)
@@ -290,7 +291,7 @@ class FailoverStore:
         attempt.attempt_id = await store.adopt_attempt(
             attempt.ident, method=attempt.method, route=attempt.route, kind=attempt.kind,
             flow_id=attempt.flow_id, now=time.time(), circuit_scope=attempt.circuit_scope,
-            deadline=deadline,
+            deadline=deadline, transport=attempt.transport,
         )
         attempt.generation = store.generation
         self._emit("attempt_adopted", op=attempt.ident.op_id, flow=attempt.flow_id,
@@ -325,7 +326,7 @@ class FailoverStore:
         self, ident: Identity, *, method: str, route: str, flow_id: str, circuit_scope: str,
         recovery: policy.RecoveryClaim | None, once_mode: bool,
         in_flight_here: Callable[[], bool], guard: policy.GuardPolicy, window_s: float | None,
-        threshold: int, deadline: float,
+        threshold: int, deadline: float, transport: str = "http",
     ) -> policy.Admission | policy.ReplayFromMemory:
         """The ledger's decision for the request (a claim when it dispatches), or, without a
         ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
@@ -334,7 +335,7 @@ class FailoverStore:
         admission = await self._call("admit", lambda store: store.admit(
             ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
             circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
-            deadline=deadline,
+            deadline=deadline, transport=transport,
         ), deadline=deadline, on_late=self._give_back)
         if isinstance(admission, Unread):
             return self.memory.admit(
@@ -457,7 +458,8 @@ class FailoverStore:
         if attempt.attempt_id is None:  # dispatched without a ledger: recorded whole later
             write: Write = OfflineEndWrite(
                 attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
-                attempt.circuit_scope, end, now, circuit_cfg, ending.eventless)
+                attempt.circuit_scope, end, now, circuit_cfg, ending.eventless,
+                attempt.transport)
             return self.write(ANY_LEDGER, write, landed=landed, kept=in_memory)
         return self.write(
             attempt.generation,

@@ -25,7 +25,7 @@ from . import circuit, liveness, policy
 from .identity import Identity
 from .private_files import UnsafePath, check_private_path, ensure_private_file
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SPOOL_CHUNK = 256 * 1024
 
 _MIGRATIONS: dict[int, str] = {
@@ -133,6 +133,9 @@ _MIGRATIONS: dict[int, str] = {
         after    TEXT
     );
     CREATE INDEX control_audit_at ON control_audit(at);
+    """,
+    5: """
+    ALTER TABLE attempts ADD COLUMN transport TEXT NOT NULL DEFAULT 'http';
     """,
 }
 
@@ -365,12 +368,14 @@ class Ledger:
         circuit_scope: str | None = None,
         recovery: policy.RecoveryClaim | None = None,
         once_mode: bool = False,
+        transport: str = "http",
     ) -> policy.Admission:
         """Atomically decide and, for a dispatch, claim the operation for a new attempt.
 
         The decision sees the operation, the circuit of ``circuit_scope`` (a cooling circuit
         fences dispatches) and, for a ``recovery`` claim, the durable session's owner epoch.
-        Returns the policy's admission; a ``Dispatch`` comes back with its ``attempt_id``."""
+        Returns the policy's admission; a ``Dispatch`` comes back with its ``attempt_id``.
+        ``transport`` is the attempt's ("http", or "ws": a call on a WebSocket)."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
             remaining = 0.0
@@ -395,13 +400,13 @@ class Ledger:
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
             return policy.Dispatch(
-                decision.kind, self._claim(db, identity, decision.kind, flow_id, now)
+                decision.kind, self._claim(db, identity, decision.kind, flow_id, now, transport)
             )
 
     @_wrap
     def adopt_attempt(
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
-        now: float, circuit_scope: str | None = None,
+        now: float, circuit_scope: str | None = None, transport: str = "http",
     ) -> int | None:
         """Register an attempt this instance has in flight in a ledger that does not know it
         (its file was deleted or replaced under the running process), so that other processes
@@ -413,7 +418,7 @@ class Ledger:
                 return None
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
-            return self._claim(db, identity, kind, flow_id, now)
+            return self._claim(db, identity, kind, flow_id, now, transport)
 
     def _insert_operation(
         self, db: sqlite3.Connection, identity: Identity, method: str, path: str,
@@ -433,13 +438,13 @@ class Ledger:
 
     def _claim(
         self, db: sqlite3.Connection, identity: Identity, kind: str, flow_id: str | None,
-        now: float,
+        now: float, transport: str,
     ) -> int:
         """A new attempt, made the operation's current one (the operation is not in flight)."""
         cur = db.execute(
-            "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
-            " VALUES (?,?,?,?,?)",
-            (identity.op_key, kind, self.instance_id, flow_id, now),
+            "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at, transport)"
+            " VALUES (?,?,?,?,?,?)",
+            (identity.op_key, kind, self.instance_id, flow_id, now, transport),
         )
         attempt_id = cur.lastrowid
         claimed = db.execute(
@@ -493,6 +498,7 @@ class Ledger:
     def finish(
         self, attempt_id: int, end: AttemptEnd, *, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
+        transport: str = "http",
     ) -> FinishResult:
         """Record an attempt's end, move its operation to the outcome and, with
         ``circuit_cfg``, feed the outcome to the operation's retry circuit (same transaction).
@@ -509,6 +515,7 @@ class Ledger:
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         circuit_scope: str | None, end: AttemptEnd, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
+        transport: str = "http",
     ) -> FinishResult:
         """Record an attempt this instance dispatched and ended while the ledger could not be
         written (it has no row): its operation, the attempt and its end, as ``finish`` would
@@ -520,7 +527,7 @@ class Ledger:
                 return FinishResult(False)
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
-            attempt_id = self._claim(db, identity, kind, flow_id, now)
+            attempt_id = self._claim(db, identity, kind, flow_id, now, transport)
             return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure)
 
     def _finish(

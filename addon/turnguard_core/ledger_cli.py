@@ -204,7 +204,8 @@ def _extra(row: dict[str, Any], shown: set[str]) -> dict[str, Any]:
 
 
 _ATTEMPT_COLUMNS = {
-    "attempt_id", "op_key", "kind", "instance_id", "flow_id", "started_at", "ended_at", "status",
+    "attempt_id", "op_key", "kind", "transport", "instance_id", "flow_id", "started_at",
+    "ended_at", "status",
     "events_seen", "outcome", "detail", "body_bytes", "replayable",
 }
 _OPERATION_COLUMNS = {
@@ -222,6 +223,7 @@ def attempt_view(row: dict[str, Any], number: int) -> dict[str, Any]:
         "number": number,
         "attempt": row["attempt_id"],
         "kind": row["kind"],
+        "transport": row.get("transport", "http"),
         "instance": row["instance_id"],
         "flow": row["flow_id"],
         "started": iso(row["started_at"]),

@@ -48,6 +48,7 @@ class OfflineEndWrite:
     now: float
     circuit_cfg: circuit.CircuitConfig | None = None
     eventless_failure: bool = False
+    transport: str = "http"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class Store(Protocol):
         self, ident: Identity, *, method: str, route: str, now: float,
         guard: policy.GuardPolicy, flow_id: str | None, circuit_scope: str | None,
         recovery: policy.RecoveryClaim | None, once_mode: bool, deadline: float | None,
+        transport: str = "http",
     ) -> policy.Admission: ...
 
     async def recording(self, attempt_id: int, *, deadline: float | None) -> Recording | None: ...
@@ -104,7 +106,7 @@ class Store(Protocol):
 
     async def adopt_attempt(
         self, ident: Identity, *, method: str, route: str, kind: str, flow_id: str | None,
-        now: float, circuit_scope: str | None, deadline: float | None,
+        now: float, circuit_scope: str | None, deadline: float | None, transport: str = "http",
     ) -> int | None: ...
 
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
@@ -153,7 +155,7 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
                 write.ident, method=write.method, path=write.route, kind=write.kind,
                 flow_id=write.flow_id, circuit_scope=write.circuit_scope, end=write.end,
                 now=write.now, circuit_cfg=write.circuit_cfg,
-                eventless_failure=write.eventless_failure)
+                eventless_failure=write.eventless_failure, transport=write.transport)
         case FirstEventWrite():
             ledger.first_event(write.attempt_id)
             return None
@@ -181,10 +183,11 @@ class SqliteStore:
         return self._runner.ledger.incarnation
 
     async def admit(self, ident, *, method, route, now, guard, flow_id, circuit_scope, recovery,
-                    once_mode, deadline):
+                    once_mode, deadline, transport="http"):
         return await self._runner.call(lambda led: led.admit(
             ident, method=method, path=route, now=now, guard=guard, flow_id=flow_id,
             circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
+            transport=transport,
         ), deadline=deadline)
 
     async def recording(self, attempt_id, *, deadline):
@@ -214,10 +217,10 @@ class SqliteStore:
         return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
 
     async def adopt_attempt(self, ident, *, method, route, kind, flow_id, now, circuit_scope,
-                            deadline):
+                            deadline, transport="http"):
         return await self._runner.call(lambda led: led.adopt_attempt(
             ident, method=method, path=route, kind=kind, flow_id=flow_id, now=now,
-            circuit_scope=circuit_scope,
+            circuit_scope=circuit_scope, transport=transport,
         ), deadline=deadline)
 
     async def peers_with_attempts_in_flight(self):
