@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sqlite3
 import subprocess
 
 from harness import (REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
                      parse_sse, sse_post, turnguard_events, wait_until)
-from ws_client import WsClient, types
+from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
@@ -313,3 +314,53 @@ def test_a_continuation_after_partial_output_is_a_new_operation(tmp_path):
         assert [d["kind"] for d in dispatched] == ["original", "original"]
         assert dispatched[0]["op"] != dispatched[1]["op"]
         assert events(tmp_path, "duplicate_held") == []
+
+
+def test_a_held_call_holds_up_nothing_else(tmp_path):
+    """While a duplicate waits on one socket, another socket's call, and the next frame of a
+    socket that sends two calls back to back, are answered."""
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 300}}) as up, \
+            proxy(tmp_path, up) as p:
+        up.set_scenario({"sequence": [{"kind": "ok", "delay_ms": 4000}],
+                         "default": {"kind": "ok", "delay_ms": 100}})
+
+        async def meanwhile():
+            slow = asyncio.create_task(one_call(p.url, call([user("slow")], seed=1)))
+            await asyncio.sleep(0.5)
+            held = asyncio.create_task(one_call(p.url, call([user("slow")], seed=2)))
+            await asyncio.sleep(0.3)
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("a")]))
+                await c.send(call([user("b")]))  # queued behind the first response
+                a, b = await c.response(), await c.response()
+            assert not held.done() and not slow.done()
+            return a, b, await slow, await held
+
+        a, b, slow, held = asyncio.run(meanwhile())
+        assert types(a)[-1] == types(b)[-1] == "response.completed"
+        assert a[-1]["response"]["id"] != b[-1]["response"]["id"]
+        assert slow == held
+        assert len(ws_dispatches(up)) == 3
+
+
+def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_path):
+    """No ledger within the request's budget: the call is decided without it and dispatched
+    (it is no duplicate of anything known), and its attempt is in the ledger once it is back,
+    with its transport."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_request_budget_ms=3000) as p:
+        asyncio.run(one_call(p.url, call([user("warm")], seed=1)))  # the ledger exists
+        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+        try:
+            got = asyncio.run(one_call(p.url, call([user("locked")], seed=2)))
+        finally:
+            db.execute("ROLLBACK")
+            db.close()
+        assert types(got)[-1] == "response.completed"
+        assert [d["ledger"] for d in events(tmp_path, "dispatch")] == [True, False]
+        rows = wait_until(lambda: (r := ledger_query(
+            ledger, "SELECT transport, outcome FROM attempts ORDER BY attempt_id"))[1:] and r,
+            timeout=20, what="the attempt recorded after the lock")
+        assert rows == [("ws", "completed"), ("ws", "completed")]
+        assert len(up.dispatches()) == 2

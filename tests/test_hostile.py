@@ -549,6 +549,55 @@ def test_websocket_upgrade_passes(rig):
         s.sendall(_ws_frame(8, struct.pack("!H", 1000)))
 
 
+def _ws_open(rig, path: str) -> tuple[socket.socket, object]:
+    key = base64.b64encode(os.urandom(16)).decode()
+    s = socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=15)
+    s.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+        "authorization: Bearer sk-ws\r\nsession-id: s-hostile\r\n\r\n".encode()
+    )
+    f = s.makefile("rb")
+    status = f.readline()
+    assert status.startswith(b"HTTP/1.1 101"), status
+    for _ in range(50):  # bounded: headers until the blank line
+        if f.readline() in (b"\r\n", b""):
+            break
+    return s, f
+
+
+def _ws_read(f) -> tuple[int, bytes]:
+    b0, b1 = f.read(2)
+    n = b1 & 0x7F
+    if n == 126:
+        n = struct.unpack("!H", f.read(2))[0]
+    elif n == 127:
+        n = struct.unpack("!Q", f.read(8))[0]
+    return b0 & 0x0F, f.read(n)
+
+
+def test_hostile_frames_on_a_guarded_websocket_pass_untouched(rig):
+    """On a guarded route (/v1/responses) an upstream that is no Responses server (this one
+    echoes) gets every frame untouched and in order, calls included: turnguard lets the socket
+    go when the first answer is no Responses event. Invalid UTF-8 in a text frame ends the
+    socket (mitmproxy's WebSocket layer closes it, 1007), without a traceback."""
+    call = json.dumps({"type": "response.create", "model": "m", "input": [{"role": "user",
+                       "content": "x"}], "client_metadata": {"turn_id": "t"}}).encode()
+    frames = [(1, b"not json"), (2, os.urandom(3000)), (1, b'{"type":"response.cancel"}'),
+              (1, call), (1, b"{" * 3000), (1, call), (2, b"\x00")]
+    s, f = _ws_open(rig, "/v1/responses")
+    with s:
+        for opcode, payload in frames:
+            s.sendall(_ws_frame(opcode, payload))
+        assert [_ws_read(f) for _ in frames] == frames
+        s.sendall(_ws_frame(1, b"\xff\xfe not utf-8"))
+        opcode, payload = _ws_read(f)
+        assert opcode == 8 and struct.unpack("!H", payload[:2])[0] == 1007
+    reasons = [json.loads(line).get("reason", "") for line in
+               rig.events_path.read_text().splitlines() if '"passthrough"' in line]
+    assert any(r.startswith("upstream frame is not a Responses event") for r in reasons)
+
+
 def test_get_and_head_pass_untouched(rig):
     body = os.urandom(3000)
     sid = rig.up.add({"headers": [("content-type", "application/octet-stream"),

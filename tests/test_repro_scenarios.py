@@ -112,6 +112,10 @@ def test_cooldown_503_storm(tmp_path, report):
     ("upstream-429",
      lambda c: all(m["cooldowns_opened"] == 0 and set(m["outcomes"].values()) == {"completed"}
                    for m in c.values())),
+    ("codex-websocket-cooldown",  # the Codex ladder on the socket: 503 events, none upstream
+     lambda c: c["default"]["outcomes"] == {"codex": "completed"}
+     and c["default"]["dispatches_during_cooldown"] == 0 and c["default"]["cooldowns_opened"] == 1
+     and c["default"]["errors"].get("503", 0) >= 1 and c["default"]["upstream_dispatches"] == 3),
 ])
 def test_crossing_scenarios(name, check):
     data = json.loads(reproduce(name, "--json", "--columns", "plain,default").stdout)

@@ -24,6 +24,10 @@ Contract
   tells output from bookkeeping, finds the terminal event, the response id and output items,
   and keeps a bounded copy as an SSE body (the form a recording has whatever its transport, so
   an HTTP client can be answered from a WebSocket attempt and the other way round).
+* ``speaks_responses(text)`` tells an upstream frame that can be a Responses event (a JSON
+  object with a str ``type`` other than the client's ``response.create``) from one that shows
+  the socket speaks something else (an echo, another protocol): the shell then stops guarding
+  that socket.
 * ``frames_of_recording(body)`` turns a recorded SSE body back into event frames;
   ``error_frame`` is turnguard's own answer on this transport: an ``error`` event that always
   carries a numeric ``status`` (Codex ignores one without and hangs).
@@ -49,6 +53,7 @@ __all__ = [
     "error_frame",
     "frames_of_recording",
     "parse_client_frame",
+    "speaks_responses",
     "ws_status",
 ]
 
@@ -263,6 +268,15 @@ def _parse_event(text: str, max_bytes: int) -> dict[str, Any] | None:
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         return None
     return event
+
+
+def speaks_responses(text: str, max_bytes: int = 8 * 1024 * 1024) -> bool:
+    """Whether an upstream text frame can be a Responses event (see the module's contract).
+    A frame too large to read is given the benefit of the doubt."""
+    if len(text) > max_bytes:
+        return True
+    event = _parse_event(text, max_bytes)
+    return event is not None and event["type"] != WS_FRAME_TYPE
 
 
 def frames_of_recording(body: bytes) -> list[str] | None:

@@ -14,7 +14,10 @@ call runs the same request machine, with the same ledger, as an HTTP request:
     Abandon      nothing is sent upstream; a client still there gets a 503 ``error`` event
 
 Frames that are not calls (a prewarm, binary, not JSON, other types) go upstream untouched,
-in order, and are named in the telemetry. A frame is never lost: if guarding it fails, it is
+in order, and are named in the telemetry. An upstream that answers with something that is no
+Responses event (binary, not JSON, an echo of the frame) does not speak this protocol: the
+socket is no longer guarded (its attempt in flight ends as rejected, its queued frames go on
+untouched, in order). A frame is never lost: if guarding it fails, it is
 forwarded. The socket's ``SocketRecord`` remembers the responses it carried, so that a delta
 frame (``previous_response_id`` + new items) has the same identity as its full resend on a
 new socket or as the HTTP POST fallback.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mitmproxy import ctx, http
@@ -64,6 +67,7 @@ class Socket:
     current: Response | None = None
     calls: int = 0
     closed: bool = False
+    guarded: bool = True
     task: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
@@ -114,8 +118,8 @@ class WebSockets:
         if sock is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
-        if message.injected:
-            return  # ours, on its way
+        if message.injected or not sock.guarded:
+            return  # ours, on its way; or a socket turnguard let go
         if not message.from_client:
             return self._upstream_frame(sock, message)
         if sock.frames.qsize() >= MAX_QUEUED_FRAMES:
@@ -152,7 +156,7 @@ class WebSockets:
                 return
             content, is_text = item
             try:
-                if self._guard is None:  # unloaded, and no instance took over
+                if self._guard is None or not sock.guarded:  # unloaded, or let go
                     self._forward(sock, content, is_text)
                 else:
                     await self._frame(sock, content, is_text)
@@ -249,9 +253,12 @@ class WebSockets:
     # -- the upstream's events -------------------------------------------------------------------
     def _upstream_frame(self, sock: Socket, message) -> None:
         current = sock.current
-        if current is None or not message.is_text:
-            return
         try:
+            if not message.is_text or not ws.speaks_responses(message.text):
+                return self._let_go(sock, "upstream frame is not a Responses event "
+                                          f"({'binary' if not message.is_text else 'text'})")
+            if current is None:
+                return
             output_before = current.events.output_seen
             if current.events.feed(message.text) is None:
                 return
@@ -262,6 +269,18 @@ class WebSockets:
                 self._response_ended(sock)
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
+
+    def _let_go(self, sock: Socket, reason: str) -> None:
+        """The socket does not speak the Responses API: stop guarding it. Its attempt in
+        flight ends as a rejection (no circuit, not replayable); the frames it queued go on."""
+        sock.guarded = False
+        self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
+        response = sock.finish()
+        if response is not None and response.attempt_key is not None:
+            headers = flows.request_headers(sock.flow)
+            self._guard.inflight.close(response.attempt_key, lambda attempt: replace(
+                _end_facts(attempt, response.events, headers, reason, False),
+                status=502, events_seen=0, terminal=None))
 
     def _response_ended(self, sock: Socket, *, error: str | None = None,
                         client_gone: bool = False) -> None:

@@ -19,6 +19,7 @@ Modules
                 upstream in the tests
 ``websocket``   a WebSocket session (wsproto) on a ``server.Connection`` after an upgrade
 ``behaviours``  how one dispatch is answered, one ``_do_<kind>`` method per behaviour
+``responses_ws`` the Responses API over WebSocket: the same behaviours, events as frames
 ``upstream``    the routes and the dispatch log
 ``__main__``    the command line
 
@@ -29,6 +30,9 @@ Routes
     behaviour chosen as ``scenario`` says. As the API: SSE when the body says
     ``"stream": true``, else one JSON object; a body that is not a JSON object gets 400 and is
     no dispatch (logged as ``invalid_body``). ``--help`` lists every behaviour.
+``GET .../responses`` with ``Upgrade: websocket``
+    The Responses API over WebSocket (Codex's default transport): each ``response.create``
+    frame is a dispatch, answered with one JSON event per frame (see ``responses_ws``).
 ``GET /_mock/health``
     200 ``ok``.
 ``GET /_mock/dispatches``

@@ -32,6 +32,15 @@ Model routes: POST .../responses and POST .../chat/completions (any prefix, quer
        hex digits), then its "sessions" selector of the session-id / session_id header
     3. the scenario's "sequence"[n], else its "default" ({"kind": "ok"} when absent)
 
+WebSocket (Codex's default transport): GET .../responses with Upgrade: websocket. Each
+  {"type": "response.create", ...} text frame is a dispatch like a POST (numbered, chosen and
+  logged the same way, "transport": "ws"), answered with one JSON event per text frame by the
+  same behaviours: reset = TCP RST, clean_close = close frame 1011, stalls = silence then the
+  TCP connection ends, status = an "error" event with "status": code ("ws_status": false
+  leaves the status out). "generate": false (Codex's prewarm) gets response.created +
+  response.completed and is no dispatch. A previous_response_id this socket did not produce
+  gets an error event 400 previous_response_not_found.
+
 Control endpoints:
   GET  /_mock/health       200 ok
   GET  /_mock/dispatches   JSON list of the dispatch records so far (/_mock/records: all)

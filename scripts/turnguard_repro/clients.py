@@ -26,6 +26,16 @@ The numbers and where they come from:
   with the same 0.2 s doubling backoff; 30 dispatches at most for one request. Any other 4xx
   ends the turn at once. No timeout before the headers (it waited 60 s); 300 s of silence after
   them (``stream_idle_timeout_ms``) breaks the stream.
+- ``codex_ws``: the Codex CLI 0.171.0 on its default transport (the built-in ``openai``
+  provider), measured against a mock speaking WebSocket and SSE: each request is a
+  ``response.create`` frame on a WebSocket; a failure before ``response.completed`` (the socket
+  closed or reset, an ``error`` event with a 5xx status, ``response.failed``) is retried on a
+  NEW socket after 0.2, 0.4, 0.8, 1.6, 3.2 s (x 0.9..1.1), 5 times; then it falls back to HTTP
+  POST for good (``codex_cli``'s policy, no ``openai-beta``, the frame without its
+  WebSocket-only fields). An ``error`` event with status 429 ends the turn at once; one without
+  a status makes it hang (the model gives the turn up instead). Each attempt here is on a new
+  socket (Codex keeps a socket that succeeded, and then sends deltas; a new socket always gets
+  the full input, as here).
 - ``impatient`` (the Codex Desktop report in codex-lb issue 1737): ignores ``Retry-After`` and
   ``x-should-retry`` and sends the same request again ``retry_gap_ms`` = 200 ms after any
   failure until it has made ``max_attempts`` = 10 attempts for that request.
@@ -65,7 +75,7 @@ from typing import Any
 
 from turnguard_sse import SseEvent
 
-from . import http1
+from . import http1, ws1
 
 ATTEMPT_HEADER = "x-turnguard-repro-attempt"
 DUMMY_AUTHORIZATION = "Bearer sk-repro-dummy-not-a-secret"
@@ -104,6 +114,7 @@ class Attempt:
     waited_before_s: float = 0.0  # the policy's wait before this attempt
     turn_state: bool = False  # sent x-codex-turn-state
     note: str = ""
+    transport: str = "http"  # or "ws": a response.create frame on a WebSocket
 
     @property
     def visible_error(self) -> str | None:
@@ -253,6 +264,17 @@ class ClientModel:
         self._next_wait = seconds
         await asyncio.sleep(seconds)
 
+    def _attempt(self, step: int, headers: dict[str, str], transport: str = "http") -> tuple[Attempt, dict[str, str]]:
+        """A new attempt, recorded, and its headers (with the attempt header)."""
+        n = len(self.attempts) + 1
+        h = dict(headers)
+        h[ATTEMPT_HEADER] = f"{self.name}#{n}"
+        att = Attempt(self.name, n, step, time.time(), waited_before_s=round(self._next_wait, 3),
+                      turn_state="x-codex-turn-state" in h, transport=transport)
+        self._next_wait = 0.0
+        self.attempts.append(att)
+        return att, h
+
     async def send(
         self,
         step: int,
@@ -265,13 +287,7 @@ class ClientModel:
         on_event=None,
         path: str | None = None,
     ) -> tuple[Attempt, http1.Exchange]:
-        n = len(self.attempts) + 1
-        h = dict(headers)
-        h[ATTEMPT_HEADER] = f"{self.name}#{n}"
-        att = Attempt(self.name, n, step, time.time(), waited_before_s=round(self._next_wait, 3),
-                      turn_state="x-codex-turn-state" in h)
-        self._next_wait = 0.0
-        self.attempts.append(att)
+        att, h = self._attempt(step, headers)
         ex = http1.Exchange()
         try:
             await http1.post(ex, self.url, path or self.path, h, body, headers_timeout=headers_timeout,
@@ -357,6 +373,58 @@ class CodexCli(ClientModel):
             ra = ex.retry_after_s() if ex.status is not None else None
             await self.wait(ra if ra is not None else self.backoff(r + 1))
         raise AssertionError("unreachable")
+
+
+class CodexWebSocket(CodexCli):
+    """Codex CLI 0.171.0 on its default transport (measured; see the module docstring)."""
+
+    model = "codex_ws"
+    WS_RECONNECTS = 5
+    WS_ONLY_HEADERS = {"openai-beta": "responses_websockets=2026-02-06"}
+
+    def configure(self, request_max_retries: int | None = None, stream_max_retries: int | None = None,
+                  stream_idle_timeout_ms: float | None = None) -> None:
+        super().configure(request_max_retries, stream_max_retries, stream_idle_timeout_ms)
+        self.fell_back = False
+        meta = {"turn_id": f"{self.name}-turn", "session_id": self.session or self.name}
+        self.body.setdefault("client_metadata", meta)
+
+    async def request_step(self, step, headers, body):
+        if not self.fell_back:
+            last = None
+            for k in range(self.WS_RECONNECTS + 1):
+                if k:
+                    await self.wait(self.backoff(k))
+                ex = last = await self._send_frame(step, headers, body)
+                if ex.completed:
+                    return ex
+                if ex.status == 429:
+                    raise Lost("fatal 429 (exceeded retry limit)", ex)
+                if any(e.type == "error" for e in ex.events) and ex.status == 200:
+                    raise Lost("an error event without a status: Codex hangs", ex)
+                if ex.status == 426:
+                    break  # upgrade required: straight to the fallback
+            self.fell_back = True
+            self.extra["fell_back_to_http_after"] = _describe(last) if last else "no attempt"
+            await self.wait(0.05)
+        return await super().request_step(step, headers, body)
+
+    async def _send_frame(self, step, headers, body: bytes) -> http1.Exchange:
+        frame = json.loads(body)
+        meta = dict(frame.get("client_metadata") or {})
+        meta["x-codex-ws-stream-request-start-ms"] = str(int(time.time() * 1000))
+        meta["ws_request_header_x_openai_internal_codex_responses_lite"] = "true"
+        frame = {"type": "response.create", **frame, "client_metadata": meta}
+        skip = {"content-type", "accept", "content-length"}
+        att, h = self._attempt(step, {**{k: v for k, v in headers.items() if k not in skip},
+                                      **self.WS_ONLY_HEADERS}, transport="ws")
+        ex = http1.Exchange()
+        try:
+            await ws1.create(ex, self.url, self.path, h, frame,
+                             idle_timeout=self.STREAM_IDLE_TIMEOUT_S)
+        finally:
+            _fill(att, ex)
+        return ex
 
 
 # ------------------------------------------------------------------------------------------------
@@ -602,7 +670,7 @@ class Timeline(ClientModel):
 
 
 MODELS: dict[str, type[ClientModel]] = {
-    m.model: m for m in (CodexCli, Impatient, OpenAIPython, Gateway, Timeline)
+    m.model: m for m in (CodexCli, CodexWebSocket, Impatient, OpenAIPython, Gateway, Timeline)
 }
 
 

@@ -107,6 +107,24 @@ BUILTIN: dict[str, dict[str, Any]] = {
         },
         "clients": [{"name": "codex", "model": "codex_cli", "session": "sess-cli", "body": TURN}],
     },
+    "codex-websocket-cooldown": {
+        "description": (
+            "Codex's default transport: each model call is a response.create frame on a "
+            "WebSocket. The upstream closes the socket right after the frame, twice, without "
+            "an event; the retry circuit opens. Codex reconnects (0.2 s doubling, 5 times) and "
+            "then falls back to HTTP POST, the same operation: turnguard fails every attempt "
+            "closed with a 503 (an error event with a status on the socket) until the cooldown "
+            "is over, or, in the recovery modes, holds the frame through it."
+        ),
+        "incident": "codex-lb issue 1737 on the WebSocket transport",
+        "shortened": [],
+        "columns": ["plain", "default", "once"],
+        "upstream": {
+            "sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+            "default": {"kind": "ok", "events": 4},
+        },
+        "clients": [{"name": "codex", "model": "codex_ws", "session": "sess-ws", "body": TURN}],
+    },
     "replay-after-completion": {
         "description": (
             "A turn completes upstream; 1.5 s later the same request is sent again (a gateway "

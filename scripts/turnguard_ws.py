@@ -1,6 +1,6 @@
-"""A small WebSocket client for the tests, speaking the Responses API over WebSocket as Codex
-does (``response.create`` frames out, one JSON event per frame back), on wsproto (installed
-with mitmproxy) and asyncio streams. Every wait is bounded.
+"""A small WebSocket client for the tests and the reproduction toolkit, speaking the Responses
+API over WebSocket as Codex does (``response.create`` frames out, one JSON event per frame
+back), on wsproto (installed with mitmproxy) and asyncio streams. Every wait is bounded.
 
     async with WsClient.connect(proxy.url, headers={"session-id": "s1"}) as c:
         await c.send({"type": "response.create", "model": "m", "input": [...]})
@@ -25,6 +25,14 @@ from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Mes
 TIMEOUT_S = 15.0
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 CODEX_HEADERS = {"openai-beta": "responses_websockets=2026-02-06", "originator": "codex_exec"}
+
+
+class UpgradeRejected(ConnectionError):
+    """The server answered the upgrade with an HTTP status instead of 101."""
+
+    def __init__(self, status: int):
+        super().__init__(f"upgrade rejected with {status}")
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class WsClient:
         parts = urlsplit(url)
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(parts.hostname, parts.port), TIMEOUT_S)
+        path = parts.path.rstrip("/") + path
         ws = WSConnection(ConnectionType.CLIENT)
         extra = [(k.encode(), v.encode()) for k, v in headers.items()]
         writer.write(ws.send(Request(host=parts.netloc, target=path, extra_headers=extra)))
@@ -62,7 +71,7 @@ class WsClient:
                 return client
             if isinstance(event, RejectConnection):
                 writer.close()
-                raise ConnectionError(f"upgrade rejected with {event.status_code}")
+                raise UpgradeRejected(event.status_code)
 
     async def _next_event(self):
         for _ in range(100_000):  # bounded: each pass reads or returns
