@@ -143,5 +143,7 @@ class Waiters:
             else:
                 what = "an attempt in this process"
             route = identity.split_target(w.flow.request.path).route  # no key from the URL
+            request = (f"a call on the WebSocket {route}" if w.flow.websocket is not None
+                       else f"{w.flow.request.method} {route}")
             yield (f"{key} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
-                   f"{w.flow.request.method} {route}")
+                   f"{request}")
