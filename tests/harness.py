@@ -1,9 +1,12 @@
 """Helpers for turnguard's end-to-end tests: real subprocesses on loopback.
 
 ``MockUpstream`` runs ``scripts/mock_upstream.py``; ``Mitmdump`` runs mitmdump in reverse-proxy
-mode (with or without ``addon/turnguard.py``); ``sse_post`` / ``asse_post`` send one request on
-a fresh connection each. Every process writes its output to a file in ``tmp_path`` (never a
-pipe that can fill), every wait is bounded, and every port is chosen by the OS (port 0).
+mode (with or without ``addon/turnguard.py``), ``guarded`` with turnguard's ledger and events in
+``tmp_path``; ``sse_post`` / ``asse_post`` / ``post_turn`` send one request on a fresh
+connection each. Every process is a ``turnguard_procs.Process`` (output in a file in
+``tmp_path``, never a pipe that can fill; one SIGTERM, then SIGKILL), every wait is bounded, and
+every port is chosen by the OS (port 0). SSE bodies are read with ``turnguard_sse``, which
+shares no code with the addon's parser.
 
     with MockUpstream(tmp_path) as up, Mitmdump(tmp_path, up.url) as proxy:
         status, headers, body = sse_post(proxy.url, body={"model": "m", "input": "hi"})
@@ -14,19 +17,30 @@ pipe that can fill), every wait is bounded, and every port is chosen by the OS (
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "scripts") not in sys.path:  # the tools' helpers, which the tests share
+    sys.path.insert(0, str(REPO / "scripts"))
+
+from turnguard_procs import (  # noqa: E402
+    MITMDUMP_LINE,
+    MOCK_LINE,
+    Process,
+    read_jsonl,
+    rss_bytes,
+)
+from turnguard_sse import event_types as sse_event_types  # noqa: E402
+from turnguard_sse import parse_sse  # noqa: E402
+
 PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 MOCK_UPSTREAM = REPO / "scripts" / "mock_upstream.py"
@@ -34,14 +48,9 @@ ADDON = REPO / "addon" / "turnguard.py"
 
 MOCK_START_TIMEOUT_S = 20.0
 MITMDUMP_START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 
 DEFAULT_BODY: dict[str, Any] = {"model": "gpt-test", "input": "hello", "stream": True}
 
-_MOCK_LINE = re.compile(r"mock upstream listening at (http://127\.0\.0\.1:(\d+))")
-# mitmproxy 12.3.1 prints e.g. "[01:29:22.706] reverse proxy to http://127.0.0.1:9 listening at
-# 127.0.0.1:47487."
-_MITM_LINE = re.compile(r"listening at (?:\[[^\]]*\]|[0-9.]+):(\d+)")
 _MITM_ADDRESS = re.compile(r"listening at (\[[^\]]*\]|[0-9.]+):(\d+)")
 
 
@@ -53,60 +62,6 @@ def _unique(tmp_path: Path, name: str, suffix: str) -> Path:
             return p
         p = tmp_path / f"{name}-{i}{suffix}"
     raise RuntimeError(f"too many {name} files in {tmp_path}")
-
-
-def _read_from(path: Path, offset: int) -> str:
-    """The text of ``path`` from byte ``offset`` on ("" if missing)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _wait_for_line(
-    proc: subprocess.Popen[bytes], out_path: Path, pattern: re.Pattern[str], timeout: float, what: str, offset: int = 0
-) -> re.Match[str]:
-    """Tail ``out_path`` (from byte ``offset``) until ``pattern`` matches, bounded by
-    ``timeout``; raise with the file's content if the process exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:  # bounded by the deadline
-        text = _read_from(out_path, offset)
-        m = pattern.search(text)
-        if m:
-            return m
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening:\n{text}")
-        if time.monotonic() > deadline:
-            _terminate(proc)
-            raise RuntimeError(f"{what} did not print its listening line within {timeout} s:\n{text}")
-        time.sleep(0.02)
-
-
-def _terminate(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) -> int:
-    """SIGTERM, wait up to ``timeout``, then SIGKILL; return the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-    return proc.returncode
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; an incomplete last line (being written) is skipped."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
@@ -122,7 +77,27 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         time.sleep(interval)
 
 
-class MockUpstream:
+class _ServerProcess:
+    """A server subprocess (``self.process``) that a ``with`` block stops."""
+
+    process: Process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> int:
+        """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""
+        return self.process.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MockUpstream(_ServerProcess):
     """``scripts/mock_upstream.py`` as a subprocess on 127.0.0.1, port chosen by the OS.
 
     ``scenario`` is written to a file and passed with ``--scenario``. Output goes to
@@ -138,15 +113,10 @@ class MockUpstream:
             scenario_path = self.tmp_path / f"{stem}-scenario.json"
             scenario_path.write_text(json.dumps(scenario))
             cmd += ["--scenario", str(scenario_path)]
-        with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        m = _wait_for_line(self.proc, self.out_path, _MOCK_LINE, MOCK_START_TIMEOUT_S, "mock upstream")
+        self.process = Process(cmd, self.out_path)
+        m = self.process.wait_for_line(MOCK_LINE, MOCK_START_TIMEOUT_S, "mock upstream")
         self.url: str = m.group(1)
         self.port: int = int(m.group(2))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def records(self) -> list[dict[str, Any]]:
         """Every record of the log file, in order."""
@@ -169,17 +139,7 @@ class MockUpstream:
 
     def output_text(self) -> str:
         """The subprocess's stdout and stderr so far."""
-        return self.out_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""
-        return _terminate(self.proc)
-
-    def __enter__(self) -> MockUpstream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return self.process.output()
 
 
 def _option_args(options: Mapping[str, object]) -> list[str]:
@@ -194,7 +154,7 @@ def _option_args(options: Mapping[str, object]) -> list[str]:
     return args
 
 
-class Mitmdump:
+class Mitmdump(_ServerProcess):
     """mitmdump in reverse-proxy mode in front of ``upstream_url``, on 127.0.0.1, port chosen by
     the OS, loading ``addon/turnguard.py`` unless ``addon=False``.
 
@@ -240,13 +200,11 @@ class Mitmdump:
         cmd += _option_args(options or {})
         cmd += list(extra_args or [])
         self.cmd = cmd
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
-        every_listener = re.compile(r"(?:.*?" + _MITM_LINE.pattern + r"){%d}" % len(modes), re.S)
-        _wait_for_line(self.proc, self.log_path, every_listener, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})", self.log_offset)
-        found = _MITM_ADDRESS.findall(_read_from(self.log_path, self.log_offset))[: len(modes)]
+        self.process = Process(cmd, self.log_path, env=env)
+        self.log_offset = self.process.offset
+        every_listener = re.compile(r"(?:.*?" + MITMDUMP_LINE.pattern + r"){%d}" % len(modes), re.S)
+        self.process.wait_for_line(every_listener, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})")
+        found = _MITM_ADDRESS.findall(self.log_text())[: len(modes)]
         if len(modes) == 1:  # what it always was, whatever address mitmproxy prints
             found = [("127.0.0.1", found[0][1])]
         else:  # in the order of ``modes``, told apart by their listen addresses
@@ -258,33 +216,21 @@ class Mitmdump:
         self.url: str = self.urls[0]
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def proc(self):
+        """The ``subprocess.Popen`` (for ``poll()`` and ``returncode``)."""
+        return self.process.popen
 
     def log_text(self) -> str:
         """Everything this mitmdump process printed so far."""
-        return _read_from(self.log_path, self.log_offset)
+        return self.process.output()
 
     def wait_for_log(self, needle: str, timeout: float = 10.0) -> str:
         """Wait until ``needle`` appears in the log; return the log text."""
         return wait_until(lambda: t if needle in (t := self.log_text()) else None, timeout, what=f"{needle!r} in {self.log_path}")
 
-    def stop(self) -> int:
-        """SIGTERM, wait up to 10 s, then SIGKILL; return the exit status."""
-        return _terminate(self.proc)
-
     def kill9(self) -> int:
         """SIGKILL at once (a crash); return the exit status."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
-        return self.proc.returncode
-
-    def __enter__(self) -> Mitmdump:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return self.process.kill()
 
 
 def upstream_of(url: str):
@@ -297,24 +243,89 @@ def upstream_of(url: str):
     return Upstream(scheme, host, int(port))
 
 
+def rss_kb(pid: int) -> int:
+    """Resident memory of a process (e.g. a mitmdump), in KiB."""
+    return rss_bytes(pid) // 1024
+
+
 def assert_no_traceback(text: str) -> None:
     """Fail if a mitmdump log shows a Python traceback."""
     assert "Traceback" not in text, f"traceback in mitmdump log:\n{text}"
 
 
 # --------------------------------------------------------------------------------------------
+# turnguard in front of the mock: its files, its ledger
+
+
+def guarded(
+    tmp_path: Path,
+    up: MockUpstream,
+    name: str = "mitmdump",
+    *,
+    ledger: Path | None = None,
+    addon: bool | Path = True,
+    prefix: list[str] | None = None,
+    **options: object,
+) -> Mitmdump:
+    """mitmdump + turnguard in front of ``up``: its ledger ``tmp_path/ledger.sqlite3`` (or
+    ``ledger``; processes of one test share it), its events ``tmp_path/<name>-events.jsonl``
+    (``turnguard_events``), and ``options`` (which may override both)."""
+    opts: dict[str, object] = {
+        "turnguard_ledger": str(ledger or tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        **options,
+    }
+    return Mitmdump(tmp_path, up.url, options=opts, name=name, addon=addon, prefix=prefix)
+
+
+def turnguard_events(tmp_path: Path, name: str = "mitmdump", kind: str | None = None) -> list[dict[str, Any]]:
+    """The telemetry records of the ``guarded`` process ``name`` so far (of one ``kind``)."""
+    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
+    return [r for r in recs if kind is None or r["event"] == kind]
+
+
+def ledger_query(ledger: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """A read on a ledger through a connection of the test's own (another process's view)."""
+    db = sqlite3.connect(ledger, timeout=10)
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def ledger_integrity(ledger: Path) -> str:
+    """SQLite's ``PRAGMA integrity_check`` of a ledger: ``ok`` when it is sound."""
+    return ledger_query(ledger, "PRAGMA integrity_check")[0][0]
+
+
+class Regression(AssertionError):
+    """A check that once found a bug in the addon (fixed since) failed again."""
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise ``Regression(message)`` unless ``ok``."""
+    if not ok:
+        raise Regression(message)
+
+
+# --------------------------------------------------------------------------------------------
 # Clients
 
 
-def _request_parts(body: dict[str, Any] | bytes | None, headers: Mapping[str, str] | None) -> tuple[bytes, dict[str, str]]:
-    """The body bytes (dicts serialised the same way every time, so equal dicts give
-    byte-identical duplicates) and headers with JSON/SSE defaults."""
+def _request(url: str, path: str, body: dict[str, Any] | bytes | None,
+             headers: Mapping[str, str] | None) -> tuple[str, bytes, dict[str, str]]:
+    """The URL, the body bytes (dicts serialised the same way every time, so equal dicts give
+    byte-identical duplicates) and the headers with JSON/SSE defaults of one POST."""
     if body is None:
         body = DEFAULT_BODY
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     h = {"content-type": "application/json", "accept": "text/event-stream"}
     h.update({k.lower(): v for k, v in (headers or {}).items()})
-    return raw, h
+    return url.rstrip("/") + path, raw, h
+
+
+def _answer(r: httpx.Response) -> tuple[int, dict[str, str], bytes]:
+    return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
 
 
 def sse_post(
@@ -328,10 +339,9 @@ def sse_post(
 
     Returns (status, lowercase headers, body bytes). Transport errors (reset, early close,
     timeout) propagate as httpx exceptions."""
-    raw, h = _request_parts(body, headers)
+    target, raw, h = _request(url, path, body, headers)
     with httpx.Client(trust_env=False, timeout=timeout) as c:
-        r = c.post(url.rstrip("/") + path, content=raw, headers=h)
-        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+        return _answer(c.post(target, content=raw, headers=h))
 
 
 async def asse_post(
@@ -342,41 +352,39 @@ async def asse_post(
     timeout: float = 60,
 ) -> tuple[int, dict[str, str], bytes]:
     """Async ``sse_post`` (a new httpx.AsyncClient per call) for concurrency tests."""
-    raw, h = _request_parts(body, headers)
+    target, raw, h = _request(url, path, body, headers)
     async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
-        r = await c.post(url.rstrip("/") + path, content=raw, headers=h)
-        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+        return _answer(await c.post(target, content=raw, headers=h))
 
 
-def parse_sse(body: bytes) -> list[tuple[str, dict[str, Any] | str]]:
-    """(event type, data) pairs of an SSE body; data is parsed JSON where it is JSON.
-
-    The type is the ``event:`` field, else the data's ``type``; an incomplete final event is
-    ignored."""
-    out: list[tuple[str, dict[str, Any] | str]] = []
-    for block in body.decode("utf-8", errors="replace").replace("\r\n", "\n").split("\n\n")[:-1]:
-        etype, data_lines = "", []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                etype = line[6:].strip()
-            elif line.startswith("data:"):
-                data_lines.append(line[5:].removeprefix(" "))
-        if not data_lines and not etype:
-            continue
-        text = "\n".join(data_lines)
-        try:
-            data: dict[str, Any] | str = json.loads(text)
-        except ValueError:
-            data = text
-        if not etype and isinstance(data, dict):
-            etype = str(data.get("type", ""))
-        out.append((etype, data))
-    return out
+def post_turn(
+    url: str,
+    headers: Mapping[str, str] | None = None,
+    body: dict[str, Any] | bytes | None = None,
+    *,
+    path: str = "/v1/responses",
+    behaviour: dict[str, Any] | None = None,
+    cut_is_error: bool = False,
+    timeout: float = 60,
+) -> tuple[int, dict[str, str], bytes]:
+    """``sse_post`` for a test that counts failures: a transport error (a reset, a crash of
+    the proxy) is ``(0, {}, b"")``; with ``cut_is_error``, so is a 200 SSE answer whose last
+    event is not ``response.completed`` (a stream cut short; its headers and bytes are kept).
+    ``behaviour`` picks the mock upstream's answer (``mock_behaviour``)."""
+    h = {**(headers or {}), **(mock_behaviour(**behaviour) if behaviour is not None else {})}
+    try:
+        status, rh, b = sse_post(url, path=path, body=body, headers=h, timeout=timeout)
+    except httpx.HTTPError:
+        return 0, {}, b""
+    if cut_is_error and status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
+        return 0, rh, b
+    return status, rh, b
 
 
-def sse_event_types(body: bytes) -> list[str]:
-    """The event types of an SSE body, in order."""
-    return [t for t, _ in parse_sse(body)]
+def mock_behaviour(**b: Any) -> dict[str, str]:
+    """The header that makes the mock upstream answer one request with behaviour ``b`` (not
+    part of the request's identity: duplicates may carry another one)."""
+    return {"x-mock-behaviour": json.dumps(b)}
 
 
 def response_id(body: bytes) -> str | None:

@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from harness import (
@@ -31,9 +30,12 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
-    read_jsonl,
+    guarded,
+    ledger_query,
+    mock_behaviour,
+    post_turn,
     sse_event_types,
-    sse_post,
+    turnguard_events,
     wait_until,
 )
 from test_ledger_faults import fill, tiny_tmpfs, unfill
@@ -43,45 +45,18 @@ ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
 ONCE = "server_anchored_replay_once"
 
 
-def behaviour(**b) -> dict[str, str]:
-    """The header that picks the mock upstream's behaviour for one request (not part of the
-    request's identity: duplicates may carry another one)."""
-    return {"x-mock-behaviour": json.dumps(b)}
+behaviour = mock_behaviour
+events = turnguard_events
+query = ledger_query
 
 
 def body_of(text: str) -> dict:
     return {"model": "gpt-test", "input": text, "stream": True}
 
 
-def guarded(tmp_path: Path, up: MockUpstream, name: str, **options) -> Mitmdump:
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-        **options,
-    }
-    extra = {k: opts.pop(k) for k in ("prefix", "addon") if k in opts}
-    return Mitmdump(tmp_path, up.url, options=opts, name=name, **extra)
-
-
-def events(tmp_path: Path, name: str, kind: str | None = None) -> list[dict]:
-    return [r for r in read_jsonl(tmp_path / f"{name}-events.jsonl")
-            if kind is None or r["event"] == kind]
-
-
-def query(ledger: Path, sql: str, args=()) -> list[tuple]:
-    db = sqlite3.connect(ledger, timeout=10)
-    try:
-        return db.execute(sql, args).fetchall()
-    finally:
-        db.close()
-
-
 def post(url: str, headers: dict, body: dict | bytes, timeout: float = 90):
     """One request; a transport error (a cut stream) is status 0."""
-    try:
-        return sse_post(url, body=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return 0, {}, b""
+    return post_turn(url, headers, body, timeout=timeout)
 
 
 def in_background(fn, *args):
@@ -106,6 +81,21 @@ def write_lock(ledger: Path):
     finally:
         db.execute("ROLLBACK")
         db.close()
+
+
+def duplicate_of_a_live_original_is_replayed(tmp_path: Path, up: MockUpstream, a: Mitmdump,
+                                             b: Mitmdump, text: str) -> None:
+    """A turn answered in 7 s through ``a``; its duplicate through ``b``, sent once the
+    original is dispatched, waits for it (B reaps nothing) and gets its recording; one
+    upstream dispatch."""
+    original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=7000)},
+                             body_of(text))
+    up.wait_for_record(lambda r: r.get("event") == "dispatch")
+    duplicate = post(b.url, SESSION, body_of(text))
+    assert original.result(30)[0] == duplicate[0] == 200
+    assert duplicate[1].get("x-turnguard") == "replayed"
+    assert len(up.dispatches()) == 1
+    assert not events(tmp_path, "b", "instance_reaped")
 
 
 # -- 1. a live process is never reaped --------------------------------------------------------
@@ -157,14 +147,7 @@ def test_a_process_in_another_pid_namespace_is_not_judged_dead(tmp_path, report)
     prefix = [unshare, "--pid", "--fork", "--mount-proc"]
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
             guarded(tmp_path, up, "b", prefix=prefix) as b:
-        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=7000)},
-                                 body_of("two namespaces"))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        duplicate = post(b.url, SESSION, body_of("two namespaces"))
-        assert original.result(30)[0] == duplicate[0] == 200
-        assert duplicate[1].get("x-turnguard") == "replayed"
-        assert len(up.dispatches()) == 1
-        assert not events(tmp_path, "b", "instance_reaped")
+        duplicate_of_a_live_original_is_replayed(tmp_path, up, a, b, "two namespaces")
         assert_no_traceback(a.log_text() + b.log_text())
     report("two mitmdumps in different pid namespaces: the duplicate waited for the live "
            "original (7 s) instead of reaping it; upstream dispatches=1")
@@ -215,14 +198,7 @@ def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp
         db.execute("DELETE FROM instances WHERE instance_id=?", (a_id,))
         db.commit()
         db.close()
-        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=7000)},
-                                 body_of("after a reap"))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        duplicate = post(b.url, SESSION, body_of("after a reap"))
-        assert original.result(30)[0] == duplicate[0] == 200
-        assert duplicate[1].get("x-turnguard") == "replayed"
-        assert len(up.dispatches()) == 1
-        assert not events(tmp_path, "b", "instance_reaped")
+        duplicate_of_a_live_original_is_replayed(tmp_path, up, a, b, "after a reap")
         assert events(tmp_path, "a", "instance_reregistered")
         assert query(ledger, "SELECT incarnation FROM instances WHERE instance_id=?", (a_id,)) \
             == [(2,)]

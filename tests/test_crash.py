@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
@@ -23,10 +22,14 @@ from harness import (
     REPO,
     Mitmdump,
     MockUpstream,
+    Regression,
     assert_no_traceback,
-    read_jsonl,
+    guarded,
+    ledger_integrity,
+    ledger_query,
+    post_turn,
     sse_event_types,
-    sse_post,
+    turnguard_events,
     upstream_of,
     wait_until,
 )
@@ -38,31 +41,16 @@ ANCHORED = {**HEADERS, "x-codex-turn-state": "ts_crash_turn"}
 ONCE = "server_anchored_replay_once"
 
 
-def guarded(tmp_path: Path, up: MockUpstream, name: str, **options) -> Mitmdump:
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-    }
-    opts.update(options)
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
-
-
-def events(tmp_path: Path, name: str, kind: str | None = None) -> list[dict]:
-    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
-    return [r for r in recs if kind is None or r["event"] == kind]
+events = turnguard_events
 
 
 def query(tmp_path: Path, sql: str, args=()) -> list[tuple]:
-    """A read on the ledger through a connection of the test's own (another process's view)."""
-    db = sqlite3.connect(tmp_path / "ledger.sqlite3", timeout=10)
-    try:
-        return db.execute(sql, args).fetchall()
-    finally:
-        db.close()
+    """A read on the test's ledger (``tmp_path/ledger.sqlite3``) from another connection."""
+    return ledger_query(tmp_path / "ledger.sqlite3", sql, args)
 
 
 def integrity(tmp_path: Path) -> str:
-    return query(tmp_path, "PRAGMA integrity_check")[0][0]
+    return ledger_integrity(tmp_path / "ledger.sqlite3")
 
 
 def attempts(tmp_path: Path) -> list[tuple]:
@@ -88,19 +76,9 @@ def instance_id_for_pid(tmp_path: Path, pid: int) -> str:
     return rows[0][0]
 
 
-class Regression(AssertionError):
-    """A check that once found a bug in the addon (fixed since) failed again."""
-
-
 def post(url: str, headers=HEADERS, body=BODY, timeout: float = 60):
     """One request; a transport error (reset, cut stream, crash of the proxy) is status 0."""
-    try:
-        status, h, b = sse_post(url, body=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return 0, {}, b""
-    if status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
-        return 0, h, b
-    return status, h, b
+    return post_turn(url, headers, body, cut_is_error=True, timeout=timeout)
 
 
 class StreamingClient:
@@ -145,6 +123,19 @@ class StreamingClient:
 
 def dispatches(up: MockUpstream) -> list[dict]:
     return up.dispatches()
+
+
+def original_and_held_duplicates(tmp_path: Path, up: MockUpstream, pool: ThreadPoolExecutor,
+                                 original_url: str, duplicate_url: str, holder: str):
+    """The original request through ``original_url``, once it is dispatched three duplicates
+    through ``duplicate_url``, once the process ``holder`` holds them (bounded waits): their
+    futures, (original, [duplicates])."""
+    first = pool.submit(post, original_url)
+    wait_until(lambda: dispatches(up), 10, what="the original dispatched")
+    dups = [pool.submit(post, duplicate_url) for _ in range(3)]
+    wait_until(lambda: len(events(tmp_path, holder, "duplicate_held")) == 3, 10,
+               what=f"3 duplicates held by {holder}")
+    return first, dups
 
 
 # -----------------------------------------------------------------------------------------------
@@ -205,11 +196,7 @@ def test_kill9_while_duplicates_are_held_then_restart_handles_the_retries(tmp_pa
         pool = ThreadPoolExecutor(max_workers=4)
         try:
             dead_instance = instance_id_for_pid(tmp_path, a.pid)
-            first = pool.submit(post, a.url)
-            wait_until(lambda: dispatches(up), 10, what="the original dispatched")
-            dups = [pool.submit(post, a.url) for _ in range(3)]
-            wait_until(lambda: len(events(tmp_path, "a", "duplicate_held")) == 3, 10,
-                       what="3 duplicates held")
+            first, dups = original_and_held_duplicates(tmp_path, up, pool, a.url, a.url, "a")
             a.kill9()
             crashed = [f.result(timeout=30)[0] for f in [first, *dups]]
         finally:
@@ -245,6 +232,20 @@ def _open_circuit(url: str) -> None:
     assert post(url, ANCHORED)[0] in (0, 502)
 
 
+def _kill9_while_holding_through_the_cooldown(tmp_path: Path, a: Mitmdump) -> None:
+    """kill -9 of the process ``a`` (named "a") while it holds a request of the anchored turn
+    through its circuit's cooldown; that client gets no answer."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        held = pool.submit(post, a.url, ANCHORED)
+        wait_until(lambda: events(tmp_path, "a", "wait_operation_fenced_cooldown"), 10,
+                   what="A holds a request through the cooldown")
+        a.kill9()
+        assert held.result(timeout=30)[0] == 0
+    finally:
+        pool.shutdown(wait=False)
+
+
 def test_kill9_while_a_request_is_held_through_a_cooldown_then_restart_recovers_once(
     tmp_path, report
 ):
@@ -254,19 +255,13 @@ def test_kill9_while_a_request_is_held_through_a_cooldown_then_restart_recovers_
                 turnguard_owner_lease_ms=lease_ms)
     with MockUpstream(tmp_path, scenario) as up:
         a = guarded(tmp_path, up, "a", **opts)
-        pool = ThreadPoolExecutor(max_workers=1)
         try:
             _open_circuit(a.url)
             circuit_before = query(tmp_path, "SELECT scope, failures, open_until FROM circuits")
             assert len(circuit_before) == 1 and circuit_before[0][1] == 2
-            held = pool.submit(post, a.url, ANCHORED)
-            wait_until(lambda: events(tmp_path, "a", "wait_operation_fenced_cooldown"), 10,
-                       what="the request held through the cooldown")
-            a.kill9()
-            assert held.result(timeout=30)[0] == 0
+            _kill9_while_holding_through_the_cooldown(tmp_path, a)
         finally:
             a.stop()
-            pool.shutdown(wait=False)
         assert integrity(tmp_path) == "ok"
         session_a = query(tmp_path, "SELECT owner_instance, owner_epoch, lease_until FROM sessions")
         assert len(session_a) == 1 and session_a[0][1] == 1
@@ -407,11 +402,7 @@ def test_two_processes_one_killed_mid_stall_the_survivor_reaps_and_takes_over(tm
         pool = ThreadPoolExecutor(max_workers=4)
         try:
             dead_instance = instance_id_for_pid(tmp_path, a.pid)
-            first = pool.submit(post, a.url)
-            wait_until(lambda: dispatches(up), 10, what="A's dispatch")
-            dups = [pool.submit(post, b.url) for _ in range(3)]
-            wait_until(lambda: len(events(tmp_path, "b", "duplicate_held")) == 3, 10,
-                       what="3 duplicates held by B")
+            first, dups = original_and_held_duplicates(tmp_path, up, pool, a.url, b.url, "b")
             assert all(e["owner"] == dead_instance for e in events(tmp_path, "b", "duplicate_held"))
             killed_at = time.time()
             a.kill9()
@@ -543,17 +534,11 @@ def test_survivor_takes_a_session_over_only_after_the_dead_owners_lease(tmp_path
                 turnguard_owner_lease_ms=lease_ms)
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "b", **opts) as b:
         a = guarded(tmp_path, up, "a", **opts)
-        pool = ThreadPoolExecutor(max_workers=1)
         try:
             _open_circuit(a.url)  # A owns the session
-            held = pool.submit(post, a.url, ANCHORED)
-            wait_until(lambda: events(tmp_path, "a", "wait_operation_fenced_cooldown"), 10,
-                       what="A holds a request through the cooldown")
-            a.kill9()
-            assert held.result(timeout=30)[0] == 0
+            _kill9_while_holding_through_the_cooldown(tmp_path, a)
         finally:
             a.stop()
-            pool.shutdown(wait=False)
         lease_until = query(tmp_path, "SELECT lease_until FROM sessions")[0][0]
         early = None
         if time.time() < lease_until - 0.3:

@@ -6,16 +6,15 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from harness import (
-    Mitmdump,
     MockUpstream,
     assert_no_traceback,
-    read_jsonl,
+    guarded,
+    post_turn,
     sse_event_types,
-    sse_post,
+    turnguard_events,
     wait_until,
 )
 
@@ -33,19 +32,12 @@ STORM = {  # the codex-lb incident: no response.created in time, then a reset, t
 
 
 def proxy(tmp_path, up, name="mitmdump", **options):
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-        "turnguard_response_created_timeout_ms": 600,
-        "turnguard_cooldown_ms": COOLDOWN_MS,
-    }
-    opts.update(options)
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+    return guarded(tmp_path, up, name, **{"turnguard_response_created_timeout_ms": 600,
+                                          "turnguard_cooldown_ms": COOLDOWN_MS, **options})
 
 
 def events(tmp_path, kind=None, name="mitmdump"):
-    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
-    return [r for r in recs if kind is None or r["event"] == kind]
+    return turnguard_events(tmp_path, name, kind)
 
 
 def wait_events(tmp_path, kind, n, name="mitmdump"):
@@ -57,13 +49,7 @@ def wait_events(tmp_path, kind, n, name="mitmdump"):
 
 def post(url, headers=ANCHORED, body=TURN, timeout=30):
     """One request; transport errors become status 0 (a cut stream counts as an error too)."""
-    try:
-        status, h, b = sse_post(url, body=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return 0, {}, b""
-    if status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
-        return 0, h, b
-    return status, h, b
+    return post_turn(url, headers, body, cut_is_error=True, timeout=timeout)
 
 
 def impatient_client(url, *, tries=20, gap_s=0.2, headers=ANCHORED):

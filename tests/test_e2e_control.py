@@ -10,13 +10,18 @@ import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
+from harness import (
+    REPO,
+    MockUpstream,
+    assert_no_traceback,
+    guarded,
+    post_turn,
+    read_jsonl,
+    turnguard_events,
+    wait_until,
+)
 
-from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl, sse_post, wait_until
-
-REPO = Path(__file__).resolve().parents[1]
 TURNGUARD = REPO / "scripts" / "turnguard"
 TURN = {"model": "gpt-test", "input": [{"role": "user", "content": "fix the bug"}], "stream": True}
 ANCHORED = {
@@ -28,15 +33,10 @@ LONG_COOLDOWN_MS = 60000  # so that only the clear can end it within the test
 
 
 def proxy(tmp_path, up, name="mitmdump", **options):
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-        "turnguard_response_created_timeout_ms": 600,
-        "turnguard_cooldown_ms": LONG_COOLDOWN_MS,
-        "turnguard_cooldown_max_ms": LONG_COOLDOWN_MS * 2,
-        **options,
-    }
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+    return guarded(tmp_path, up, name, **{"turnguard_response_created_timeout_ms": 600,
+                                          "turnguard_cooldown_ms": LONG_COOLDOWN_MS,
+                                          "turnguard_cooldown_max_ms": LONG_COOLDOWN_MS * 2,
+                                          **options})
 
 
 def turnguard(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -48,16 +48,14 @@ def turnguard(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def post(url, headers=ANCHORED, timeout=90):
-    try:
-        status, h, body = sse_post(url, body=TURN, headers={**headers, "accept": "application/json"},
-                                   timeout=timeout)
-    except httpx.HTTPError:
-        return 0, b""
+    """(status, body) of one request that accepts JSON errors (status 0: a transport error)."""
+    status, _, body = post_turn(url, {**headers, "accept": "application/json"}, TURN,
+                                timeout=timeout)
     return status, body
 
 
 def events(tmp_path, kind, name="mitmdump"):
-    return [r for r in read_jsonl(tmp_path / f"{name}-events.jsonl") if r["event"] == kind]
+    return turnguard_events(tmp_path, name, kind)
 
 
 def open_circuit(url):

@@ -16,34 +16,20 @@ import pytest
 from harness import (
     MITMDUMP,
     ADDON,
-    Mitmdump,
     MockUpstream,
     assert_no_traceback,
     asse_post,
-    read_jsonl,
+    guarded,
     response_id,
     sse_event_types,
     sse_post,
+    turnguard_events,
     wait_until,
 )
 
 SECRET = "sk-test-SECRET-do-not-store-0123456789"
 HEADERS = {"authorization": f"Bearer {SECRET}", "session-id": "sess-1"}
 BODY = {"model": "gpt-test", "input": "write a haiku", "stream": True}
-
-
-def guarded(tmp_path, upstream, name="mitmdump", **options):
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-    }
-    opts.update(options)
-    return Mitmdump(tmp_path, upstream.url, options=opts, name=name)
-
-
-def events(tmp_path, name="mitmdump", kind=None):
-    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
-    return [r for r in recs if kind is None or r["event"] == kind]
 
 
 def post_all(url, n, *, body=BODY, headers=HEADERS, stagger_s=0.0, first_alone_s=0.0):
@@ -72,9 +58,9 @@ def test_stalled_original_and_five_duplicates_give_one_dispatch_and_six_identica
         assert len(up.dispatches()) == 1
         assert [h.get("x-turnguard") for _, h, _ in results[1:]] == ["replayed"] * 5
         assert results[0][1].get("x-turnguard") is None  # the original passes untouched
-        assert len(events(tmp_path, kind="duplicate_held")) == 5
-        assert len(events(tmp_path, kind="duplicate_replayed")) == 5
-        assert not events(tmp_path, kind="duplicate_rejected")
+        assert len(turnguard_events(tmp_path, kind="duplicate_held")) == 5
+        assert len(turnguard_events(tmp_path, kind="duplicate_replayed")) == 5
+        assert not turnguard_events(tmp_path, kind="duplicate_rejected")
         assert_no_traceback(proxy.log_text())
     report(
         "duplicate storm (original stalled 4 s, 5 duplicates on their own connections): "
@@ -101,7 +87,7 @@ def test_duplicates_past_the_hold_bound_get_409_with_retry_after_then_replay(tmp
         assert status == 200 and headers["x-turnguard"] == "replayed"
         assert body == results[0][2]
         assert len(up.dispatches()) == 1
-        assert len(events(tmp_path, kind="duplicate_rejected")) == 2
+        assert len(turnguard_events(tmp_path, kind="duplicate_rejected")) == 2
     report(
         "hold bound 0.8 s < original 3.5 s: duplicates got "
         f"{[s for s, _, _ in results[1:]]} with Retry-After; later retry replayed; "
@@ -122,7 +108,7 @@ def test_two_mitmdump_processes_on_one_ledger_dispatch_once(tmp_path, report):
         assert [r[0] for r in results] == [200] * 4
         assert len({r[2] for r in results}) == 1
         assert len(up.dispatches()) == 1
-        held = events(tmp_path, "b", "duplicate_held")
+        held = turnguard_events(tmp_path, "b", "duplicate_held")
         assert len(held) == 3 and all(h["owner"] != held[0]["flow"] for h in held)
     report(
         "two mitmdump processes, one ledger: original via A, 3 duplicates via B -> "
@@ -163,8 +149,8 @@ def test_rejected_original_lets_the_held_duplicate_go_upstream(tmp_path):
         assert results[0][0] == 429
         assert results[1][0] == 200 and "x-turnguard" not in results[1][1]
         assert len(up.dispatches()) == 2
-        assert [e["outcome"] for e in events(tmp_path, kind="outcome")] == ["rejected", "completed"]
-        assert len(events(tmp_path, kind="duplicate_forwarded")) == 1
+        assert [e["outcome"] for e in turnguard_events(tmp_path, kind="outcome")] == ["rejected", "completed"]
+        assert len(turnguard_events(tmp_path, kind="duplicate_forwarded")) == 1
 
 
 def test_eventless_original_failure_forwards_the_duplicate_as_a_retry(tmp_path):
@@ -178,7 +164,7 @@ def test_eventless_original_failure_forwards_the_duplicate_as_a_retry(tmp_path):
                 original.result()
         assert status == 200 and sse_event_types(body)[-1] == "response.completed"
         assert len(up.dispatches()) == 2
-        outcomes = [e["outcome"] for e in events(tmp_path, kind="outcome")]
+        outcomes = [e["outcome"] for e in turnguard_events(tmp_path, kind="outcome")]
         assert outcomes == ["unknown", "completed"]
 
 
@@ -202,7 +188,7 @@ def test_replay_window_and_idempotency_keys(tmp_path):
         other_cred = {**idem, "authorization": "Bearer another-key"}
         assert sse_post(proxy.url, body={**BODY, "input": "other"}, headers=other_cred)[0] == 200
         assert len(up.dispatches()) == 4
-        assert len(events(tmp_path, kind="idempotency_key_conflict")) == 1
+        assert len(turnguard_events(tmp_path, kind="idempotency_key_conflict")) == 1
 
 
 def test_no_replay_across_credentials_or_sessions(tmp_path):
@@ -223,7 +209,7 @@ def test_what_turnguard_does_not_understand_passes_untouched(tmp_path):
         sse_post(proxy.url, body=b"not json{", headers=HEADERS)
         # not guarded, so not coalesced: both reached the upstream
         assert [r["event"] for r in up.records()].count("invalid_body") == 2
-        reasons = [e["reason"] for e in events(tmp_path, kind="passthrough")]
+        reasons = [e["reason"] for e in turnguard_events(tmp_path, kind="passthrough")]
         assert reasons and all("JSON" in r for r in reasons)
         # unguarded routes are not touched at all
         status, _, _ = sse_post(proxy.url, path="/v1/other", body=BODY, headers=HEADERS)
@@ -239,7 +225,7 @@ def test_a_held_duplicate_whose_client_leaves_is_never_dispatched(tmp_path):
             time.sleep(0.4)
             with pytest.raises(Exception):
                 sse_post(proxy.url, body=BODY, headers=HEADERS, timeout=0.8)
-            wait_until(lambda: events(tmp_path, kind="hold_abandoned"), 5, what="hold_abandoned")
+            wait_until(lambda: turnguard_events(tmp_path, kind="hold_abandoned"), 5, what="hold_abandoned")
             assert original.result()[0] == 200
         assert len(up.dispatches()) == 1
 

@@ -9,22 +9,19 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-import httpx
 
 from harness import (
-    Mitmdump,
+    REPO,
     MockUpstream,
     assert_no_traceback,
+    guarded,
     metric,
     metrics_url,
+    post_turn,
     scrape,
-    sse_post,
     wait_until,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 BODY = {"model": "gpt-test", "input": "a stalled turn", "stream": True}
 HEADERS = {"authorization": "Bearer sk-metrics-test", "session-id": "sess-metrics"}
 ANCHORED = {**HEADERS, "x-codex-turn-state": "ts_turn_1"}
@@ -36,15 +33,9 @@ STORM = {
 
 
 def proxy(tmp_path, up, name="mitmdump", **options):
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-        "turnguard_metrics": "127.0.0.1:0",
-        "turnguard_response_created_timeout_ms": 600,
-        "turnguard_cooldown_ms": COOLDOWN_MS,
-        **options,
-    }
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+    return guarded(tmp_path, up, name, **{"turnguard_metrics": "127.0.0.1:0",
+                                          "turnguard_response_created_timeout_ms": 600,
+                                          "turnguard_cooldown_ms": COOLDOWN_MS, **options})
 
 
 def scrape_until(url, predicate, what, timeout=10):
@@ -53,10 +44,8 @@ def scrape_until(url, predicate, what, timeout=10):
 
 
 def post(url, headers=HEADERS, body=BODY, timeout=30):
-    try:
-        return sse_post(url, body=body, headers=headers, timeout=timeout)[0]
-    except httpx.HTTPError:
-        return 0
+    """The status of one request (0: a transport error)."""
+    return post_turn(url, headers, body, timeout=timeout)[0]
 
 
 def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):

@@ -5,9 +5,9 @@ content-length and close-delimited bodies), WebSocket upgrades, HEAD and GET.
 Everything must pass or get a clear error, no exception may escape a hook (the mitmdump log has
 no traceback), every request gets an answer, and mitmdump's memory stays bounded.
 
-The upstream here is ``ScriptedUpstream``, a raw HTTP/1.1 server in a thread of the test
-process: a request names its script (status, headers, body parts, framing) in an ``x-script``
-header, so that the bytes and their split are exactly what the test chose."""
+The upstream here is ``ScriptedUpstream``, the mock package's HTTP/1.1 server in a thread of
+the test process: a request names its script (status, headers, body parts, framing) in an
+``x-script`` header, so that the bytes and their split are exactly what the test chose."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import asyncio
 import base64
 import collections
 import gzip
-import hashlib
 import itertools
 import json
 import os
@@ -29,7 +28,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import Mitmdump, assert_no_traceback, read_jsonl, upstream_of, wait_until
+from harness import Mitmdump, assert_no_traceback, read_jsonl, rss_kb, upstream_of, wait_until
+from turnguard_mock.server import LAST_CHUNK, Connection, Request, ServerThread, response_head
+from turnguard_mock.server import chunk as one_chunk
+from turnguard_mock.websocket import WebSocket
+from turnguard_sse import frame as sse_frame
 
 try:  # the same zstd mitmproxy uses
     from compression import zstd  # type: ignore[import-not-found]
@@ -39,7 +42,6 @@ except ImportError:  # Python < 3.14
 from turnguard_core import identity
 from turnguard_core.sse import SseParser, terminal_kind
 
-WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC11D65"
 _ids = itertools.count()
 
 
@@ -48,12 +50,13 @@ _ids = itertools.count()
 
 
 class ScriptedUpstream:
-    """A raw HTTP/1.1 server on 127.0.0.1 (port chosen by the OS) in a background thread.
+    """The mock package's HTTP/1.1 server on 127.0.0.1 (port chosen by the OS) in a background
+    thread of the test process, answering each request with a script.
 
     ``add(script) -> id``; a request with ``x-script: id`` is answered by that script:
     ``{"status", "headers": [(k, v)], "parts": [bytes], "framing": "length"|"chunked"|"close",
     "gap_s"}``. Without ``x-script``: a small completed SSE stream for POST, ``ok`` otherwise.
-    ``Upgrade: websocket`` gets a handshake and an echo of each frame. Every response closes
+    ``Upgrade: websocket`` gets a handshake and an echo of each message. Every response closes
     its connection. ``hits[id]`` counts the requests each script answered."""
 
     def __init__(self) -> None:
@@ -61,14 +64,8 @@ class ScriptedUpstream:
         self.hits: collections.Counter[str] = collections.Counter()
         self.requests = 0
         self._lock = threading.Lock()
-        self._tasks: set[asyncio.Task] = set()
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="scripted-upstream", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("scripted upstream did not start")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = ServerThread(self._respond, name="scripted-upstream")
+        self.url = self._server.url
 
     def add(self, script: dict) -> str:
         sid = f"s{next(_ids)}"
@@ -76,117 +73,48 @@ class ScriptedUpstream:
             self.scripts[sid] = script
         return sid
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0, limit=4 * 1024 * 1024)
-        )
-        self.port = self.server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self.loop.run_forever()
-
-    async def _shutdown(self) -> None:
-        self.server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
-
     def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self.loop.close()
+        self._server.stop()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._tasks.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-            lines = head[:-4].decode("latin-1").split("\r\n")
-            method = lines[0].split(" ", 1)[0]
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if "chunked" in headers.get("transfer-encoding", "").lower():
-                for _ in range(1_000_000):  # bounded
-                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                    await reader.readexactly(size + 2)
-                    if size == 0:
-                        break
-            elif headers.get("content-length", "0").isdigit():
-                length = int(headers.get("content-length", "0"))
-                await asyncio.wait_for(reader.readexactly(length), 60)
-            with self._lock:
-                self.requests += 1
-            if headers.get("upgrade", "").lower() == "websocket":
-                await self._websocket(reader, writer, headers)
-                return
-            sid = headers.get("x-script")
-            with self._lock:
-                script = self.scripts.get(sid) if sid else None
-                if script is not None:
-                    self.hits[sid] += 1
-            await self._respond(writer, method, script or _default_script(method))
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                TimeoutError, ValueError):
-            pass
-        finally:
-            self._tasks.discard(task)
-            writer.close()
+    async def _respond(self, conn: Connection, req: Request) -> bool:
+        with self._lock:
+            self.requests += 1
+        if (req.header("upgrade") or "").lower() == "websocket":
+            ws = await WebSocket.accept(conn, req)
+            await ws.echo(max_messages=16)
+            return False
+        sid = req.header("x-script")
+        with self._lock:
+            script = self.scripts.get(sid) if sid else None
+            if script is not None:
+                self.hits[sid] += 1
+        await self._write(conn, req.method, script or _default_script(req.method))
+        return False
 
     @staticmethod
-    async def _respond(writer: asyncio.StreamWriter, method: str, s: dict) -> None:
+    async def _write(conn: Connection, method: str, s: dict) -> None:
+        """The script's bytes, as it frames them: ``length`` (``length_short`` announces 10
+        bytes it never sends), ``chunked`` (``chunked_cut``: no last chunk), ``close`` (the
+        end of the body is the end of the connection); ``gap_s`` between the parts."""
         parts = [p for p in s.get("parts", []) if p]
         framing = s.get("framing", "length")
         headers = list(s.get("headers", []))
-        if framing in ("length", "length_short"):  # short: announces 10 bytes it never sends
+        if framing in ("length", "length_short"):
             extra = 10 if framing == "length_short" else 0
             headers.append(("content-length", str(sum(len(p) for p in parts) + extra)))
-        elif framing in ("chunked", "chunked_cut"):  # cut: no last chunk, then a close
+        elif framing in ("chunked", "chunked_cut"):
             headers.append(("transfer-encoding", "chunked"))
         headers.append(("connection", "close"))
-        status = s.get("status", 200)
-        head = f"HTTP/1.1 {status} Status\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
-        writer.write(head.encode("latin-1") + b"\r\n")
-        await writer.drain()
+        await conn.send(response_head(s.get("status", 200), headers))
         if method == "HEAD":
             return
         gap = s.get("gap_s", 0)
         for part in parts:
-            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n"
-                         if framing.startswith("chunked") else part)
-            await writer.drain()
+            await conn.send(one_chunk(part) if framing.startswith("chunked") else part)
             if gap:
                 await asyncio.sleep(gap)
         if framing == "chunked":
-            writer.write(b"0\r\n\r\n")
-        await writer.drain()
-
-    @staticmethod
-    async def _websocket(reader, writer, headers) -> None:
-        accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + WS_GUID)
-                                  .digest()).decode()
-        writer.write(
-            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
-            f"sec-websocket-accept: {accept}\r\n\r\n".encode()
-        )
-        await writer.drain()
-        for _ in range(16):  # bounded
-            opcode, payload = await _read_ws_frame(reader)
-            writer.write(_ws_frame(opcode, payload, mask=False))
-            await writer.drain()
-            if opcode == 8:
-                return
+            await conn.send(LAST_CHUNK)
 
 
 def _default_script(method: str) -> dict:
@@ -197,50 +125,28 @@ def _default_script(method: str) -> dict:
     return {"headers": [("content-type", "text/plain")], "parts": [b"ok"]}
 
 
-async def _read_ws_frame(reader) -> tuple[int, bytes]:
-    b0, b1 = await reader.readexactly(2)
-    n = b1 & 0x7F
-    if n == 126:
-        n = struct.unpack("!H", await reader.readexactly(2))[0]
-    elif n == 127:
-        n = struct.unpack("!Q", await reader.readexactly(8))[0]
-    key = await reader.readexactly(4) if b1 & 0x80 else None
-    data = await reader.readexactly(n)
-    if key:
-        data = bytes(c ^ key[i % 4] for i, c in enumerate(data))
-    return b0 & 0x0F, data
-
-
-def _ws_frame(opcode: int, payload: bytes, *, mask: bool) -> bytes:
+def _ws_frame(opcode: int, payload: bytes) -> bytes:
+    """One masked WebSocket frame from the client, written by hand (an oracle independent of
+    wsproto, which both the upstream and mitmproxy use)."""
     head = bytes([0x80 | opcode])
     n = len(payload)
-    m = 0x80 if mask else 0
     if n < 126:
-        head += bytes([m | n])
+        head += bytes([0x80 | n])
     elif n < 65536:
-        head += bytes([m | 126]) + struct.pack("!H", n)
+        head += bytes([0x80 | 126]) + struct.pack("!H", n)
     else:
-        head += bytes([m | 127]) + struct.pack("!Q", n)
-    if mask:
-        key = os.urandom(4)
-        return head + key + bytes(c ^ key[i % 4] for i, c in enumerate(payload))
-    return head + payload
+        head += bytes([0x80 | 127]) + struct.pack("!Q", n)
+    key = os.urandom(4)
+    return head + key + bytes(c ^ key[i % 4] for i, c in enumerate(payload))
 
 
 def sse(event_type: str, data: dict, eol: bytes = b"\n") -> bytes:
-    return (b"event: " + event_type.encode() + eol + b"data: "
-            + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + eol + eol)
+    """One event, non-ASCII text kept as UTF-8 (so that a split can cut a character)."""
+    return sse_frame(event_type, data, eol=eol, ensure_ascii=False)
 
 
 # -----------------------------------------------------------------------------------------------
 # The rig: one upstream and one mitmdump for the module
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 class Rig:
@@ -632,7 +538,7 @@ def test_websocket_upgrade_passes(rig):
                 break
         for payload in (b"hello turnguard", os.urandom(70_000)):
             opcode = 1 if payload.isascii() else 2
-            s.sendall(_ws_frame(opcode, payload, mask=True))
+            s.sendall(_ws_frame(opcode, payload))
             b0, b1 = f.read(2)
             n = b1 & 0x7F
             if n == 126:
@@ -640,7 +546,7 @@ def test_websocket_upgrade_passes(rig):
             elif n == 127:
                 n = struct.unpack("!Q", f.read(8))[0]
             assert (b0 & 0x0F, f.read(n)) == (opcode, payload)
-        s.sendall(_ws_frame(8, struct.pack("!H", 1000), mask=True))
+        s.sendall(_ws_frame(8, struct.pack("!H", 1000)))
 
 
 def test_get_and_head_pass_untouched(rig):

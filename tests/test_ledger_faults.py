@@ -25,12 +25,14 @@ import httpx
 import pytest
 
 from harness import (
-    Mitmdump,
     MockUpstream,
+    Regression,
     assert_no_traceback,
-    read_jsonl,
-    sse_event_types,
-    sse_post,
+    check,
+    guarded,
+    ledger_integrity,
+    post_turn,
+    turnguard_events,
     wait_until,
 )
 
@@ -39,15 +41,6 @@ HEADERS = {"authorization": "Bearer sk-ledger-faults", "session-id": "sess-plain
 ANCHORED = {**HEADERS, "session-id": "sess-anchored", "x-codex-turn-state": "ts_faults"}
 TURN = {"model": "gpt-test", "input": "the anchored turn", "stream": True}
 ONCE = "server_anchored_replay_once"
-
-
-class Regression(AssertionError):
-    """A check that once found a bug in the addon (fixed since) failed again."""
-
-
-def check(ok: bool, message: str) -> None:
-    if not ok:
-        raise Regression(message)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -122,31 +115,16 @@ def unfill(folder: Path) -> None:
 
 
 def proxy(tmp_path: Path, up: MockUpstream, ledger: Path, name: str = "mitmdump", **options):
-    opts = {
-        "turnguard_ledger": str(ledger),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-    }
-    opts.update(options)
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
+    return guarded(tmp_path, up, name, ledger=ledger, **options)
 
 
 def events(tmp_path: Path, kind: str | None = None, name: str = "mitmdump") -> list[dict]:
-    recs = read_jsonl(tmp_path / f"{name}-events.jsonl")
-    return [r for r in recs if kind is None or r["event"] == kind]
+    return turnguard_events(tmp_path, name, kind)
 
 
 def post(url, headers=HEADERS, body=None, behaviour: dict | None = None, timeout: float = 60):
     """One request (status 0 on a transport error or a cut stream)."""
-    h = dict(headers)
-    if behaviour is not None:
-        h["x-mock-behaviour"] = json.dumps(behaviour)
-    try:
-        status, rh, b = sse_post(url, body=body, headers=h, timeout=timeout)
-    except httpx.HTTPError:
-        return 0, {}, b""
-    if status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
-        return 0, rh, b
-    return status, rh, b
+    return post_turn(url, headers, body, behaviour=behaviour, cut_is_error=True, timeout=timeout)
 
 
 def body_of(tag: str) -> dict:
@@ -189,14 +167,6 @@ def wait_ledger_used_again(tmp_path: Path, url: str, timeout: float = 20) -> Non
     wait_until(used, timeout, interval=1.0, what="the ledger used again")
 
 
-def integrity(ledger: Path) -> str:
-    db = sqlite3.connect(ledger, timeout=10)
-    try:
-        return db.execute("PRAGMA integrity_check").fetchone()[0]
-    finally:
-        db.close()
-
-
 # -----------------------------------------------------------------------------------------------
 # Faults during a run, under a real mitmdump
 
@@ -236,7 +206,7 @@ def test_disk_full_keeps_proxying_fails_closed_and_recovers(tmp_path, report):
             finally:
                 unfill(folder)
             wait_ledger_used_again(tmp_path, p.url)
-        assert integrity(ledger) == "ok"
+        assert ledger_integrity(ledger) == "ok"
         assert_no_traceback(p.log_text())
     report("ledger on a full disk: kept proxying, duplicates coalesced in memory (1 dispatch), "
            "recovery claim failed closed (503 ledger_unavailable), ledger used again once freed")
@@ -255,7 +225,7 @@ def test_read_only_ledger_files_and_folder_keep_proxying_and_recover(tmp_path):
             assert events(tmp_path, "ledger_unavailable")
             assert_duplicates_coalesced(p.url, up, "duplicates while read-only")
         wait_ledger_used_again(tmp_path, p.url)
-    assert integrity(ledger) == "ok"
+    assert ledger_integrity(ledger) == "ok"
     assert_no_traceback(p.log_text())
 
 
@@ -290,7 +260,7 @@ def test_locked_ledger_keeps_proxying_and_recovers(tmp_path, report):
         unavailable = events(tmp_path, "ledger_unavailable")
         assert all("locked" in e["error"] for e in unavailable)
         wait_ledger_used_again(tmp_path, p.url)
-        assert integrity(ledger) == "ok"
+        assert ledger_integrity(ledger) == "ok"
         assert_no_traceback(p.log_text())
     took = "> 10" if unrelated_s is None else f"{unrelated_s:.1f}"
     report(f"ledger write-locked by another process: an unguarded GET took {took} s")
@@ -372,7 +342,7 @@ def test_ledger_fault_at_startup_proxy_keeps_running_and_recovers(tmp_path, kind
                 db.close()
             fix()
             wait_ledger_used_again(tmp_path, p.url, timeout=20)  # it retries every ~5 s
-            assert integrity(ledger) == "ok"
+            assert ledger_integrity(ledger) == "ok"
             assert_no_traceback(p.log_text())
         finally:
             p.stop()

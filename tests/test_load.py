@@ -20,11 +20,10 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl
+from harness import Mitmdump, MockUpstream, assert_no_traceback, read_jsonl, rss_kb
 
 CLIENTS = 1000
 SESSIONS = 200
@@ -47,13 +46,6 @@ BEHAVIOURS = [
     (6, {"kind": "stall_after_headers", "ms": 400}),
 ]
 NEVER_FAULTS = {"ok", "slow"}
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 @dataclass

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO, Mitmdump, MockUpstream, read_jsonl, wait_until
+from harness import REPO, Mitmdump, MockUpstream, read_jsonl
 
 sys.path.insert(0, str(REPO / "scripts"))
 
+from turnguard_procs import Process  # noqa: E402
 from turnguard_repro.runner import cooldown_windows  # noqa: E402
 
 CODEX_VERSION = "0.171.0"
@@ -198,33 +199,25 @@ def codex_exec(codex: Path, tmp_path: Path, base_url: str, prompt: str = "say he
         return subprocess.CompletedProcess(cmd, -9, out, f"codex exec timed out after {CODEX_TIMEOUT_S} s\n{err}")
 
 
+GATEWAY_LINE = re.compile(r"gateway listening at (http://127\.0\.0\.1:\d+)")
+
+
 class Gateway:
     """scripts/turnguard_repro/gateway_server.py in front of ``upstream``."""
 
     def __init__(self, tmp_path: Path, upstream: str, hedge_after_ms: int = 1000):
         self.log = tmp_path / "gateway.jsonl"
-        self.out = tmp_path / "gateway.out"
-        env = {**os.environ, "PYTHONPATH": str(REPO / "scripts"), "PYTHONUNBUFFERED": "1"}
-        with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "turnguard_repro.gateway_server", "--upstream", upstream,
-                 "--hedge-after-ms", str(hedge_after_ms), "--max-parallel", "3", "--log", str(self.log)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        m = wait_until(lambda: re.search(r"gateway listening at (http://127\.0\.0\.1:\d+)", self.out.read_text())
-                       or (self.proc.poll() is not None and pytest.fail(self.out.read_text())), 20,
-                       what="the gateway's listening line")
-        self.url = m.group(1)
+        self.process = Process(
+            [sys.executable, "-m", "turnguard_repro.gateway_server", "--upstream", upstream,
+             "--hedge-after-ms", str(hedge_after_ms), "--max-parallel", "3", "--log", str(self.log)],
+            tmp_path / "gateway.out", env={"PYTHONPATH": str(REPO / "scripts")})
+        self.url = self.process.wait_for_line(GATEWAY_LINE, 20, "the gateway").group(1)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.stop()
 
 
 @pytest.mark.parametrize("guard", [False, True])

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import secrets
-import sqlite3
 import stat
 import subprocess
 import tempfile
@@ -16,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -27,9 +25,12 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
+    check,
+    guarded,
+    ledger_query,
+    post_turn,
     read_jsonl,
     response_id,
-    sse_post,
     wait_until,
 )
 from turnguard_core import identity, policy
@@ -38,41 +39,16 @@ from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 
 
-class Regression(AssertionError):
-    """A check that once found a bug in the addon (fixed since) failed again."""
-
-
-def check(ok: bool, message: str) -> None:
-    if not ok:
-        raise Regression(message)
-
-
-def guarded(tmp_path: Path, up: MockUpstream, name: str = "mitmdump", **options) -> Mitmdump:
-    opts = {
-        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
-        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
-    }
-    opts.update(options)
-    return Mitmdump(tmp_path, up.url, options=opts, name=name)
-
-
 def ledger_files(path: Path) -> list[Path]:
     return [p for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")) if p.exists()]
 
 
-def query(path: Path, sql: str, args=()) -> list[tuple]:
-    db = sqlite3.connect(path, timeout=10)
-    try:
-        return db.execute(sql, args).fetchall()
-    finally:
-        db.close()
+query = ledger_query
 
 
 def post(url, headers, body, path="/v1/responses", timeout=60):
-    try:
-        return sse_post(url, path=path, body=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return 0, {}, b""
+    """One request; a transport error is status 0."""
+    return post_turn(url, headers, body, path=path, timeout=timeout)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Callable
 
 from turnguard_bench import client, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
+from turnguard_procs import cpu_seconds, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "turnguard")
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
@@ -60,12 +61,12 @@ async def _measure_load(
 ) -> tuple[client.Load, dict]:
     """Run a load against one mitmdump; return it with CPU and upstream-dispatch deltas."""
     before = (await upstream_stats(up))["dispatches"]
-    cpu0 = procs.cpu_seconds(p.pid)
+    cpu0 = cpu_seconds(p.pid)
     load = await client.run_load(
         p.port, make, n, c, time_limit_s=cfg.load_time_limit_s,
         request_timeout_s=cfg.request_timeout_s, hash_body=hash_body,
     )
-    cpu1 = procs.cpu_seconds(p.pid)
+    cpu1 = cpu_seconds(p.pid)
     after = (await upstream_stats(up))["dispatches"]
     return load, {"cpu_s": cpu1 - cpu0, "upstream_dispatches": after - before}
 
@@ -314,7 +315,7 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
             await warm(p, 20)
             await asyncio.sleep(0.5)
             await client.get_json(up.port, "/_bench/reset", "POST")
-            rss0 = procs.rss_bytes(p.pid)
+            rss0 = rss_bytes(p.pid)
             nonce = f"hold-{rep}-{uuid.uuid4().hex[:8]}"
             n_ops, per_op = cfg.holds_ops, cfg.holds_dups_per_op
             originals = [
@@ -345,13 +346,13 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                 await _wait_for(lambda: upstream_holds(n_ops + n_dups), 60,
                                 f"{n_ops + n_dups} requests to reach the upstream")
             setup_s = time.monotonic() - t_setup
-            cpu0 = procs.cpu_seconds(p.pid)
+            cpu0 = cpu_seconds(p.pid)
             t0 = time.monotonic()
             rss_samples = []
             while time.monotonic() - t0 < cfg.hold_s:  # bounded by hold_s
                 await asyncio.sleep(min(0.5, max(0.0, cfg.hold_s - (time.monotonic() - t0))))
-                rss_samples.append(procs.rss_bytes(p.pid))
-            cpu1 = procs.cpu_seconds(p.pid)
+                rss_samples.append(rss_bytes(p.pid))
+            cpu1 = cpu_seconds(p.pid)
             hold_wall = time.monotonic() - t0
             st_before = await upstream_stats(up)
             await client.get_json(up.port, "/_bench/release", "POST")
@@ -368,7 +369,7 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                     ref = st["last_byte_by_id"].get(f"d{k}-{j}") or st["last_byte_by_op"][str(k)]
                     lat.append((r.t_done - ref) * 1000)
             ok = [r for r in results if r.error is None]
-            rss_hold = max(rss_samples) if rss_samples else procs.rss_bytes(p.pid)
+            rss_hold = max(rss_samples) if rss_samples else rss_bytes(p.pid)
             res = {
                 "variant": variant,
                 "operations": n_ops,
@@ -473,8 +474,8 @@ async def soak(cfg, workdir: Path, up: procs.Proc) -> dict:
                 await asyncio.sleep(0.5)
                 pt = {
                     "requests": done,
-                    "rss_mib": procs.rss_bytes(p.pid) / 2**20,
-                    "cpu_s": procs.cpu_seconds(p.pid),
+                    "rss_mib": rss_bytes(p.pid) / 2**20,
+                    "cpu_s": cpu_seconds(p.pid),
                     "elapsed_s": time.monotonic() - t0,
                     "rps": len(load.results) / load.wall_s if load.wall_s else 0.0,
                 }

@@ -1,8 +1,9 @@
 """Subprocesses of a benchmark run (the bench upstream and the mitmdump variants) and /proc
 readings of their CPU time and resident memory.
 
-Every process started here is registered and stopped by ``stop_all`` (SIGTERM, bounded wait,
-then SIGKILL of that pid only). Output goes to files, never to a pipe that could fill.
+Every process is a ``turnguard_procs.Process`` (output in a file, never a pipe that could
+fill), registered here and stopped by ``stop_all`` (one SIGTERM, bounded wait, then SIGKILL of
+that pid only).
 """
 
 from __future__ import annotations
@@ -11,26 +12,27 @@ import hashlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from turnguard_bench import ADDON, HOST, REPO, SCRIPTS_DIR
+from turnguard_procs import MITMDUMP_LINE, Process
 
 PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
-_MITM_LINE = re.compile(r"listening at (?:\[[^\]]*\]|[0-9.]+):(\d+)")
 
-_started: list[subprocess.Popen] = []
+
+class Stoppable(Protocol):
+    def stop(self) -> object: ...
+
+
+_started: list[Stoppable] = []
 
 # The addon the mitmdumps load. ``snapshot_addon`` points it at a private copy of addon/, so
 # that an edit of the working tree during a run (mitmproxy reloads a changed script, which drops
@@ -82,90 +84,79 @@ VARIANTS = {
 
 @dataclass
 class Proc:
+    """A started server of the run: its process, name, output file and listening port."""
+
     name: str
-    proc: subprocess.Popen
-    log_path: Path
+    process: Process
+    listening_line: re.Pattern[str]
     port: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.process.pid
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.process.alive()
 
     def stop(self) -> int:
-        return _terminate(self.proc)
+        """One SIGTERM, a bounded wait, then SIGKILL (see ``turnguard_procs``)."""
+        forget(self)
+        return self.process.stop()
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return self.process.output()
 
 
-def _terminate(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-    if proc in _started:
-        _started.remove(proc)
-    return proc.returncode
+def register(p: Stoppable) -> None:
+    """Have ``stop_all`` stop ``p`` unless it was stopped before."""
+    _started.append(p)
+
+
+def forget(p: Stoppable) -> None:
+    """``p`` was stopped: ``stop_all`` leaves it alone."""
+    if p in _started:
+        _started.remove(p)
 
 
 def stop_all() -> None:
     """Stop every process this run started (each by its own pid)."""
-    for proc in list(_started):
+    for p in list(_started):
         try:
-            _terminate(proc)
+            p.stop()
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
+    _started.clear()
 
 
-def _spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, **(env or {})}
+def _start(name: str, cmd: list[str], log_path: Path, pattern: re.Pattern[str],
+           extra: dict | None = None) -> Proc:
+    """Start ``cmd`` (scripts/ and the measured addon on its PYTHONPATH), registered; its
+    port is read from its listening line by ``wait_listening``."""
     pp = [str(SCRIPTS_DIR), str(_addon_dir)]
-    if full_env.get("PYTHONPATH"):
-        pp.append(full_env["PYTHONPATH"])
-    full_env["PYTHONPATH"] = os.pathsep.join(pp)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-            env=full_env,
-        )
-    _started.append(proc)
-    return proc
+    if os.environ.get("PYTHONPATH"):
+        pp.append(os.environ["PYTHONPATH"])
+    p = Proc(name, Process(cmd, log_path, env={"PYTHONPATH": os.pathsep.join(pp)}), pattern,
+             extra=extra or {})
+    register(p)
+    return p
 
 
-def _wait_port(p: Proc, pattern: re.Pattern[str], timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # bounded by the deadline
-        m = pattern.search(p.log_text())
-        if m:
-            p.port = int(m.group(1))
-            return
-        if not p.alive():
-            raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            p.stop()
-            raise RuntimeError(f"{p.name} did not start within {timeout} s:\n{p.log_text()[-4000:]}")
-        time.sleep(0.02)
+def wait_listening(p: Proc, timeout: float = START_TIMEOUT_S) -> None:
+    """Block until ``p`` printed its listening line (bounded; stopped and RuntimeError with
+    its output if it exits first or does not print it in time); set its port."""
+    p.port = int(p.process.wait_for_line(p.listening_line, timeout, p.name).group(1))
 
 
 def start_upstream(workdir: Path, name: str = "upstream") -> Proc:
-    log = workdir / f"{name}.log"
-    proc = _spawn([PYTHON, "-u", "-m", "turnguard_bench.upstream", "--port", "0"], log)
-    p = Proc(name, proc, log)
-    _wait_port(p, _UPSTREAM_LINE)
+    """The bench upstream (``turnguard_bench.upstream``), listening."""
+    p = _start(name, [PYTHON, "-u", "-m", "turnguard_bench.upstream", "--port", "0"],
+               workdir / f"{name}.log", _UPSTREAM_LINE)
+    wait_listening(p)
     return p
 
 
@@ -195,29 +186,15 @@ def start_mitmdumps(
                 if isinstance(v, bool):
                     v = "true" if v else "false"
                 cmd += ["--set", f"{k}={v}"]
-            log = workdir / f"{name}.log"
-            procs[name] = Proc(name, _spawn(cmd, log), log, extra={"variant": variant, "options": opts, "cmd": cmd})
+            procs[name] = _start(name, cmd, workdir / f"{name}.log", MITMDUMP_LINE,
+                                 {"variant": variant, "options": opts, "cmd": cmd})
         for p in procs.values():
-            _wait_port(p, _MITM_LINE)
+            wait_listening(p)
     except BaseException:
         for p in procs.values():
             p.stop()
         raise
     return procs
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, in bytes."""
-    with open(f"/proc/{pid}/statm", "rb") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 def file_size(*paths: Path) -> int:

@@ -18,7 +18,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -27,6 +26,7 @@ from pathlib import Path
 from turnguard_bench import client, phases, procs
 from turnguard_bench.envinfo import environment
 from turnguard_bench.report import table
+from turnguard_procs import Process, cpu_seconds
 
 PYSPY = shutil.which("py-spy", path=str(procs.MITMDUMP.parent)) or shutil.which("py-spy")
 RATE = 200
@@ -146,36 +146,28 @@ class Spy:
             raise RuntimeError("py-spy not found: scripts/bench installs it "
                                "(requirements-bench.txt)")
         self.out = out
-        self.log = open(out.with_suffix(".pyspy.log"), "w")
-        self.proc = subprocess.Popen(
+        self.process = Process(
             [PYSPY, "record", "-p", str(pid), "-f", "raw", "-o", str(out), "-r", str(RATE),
              "-d", str(int(max_s) + 1), "--nolineno", "--full-filenames"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            out.with_suffix(".pyspy.log"),
         )
-        procs._started.append(self.proc)
+        procs.register(self)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        if self.proc in procs._started:
-            procs._started.remove(self.proc)
-        self.log.close()
+        """One SIGINT (py-spy writes its profile then), up to 30 s, then SIGKILL."""
+        procs.forget(self)
+        self.process.stop(30, signal.SIGINT)
 
 
 async def _profiled(p: procs.Proc, outdir: Path, name: str, max_s: float, work) -> dict:
     raw = outdir / f"{name}.txt"
     spy = Spy(p.pid, raw, max_s + 15)
     await asyncio.sleep(1.0)  # py-spy attaches
-    cpu0, t0 = procs.cpu_seconds(p.pid), time.monotonic()
+    cpu0, t0 = cpu_seconds(p.pid), time.monotonic()
     try:
         units = await work()
     finally:
-        cpu1, t1 = procs.cpu_seconds(p.pid), time.monotonic()
+        cpu1, t1 = cpu_seconds(p.pid), time.monotonic()
         spy.stop()
     res = analyze(raw) if raw.exists() else {"samples": 0, "categories": {}, "turnguard_leaves": {}}
     res.update({"scenario": name, "units": units, "cpu_s": cpu1 - cpu0, "wall_s": t1 - t0,

@@ -1,4 +1,4 @@
-"""A minimal, fast HTTP/1.1 upstream for the benchmarks (loopback only, standard library).
+"""A minimal, fast HTTP/1.1 upstream for the benchmarks (loopback only).
 
     python -m turnguard_bench.upstream [--port 0]
 
@@ -6,7 +6,8 @@ prints ``bench upstream listening at http://127.0.0.1:PORT`` and serves until SI
 Unlike ``scripts/mock_upstream.py`` (which is built to misbehave on cue) it does as little as
 possible per request: an ``asyncio.Protocol``, responses precomputed and cached, one
 ``transport.write`` per response, no logging. So the proxy, not the upstream, is what a
-benchmark measures.
+benchmark measures. What it shares with the mock (``turnguard_mock``): the request parser
+(h11), the response framing and the Responses API events.
 
 Model requests (any ``POST`` but the control routes) are answered 200 with a chunked SSE stream
 of Responses-API-shaped events (one HTTP chunk per event), chosen by request headers:
@@ -30,65 +31,32 @@ import argparse
 import asyncio
 import json
 import resource
-import signal
 import sys
 import time
 
 from turnguard_bench import HOST
+from turnguard_mock.events import ok_events
+from turnguard_mock.server import (
+    LAST_CHUNK,
+    BadRequest,
+    RequestParser,
+    chunk,
+    json_error,
+    response_head,
+    until_stopped,
+)
+from turnguard_sse import frame as sse_frame
 
-MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024
+MAX_PIPELINED = 1000  # requests answered from one read
 HOLD_MAX_S = 180.0  # a held request is answered after this long even without a release
 DEFAULT_EVENTS = 8
 MAX_EVENTS = 100_000
 MAX_BYTES = 64 * 1024 * 1024
 DELTA_MAX = 4096
 
-
-def sse_frame(event_type: str, data: dict) -> bytes:
-    """One server-sent event: ``event: <type>\\ndata: <json>\\n\\n``."""
-    return f"event: {event_type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def ok_events(rid: str, model: str, deltas: int, text: str) -> list[tuple[str, dict]]:
-    """A successful streamed turn, shaped as scripts/mock_upstream.py's (and the Responses
-    API's): created, in_progress, output_item.added, ``deltas`` x output_text.delta,
-    output_item.done, completed."""
-    item_id = "msg_" + rid.removeprefix("resp_")
-    done_item = {
-        "id": item_id, "type": "message", "status": "completed", "role": "assistant",
-        "content": [{"type": "output_text", "text": text * deltas, "annotations": []}],
-    }
-
-    def resp(status: str, output: list) -> dict:
-        return {"id": rid, "object": "response", "status": status, "model": model,
-                "output": output}
-
-    raw: list[tuple[str, dict]] = [
-        ("response.created", {"response": resp("in_progress", [])}),
-        ("response.in_progress", {"response": resp("in_progress", [])}),
-        ("response.output_item.added", {"response": {"id": rid}, "output_index": 0,
-                                        "item": {**done_item, "status": "in_progress",
-                                                 "content": []}}),
-    ]
-    raw += [
-        ("response.output_text.delta", {"response": {"id": rid}, "item_id": item_id,
-                                        "output_index": 0, "content_index": 0, "delta": text})
-    ] * deltas
-    raw.append(("response.output_item.done", {"response": {"id": rid}, "output_index": 0,
-                                              "item": done_item}))
-    raw.append(("response.completed", {"response": resp("completed", [done_item])}))
-    return [(t, {"type": t, "sequence_number": i, **d}) for i, (t, d) in enumerate(raw)]
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-_HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-    b"x-request-id: req_bench\r\ntransfer-encoding: chunked\r\n\r\n"
-)
+_HEAD = response_head(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache"),
+                            ("x-request-id", "req_bench"), ("transfer-encoding", "chunked")])
 
 
 def events_body(n_events: int) -> list[bytes]:
@@ -154,7 +122,7 @@ class State:
         r = self.cache.get(key)
         if r is None:
             frames = events_body(n) if kind == "events" else sized_body(n)
-            r = _HEAD + b"".join(_chunk(f) for f in frames) + b"0\r\n\r\n"
+            r = _HEAD + b"".join(chunk(f) for f in frames) + LAST_CHUNK
             if len(self.cache) > 64:
                 self.cache.clear()
             self.cache[key] = r
@@ -187,58 +155,48 @@ class State:
 
 
 class Server(asyncio.Protocol):
+    """One connection: requests parsed by the mock's ``RequestParser`` (h11) as bytes arrive,
+    each answered with one ``transport.write`` of a cached response."""
+
     def __init__(self, state: State) -> None:
         self.state = state
-        self.buf = bytearray()
+        self.parser = RequestParser(max_body_bytes=MAX_BODY)
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        for _ in range(1000):  # bounded: pipelined requests in one read
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buf) > MAX_HEAD:
-                    self.transport.close()
-                return
-            head = bytes(self.buf[:end]).decode("latin-1")
-            lines = head.split("\r\n")
-            method, target = lines[0].split(" ", 2)[:2]
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            length = int(headers.get("content-length", "0") or 0)
-            if headers.get("transfer-encoding") or length > MAX_BODY:
-                self._send_simple(400, b"bench upstream: chunked or huge request bodies unsupported")
+        self.parser.feed(data)
+        for _ in range(MAX_PIPELINED):  # bounded: pipelined requests in one read
+            try:
+                req = self.parser.next_request()
+            except BadRequest as e:
+                self._send_simple(400, json.dumps(json_error(str(e), "bad_request")).encode(),
+                                  "application/json")
                 self.transport.close()
                 return
-            if len(self.buf) < end + 4 + length:
+            if req is None:
                 return
-            del self.buf[: end + 4 + length]
-            self._route(method, target, headers)
+            headers = {k.lower(): v for k, v in req.headers}
+            self._route(req.method, req.path, headers)
 
-    def _send_simple(self, status: int, body: bytes, ctype: bytes = b"text/plain") -> None:
-        self.transport.write(
-            b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-            % (status, ctype, len(body), body)
-        )
+    def _send_simple(self, status: int, body: bytes, ctype: str = "text/plain") -> None:
+        self.transport.write(response_head(status, [("content-type", ctype),
+                                                    ("content-length", str(len(body)))]) + body)
 
-    def _route(self, method: str, target: str, headers: dict[str, str]) -> None:
+    def _route(self, method: str, path: str, headers: dict[str, str]) -> None:
         st = self.state
-        path = target.split("?", 1)[0]
         if path == "/_bench/stats":
-            self._send_simple(200, json.dumps(st.stats()).encode(), b"application/json")
+            self._send_simple(200, json.dumps(st.stats()).encode(), "application/json")
             return
         if path == "/_bench/release" and method == "POST":
             n = st.release()
-            self._send_simple(200, json.dumps({"released": n}).encode(), b"application/json")
+            self._send_simple(200, json.dumps({"released": n}).encode(), "application/json")
             return
         if path == "/_bench/reset" and method == "POST":
             st.reset()
-            self._send_simple(200, b"{}", b"application/json")
+            self._send_simple(200, b"{}", "application/json")
             return
         if method != "POST":
             self._send_simple(404, b"not found")
@@ -265,11 +223,9 @@ class Server(asyncio.Protocol):
 
 
 async def serve(port: int) -> None:
+    """Listen on HOST:``port``, print the listening line, serve until SIGTERM/SIGINT."""
     state = State()
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     server = await loop.create_server(lambda: Server(state), HOST, port, backlog=4096)
     print(f"bench upstream listening at http://{HOST}:{server.sockets[0].getsockname()[1]}",
           flush=True)
@@ -283,7 +239,7 @@ async def serve(port: int) -> None:
 
     tasks = [asyncio.create_task(hold_bound())]
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         for t in tasks:
             t.cancel()

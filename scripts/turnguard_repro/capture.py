@@ -44,6 +44,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from turnguard_sse import SseEvent, SseReader
+
 MODEL_PATH = re.compile(r"/(responses|chat/completions)/?(\?|$)")
 SECRET_HEADERS = {
     "authorization", "proxy-authorization", "cookie", "set-cookie", "chatgpt-account-id",
@@ -103,25 +105,10 @@ class _Cleaner:
         return json.dumps(out, separators=(",", ":"))
 
 
-def _sse_events(data: bytes) -> list[tuple[str, Any]]:
-    out = []
-    for block in data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n\n"):
-        etype, lines = "", []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                etype = line[6:].strip()
-            elif line.startswith("data:"):
-                lines.append(line[5:].removeprefix(" "))
-        if not lines and not etype:
-            continue
-        try:
-            payload = json.loads("\n".join(lines))
-        except ValueError:
-            payload = "\n".join(lines)
-        if not etype and isinstance(payload, dict):
-            etype = str(payload.get("type", ""))
-        out.append((etype, payload))
-    return out
+def _sse_events(data: bytes) -> list[SseEvent]:
+    """Every event of a captured SSE body, the last one too when the capture cut it short."""
+    reader = SseReader()
+    return reader.feed(data) + reader.close()
 
 
 def _ms(a: float | None, b: float | None) -> int:

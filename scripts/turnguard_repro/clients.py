@@ -63,6 +63,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from turnguard_sse import SseEvent
+
 from . import http1
 
 ATTEMPT_HEADER = "x-turnguard-repro-attempt"
@@ -497,7 +499,7 @@ async def hedged_exchange(model: Gateway, step: int, headers: dict[str, str], bo
         launched += 1
         idx = launched
 
-        def output_seen(ex: http1.Exchange, ev: http1.SseEventSummary) -> None:
+        def output_seen(ex: http1.Exchange, ev: SseEvent) -> None:
             if ev.type not in ("response.created", "response.in_progress") and state["winner"] is None:
                 state["winner"] = idx
 

@@ -1,6 +1,7 @@
 """A small HTTP/1.1 client on asyncio streams, for the client models.
 
-Standard library only, so the reproduction toolkit needs nothing but mitmproxy. Every request
+Standard library only (and ``turnguard_sse``, the tests' and tools' SSE reader), so the
+reproduction toolkit needs nothing but mitmproxy. Every request
 goes on a NEW connection (what the incidents are about: a retry or a gateway's re-send on a
 fresh connection while the original may still be open), sends ``connection: close``, and
 fills an ``Exchange`` as it goes, so a caller that cancels the task still has the partial
@@ -21,16 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from turnguard_sse import SseEvent, SseReader
+
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_READS = 1_000_000  # reads per response: bounds every loop below
 HARD_CAP_S = 900.0  # no exchange lasts longer than this, whatever the caller asked
-
-
-@dataclass
-class SseEventSummary:
-    type: str
-    data: dict[str, Any] | str
 
 
 @dataclass
@@ -44,8 +41,8 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)  # lower-case names, first value
     body: bytes = b""
     error: str | None = None
-    events: list[SseEventSummary] = field(default_factory=list)
-    _sse_buf: bytes = b""
+    events: list[SseEvent] = field(default_factory=list)
+    _sse: SseReader = field(default_factory=SseReader)
     _on_event: Any = None
 
     # -- what the body says ------------------------------------------------------------------
@@ -126,27 +123,7 @@ class Exchange:
 
     # -- SSE ---------------------------------------------------------------------------------
     def _feed_sse(self, data: bytes) -> None:
-        self._sse_buf += data
-        buf = self._sse_buf.replace(b"\r\n", b"\n")
-        *blocks, rest = buf.split(b"\n\n")
-        self._sse_buf = rest
-        for block in blocks:
-            etype, lines = "", []
-            for line in block.decode("utf-8", "replace").split("\n"):
-                if line.startswith("event:"):
-                    etype = line[6:].strip()
-                elif line.startswith("data:"):
-                    lines.append(line[5:].removeprefix(" "))
-            if not lines and not etype:
-                continue
-            text = "\n".join(lines)
-            try:
-                payload: dict[str, Any] | str = json.loads(text)
-            except ValueError:
-                payload = text
-            if not etype and isinstance(payload, dict):
-                etype = str(payload.get("type", ""))
-            ev = SseEventSummary(etype, payload)
+        for ev in self._sse.feed(data):
             self.events.append(ev)
             if self._on_event is not None:
                 self._on_event(self, ev)
@@ -184,7 +161,7 @@ async def post(
     idle_timeout: float | None = None,
     on_headers: Callable[[Exchange], Awaitable[None]] | None = None,
     on_body: Callable[[bytes], Awaitable[None]] | None = None,
-    on_event: Callable[[Exchange, SseEventSummary], None] | None = None,
+    on_event: Callable[[Exchange, SseEvent], None] | None = None,
     method: str = "POST",
 ) -> Exchange:
     """Send one request on a new connection and read the whole answer into ``ex``.

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnguard_procs import read_jsonl
+
 from . import clients as clientmod
 from . import procs
 from .scenarios import COLUMNS, PRODUCTION
@@ -83,7 +85,7 @@ async def run_column(
         t_end = max([r.end for r in results] + [t0])
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < deadline:  # bounded: every dispatch logged its end
-            recs = procs.read_jsonl(mock_log)
+            recs = read_jsonl(mock_log)
             started = {r["n"] for r in recs if r.get("event") == "dispatch"}
             ended = {r["n"] for r in recs if r.get("event") == "dispatch_end"}
             if started <= ended:
@@ -98,7 +100,7 @@ async def run_column(
                     proc.stop()
 
         await asyncio.shield(asyncio.to_thread(stop_both))
-    recs = procs.read_jsonl(mock_log)
+    recs = read_jsonl(mock_log)
     ends = {r["n"]: r for r in recs if r.get("event") == "dispatch_end"}
     dispatches = []
     for r in recs:
@@ -106,8 +108,8 @@ async def run_column(
             dispatches.append({**r, "end": ends.get(r["n"])})
     res = ColumnResult(
         column, spec["title"], results, dispatches,
-        procs.read_jsonl(workdir / "turnguard-events.jsonl") if spec["addon"] else [],
-        procs.read_jsonl(flowlog), t0, t_end, opts, str(workdir),
+        read_jsonl(workdir / "turnguard-events.jsonl") if spec["addon"] else [],
+        read_jsonl(flowlog), t0, t_end, opts, str(workdir),
         str(save_flows) if save_flows else None,
     )
     res.metrics = summarize(res)
