@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from hypothesis_profiles import examples
 from turnguard_core import circuit, identity, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 
@@ -180,4 +181,4 @@ class RecoveryMachine(RuleBasedStateMachine):
 
 
 TestRecovery = RecoveryMachine.TestCase
-TestRecovery.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestRecovery.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
