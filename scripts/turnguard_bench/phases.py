@@ -107,6 +107,12 @@ def _in_turn(settings: dict[int, int], variants: dict, repeats: int, *,
                         for v in _rotate(list(variants), rep + (key if rotate_by_setting else 0)))
 
 
+def _keep(by_v: dict[str, list[dict]], variant: str, summary: dict, line: str) -> None:
+    """Keep one repeat's ``summary`` under its variant and log ``line`` about it."""
+    by_v[variant].append(summary)
+    log(line)
+
+
 def _row(by_v: dict[str, list[dict]], medians: tuple[str, ...], spreads: tuple[str, ...],
          vs: Callable[[dict, dict], dict]) -> dict:
     """One row of a phase's table from its repeats per variant: for each variant the median
@@ -164,10 +170,9 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         )
         s = _summary(load, extra, n)
         s["events_ok"] = all(r.events == SHORT_EVENTS for r in load.results if r.error is None)
-        runs[c][v].append(s)
-        log(f"per-request c={c:<2} {v:<12} rep {rep + 1}: {s['rps']:.0f} req/s, "
-            f"median {s['median_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, "
-            f"cpu {s['cpu_ms_per_request']:.2f} ms/req")
+        _keep(runs[c], v, s, f"per-request c={c:<2} {v:<12} rep {rep + 1}: "
+              f"{s['rps']:.0f} req/s, median {s['median_ms']:.2f} ms, "
+              f"p99 {s['p99_ms']:.2f} ms, cpu {s['cpu_ms_per_request']:.2f} ms/req")
 
     def vs(tg: dict, b: dict) -> dict:
         return {
@@ -216,10 +221,9 @@ async def streaming(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
             "cpu_ms_per_response": extra["cpu_s"] * 1000 / max(1, len(ok)),
             "upstream_dispatches": extra["upstream_dispatches"],
         }
-        runs[events][v].append(s)
-        log(f"streaming {events:>5} events {v:<12} rep {rep + 1}: "
-            f"{s['events_per_s']:.0f} events/s, ttfb {s['ttfb_ms']:.2f} ms, "
-            f"total {s['total_ms']:.1f} ms")
+        _keep(runs[events], v, s, f"streaming {events:>5} events {v:<12} rep {rep + 1}: "
+              f"{s['events_per_s']:.0f} events/s, ttfb {s['ttfb_ms']:.2f} ms, "
+              f"total {s['total_ms']:.1f} ms")
 
     def vs(tg: dict, b: dict) -> dict:
         return {
@@ -264,10 +268,9 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         s["replayed"] = sum(r.headers.get("x-turnguard") == "replayed" for r in ok)
         s["distinct_bodies"] = len({r.sha256 for r in ok})
         s["same_as_original"] = prime is not None and all(r.sha256 == prime.sha256 for r in ok)
-        runs[size][v].append(s)
-        log(f"replay {size:>8} B {v:<12} rep {rep + 1}: {s['rps']:.0f} req/s, "
-            f"{s['mib_per_s']:.1f} MiB/s, median {s['median_ms']:.2f} ms, "
-            f"p99 {s['p99_ms']:.2f} ms, replayed {s['replayed']}/{n}")
+        _keep(runs[size], v, s, f"replay {size:>8} B {v:<12} rep {rep + 1}: "
+              f"{s['rps']:.0f} req/s, {s['mib_per_s']:.1f} MiB/s, median {s['median_ms']:.2f} ms, "
+              f"p99 {s['p99_ms']:.2f} ms, replayed {s['replayed']}/{n}")
     out: dict = {"sizes": {
         str(size): _row(by_v, ("rps", "mib_per_s", "median_ms", "p99_ms"), ("rps",),
                         _request_ratios)
