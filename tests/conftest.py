@@ -1,4 +1,5 @@
-"""Puts the addon package and the test helpers on sys.path, as mitmdump does for the script."""
+"""Puts the addon package, the tools' helpers (scripts/) and the test helpers on sys.path, as
+mitmdump does for the script; marks every test with its tier; loads the Hypothesis profile."""
 
 import os
 import sys
@@ -8,28 +9,57 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "addon", ROOT / "tests"):
+for p in (ROOT / "addon", ROOT / "scripts", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-# The fast tier: modules that run in-process (pure core, the addon under mitmproxy's taddons,
-# the ledger on a temporary file). Every other module starts real subprocesses (mitmdump, the
-# mock upstream, the scripts) and is marked ``e2e``. `scripts/test --quick` runs the fast tier,
-# and `scripts/test` runs it on every other supported Python too, with the tests marked
-# ``every_python``.
-FAST_MODULES = frozenset({
-    "test_addon", "test_circuit", "test_control", "test_degraded", "test_identity",
-    "test_ledger", "test_liveness", "test_metrics", "test_negotiation", "test_offload",
-    "test_ops", "test_options", "test_outage_machine", "test_policy", "test_private_files", "test_proxy_internals",
-    "test_recovery_machine", "test_repro_models", "test_sse", "test_tee", "test_ws",
-    "test_machine",
-})
+import hypothesis_profiles  # noqa: E402
+
+hypothesis_profiles.load_from_environment()
+
+# Every module's tier, one marker per test:
+#   unit   pure code, the ledger on a temporary file, the mock's parts: no proxy, no server
+#   addon  the TurnGuard addon in-process, under mitmproxy's taddons
+#   e2e    real mitmdump processes in front of the mock upstream
+#   tools  scripts/: the mock upstream as a process, the benchmark, the reproduction toolkit,
+#          the shell scripts
+# `scripts/test --quick` runs unit and addon; `scripts/test` runs everything, then unit, addon
+# and the tests marked ``every_python`` on each other supported Python. A module missing here
+# stops the run, so that no test goes untiered.
+TIERS = {
+    "unit": {
+        "test_circuit", "test_degraded", "test_identity", "test_ledger", "test_liveness",
+        "test_machine", "test_mock_parts", "test_negotiation", "test_offload", "test_ops",
+        "test_options", "test_outage_machine", "test_policy", "test_private_files",
+        "test_recovery_machine", "test_sse", "test_tee", "test_ws",
+    },
+    "addon": {"test_addon", "test_control", "test_metrics", "test_proxy_internals"},
+    "e2e": {
+        "test_at_most_once", "test_crash", "test_e2e_circuit", "test_e2e_control",
+        "test_e2e_guard", "test_e2e_http2", "test_e2e_metrics", "test_e2e_websocket",
+        "test_hostile",
+        "test_isolation", "test_ledger_faults", "test_load", "test_security", "test_startup",
+    },
+    "tools": {
+        "test_bench", "test_mock_upstream", "test_repro_capture", "test_repro_models",
+        "test_repro_real_clients", "test_repro_scenarios", "test_scripts",
+    },
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+# Modules outside the fast tiers that each other supported Python runs too (quick ones).
+EVERY_PYTHON_MODULES = {"test_repro_models"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rpartition(".")[2] not in FAST_MODULES:
-            item.add_marker(pytest.mark.e2e)
+        module = item.module.__name__.rpartition(".")[2]
+        tier = TIER_OF.get(module)
+        if tier is None:
+            raise pytest.UsageError(f"{item.fspath}: no tier; add {module} to TIERS in "
+                                    "tests/conftest.py")
+        item.add_marker(getattr(pytest.mark, tier))
+        if module in EVERY_PYTHON_MODULES:
+            item.add_marker(pytest.mark.every_python)
 
 
 def pytest_configure(config):

@@ -200,7 +200,9 @@ class Mitmdump(_ServerProcess):
         cmd += _option_args(options or {})
         cmd += list(extra_args or [])
         self.cmd = cmd
-        self.process = Process(cmd, self.log_path, env=env)
+        # with a prefix (unshare --fork), mitmdump is the prefix's child: a process group of
+        # their own lets stop() and kill9() reach it too, or it would outlive the test
+        self.process = Process(cmd, self.log_path, env=env, new_session=bool(prefix))
         self.log_offset = self.process.offset
         every_listener = re.compile(r"(?:.*?" + MITMDUMP_LINE.pattern + r"){%d}" % len(modes), re.S)
         self.process.wait_for_line(every_listener, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})")

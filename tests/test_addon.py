@@ -28,6 +28,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 import turnguard
 from harness import read_jsonl
+from hypothesis_profiles import examples
 
 WAIT_S = 5.0  # upper bound of every wait in this file
 AUTH = "Bearer sk-test-addon-0123456789"
@@ -595,7 +596,7 @@ def test_no_exception_escapes_the_request_hook(tmp_path):
 
     cm, guard = loop.run_until_complete(setup())
 
-    @settings(max_examples=150, deadline=None,
+    @settings(max_examples=examples(150), deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(
         body=_bodies,

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import Mitmdump, assert_no_traceback, read_jsonl, rss_kb, upstream_of, wait_until
+from hypothesis_profiles import examples
 from turnguard_mock.server import LAST_CHUNK, Connection, Request, ServerThread, response_head
 from turnguard_mock.server import chunk as one_chunk
 from turnguard_mock.websocket import WebSocket
@@ -249,7 +250,7 @@ PATHS = st.sampled_from(GUARDED_PATHS + ["/v1/other", "/v1/responses/resp_1", "/
 METHODS = st.sampled_from(["POST"] * 6 + ["GET", "PUT", "DELETE", "PATCH", "OPTIONS"])
 
 
-@settings(max_examples=70, deadline=None,
+@settings(max_examples=examples(70), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.large_base_example])
 @given(method=METHODS, path=PATHS, special=SPECIAL_HEADERS, extra=EXTRA_HEADERS, body=BODIES,
@@ -462,7 +463,7 @@ def _check_scripted(rig: Rig, script: dict, tag: str) -> None:
         assert "x-turnguard" not in headers2 and rig.up.hits[sid] == 2
 
 
-@settings(max_examples=80, deadline=None,
+@settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=upstream_responses())
 def test_generated_upstream_responses_pass_unchanged_and_replay_only_when_complete(rig, script):

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from turnguard_core.identity import (
     CREDENTIAL_HEADERS,
     KNOWN_ROUTES,
@@ -513,7 +514,7 @@ bodies = (
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(any_text, any_text, st.lists(st.tuples(header_names, any_text | json_values.map(json.dumps)),
                                     max_size=8), bodies)
 def test_identify_never_raises(method, path, headers, body):

@@ -36,6 +36,7 @@ from harness import (
     response_id,
     wait_until,
 )
+from hypothesis_profiles import examples
 
 REQUEST_TIMEOUT_S = 15
 EXTRA_CREDENTIAL = "x-tenant-key"  # named by turnguard_credential_headers in the rig
@@ -462,7 +463,7 @@ def request_pairs(draw, dim: str) -> tuple[Req, Req]:
 
 
 @pytest.mark.parametrize("dim", DIMENSIONS)  # every dimension, every run: few examples each
-@settings(max_examples=3, deadline=None,
+@settings(max_examples=examples(3), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_two_requests_that_differ_never_share_a_recording(rig, dim, data):

@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from hypothesis_profiles import examples
 from turnguard_core import identity, policy
 from turnguard_core.ledger import (
     _MIGRATIONS,
@@ -381,7 +382,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 TestLedgerMachine = LedgerMachine.TestCase
-TestLedgerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestLedgerMachine.settings = settings(max_examples=examples(40), stateful_step_count=30, deadline=None)
 
 
 def test_garbage_collection_keeps_live_circuits_and_sessions(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from turnguard_core import negotiation as n
 from turnguard_core.codec import BoundedCodec
 
@@ -134,7 +135,7 @@ ACCEPT = st.lists(
 ).map(lambda items: ", ".join(c + q for c, q in items))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(recorded=st.sampled_from([None, "gzip", "br", "zstd", "deflate"]),
        accept=st.none() | ACCEPT)
 def test_whatever_is_served_is_acceptable_and_decodes_to_the_recording(recorded, accept):

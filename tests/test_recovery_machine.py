@@ -1,6 +1,5 @@
-"""Stateful property test of the circuit and recovery claims: the real request machine
-(``turnguard_core.machine``) with the real ledger (real SQLite) as its store, driven with an
-injected clock against a simple model.
+"""Stateful property test of the circuit and recovery claims: the real ledger (real SQLite) and
+the pure policy, driven with an injected clock against a simple model.
 
 Requests arrive for a few operations of one durable session (hard turn-state anchored, so in
 once mode they are held through a cooldown); attempts end completed or eventless; time moves.
@@ -12,13 +11,13 @@ import json
 import os
 import sqlite3
 import tempfile
-from typing import assert_never
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from turnguard_core import circuit, identity, machine, policy
+from hypothesis_profiles import examples
+from turnguard_core import circuit, identity, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
@@ -80,61 +79,47 @@ class RecoveryMachine(RuleBasedStateMachine):
             self.ledger.close()
             self.dir.cleanup()
 
-    # -- the driver: the real request machine, with the ledger as its store ----------------------
-    def _facts(self, n: int) -> machine.RequestFacts:
-        i = ident(n)
-        return machine.RequestFacts(
-            i.op_id, i.op_key, f"flow-{n}", i.session, True, False, False, self.now + 1e6,
-            1e6, "server_anchored_replay_once", CFG.threshold, self.owner)
-
-    def _advance(self, req: dict, state, transition) -> None:
-        """Run the machine from ``state`` as far as it goes without waiting."""
+    # -- the driver: what the addon does with each admission --------------------------------------
+    def _admit(self, req: dict) -> None:
         i = ident(req["n"])
-        facts = self._facts(req["n"])
-        state, _ = transition
-        while True:
-            match state:
-                case machine.Admit():
-                    a = self.ledger.admit(i, method="POST", path="/v1/responses", now=self.now,
-                                          guard=GUARD, flow_id=None, circuit_scope=self.scope,
-                                          recovery=state.recovery, once_mode=True)
-                    state, _ = machine.on_admission(facts, state, a, self.now, ledger_down=None)
-                case machine.Forward(dispatch=d):
-                    if self.model.is_open(self.now):
-                        self.dispatches_while_open += 1
-                    if d.kind == "recovery":
-                        self.recoveries[req["n"]] = self.recoveries.get(req["n"], 0) + 1
-                    self.in_flight[d.attempt_id] = req["n"]
-                    self.answered += 1  # forwarded: the upstream answers it
-                    return
-                case machine.FetchRecording(attempt_id=attempt):
-                    rec = self.ledger.recording(attempt)
-                    state, _ = machine.on_recording(facts, state, rec, readable=True)
-                case machine.FailClosed():
-                    state, _ = machine.fail_closed(facts, state, 0.0)
-                case machine.HoldDuplicate() | machine.WaitCooldown():
-                    self.pending.append({**req, "state": state})
-                    return
-                case machine.Replay() | machine.Respond() | machine.PassThrough() | machine.Abandon():
-                    self.answered += 1
-                    return
-                case _:
-                    assert_never(state)
+        recovery = (policy.RecoveryClaim(i.session, self.owner.owner_epoch, once=True)
+                    if req["recovering"] else None)
+        a = self.ledger.admit(i, method="POST", path="/v1/responses", now=self.now, guard=GUARD,
+                              flow_id=None, circuit_scope=self.scope, recovery=recovery,
+                              once_mode=True)
+        if isinstance(a, policy.Dispatch):
+            if self.model.is_open(self.now):
+                self.dispatches_while_open += 1
+            if a.kind == "recovery":
+                self.recoveries[req["n"]] = self.recoveries.get(req["n"], 0) + 1
+            self.in_flight[a.attempt_id] = req["n"]
+            self.answered += 1  # forwarded: the upstream answers it
+        elif isinstance(a, (policy.Replay, policy.Denied)):
+            self.answered += 1
+        elif isinstance(a, policy.Hold):
+            self.pending.append({**req, "state": "held"})
+        elif isinstance(a, policy.Fenced):
+            denial = policy.fence_hold_denial(
+                "server_anchored_replay_once", has_turn_state=True,
+                has_previous_response_id=False, owns_session=True, output_seen=a.output_seen)
+            if denial is not None:
+                self.answered += 1  # 503
+            else:
+                self.pending.append({**req, "state": "cooldown",
+                                     "until": self.now + a.remaining_s, "recovering": False})
+        else:
+            raise AssertionError(a)
 
-    def _arrive(self, n: int) -> None:
-        self._advance({"n": n}, machine.start(), (machine.start(), ()))
-
-    def _wake(self, who, woke) -> None:
+    def _wake(self, who) -> None:
         woken = [r for r in self.pending if who(r)]
         self.pending = [r for r in self.pending if not who(r)]
         for r in woken:
-            transition = machine.on_woke(self._facts(r["n"]), r["state"], woke(r), self.now)
-            self._advance(r, r["state"], transition)
+            self._admit({**r, "recovering": r["recovering"] or r["state"] == "cooldown"})
 
     # -- rules -------------------------------------------------------------------------------------
     @rule(n=st.integers(0, 2))
     def request_arrives(self, n):
-        self._arrive(n)
+        self._admit({"n": n, "recovering": False})
 
     @rule(data=st.data(), outcome=st.sampled_from(["completed", "unknown", "unknown"]))
     def attempt_ends(self, data, outcome):
@@ -147,15 +132,12 @@ class RecoveryMachine(RuleBasedStateMachine):
         self.ledger.finish(attempt, AttemptEnd(outcome, 200 if rec else None, events, None, rec),
                            now=self.now, circuit_cfg=CFG, eventless_failure=outcome == "unknown")
         self.model.end(outcome, self.now)
-        self._wake(lambda r: isinstance(r["state"], machine.HoldDuplicate) and r["n"] == n,
-                   lambda r: machine.Ended(outcome, rec))
+        self._wake(lambda r: r["state"] == "held" and r["n"] == n)
 
     @rule(dt=st.sampled_from([0.5, 5.0, 11.0, 45.0]))
     def time_passes(self, dt):
         self.now += dt
-        self._wake(lambda r: isinstance(r["state"], machine.WaitCooldown)
-                   and r["state"].since + r["state"].wait_s <= self.now,
-                   lambda r: machine.TimedOut())
+        self._wake(lambda r: r["state"] == "cooldown" and r["until"] <= self.now)
 
     # -- properties --------------------------------------------------------------------------------
     @invariant()
@@ -177,10 +159,10 @@ class RecoveryMachine(RuleBasedStateMachine):
     @invariant()
     def held_requests_wait_for_something_that_will_end(self):
         for r in self.pending:
-            if isinstance(r["state"], machine.HoldDuplicate):
+            if r["state"] == "held":
                 assert r["n"] in self.in_flight.values()
             else:
-                assert r["state"].since + r["state"].wait_s <= self.now + CFG.cooldown_max_s
+                assert r["until"] <= self.now + CFG.cooldown_max_s
 
     def _every_request_is_answered(self):
         """At the end: end every attempt, let every cooldown pass; nothing stays pending."""
@@ -193,12 +175,10 @@ class RecoveryMachine(RuleBasedStateMachine):
                                                        Recording(200, (), b"ok")),
                                    now=self.now, circuit_cfg=CFG)
                 self.model.end("completed", self.now)
-                self._wake(lambda r, n=n: isinstance(r["state"], machine.HoldDuplicate)
-                           and r["n"] == n,
-                           lambda r: machine.Ended("completed", Recording(200, (), b"ok")))
+                self._wake(lambda r, n=n: r["state"] == "held" and r["n"] == n)
             self.time_passes(CFG.cooldown_max_s + 1)
         assert not self.pending
 
 
 TestRecovery = RecoveryMachine.TestCase
-TestRecovery.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestRecovery.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)

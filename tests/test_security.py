@@ -33,6 +33,7 @@ from harness import (
     response_id,
     wait_until,
 )
+from hypothesis_profiles import examples
 from turnguard_core import identity, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 
@@ -243,7 +244,7 @@ def canonical(body: dict) -> bytes:
     return identity.canonical_json(body)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(a=request(), b=request())
 def test_a_recording_never_reaches_another_credential_session_or_body(a, b):
     with tempfile.TemporaryDirectory() as d:
@@ -274,14 +275,14 @@ def test_a_recording_never_reaches_another_credential_session_or_body(a, b):
             led.close()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(a=request())
 def test_the_same_request_spelled_differently_is_replayed(a):
     """The positive control: identity is stable under header case/order and JSON layout."""
     assert ident_of(a).op_key == ident_of(a, reorder=True).op_key
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(a=request(), auth2=TOKEN, key=TOKEN)
 def test_an_idempotency_key_collision_across_credentials_is_two_operations(a, auth2, key):
     assume(auth2 != a["auth"])
@@ -324,7 +325,7 @@ def live(tmp_path_factory):
 VARIANTS = ["authorization", "chatgpt-account-id", "session-id", "session_via_metadata", "body"]
 
 
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=examples(12), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(variant=st.sampled_from(VARIANTS), seed=TOKEN, text=st.text(max_size=20))
 def test_live_a_recording_never_reaches_another_scope(live, variant, seed, text):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from turnguard_core.sse import (
     TERMINAL_FAILURE,
     TERMINAL_SUCCESS,
@@ -109,7 +110,7 @@ def streams(draw):
     return raw, expected
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(streams(), st.data())
 def test_any_chunking_gives_the_generated_events(stream, data):
     raw, expected = stream

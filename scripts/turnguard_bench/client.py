@@ -138,6 +138,16 @@ class Conn(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(res)
 
+    def _take_body(self, buf: bytearray) -> bool:
+        """Consume the body bytes in ``buf``, up to what remains of the body (or chunk); True
+        once that is all there."""
+        take = min(len(buf), self._remaining)
+        if take:
+            self._body(bytes(buf[:take]))
+            del buf[:take]
+            self._remaining -= take
+        return self._remaining == 0
+
     def _parse(self) -> None:
         buf = self._buf
         for _ in range(1_000_000):  # bounded: each pass consumes bytes or returns
@@ -177,15 +187,8 @@ class Conn(asyncio.Protocol):
                     self.reusable = False
                     self._remaining = 1 << 62
             elif self._state == "body":
-                if not buf:
-                    return
-                take = min(len(buf), self._remaining)
-                self._body(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
+                if self._take_body(buf):
                     self._finish()
-                    return
                 return
             elif self._state == "chunk_size":
                 end = buf.find(b"\r\n")
@@ -199,14 +202,9 @@ class Conn(asyncio.Protocol):
                     self._remaining = size
                     self._state = "chunk_data"
             elif self._state == "chunk_data":
-                if not buf:
+                if not self._take_body(buf):
                     return
-                take = min(len(buf), self._remaining)
-                self._body(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = "chunk_crlf"
+                self._state = "chunk_crlf"
             elif self._state == "chunk_crlf":
                 if len(buf) < 2:
                     return

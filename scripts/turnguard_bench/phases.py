@@ -91,6 +91,69 @@ def _summary(load: client.Load, extra: dict, n: int) -> dict:
     }
 
 
+def _empty_runs(settings: dict[int, int], variants: dict) -> dict[int, dict[str, list[dict]]]:
+    """Where a phase keeps its repeats: setting -> variant -> [summary of each repeat]."""
+    return {k: {v: [] for v in variants} for k in settings}
+
+
+def _in_turn(settings: dict[int, int], variants: dict, repeats: int, *,
+             rotate_by_setting: bool = False):
+    """(repeat, setting, requests, variant) in the order a phase measures them: each repeat
+    goes over every setting, and for each over the variants in an order rotated by the repeat
+    (and by the setting), so that no variant always runs first (or right after another)."""
+    for rep in range(repeats):
+        for key, n in settings.items():
+            yield from ((rep, key, n, v)
+                        for v in _rotate(list(variants), rep + (key if rotate_by_setting else 0)))
+
+
+def _keep(by_v: dict[str, list[dict]], variant: str, summary: dict, line: str) -> None:
+    """Keep one repeat's ``summary`` under its variant and log ``line`` about it."""
+    by_v[variant].append(summary)
+    log(line)
+
+
+def _row(by_v: dict[str, list[dict]], medians: tuple[str, ...], spreads: tuple[str, ...],
+         vs: Callable[[dict, dict], dict]) -> dict:
+    """One row of a phase's table from its repeats per variant: for each variant the median
+    over the repeats of each key in ``medians``, ``<key>_spread`` of each key in ``spreads``
+    and the repeats themselves; then ``turnguard_vs_<base>`` = ``vs(turnguard, base)`` for
+    each plain variant measured."""
+    row: dict = {}
+    for v, reps in by_v.items():
+        row[v] = {k: median(r[k] for r in reps) for k in medians}
+        row[v].update({f"{k}_spread": spread(r[k] for r in reps) for k in spreads})
+        row[v]["reps"] = reps
+    tg = row.get("turnguard")
+    for base in ("plain", "plain_stream"):
+        if tg and base in row:
+            row[f"turnguard_vs_{base}"] = vs(tg, row[base])
+    return row
+
+
+def _request_ratios(tg: dict, b: dict) -> dict:
+    """turnguard's requests/s, median and p99 latency over a plain variant's."""
+    return {
+        "rps_ratio": ratio(tg["rps"], b["rps"]),
+        "median_ratio": ratio(tg["median_ms"], b["median_ms"]),
+        "p99_ratio": ratio(tg["p99_ms"], b["p99_ms"]),
+    }
+
+
+def _answered_checks(all_runs: list[dict]) -> dict:
+    """The checks of a phase of requests: how many runs, every request answered, all 200."""
+    return {
+        "runs": len(all_runs),
+        "all_answered": all(r["answers"] == r["requests"] and r["errors"] == 0 for r in all_runs),
+        "all_200": all(r["statuses"] == [200] for r in all_runs),
+    }
+
+
+def _all_runs(runs: dict[object, dict[str, list[dict]]]) -> list[dict]:
+    """Every repeat of every variant of a phase."""
+    return [r for by_v in runs.values() for reps in by_v.values() for r in reps]
+
+
 async def warm(p: procs.Proc, n: int) -> None:
     nonce = "warm-" + uuid.uuid4().hex[:8]
     await client.run_load(p.port, lambda i: model_request(nonce, i), n, 8, time_limit_s=60)
@@ -98,56 +161,38 @@ async def warm(p: procs.Proc, n: int) -> None:
 
 # -- 1. per-request overhead -----------------------------------------------------------------
 async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
-    runs: dict[int, dict[str, list[dict]]] = {c: {v: [] for v in ms} for c in cfg.per_request}
-    for rep in range(cfg.repeats):
-        for c, n in cfg.per_request.items():
-            for v in _rotate(list(ms), rep + c):
-                nonce = f"pr-{v}-{c}-{rep}-{uuid.uuid4().hex[:8]}"
-                load, extra = await _measure_load(
-                    ms[v], up, lambda i, nonce=nonce: model_request(nonce, i, session=f"s{i % 64}"),
-                    n, c, cfg,
-                )
-                s = _summary(load, extra, n)
-                s["events_ok"] = all(r.events == SHORT_EVENTS for r in load.results if r.error is None)
-                runs[c][v].append(s)
-                log(f"per-request c={c:<2} {v:<12} rep {rep + 1}: {s['rps']:.0f} req/s, "
-                    f"median {s['median_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, "
-                    f"cpu {s['cpu_ms_per_request']:.2f} ms/req")
-    out: dict = {"concurrency": {}}
-    for c, by_v in runs.items():
-        row = {}
-        for v, reps in by_v.items():
-            row[v] = {
-                "rps": median(r["rps"] for r in reps),
-                "median_ms": median(r["median_ms"] for r in reps),
-                "p99_ms": median(r["p99_ms"] for r in reps),
-                "cpu_ms_per_request": median(r["cpu_ms_per_request"] for r in reps),
-                "rps_spread": spread(r["rps"] for r in reps),
-                "median_ms_spread": spread(r["median_ms"] for r in reps),
-                "reps": reps,
-            }
-        tg = row.get("turnguard")
-        if tg:
-            for base in ("plain", "plain_stream"):
-                b = row.get(base)
-                if b:
-                    row[f"turnguard_vs_{base}"] = {
-                        "rps_ratio": ratio(tg["rps"], b["rps"]),
-                        "median_ratio": ratio(tg["median_ms"], b["median_ms"]),
-                        "p99_ratio": ratio(tg["p99_ms"], b["p99_ms"]),
-                        "added_median_ms": tg["median_ms"] - b["median_ms"],
-                        "added_cpu_ms_per_request": tg["cpu_ms_per_request"] - b["cpu_ms_per_request"],
-                        # mitmdump is one event loop on one core: on an otherwise idle core
-                        # its throughput is about 1 / CPU per request, so this ratio is a
-                        # less noisy estimate of the throughput ratio on a shared machine.
-                        "cpu_rps_ratio": ratio(b["cpu_ms_per_request"], tg["cpu_ms_per_request"]),
-                    }
-        out["concurrency"][str(c)] = row
-    all_runs = [r for by_v in runs.values() for reps in by_v.values() for r in reps]
+    runs = _empty_runs(cfg.per_request, ms)
+    for rep, c, n, v in _in_turn(cfg.per_request, ms, cfg.repeats, rotate_by_setting=True):
+        nonce = f"pr-{v}-{c}-{rep}-{uuid.uuid4().hex[:8]}"
+        load, extra = await _measure_load(
+            ms[v], up, lambda i, nonce=nonce: model_request(nonce, i, session=f"s{i % 64}"),
+            n, c, cfg,
+        )
+        s = _summary(load, extra, n)
+        s["events_ok"] = all(r.events == SHORT_EVENTS for r in load.results if r.error is None)
+        _keep(runs[c], v, s, f"per-request c={c:<2} {v:<12} rep {rep + 1}: "
+              f"{s['rps']:.0f} req/s, median {s['median_ms']:.2f} ms, "
+              f"p99 {s['p99_ms']:.2f} ms, cpu {s['cpu_ms_per_request']:.2f} ms/req")
+
+    def vs(tg: dict, b: dict) -> dict:
+        return {
+            **_request_ratios(tg, b),
+            "added_median_ms": tg["median_ms"] - b["median_ms"],
+            "added_cpu_ms_per_request": tg["cpu_ms_per_request"] - b["cpu_ms_per_request"],
+            # mitmdump is one event loop on one core: on an otherwise idle core its
+            # throughput is about 1 / CPU per request, so this ratio is a less noisy estimate
+            # of the throughput ratio on a shared machine.
+            "cpu_rps_ratio": ratio(b["cpu_ms_per_request"], tg["cpu_ms_per_request"]),
+        }
+
+    out: dict = {"concurrency": {
+        str(c): _row(by_v, ("rps", "median_ms", "p99_ms", "cpu_ms_per_request"),
+                     ("rps", "median_ms"), vs)
+        for c, by_v in runs.items()
+    }}
+    all_runs = _all_runs(runs)
     out["checks"] = {
-        "runs": len(all_runs),
-        "all_answered": all(r["answers"] == r["requests"] and r["errors"] == 0 for r in all_runs),
-        "all_200": all(r["statuses"] == [200] for r in all_runs),
+        **_answered_checks(all_runs),
         "all_streams_complete": all(r["events_ok"] for r in all_runs),
         "every_request_dispatched_once": all(r["upstream_dispatches"] == r["requests"] for r in all_runs),
     }
@@ -156,56 +201,43 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
 
 # -- 2. streaming ----------------------------------------------------------------------------
 async def streaming(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
-    runs: dict[int, dict[str, list[dict]]] = {e: {v: [] for v in ms} for e in cfg.stream}
-    for rep in range(cfg.repeats):
-        for events, n in cfg.stream.items():
-            for v in _rotate(list(ms), rep):
-                nonce = f"st-{v}-{events}-{rep}-{uuid.uuid4().hex[:8]}"
-                make = lambda i, nonce=nonce, events=events: model_request(  # noqa: E731
-                    nonce, i, extra={"x-bench-events": str(events)})
-                load, extra = await _measure_load(ms[v], up, make, n, 1, cfg)
-                ok = [r for r in load.results if r.error is None]
-                s = {
-                    "responses": n,
-                    "ok": len(ok),
-                    "errors": load.errors,
-                    "statuses": sorted({r.status for r in ok}),
-                    "events_complete": all(r.events == events for r in ok),
-                    "events_per_s": median(events / r.latency for r in ok),
-                    "ttfb_ms": median(r.ttfb * 1000 for r in ok),
-                    "total_ms": median(r.latency * 1000 for r in ok),
-                    "mib_per_s": median(r.body_bytes / r.latency / 2**20 for r in ok),
-                    "cpu_ms_per_response": extra["cpu_s"] * 1000 / max(1, len(ok)),
-                    "upstream_dispatches": extra["upstream_dispatches"],
-                }
-                runs[events][v].append(s)
-                log(f"streaming {events:>5} events {v:<12} rep {rep + 1}: "
-                    f"{s['events_per_s']:.0f} events/s, ttfb {s['ttfb_ms']:.2f} ms, "
-                    f"total {s['total_ms']:.1f} ms")
-    out: dict = {"events": {}}
-    for events, by_v in runs.items():
-        row = {}
-        for v, reps in by_v.items():
-            row[v] = {
-                "events_per_s": median(r["events_per_s"] for r in reps),
-                "ttfb_ms": median(r["ttfb_ms"] for r in reps),
-                "total_ms": median(r["total_ms"] for r in reps),
-                "mib_per_s": median(r["mib_per_s"] for r in reps),
-                "cpu_ms_per_response": median(r["cpu_ms_per_response"] for r in reps),
-                "events_per_s_spread": spread(r["events_per_s"] for r in reps),
-                "reps": reps,
-            }
-        tg = row.get("turnguard")
-        for base in ("plain", "plain_stream"):
-            if tg and base in row:
-                row[f"turnguard_vs_{base}"] = {
-                    "events_per_s_ratio": ratio(tg["events_per_s"], row[base]["events_per_s"]),
-                    "ttfb_ratio": ratio(tg["ttfb_ms"], row[base]["ttfb_ms"]),
-                    "cpu_events_per_s_ratio": ratio(row[base]["cpu_ms_per_response"],
-                                                    tg["cpu_ms_per_response"]),
-                }
-        out["events"][str(events)] = row
-    all_runs = [r for by_v in runs.values() for reps in by_v.values() for r in reps]
+    runs = _empty_runs(cfg.stream, ms)
+    for rep, events, n, v in _in_turn(cfg.stream, ms, cfg.repeats):
+        nonce = f"st-{v}-{events}-{rep}-{uuid.uuid4().hex[:8]}"
+        make = lambda i, nonce=nonce, events=events: model_request(  # noqa: E731
+            nonce, i, extra={"x-bench-events": str(events)})
+        load, extra = await _measure_load(ms[v], up, make, n, 1, cfg)
+        ok = [r for r in load.results if r.error is None]
+        s = {
+            "responses": n,
+            "ok": len(ok),
+            "errors": load.errors,
+            "statuses": sorted({r.status for r in ok}),
+            "events_complete": all(r.events == events for r in ok),
+            "events_per_s": median(events / r.latency for r in ok),
+            "ttfb_ms": median(r.ttfb * 1000 for r in ok),
+            "total_ms": median(r.latency * 1000 for r in ok),
+            "mib_per_s": median(r.body_bytes / r.latency / 2**20 for r in ok),
+            "cpu_ms_per_response": extra["cpu_s"] * 1000 / max(1, len(ok)),
+            "upstream_dispatches": extra["upstream_dispatches"],
+        }
+        _keep(runs[events], v, s, f"streaming {events:>5} events {v:<12} rep {rep + 1}: "
+              f"{s['events_per_s']:.0f} events/s, ttfb {s['ttfb_ms']:.2f} ms, "
+              f"total {s['total_ms']:.1f} ms")
+
+    def vs(tg: dict, b: dict) -> dict:
+        return {
+            "events_per_s_ratio": ratio(tg["events_per_s"], b["events_per_s"]),
+            "ttfb_ratio": ratio(tg["ttfb_ms"], b["ttfb_ms"]),
+            "cpu_events_per_s_ratio": ratio(b["cpu_ms_per_response"], tg["cpu_ms_per_response"]),
+        }
+
+    out: dict = {"events": {
+        str(events): _row(by_v, ("events_per_s", "ttfb_ms", "total_ms", "mib_per_s",
+                                 "cpu_ms_per_response"), ("events_per_s",), vs)
+        for events, by_v in runs.items()
+    }}
+    all_runs = _all_runs(runs)
     out["checks"] = {
         "runs": len(all_runs),
         "all_answered": all(r["ok"] == r["responses"] and r["errors"] == 0 for r in all_runs),
@@ -217,58 +249,37 @@ async def streaming(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
 
 # -- 4. replay -------------------------------------------------------------------------------
 async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
-    runs: dict[int, dict[str, list[dict]]] = {s: {v: [] for v in ms} for s in cfg.replay}
-    for rep in range(cfg.repeats):
-        for size, n in cfg.replay.items():
-            for v in _rotate(list(ms), rep):
-                nonce = f"rp-{size}-{rep}-{uuid.uuid4().hex[:8]}"
-                raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)})
-                prime = None
-                if v == "turnguard":  # the original: dispatched and recorded
-                    pl = await client.run_load(ms[v].port, lambda i: raw, 1, 1, time_limit_s=60,
-                                               hash_body=True)
-                    prime = pl.results[0]
-                    await asyncio.sleep(0.2)  # let the response hook record it
-                load, extra = await _measure_load(ms[v], up, lambda i: raw, n, cfg.replay_concurrency,
-                                                  cfg, hash_body=True)
-                s = _summary(load, extra, n)
-                ok = [r for r in load.results if r.error is None]
-                s["body_bytes"] = median(r.body_bytes for r in ok)
-                s["mib_per_s"] = s["rps"] * size / 2**20
-                s["replayed"] = sum(r.headers.get("x-turnguard") == "replayed" for r in ok)
-                s["distinct_bodies"] = len({r.sha256 for r in ok})
-                s["same_as_original"] = prime is not None and all(r.sha256 == prime.sha256 for r in ok)
-                runs[size][v].append(s)
-                log(f"replay {size:>8} B {v:<12} rep {rep + 1}: {s['rps']:.0f} req/s, "
-                    f"{s['mib_per_s']:.1f} MiB/s, median {s['median_ms']:.2f} ms, "
-                    f"p99 {s['p99_ms']:.2f} ms, replayed {s['replayed']}/{n}")
-    out: dict = {"sizes": {}}
-    for size, by_v in runs.items():
-        row = {}
-        for v, reps in by_v.items():
-            row[v] = {
-                "rps": median(r["rps"] for r in reps),
-                "mib_per_s": median(r["mib_per_s"] for r in reps),
-                "median_ms": median(r["median_ms"] for r in reps),
-                "p99_ms": median(r["p99_ms"] for r in reps),
-                "rps_spread": spread(r["rps"] for r in reps),
-                "reps": reps,
-            }
-        tg = row.get("turnguard")
-        for base in ("plain", "plain_stream"):
-            if tg and base in row:
-                row[f"turnguard_vs_{base}"] = {
-                    "rps_ratio": ratio(tg["rps"], row[base]["rps"]),
-                    "median_ratio": ratio(tg["median_ms"], row[base]["median_ms"]),
-                    "p99_ratio": ratio(tg["p99_ms"], row[base]["p99_ms"]),
-                }
-        out["sizes"][str(size)] = row
+    runs = _empty_runs(cfg.replay, ms)
+    for rep, size, n, v in _in_turn(cfg.replay, ms, cfg.repeats):
+        nonce = f"rp-{size}-{rep}-{uuid.uuid4().hex[:8]}"
+        raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)})
+        prime = None
+        if v == "turnguard":  # the original: dispatched and recorded
+            pl = await client.run_load(ms[v].port, lambda i: raw, 1, 1, time_limit_s=60,
+                                       hash_body=True)
+            prime = pl.results[0]
+            await asyncio.sleep(0.2)  # let the response hook record it
+        load, extra = await _measure_load(ms[v], up, lambda i: raw, n, cfg.replay_concurrency,
+                                          cfg, hash_body=True)
+        s = _summary(load, extra, n)
+        ok = [r for r in load.results if r.error is None]
+        s["body_bytes"] = median(r.body_bytes for r in ok)
+        s["mib_per_s"] = s["rps"] * size / 2**20
+        s["replayed"] = sum(r.headers.get("x-turnguard") == "replayed" for r in ok)
+        s["distinct_bodies"] = len({r.sha256 for r in ok})
+        s["same_as_original"] = prime is not None and all(r.sha256 == prime.sha256 for r in ok)
+        _keep(runs[size], v, s, f"replay {size:>8} B {v:<12} rep {rep + 1}: "
+              f"{s['rps']:.0f} req/s, {s['mib_per_s']:.1f} MiB/s, median {s['median_ms']:.2f} ms, "
+              f"p99 {s['p99_ms']:.2f} ms, replayed {s['replayed']}/{n}")
+    out: dict = {"sizes": {
+        str(size): _row(by_v, ("rps", "mib_per_s", "median_ms", "p99_ms"), ("rps",),
+                        _request_ratios)
+        for size, by_v in runs.items()
+    }}
     tg_runs = [r for by_v in runs.values() for r in by_v.get("turnguard", [])]
-    all_runs = [r for by_v in runs.values() for reps in by_v.values() for r in reps]
+    all_runs = _all_runs(runs)
     out["checks"] = {
-        "runs": len(all_runs),
-        "all_answered": all(r["answers"] == r["requests"] and r["errors"] == 0 for r in all_runs),
-        "all_200": all(r["statuses"] == [200] for r in all_runs),
+        **_answered_checks(all_runs),
         "turnguard_all_replayed": all(r["replayed"] == r["requests"] for r in tg_runs),
         "turnguard_replays_byte_identical": all(r["same_as_original"] and r["distinct_bodies"] == 1 for r in tg_runs),
         "turnguard_nothing_dispatched_on_replay": all(r["upstream_dispatches"] == 0 for r in tg_runs),

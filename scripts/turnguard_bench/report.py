@@ -27,6 +27,18 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(out)
 
 
+def _setting_rows(label: str, row: dict, variant_cells, ratio_cells) -> list[list[str]]:
+    """The table rows of one setting of a phase (a concurrency, a stream length, a body
+    size): one per variant measured, ``[label, variant, *variant_cells(figures)]``, then one
+    per ratio of turnguard to a plain variant, ``[label, "turnguard/<base>",
+    *ratio_cells(ratios)]``."""
+    rows = [[label, v, *variant_cells(row[v])] for v in ("plain", "plain_stream", "turnguard")
+            if v in row]
+    rows += [[label, f"turnguard/{base}", *ratio_cells(row[f"turnguard_vs_{base}"])]
+             for base in ("plain", "plain_stream") if f"turnguard_vs_{base}" in row]
+    return rows
+
+
 def _section(title: str) -> str:
     return f"\n== {title} " + "=" * max(0, 90 - len(title))
 
@@ -133,23 +145,14 @@ def render(res: dict) -> str:
     if pr:
         o.append(_section("1. per-request overhead: guarded POSTs, distinct bodies, 8-event SSE "
                           "answers (medians over repeats)"))
-        rows = []
-        for c, row in pr["concurrency"].items():
-            for v in ("plain", "plain_stream", "turnguard"):
-                if v in row:
-                    r = row[v]
-                    rows.append([f"{c} clients", v, _f(r["rps"], ".0f"), _f(r["median_ms"]),
-                                 _f(r["p99_ms"]), _f(r["cpu_ms_per_request"]),
-                                 _f(r["rps_spread"] * 100, ".0f", "%")])
-            for base in ("plain", "plain_stream"):
-                k = f"turnguard_vs_{base}"
-                if k in row:
-                    r = row[k]
-                    rows.append([f"{c} clients", f"turnguard/{base}", _x(r["rps_ratio"]),
-                                 f"{_x(r['median_ratio'])} ({_f(r['added_median_ms'], '+.2f')})",
-                                 _x(r["p99_ratio"]),
-                                 _f(r["added_cpu_ms_per_request"], "+.2f"),
-                                 f"CPU: {_x(r.get('cpu_rps_ratio'))}"])
+        rows = [cells for c, row in pr["concurrency"].items() for cells in _setting_rows(
+            f"{c} clients", row,
+            lambda r: [_f(r["rps"], ".0f"), _f(r["median_ms"]), _f(r["p99_ms"]),
+                       _f(r["cpu_ms_per_request"]), _f(r["rps_spread"] * 100, ".0f", "%")],
+            lambda r: [_x(r["rps_ratio"]),
+                       f"{_x(r['median_ratio'])} ({_f(r['added_median_ms'], '+.2f')})",
+                       _x(r["p99_ratio"]), _f(r["added_cpu_ms_per_request"], "+.2f"),
+                       f"CPU: {_x(r.get('cpu_rps_ratio'))}"])]
         o.append(table(rows, ["clients", "variant", "req/s", "median ms", "p99 ms",
                               "CPU ms/req", "req/s spread"]))
         o.append("(ratio rows: req/s, latency ratios with the added median in ms, the added CPU "
@@ -159,22 +162,13 @@ def render(res: dict) -> str:
     st = res.get("streaming")
     if st:
         o.append(_section("2. streaming: one client, SSE responses of N events, ledger tee on"))
-        rows = []
-        for ev, row in st["events"].items():
-            for v in ("plain", "plain_stream", "turnguard"):
-                if v in row:
-                    r = row[v]
-                    rows.append([f"{int(ev):,} events", v, _f(r["events_per_s"], ",.0f"),
-                                 _f(r["mib_per_s"], ".1f"), _f(r["ttfb_ms"]), _f(r["total_ms"], ".1f"),
-                                 _f(r["cpu_ms_per_response"], ".1f"),
-                                 _f(r["events_per_s_spread"] * 100, ".0f", "%")])
-            for base in ("plain", "plain_stream"):
-                k = f"turnguard_vs_{base}"
-                if k in row:
-                    r = row[k]
-                    rows.append([f"{int(ev):,} events", f"turnguard/{base}", _x(r["events_per_s_ratio"]),
-                                 "", _x(r["ttfb_ratio"]), "",
-                                 f"CPU: {_x(r.get('cpu_events_per_s_ratio'))}", ""])
+        rows = [cells for ev, row in st["events"].items() for cells in _setting_rows(
+            f"{int(ev):,} events", row,
+            lambda r: [_f(r["events_per_s"], ",.0f"), _f(r["mib_per_s"], ".1f"), _f(r["ttfb_ms"]),
+                       _f(r["total_ms"], ".1f"), _f(r["cpu_ms_per_response"], ".1f"),
+                       _f(r["events_per_s_spread"] * 100, ".0f", "%")],
+            lambda r: [_x(r["events_per_s_ratio"]), "", _x(r["ttfb_ratio"]), "",
+                       f"CPU: {_x(r.get('cpu_events_per_s_ratio'))}", ""])]
         o.append(table(rows, ["stream", "variant", "events/s", "MiB/s", "TTFB ms", "total ms",
                               "CPU ms/resp", "spread"]))
         o.append(f"checks: {st['checks']}")
@@ -209,21 +203,11 @@ def render(res: dict) -> str:
     if rp:
         o.append(_section("4. replay: identical requests answered from the recording "
                           "(plain variants: forwarded upstream)"))
-        rows = []
-        for size, row in rp["sizes"].items():
-            label = _size(int(size))
-            for v in ("plain", "plain_stream", "turnguard"):
-                if v in row:
-                    r = row[v]
-                    rows.append([label, v, _f(r["rps"], ".0f"), _f(r["mib_per_s"], ".1f"),
-                                 _f(r["median_ms"]), _f(r["p99_ms"]),
-                                 _f(r["rps_spread"] * 100, ".0f", "%")])
-            for base in ("plain", "plain_stream"):
-                k = f"turnguard_vs_{base}"
-                if k in row:
-                    r = row[k]
-                    rows.append([label, f"turnguard/{base}", _x(r["rps_ratio"]), "",
-                                 _x(r["median_ratio"]), _x(r["p99_ratio"]), ""])
+        rows = [cells for size, row in rp["sizes"].items() for cells in _setting_rows(
+            _size(int(size)), row,
+            lambda r: [_f(r["rps"], ".0f"), _f(r["mib_per_s"], ".1f"), _f(r["median_ms"]),
+                       _f(r["p99_ms"]), _f(r["rps_spread"] * 100, ".0f", "%")],
+            lambda r: [_x(r["rps_ratio"]), "", _x(r["median_ratio"]), _x(r["p99_ratio"]), ""])]
         o.append(table(rows, ["body", "variant", "req/s", "MiB/s", "median ms", "p99 ms", "spread"]))
         o.append(f"checks: {rp['checks']}")
 

@@ -110,7 +110,7 @@ class Request:
 class RequestParser:
     """Sans-I/O request reading: ``feed`` bytes (``feed(b"")`` at EOF), then ``next_request``
     returns the next whole request, or None while more bytes are needed (or, with ``at_eof``,
-    when the client closed between requests). A request that is not HTTP/1.1, or is past the
+    when the client closed between requests). A request that is not HTTP/1.x, or is past the
     bounds, raises ``BadRequest``. Bytes after a request (pipelined, or a WebSocket's frames
     after an upgrade) stay buffered for the next call (``take_buffered``)."""
 
@@ -150,11 +150,12 @@ class RequestParser:
         if self._h11 is not None:
             return True
         for _ in range(MAX_EMPTY_LINES):
-            if self._buffer[:2] == b"\r\n":
-                del self._buffer[:2]
-            else:
+            if self._buffer[:2] != b"\r\n":
                 return bool(self._buffer)
-        raise BadRequest("only empty lines")
+            del self._buffer[:2]
+        if self._buffer[:2] == b"\r\n":
+            raise BadRequest("only empty lines")
+        return bool(self._buffer)
 
     def take_continue(self) -> bool:
         """True once after the head of a request that waits for ``100 Continue``."""

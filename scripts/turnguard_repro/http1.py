@@ -1,7 +1,7 @@
 """A small HTTP/1.1 client on asyncio streams, for the client models.
 
-Standard library only (and ``turnguard_sse``, the tests' and tools' SSE reader), so the
-reproduction toolkit needs nothing but mitmproxy. Every request
+Responses are parsed by h11 and SSE bodies read with ``turnguard_sse`` (the tests' and tools'
+reader), so the reproduction toolkit needs nothing but mitmproxy (which installs h11). Every request
 goes on a NEW connection (what the incidents are about: a retry or a gateway's re-send on a
 fresh connection while the original may still be open), sends ``connection: close``, and
 fills an ``Exchange`` as it goes, so a caller that cancels the task still has the partial
@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+import h11
 
 from turnguard_sse import SseEvent, SseReader
 
@@ -133,19 +135,15 @@ class _Closed(Exception):
     pass
 
 
-async def _read_until(reader: asyncio.StreamReader, buf: bytearray, sep: bytes, limit: int, timeout: float | None) -> bytes:
+async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader,
+                      timeout: Callable[[], float]) -> Any:
+    """The next h11 event of the response, reading as needed (``timeout()`` seconds at most per
+    read; b"" at EOF tells h11 the connection closed)."""
     for _ in range(MAX_READS):
-        i = buf.find(sep)
-        if i >= 0:
-            out = bytes(buf[: i + len(sep)])
-            del buf[: i + len(sep)]
-            return out
-        if len(buf) > limit:
-            raise _Closed("header section too large")
-        data = await asyncio.wait_for(reader.read(65536), timeout)
-        if not data:
-            raise _Closed("closed")
-        buf += data
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await asyncio.wait_for(reader.read(65536), timeout()))
     raise _Closed("too many reads")
 
 
@@ -188,38 +186,39 @@ async def post(
         except (OSError, TimeoutError) as e:
             ex.error = f"connect failed: {e.__class__.__name__}"
             return ex
-        head = [f"{method} {prefix}{path} HTTP/1.1", f"host: {host}:{port}"]
+        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         skip = {"host", "content-length", "connection", "transfer-encoding"}
-        head += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in skip]
-        head += [f"content-length: {len(body)}", "connection: close"]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-        buf = bytearray()
+        head = [("host", f"{host}:{port}"), *((k, v) for k, v in headers.items() if k.lower() not in skip),
+                ("content-length", str(len(body))), ("connection", "close")]
+        writer.write(conn.send(h11.Request(method=method, target=prefix + path, headers=head))
+                     + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
         try:
             await asyncio.wait_for(writer.drain(), left(connect_timeout))
-            raw_head = await _read_until(reader, buf, b"\r\n\r\n", MAX_HEAD_BYTES, left(headers_timeout))
+            response = await _next_event(conn, reader, lambda: left(headers_timeout))
+            for _ in range(MAX_READS):  # informational answers (100 Continue) before the real one
+                if not isinstance(response, h11.InformationalResponse):
+                    break
+                response = await _next_event(conn, reader, lambda: left(headers_timeout))
         except TimeoutError:
             ex.error = "timeout before headers"
             return ex
         except (ConnectionResetError, BrokenPipeError):
             ex.error = "reset before headers"
             return ex
-        except (_Closed, OSError, asyncio.IncompleteReadError) as e:
-            ex.error = f"closed before headers ({e})" if str(e) not in ("", "closed") else "closed before headers"
+        except (_Closed, OSError, h11.RemoteProtocolError):
+            ex.error = "closed before headers"
+            return ex
+        if not isinstance(response, h11.Response):
+            ex.error = "closed before headers"
             return ex
         ex.t_headers = time.time()
-        lines = raw_head[:-4].decode("latin-1").split("\r\n")
-        try:
-            ex.status = int(lines[0].split(" ")[1])
-        except (IndexError, ValueError):
-            ex.error = f"bad status line {lines[0]!r}"
-            return ex
-        for line in lines[1:]:
-            k, _, v = line.partition(":")
-            ex.headers.setdefault(k.strip().lower(), v.strip())
+        ex.status = response.status_code
+        for k, v in response.headers:
+            ex.headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         if on_headers is not None:
             await on_headers(ex)
         ex._on_event = on_event
-        await _read_body(ex, reader, buf, lambda: left(idle_timeout), on_body)
+        await _read_body(ex, conn, reader, lambda: left(idle_timeout), on_body)
         return ex
     except asyncio.CancelledError:
         ex.error = ex.error or "cancelled"
@@ -233,62 +232,31 @@ async def post(
 
 async def _read_body(
     ex: Exchange,
+    conn: h11.Connection,
     reader: asyncio.StreamReader,
-    buf: bytearray,
     timeout: Callable[[], float],
     on_body: Callable[[bytes], Awaitable[None]] | None,
 ) -> None:
-    async def take(data: bytes) -> None:
-        if len(ex.body) + len(data) > MAX_BODY_BYTES:
-            raise _Closed("body too large")
-        ex.body += data
-        if ex.is_sse:
-            ex._feed_sse(data)
-        if on_body is not None:
-            await on_body(data)
-
-    te = ex.headers.get("transfer-encoding", "").lower()
-    cl = ex.headers.get("content-length")
+    """The body, as h11 frames it (content-length, chunked, or until the connection closes),
+    fed to ``ex`` piece by piece; ``ex.error`` when it does not end as framed."""
     try:
-        if "chunked" in te:
-            for _ in range(MAX_READS):
-                size_line = await _read_until(reader, buf, b"\r\n", 4096, timeout())
-                size = int(size_line[:-2].split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    with contextlib.suppress(Exception):
-                        await _read_until(reader, buf, b"\r\n", 4096, timeout())
-                    return
-                while len(buf) < size + 2:
-                    data = await asyncio.wait_for(reader.read(65536), timeout())
-                    if not data:
-                        raise _Closed("closed")
-                    buf += data
-                await take(bytes(buf[:size]))
-                del buf[: size + 2]
-            raise _Closed("too many chunks")
-        if cl is not None:
-            n = int(cl)
-            for _ in range(MAX_READS):
-                if len(buf) >= n:
-                    await take(bytes(buf[:n]))
-                    return
-                data = await asyncio.wait_for(reader.read(65536), timeout())
-                if not data:
-                    raise _Closed("closed")
-                buf += data
-            raise _Closed("too many reads")
-        # no framing: until EOF
-        if buf:
-            await take(bytes(buf))
-            buf.clear()
         for _ in range(MAX_READS):
-            data = await asyncio.wait_for(reader.read(65536), timeout())
-            if not data:
+            event = await _next_event(conn, reader, timeout)
+            if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                 return
-            await take(data)
+            if isinstance(event, h11.Data):
+                data = bytes(event.data)
+                if len(ex.body) + len(data) > MAX_BODY_BYTES:
+                    raise _Closed("body too large")
+                ex.body += data
+                if ex.is_sse:
+                    ex._feed_sse(data)
+                if on_body is not None:
+                    await on_body(data)
+        raise _Closed("too many reads")
     except TimeoutError:
         ex.error = "idle timeout"
     except (ConnectionResetError, BrokenPipeError):
         ex.error = "cut after headers (reset)"
-    except (_Closed, OSError, ValueError, asyncio.IncompleteReadError):
+    except (_Closed, OSError, h11.RemoteProtocolError):
         ex.error = "cut after headers"

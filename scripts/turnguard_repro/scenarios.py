@@ -49,6 +49,19 @@ COLUMNS: dict[str, dict[str, Any]] = {
 DEFAULT_COLUMNS = ["plain", "default", "once"]
 
 TURN = {"model": "gpt-test", "input": [{"role": "user", "content": "fix the failing test"}], "stream": True}
+HEALTHY = {"kind": "ok", "events": 4}
+# A request without a response event: a stall that turnguard's response_created timeout cuts,
+# then a reset. Two of them open the retry circuit.
+STALL_THEN_RESET = [{"kind": "stall_before_headers", "ms": 8000}, {"kind": "reset"}]
+STALL_SHORTENED = "the upstream stalls 8 s before its headers, then closes"
+
+
+def impatient(name: str, session: str) -> dict[str, Any]:
+    """The client of the Codex Desktop report: it ignores Retry-After and retries every 200 ms,
+    10 attempts in all."""
+    return {"name": name, "model": "impatient", "session": session, "body": TURN,
+            "params": {"retry_gap_ms": 200, "max_attempts": 10}}
+
 
 BUILTIN: dict[str, dict[str, Any]] = {
     "duplicate-storm": {
@@ -78,18 +91,10 @@ BUILTIN: dict[str, dict[str, Any]] = {
             "retry circuit opens; the client ignores Retry-After and retries every 200 ms."
         ),
         "incident": "cooldown 503 storm, codex-lb issue 1737 (Codex Desktop)",
-        "shortened": ["the upstream stalls 8 s before its headers, then closes (incident: "
-                      "until the client or a proxy gives up)"],
+        "shortened": [STALL_SHORTENED + " (incident: until the client or a proxy gives up)"],
         "columns": ["plain", "default", "once", "indefinite"],
-        "upstream": {
-            "sequence": [{"kind": "tool_call"}, {"kind": "stall_before_headers", "ms": 8000},
-                         {"kind": "reset"}],
-            "default": {"kind": "ok", "events": 4},
-        },
-        "clients": [
-            {"name": "desktop", "model": "impatient", "session": "sess-storm", "body": TURN,
-             "params": {"retry_gap_ms": 200, "max_attempts": 10}},
-        ],
+        "upstream": {"sequence": [{"kind": "tool_call"}, *STALL_THEN_RESET], "default": HEALTHY},
+        "clients": [impatient("desktop", "sess-storm")],
     },
     "cooldown-codex-cli": {
         "description": (
@@ -98,13 +103,9 @@ BUILTIN: dict[str, dict[str, Any]] = {
             "mode."
         ),
         "incident": "codex-lb issue 1737, the CLI side",
-        "shortened": ["the upstream stalls 8 s before its headers, then closes"],
+        "shortened": [STALL_SHORTENED],
         "columns": ["plain", "default", "once"],
-        "upstream": {
-            "sequence": [{"kind": "tool_call"}, {"kind": "stall_before_headers", "ms": 8000},
-                         {"kind": "reset"}],
-            "default": {"kind": "ok", "events": 4},
-        },
+        "upstream": {"sequence": [{"kind": "tool_call"}, *STALL_THEN_RESET], "default": HEALTHY},
         "clients": [{"name": "codex", "model": "codex_cli", "session": "sess-cli", "body": TURN}],
     },
     "codex-websocket-cooldown": {
@@ -148,17 +149,14 @@ BUILTIN: dict[str, dict[str, Any]] = {
             "so no recovery mode may hold and re-run it: turnguard fails closed."
         ),
         "incident": "cooldown storm x partial output",
-        "shortened": ["the upstream stalls 8 s before its headers, then closes"],
+        "shortened": [STALL_SHORTENED],
         "columns": ["plain", "default", "once"],
         "upstream": {
             "sequence": [{"kind": "tool_call"}, {"kind": "partial", "events": 3},
-                         {"kind": "stall_before_headers", "ms": 8000}, {"kind": "reset"}],
-            "default": {"kind": "ok", "events": 4},
+                         *STALL_THEN_RESET],
+            "default": HEALTHY,
         },
-        "clients": [
-            {"name": "desktop", "model": "impatient", "session": "sess-partial", "body": TURN,
-             "params": {"retry_gap_ms": 200, "max_attempts": 10}},
-        ],
+        "clients": [impatient("desktop", "sess-partial")],
     },
     "upstream-429": {
         "description": (
@@ -174,12 +172,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
                 "sess-sdk": {"sequence": [{"kind": "status", "code": 429, "retry_after": 2}] * 2},
                 "sess-desktop": {"sequence": [{"kind": "status", "code": 429, "retry_after": 2}] * 5},
             },
-            "default": {"kind": "ok", "events": 4},
+            "default": HEALTHY,
         },
         "clients": [
             {"name": "sdk", "model": "openai_python", "session": "sess-sdk", "body": TURN},
-            {"name": "desktop", "model": "impatient", "session": "sess-desktop", "body": TURN,
-             "params": {"retry_gap_ms": 200, "max_attempts": 10}},
+            impatient("desktop", "sess-desktop"),
         ],
     },
 }
