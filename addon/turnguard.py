@@ -23,7 +23,6 @@ from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
 from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
-from turnguard_core.telemetry import Telemetry  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
@@ -50,7 +49,7 @@ class TurnGuard:
     def __init__(self) -> None:
         self.settings = options.settings_from(options.DEFAULTS)
         self.filter: flowfilter.TFilter | None = None
-        self.telemetry = Telemetry()
+        self.telemetry = config.telemetry()
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
         self.identifier = Identifier()

@@ -176,8 +176,9 @@ class FailoverStore:
         """Open the ledger and start the heartbeat on its own connection (blocking; raises
         ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
         # the admin queries too: turnguard.status and the control commands use this connection
-        runner = LedgerRunner(LedgerAdmin(path, self._instance_id,
-                                          busy_timeout_ms=LEDGER_BUSY_MS, identity=self._identity))
+        # its checkpoints are the heartbeat thread's: no commit on the event loop copies the WAL
+        runner = LedgerRunner(LedgerAdmin(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
+                                          identity=self._identity, checkpoint_on_commit=False))
         try:
             runner.call_sync(lambda led: led.open(time.time()))
             heartbeat = Heartbeat(
@@ -310,6 +311,8 @@ class FailoverStore:
             if deadline is None:
                 return await call(self._store)
             task = asyncio.ensure_future(call(self._store))
+            if task.done():  # answered at once (an eager task on the ledger's fast path)
+                return task.result()
             wait_s = max(0.0, deadline - time.monotonic()) + LEDGER_LATE_S
             done, _ = await asyncio.wait([task], timeout=wait_s)
             if not done:

@@ -3,8 +3,10 @@
 Peers that cannot prove this process dead (see ``liveness``) go by its lease, so the lease must
 not lapse because the event loop is busy (a large body, a long hook) or the main ledger
 connection waits behind a lock. ``Heartbeat`` runs on a daemon thread with its own connection:
-every ``interval_s`` it renews the lease and, every second, checks that the ledger file is still
-the one it opened. It reports to the caller's callbacks (called on the thread: they must only
+every ``interval_s`` it renews the lease, every second it checks that the ledger file is still
+the one it opened, and every ``CHECKPOINT_S`` it copies the WAL into the database (a passive
+checkpoint: the connection that decides requests leaves that to this thread, so its commits
+stay short and the event loop never waits for a checkpoint's writes and fsyncs). It reports to the caller's callbacks (called on the thread: they must only
 hand over to the event loop, e.g. with ``loop.call_soon_threadsafe``):
 
 - ``on_reregistered(incarnation)``: the instance's row was gone (a peer reaped it): it is
@@ -26,6 +28,7 @@ from .ledger import Ledger, LedgerError
 logger = logging.getLogger("turnguard")
 
 FILE_CHECK_S = 1.0
+CHECKPOINT_S = 0.25
 
 
 class Heartbeat:
@@ -51,8 +54,16 @@ class Heartbeat:
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self._interval_s
+        next_check = time.monotonic() + FILE_CHECK_S
         try:
-            while not self._stop.wait(FILE_CHECK_S):
+            while not self._stop.wait(CHECKPOINT_S):
+                try:
+                    self._ledger.checkpoint()
+                except LedgerError as e:  # the next one copies what this one could not
+                    logger.debug("turnguard: checkpoint not made (%s)", e)
+                if time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + FILE_CHECK_S
                 why = self._ledger.file_replaced()
                 if why is not None:
                     self._on_file_gone(why)

@@ -30,9 +30,31 @@ logger = logging.getLogger("turnguard")
 ROUTINE = frozenset({"dispatch", "outcome"})
 
 
+def handlers_take(log: logging.Logger, level: int, ignore: tuple[type, ...] = ()) -> bool:
+    """Whether a record of ``level`` logged to ``log`` reaches a handler whose level lets it
+    through (handlers of the ``ignore`` types do not count). When none does, the record
+    need not be made at all: formatting it is most of its cost."""
+    if not log.isEnabledFor(level):
+        return False
+    current: logging.Logger | None = log
+    while current is not None:
+        for handler in current.handlers:
+            if level >= handler.level and not isinstance(handler, ignore):
+                return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
 class Telemetry:
-    def __init__(self, path: str | None = None, clock: Callable[[], float] = time.time):
+    def __init__(self, path: str | None = None, clock: Callable[[], float] = time.time, *,
+                 ignored_handlers: tuple[type, ...] = ()):
+        """``ignored_handlers``: log handler types that do not make a record worth writing
+        (the shell names mitmproxy's bridge to its deprecated ``add_log`` hook, which takes
+        records of every level and turns each one into a hook call on every addon)."""
         self._clock = clock
+        self._ignored_handlers = ignored_handlers
         self._file = None
         self.path = path or None
         self.counts: Counter[str] = Counter()
@@ -48,7 +70,7 @@ class Telemetry:
         if self.sink is not None:
             self.sink(event, fields)
         level = logging.DEBUG if event in ROUTINE else logging.INFO
-        to_log = logger.isEnabledFor(level)
+        to_log = handlers_take(logger, level, self._ignored_handlers)
         if self._file is None and not to_log:
             return
         record = {"ts": round(self._clock(), 6), "event": event, **fields}

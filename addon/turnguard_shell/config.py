@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from mitmproxy import flowfilter
+from mitmproxy import log as mitmproxy_log
 
 from turnguard_core.ledger import LedgerError, check_path
 from turnguard_core.private_files import UnsafePath
@@ -19,10 +20,22 @@ def parse_filter(expression: str) -> flowfilter.TFilter:
         raise ValueError(f"turnguard_filter={expression!r} is not valid: {e}") from None
 
 
+# A log handler that does not make a telemetry line worth formatting: mitmproxy's bridge to
+# its deprecated ``add_log`` hook takes every level (so a DEBUG line, which no one reads
+# unless termlog_verbosity is debug, would still cost a hook call on every addon).
+IGNORED_LOG_HANDLERS = tuple(
+    t for t in (getattr(mitmproxy_log, "LegacyLogEvents", None),) if isinstance(t, type))
+
+
+def telemetry(path: str | None = None) -> Telemetry:
+    """Telemetry to the events file at ``path`` (None: the log only)."""
+    return Telemetry(path, ignored_handlers=IGNORED_LOG_HANDLERS)
+
+
 def open_events(path: str) -> Telemetry:
     """The telemetry sink: the events file at ``path`` (empty: the log only)."""
     try:
-        return Telemetry(os.path.expanduser(path) or None)
+        return telemetry(os.path.expanduser(path) or None)
     except UnsafePath as e:
         raise ValueError(f"turnguard_events={path!r} is refused: {e}") from None
     except OSError as e:

@@ -32,6 +32,11 @@ PYSPY = shutil.which("py-spy", path=str(procs.MITMDUMP.parent)) or shutil.which(
 RATE = 200
 _FRAME = re.compile(r"^(?P<name>.*) \((?P<path>[^()]*)\)$")
 
+# Threads blocked in these frames use no CPU, yet py-spy samples them as active (a timed
+# ``Event.wait`` on the heartbeat thread, an idle ``ThreadPoolExecutor`` worker): such stacks
+# are left out of every total, or they would pass for a third of turnguard's time.
+IDLE_LEAVES = {("wait", "threading.py"), ("_worker", "thread.py"), ("get", "queue.py")}
+
 HOLD_FUNCS = {"_wait", "_wake", "_tick_forever", "_wake_gone_flows", "_poll_foreign",
               "_check_cooldown_sessions"}
 ADDON_FILES = {"turnguard.py"}
@@ -47,6 +52,12 @@ def _frames(stack: str) -> list[tuple[str, str]]:
         else:
             out.append((f, ""))
     return out
+
+
+def idle(stack: str) -> bool:
+    """Whether the stack is a thread blocked waiting (no CPU), see ``IDLE_LEAVES``."""
+    frames = _frames(stack)
+    return bool(frames) and (frames[-1][0], Path(frames[-1][1]).name) in IDLE_LEAVES
 
 
 def _module(path: str) -> str | None:
@@ -95,6 +106,8 @@ def analyze(raw_path: Path) -> dict:
         if not stack or not count.isdigit():
             continue
         n = int(count)
+        if idle(stack):
+            continue
         total += n
         cat = categorize(stack)
         cats[cat] += n
@@ -111,7 +124,7 @@ def inclusive(raw_path: Path) -> Counter[str]:
     out: Counter[str] = Counter()
     for line in raw_path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not stack or not count.isdigit() or idle(stack):
             continue
         seen = {f"{n} ({Path(p).name})" for n, p in _frames(stack)}
         for k in seen:
