@@ -14,6 +14,7 @@ from turnguard_core.sse import (
     TERMINAL_FAILURE,
     TERMINAL_SUCCESS,
     SseEvent,
+    SseKinds,
     SseParser,
     terminal_kind,
 )
@@ -124,6 +125,46 @@ def test_any_chunking_gives_the_generated_events(stream, data):
     assert whole_parser.events_seen == len(expected)
     assert whole_parser.last_type == (expected[-1].type if expected else None)
     assert not whole_parser.overflowed
+
+
+# Data that names (or seems to name) a terminal type, spelt plainly or with JSON escapes.
+_typed_data = st.sampled_from([
+    '{"type":"response.completed"}', '{"type": "response.failed", "x": 1}',
+    '{"type":"response\\u002ecompleted"}', '{"type":"\\u0065rror"}', '{"type":"error"',
+    '{"type":"response.output_text.delta","delta":"response.completed"}', '"error"',
+    '{"type":["error"]}', '{"type":"response.incomplete"}', '[{"type":"error"}]',
+])
+
+
+@st.composite
+def typed_streams(draw):
+    """SSE bytes whose events carry their type in data or in an event: field, any length."""
+    blocks = []
+    for _ in range(draw(st.integers(0, 6))):
+        lines = []
+        if draw(st.booleans()):
+            lines.append("event:" + draw(st.sampled_from(["", "error", "response.completed", "x"])))
+        for part in draw(st.lists(_typed_data | values, min_size=0, max_size=3)):
+            lines.append("data: " + part)
+        blocks.append("\n".join(lines) + "\n\n")
+    return "".join(blocks).encode("utf-8")
+
+
+@settings(max_examples=examples(300))
+@given(st.one_of(streams().map(lambda s: s[0]), typed_streams()), st.data(),
+       st.sampled_from([8 * 1024 * 1024, 24]))
+def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
+    """SseKinds (the tee's parser) gives, in any chunking, exactly the terminal kind of each
+    event SseParser gives, also with escaped JSON types and events over the size limit."""
+    cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=30), label="cuts")
+    events = parse([raw], max_event_bytes=limit)[1]
+    want = [terminal_kind(e.type) or "other" for e in events]
+    for chunks in ([raw], split_at(raw, cuts), bytewise(raw)):
+        p = SseKinds(max_event_bytes=limit)
+        got = [k for c in chunks for k in p.feed(c)]
+        p.close()
+        assert got == want
+        assert p.events_seen == len(events)
 
 
 # --- line endings, BOM, UTF-8 -------------------------------------------------------------------

@@ -32,12 +32,17 @@ __all__ = [
     "TERMINAL_FAILURE",
     "TERMINAL_SUCCESS",
     "SseEvent",
+    "SseKinds",
     "SseParser",
     "terminal_kind",
 ]
 
 TERMINAL_SUCCESS = frozenset({"response.completed", "response.incomplete"})
 TERMINAL_FAILURE = frozenset({"response.failed", "error"})
+
+# What the data of an event whose JSON "type" is terminal must contain, as bytes: the name
+# itself, or a backslash (a JSON escape could spell it otherwise).
+_TERMINAL_HINTS = tuple(t.encode() for t in TERMINAL_SUCCESS | TERMINAL_FAILURE) + (b"\\",)
 
 _BOM = b"\xef\xbb\xbf"
 _LF, _CR, _COLON = 0x0A, 0x0D, 0x3A
@@ -243,7 +248,7 @@ class SseParser:
             if self._data_bytes > self.max_event_bytes:
                 self._drop_data()
             else:
-                self._data.append(value.decode("utf-8", "replace"))
+                self._data.append(self._data_line(value))
         elif name == b"event":
             if overlong:
                 self._drop_data()
@@ -254,6 +259,11 @@ class SseParser:
                 self._last_id = value.decode("utf-8", "replace")
         # retry and unknown fields are ignored
         return None
+
+    @staticmethod
+    def _data_line(value: bytes):
+        """A data line's value as the pending event keeps it."""
+        return value.decode("utf-8", "replace")
 
     def _drop_data(self) -> None:
         self._data.clear()
@@ -275,3 +285,35 @@ class SseParser:
         self._data = []
         self._data_bytes = 0
         self._truncated = False
+
+
+class SseKinds(SseParser):
+    """The parser for a reader that needs only to count events and see the terminal ones
+    (the response tee): ``feed(chunk)`` returns, for each event the chunk completed, its
+    ``terminal_kind(event.type)`` or ``"other"`` when that is None: exactly the events
+    ``SseParser`` would give, for every byte stream and every chunking, without making an
+    ``SseEvent``, decoding data that cannot name a terminal type, or parsing its JSON.
+    ``last_type`` is not kept (None)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _data_line(value: bytes):
+        return value  # decoded only when the event's type is asked of its data
+
+    def _dispatch(self):
+        if not self._data and not self._truncated and self._event is None:
+            return None
+        kind = None
+        if self._event:
+            kind = terminal_kind(self._event)
+        elif any(hint in line for line in self._data for hint in _TERMINAL_HINTS):
+            data = "\n".join(line.decode("utf-8", "replace") for line in self._data)
+            kind = terminal_kind(_json_type(data))
+        self._reset_event()
+        self.events_seen += 1
+        return kind or "other"
+
+    def feed(self, chunk: bytes) -> list[Literal["success", "failure", "other"]]:  # type: ignore[override]
+        """Consume ``chunk``; the terminal kind (or ``"other"``) of each event it completed."""
+        return super().feed(chunk)  # type: ignore[return-value]

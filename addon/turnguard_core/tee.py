@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Literal
 
-from .sse import SseParser, terminal_kind
+from .sse import SseKinds
 
 logger = logging.getLogger("turnguard")
 
@@ -42,7 +42,7 @@ class ResponseTee:
         on_first_event: Callable[[], None] | None = None,
     ):
         self.counts_events = counts_events
-        self._parser = SseParser() if counts_events else None
+        self._parser = SseKinds() if counts_events else None
         self._keep_max = keep_max_bytes
         self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
         self._size = 0
@@ -91,13 +91,12 @@ class ResponseTee:
         if self._parser:
             self._count(self._parser.feed(chunk))
 
-    def _count(self, events) -> None:
-        if not events:
+    def _count(self, kinds) -> None:
+        if not kinds:
             return
-        first = self._parser.events_seen == len(events)
-        for ev in events:
-            kind = terminal_kind(ev.type)
-            if kind is not None:
+        first = self._parser.events_seen == len(kinds)
+        for kind in kinds:
+            if kind != "other":
                 self.terminal = kind
         if first and self._on_first_event is not None:
             self._on_first_event()

@@ -59,6 +59,7 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
             ms = procs.start_mitmdumps(workdir, up.url, {
                 "plain": ("plain", {}),
                 "plain_stream": ("plain_stream", {}),
+                "floor": ("floor", {}),
                 # replay of the 5 MiB case needs a cap above 5 MiB (the default is 8 MiB)
                 "turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20}),
             })

@@ -17,7 +17,7 @@ class Config:
     warmup: int  # requests per mitmdump before measuring
     per_request: dict[int, int]  # concurrent clients -> requests per repeat
     stream: dict[int, int]  # events per response -> responses per repeat
-    replay: dict[int, int]  # body bytes -> replayed requests per repeat
+    replay: dict[int, int]  # body bytes (0: the 8-event SSE stream) -> replays per repeat
     replay_concurrency: int
     holds_ops: int
     holds_dups_per_op: int
@@ -40,9 +40,9 @@ def quick() -> Config:
         mode="quick",
         repeats=2,
         warmup=30,
-        per_request={1: 60, 8: 150, 32: 250},
+        per_request={1: 60, 8: 150, 32: 250, 128: 400},
         stream={1000: 3, 10000: 2},
-        replay={1 * KiB: 30, 100 * KiB: 15, 5 * MiB: 3},
+        replay={0: 60, 1 * KiB: 30, 100 * KiB: 15, 5 * MiB: 3},
         replay_concurrency=4,
         holds_ops=5,
         holds_dups_per_op=40,
@@ -64,9 +64,9 @@ def full() -> Config:
         mode="full",
         repeats=3,
         warmup=200,
-        per_request={1: 500, 8: 2000, 32: 3000},
+        per_request={1: 500, 8: 2000, 32: 3000, 128: 4000},
         stream={1000: 20, 10000: 6},
-        replay={1 * KiB: 400, 100 * KiB: 200, 5 * MiB: 20},
+        replay={0: 1000, 1 * KiB: 400, 100 * KiB: 200, 5 * MiB: 20},
         replay_concurrency=4,
         holds_ops=20,
         holds_dups_per_op=100,

@@ -1,7 +1,8 @@
 """The measurements of issue 5, each side by side with plain mitmdump in the same run.
 
 Variants (see ``procs.VARIANTS``): ``plain`` (mitmdump, no addon: bodies buffered),
-``plain_stream`` (no addon, ``stream_large_bodies=1``: bodies streamed) and ``turnguard``
+``plain_stream`` (no addon, ``stream_large_bodies=1``: bodies streamed), ``floor`` (a no-op
+addon that only streams SSE responses: what any streaming addon costs) and ``turnguard``
 (``-s addon/turnguard.py``; it streams guarded responses through its tee). All of them front the
 same bench upstream on 127.0.0.1 with the same options otherwise; repeats run the variants in a
 rotating order so that a burst of load from elsewhere on the machine does not always hit the
@@ -21,7 +22,8 @@ from turnguard_bench import client, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
 from turnguard_procs import cpu_seconds, rss_bytes
 
-V_ALL = ("plain", "plain_stream", "turnguard")
+V_ALL = ("plain", "plain_stream", "floor", "turnguard")
+BASES = ("plain", "plain_stream", "floor")  # what turnguard is compared with
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
 GUARDED_PATH = "/v1/responses"
 
@@ -125,7 +127,7 @@ def _row(by_v: dict[str, list[dict]], medians: tuple[str, ...], spreads: tuple[s
         row[v].update({f"{k}_spread": spread(r[k] for r in reps) for k in spreads})
         row[v]["reps"] = reps
     tg = row.get("turnguard")
-    for base in ("plain", "plain_stream"):
+    for base in BASES:
         if tg and base in row:
             row[f"turnguard_vs_{base}"] = vs(tg, row[base])
     return row
@@ -252,7 +254,8 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
     runs = _empty_runs(cfg.replay, ms)
     for rep, size, n, v in _in_turn(cfg.replay, ms, cfg.repeats):
         nonce = f"rp-{size}-{rep}-{uuid.uuid4().hex[:8]}"
-        raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)})
+        # size 0: the per-request phase's 8-event stream (replay vs plain dispatch of it)
+        raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)} if size else None)
         prime = None
         if v == "turnguard":  # the original: dispatched and recorded
             pl = await client.run_load(ms[v].port, lambda i: raw, 1, 1, time_limit_s=60,
@@ -264,7 +267,7 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         s = _summary(load, extra, n)
         ok = [r for r in load.results if r.error is None]
         s["body_bytes"] = median(r.body_bytes for r in ok)
-        s["mib_per_s"] = s["rps"] * size / 2**20
+        s["mib_per_s"] = s["rps"] * (s["body_bytes"] or 0) / 2**20
         s["replayed"] = sum(r.headers.get("x-turnguard") == "replayed" for r in ok)
         s["distinct_bodies"] = len({r.sha256 for r in ok})
         s["same_as_original"] = prime is not None and all(r.sha256 == prime.sha256 for r in ok)

@@ -24,6 +24,7 @@ from turnguard_procs import MITMDUMP_LINE, Process
 PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 START_TIMEOUT_S = 30.0
+FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
 
@@ -78,6 +79,8 @@ def addon_digest() -> str:
 VARIANTS = {
     "plain": "mitmdump, no addon (bodies buffered: mitmproxy's default)",
     "plain_stream": "mitmdump, no addon, --set stream_large_bodies=1 (bodies streamed)",
+    "floor": "mitmdump -s floor_addon.py (a no-op addon that only streams SSE responses: "
+             "what any streaming addon costs)",
     "turnguard": "mitmdump -s addon/turnguard.py (guarded responses streamed through its tee)",
 }
 
@@ -176,6 +179,8 @@ def start_mitmdumps(
             opts: dict[str, object] = dict(COMMON_OPTIONS)
             if variant == "plain_stream":
                 opts["stream_large_bodies"] = "1"
+            elif variant == "floor":
+                cmd += ["-s", str(FLOOR_ADDON)]
             elif variant == "turnguard":
                 cmd += ["-s", str(_addon_dir / ADDON.name)]
                 opts["turnguard_ledger"] = str(workdir / f"{name}-ledger.sqlite3")

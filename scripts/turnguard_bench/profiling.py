@@ -132,8 +132,8 @@ def inclusive(raw_path: Path) -> Counter[str]:
     return out
 
 
-def diff_table(tg: dict, base: dict, top: int = 25) -> str:
-    """Inclusive CPU ms per request of each function, turnguard minus plain_stream: where the
+def diff_table(tg: dict, base: dict, top: int = 25, unit: str = "request") -> str:
+    """Inclusive CPU ms per ``unit`` of each function, turnguard minus plain_stream: where the
     added time goes, including mitmproxy's own work on turnguard's behalf (hook dispatch,
     streaming, logging of telemetry lines)."""
     a, b = inclusive(Path(tg["raw"])), inclusive(Path(base["raw"]))
@@ -145,10 +145,11 @@ def diff_table(tg: dict, base: dict, top: int = 25) -> str:
     keys = [k for k in set(ms_a) | set(ms_b)
             if not (ms_a.get(k, 0) >= 0.97 * root_a and ms_b.get(k, 0) >= 0.97 * root_b)]
     keys.sort(key=lambda k: -(ms_a.get(k, 0) - ms_b.get(k, 0)))
-    rows = [[k, f"{ms_a.get(k, 0):.3f}", f"{ms_b.get(k, 0):.3f}",
-             f"{ms_a.get(k, 0) - ms_b.get(k, 0):+.3f}"] for k in keys[:top]]
-    return table(rows, ["function (inclusive)", "turnguard ms/req", "plain_stream ms/req",
-                        "added"])
+    d = 4 if unit == "event" else 3  # an event costs microseconds
+    rows = [[k, f"{ms_a.get(k, 0):.{d}f}", f"{ms_b.get(k, 0):.{d}f}",
+             f"{ms_a.get(k, 0) - ms_b.get(k, 0):+.{d}f}"] for k in keys[:top]]
+    return table(rows, ["function (inclusive)", f"turnguard ms/{unit}",
+                        f"plain_stream ms/{unit}", "added"])
 
 
 class Spy:
@@ -235,10 +236,10 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
                 10**7, 32, time_limit_s=seconds)
             return {"count": sum(r.error is None for r in load.results)}
 
-        async def streaming():
+        async def streaming(target=p):
             nonce = "profs-" + uuid.uuid4().hex[:8]
             load = await client.run_load(
-                p.port, lambda i: phases.model_request(nonce, i, extra={"x-bench-events": "10000"}),
+                target.port, lambda i: phases.model_request(nonce, i, extra={"x-bench-events": "10000"}),
                 10**6, 1, time_limit_s=seconds)
             return {"count": sum(r.events for r in load.results if r.error is None)}
 
@@ -273,12 +274,14 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
                 ("replay", replay, "replays"), ("holds", holds, "answers")]
         if base is not None:
             await phases.warm(base, 300)
-            phases.log("profiling 'requests' on plain_stream (the reference) ...")
-            r = await _profiled(base, outdir, "requests-plain_stream", seconds + 70,
-                                lambda: requests(base))
-            r["unit"] = "requests"
-            results["requests-plain_stream"] = r
-            print(render(r, "requests"), flush=True)
+            for name, work, unit in (("requests", requests, "requests"),
+                                     ("streaming", streaming, "events")):
+                phases.log(f"profiling '{name}' on plain_stream (the reference) ...")
+                r = await _profiled(base, outdir, f"{name}-plain_stream", seconds + 70,
+                                    lambda work=work: work(base))
+                r["unit"] = unit
+                results[f"{name}-plain_stream"] = r
+                print(render(r, unit), flush=True)
             base.stop()
         for name, work, unit in plan:
             phases.log(f"profiling '{name}' ...")
@@ -287,10 +290,11 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
             results[name] = r
             print(render(r, unit), flush=True)
         p.stop()
-        if "requests-plain_stream" in results:
-            print("\n== where turnguard's added CPU per request goes, by function (inclusive; "
-                  "under py-spy; a function's time includes what it calls)")
-            print(diff_table(results["requests"], results["requests-plain_stream"]))
+        for name, unit in (("requests", "request"), ("streaming", "event")):
+            if f"{name}-plain_stream" in results:
+                print(f"\n== where turnguard's added CPU per {unit} goes in '{name}', by function "
+                      "(inclusive; under py-spy; a function's time includes what it calls)")
+                print(diff_table(results[name], results[f"{name}-plain_stream"], unit=unit))
     finally:
         procs.stop_all()
     (outdir / "summary.json").write_text(json.dumps(results, indent=2))

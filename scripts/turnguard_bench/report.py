@@ -32,10 +32,10 @@ def _setting_rows(label: str, row: dict, variant_cells, ratio_cells) -> list[lis
     size): one per variant measured, ``[label, variant, *variant_cells(figures)]``, then one
     per ratio of turnguard to a plain variant, ``[label, "turnguard/<base>",
     *ratio_cells(ratios)]``."""
-    rows = [[label, v, *variant_cells(row[v])] for v in ("plain", "plain_stream", "turnguard")
-            if v in row]
+    rows = [[label, v, *variant_cells(row[v])]
+            for v in ("plain", "plain_stream", "floor", "turnguard") if v in row]
     rows += [[label, f"turnguard/{base}", *ratio_cells(row[f"turnguard_vs_{base}"])]
-             for base in ("plain", "plain_stream") if f"turnguard_vs_{base}" in row]
+             for base in ("plain", "plain_stream", "floor") if f"turnguard_vs_{base}" in row]
     return rows
 
 
@@ -267,6 +267,8 @@ def render(res: dict) -> str:
 
 
 def _size(n: int) -> str:
+    if n == 0:
+        return "8-event SSE"
     if n >= 2**20:
         return f"{n / 2**20:g} MiB"
     if n >= 1024:
