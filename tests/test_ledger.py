@@ -513,3 +513,85 @@ def test_a_second_connection_in_the_same_process_keeps_the_first_ones_locks(tmp_
     assert count_elsewhere() == 1
     admit(a, ident({"n": 2}))
     assert count_elsewhere() == 2
+
+
+def test_recordings_past_the_replay_window_are_purged_unless_an_idempotency_key_keeps_them(tmp_path):
+    a = open_ledger(tmp_path / "l.sqlite3")
+    plain, keyed = ident({"n": "plain"}), ident({"n": "keyed"}, idem="k-1")
+    for i in (plain, keyed):
+        d = admit(a, i)
+        a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None,
+                                          Recording(200, (("a", "b"),), b"body" * 100)), now=1001.0)
+    assert a.purge_recordings(now=1001.0 + 299, window_s=300) == 0  # within the window
+    assert isinstance(admit(a, plain, now=1001.0 + 299), policy.Replay)
+    assert a.purge_recordings(now=1001.0 + 301, window_s=300) == 1
+    db = sqlite3.connect(tmp_path / "l.sqlite3")
+    kept = db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+    assert kept == 1  # the Idempotency-Key's recording, replayed for the retention
+    assert isinstance(admit(a, keyed, now=1001.0 + 301), policy.Replay)
+    assert isinstance(admit(a, plain, now=1001.0 + 301), policy.Dispatch)  # as without a purge
+    assert db.execute("SELECT COUNT(*) FROM attempts WHERE headers IS NOT NULL").fetchone()[0] == 1
+
+
+def test_a_replay_or_a_hold_is_decided_without_the_write_lock(tmp_path):
+    """Only a claim needs BEGIN IMMEDIATE: while another connection holds the write lock a
+    replay and a hold are still decided; a dispatch waits for the lock (and here fails)."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path)
+    done, flying = ident({"n": "done"}), ident({"n": "flying"})
+    d = admit(a, done)
+    a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x")), now=1001.0)
+    admit(a, flying)
+    b = Ledger(str(path), "b", busy_timeout_ms=50)
+    b.open(1000.0)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        assert isinstance(admit(b, done, now=1002.0), policy.Replay)
+        assert isinstance(admit(b, flying, now=1002.0), policy.Hold)
+        with pytest.raises(LedgerError):
+            admit(b, ident({"n": "new"}), now=1002.0)
+    finally:
+        blocker.execute("ROLLBACK")
+
+
+def test_a_batch_commits_its_writes_together_or_not_at_all(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path)
+    ids = [admit(a, ident({"n": k})).attempt_id for k in range(3)]
+    end = AttemptEnd("rejected", 500, 0)
+    with a.batch():
+        a.finish(ids[0], end, now=1001.0)
+        a.first_event(ids[1])
+    db = sqlite3.connect(path)
+    outcomes = dict(db.execute("SELECT attempt_id, outcome FROM attempts").fetchall())
+    assert outcomes[ids[0]] == "rejected"
+    with pytest.raises(RuntimeError):
+        with a.batch():
+            a.finish(ids[1], end, now=1001.0)
+            raise RuntimeError("a write of the batch failed")
+    outcomes = dict(db.execute("SELECT attempt_id, outcome FROM attempts").fetchall())
+    assert outcomes[ids[1]] == "in_flight"  # rolled back with the batch
+    a.finish(ids[1], end, now=1001.0)  # and the ledger is usable after it
+
+
+async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(tmp_path):
+    from turnguard_core.ledger_runner import LedgerRunner
+
+    path = tmp_path / "l.sqlite3"
+    runner = LedgerRunner(Ledger(str(path), "a", busy_timeout_ms=5000))
+    runner.call_sync(lambda led: led.open(1000.0))
+    i = ident({"n": 1})
+    d = await runner.call(lambda led: admit(led, i))
+    commits = []
+    runner.ledger._conn().set_trace_callback(
+        lambda sql: commits.append(sql) if sql.startswith("COMMIT") else None)
+    end = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x"))
+    finished = runner.defer(lambda led: led.finish(d.attempt_id, end, now=1001.0))
+    counted = runner.defer(lambda led: led.note_duplicates(i.op_key, held=1))
+    assert not finished.done()  # deferred: nothing written yet
+    # a later call sees them: the admission replays the finished attempt
+    assert isinstance(await runner.call(lambda led: admit(led, i, now=1002.0)), policy.Replay)
+    assert (await finished).applied and await counted is None
+    assert len(commits) == 1  # the two writes in one transaction; the replay wrote nothing
+    runner.close()

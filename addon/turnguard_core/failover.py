@@ -527,6 +527,10 @@ class FailoverStore:
         if not isinstance(n, Unread) and n:
             self._emit("ledger_gc", operations_deleted=n)
 
+    async def purge_recordings(self, now: float, *, window_s: float) -> None:
+        """Drop the bytes of recordings past the replay window (see ``Ledger.purge_recordings``)."""
+        await self._call("purge", lambda store: store.purge_recordings(now=now, window_s=window_s))
+
     async def refresh_circuits(self, now: float) -> set[str] | None:
         """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns
         another process opened or an operator cleared); returns their scopes (None: unread)."""

@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -25,7 +26,7 @@ from . import circuit, liveness, policy
 from .identity import Identity
 from .private_files import UnsafePath, check_private_path, ensure_private_file
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SPOOL_CHUNK = 256 * 1024
 # A connection that leaves checkpoints to another (``checkpoint_on_commit=False``) still makes
 # one itself once the WAL holds this many pages (16 MiB): a backstop, should the other stop.
@@ -141,6 +142,11 @@ _MIGRATIONS: dict[int, str] = {
     5: """
     ALTER TABLE attempts ADD COLUMN transport TEXT NOT NULL DEFAULT 'http';
     """,
+    # The recordings that can still be replayed, by end: found without a scan when the replay
+    # window has passed and their bytes are purged (purge_recordings).
+    6: """
+    CREATE INDEX attempts_replayable ON attempts(ended_at) WHERE replayable = 1;
+    """,
 }
 
 
@@ -215,6 +221,7 @@ class Ledger:
         self._busy_timeout_ms = busy_timeout_ms
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._batch: _Joined | None = None  # the transaction of batch(), while in one
         self.generation = ""  # random id of this ledger file, made when it was created
         self.incarnation = 0  # this instance's registration; goes up when it re-registers
 
@@ -335,8 +342,27 @@ class Ledger:
 
     # -- transactions --------------------------------------------------------------------------
     def _tx(self):
+        if self._batch is not None:  # inside batch(): its transaction holds this call's writes
+            return self._batch
         self._check_file()
         return _Transaction(self._conn())
+
+    @contextlib.contextmanager
+    def batch(self):
+        """One transaction around several calls (a group commit): their writes commit
+        together, or, if any call raises, none of them does. Raises ``LedgerError``."""
+        if self._batch is not None:
+            raise LedgerError("ledger batches do not nest")
+        try:
+            with self._tx() as db:
+                self._batch = _Joined(db)
+                try:
+                    yield self
+                finally:
+                    self._batch = None
+        except (sqlite3.Error, OSError) as e:
+            self._rollback()
+            raise LedgerError(f"{type(e).__name__}: {e}") from e
 
     def _check_file(self) -> None:
         why = self.file_replaced()
@@ -393,7 +419,19 @@ class Ledger:
         The decision sees the operation, the circuit of ``circuit_scope`` (a cooling circuit
         fences dispatches) and, for a ``recovery`` claim, the durable session's owner epoch.
         Returns the policy's admission; a ``Dispatch`` comes back with its ``attempt_id``.
-        ``transport`` is the attempt's ("http", or "ws": a call on a WebSocket)."""
+        ``transport`` is the attempt's ("http", or "ws": a call on a WebSocket).
+
+        A decision that claims nothing (a replay, a hold, a conflict: what the operation's
+        state alone decides) is read without the write lock, in one statement; only a
+        dispatch, or a decision the circuit or the session could change, takes it."""
+        self._check_file()
+        snapshot = self._snapshot(self._conn(), identity.op_key)
+        if snapshot is not None:
+            decision = policy.admit(
+                snapshot, fingerprint=identity.fingerprint,
+                has_idempotency_key=identity.idempotency_key is not None, now=now, policy=guard)
+            if not isinstance(decision, policy.Dispatch):
+                return decision
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
             remaining = 0.0
@@ -819,6 +857,24 @@ class Ledger:
             return moved
 
     @_wrap
+    def purge_recordings(self, *, now: float, window_s: float) -> int:
+        """Delete the bytes of the recordings that can no longer be replayed: those of
+        operations without an ``Idempotency-Key`` that ended more than ``window_s`` ago (past
+        the replay window a request of theirs is dispatched again; an ``Idempotency-Key``
+        keeps its recording for the retention). Their attempts stay, no longer replayable.
+        Returns the recordings purged."""
+        with self._tx() as db:
+            purged = db.execute(
+                "UPDATE attempts SET replayable=0, headers=NULL WHERE replayable=1"
+                " AND ended_at<? AND op_key IN"
+                " (SELECT op_key FROM operations WHERE idempotency_key IS NULL)"
+                " RETURNING attempt_id",
+                (now - window_s,),
+            ).fetchall()
+            db.executemany("DELETE FROM spool WHERE attempt_id=?", purged)
+            return len(purged)
+
+    @_wrap
     def collect_garbage(self, *, now: float, retention_s: float, instance_stale_s: float) -> int:
         """Delete ended operations (with their attempts and spool), circuits and sessions last
         touched before the retention horizon (a circuit only once its cooldown is over, a
@@ -854,6 +910,19 @@ class Ledger:
         if n:  # move the deletions out of the WAL too, so purged bodies are gone from disk
             self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return n
+
+class _Joined:
+    """A call's transaction inside ``Ledger.batch``: the batch's own (begins and ends it)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        return None
+
 
 class _Transaction:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolls back on any exception."""

@@ -14,8 +14,15 @@ most until then, and a call whose deadline passed while it was queued is not run
 (``LedgerTimeout``). So a request never waits for the ledger past its own bound, however many
 calls queue up behind a lock; and a call that was not run claimed nothing.
 
+Writes that nobody waits for at once (an attempt's end, its first event, a duplicate
+counted) may be deferred (``defer``): they are gathered and committed together in one
+transaction (a group commit) right after the event loop's current step, or before any other
+call, whichever comes first. One transaction instead of one per write, and none of them on
+the path of the hook that made it.
+
 A call submitted after another sees its effects (the addon relies on it: an attempt's
-``finish`` is queued before any later request for the operation can be admitted).
+``finish`` is queued before any later request for the operation can be admitted); a deferred
+write counts as submitted when ``defer`` is called.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class LedgerRunner:
         self._handed = 0
         self._finished = 0
         self._busy_ms: int | None = None  # the busy timeout the connection has now
+        # deferred writes, with the futures their callers hold, until the next flush
+        self._deferred: list[tuple[Job, asyncio.Future]] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnguard-ledger"
         )
@@ -99,24 +108,51 @@ class LedgerRunner:
         finally:
             self._finished += 1
 
-    # -- the interface ----------------------------------------------------------------------------
-    def submit(self, job: Job[T]) -> concurrent.futures.Future:
-        """Run ``job`` now or queued, without waiting; the future holds its result or error."""
+    # -- group commits ----------------------------------------------------------------------------
+    def defer(self, job: Job[T]) -> asyncio.Future:
+        """Run ``job`` with the other deferred writes, in one transaction, right after the
+        event loop's current step (or before any later call); the future (of the running
+        loop) holds its result or error. A transaction that fails fails all its writes."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._deferred:
+            loop.call_soon(self.flush)
+        self._deferred.append((job, future))
+        return future
+
+    def flush(self) -> None:
+        """Commit the deferred writes now (fast path) or queue them, in order, as one job."""
+        if not self._deferred:
+            return
+        batch, self._deferred = self._deferred, []
+        jobs = [job for job, _ in batch]
+
+        def run_batch(ledger: Ledger) -> list:
+            with ledger.batch():
+                return [job(ledger) for job in jobs]
+
         if self._fast_possible():
-            done: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                done.set_result(self._run_fast(job))
-                return done
+                _settle(batch, self._run_fast(run_batch), None)
+                return
             except _Contended:
                 pass
-            except Exception as e:  # noqa: BLE001 - the future carries it
-                done.set_exception(e)
-                return done
-        return self._queue(job)
+            except Exception as e:  # noqa: BLE001 - each write's future carries it
+                _settle(batch, None, e)
+                return
+        loop = batch[0][1].get_loop()
 
+        def landed(f: concurrent.futures.Future) -> None:
+            error = f.exception()
+            loop.call_soon_threadsafe(_settle, batch, None if error else f.result(), error)
+
+        self._queue(run_batch).add_done_callback(landed)
+
+    # -- the interface ----------------------------------------------------------------------------
     async def call(self, job: Job[T], *, deadline: float | None = None) -> T:
         """Run ``job`` (now, or on the ledger's thread) and await its result; on the thread,
         bounded by ``deadline`` (see the module docstring)."""
+        self.flush()
         if self._fast_possible():
             try:
                 return self._run_fast(job)
@@ -127,12 +163,27 @@ class LedgerRunner:
     def call_sync(self, job: Job[T], *, timeout: float | None = None) -> T:
         """Run ``job`` on the ledger's thread and wait for it here (start-up, status). Raises
         ``TimeoutError`` when it takes longer than ``timeout`` seconds."""
+        self.flush()
         return self._queue(job).result(timeout)
 
     def close(self) -> None:
-        """Close the connection after every queued call; do not wait for it."""
+        """Close the connection after every queued call (deferred writes first); do not wait
+        for it."""
+        self.flush()
         self._pool.submit(self.ledger.close)
         self._pool.shutdown(wait=False)
+
+
+def _settle(batch: list[tuple[Job, asyncio.Future]], results: list | None,
+            error: BaseException | None) -> None:
+    """Give each deferred write of a batch its result, or the batch's error."""
+    for i, (_, future) in enumerate(batch):
+        if future.done():  # cancelled by its caller
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(results[i])
 
 
 class _Contended(Exception):

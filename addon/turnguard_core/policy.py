@@ -386,6 +386,12 @@ def counts_for_circuit(failure: str) -> bool:
     return failure != "client_abort"
 
 
+def purge_interval_s(replay_window_s: float) -> float:
+    """How often to purge recordings past the replay window: half the window, between 1 s
+    and a minute (so a recording outlives its window by at most that)."""
+    return min(60.0, max(1.0, replay_window_s / 2))
+
+
 def gc_interval_s(retention_s: float) -> float:
     """How often to collect garbage: half the retention, between 5 s and 10 minutes."""
     return min(600.0, max(5.0, retention_s / 2))

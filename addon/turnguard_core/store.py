@@ -119,7 +119,12 @@ class Store(Protocol):
         self, *, now: float, retention_s: float, instance_stale_s: float,
     ) -> int: ...
 
-    def send(self, write: Write) -> asyncio.Future: ...
+    async def purge_recordings(self, *, now: float, window_s: float) -> int: ...
+
+    def send(self, write: Write) -> asyncio.Future:
+        """Apply ``write`` soon without waiting for it (a store may group several writes in
+        one transaction); the future holds its result or error."""
+        ...
 
     async def write(self, write: Write, *, deadline: float | None) -> FinishResult | None: ...
 
@@ -234,8 +239,12 @@ class SqliteStore:
         return await self._runner.call(lambda led: led.collect_garbage(
             now=now, retention_s=retention_s, instance_stale_s=instance_stale_s))
 
+    async def purge_recordings(self, *, now, window_s):
+        return await self._runner.call(
+            lambda led: led.purge_recordings(now=now, window_s=window_s))
+
     def send(self, write):
-        return asyncio.wrap_future(self._runner.submit(lambda led: _apply(write, led)))
+        return self._runner.defer(lambda led: _apply(write, led))
 
     async def write(self, write, *, deadline):
         return await self._runner.call(lambda led: _apply(write, led), deadline=deadline)

@@ -3,8 +3,8 @@
 It wakes held flows that were killed or whose client left, brings a ledger that failed back
 (or opens it again), reaps dead peers' attempts, polls the attempts of other processes that
 duplicates here wait on, renews the leases of sessions with requests held through a cooldown,
-and collects garbage. It sleeps longer when nothing is held, so an idle proxy does next to no
-work. (The heartbeat has a thread of its own: see ``turnguard_core.heartbeat``.)
+purges recordings past the replay window and collects garbage. It sleeps longer when nothing
+is held, so an idle proxy does next to no work. (The heartbeat has a thread of its own: see ``turnguard_core.heartbeat``.)
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Maintenance:
         self._guard = guard
         self._task: asyncio.Task | None = None
         self._last_gc = 0.0
+        self._last_purge = 0.0
         self._last_reap = 0.0
 
     def running(self) -> None:
@@ -76,6 +77,10 @@ class Maintenance:
         if time.monotonic() - self._last_reap >= REAP_S:
             await self._reap(now)
             await self._refresh_circuits(now)
+        window_s = settings.guard.replay_window_s
+        if settings.guard.replay and now - self._last_purge >= policy.purge_interval_s(window_s):
+            self._last_purge = now
+            await store.purge_recordings(now, window_s=window_s)
         if now - self._last_gc >= policy.gc_interval_s(settings.guard.retention_s):
             self._last_gc = now
             await store.collect_garbage(now, retention_s=settings.guard.retention_s,
