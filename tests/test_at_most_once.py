@@ -83,6 +83,26 @@ def write_lock(ledger: Path):
         db.close()
 
 
+@contextlib.contextmanager
+def wal_at_its_end(ledger: Path):
+    """Until the block ends, every write to the ledger must grow its WAL file, so that a full
+    disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
+    from its start, into space the file already has: a full disk would not be noticed.) A
+    reader holds a snapshot, so the WAL cannot start again, and a scratch write takes it past
+    the space it had."""
+    reader = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM operations").fetchone()
+    try:
+        with contextlib.closing(sqlite3.connect(ledger, timeout=10, isolation_level=None)) as w:
+            w.execute("CREATE TABLE IF NOT EXISTS test_scratch (b BLOB)")
+            w.execute("INSERT INTO test_scratch VALUES (zeroblob(512 * 1024))")
+        yield
+    finally:
+        reader.execute("ROLLBACK")
+        reader.close()
+
+
 def duplicate_of_a_live_original_is_replayed(tmp_path: Path, up: MockUpstream, a: Mitmdump,
                                              b: Mitmdump, text: str) -> None:
     """A turn answered in 7 s through ``a``; its duplicate through ``b``, sent once the
@@ -231,12 +251,13 @@ def test_a_ledger_fault_when_the_original_ends_does_not_wedge_the_turn(tmp_path,
                     status = original.result(30)[0]
                     time.sleep(6)
             else:
-                fill(folder)
-                try:
-                    status = original.result(30)[0]
-                    time.sleep(2)
-                finally:
-                    unfill(folder)
+                with wal_at_its_end(ledger):
+                    fill(folder)
+                    try:
+                        status = original.result(30)[0]
+                        time.sleep(2)
+                    finally:
+                        unfill(folder)
             assert status == 200
             assert events(tmp_path, "a", "ledger_unavailable")
             wait_until(lambda: not in_flight(ledger), 20, what="the kept end written")

@@ -26,6 +26,7 @@ class Config:
     ledger_claims_1: int  # admissions in the one-process run
     ledger_claims_4: int  # admissions per process in the four-process run
     exactly_once_n: int  # identical identities admitted by each of four processes
+    ledger_scale_points: list[int]  # operations in the ledger at each point of the scale curve
     soak_checkpoints: list[int]  # guarded requests done at each RSS reading
     soak_concurrency: int
     soak_baseline: bool  # also soak plain mitmdump
@@ -51,6 +52,7 @@ def quick() -> Config:
         ledger_claims_1=2000,
         ledger_claims_4=500,
         exactly_once_n=200,
+        ledger_scale_points=[1000, 10000],
         soak_checkpoints=[200, 2000],
         soak_concurrency=16,
         soak_baseline=False,
@@ -68,13 +70,14 @@ def full() -> Config:
         stream={1000: 20, 10000: 6},
         replay={0: 1000, 1 * KiB: 400, 100 * KiB: 200, 5 * MiB: 20},
         replay_concurrency=4,
-        holds_ops=20,
+        holds_ops=100,  # 10,000 held duplicates
         holds_dups_per_op=100,
         hold_s=10.0,
-        holds_repeats=2,
+        holds_repeats=1,
         ledger_claims_1=20000,
         ledger_claims_4=10000,
         exactly_once_n=3000,
+        ledger_scale_points=[10_000, 100_000, 1_000_000],
         soak_checkpoints=[10000, 25000, 50000, 75000, 100000],
         soak_concurrency=16,
         soak_baseline=True,

@@ -1,5 +1,6 @@
-"""Ledger benchmarks: atomic claims per second from 1 and 4 processes, and the exactly-once
-check (N identical identities admitted concurrently by 4 processes: exactly one Dispatch each).
+"""Ledger benchmarks: atomic claims per second from 1 and 4 processes, the exactly-once
+check (N identical identities admitted concurrently by 4 processes: exactly one Dispatch each)
+and the scale curve (size per operation and admission time after 10k, 100k, 1M operations).
 
 Uses ``turnguard_core.ledger.Ledger`` directly, as the addon does: ``admit()`` with a circuit
 scope (so the circuit row is read inside the claim's transaction). Identities are made with
@@ -10,6 +11,7 @@ Workers are separate processes (multiprocessing, spawn) that start together on a
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sqlite3
 import time
 import uuid
@@ -161,4 +163,103 @@ def run(workdir: Path, cfg) -> dict:
     one = claims_per_second(workdir, 1, cfg.ledger_claims_1, "1")
     four = claims_per_second(workdir, 4, cfg.ledger_claims_4, "4")
     once = exactly_once(workdir, cfg.exactly_once_n)
-    return {"claims_1_process": one, "claims_4_processes": four, "exactly_once": once}
+    scale = scale_curve(workdir, cfg.ledger_scale_points)
+    return {"claims_1_process": one, "claims_4_processes": four, "exactly_once": once,
+            "scale": scale}
+
+
+def scale_curve(workdir: Path, points: list[int], *, window_s: float = 2.0,
+                samples: int = 300) -> dict:
+    """The ledger as it grows: after 10k, 100k, 1M operations (``points``), each one
+    completed with an 8-event SSE recording, its size per operation and how long an admission
+    takes. Operations end 1 ms apart (1,000 requests/s of simulated time) and, as the addon's
+    ticker does, recordings past the replay window (``window_s``) are purged as the ledger
+    fills; at each point the last ones are purged too, so the size is what a request leaves
+    behind after the window. Admissions must stay flat (indexed lookups only): the median of
+    ``samples`` admissions of new operations (a claim) and of completed ones (a replay, read
+    without the write lock) at each point."""
+    import dataclasses
+    import hashlib
+    import statistics
+
+    from turnguard_bench import upstream
+    from turnguard_core import policy
+    from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+    path = workdir / "ledger-scale.sqlite3"
+    led = Ledger(str(path), "bench-scale", checkpoint_on_commit=False)
+    t = 1_000_000.0
+    led.open(t)
+    template, scope = make_identities("scale", 0, 1)[0]
+    body = b"".join(upstream.events_body(8))
+    rec = Recording(200, (("content-type", "text/event-stream"), ("cache-control", "no-cache"),
+                          ("x-request-id", "req_bench")), body)
+    end = AttemptEnd("completed", 200, 8, None, rec)
+    guard = policy.GuardPolicy(replay=True, replay_window_s=window_s, retention_s=86400)
+    made = 0
+
+    def fresh(k: int):
+        h = hashlib.sha256(b"scale-%d" % k).hexdigest()
+        return dataclasses.replace(template, op_key=h, fingerprint=h[::-1])
+
+    def fill(upto: int) -> None:
+        nonlocal made, t
+        while made < upto:  # bounded by upto
+            with led.batch():
+                for _ in range(min(1000, upto - made)):
+                    t += 0.001
+                    led.record_offline_attempt(fresh(made), method="POST", path=PATH,
+                                               kind="original", flow_id=None,
+                                               circuit_scope=scope, end=end, now=t)
+                    made += 1
+            led.purge_recordings(now=t, window_s=window_s)
+            led.checkpoint()
+
+    def median_us(fn) -> float:
+        times = []
+        for k in range(samples):
+            t0 = time.perf_counter()
+            fn(k)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    out = []
+    for n in points:
+        t0 = time.monotonic()
+        fill(n)
+        fill_s = time.monotonic() - t0
+        t += window_s + 1
+        purged = led.purge_recordings(now=t, window_s=window_s)
+        led.checkpoint()
+        db = led._conn()
+        pages, free, page_size = (db.execute(f"PRAGMA {p}").fetchone()[0]
+                                  for p in ("page_count", "freelist_count", "page_size"))
+        sizes = {"file_bytes": os.path.getsize(path), "live_bytes": (pages - free) * page_size}
+        fresh_ids = [fresh(10**9 + n + k) for k in range(samples)]
+        claims: list[int] = []
+
+        def claim(k):
+            claims.append(led.admit(fresh_ids[k], method="POST", path=PATH, now=t, guard=guard,
+                                    flow_id=None, circuit_scope=scope).attempt_id)
+
+        admit_new = median_us(claim)
+        with led.batch():
+            for a in claims:
+                led.finish(a, end, now=t)
+        admit_replay = median_us(lambda k: led.admit(
+            fresh_ids[k], method="POST", path=PATH, now=t + 0.5, guard=guard, flow_id=None,
+            circuit_scope=scope))
+        point = {"operations": n, "fill_s": fill_s, "purged_at_point": purged, **sizes,
+                 "live_bytes_per_operation": sizes["live_bytes"] / n,
+                 "file_bytes_per_operation": sizes["file_bytes"] / n,
+                 "admit_new_us": admit_new, "admit_replay_us": admit_replay}
+        out.append(point)
+        print(f"[bench] ledger scale {n:>9,} operations: {point['live_bytes_per_operation']:.0f} "
+              f"B/operation live ({point['file_bytes_per_operation']:.0f} in the file), admit "
+              f"{admit_new:.0f} us new / {admit_replay:.0f} us replay (filled in {fill_s:.0f} s)",
+              flush=True)
+    led.close()
+    first, last = out[0], out[-1]
+    return {"window_s": window_s, "points": out,
+            "admit_new_growth": last["admit_new_us"] / first["admit_new_us"],
+            "admit_replay_growth": last["admit_replay_us"] / first["admit_replay_us"]}

@@ -26,6 +26,7 @@ V_ALL = ("plain", "plain_stream", "floor", "turnguard")
 BASES = ("plain", "plain_stream", "floor")  # what turnguard is compared with
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
 GUARDED_PATH = "/v1/responses"
+SOAK_WINDOW_MS = 2000
 
 
 def log(msg: str) -> None:
@@ -459,7 +460,9 @@ async def holds(cfg, workdir: Path) -> dict:
 
 # -- 6. soak ---------------------------------------------------------------------------------
 async def soak(cfg, workdir: Path, up: procs.Proc) -> dict:
-    specs = {"soak-turnguard": ("turnguard", {})}
+    # a short replay window, so that recordings are purged during the soak as they would be
+    # over hours with the default one: the ledger keeps what a request leaves after its window
+    specs = {"soak-turnguard": ("turnguard", {"turnguard_replay_window_ms": SOAK_WINDOW_MS})}
     if cfg.soak_baseline:
         specs["soak-plain"] = ("plain", {})
     ms = procs.start_mitmdumps(workdir, up.url, specs)
@@ -499,6 +502,10 @@ async def soak(cfg, workdir: Path, up: procs.Proc) -> dict:
                 log(f"soak {variant:<10} {done:>7} requests: rss {pt['rss_mib']:.1f} MiB"
                     + (f", ledger {pt['ledger_bytes']['total'] / 2**20:.1f} MiB" if "ledger_bytes" in pt else "")
                     + f", {pt['rps']:.0f} req/s")
+            after_window = None
+            if variant == "turnguard":  # past the window and its purge: what stays
+                await asyncio.sleep(SOAK_WINDOW_MS / 1000 * 1.5 + 2.5)
+                after_window = procs.ledger_size(ledger)
             first, last = points[0], points[-1]
             res = {
                 "points": points,
@@ -516,6 +523,9 @@ async def soak(cfg, workdir: Path, up: procs.Proc) -> dict:
                 res["ledger_bytes_first"] = first["ledger_bytes"]["total"]
                 res["ledger_bytes_last"] = last["ledger_bytes"]["total"]
                 res["ledger_bytes_per_request"] = last["ledger_bytes"]["total"] / max(1, done)
+                res["ledger_bytes_after_window"] = after_window["total"]
+                res["ledger_bytes_per_request_after_window"] = after_window["total"] / max(1, done)
+                res["replay_window_ms"] = SOAK_WINDOW_MS
                 res["retention_ms"] = 86400000
             out["variants"][variant] = res
             p.stop()
