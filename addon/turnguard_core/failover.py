@@ -51,6 +51,7 @@ LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take mill
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
+MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ticker, at most
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
 T = TypeVar("T")
@@ -115,6 +116,7 @@ class FailoverStore:
         self.error: str | None = None  # the fault noted last; None: the ledger works
         self._reopen_at = 0.0
         self._recovering = asyncio.Lock()  # one catch-up at a time
+        self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -200,6 +202,8 @@ class FailoverStore:
         # after a fault, it stays noted until a try applies what is owed (recover)
 
     def close(self) -> None:
+        if self._store is not None and _loop_running():  # (unit tests close outside a loop)
+            self.write_counts()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -471,16 +475,30 @@ class FailoverStore:
         )
 
     def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
-        """Count a duplicate on its operation in the ledger (for inspection), without waiting;
-        skipped while the ledger is down (no decision reads it)."""
+        """Count a duplicate on its operation in the ledger (for inspection). The counts are
+        kept here and written together by ``write_counts`` (the ticker's, every second), not
+        one transaction per duplicate; skipped while the ledger is down (no decision reads
+        them)."""
         if not self.usable:
+            return
+        counts = self._duplicates.setdefault(op_key, [0, 0])
+        counts[0] += held
+        counts[1] += replayed
+        if len(self._duplicates) >= MAX_UNWRITTEN_COUNTS:
+            self.write_counts()
+
+    def write_counts(self) -> None:
+        """Write the duplicate counts noted since the last time, in one transaction."""
+        counts, self._duplicates = self._duplicates, {}
+        if not counts or not self.usable:
             return
 
         def done(f: asyncio.Future) -> None:
             if f.exception() is not None:
-                self._down(f.exception(), "count")
+                self._down(f.exception(), "note_duplicates")
 
-        self._store.send(DuplicatesWrite(op_key, held, replayed)).add_done_callback(done)
+        for op_key, (held, replayed) in counts.items():
+            self._store.send(DuplicatesWrite(op_key, held, replayed)).add_done_callback(done)
 
     def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
         if result.circuit_scope is None or result.circuit is None:
@@ -529,7 +547,7 @@ class FailoverStore:
 
     async def purge_recordings(self, now: float, *, window_s: float) -> None:
         """Drop the bytes of recordings past the replay window (see ``Ledger.purge_recordings``)."""
-        await self._call("purge", lambda store: store.purge_recordings(now=now, window_s=window_s))
+        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s))
 
     async def refresh_circuits(self, now: float) -> set[str] | None:
         """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns
@@ -574,6 +592,14 @@ def _loop() -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
     except RuntimeError:  # configured outside the loop (unit tests)
         return asyncio.get_event_loop_policy().get_event_loop()
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _loop_time(deadline: float | None) -> float | None:

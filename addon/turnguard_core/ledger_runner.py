@@ -16,9 +16,10 @@ calls queue up behind a lock; and a call that was not run claimed nothing.
 
 Writes that nobody waits for at once (an attempt's end, its first event, a duplicate
 counted) may be deferred (``defer``): they are gathered and committed together in one
-transaction (a group commit) right after the event loop's current step, or before any other
-call, whichever comes first. One transaction instead of one per write, and none of them on
-the path of the hook that made it.
+transaction (a group commit) once the callbacks the event loop's current step scheduled have
+run (so a response's end goes to its client first), or before any other call, whichever comes
+first. One transaction instead of one per write, and none on the path of the hook that made
+it.
 
 A call submitted after another sees its effects (the addon relies on it: an attempt's
 ``finish`` is queued before any later request for the operation can be admitted); a deferred
@@ -110,13 +111,15 @@ class LedgerRunner:
 
     # -- group commits ----------------------------------------------------------------------------
     def defer(self, job: Job[T]) -> asyncio.Future:
-        """Run ``job`` with the other deferred writes, in one transaction, right after the
+        """Run ``job`` with the other deferred writes, in one transaction, soon after the
         event loop's current step (or before any later call); the future (of the running
         loop) holds its result or error. A transaction that fails fails all its writes."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._deferred:
-            loop.call_soon(self.flush)
+            # two hops: callbacks the current step schedules (a hook's task resuming to send
+            # the response's end to its client) run before the commit, not after it
+            loop.call_soon(loop.call_soon, self.flush)
         self._deferred.append((job, future))
         return future
 
