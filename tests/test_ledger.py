@@ -595,3 +595,27 @@ async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(t
     assert (await finished).applied and await counted is None
     assert len(commits) == 1  # the two writes in one transaction; the replay wrote nothing
     runner.close()
+
+
+async def test_a_heavy_deferred_write_runs_on_the_ledgers_thread_and_keeps_the_order(tmp_path):
+    import threading
+
+    from turnguard_core.ledger_runner import LedgerRunner
+
+    runner = LedgerRunner(Ledger(str(tmp_path / "l.sqlite3"), "a", busy_timeout_ms=5000))
+    runner.call_sync(lambda led: led.open(1000.0))
+    i = ident({"n": 1})
+    d = await runner.call(lambda led: admit(led, i))
+    big = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x" * (1 << 20)))
+    ran_on = []
+
+    def finish(led):
+        ran_on.append(threading.current_thread().name)
+        return led.finish(d.attempt_id, big, now=1001.0)
+
+    finished = runner.defer(finish, heavy=True)
+    replay = await runner.call(lambda led: admit(led, i, now=1002.0))  # queued behind it
+    assert (await finished).applied and isinstance(replay, policy.Replay)
+    assert ran_on[0].startswith("turnguard-ledger")
+    assert len((await runner.call(lambda led: led.recording(d.attempt_id))).body) == 1 << 20
+    runner.close()

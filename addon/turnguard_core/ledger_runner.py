@@ -64,6 +64,7 @@ class LedgerRunner:
         self._busy_ms: int | None = None  # the busy timeout the connection has now
         # deferred writes, with the futures their callers hold, until the next flush
         self._deferred: list[tuple[Job, asyncio.Future]] = []
+        self._deferred_heavy = False  # one of them is heavy: the batch runs on the thread
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnguard-ledger"
         )
@@ -110,12 +111,15 @@ class LedgerRunner:
             self._finished += 1
 
     # -- group commits ----------------------------------------------------------------------------
-    def defer(self, job: Job[T]) -> asyncio.Future:
+    def defer(self, job: Job[T], *, heavy: bool = False) -> asyncio.Future:
         """Run ``job`` with the other deferred writes, in one transaction, soon after the
         event loop's current step (or before any later call); the future (of the running
-        loop) holds its result or error. A transaction that fails fails all its writes."""
+        loop) holds its result or error. A transaction that fails fails all its writes.
+        ``heavy``: a write that takes long (megabytes of a recording): its transaction runs
+        on the ledger's thread, where SQLite's work does not hold the event loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        self._deferred_heavy = self._deferred_heavy or heavy
         if not self._deferred:
             # two hops: callbacks the current step schedules (a hook's task resuming to send
             # the response's end to its client) run before the commit, not after it
@@ -128,13 +132,14 @@ class LedgerRunner:
         if not self._deferred:
             return
         batch, self._deferred = self._deferred, []
+        heavy, self._deferred_heavy = self._deferred_heavy, False
         jobs = [job for job, _ in batch]
 
         def run_batch(ledger: Ledger) -> list:
             with ledger.batch():
                 return [job(ledger) for job in jobs]
 
-        if self._fast_possible():
+        if not heavy and self._fast_possible():
             try:
                 _settle(batch, self._run_fast(run_batch), None)
                 return

@@ -173,6 +173,16 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
             return None
 
 
+HEAVY_WRITE_BYTES = 256 * 1024  # a recording this large is written off the event loop
+
+
+def _heavy(write: Write) -> bool:
+    """Whether ``write`` keeps a recording large enough to be written on the ledger's thread."""
+    end = getattr(write, "end", None)
+    return end is not None and end.recording is not None and \
+        len(end.recording.body) >= HEAVY_WRITE_BYTES
+
+
 class SqliteStore:
     """``Store`` on the SQLite ledger."""
 
@@ -244,7 +254,7 @@ class SqliteStore:
             lambda led: led.purge_recordings(now=now, window_s=window_s))
 
     def send(self, write):
-        return self._runner.defer(lambda led: _apply(write, led))
+        return self._runner.defer(lambda led: _apply(write, led), heavy=_heavy(write))
 
     async def write(self, write, *, deadline):
         return await self._runner.call(lambda led: _apply(write, led), deadline=deadline)
