@@ -6,8 +6,9 @@ connection waits behind a lock. ``Heartbeat`` runs on a daemon thread with its o
 every ``interval_s`` it renews the lease, every second it checks that the ledger file is still
 the one it opened, and every ``CHECKPOINT_S`` it copies the WAL into the database (a passive
 checkpoint: the connection that decides requests leaves that to this thread, so its commits
-stay short and the event loop never waits for a checkpoint's writes and fsyncs). It reports to the caller's callbacks (called on the thread: they must only
-hand over to the event loop, e.g. with ``loop.call_soon_threadsafe``):
+stay short and the event loop never waits for a checkpoint's writes and fsyncs). It reports
+to the caller's callbacks (called on the thread: they must only hand over to the event loop,
+e.g. with ``loop.call_soon_threadsafe``):
 
 - ``on_reregistered(incarnation)``: the instance's row was gone (a peer reaped it): it is
   registered again, and its attempts in flight must be assumed ended by the peer;

@@ -210,10 +210,10 @@ class Ledger:
         self, path: str, instance_id: str, *, busy_timeout_ms: int = 5000,
         identity: liveness.ProcessIdentity | None = None, checkpoint_on_commit: bool = True,
     ):
-        """``checkpoint_on_commit=False``: a commit does not copy the WAL into the database
-        (SQLite's automatic checkpoint, which then costs one commit in a thousand pages a
-        checkpoint and its fsyncs); another connection calls ``checkpoint`` instead (the
-        heartbeat's thread), so the connection that decides requests never pays for it."""
+        """``checkpoint_on_commit=False``: this connection's commits leave the WAL to another
+        connection's ``checkpoint`` (the heartbeat's thread) instead of SQLite's automatic
+        checkpoint, which makes the commit that fills a thousand pages copy them into the
+        database and fsync it; so the connection that decides requests never pays for it."""
         self.path = path
         self._checkpoint_on_commit = checkpoint_on_commit
         self.instance_id = instance_id
@@ -910,6 +910,7 @@ class Ledger:
         if n:  # move the deletions out of the WAL too, so purged bodies are gone from disk
             self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return n
+
 
 class _Joined:
     """A call's transaction inside ``Ledger.batch``: the batch's own (begins and ends it)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from typing import Callable, TypeVar
 
@@ -152,7 +153,8 @@ class LedgerRunner:
 
         def landed(f: concurrent.futures.Future) -> None:
             error = f.exception()
-            loop.call_soon_threadsafe(_settle, batch, None if error else f.result(), error)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: so are the waiters
+                loop.call_soon_threadsafe(_settle, batch, None if error else f.result(), error)
 
         self._queue(run_batch).add_done_callback(landed)
 

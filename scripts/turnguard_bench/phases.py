@@ -320,8 +320,8 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
         ms = procs.start_mitmdumps(workdir, up.url, {
             f"holds-turnguard-{rep}": ("turnguard", {
                 "turnguard_events": str(events_path),
-                "turnguard_hold_timeout_ms": 120000,
-                "turnguard_request_budget_ms": 180000,
+                "turnguard_hold_timeout_ms": 600000,  # held through the setup of 10,000
+                "turnguard_request_budget_ms": 900000,
             }),
             f"holds-plain-{rep}": ("plain", {}),
         })
@@ -343,7 +343,8 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                     "x-bench-hold": "1", "x-bench-id": f"d{k}-{j}", "x-bench-op": str(k)}))
                 for j in range(per_op) for k in range(n_ops)
             ]
-            timeout = cfg.hold_s + 120
+            setup_limit_s = max(60.0, len(dups) / 40)  # 10,000 connections take a while to open
+            timeout = cfg.hold_s + setup_limit_s + 120
             t_setup = time.monotonic()
             tasks = await client.open_and_send(p.port, originals, timeout_s=timeout)
 
@@ -356,9 +357,10 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
             if variant == "turnguard":
                 async def all_held():
                     return _count_in_file(events_path, b'"event":"duplicate_held"') >= n_dups
-                await _wait_for(all_held, 60, f"{n_dups} duplicates to be held")
+                await _wait_for(all_held, setup_limit_s, f"{n_dups} duplicates to be held",
+                                interval=0.5)
             else:
-                await _wait_for(lambda: upstream_holds(n_ops + n_dups), 60,
+                await _wait_for(lambda: upstream_holds(n_ops + n_dups), setup_limit_s,
                                 f"{n_ops + n_dups} requests to reach the upstream")
             setup_s = time.monotonic() - t_setup
             cpu0 = cpu_seconds(p.pid)

@@ -49,7 +49,7 @@ from turnguard_sse import frame as sse_frame
 
 MAX_BODY = 16 * 1024 * 1024
 MAX_PIPELINED = 1000  # requests answered from one read
-HOLD_MAX_S = 180.0  # a held request is answered after this long even without a release
+HOLD_MAX_S = 600.0  # a held request is answered after this long even without a release
 DEFAULT_EVENTS = 8
 MAX_EVENTS = 100_000
 MAX_BYTES = 64 * 1024 * 1024
