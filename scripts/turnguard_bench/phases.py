@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import time
 import uuid
 from pathlib import Path
@@ -310,8 +311,14 @@ async def _wait_for(pred, timeout: float, what: str, interval: float = 0.05):
         await asyncio.sleep(interval)
 
 
+def _open_files_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 async def holds_once(cfg, workdir: Path, rep: int) -> dict:
-    """One run of the hold measurement, with a fresh upstream and fresh mitmdumps."""
+    """One run of the hold measurement, with a fresh upstream and fresh mitmdumps. Both
+    connect upstream lazily (a held duplicate then takes one file descriptor, not two); plain
+    mitmdump, whose requests all wait upstream, gets as many as its descriptors allow."""
     up = procs.start_upstream(workdir, name=f"holds-upstream-{rep}")
     out: dict = {}
     ms: dict[str, procs.Proc] = {}
@@ -322,8 +329,9 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                 "turnguard_events": str(events_path),
                 "turnguard_hold_timeout_ms": 600000,  # held through the setup of 10,000
                 "turnguard_request_budget_ms": 900000,
+                "connection_strategy": "lazy",
             }),
-            f"holds-plain-{rep}": ("plain", {}),
+            f"holds-plain-{rep}": ("plain", {"connection_strategy": "lazy"}),
         })
         for name, p in ms.items():
             variant = p.extra["variant"]
@@ -345,6 +353,8 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
             ]
             setup_limit_s = max(60.0, len(dups) / 40)  # 10,000 connections take a while to open
             timeout = cfg.hold_s + setup_limit_s + 120
+            if variant == "plain":  # every request waiting upstream takes 2 descriptors there
+                dups = dups[:max(0, _open_files_limit() // 2 - 500 - n_ops)]
             t_setup = time.monotonic()
             tasks = await client.open_and_send(p.port, originals, timeout_s=timeout)
 

@@ -211,7 +211,8 @@ def render(res: dict) -> str:
 
     ho = res.get("holds")
     if ho:
-        any_rep = next(iter(ho["variants"].values()))["reps"][0]
+        any_rep = (ho["variants"].get("turnguard")
+                   or next(iter(ho["variants"].values())))["reps"][0]
         o.append(_section(
             f"3. holds: {any_rep['duplicates']} concurrent duplicates of {any_rep['operations']} "
             f"operations, originals held {any_rep['hold_s']:.0f} s by the upstream"))
@@ -230,9 +231,13 @@ def render(res: dict) -> str:
         o.append(table(rows, ["variant", "p50 ms", "p99 ms", "max ms", "CPU s/10 s",
                               "RSS before MiB", "RSS held MiB", "KiB/flow", "setup s",
                               "answers/s"]))
+        plain = ho["variants"].get("plain")
         o.append("(answer times are from the upstream's last byte of the response to the "
                  "client's last byte; plain mitmdump has no holds: there every duplicate waits "
-                 "upstream and is answered by its own response, released at the same moment)")
+                 "upstream and is answered by its own response, released at the same moment"
+                 + (f"; plain had {plain['reps'][0]['duplicates']:,} duplicates, as many as its "
+                    "file descriptors allow" if plain and plain["reps"][0]["duplicates"]
+                    != any_rep["duplicates"] else "") + ")")
         o.append(f"checks: {ho['checks']}")
 
     rp = res.get("replay")
