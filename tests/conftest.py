@@ -64,3 +64,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("turnguard end-to-end results")
         for line in sorted(lines):
             terminalreporter.write_line(line)
+
+
+# PostgreSQL: the throwaway server, a database per test, both stores as backends (pg_fixtures.py)
+from pg_fixtures import ledger_backend, own_pg, pg_server_url, pg_url  # noqa: E402,F401

@@ -1,6 +1,6 @@
 """Stateful property test of the circuit and recovery claims: the real request machine
-(``turnguard_core.machine``) with the real ledger (real SQLite) as its store, driven with an
-injected clock against a simple model.
+(``turnguard_core.machine``) with the real ledger as its store (each store in turn: SQLite and
+PostgreSQL), driven with an injected clock against a simple model.
 
 Requests arrive for a few operations of one durable session (hard turn-state anchored, so in
 once mode they are held through a cooldown); attempts end completed or eventless; time moves.
@@ -9,17 +9,14 @@ the model's circuit is open, at most one attempt in flight per operation; and at
 request has been answered."""
 
 import json
-import os
-import sqlite3
-import tempfile
 from typing import assert_never
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from turnguard_core import circuit, identity, machine, policy
-from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+from turnguard_core.ledger import AttemptEnd, Recording
 
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 CFG = circuit.CircuitConfig(threshold=2, cooldown_s=10, cooldown_max_s=40)
@@ -55,13 +52,13 @@ class ModelCircuit:
 
 
 class RecoveryMachine(RuleBasedStateMachine):
+    backend = None  # set by test_recovery_machine before each run
+
     def __init__(self):
         super().__init__()
-        self.dir = tempfile.TemporaryDirectory()
-        self.path = os.path.join(self.dir.name, "l.sqlite3")
-        self.ledger = Ledger(self.path, "me")
+        self.backend.fresh()
         self.now = 1000.0
-        self.ledger.open(self.now)
+        self.ledger = self.backend.open("me", self.now)
         self.owner, _ = self.ledger.claim_session(
             ident(0).session, now=self.now, lease_s=1e9, new_id="durable"
         )
@@ -78,7 +75,6 @@ class RecoveryMachine(RuleBasedStateMachine):
             self._every_request_is_answered()
         finally:
             self.ledger.close()
-            self.dir.cleanup()
 
     # -- the driver: the real request machine, with the ledger as its store ----------------------
     def _facts(self, n: int) -> machine.RequestFacts:
@@ -161,10 +157,8 @@ class RecoveryMachine(RuleBasedStateMachine):
     @invariant()
     def at_most_one_recovery_dispatch_per_operation(self):
         assert all(v <= 1 for v in self.recoveries.values()), self.recoveries
-        db = sqlite3.connect(self.path)
-        rows = db.execute("SELECT MAX(recovery_dispatches) FROM operations").fetchone()
-        db.close()
-        assert (rows[0] or 0) <= 1
+        [row] = self.backend.rows("SELECT MAX(recovery_dispatches) FROM operations")
+        assert (row[0] or 0) <= 1
 
     @invariant()
     def never_a_dispatch_while_fenced(self):
@@ -200,5 +194,8 @@ class RecoveryMachine(RuleBasedStateMachine):
         assert not self.pending
 
 
-TestRecovery = RecoveryMachine.TestCase
-TestRecovery.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+def test_recovery_machine(ledger_backend):
+    """The request machine with each store as its ledger."""
+    RecoveryMachine.backend = ledger_backend
+    run_state_machine_as_test(
+        RecoveryMachine, settings=settings(max_examples=60, stateful_step_count=40, deadline=None))
