@@ -4,7 +4,8 @@
 Debian's ``postgresql`` package, found on ``PATH`` or under ``/usr/lib/postgresql/N/bin``) on a
 data folder in a temporary folder, listening on 127.0.0.1 (a port the OS picked) and on a Unix
 socket in that folder, with ``trust`` authentication for loopback only. Being a test server, it
-runs with ``fsync=off`` and loads ``pg_stat_statements`` (when installed) so that tests can count
+runs with ``fsync=off`` (never ``synchronous_commit=off``: a crashed server must keep every
+commit it acknowledged) and loads ``pg_stat_statements`` (when installed) so that tests can count
 the queries a process sent. PostgreSQL refuses to run as root: as root, it runs as the
 ``postgres`` user (or a system user ``turnguard-pg`` made for it) through ``runuser``.
 
@@ -144,7 +145,10 @@ class PgServer:
             f"port = {self.port}",
             f"unix_socket_directories = '{self.folder}'",
             "max_connections = 300",
-            "fsync = off", "synchronous_commit = off", "full_page_writes = off",
+            # fsync off: only an OS crash could lose data, and this server dies with the test.
+            # synchronous_commit stays on: a server crash (a test's immediate stop) must not
+            # lose a commit turnguard was told about, as it must not on a real ledger
+            "fsync = off", "full_page_writes = off",
             "shared_buffers = 64MB",
         ]
         lib = os.path.join(os.path.dirname(self.bin_dir), "lib", "pg_stat_statements.so")

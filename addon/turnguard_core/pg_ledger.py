@@ -332,6 +332,10 @@ class PgLedger:
             self._db, self._opened = db, True
             self._migrate(db)
             self.generation = _generation(db)
+            if db.execute("SHOW synchronous_commit").fetchone()[0] == "off":
+                logger.warning("turnguard: ledger %s runs with synchronous_commit=off: a server "
+                               "crash may lose claims it acknowledged (an operation could then "
+                               "run twice); turn it on for the ledger's database", self.path)
             if register:
                 with self._tx() as tx:
                     self.incarnation = self._register(tx, now, keep_incarnation=True)
