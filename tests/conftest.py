@@ -20,7 +20,7 @@ for p in (ROOT / "addon", ROOT / "tests"):
 FAST_MODULES = frozenset({
     "test_addon", "test_circuit", "test_control", "test_degraded", "test_identity",
     "test_ledger", "test_liveness", "test_metrics", "test_negotiation", "test_offload",
-    "test_ops", "test_options", "test_outage_machine", "test_policy", "test_private_files", "test_proxy_internals",
+    "test_ops", "test_options", "test_outage_machine", "test_pg_store", "test_policy", "test_private_files", "test_proxy_internals",
     "test_recovery_machine", "test_repro_models", "test_sse", "test_tee",
 })
 
