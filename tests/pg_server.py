@@ -96,10 +96,12 @@ class PgServer:
         self.bin_dir = bin_dir or find_bin_dir()
         if self.bin_dir is None:
             raise PgUnavailable("no PostgreSQL server binaries (initdb, pg_ctl) found")
-        self.folder = folder or tempfile.mkdtemp(prefix="turnguard-pg-")
+        self.user = _run_as_user()
+        # as another user, in a folder it can reach (TMPDIR may be under root's home)
+        shared = "/tmp" if self.user is not None and os.path.isdir("/tmp") else None
+        self.folder = folder or tempfile.mkdtemp(prefix="turnguard-pg-", dir=shared)
         self.data = os.path.join(self.folder, "data")
         self.log = os.path.join(self.folder, "server.log")
-        self.user = _run_as_user()
         self.port = 0
 
     # -- commands -------------------------------------------------------------------------------

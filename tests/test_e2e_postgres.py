@@ -7,6 +7,7 @@ hosts by lease, and a database restart while requests are held and a cooldown is
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -251,3 +252,21 @@ def test_postgres_restarted_while_requests_are_held_and_a_cooldown_is_open(tmp_p
     report("PostgreSQL restarted (immediate stop, 1.5 s down) with 3 duplicates held and a "
            f"cooldown open: answers={[r[0] for r in results]}, upstream dispatches of the held "
            f"operation=1, cooldown afterwards={after}")
+
+
+def test_a_ledger_down_at_start_up_keeps_proxying_and_is_used_once_it_is_up(tmp_path, own_pg):
+    own_pg.stop()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", own_pg.url) as a:
+        assert post(a.url)[0] == 200  # proxied, decided in memory
+        unavailable = events(tmp_path, "a", "ledger_unavailable")
+        assert unavailable and unavailable[0]["during"] == "open"
+        own_pg.restart()  # (it is stopped: this starts it)
+        wait_until(lambda: re.search(r"turnguard: ledger \S+ \(instance", a.log_text()), 15,
+                   what="the ledger opened")
+        body = {**BODY, "input": "after the outage"}
+        assert post(a.url, HEADERS, body)[0] == 200
+        again = post(a.url, HEADERS, body)
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+        log = a.log_text()
+    assert rows(own_pg.url, "SELECT COUNT(*) FROM operations") >= [(2,)]
+    assert_no_traceback(log)

@@ -243,10 +243,8 @@ class FailoverStore:
             heartbeat.start(time.time())
             if postgres:
                 listener = AttemptEndListener(
-                    path,
-                    on_end=lambda *end: loop.call_soon_threadsafe(self._attempt_ended, *end),
-                    on_live=lambda live: loop.call_soon_threadsafe(self._notifications_live, live),
-                )
+                    path, on_end=_to_loop(loop, self._attempt_ended),
+                    on_live=_to_loop(loop, self._notifications_live))
                 listener.start()
         except BaseException:
             if heartbeat is not None:
@@ -646,6 +644,18 @@ class FailoverStore:
                     self._store.open_circuits(now, timeout=timeout))
         except (LedgerError, TimeoutError) as e:
             return {"error": str(e) or "ledger busy"}, None
+
+
+def _to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, called from another thread, handed to ``loop`` (dropped once the loop is closed:
+    the process is shutting down)."""
+    def hand_over(*args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    return hand_over
 
 
 def _loop() -> asyncio.AbstractEventLoop:
