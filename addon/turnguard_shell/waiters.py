@@ -50,6 +50,9 @@ RECENT_END_S = 30.0
 class Waiters:
     def __init__(self) -> None:
         self._held: dict[str, Wait] = {}  # flow id -> its wait
+        # op key -> its duplicate waits: a notified end (every process's, many a second on a
+        # busy fleet) finds the few waits it concerns without going through every held flow
+        self._by_op: dict[str, dict[str, DuplicateWait]] = {}
         # (op key, attempt id) -> (state, when): ends notified by the ledger, so that a wait
         # on an attempt whose end was notified before the wait began is not missed
         self._recent_ends: collections.OrderedDict[tuple[str, int], tuple[str, float]] = (
@@ -63,12 +66,19 @@ class Waiters:
 
     async def _wait(self, wait: Wait, timeout_s: float) -> Woke:
         self._held[wait.flow.id] = wait
+        if isinstance(wait, DuplicateWait):
+            self._by_op.setdefault(wait.op_key, {})[wait.flow.id] = wait
         try:
             return await asyncio.wait_for(wait.wake, max(0.0, timeout_s))
         except TimeoutError:
             return TimedOut()
         finally:
             self._held.pop(wait.flow.id, None)
+            if isinstance(wait, DuplicateWait):
+                same_op = self._by_op.get(wait.op_key, {})
+                same_op.pop(wait.flow.id, None)
+                if not same_op:
+                    self._by_op.pop(wait.op_key, None)
 
     async def duplicate(
         self, flow: http.HTTPFlow, op_key: str, foreign_attempt: int | None, timeout_s: float
@@ -114,9 +124,8 @@ class Waiters:
         while self._recent_ends and (len(self._recent_ends) > RECENT_ENDS or next(
                 iter(self._recent_ends.values()))[1] < now - RECENT_END_S):
             self._recent_ends.popitem(last=False)
-        for wait in self:
-            if (isinstance(wait, DuplicateWait) and wait.op_key == op_key
-                    and wait.foreign_attempt in (attempt_id, 0)):
+        for wait in list(self._by_op.get(op_key, {}).values()):
+            if wait.foreign_attempt in (attempt_id, 0):
                 self.resolve(wait, Ended(state))
 
     def ownership_lost(self, session: str, epoch: int) -> None:
