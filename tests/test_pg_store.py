@@ -241,3 +241,74 @@ def test_scripts_turnguard_works_on_a_postgres_ledger_and_never_prints_the_passw
     assert led.circuit_state("session:abc") == circuit.CircuitState()
     assert [a["action"] for a in led.audit_log()] == ["circuit_clear"]
     led.close()
+
+
+async def test_no_error_or_status_line_shows_the_password():
+    """libpq echoes what it cannot parse; the ledger's errors and the status line never show
+    the password."""
+    from turnguard_core.ledger_location import scrub
+
+    url = "postgresql://tg:p%40ss-w0rd@127.0.0.1:1/ledger?sslmode=disable"
+    assert scrub("bad value p@ss-w0rd and p%40ss-w0rd", url) == "bad value *** and ***"
+    led = PgLedger(url, "a")
+    with pytest.raises(LedgerError) as refused:  # nothing listens on port 1
+        led.open(1000.0)
+    assert "p@ss-w0rd" not in str(refused.value) and "p%40ss" not in str(refused.value)
+    assert led.path == "postgresql://tg:***@127.0.0.1:1/ledger?sslmode=disable"
+    store = _failover([])
+    assert not store.open(url)  # an outage, said without the password
+    assert store.location == led.path and "p%40ss" not in (store.error or "")
+    store.close()
+
+
+async def test_a_database_made_again_under_a_running_process_gets_its_attempts_in_flight(
+        pg_url, monkeypatch):
+    """The heartbeat finds another generation: an outage, never an empty ledger. The process
+    opens the new database and registers its attempt in flight there before deciding from it,
+    so another process holds that operation's duplicates instead of dispatching them."""
+    from dataclasses import dataclass
+
+    from turnguard_core import failover
+
+    monkeypatch.setattr(failover, "HEARTBEAT_S", 0.2)
+
+    @dataclass
+    class Attempt:
+        ident: identity.Identity
+        attempt_id: int | None
+        generation: str
+        kind: str = "original"
+        flow_id: str = "f"
+        method: str = "POST"
+        route: str = "/v1/responses"
+        circuit_scope: str = "route:x"
+
+    attempts: list[Attempt] = []
+    store = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(), emit=lambda *a, **k: None,
+        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: attempts,
+        on_reregistered=lambda n: None)
+    assert store.open(pg_url)
+    try:
+        i = ident(11)
+        claim = await store.admit(
+            i, method="POST", route="/v1/responses", flow_id="f", circuit_scope="route:x",
+            recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+            window_s=300, threshold=2, deadline=time.monotonic() + 5)
+        attempts.append(Attempt(i, claim.attempt_id, store.generation))
+        old = store.generation
+        sql(pg_url, "DROP TABLE meta, spool, attempts, operations, circuits, sessions,"
+                    " instances, control_audit")
+        peer = PgLedger(pg_url, "peer")
+        peer.open(time.time())
+        await _until(lambda: not store.is_open)  # the heartbeat saw another generation
+        await store.reopen_if_due()
+        assert store.is_open and store.generation == peer.generation != old
+        assert await store.recover(time.monotonic() + 5)
+        assert attempts[0].generation == peer.generation
+        held = peer.admit(i, method="POST", path="/v1/responses", now=time.time(), guard=GUARD,
+                          flow_id="g")
+        assert held == policy.Hold(attempts[0].attempt_id, "me")
+        peer.close()
+    finally:
+        store.close()

@@ -37,6 +37,32 @@ def display(location: str) -> str:
     return f"{scheme}://{authority}{sep}{tail}"
 
 
+def password_of(location: str) -> str | None:
+    """The password a PostgreSQL URL carries (in its authority or as ``password=``), if any."""
+    if not is_postgres(location):
+        return None
+    query = urllib.parse.urlsplit(location.strip()).query if "?" in location else ""
+    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        if key.lower() == "password" and value:
+            return value
+    rest = location.strip().partition("://")[2]
+    userinfo, at, _ = _split_authority(rest)[0].rpartition("@")
+    if at and ":" in userinfo:
+        return userinfo.split(":", 1)[1] or None
+    return None
+
+
+def scrub(text: str, location: str) -> str:
+    """``text`` (an error message) without the password of ``location``, raw or URL-decoded."""
+    password = password_of(location)
+    if not password:
+        return text
+    for secret in {password, urllib.parse.unquote(password)}:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 def _split_authority(rest: str) -> tuple[str, str, str]:
     """(authority, separator, the rest) of a URL after its ``scheme://``."""
     for i, ch in enumerate(rest):

@@ -57,7 +57,7 @@ from .ledger import (
     Recording,
 )
 from .ledger_admin import CircuitRow, SessionRow, _circuit_json, _one_by_prefix, _session_dict
-from .ledger_location import display
+from .ledger_location import display, scrub
 
 logger = logging.getLogger("turnguard")
 
@@ -188,10 +188,10 @@ def _wrap(fn):
             except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure) as e:
                 self._rollback()
                 if attempt == TRANSIENT_RETRIES - 1:
-                    raise LedgerError(f"{type(e).__name__}: {e}") from e
+                    raise LedgerError(self._message(e)) from None
             except psycopg.Error as e:
                 self._after_error(e)
-                raise LedgerError(f"{type(e).__name__}: {str(e).strip()}") from e
+                raise LedgerError(self._message(e)) from None
         raise AssertionError("unreachable")
 
     return wrapper
@@ -251,6 +251,11 @@ class PgLedger:
         self._doubtful_claims: list[int] = []
         self.generation = ""
         self.incarnation = 0
+
+    def _message(self, error: Exception) -> str:
+        """An error as a ``LedgerError``'s message: never the URL's password (libpq may echo
+        part of a connection string it cannot parse)."""
+        return scrub(f"{type(error).__name__}: {str(error).strip()}", self._url)
 
     # -- connecting ----------------------------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -950,7 +955,7 @@ class AttemptEndListener:
         try:
             self._db = self._listen()
         except psycopg.Error as e:
-            raise LedgerError(f"{type(e).__name__}: {e}") from e
+            raise LedgerError(scrub(f"{type(e).__name__}: {e}", self._url)) from None
         self._set_live(True)
         self._thread.start()
 
@@ -976,7 +981,7 @@ class AttemptEndListener:
                     try:
                         self._db = self._listen()
                     except psycopg.Error as e:
-                        logger.debug("turnguard: listener cannot connect (%s)", str(e).strip())
+                        logger.debug("turnguard: listener cannot connect (%s)", scrub(str(e).strip(), self._url))
                         self._stop.wait(self._retry_s)
                         continue
                     self._set_live(True)
@@ -986,7 +991,7 @@ class AttemptEndListener:
                         if self._stop.is_set():
                             break
                 except psycopg.Error as e:
-                    logger.debug("turnguard: listener connection lost (%s)", str(e).strip())
+                    logger.debug("turnguard: listener connection lost (%s)", scrub(str(e).strip(), self._url))
                     self._set_live(False)
                     try:
                         self._db.close()
