@@ -412,13 +412,12 @@ class PgLedger:
         guard: policy.GuardPolicy, flow_id: str | None, circuit_scope: str | None = None,
         recovery: policy.RecoveryClaim | None = None, once_mode: bool = False,
     ) -> policy.Admission:
-        """See ``Ledger.admit``."""
+        """See ``Ledger.admit``. Four round trips for a claim: the lock (with ``BEGIN``), one read
+        of the operation and its circuit, the claim, ``COMMIT``."""
         with self._tx(lock_key("op", identity.op_key)) as tx:
             db = tx.db
-            snapshot = self._snapshot(db, identity.op_key)
-            remaining = 0.0
-            if circuit_scope is not None:
-                remaining = self._circuit(db, circuit_scope).remaining_s(now)
+            snapshot, state = self._snapshot_and_circuit(db, identity.op_key, circuit_scope)
+            remaining = state.remaining_s(now)
             owner_ok = True
             if recovery is not None:
                 owner_ok = self._owns(db, recovery.session, recovery.epoch, lock=True)
@@ -432,9 +431,53 @@ class PgLedger:
             if not isinstance(decision, policy.Dispatch):
                 return decision
             if snapshot is None:
-                self._insert_operation(db, identity, method, path, circuit_scope, now)
-            return policy.Dispatch(decision.kind, self._claim(tx, identity, decision.kind,
-                                                              flow_id, now))
+                attempt_id = self._create_claimed(tx, identity, method, path, circuit_scope,
+                                                  decision.kind, flow_id, now)
+            else:
+                attempt_id = self._claim(tx, identity, decision.kind, flow_id, now)
+            return policy.Dispatch(decision.kind, attempt_id)
+
+    @staticmethod
+    def _snapshot_and_circuit(
+        db: psycopg.Connection, op_key: str, circuit_scope: str | None,
+    ) -> tuple[policy.OperationSnapshot | None, circuit.CircuitState]:
+        """The operation (None: unknown) and the circuit of ``circuit_scope`` (closed when
+        never seen, or no scope), in one read."""
+        row = db.execute(
+            "SELECT c.failures, c.open_until, c.cooldown_s, o.op_key IS NOT NULL, o.state,"
+            " o.fingerprint, o.current_attempt, a.instance_id, o.ended_at, o.replay_attempt,"
+            " o.events_seen, o.recovery_dispatches FROM (SELECT %s::text AS op_key,"
+            " %s::text AS scope) k LEFT JOIN operations o ON o.op_key = k.op_key"
+            " LEFT JOIN attempts a ON a.attempt_id = o.current_attempt"
+            " LEFT JOIN circuits c ON c.scope = k.scope",
+            (op_key, circuit_scope),
+        ).fetchone()
+        state = circuit.CircuitState(*row[:3]) if row[0] is not None else circuit.CircuitState()
+        return (policy.OperationSnapshot(*row[4:]) if row[3] else None), state
+
+    def _create_claimed(
+        self, tx: _Transaction, identity: Identity, method: str, path: str,
+        circuit_scope: str | None, kind: str, flow_id: str | None, now: float,
+    ) -> int:
+        """A new operation with its first attempt in flight, in one statement (the caller holds
+        the operation's lock and saw no row; the attempt's foreign key is checked at the
+        statement's end, when both rows exist)."""
+        attempt_id = tx.db.execute(
+            "WITH a AS (INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
+            " VALUES (%s,%s,%s,%s,%s) RETURNING attempt_id)"
+            " INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
+            " fingerprint, turn_state, previous_response_id, state, current_attempt, attempts,"
+            " recovery_dispatches, circuit_scope, created_at, updated_at)"
+            " SELECT %s,%s,%s,%s,%s,%s,%s,%s,%s,'in_flight',a.attempt_id,1,%s,%s,%s,%s FROM a"
+            " RETURNING current_attempt",
+            (identity.op_key, kind, self.instance_id, flow_id, now,
+             identity.op_key, identity.scope, identity.session, method, path,
+             identity.idempotency_key, identity.fingerprint, identity.turn_state,
+             identity.previous_response_id, 1 if kind == "recovery" else 0, circuit_scope,
+             now, now),
+        ).fetchone()[0]
+        tx.claimed.append(attempt_id)
+        return attempt_id
 
     @_wrap
     def adopt_attempt(
@@ -466,26 +509,23 @@ class PgLedger:
 
     def _claim(self, tx: _Transaction, identity: Identity, kind: str, flow_id: str | None,
                now: float) -> int:
-        """A new attempt, made the operation's current one (the caller holds the operation's
-        lock and saw it not in flight)."""
-        db = tx.db
-        attempt_id = db.execute(
-            "INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
-            " VALUES (%s,%s,%s,%s,%s) RETURNING attempt_id",
-            (identity.op_key, kind, self.instance_id, flow_id, now),
-        ).fetchone()[0]
-        tx.claimed.append(attempt_id)
-        claimed = db.execute(
-            "UPDATE operations SET state='in_flight', current_attempt=%s, attempts=attempts+1,"
-            " recovery_dispatches=recovery_dispatches+%s, fingerprint=%s, turn_state=%s,"
-            " previous_response_id=%s, updated_at=%s, ended_at=NULL"
-            " WHERE op_key=%s AND state<>'in_flight' RETURNING attempts",
-            (attempt_id, 1 if kind == "recovery" else 0, identity.fingerprint,
-             identity.turn_state, identity.previous_response_id, now, identity.op_key),
+        """A new attempt, made the operation's current one, in one statement (the caller holds
+        the operation's lock and saw it not in flight)."""
+        claimed = tx.db.execute(
+            "WITH a AS (INSERT INTO attempts (op_key, kind, instance_id, flow_id, started_at)"
+            " VALUES (%s,%s,%s,%s,%s) RETURNING attempt_id)"
+            " UPDATE operations SET state='in_flight', current_attempt=a.attempt_id,"
+            " attempts=attempts+1, recovery_dispatches=recovery_dispatches+%s, fingerprint=%s,"
+            " turn_state=%s, previous_response_id=%s, updated_at=%s, ended_at=NULL FROM a"
+            " WHERE op_key=%s AND state<>'in_flight' RETURNING a.attempt_id",
+            (identity.op_key, kind, self.instance_id, flow_id, now,
+             1 if kind == "recovery" else 0, identity.fingerprint, identity.turn_state,
+             identity.previous_response_id, now, identity.op_key),
         ).fetchone()
         if claimed is None:  # cannot happen under the operation's lock; refuse rather than double
             raise psycopg.IntegrityError("operation was claimed concurrently")
-        return attempt_id
+        tx.claimed.append(claimed[0])
+        return claimed[0]
 
     @staticmethod
     def _snapshot(db: psycopg.Connection, op_key: str) -> policy.OperationSnapshot | None:
@@ -584,10 +624,11 @@ class PgLedger:
     ) -> FinishResult:
         """The attempt's end, fed to its circuit with the circuit's row locked: every replica's
         failure counts (no lost update)."""
-        db.execute(
-            "INSERT INTO circuits (scope, failures, updated_at) VALUES (%s, 0, %s)"
-            " ON CONFLICT (scope) DO NOTHING", (scope, now))
-        before = self._circuit(db, scope, lock=True)
+        row = db.execute(  # made if missing, and locked either way: one round trip
+            "INSERT INTO circuits AS c (scope, failures, updated_at) VALUES (%s, 0, %s)"
+            " ON CONFLICT (scope) DO UPDATE SET scope = c.scope"
+            " RETURNING failures, open_until, cooldown_s", (scope, now)).fetchone()
+        before = circuit.CircuitState(*row)
         after, transition = circuit.record_outcome(
             before, eventless_failure=eventless_failure,
             completed=end.outcome == "completed", now=now, cfg=cfg,
