@@ -512,3 +512,13 @@ def test_a_second_connection_in_the_same_process_keeps_the_first_ones_locks(tmp_
     assert count_elsewhere() == 1
     admit(a, ident({"n": 2}))
     assert count_elsewhere() == 2
+
+
+def test_an_attempt_end_whose_detail_holds_a_nul_is_recorded(ledger_backend):
+    """An error text may carry any character; the end must land (a write that cannot land is
+    kept and retried for ever), on either store."""
+    led = ledger_backend.open("a")
+    d = admit(led, ident({"nul": 1}))
+    assert led.finish(d.attempt_id, AttemptEnd("unknown", None, 0, "reset\x00by peer"),
+                      now=1001.0).applied
+    assert led.snapshot(ident({"nul": 1}).op_key).state == "unknown"

@@ -470,8 +470,8 @@ class PgLedger:
             " recovery_dispatches, circuit_scope, created_at, updated_at)"
             " SELECT %s,%s,%s,%s,%s,%s,%s,%s,%s,'in_flight',a.attempt_id,1,%s,%s,%s,%s FROM a"
             " RETURNING current_attempt",
-            (identity.op_key, kind, self.instance_id, flow_id, now,
-             identity.op_key, identity.scope, identity.session, method, path,
+            (identity.op_key, kind, self.instance_id, _text(flow_id), now,
+             identity.op_key, identity.scope, identity.session, _text(method), _text(path),
              identity.idempotency_key, identity.fingerprint, identity.turn_state,
              identity.previous_response_id, 1 if kind == "recovery" else 0, circuit_scope,
              now, now),
@@ -502,7 +502,7 @@ class PgLedger:
             "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
             " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
             " created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,'new',%s,%s,%s)",
-            (identity.op_key, identity.scope, identity.session, method, path,
+            (identity.op_key, identity.scope, identity.session, _text(method), _text(path),
              identity.idempotency_key, identity.fingerprint, identity.turn_state,
              identity.previous_response_id, circuit_scope, now, now),
         )
@@ -518,7 +518,7 @@ class PgLedger:
             " attempts=attempts+1, recovery_dispatches=recovery_dispatches+%s, fingerprint=%s,"
             " turn_state=%s, previous_response_id=%s, updated_at=%s, ended_at=NULL FROM a"
             " WHERE op_key=%s AND state<>'in_flight' RETURNING a.attempt_id",
-            (identity.op_key, kind, self.instance_id, flow_id, now,
+            (identity.op_key, kind, self.instance_id, _text(flow_id), now,
              1 if kind == "recovery" else 0, identity.fingerprint, identity.turn_state,
              identity.previous_response_id, now, identity.op_key),
         ).fetchone()
@@ -593,7 +593,7 @@ class PgLedger:
             "UPDATE attempts SET ended_at=%s, status=%s, events_seen=GREATEST(events_seen, %s),"
             " outcome=%s, detail=%s, headers=%s, body_bytes=%s, replayable=%s, vary_key=%s"
             " WHERE attempt_id=%s AND outcome='in_flight' RETURNING op_key",
-            (now, end.status, end.events_seen, end.outcome, end.detail,
+            (now, end.status, end.events_seen, end.outcome, _text(end.detail),
              json.dumps(rec.headers) if rec else None, len(rec.body) if rec else None,
              1 if rec else 0, rec.vary_key if rec else None, attempt_id),
         ).fetchone()
@@ -896,7 +896,7 @@ class PgLedgerAdmin(PgLedger):
     @staticmethod
     def _audit(db, now, action, target, actor, before, after) -> None:
         db.execute("INSERT INTO control_audit (at, action, target, actor, before, after)"
-                   " VALUES (%s,%s,%s,%s,%s,%s)", (now, action, target, actor, before, after))
+                   " VALUES (%s,%s,%s,%s,%s,%s)", (now, action, target, _text(actor), before, after))
 
     # -- inspection ----------------------------------------------------------------------------
     @_wrap
@@ -1058,6 +1058,12 @@ class AttemptEndListener:
 # In the RETURNING list of an UPDATE of operations that moves one out of in_flight: tells the
 # listeners, on commit, which attempt of which operation ended and how.
 _NOTIFY = (f"pg_notify('{NOTIFY_CHANNEL}', op_key || ' ' || current_attempt::text || ' ' || state)")
+
+
+def _text(value: str | None) -> str | None:
+    """Text as PostgreSQL can store it: a NUL (which SQLite keeps and PostgreSQL refuses, so a
+    write carrying one would be kept and retried for ever) becomes U+FFFD."""
+    return None if value is None else value.replace("\x00", "\ufffd")
 
 
 def _schema_version(db: psycopg.Connection) -> int:
