@@ -44,8 +44,12 @@ Job = Callable[[Ledger], T]
 
 
 class LedgerRunner:
-    def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0):
+    def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0,
+                 fast_path: bool = True):
+        """``fast_path=False``: every call runs on the thread (a ledger across a network, such
+        as PostgreSQL: a round trip must never run on the event loop)."""
         self.ledger = ledger
+        self._fast_path = fast_path
         self._fast_busy_ms = fast_busy_ms
         self._slow_s = slow_s
         self._slow_until = 0.0
@@ -61,7 +65,8 @@ class LedgerRunner:
     # -- the two paths ----------------------------------------------------------------------------
     def _fast_possible(self) -> bool:
         return (
-            self._handed == self._finished  # the thread is not using the connection
+            self._fast_path
+            and self._handed == self._finished  # the thread is not using the connection
             and time.monotonic() >= self._slow_until
             and self.ledger.is_open
         )
