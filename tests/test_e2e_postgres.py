@@ -17,13 +17,14 @@ import httpx
 import psycopg
 import pytest
 
+import harness
 from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
-    read_jsonl,
     sse_event_types,
     sse_post,
+    turnguard_events,
     wait_until,
 )
 
@@ -36,15 +37,12 @@ ONCE = "server_anchored_replay_once"
 SNAPSHOT_SQL = "SELECT o.state, o.fingerprint, o.current_attempt%"
 
 
-def guarded(tmp_path, up, name: str, ledger: str, *, prefix=None, **options) -> Mitmdump:
-    opts = {"turnguard_ledger": ledger, "turnguard_events": str(tmp_path / f"{name}-events.jsonl")}
-    opts.update(options)
-    return Mitmdump(tmp_path, up.url, options=opts, name=name, prefix=prefix)
+def guarded(tmp_path, up, name: str, ledger: str, **options) -> Mitmdump:
+    """mitmdump + turnguard on the PostgreSQL ledger ``ledger`` (a URL)."""
+    return harness.guarded(tmp_path, up, name, ledger=ledger, **options)
 
 
-def events(tmp_path, name: str, kind: str | None = None) -> list[dict]:
-    return [r for r in read_jsonl(tmp_path / f"{name}-events.jsonl")
-            if kind is None or r["event"] == kind]
+events = turnguard_events
 
 
 def rows(url: str, sql: str, args=()) -> list[tuple]:

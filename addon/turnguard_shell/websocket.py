@@ -34,11 +34,10 @@ from typing import TYPE_CHECKING
 from mitmproxy import ctx, http
 
 from turnguard_core import answers, circuit, identity, machine, negotiation, ws
-from turnguard_core.codec import BoundedCodec
 from turnguard_core.ending import EndFacts
 
 from . import flows
-from .answering import MAX_GUARDED_BODY, MAX_RECODED_BODY
+from .answering import MAX_GUARDED_BODY, negotiated
 
 if TYPE_CHECKING:
     from .inflight import Attempt
@@ -325,19 +324,13 @@ async def _recorded_frames(rec, request_headers) -> tuple[list[str] | None, str 
     """The recording's events as frames, decoded when it was recorded with a content coding;
     or None and why it cannot be replayed on a WebSocket."""
     headers = tuple((k, v) for k, v in request_headers if k.lower() != "accept-encoding")
-    how = negotiation.plan(rec.headers, rec.vary_key, (*headers, ("accept-encoding", "identity")))
-    body, served = rec.body, rec.headers
-    if isinstance(how, negotiation.Recode):
-        how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
-                                      BoundedCodec(MAX_RECODED_BODY))
-        if isinstance(how, negotiation.Serve):
-            body, served = how.body, how.headers
+    how = await negotiated(rec, (*headers, ("accept-encoding", "identity")))
     if isinstance(how, negotiation.Decline):
         return None, how.reason
-    content_type = next((v for k, v in served if k.lower() == "content-type"), "")
+    content_type = next((v for k, v in how.headers if k.lower() == "content-type"), "")
     if not content_type.lower().startswith("text/event-stream"):
         return None, "not an event stream"
-    frames = ws.frames_of_recording(body[:MAX_GUARDED_BODY])
+    frames = ws.frames_of_recording(how.body[:MAX_GUARDED_BODY])
     return (frames, None) if frames is not None else (None, "events not readable as frames")
 
 
