@@ -134,8 +134,10 @@ def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
     i = ident(1)
     claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
     led._doubtful_claims.append(claim.attempt_id)  # as if the COMMIT's answer had been lost
+    # this test's database only: other tests (other workers) share the server
     sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
-                " application_name='turnguard' AND pid<>pg_backend_pid()")
+                " application_name='turnguard' AND datname=current_database()"
+                " AND pid<>pg_backend_pid()")
     with pytest.raises(LedgerError):
         led.snapshot(i.op_key)  # the broken connection is noticed
     assert led.snapshot(i.op_key).state == "rejected"  # reconnected, and given back first
@@ -193,7 +195,7 @@ async def test_other_processes_attempt_ends_are_notified_and_the_fallback_is_pol
         assert ended == [(i.op_key, claim.attempt_id, "unknown")]
         # the listener's connection is lost: polling until it is back, then one re-check
         sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name='turnguard-listen'")
+                    " WHERE application_name='turnguard-listen' AND datname=current_database()")
         await _until(lambda: not store.attempt_ends_notified)
         await _until(lambda: store.attempt_ends_notified)
         assert store.recheck_foreign
