@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sqlite3
 import subprocess
 
-from harness import (REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
+from harness import (ADDON, REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
                      parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
@@ -364,3 +365,37 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
             timeout=20, what="the attempt recorded after the lock")
         assert rows == [("ws", "completed"), ("ws", "completed")]
         assert len(up.dispatches()) == 2
+
+
+def test_a_script_reload_mid_call_hands_the_socket_and_its_attempt_over(tmp_path):
+    """mitmproxy reloads a changed script while a call is in flight on a socket: the new addon
+    instance gets the socket's remaining events, records the attempt's end (a retry on a new
+    socket is replayed) and guards the socket's next call."""
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, addon=script) as p:
+        async def reload_mid_call():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("reloaded")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                await asyncio.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                os.utime(script)
+                await asyncio.to_thread(wait_until, lambda: p.log_text().count(
+                    "turnguard: running") >= 2, 15, what="the script reloaded")
+                first = await c.response()
+                await c.send(call([user("after the reload")], seed=2))
+                return first, await c.response()
+
+        first, after = asyncio.run(reload_mid_call())
+        assert types(first)[-1] == types(after)[-1] == "response.completed"
+        ledger = tmp_path / "ledger.sqlite3"
+        wait_until(lambda: ledger_query(ledger, "SELECT transport, outcome FROM attempts") == [
+            ("ws", "completed"), ("ws", "completed")], 10, what="both ends recorded")
+        again = asyncio.run(one_call(p.url, call([user("reloaded")], seed=3)))
+        assert again == first and len(ws_dispatches(up)) == 2
+        assert_no_traceback(p.log_text())
