@@ -399,3 +399,26 @@ def test_a_script_reload_mid_call_hands_the_socket_and_its_attempt_over(tmp_path
         again = asyncio.run(one_call(p.url, call([user("reloaded")], seed=3)))
         assert again == first and len(ws_dispatches(up)) == 2
         assert_no_traceback(p.log_text())
+
+
+def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path):
+    """A socket's handshake carries the call's principal and session: the same call sent with
+    another key, another credential header or another session is another operation."""
+    others = [{"authorization": "Bearer sk-someone-else"},
+              {"x-api-key": "k2"},
+              {"session-id": "another-session"}]
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("mine")], seed=1)
+        first = asyncio.run(one_call(p.url, frame))
+
+        async def as_other(headers):
+            async with WsClient.connect(p.url, headers={**HEADERS, **headers}) as c:
+                await c.send(frame)
+                return await c.response()
+
+        for headers in others:
+            got = asyncio.run(as_other(headers))
+            assert types(got)[-1] == "response.completed"
+            assert got[-1]["response"]["id"] != first[-1]["response"]["id"]
+        assert len(ws_dispatches(up)) == 1 + len(others)
+        assert events(tmp_path, "duplicate_replayed") == []
