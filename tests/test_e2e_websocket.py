@@ -422,3 +422,27 @@ def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path
             assert got[-1]["response"]["id"] != first[-1]["response"]["id"]
         assert len(ws_dispatches(up)) == 1 + len(others)
         assert events(tmp_path, "duplicate_replayed") == []
+
+
+def test_a_frame_behind_a_response_that_never_ends_waits_no_longer_than_the_budget(tmp_path):
+    """The client sends its next frame while the socket's response has stalled after some
+    output: past the request budget turnguard lets the socket go (the frame goes upstream
+    untouched, the stalled attempt is recorded) instead of holding the frame for ever."""
+    scenario = {"sequence": [{"kind": "partial", "events": 3, "end": "stall", "stall_ms": 6000}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_request_budget_ms=1500) as p:
+        async def pipelined():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("stalls")], seed=1))
+                await c.send(call([user("next")], seed=2))
+                await asyncio.to_thread(wait_until, lambda: any(
+                    "did not end within" in e["reason"]
+                    for e in events(tmp_path, "passthrough")), 10, what="the socket let go")
+                c.abort()
+
+        asyncio.run(pipelined())
+        outcome = wait_until(lambda: events(tmp_path, "outcome"), what="the stalled attempt")
+        assert [(o["transport"], o["outcome"]) for o in outcome] == [("ws", "partial")]
+        assert len(ws_dispatches(up)) == 1
+        assert_no_traceback(p.log_text())
