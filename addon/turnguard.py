@@ -65,6 +65,8 @@ class TurnGuard:
             instance_id=process.instance_id, identity=process.identity, emit=self._emit,
             memory=process.memory, kept=process.kept_writes, attempts=lambda: self.inflight,
             on_reregistered=lambda incarnation: self.sessions.forget_all(),
+            on_attempt_ended=lambda op_key, attempt_id, state: self.waiters.attempt_ended_elsewhere(
+                op_key, attempt_id, state),
         )
         self.inflight = InFlight(process, self.store, self.waiters, self.explainer, self._emit,
                                  lambda: self.settings)
@@ -141,7 +143,7 @@ class TurnGuard:
         self._running = True
         if not self.refused:
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
-                        self.instance_id, self.settings.recovery_mode, self.store.path)
+                        self.instance_id, self.settings.recovery_mode, self.store.location)
 
     def done(self) -> None:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
@@ -247,7 +249,8 @@ class TurnGuard:
         if isinstance(state, machine.WaitCooldown):
             return await self.waiters.cooldown(flow, key, ident.op_key, ident.session,
                                                state.epoch, state.wait_s)
-        # an attempt of another process is polled for; this process's wakes its waiters
+        # an attempt of another process is notified (PostgreSQL) or polled for; this
+        # process's wakes its waiters
         foreign = None if self.inflight.is_local(ident.op_key) else (state.attempt_id or 0)
         return await self.waiters.duplicate(flow, key, ident.op_key, foreign,
                                             state.deadline - time.monotonic())

@@ -18,7 +18,8 @@ import hypothesis_profiles  # noqa: E402
 hypothesis_profiles.load_from_environment()
 
 # Every module's tier, one marker per test:
-#   unit   pure code, the ledger on a temporary file, the mock's parts: no proxy, no server
+#   unit   pure code, the ledger on a temporary file (or the test PostgreSQL server), the
+#          mock's parts: no proxy
 #   addon  the TurnGuard addon in-process, under mitmproxy's taddons
 #   e2e    real mitmdump processes in front of the mock upstream
 #   tools  scripts/: the mock upstream as a process, the benchmark, the reproduction toolkit,
@@ -30,15 +31,15 @@ TIERS = {
     "unit": {
         "test_circuit", "test_degraded", "test_identity", "test_ledger", "test_liveness",
         "test_machine", "test_mock_parts", "test_negotiation", "test_offload", "test_ops",
-        "test_options", "test_outage_machine", "test_policy", "test_private_files",
+        "test_options", "test_outage_machine", "test_pg_store", "test_policy",
+        "test_private_files",
         "test_recovery_machine", "test_sse", "test_tee", "test_ws",
     },
     "addon": {"test_addon", "test_control", "test_metrics", "test_proxy_internals"},
     "e2e": {
         "test_at_most_once", "test_crash", "test_e2e_circuit", "test_e2e_control",
-        "test_e2e_guard", "test_e2e_http2", "test_e2e_metrics", "test_e2e_websocket",
-        "test_hostile",
-        "test_isolation", "test_ledger_faults", "test_load", "test_security", "test_startup",
+        "test_e2e_guard", "test_e2e_http2", "test_e2e_metrics", "test_e2e_postgres",
+        "test_e2e_websocket", "test_hostile", "test_isolation", "test_ledger_faults", "test_load", "test_security", "test_startup",
     },
     "tools": {
         "test_bench", "test_mock_upstream", "test_repro_capture", "test_repro_models",
@@ -95,3 +96,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("turnguard end-to-end results")
         for line in sorted(lines):
             terminalreporter.write_line(line)
+
+
+# PostgreSQL: the throwaway server, a database per test, both stores as backends (pg_fixtures.py)
+from pg_fixtures import ledger_backend, own_pg, pg_server_url, pg_url  # noqa: E402,F401

@@ -264,14 +264,15 @@ def guarded(
     up: MockUpstream,
     name: str = "mitmdump",
     *,
-    ledger: Path | None = None,
+    ledger: Path | str | None = None,
     addon: bool | Path = True,
     prefix: list[str] | None = None,
     **options: object,
 ) -> Mitmdump:
-    """mitmdump + turnguard in front of ``up``: its ledger ``tmp_path/ledger.sqlite3`` (or
-    ``ledger``; processes of one test share it), its events ``tmp_path/<name>-events.jsonl``
-    (``turnguard_events``), and ``options`` (which may override both)."""
+    """mitmdump + turnguard in front of ``up``: its ledger ``tmp_path/ledger.sqlite3`` (or a
+    path or PostgreSQL URL ``ledger``; processes of one test share it), its events
+    ``tmp_path/<name>-events.jsonl`` (``turnguard_events``), and ``options`` (which may
+    override both)."""
     opts: dict[str, object] = {
         "turnguard_ledger": str(ledger or tmp_path / "ledger.sqlite3"),
         "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),

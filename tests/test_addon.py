@@ -694,7 +694,8 @@ async def test_at_start_up_a_bad_option_is_one_error_line_and_turnguard_stays_of
         tctx.options.update(turnguard_recovery_mode="maybe")
         with caplog.at_level(logging.ERROR, logger="turnguard"):
             tctx.master.addons.invoke_addon_sync(tg, hooks.ConfigureHook(set(tctx.options.keys())))
-        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        errors = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.ERROR and r.name == "turnguard"]
         assert len(errors) == 1 and "turnguard_recovery_mode" in errors[0] and "'maybe'" in errors[0]
         assert all(r.exc_info is None for r in caplog.records)
         assert tg.refused and not tg.store.is_open
@@ -714,7 +715,8 @@ async def test_a_deferred_turnguard_option_with_a_typo_or_a_bad_type_is_reported
                          "turnguard_replay=false", defer=True)
         with caplog.at_level(logging.ERROR, logger="turnguard"):
             tctx.master.addons.register(tg)
-        errors = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+        errors = sorted(r.getMessage() for r in caplog.records
+                        if r.levelno == logging.ERROR and r.name == "turnguard")
         assert len(errors) == 2
         assert "turnguard_hold_timeout_ms=abc is not an integer" in errors[0]
         assert "unknown option turnguard_holdtimeout_ms=5 (did you mean turnguard_hold_timeout_ms?)" in errors[1]

@@ -3,12 +3,14 @@
 Every assertion counts what the upstream saw (its dispatch log) and what each client got."""
 
 import asyncio
+import gzip
 import json
 import os
 import sqlite3
 import stat
 import subprocess
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,6 +23,7 @@ from harness import (
     asse_post,
     guarded,
     response_id,
+    rss_kb,
     sse_event_types,
     sse_post,
     turnguard_events,
@@ -263,3 +266,26 @@ def test_invalid_options_stop_mitmdump_with_a_clear_message(tmp_path, option, me
     )
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+def test_a_compressed_body_is_guarded_and_a_decompression_bomb_passes_untouched(tmp_path):
+    """A gzip-encoded request is identified by its decoded body (its duplicate is replayed);
+    one that decodes to more than turnguard guards (a bomb) is forwarded untouched without
+    being decoded whole: mitmdump's memory stays far below what it would decode to."""
+    body = json.dumps({**BODY, "input": "compressed"}).encode()
+    coded = {**HEADERS, "content-encoding": "gzip", "content-type": "application/json"}
+    bomb = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    bomb_body = b"".join(bomb.compress(zeros) for _ in range(512)) + bomb.flush()  # 512 MiB
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        first = sse_post(proxy.url, body=gzip.compress(body), headers=coded)
+        again = sse_post(proxy.url, body=gzip.compress(body, mtime=1), headers=coded)
+        assert first[0] == again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        rss_before = rss_kb(proxy.pid)
+        status, headers, _ = sse_post(proxy.url, body=bomb_body, headers=coded)
+        assert status == 400 and "x-turnguard" not in headers  # the mock's answer to its bytes
+        reasons = [e["reason"] for e in turnguard_events(tmp_path, kind="passthrough")]
+        assert reasons == ["body could not be decoded"]
+        assert rss_kb(proxy.pid) - rss_before < 256 * 1024  # never decoded whole (512 MiB)
+        assert_no_traceback(proxy.log_text())

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sqlite3
 import subprocess
 
-from harness import (REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
+from harness import (ADDON, REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
                      parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
@@ -364,3 +365,84 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
             timeout=20, what="the attempt recorded after the lock")
         assert rows == [("ws", "completed"), ("ws", "completed")]
         assert len(up.dispatches()) == 2
+
+
+def test_a_script_reload_mid_call_hands_the_socket_and_its_attempt_over(tmp_path):
+    """mitmproxy reloads a changed script while a call is in flight on a socket: the new addon
+    instance gets the socket's remaining events, records the attempt's end (a retry on a new
+    socket is replayed) and guards the socket's next call."""
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, addon=script) as p:
+        async def reload_mid_call():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("reloaded")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                await asyncio.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                os.utime(script)
+                await asyncio.to_thread(wait_until, lambda: p.log_text().count(
+                    "turnguard: running") >= 2, 15, what="the script reloaded")
+                first = await c.response()
+                await c.send(call([user("after the reload")], seed=2))
+                return first, await c.response()
+
+        first, after = asyncio.run(reload_mid_call())
+        assert types(first)[-1] == types(after)[-1] == "response.completed"
+        ledger = tmp_path / "ledger.sqlite3"
+        wait_until(lambda: ledger_query(ledger, "SELECT transport, outcome FROM attempts") == [
+            ("ws", "completed"), ("ws", "completed")], 10, what="both ends recorded")
+        again = asyncio.run(one_call(p.url, call([user("reloaded")], seed=3)))
+        assert again == first and len(ws_dispatches(up)) == 2
+        assert_no_traceback(p.log_text())
+
+
+def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path):
+    """A socket's handshake carries the call's principal and session: the same call sent with
+    another key, another credential header or another session is another operation."""
+    others = [{"authorization": "Bearer sk-someone-else"},
+              {"x-api-key": "k2"},
+              {"session-id": "another-session"}]
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("mine")], seed=1)
+        first = asyncio.run(one_call(p.url, frame))
+
+        async def as_other(headers):
+            async with WsClient.connect(p.url, headers={**HEADERS, **headers}) as c:
+                await c.send(frame)
+                return await c.response()
+
+        for headers in others:
+            got = asyncio.run(as_other(headers))
+            assert types(got)[-1] == "response.completed"
+            assert got[-1]["response"]["id"] != first[-1]["response"]["id"]
+        assert len(ws_dispatches(up)) == 1 + len(others)
+        assert events(tmp_path, "duplicate_replayed") == []
+
+
+def test_a_frame_behind_a_response_that_never_ends_waits_no_longer_than_the_budget(tmp_path):
+    """The client sends its next frame while the socket's response has stalled after some
+    output: past the request budget turnguard lets the socket go (the frame goes upstream
+    untouched, the stalled attempt is recorded) instead of holding the frame for ever."""
+    scenario = {"sequence": [{"kind": "partial", "events": 3, "end": "stall", "stall_ms": 6000}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_request_budget_ms=1500) as p:
+        async def pipelined():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("stalls")], seed=1))
+                await c.send(call([user("next")], seed=2))
+                await asyncio.to_thread(wait_until, lambda: any(
+                    "did not end within" in e["reason"]
+                    for e in events(tmp_path, "passthrough")), 10, what="the socket let go")
+                c.abort()
+
+        asyncio.run(pipelined())
+        outcome = wait_until(lambda: events(tmp_path, "outcome"), what="the stalled attempt")
+        assert [(o["transport"], o["outcome"]) for o in outcome] == [("ws", "partial")]
+        assert len(ws_dispatches(up)) == 1
+        assert_no_traceback(p.log_text())

@@ -523,33 +523,6 @@ def test_encoded_sse_passes_unchanged_and_replays(rig, encoding):
 # Traffic turnguard does not guard: WebSocket upgrades, GET, HEAD
 
 
-def test_websocket_upgrade_passes(rig):
-    key = base64.b64encode(os.urandom(16)).decode()
-    with socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=15) as s:
-        s.sendall(
-            f"GET /v1/realtime?model=m HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-            "authorization: Bearer sk-ws\r\n\r\n".encode()
-        )
-        f = s.makefile("rb")
-        status = f.readline()
-        assert status.startswith(b"HTTP/1.1 101"), status
-        for _ in range(50):  # bounded: headers until the blank line
-            if f.readline() in (b"\r\n", b""):
-                break
-        for payload in (b"hello turnguard", os.urandom(70_000)):
-            opcode = 1 if payload.isascii() else 2
-            s.sendall(_ws_frame(opcode, payload))
-            b0, b1 = f.read(2)
-            n = b1 & 0x7F
-            if n == 126:
-                n = struct.unpack("!H", f.read(2))[0]
-            elif n == 127:
-                n = struct.unpack("!Q", f.read(8))[0]
-            assert (b0 & 0x0F, f.read(n)) == (opcode, payload)
-        s.sendall(_ws_frame(8, struct.pack("!H", 1000)))
-
-
 def _ws_open(rig, path: str) -> tuple[socket.socket, object]:
     key = base64.b64encode(os.urandom(16)).decode()
     s = socket.create_connection(("127.0.0.1", rig.proxy.port), timeout=15)
@@ -575,6 +548,16 @@ def _ws_read(f) -> tuple[int, bytes]:
     elif n == 127:
         n = struct.unpack("!Q", f.read(8))[0]
     return b0 & 0x0F, f.read(n)
+
+
+def test_websocket_upgrade_passes(rig):
+    s, f = _ws_open(rig, "/v1/realtime?model=m")
+    with s:
+        for payload in (b"hello turnguard", os.urandom(70_000)):
+            opcode = 1 if payload.isascii() else 2
+            s.sendall(_ws_frame(opcode, payload))
+            assert _ws_read(f) == (opcode, payload)
+        s.sendall(_ws_frame(8, struct.pack("!H", 1000)))
 
 
 def test_hostile_frames_on_a_guarded_websocket_pass_untouched(rig):

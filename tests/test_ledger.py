@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from hypothesis_profiles import examples
 from turnguard_core import identity, policy
@@ -91,16 +91,16 @@ def test_a_version_1_ledger_migrates_and_keeps_its_recordings(tmp_path):
     assert led.integrity_check() == "ok"
 
 
-def test_the_vary_key_is_kept_with_the_recording(tmp_path):
-    led = open_ledger(tmp_path / "l.sqlite3")
+def test_the_vary_key_is_kept_with_the_recording(ledger_backend):
+    led = ledger_backend.open("a")
     d = admit(led, ident({"a": 1}))
     rec = Recording(200, (("vary", "x-tenant"),), b"body", "k" * 64)
     led.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, rec), now=1001.0)
     assert led.recording(d.attempt_id) == rec
 
 
-def test_a_later_completion_without_a_recording_never_replays_an_older_one(tmp_path):
-    led = open_ledger(tmp_path / "l.sqlite3")
+def test_a_later_completion_without_a_recording_never_replays_an_older_one(ledger_backend):
+    led = ledger_backend.open("a")
     i = ident({"a": 1})
     first = admit(led, i)
     rec = Recording(200, (), b"old answer")
@@ -133,9 +133,9 @@ def test_future_schema_and_garbage_file_raise_ledger_error(tmp_path):
         open_ledger(junk)
 
 
-def test_claim_hold_finish_replay_cycle(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")
+def test_claim_hold_finish_replay_cycle(ledger_backend):
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
     i = ident({"input": "hi"})
     d = admit(a, i)
     assert isinstance(d, policy.Dispatch) and d.kind == "original" and d.attempt_id
@@ -149,8 +149,8 @@ def test_claim_hold_finish_replay_cycle(tmp_path):
     assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0).applied
 
 
-def test_failed_attempt_is_retried_once_at_a_time(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
+def test_failed_attempt_is_retried_once_at_a_time(ledger_backend):
+    a = ledger_backend.open("a")
     i = ident({"input": "x"})
     d = admit(a, i)
     a.finish(d.attempt_id, AttemptEnd("rejected", 429, 0), now=1001.0)
@@ -161,17 +161,17 @@ def test_failed_attempt_is_retried_once_at_a_time(tmp_path):
     assert [x["outcome"] for x in op["attempt_rows"]] == ["rejected", "in_flight"]
 
 
-def test_idempotency_key_conflict(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3")
+def test_idempotency_key_conflict(ledger_backend):
+    a = ledger_backend.open("a")
     d = admit(a, ident({"n": 1}, idem="k"))
     assert isinstance(d, policy.Dispatch)
     assert admit(a, ident({"n": 2}, idem="k")) == policy.Conflict()
     assert isinstance(admit(a, ident({"n": 2}, idem="k", auth="Bearer other")), policy.Dispatch)
 
 
-def test_reap_dead_instance(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")
+def test_reap_dead_instance(ledger_backend):
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
     i1, i2 = ident({"n": 1}), ident({"n": 2})
     d1, d2 = admit(a, i1), admit(a, i2)
     a.first_event(d2.attempt_id)
@@ -190,22 +190,22 @@ def test_reap_dead_instance(tmp_path):
         ("unknown", "completed"), ("in_flight", None)]
 
 
-def test_a_reaped_instance_reregisters_at_its_next_heartbeat_under_a_new_incarnation(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")
+def test_a_reaped_instance_reregisters_at_its_next_heartbeat_under_a_new_incarnation(ledger_backend):
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
     admit(a, ident({"n": 1}))
     assert a.heartbeat(1001.0) == "renewed" and a.incarnation == 1
     b.reap_instance("a", now=1002.0)
     assert a.heartbeat(1003.0) == "reregistered" and a.incarnation == 2
     assert a.heartbeat(1004.0) == "renewed"
     # a reload of the same process (same instance id) keeps its incarnation
-    again = open_ledger(tmp_path / "l.sqlite3", "a", now=1005.0)
+    again = ledger_backend.open("a", 1005.0)
     assert again.incarnation == 2
 
 
-def test_a_reap_judged_by_the_lease_does_not_happen_once_the_instance_came_back(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")
+def test_a_reap_judged_by_the_lease_does_not_happen_once_the_instance_came_back(ledger_backend):
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
     i = ident({"n": 1})
     admit(a, i)
     [peer] = b.peers_with_attempts_in_flight()  # judged: heartbeat 1000 is older than 1200
@@ -235,8 +235,8 @@ def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_p
         a.heartbeat(1001.0)
 
 
-def test_a_spent_once_claim_outlives_retention_as_a_tombstone(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
+def test_a_spent_once_claim_outlives_retention_as_a_tombstone(ledger_backend):
+    a = ledger_backend.open("a")
     i = ident({"n": 1}, turn_state="ts")
     owner, _ = a.claim_session(i.session, now=1000.0, lease_s=1e9, new_id="d")
     d = a.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id=None,
@@ -252,17 +252,15 @@ def test_a_spent_once_claim_outlives_retention_as_a_tombstone(tmp_path):
     assert again == policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
 
 
-def test_garbage_collection_purges_ended_operations_and_spool(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3")
+def test_garbage_collection_purges_ended_operations_and_spool(ledger_backend):
+    a = ledger_backend.open("a")
     i = ident({"n": 1})
     d = admit(a, i)
     a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x")), now=1001.0)
     assert a.collect_garbage(now=1001.0 + 100, retention_s=3600, instance_stale_s=30) == 0
     assert a.collect_garbage(now=1001.0 + 3601, retention_s=3600, instance_stale_s=30) == 1
-    db = sqlite3.connect(tmp_path / "l.sqlite3")
-    assert db.execute("SELECT COUNT(*) FROM spool").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM operations").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 0
+    for table in ("spool", "operations", "attempts"):
+        assert ledger_backend.rows(f"SELECT COUNT(*) FROM {table}") == [(0,)]
 
 
 def test_locked_database_raises_ledger_error(tmp_path):
@@ -280,6 +278,10 @@ def test_locked_database_raises_ledger_error(tmp_path):
 
 
 def _race(path: str, name: str, bodies: list[dict], out):
+    if path.startswith("postgresql://"):
+        from turnguard_core.pg_ledger import PgLedger as Ledger
+    else:
+        from turnguard_core.ledger import Ledger
     led = Ledger(path, name, busy_timeout_ms=20000)
     led.open(1000.0)
     wins = 0
@@ -289,9 +291,9 @@ def _race(path: str, name: str, bodies: list[dict], out):
     out.put(wins)
 
 
-def test_claims_are_exactly_once_across_processes(tmp_path):
-    path = str(tmp_path / "l.sqlite3")
-    open_ledger(path).close()
+def test_claims_are_exactly_once_across_processes(ledger_backend):
+    path = ledger_backend.location
+    ledger_backend.open("a").close()
     bodies = [{"n": n} for n in range(200)]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -302,20 +304,19 @@ def test_claims_are_exactly_once_across_processes(tmp_path):
     for p in procs:
         p.join(timeout=30)
     assert sum(wins) == 200
-    db = sqlite3.connect(path)
-    assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 200
+    assert ledger_backend.rows("SELECT COUNT(*) FROM attempts") == [(200,)]
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Two processes (connections) on one ledger against a dict model of the operations."""
+    """Two processes (connections) on one ledger against a dict model of the operations; run
+    against each store (``ledger_backend``: SQLite and PostgreSQL)."""
+
+    backend = None  # set by test_ledger_machine before each run
 
     def __init__(self):
         super().__init__()
-        import tempfile
-
-        self.dir = tempfile.TemporaryDirectory()
-        path = os.path.join(self.dir.name, "l.sqlite3")
-        self.procs = {n: open_ledger(path, n) for n in ("a", "b")}
+        self.backend.fresh()
+        self.procs = {n: self.backend.open(n) for n in ("a", "b")}
         self.now = 1000.0
         self.model: dict[str, dict] = {}  # op_key -> {"state", "attempt", "owner", "ended", "rec"}
         self.open_attempts: dict[int, tuple[str, str]] = {}  # attempt -> (op_key, owner)
@@ -323,7 +324,6 @@ class LedgerMachine(RuleBasedStateMachine):
     def teardown(self):
         for led in self.procs.values():
             led.close()
-        self.dir.cleanup()
 
     @rule(proc=st.sampled_from("ab"), n=st.integers(0, 3))
     def admit_request(self, proc, n):
@@ -372,17 +372,17 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def at_most_one_attempt_in_flight_per_operation(self):
-        db = sqlite3.connect(os.path.join(self.dir.name, "l.sqlite3"))
-        rows = db.execute(
-            "SELECT op_key, COUNT(*) FROM attempts WHERE outcome='in_flight' GROUP BY op_key"
-        ).fetchall()
-        db.close()
+        rows = self.backend.rows(
+            "SELECT op_key, COUNT(*) FROM attempts WHERE outcome='in_flight' GROUP BY op_key")
         assert all(n == 1 for _, n in rows)
         assert sum(n for _, n in rows) == len(self.open_attempts)
 
 
-TestLedgerMachine = LedgerMachine.TestCase
-TestLedgerMachine.settings = settings(max_examples=examples(40), stateful_step_count=30, deadline=None)
+def test_ledger_machine(ledger_backend):
+    """The claims' state machine, on each store."""
+    LedgerMachine.backend = ledger_backend
+    run_state_machine_as_test(
+        LedgerMachine, settings=settings(max_examples=examples(40), stateful_step_count=30, deadline=None))
 
 
 def test_garbage_collection_keeps_live_circuits_and_sessions(tmp_path):
@@ -405,11 +405,11 @@ def test_garbage_collection_keeps_live_circuits_and_sessions(tmp_path):
     assert [r[0] for r in db.execute("SELECT session FROM sessions")] == ["s"]
 
 
-def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(tmp_path):
+def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(ledger_backend):
     from turnguard_core import circuit
 
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")  # another process sees the same circuit
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")  # another process sees the same circuit
     cfg = circuit.CircuitConfig(threshold=2, cooldown_s=60, cooldown_max_s=600)
     i = ident({"n": 1})
 
@@ -433,9 +433,9 @@ def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(tmp_path)
     assert reset.transition == "reset" and b.circuit_state("session:x").remaining_s(1063.0) == 0
 
 
-def test_session_ownership_is_fenced_by_epoch(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3", "a")
-    b = open_ledger(tmp_path / "l.sqlite3", "b")
+def test_session_ownership_is_fenced_by_epoch(ledger_backend):
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
     row, result = a.claim_session("s", now=1000.0, lease_s=10, new_id="d1")
     assert result == "created" and row.owner_epoch == 1
     assert b.claim_session("s", now=1005.0, lease_s=10, new_id="d2")[1] == "owned_by_other"
@@ -515,8 +515,9 @@ def test_a_second_connection_in_the_same_process_keeps_the_first_ones_locks(tmp_
     assert count_elsewhere() == 2
 
 
-def test_recordings_past_the_replay_window_are_purged_unless_an_idempotency_key_keeps_them(tmp_path):
-    a = open_ledger(tmp_path / "l.sqlite3")
+def test_recordings_past_the_replay_window_are_purged_unless_an_idempotency_key_keeps_them(
+        ledger_backend):
+    a = ledger_backend.open("a")
     plain, keyed = ident({"n": "plain"}), ident({"n": "keyed"}, idem="k-1")
     for i in (plain, keyed):
         d = admit(a, i)
@@ -525,12 +526,12 @@ def test_recordings_past_the_replay_window_are_purged_unless_an_idempotency_key_
     assert a.purge_recordings(now=1001.0 + 299, window_s=300) == 0  # within the window
     assert isinstance(admit(a, plain, now=1001.0 + 299), policy.Replay)
     assert a.purge_recordings(now=1001.0 + 301, window_s=300) == 1
-    db = sqlite3.connect(tmp_path / "l.sqlite3")
-    kept = db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
-    assert kept == 1  # the Idempotency-Key's recording, replayed for the retention
+    # the Idempotency-Key's recording is kept, replayed for the retention
+    assert ledger_backend.rows("SELECT COUNT(*) FROM spool") == [(1,)]
     assert isinstance(admit(a, keyed, now=1001.0 + 301), policy.Replay)
     assert isinstance(admit(a, plain, now=1001.0 + 301), policy.Dispatch)  # as without a purge
-    assert db.execute("SELECT COUNT(*) FROM attempts WHERE headers IS NOT NULL").fetchone()[0] == 1
+    assert ledger_backend.rows(
+        "SELECT COUNT(*) FROM attempts WHERE headers IS NOT NULL") == [(1,)]
 
 
 def test_a_replay_or_a_hold_is_decided_without_the_write_lock(tmp_path):
@@ -619,3 +620,13 @@ async def test_a_heavy_deferred_write_runs_on_the_ledgers_thread_and_keeps_the_o
     assert ran_on[0].startswith("turnguard-ledger")
     assert len((await runner.call(lambda led: led.recording(d.attempt_id))).body) == 1 << 20
     runner.close()
+
+
+def test_an_attempt_end_whose_detail_holds_a_nul_is_recorded(ledger_backend):
+    """An error text may carry any character; the end must land (a write that cannot land is
+    kept and retried for ever), on either store."""
+    led = ledger_backend.open("a")
+    d = admit(led, ident({"nul": 1}))
+    assert led.finish(d.attempt_id, AttemptEnd("unknown", None, 0, "reset\x00by peer"),
+                      now=1001.0).applied
+    assert led.snapshot(ident({"nul": 1}).op_key).state == "unknown"

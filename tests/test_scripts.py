@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import stat
@@ -45,9 +46,18 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below Linux's ephemeral range (32768-60999), so that no connection
+    or port-0 listener of a parallel test (or the proxy's own mock) takes it before it is used."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free loopback port in 20000-32000 after 200 tries")
 
 
 def _processes_mentioning(needle: str) -> dict[int, str]:

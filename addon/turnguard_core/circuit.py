@@ -9,6 +9,8 @@ Rules:
   connection error) adds one failure; at ``threshold`` failures the circuit opens for
   ``cooldown_s``, and each further failure re-opens it for twice as long, up to ``cooldown_max_s``;
 - a completed response resets it;
+- a failure never moves an open cooldown's end earlier: processes sharing a ledger (other hosts,
+  other clocks, another ``turnguard_cooldown_ms``) can lengthen a cooldown, never shorten it;
 - other outcomes (rejected, partial, a client that went away) leave it as it is;
 - the cooldown is an absolute time, so one that elapsed while no process was running is over:
   nothing starts a new one until a new failure arrives.
@@ -65,7 +67,10 @@ def record_outcome(
     if failures < cfg.threshold:
         return CircuitState(failures, state.open_until, state.cooldown_s), None
     cooldown = cooldown_for(failures, cfg)
-    return CircuitState(failures, now + cooldown, cooldown), "opened"
+    open_until = now + cooldown
+    if state.open_until is not None and state.open_until > open_until:
+        open_until = state.open_until  # another process's longer cooldown stands
+    return CircuitState(failures, open_until, cooldown), "opened"
 
 
 def circuit_scope(session: str | None, scope: str, route: str) -> str:

@@ -12,7 +12,12 @@
 - its lifecycle: opening (and re-opening after a fault), the heartbeat thread, a ledger file
   deleted or replaced under the process (an outage, never an empty ledger: this process's
   attempts in flight are registered in the new file before decisions read it), a
-  registration that a peer reaped.
+  registration that a peer reaped;
+- which ledger: ``turnguard_ledger`` names an SQLite file, or a PostgreSQL database
+  (``postgresql://...``) shared by several hosts. On PostgreSQL, the ends of other processes'
+  attempts are notified (``pg_ledger.AttemptEndListener``, LISTEN/NOTIFY) and handed to
+  ``on_attempt_ended``, so duplicates held on them are woken without polling;
+  ``attempt_ends_notified`` says whether that works now (else the ticker polls).
 
 Outages are said once each (``ledger_unavailable`` ... ``ledger_recovered``) through ``emit``.
 """
@@ -33,6 +38,7 @@ from .identity import Identity
 from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
+from .ledger_location import display, is_postgres
 from .ledger_runner import LedgerRunner, LedgerTimeout
 from .store import (
     DuplicatesWrite,
@@ -40,7 +46,7 @@ from .store import (
     FirstEventWrite,
     OfflineEndWrite,
     GiveBackWrite,
-    SqliteStore,
+    LedgerStore,
     Store,
     Write,
 )
@@ -96,12 +102,36 @@ class Unread:
 UNREAD = Unread()
 
 
+class Listener(Protocol):
+    """What the store needs of a notification listener (``pg_ledger.AttemptEndListener``)."""
+
+    live: bool
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class _Opened:
+    """An open ledger: the store, its heartbeat and (PostgreSQL) its attempt-end listener."""
+
+    store: Store
+    heartbeat: Heartbeat
+    listener: Listener | None = None
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.stop()
+        self.heartbeat.stop()
+        self.store.close()
+
+
 class FailoverStore:
     def __init__(
         self, *, instance_id: str, identity: liveness.ProcessIdentity, emit: Emit,
         memory: MemoryStore, kept: collections.deque[KeptWrite],
         attempts: Callable[[], Iterable[AttemptInFlight]],
         on_reregistered: Callable[[int], None],
+        on_attempt_ended: Callable[[str, int, str], None] | None = None,
     ):
         self._instance_id = instance_id
         self._identity = identity
@@ -110,8 +140,13 @@ class FailoverStore:
         self._kept = kept  # outlives a script reload, with the attempts it concerns
         self._attempts = attempts
         self._on_reregistered = on_reregistered
+        self._on_attempt_ended = on_attempt_ended
         self._store: Store | None = None
         self._heartbeat: Heartbeat | None = None
+        self._listener: Listener | None = None
+        self.recheck_foreign = False  # notifications resumed: ends may have been missed
+        self._notifications_lost = False
+        self.polls = 0  # operations read to learn whether another process's attempt ended
         self.path = ""
         self.error: str | None = None  # the fault noted last; None: the ledger works
         self._reopen_at = 0.0
@@ -138,6 +173,17 @@ class FailoverStore:
     @property
     def generation(self) -> str:
         return self._store.generation if self._store is not None else ""
+
+    @property
+    def location(self) -> str:
+        """The ledger's location as it may be shown (a URL's password masked)."""
+        return display(self.path)
+
+    @property
+    def attempt_ends_notified(self) -> bool:
+        """Other processes' attempt ends are notified now (PostgreSQL, listener connected):
+        duplicates held on them need no polling."""
+        return self._listener is not None and self._listener.live and self.usable
 
     @property
     def kept_writes(self) -> int:
@@ -169,47 +215,87 @@ class FailoverStore:
             self._down(e, "open")
             return
         if self._store is not None:  # opened meanwhile (a change of option)
-            connected[0].close()
-            connected[1].stop()
+            connected.close()
             return
         self._use(connected)
 
-    def _connect(self, path: str, loop: asyncio.AbstractEventLoop) -> tuple[Store, Heartbeat]:
+    def _connect(self, path: str, loop: asyncio.AbstractEventLoop) -> _Opened:
         """Open the ledger and start the heartbeat on its own connection (blocking; raises
-        ``LedgerError`` or ``OSError``); the heartbeat reports to ``loop``."""
-        # the admin queries too: turnguard.status and the control commands use this connection
-        # its checkpoints are the heartbeat thread's: no commit on the event loop copies the WAL
-        runner = LedgerRunner(LedgerAdmin(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
-                                          identity=self._identity, checkpoint_on_commit=False))
+        ``LedgerError`` or ``OSError``); the heartbeat (and the listener) report to ``loop``."""
+        postgres = is_postgres(path)
+        if postgres:  # imported only when used: psycopg costs start-up time
+            from .pg_ledger import AttemptEndListener, PgLedger, PgLedgerAdmin
+
+        def ledger(admin: bool):
+            cls = ((PgLedgerAdmin if admin else PgLedger) if postgres
+                   else (LedgerAdmin if admin else Ledger))
+            # SQLite's checkpoints are the heartbeat thread's: no commit on the event loop
+            # copies the WAL
+            extra = {} if postgres else {"checkpoint_on_commit": not admin}
+            return cls(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
+                       identity=self._identity, **extra)
+
+        # the admin queries too: turnguard.status and the control commands use this connection;
+        # a ledger across a network never runs a call on the event loop
+        runner = LedgerRunner(ledger(admin=True), fast_path=not postgres)
+        heartbeat = listener = None
         try:
             runner.call_sync(lambda led: led.open(time.time()))
             heartbeat = Heartbeat(
-                Ledger(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
-                       identity=self._identity),
-                interval_s=HEARTBEAT_S,
+                ledger(admin=False), interval_s=HEARTBEAT_S,
                 on_reregistered=lambda n: loop.call_soon_threadsafe(self._reregistered, n),
                 on_file_gone=lambda why: loop.call_soon_threadsafe(self._file_gone, why),
             )
             heartbeat.start(time.time())
+            if postgres:
+                listener = AttemptEndListener(
+                    path, on_end=_to_loop(loop, self._attempt_ended),
+                    on_live=_to_loop(loop, self._notifications_live))
+                listener.start()
         except BaseException:
+            if heartbeat is not None:
+                heartbeat.stop()
             runner.close()
             raise
-        return SqliteStore(runner), heartbeat
+        return _Opened(LedgerStore(runner), heartbeat, listener)
 
-    def _use(self, connected: tuple[Store, Heartbeat]) -> None:
-        self._store, self._heartbeat = connected
-        logger.info("turnguard: ledger %s (instance %s)", self.path, self._instance_id)
+    def _use(self, opened: _Opened) -> None:
+        self._store, self._heartbeat, self._listener = opened.store, opened.heartbeat, opened.listener
+        logger.info("turnguard: ledger %s (instance %s)", self.location, self._instance_id)
         # after a fault, it stays noted until a try applies what is owed (recover)
 
     def close(self) -> None:
         if self._store is not None and _loop_running():  # (unit tests close outside a loop)
             self.write_counts()
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
         if self._store is not None:
             self._store.close()
             self._store = None
+
+    def _attempt_ended(self, op_key: str, attempt_id: int, state: str) -> None:
+        """A process sharing the ledger ended an attempt (notified, on the event loop)."""
+        self.memory.knowledge.ended(op_key)
+        if self._on_attempt_ended is not None:
+            self._on_attempt_ended(op_key, attempt_id, state)
+
+    def _notifications_live(self, live: bool) -> None:
+        if self._listener is None:
+            return
+        if live:
+            if self._notifications_lost:  # ends notified while it was not listening are lost
+                self._notifications_lost = False
+                self.recheck_foreign = True
+                logger.warning("turnguard: attempt-end notifications from %s resumed",
+                               self.location)
+        else:
+            self._notifications_lost = True
+            logger.warning("turnguard: attempt-end notifications from %s lost; polling other "
+                           "processes' attempts until they resume", self.location)
 
     def _file_gone(self, why: str) -> None:
         """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
@@ -237,13 +323,13 @@ class FailoverStore:
             # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
             # broken ledger must not stop the proxy.
             logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
-                           "it recovers", self.path, during, error)
+                           "it recovers", self.location, during, error)
             self._emit("ledger_unavailable", during=during, error=str(error))
         self.error = str(error)
 
     def _up(self) -> None:
         if self.error is not None:
-            logger.warning("turnguard: ledger %s usable again", self.path)
+            logger.warning("turnguard: ledger %s usable again", self.location)
             self._emit("ledger_recovered", error_was=self.error)
         self.error = None
 
@@ -404,6 +490,8 @@ class FailoverStore:
         return state.remaining_s(time.time())
 
     async def snapshot(self, op_key: str) -> policy.OperationSnapshot | None | Unread:
+        """The operation now: a poll for the end of another process's attempt (counted)."""
+        self.polls += 1
         return await self._call("poll", lambda store: store.snapshot(op_key))
 
     # -- writes --------------------------------------------------------------------------------
@@ -585,6 +673,18 @@ class FailoverStore:
                     self._store.open_circuits(now, timeout=timeout))
         except (LedgerError, TimeoutError) as e:
             return {"error": str(e) or "ledger busy"}, None
+
+
+def _to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, called from another thread, handed to ``loop`` (dropped once the loop is closed:
+    the process is shutting down)."""
+    def hand_over(*args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    return hand_over
 
 
 def _loop() -> asyncio.AbstractEventLoop:

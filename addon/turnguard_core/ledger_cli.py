@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from . import liveness
 from .ledger import LedgerError
 from .ledger_admin import LedgerAdmin
+from .ledger_location import is_postgres
 from .options import DEFAULTS
 from .private_files import UnsafePath
 from .telemetry import Telemetry
@@ -74,11 +75,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ledger", metavar="PATH", default=None,
-        help=f"ledger file (default: $TURNGUARD_LEDGER or {DEFAULT_LEDGER})",
+        help=f"ledger file, or a PostgreSQL URL postgresql://... (default: $TURNGUARD_LEDGER "
+        f"or {DEFAULT_LEDGER})",
     )
     # --ledger is accepted after the command too (`list --ledger PATH`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--ledger", metavar="PATH", default=argparse.SUPPRESS, help="ledger file")
+    common.add_argument("--ledger", metavar="PATH", default=argparse.SUPPRESS, help="ledger file or PostgreSQL URL")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _inspection_commands(sub, common)
     _control_commands(sub, common)
@@ -590,12 +592,18 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
-    path = os.path.abspath(os.path.expanduser(args.ledger or default_ledger_path()))
-    ledger = LedgerAdmin(path, f"cli-{os.getpid()}")
+    location = args.ledger or default_ledger_path()
+    if is_postgres(location):  # a PostgreSQL ledger: shown without its password
+        from .pg_ledger import PgLedgerAdmin
+        ledger: LedgerAdmin = PgLedgerAdmin(location.strip(), f"cli-{os.getpid()}")
+        path = ledger.path
+    else:
+        path = os.path.abspath(os.path.expanduser(location))
+        ledger = LedgerAdmin(path, f"cli-{os.getpid()}")
     writes = WRITES.get(args.command, lambda a: False)(args)
     name = os.path.basename(PROG_NAME)
     try:
-        if not os.path.exists(path):
+        if not is_postgres(location) and not os.path.exists(path):
             raise CliError(
                 f"no ledger at {path}: start the proxy first (scripts/proxy), or point at"
                 " another file with --ledger PATH or TURNGUARD_LEDGER"

@@ -19,7 +19,7 @@ counted) may be deferred (``defer``): they are gathered and committed together i
 transaction (a group commit) once the callbacks the event loop's current step scheduled have
 run (so a response's end goes to its client first), or before any other call, whichever comes
 first. One transaction instead of one per write, and none on the path of the hook that made
-it.
+it. (Without the fast path, each deferred write is its own transaction on the thread.)
 
 A call submitted after another sees its effects (the addon relies on it: an attempt's
 ``finish`` is queued before any later request for the operation can be admitted); a deferred
@@ -53,8 +53,12 @@ Job = Callable[[Ledger], T]
 
 
 class LedgerRunner:
-    def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0):
+    def __init__(self, ledger: Ledger, *, fast_busy_ms: int = 20, slow_s: float = 5.0,
+                 fast_path: bool = True):
+        """``fast_path=False``: every call runs on the thread (a ledger across a network, such
+        as PostgreSQL: a round trip must never run on the event loop)."""
         self.ledger = ledger
+        self._fast_path = fast_path
         self._fast_busy_ms = fast_busy_ms
         self._slow_s = slow_s
         self._slow_until = 0.0
@@ -73,7 +77,8 @@ class LedgerRunner:
     # -- the two paths ----------------------------------------------------------------------------
     def _fast_possible(self) -> bool:
         return (
-            self._handed == self._finished  # the thread is not using the connection
+            self._fast_path
+            and self._handed == self._finished  # the thread is not using the connection
             and time.monotonic() >= self._slow_until
             and self.ledger.is_open
         )
@@ -134,6 +139,12 @@ class LedgerRunner:
             return
         batch, self._deferred = self._deferred, []
         heavy, self._deferred_heavy = self._deferred_heavy, False
+        if not self._fast_path:
+            # a ledger across a network: each write its own transaction, on the thread (its
+            # failures and retries are its own; nothing runs on the event loop to save)
+            for job, future in batch:
+                self._land(self._queue(job), [(job, future)], single=True)
+            return
         jobs = [job for job, _ in batch]
 
         def run_batch(ledger: Ledger) -> list:
@@ -149,14 +160,22 @@ class LedgerRunner:
             except Exception as e:  # noqa: BLE001 - each write's future carries it
                 _settle(batch, None, e)
                 return
+        self._land(self._queue(run_batch), batch, single=False)
+
+    @staticmethod
+    def _land(done: concurrent.futures.Future, batch: list[tuple[Job, asyncio.Future]], *,
+              single: bool) -> None:
+        """Settle ``batch``'s futures, on their loop, once ``done`` (its job on the thread:
+        the batch's, or ``single``: the one write's) has run."""
         loop = batch[0][1].get_loop()
 
         def landed(f: concurrent.futures.Future) -> None:
             error = f.exception()
+            results = None if error else ([f.result()] if single else f.result())
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the waiters
-                loop.call_soon_threadsafe(_settle, batch, None if error else f.result(), error)
+                loop.call_soon_threadsafe(_settle, batch, results, error)
 
-        self._queue(run_batch).add_done_callback(landed)
+        done.add_done_callback(landed)
 
     # -- the interface ----------------------------------------------------------------------------
     async def call(self, job: Job[T], *, deadline: float | None = None) -> T:

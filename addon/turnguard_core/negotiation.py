@@ -85,10 +85,12 @@ class Decline:
 
 @dataclass(frozen=True, slots=True)
 class Serve:
-    """The headers and body to send (``recode``'s result)."""
+    """The headers and body to send (``recode``'s result: ``recoded``; or the recording as it
+    is)."""
 
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    recoded: bool = True
 
 
 def _values(headers: Headers, name: str) -> list[str]:

@@ -44,7 +44,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "Path of the SQLite ledger, shared by every turnguard process that uses it (operations "
         "of different upstreams and principals never mix). Refused if it, or the real file a "
         "symlink leads to, is writable by others or in a world-writable folder without the "
-        "sticky bit. Empty: <confdir>/turnguard.sqlite3.",
+        "sticky bit. Empty: <confdir>/turnguard.sqlite3. Or a PostgreSQL URL "
+        "(postgresql://USER@HOST/DB; credentials also from the PG* environment variables or a "
+        "libpq service file; the password is never shown): a ledger shared by several hosts.",
     ),
     OptionSpec(
         "turnguard_filter", str, DEFAULT_FILTER,

@@ -4,9 +4,9 @@
 bounded by a ``deadline`` (``time.monotonic()``), and the writes that decide the future as
 data (``Write``), so that they can be kept while the ledger is down and applied later, in
 order. Every call may raise ``LedgerError``; deciding without the ledger is ``MemoryStore``'s
-job. ``SqliteStore`` is the embedded one: ``ledger.Ledger`` (the only SQL) run by a
-``LedgerRunner`` (never blocking the event loop for long). A PostgreSQL store implements the
-same protocol.
+job. ``LedgerStore`` implements it on a ledger module run by a ``LedgerRunner`` (never blocking
+the event loop for long): the embedded SQLite ledger (``ledger.Ledger``, the default) or the
+PostgreSQL one (``pg_ledger.PgLedger``, several hosts), whose methods have the same contracts.
 """
 
 from __future__ import annotations
@@ -183,8 +183,9 @@ def _heavy(write: Write) -> bool:
         len(end.recording.body) >= HEAVY_WRITE_BYTES
 
 
-class SqliteStore:
-    """``Store`` on the SQLite ledger."""
+class LedgerStore:
+    """``Store`` on a ledger (``ledger.Ledger`` or ``pg_ledger.PgLedger``: same methods, same
+    contracts) run by ``runner``."""
 
     def __init__(self, runner: LedgerRunner):
         self._runner = runner
@@ -281,3 +282,6 @@ class SqliteStore:
 
     def close(self) -> None:
         self._runner.close()
+
+
+SqliteStore = LedgerStore  # the name it had while SQLite was the only ledger

@@ -10,6 +10,7 @@ from typing import Callable
 from mitmproxy import http
 
 from turnguard_core import identity, machine, negotiation
+from turnguard_core.ledger import Recording
 from turnguard_core.codec import BoundedCodec
 from turnguard_core.failover import FailoverStore
 from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker
@@ -49,6 +50,20 @@ class Identifier:
         self._worker.close()
 
 
+async def negotiated(rec: Recording, request_headers: tuple[tuple[str, str], ...]
+                     ) -> negotiation.Serve | negotiation.Decline:
+    """The recording in a form a request with ``request_headers`` accepts (``negotiation``):
+    as recorded when it can, else decoded or re-encoded (on a thread: megabytes take a
+    while), or declined with the reason."""
+    how = negotiation.plan(rec.headers, rec.vary_key, request_headers)
+    if isinstance(how, negotiation.Recode):
+        return await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
+                                       BoundedCodec(MAX_RECODED_BODY))
+    if isinstance(how, negotiation.Decline):
+        return how
+    return negotiation.Serve(rec.headers, rec.body, recoded=False)
+
+
 class Replayer:
     def __init__(self, store: FailoverStore, explainer: flows.Explainer,
                  emit: Callable[..., None]):
@@ -63,22 +78,16 @@ class Replayer:
         flow is forwarded untouched, with a ``replay_declined`` event."""
         rec, base = r.recording, {"op": ident.op_id, "flow": flow.id, "session": ident.session,
                                   "transport": "http"}
-        how = negotiation.plan(rec.headers, rec.vary_key, flows.request_headers(flow))
-        headers, body = rec.headers, rec.body
-        if isinstance(how, negotiation.Recode):
-            # decoding and encoding megabytes takes a while: not on the event loop
-            how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
-                                          BoundedCodec(MAX_RECODED_BODY))
-            if isinstance(how, negotiation.Serve):
-                headers, body = how.headers, how.body
+        how = await negotiated(rec, flows.request_headers(flow))
         if isinstance(how, negotiation.Decline):
             self._emit("replay_declined", **base, held_ms=r.held_ms, reason=how.reason)
             self._explainer.show(flow, None, f"turnguard: not replayed ({how.reason}); forwarded")
             return
+        headers, body = how.headers, how.body
         flows.replay(flow, ident.op_id, rec.status, headers, body)
         self._store.note_duplicates(ident.op_key, replayed=1)
         self._emit("duplicate_replayed", **base, held_ms=r.held_ms, status=rec.status,
-                   bytes=len(body), attempt=r.attempt_id, recoded=isinstance(how, negotiation.Serve))
+                   bytes=len(body), attempt=r.attempt_id, recoded=how.recoded)
         self._explainer.show(flow, flows.MARK_REPLAYED, "turnguard: replayed the recorded "
                              f"response of operation {ident.op_id} ({len(body)} bytes) after "
                              f"{r.held_ms} ms; nothing was sent upstream")

@@ -46,7 +46,7 @@ class Commands:
             {
                 "instance": g.instance_id,
                 "recovery_mode": g.settings.recovery_mode,
-                "ledger": g.store.path,
+                "ledger": g.store.location,
                 "ledger_ok": g.store.is_open and g.store.error is None,
                 "ledger_error": g.store.error,
                 "operations_by_state": counts,

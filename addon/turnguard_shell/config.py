@@ -9,6 +9,7 @@ from mitmproxy import flowfilter
 from mitmproxy import log as mitmproxy_log
 
 from turnguard_core.ledger import LedgerError, check_path
+from turnguard_core.ledger_location import check_postgres_url, display, is_postgres
 from turnguard_core.private_files import UnsafePath
 from turnguard_core.telemetry import Telemetry
 
@@ -43,8 +44,15 @@ def open_events(path: str) -> Telemetry:
 
 
 def ledger_path(option: str, confdir: str) -> str:
-    """The ledger's path (``<confdir>/turnguard.sqlite3`` when the option is empty), checked:
-    a path others could write to or redirect is refused."""
+    """The ledger's location: a PostgreSQL URL (``postgresql://...``, ``postgres://...``) as
+    given, if it parses; else an SQLite path (``<confdir>/turnguard.sqlite3`` when the option is
+    empty), checked: a path others could write to or redirect is refused. A refusal never shows
+    a URL's password."""
+    if is_postgres(option):
+        try:
+            return check_postgres_url(option)
+        except ValueError as e:
+            raise ValueError(f"turnguard_ledger={display(option)} is refused: {e}") from None
     try:
         if option:
             path = os.path.abspath(os.path.expanduser(option))

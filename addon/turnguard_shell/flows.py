@@ -13,6 +13,7 @@ import weakref
 from mitmproxy import ctx, hooks, http
 
 from turnguard_core import answers, identity
+from turnguard_core.codec import BoundedCodec
 from turnguard_core.proxy_internals import client_stream_closed, find_http_layer
 
 MARK_REPLAYED = ":recycle:"
@@ -33,11 +34,22 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
         return identity.Passthrough("request body is streamed")
     if len(req.raw_content) > max_body:
         return identity.Passthrough(f"body too large ({len(req.raw_content)} bytes > limit {max_body})")
+    return _view(flow, req.method, request_headers(flow), decoded_body(req, max_body))
+
+
+def decoded_body(req: http.Request, max_body: int) -> bytes | None:
+    """The request body without its content codings, at most ``max_body`` bytes once decoded
+    (mitmproxy's ``req.content`` has no bound: a small compressed body could decode to
+    gigabytes); None when it cannot be decoded within that."""
+    raw = req.raw_content or b""
+    codings = [c.strip().lower() for c in req.headers.get("content-encoding", "").split(",")]
+    codec = BoundedCodec(max_body)
     try:
-        body = req.content
+        for coding in reversed([c for c in codings if c not in ("", "identity")]):
+            raw = codec.decode(raw, "gzip" if coding == "x-gzip" else coding)
     except ValueError:
-        body = None
-    return _view(flow, req.method, request_headers(flow), body)
+        return None
+    return raw
 
 
 def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | identity.Passthrough:

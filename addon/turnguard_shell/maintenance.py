@@ -2,9 +2,12 @@
 
 It wakes held flows that were killed or whose client left, brings a ledger that failed back
 (or opens it again), reaps dead peers' attempts, polls the attempts of other processes that
-duplicates here wait on, renews the leases of sessions with requests held through a cooldown,
-purges recordings past the replay window and collects garbage. It sleeps longer when nothing
-is held, so an idle proxy does next to no work. (The heartbeat has a thread of its own: see ``turnguard_core.heartbeat``.)
+duplicates here wait on (only while their ends cannot be notified: on PostgreSQL they are, see
+``FailoverStore.attempt_ends_notified``; then it re-checks them once when notifications
+resume), renews the leases of sessions with requests held through a cooldown, purges
+recordings past the replay window and collects garbage. It sleeps longer when nothing is
+held, so an idle proxy does next to no work. (The heartbeat has a thread of its own: see
+``turnguard_core.heartbeat``.)
 """
 
 from __future__ import annotations
@@ -56,11 +59,14 @@ class Maintenance:
         g = self._guard
         while True:
             foreign = g.waiters.foreign()
-            await asyncio.sleep(FOREIGN_POLL_S if foreign else TICK_S)
+            poll = bool(foreign) and not g.store.attempt_ends_notified
+            await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
             try:
                 g.waiters.wake_gone(g.clients.gone)
                 await self._maintain_ledger(time.time())
-                if foreign:
+                foreign = g.waiters.foreign()
+                recheck, g.store.recheck_foreign = g.store.recheck_foreign, False
+                if foreign and (recheck or not g.store.attempt_ends_notified):
                     await self._poll_foreign(foreign)
                 await g.sessions.keep_held(g.waiters, now=time.time(),
                                            lease_s=g.settings.owner_lease_s)

@@ -1,7 +1,8 @@
 """Requests turnguard keeps waiting, and the one place that wakes them.
 
 A request waits either as a duplicate of an attempt in flight (``DuplicateWait``: woken when
-that attempt ends, here or, polled, in another process) or through a retry circuit's cooldown
+that attempt ends, here or in another process: notified by the ledger (PostgreSQL) or, else,
+polled) or through a retry circuit's cooldown
 (``CooldownWait``: woken by its timer, or early when its session's ownership is lost). Either
 is woken early when its flow is killed or its client leaves. Every wake-up goes through
 ``resolve``.
@@ -10,6 +11,7 @@ is woken early when its flow is killed or its client leaves. Every wake-up goes 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -43,10 +45,20 @@ class CooldownWait:
 
 Wait = DuplicateWait | CooldownWait
 
+RECENT_ENDS = 4096  # attempt ends notified lately, remembered for waits that begin just after
+RECENT_END_S = 30.0
+
 
 class Waiters:
     def __init__(self) -> None:
         self._held: dict[str, Wait] = {}  # key (flow id, or a WebSocket call's) -> its wait
+        # op key -> its duplicate waits: a notified end (every process's, many a second on a
+        # busy fleet) finds the few waits it concerns without going through every held flow
+        self._by_op: dict[str, dict[str, DuplicateWait]] = {}
+        # (op key, attempt id) -> (state, when): ends notified by the ledger, so that a wait
+        # on an attempt whose end was notified before the wait began is not missed
+        self._recent_ends: collections.OrderedDict[tuple[str, int], tuple[str, float]] = (
+            collections.OrderedDict())
 
     def __iter__(self):
         return iter(list(self._held.values()))
@@ -56,22 +68,35 @@ class Waiters:
 
     async def _wait(self, wait: Wait, timeout_s: float) -> Woke:
         self._held[wait.key] = wait
+        if isinstance(wait, DuplicateWait):
+            self._by_op.setdefault(wait.op_key, {})[wait.key] = wait
         try:
             return await asyncio.wait_for(wait.wake, max(0.0, timeout_s))
         except TimeoutError:
             return TimedOut()
         finally:
             self._held.pop(wait.key, None)
+            if isinstance(wait, DuplicateWait):
+                same_op = self._by_op.get(wait.op_key, {})
+                same_op.pop(wait.key, None)
+                if not same_op:
+                    self._by_op.pop(wait.op_key, None)
 
     async def duplicate(
         self, flow: http.HTTPFlow, key: str, op_key: str, foreign_attempt: int | None,
         timeout_s: float,
     ) -> Woke:
         """Wait for the operation's attempt in flight to end (``foreign_attempt``: another
-        process's, whose end the maintenance ticker polls for)."""
+        process's, whose end is notified (``attempt_ended_elsewhere``) or polled for by the
+        maintenance ticker; an end notified before this wait began ends it at once)."""
         loop = asyncio.get_running_loop()
-        return await self._wait(DuplicateWait(flow, key, op_key, foreign_attempt,
-                                              time.monotonic(), loop.create_future()), timeout_s)
+        wait = DuplicateWait(flow, key, op_key, foreign_attempt, time.monotonic(),
+                            loop.create_future())
+        if foreign_attempt:
+            ended = self._recent_ends.get((op_key, foreign_attempt))
+            if ended is not None:
+                self.resolve(wait, Ended(ended[0]))
+        return await self._wait(wait, timeout_s)
 
     async def cooldown(
         self, flow: http.HTTPFlow, key: str, op_key: str, session: str, epoch: int,
@@ -92,6 +117,21 @@ class Waiters:
         for wait in self:
             if isinstance(wait, DuplicateWait) and wait.op_key == op_key:
                 self.resolve(wait, why)
+
+    def attempt_ended_elsewhere(self, op_key: str, attempt_id: int, state: str) -> None:
+        """The ledger notified the end of an attempt (any process's): wake the duplicates held
+        on it in this process as another process's attempt (``foreign_attempt``: that attempt,
+        or 0 when its id was not known); this process's own attempts wake their waiters
+        themselves. Remembered a while, for a wait that begins just after."""
+        now = time.monotonic()
+        self._recent_ends[(op_key, attempt_id)] = (state, now)
+        self._recent_ends.move_to_end((op_key, attempt_id))
+        while self._recent_ends and (len(self._recent_ends) > RECENT_ENDS or next(
+                iter(self._recent_ends.values()))[1] < now - RECENT_END_S):
+            self._recent_ends.popitem(last=False)
+        for wait in list(self._by_op.get(op_key, {}).values()):
+            if wait.foreign_attempt in (attempt_id, 0):
+                self.resolve(wait, Ended(state))
 
     def ownership_lost(self, session: str, epoch: int) -> None:
         for wait in self:

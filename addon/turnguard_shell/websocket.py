@@ -34,11 +34,10 @@ from typing import TYPE_CHECKING
 from mitmproxy import ctx, http
 
 from turnguard_core import answers, circuit, identity, machine, negotiation, ws
-from turnguard_core.codec import BoundedCodec
 from turnguard_core.ending import EndFacts
 
 from . import flows
-from .answering import MAX_GUARDED_BODY, MAX_RECODED_BODY
+from .answering import MAX_GUARDED_BODY, negotiated
 
 if TYPE_CHECKING:
     from .inflight import Attempt
@@ -151,7 +150,9 @@ class WebSockets:
             item = await sock.frames.get()
             if item is None:
                 return
-            await sock.idle.wait()  # one response at a time on a socket
+            if not await self._idle(sock) and self._guard is not None:
+                self._let_go(sock, "a response did not end within turnguard_request_budget_ms "
+                                   "while the client's next frame waited")
             if sock.closed:
                 return
             content, is_text = item
@@ -168,6 +169,17 @@ class WebSockets:
                                       reason=f"internal error: {e!r}")
                 if sock.current is None:
                     self._forward(sock, content, is_text)
+
+    async def _idle(self, sock: Socket) -> bool:
+        """Wait until no response is in flight on the socket (one at a time: the protocol's
+        rule), at most the request budget; False when that passed first."""
+        if self._guard is None:
+            return sock.idle.is_set()
+        try:
+            await asyncio.wait_for(sock.idle.wait(), self._guard.settings.request_budget_s)
+        except TimeoutError:
+            return sock.idle.is_set()
+        return True
 
     def _forward(self, sock: Socket, content: bytes, is_text: bool,
                  response: Response | None = None) -> None:
@@ -256,7 +268,8 @@ class WebSockets:
         try:
             if not message.is_text or not ws.speaks_responses(message.text):
                 return self._let_go(sock, "upstream frame is not a Responses event "
-                                          f"({'binary' if not message.is_text else 'text'})")
+                                          f"({'binary' if not message.is_text else 'text'})",
+                                    not_responses=True)
             if current is None:
                 return
             output_before = current.events.output_seen
@@ -270,17 +283,25 @@ class WebSockets:
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
 
-    def _let_go(self, sock: Socket, reason: str) -> None:
-        """The socket does not speak the Responses API: stop guarding it. Its attempt in
-        flight ends as a rejection (no circuit, not replayable); the frames it queued go on."""
+    def _let_go(self, sock: Socket, reason: str, *, not_responses: bool = False) -> None:
+        """Stop guarding the socket: the frames it queued, and all later ones, go on untouched.
+        Its attempt in flight ends as it stands (``partial`` with output, else ``unknown``),
+        or, when the socket does not speak the Responses API (``not_responses``), as a
+        rejection (no circuit, not replayable)."""
+        if not sock.guarded:
+            return
         sock.guarded = False
         self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
         response = sock.finish()
         if response is not None and response.attempt_key is not None:
             headers = flows.request_headers(sock.flow)
-            self._guard.inflight.close(response.attempt_key, lambda attempt: replace(
-                _end_facts(attempt, response.events, headers, reason, False),
-                status=502, events_seen=0, terminal=None))
+
+            def facts(attempt: "Attempt") -> EndFacts:
+                ended = _end_facts(attempt, response.events, headers, reason, False)
+                return replace(ended, status=502, events_seen=0, terminal=None) \
+                    if not_responses else ended
+
+            self._guard.inflight.close(response.attempt_key, facts)
 
     def _response_ended(self, sock: Socket, *, error: str | None = None,
                         client_gone: bool = False) -> None:
@@ -325,19 +346,13 @@ async def _recorded_frames(rec, request_headers) -> tuple[list[str] | None, str 
     """The recording's events as frames, decoded when it was recorded with a content coding;
     or None and why it cannot be replayed on a WebSocket."""
     headers = tuple((k, v) for k, v in request_headers if k.lower() != "accept-encoding")
-    how = negotiation.plan(rec.headers, rec.vary_key, (*headers, ("accept-encoding", "identity")))
-    body, served = rec.body, rec.headers
-    if isinstance(how, negotiation.Recode):
-        how = await asyncio.to_thread(negotiation.recode, rec.headers, rec.body, how,
-                                      BoundedCodec(MAX_RECODED_BODY))
-        if isinstance(how, negotiation.Serve):
-            body, served = how.body, how.headers
+    how = await negotiated(rec, (*headers, ("accept-encoding", "identity")))
     if isinstance(how, negotiation.Decline):
         return None, how.reason
-    content_type = next((v for k, v in served if k.lower() == "content-type"), "")
+    content_type = next((v for k, v in how.headers if k.lower() == "content-type"), "")
     if not content_type.lower().startswith("text/event-stream"):
         return None, "not an event stream"
-    frames = ws.frames_of_recording(body[:MAX_GUARDED_BODY])
+    frames = ws.frames_of_recording(how.body[:MAX_GUARDED_BODY])
     return (frames, None) if frames is not None else (None, "events not readable as frames")
 
 

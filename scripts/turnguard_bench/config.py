@@ -31,6 +31,7 @@ class Config:
     soak_concurrency: int
     soak_baseline: bool  # also soak plain mitmdump
     micro_scale: int
+    wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
     phases: tuple[str, ...] = field(default=PHASES)
@@ -53,6 +54,7 @@ def quick() -> Config:
         ledger_claims_4=500,
         exactly_once_n=200,
         ledger_scale_points=[1000, 10000],
+        wake_trials=20,
         soak_checkpoints=[200, 2000],
         soak_concurrency=16,
         soak_baseline=False,

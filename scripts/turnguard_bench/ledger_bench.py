@@ -1,11 +1,17 @@
-"""Ledger benchmarks: atomic claims per second from 1 and 4 processes, the exactly-once
-check (N identical identities admitted concurrently by 4 processes: exactly one Dispatch each)
-and the scale curve (size per operation and admission time after 10k, 100k, 1M operations).
+"""Ledger benchmarks: atomic claims per second from 1 and 4 processes, and the exactly-once
+check (N identical identities admitted concurrently by 4 processes: exactly one Dispatch each),
+on the SQLite ledger and on the PostgreSQL one; the scale curve of the SQLite ledger (size per
+operation and admission time after 10k, 100k, 1M operations); and, on PostgreSQL, how soon a
+duplicate held on another mitmdump process is answered after the original's end (woken by
+LISTEN/NOTIFY).
 
-Uses ``turnguard_core.ledger.Ledger`` directly, as the addon does: ``admit()`` with a circuit
-scope (so the circuit row is read inside the claim's transaction). Identities are made with
-``identity.identify`` from realistic requests before the clock starts; only ``admit`` is timed.
-Workers are separate processes (multiprocessing, spawn) that start together on a barrier.
+Uses ``turnguard_core.ledger.Ledger`` (or ``pg_ledger.PgLedger``) directly, as the addon does:
+``admit()`` with a circuit scope (so the circuit row is read inside the claim's transaction).
+Identities are made with ``identity.identify`` from realistic requests before the clock starts;
+only ``admit`` is timed. Workers are separate processes (multiprocessing, spawn) that start
+together on a barrier. The PostgreSQL server is ``$TURNGUARD_BENCH_PG`` (a database is made on
+it) or a throwaway one (``tests/pg_server.py``) on loopback; without one, that part says why it
+was skipped.
 """
 
 from __future__ import annotations
@@ -38,9 +44,21 @@ def make_identities(nonce: str, start: int, n: int):
     return out
 
 
+def _ledger_class(location: str):
+    if location.startswith("postgresql://"):
+        from turnguard_core.pg_ledger import PgLedger
+
+        return PgLedger
+    from turnguard_core.ledger import Ledger
+
+    return Ledger
+
+
 def _worker(ledger_path: str, nonce: str, start: int, n: int, barrier, queue) -> None:
     from turnguard_core import policy
-    from turnguard_core.ledger import Ledger, LedgerError
+    from turnguard_core.ledger import LedgerError
+
+    Ledger = _ledger_class(ledger_path)
 
     try:
         idents = make_identities(nonce, start, n)
@@ -73,9 +91,7 @@ def _worker(ledger_path: str, nonce: str, start: int, n: int, barrier, queue) ->
 def _create(ledger_path: Path) -> None:
     """Create the ledger file (schema) before the workers start: several processes opening a
     brand-new ledger at the same moment race in the schema migration (see the report)."""
-    from turnguard_core.ledger import Ledger
-
-    led = Ledger(str(ledger_path), "bench-setup")
+    led = _ledger_class(str(ledger_path))(str(ledger_path), "bench-setup")
     led.open(time.time())
     led.close()
 
@@ -107,9 +123,11 @@ def _run(ledger_path: Path, jobs: list[tuple[str, int, int]]) -> list[dict]:
     return results
 
 
-def claims_per_second(workdir: Path, processes: int, per_process: int, tag: str) -> dict:
-    """``processes`` workers each admit ``per_process`` distinct identities on one ledger."""
-    path = workdir / f"ledger-claims-{tag}.sqlite3"
+def claims_per_second(workdir: Path, processes: int, per_process: int, tag: str,
+                      location: str | None = None) -> dict:
+    """``processes`` workers each admit ``per_process`` distinct identities on one ledger
+    (``location``: a PostgreSQL URL; default: an SQLite file in ``workdir``)."""
+    path = location or workdir / f"ledger-claims-{tag}.sqlite3"
     nonce = uuid.uuid4().hex[:8]
     jobs = [(nonce, k * per_process, per_process) for k in range(processes)]
     res = _run(path, jobs)
@@ -127,15 +145,24 @@ def claims_per_second(workdir: Path, processes: int, per_process: int, tag: str)
     }
 
 
-def exactly_once(workdir: Path, n: int, processes: int = 4) -> dict:
+def _read(location, sql: str) -> list[tuple]:
+    if str(location).startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(str(location), autocommit=True) as db:
+            return db.execute(sql).fetchall()
+    with sqlite3.connect(f"file:{location}?mode=ro", uri=True) as db:
+        return db.execute(sql).fetchall()
+
+
+def exactly_once(workdir: Path, n: int, processes: int = 4, location: str | None = None) -> dict:
     """Every worker admits the same ``n`` identities, in the same order, at the same time."""
-    path = workdir / "ledger-exactly-once.sqlite3"
+    path = location or workdir / "ledger-exactly-once.sqlite3"
     nonce = uuid.uuid4().hex[:8]
     res = _run(path, [(nonce, 0, n)] * processes)
     per_op = Counter(op for r in res for op in r["dispatched"])
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        attempts = dict(db.execute("SELECT op_key, COUNT(*) FROM attempts GROUP BY op_key").fetchall())
-        ops = db.execute("SELECT COUNT(*) FROM operations").fetchone()[0]
+    attempts = dict(_read(path, "SELECT op_key, COUNT(*) FROM attempts GROUP BY op_key"))
+    ops = _read(path, "SELECT COUNT(*) FROM operations")[0][0]
     kinds: Counter[str] = Counter()
     for r in res:
         kinds.update(r["kinds"])
@@ -165,7 +192,7 @@ def run(workdir: Path, cfg) -> dict:
     once = exactly_once(workdir, cfg.exactly_once_n)
     scale = scale_curve(workdir, cfg.ledger_scale_points)
     return {"claims_1_process": one, "claims_4_processes": four, "exactly_once": once,
-            "scale": scale}
+            "scale": scale, "postgres": run_postgres(workdir, cfg)}
 
 
 def scale_curve(workdir: Path, points: list[int], *, window_s: float = 2.0,
@@ -263,3 +290,150 @@ def scale_curve(workdir: Path, points: list[int], *, window_s: float = 2.0,
     return {"window_s": window_s, "points": out,
             "admit_new_growth": last["admit_new_us"] / first["admit_new_us"],
             "admit_replay_growth": last["admit_replay_us"] / first["admit_replay_us"]}
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------------
+def _database(server_url: str) -> str:
+    """A new database on the server (its URL)."""
+    import psycopg
+
+    name = "tg_bench_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(server_url, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    url = server_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(url, autocommit=True) as db:
+        try:  # to count the snapshot reads (polls); the server may not preload it
+            db.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        except psycopg.Error:
+            pass
+    return url
+
+
+def run_postgres(workdir: Path, cfg) -> dict:
+    """Claims/s, exactly once and the wake-up of held duplicates, on a PostgreSQL ledger."""
+    import os
+    import sys
+
+    from turnguard_bench import REPO
+
+    server = None
+    url = os.environ.get("TURNGUARD_BENCH_PG")
+    if not url:
+        sys.path.insert(0, str(REPO / "tests"))
+        from pg_server import PgServer, PgUnavailable
+
+        try:
+            server = PgServer().start()
+        except (PgUnavailable, OSError) as e:
+            return {"skipped": f"no PostgreSQL server: {e}"}
+        url = server.url
+    try:
+        res = {
+            "claims_1_process": claims_per_second(workdir, 1, cfg.ledger_claims_1, "pg1",
+                                                  _database(url)),
+            "claims_4_processes": claims_per_second(workdir, 4, cfg.ledger_claims_4, "pg4",
+                                                    _database(url)),
+            "exactly_once": exactly_once(workdir, cfg.exactly_once_n, location=_database(url)),
+        }
+        res["wake"] = wake_latency(workdir, _database(url), cfg.wake_trials)
+        return res
+    finally:
+        if server is not None:
+            server.destroy()
+
+
+def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, float]:
+    """One POST on a fresh connection: (status, body, monotonic time of its last byte)."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request("POST", PATH, body=body, headers={"content-type": "application/json",
+                                                       "authorization": "Bearer sk-bench",
+                                                       **headers})
+        r = conn.getresponse()
+        data = r.read()
+        return r.status, data, time.monotonic()
+    finally:
+        conn.close()
+
+
+def _get_json(url: str, path: str, method: str = "GET") -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + path, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _snapshot_reads(location: str) -> int | None:
+    """Snapshot reads (what a poll runs) in the database so far; None: cannot be counted."""
+    try:
+        return _snapshot_count(location)
+    except Exception:  # noqa: BLE001 - pg_stat_statements not loaded
+        return None
+
+
+def _snapshot_count(location: str) -> int:
+    return int(_read(location, "SELECT COALESCE(SUM(s.calls), 0) FROM pg_stat_statements s JOIN"
+                               " pg_database d ON d.oid = s.dbid WHERE d.datname ="
+                               " current_database() AND s.query LIKE"
+                               " 'SELECT o.state, o.fingerprint, o.current_attempt%'")[0][0])
+
+
+def wake_latency(workdir: Path, location: str, trials: int) -> dict:
+    """Two mitmdumps (A, B) on one PostgreSQL ledger, in front of the bench upstream. Each
+    trial: an original via A that the upstream holds; a duplicate via B, held by B on A's
+    attempt; then the upstream releases the original. Measured: from the original's last byte
+    at its client to the duplicate's last byte at its own (both on this machine's monotonic
+    clock), and the snapshot reads (polls) of every process while the duplicates were held."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from turnguard_bench import procs, stats
+
+    up = procs.start_upstream(workdir, "wake-upstream")
+    events = {n: workdir / f"wake-{n}-events.jsonl" for n in ("a", "b")}
+    mitm = procs.start_mitmdumps(workdir, up.url, {
+        n: ("turnguard", {"turnguard_ledger": location, "turnguard_events": str(events[n])})
+        for n in ("a", "b")})
+    gaps, polls, answers = [], 0, []
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for t in range(trials):  # bounded by trials
+                body = json.dumps({"model": "bench", "input": f"wake {uuid.uuid4().hex} {t}",
+                                   "stream": True}).encode()
+                held_before = events["b"].read_text().count("duplicate_held") if events["b"].exists() else 0
+                original = pool.submit(_post, mitm["a"].url, body, {"x-bench-hold": "1"})
+                _until(lambda: _get_json(up.url, "/_bench/stats")["held"] == 1, "original held")
+                duplicate = pool.submit(_post, mitm["b"].url, body, {})
+                _until(lambda: events["b"].read_text().count("duplicate_held") > held_before,
+                       "duplicate held")
+                reads = _snapshot_reads(location)
+                time.sleep(0.05)
+                after = _snapshot_reads(location)
+                polls = None if polls is None or reads is None else polls + after - reads
+                _get_json(up.url, "/_bench/release", "POST")
+                (s1, b1, t1), (s2, b2, t2) = original.result(60), duplicate.result(60)
+                answers.append((s1, s2, b1 == b2))
+                gaps.append((t2 - t1) * 1000)
+    finally:
+        for p in mitm.values():
+            p.stop()
+        up.stop()
+    ok = all(a == (200, 200, True) for a in answers)
+    return {"trials": trials, "p50_ms": stats.percentile(gaps, 50) if gaps else None,
+            "p99_ms": stats.percentile(gaps, 99) if gaps else None,
+            "max_ms": max(gaps, default=None), "polls_while_held": polls,
+            "replayed_byte_identical": ok}
+
+
+def _until(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # bounded by the deadline
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"wake-up benchmark: timed out waiting for {what}")
+        time.sleep(0.005)

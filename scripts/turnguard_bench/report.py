@@ -147,6 +147,19 @@ def targets(res: dict) -> list[dict]:
             f"{eo['dispatches']}/{eo['identities']}", eo["passed"],
             f"{eo['admissions']} admissions, max {eo['max_dispatches_per_identity']} dispatch "
             f"per identity")
+        pg = le.get("postgres") or {}
+        if "claims_1_process" in pg:
+            add("PostgreSQL ledger: exactly once across 4 processes",
+                f"{pg['exactly_once']['dispatches']}/{pg['exactly_once']['identities']}",
+                pg["exactly_once"]["passed"],
+                f"claims/s {_f(pg['claims_1_process']['claims_per_s'], ',.0f')} (1 process), "
+                f"{_f(pg['claims_4_processes']['claims_per_s'], ',.0f')} (4 processes)")
+            w = pg["wake"]
+            add("PostgreSQL: a duplicate held on another process answered <= 50 ms after the "
+                "original's end (p99)", _f(w["p99_ms"], ".1f", " ms"),
+                w["p99_ms"] is not None and w["p99_ms"] <= 50 and w["replayed_byte_identical"],
+                f"p50 {_f(w['p50_ms'], '.1f', ' ms')} over {w['trials']} trials; polls while "
+                f"held: {w['polls_while_held']}")
     so = res.get("soak")
     if so and "turnguard" in so["variants"]:
         t = so["variants"]["turnguard"]
@@ -278,6 +291,26 @@ def render(res: dict) -> str:
                     for pt in sc["points"]]
             o.append(table(rows, ["operations", "live B/op", "file B/op", "admit new us",
                                   "admit replay us", "fill s"]))
+        pg = le.get("postgres") or {}
+        if "skipped" in pg:
+            o.append(f"PostgreSQL ledger: skipped ({pg['skipped']})")
+        elif pg:
+            a, b, eo, w = (pg["claims_1_process"], pg["claims_4_processes"], pg["exactly_once"],
+                           pg["wake"])
+            o.append("PostgreSQL ledger (PgLedger.admit(): an advisory-locked claim each, over a "
+                     "loopback connection to a server on the same cores):")
+            o.append(table([
+                ["1 process", f"{a['claims']:,}", _f(a["seconds"], ".2f"), _f(a["claims_per_s"], ",.0f")],
+                ["4 processes", f"{b['claims']:,}", _f(b["seconds"], ".2f"), _f(b["claims_per_s"], ",.0f")],
+            ], ["processes", "claims", "seconds", "claims/s"]))
+            o.append(f"exactly once: {eo['dispatches']} dispatches for {eo['identities']} "
+                     f"identities x {eo['processes']} processes: "
+                     f"{'PASSED' if eo['passed'] else 'FAILED'}")
+            o.append(f"held duplicate on another mitmdump, answered after the original's end "
+                     f"(LISTEN/NOTIFY), {w['trials']} trials: p50 {_f(w['p50_ms'], '.1f')} ms, "
+                     f"p99 {_f(w['p99_ms'], '.1f')} ms, max {_f(w['max_ms'], '.1f')} ms; "
+                     f"snapshot reads (polls) while held: {w['polls_while_held']}; replayed "
+                     f"byte-identical: {w['replayed_byte_identical']}")
 
     so = res.get("soak")
     if so:

@@ -7,13 +7,14 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from typing import Any
 
 from .behaviours import Dispatch
 from .responses_ws import serve_socket
 from .events import INVALID_BODY_ERROR
 from .scenario import DEFAULT_SCENARIO, Dispatcher, validate_behaviour
-from .server import ClientGone, Connection, Request, json_error
+from .server import MAX_BODY_BYTES, ClientGone, Connection, Request, json_error
 
 REPRO_ATTEMPT_HEADER = "x-turnguard-repro-attempt"
 MODEL_ROUTES = ("/responses", "/chat/completions")
@@ -77,8 +78,10 @@ class MockUpstream:
     async def dispatch(self, conn: Connection, req: Request) -> bool:
         """Number, log and answer a model request; return False if the connection is done.
         A body that is not a JSON object is answered 400, as the real API does, and is not a
-        dispatch (logged as ``invalid_body``)."""
+        dispatch (logged as ``invalid_body``). A gzip or deflate request body is decoded first
+        (at most MAX_BODY_BYTES; more is an invalid body)."""
         try:
+            req.body = _decoded(req)  # the dispatch and its log see the decoded body
             parsed = json.loads(req.body)
         except ValueError:
             parsed = None
@@ -148,3 +151,21 @@ class MockUpstream:
         finally:
             self.record({"event": "dispatch_end", "n": d.n, "ts": time.time(), "status": d.status,
                          "events_sent": d.events_sent, "outcome": d.outcome})
+
+
+def _decoded(req: Request) -> bytes:
+    """The request body without its gzip/deflate content coding (ValueError: another coding,
+    invalid data, or more than MAX_BODY_BYTES decoded)."""
+    coding = (req.header("content-encoding") or "identity").strip().lower()
+    if coding == "identity":
+        return req.body
+    if coding not in ("gzip", "x-gzip", "deflate"):
+        raise ValueError(f"content-encoding {coding} not supported")
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS if coding != "deflate" else zlib.MAX_WBITS)
+    try:
+        out = d.decompress(req.body, MAX_BODY_BYTES + 1)
+    except zlib.error as e:
+        raise ValueError(str(e)) from None
+    if len(out) > MAX_BODY_BYTES or not d.eof:
+        raise ValueError("body too large once decoded, or incomplete")
+    return out

@@ -1,0 +1,274 @@
+"""End to end on a PostgreSQL ledger: real mitmdump processes sharing one real PostgreSQL
+database (the processes stand for hosts: nothing but the database is shared), in front of the
+real mock upstream. The multi-process guarantees of the SQLite ledger, again, plus what only a
+shared server brings: waking held duplicates by LISTEN/NOTIFY (no polling), reaping across
+hosts by lease, and a database restart while requests are held and a cooldown is open."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psycopg
+import pytest
+
+import harness
+from harness import (
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    sse_event_types,
+    sse_post,
+    turnguard_events,
+    wait_until,
+)
+
+SECRET = "sk-pg-test-0123456789"
+HEADERS = {"authorization": f"Bearer {SECRET}", "session-id": "sess-pg"}
+BODY = {"model": "gpt-test", "input": "one ledger, many hosts", "stream": True}
+ANCHORED = {**HEADERS, "x-codex-turn-state": "ts_pg_turn"}
+ONCE = "server_anchored_replay_once"
+# the snapshot query: what a process polls with (and what admission reads under its lock)
+SNAPSHOT_SQL = "SELECT o.state, o.fingerprint, o.current_attempt%"
+
+
+def guarded(tmp_path, up, name: str, ledger: str, **options) -> Mitmdump:
+    """mitmdump + turnguard on the PostgreSQL ledger ``ledger`` (a URL)."""
+    return harness.guarded(tmp_path, up, name, ledger=ledger, **options)
+
+
+events = turnguard_events
+
+
+def rows(url: str, sql: str, args=()) -> list[tuple]:
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as db:
+        cur = db.execute(sql, args)
+        return cur.fetchall() if cur.description is not None else []
+
+
+def post(url: str, headers=HEADERS, body=BODY, timeout: float = 60):
+    """One request; a transport error (reset, cut stream) is status 0."""
+    try:
+        status, h, b = sse_post(url, body=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return 0, {}, b""
+    if status == 200 and sse_event_types(b)[-1:] != ["response.completed"]:
+        return 0, h, b
+    return status, h, b
+
+
+def instance_of(url: str, pid: int) -> str:
+    return wait_until(lambda: rows(url, "SELECT instance_id FROM instances WHERE pid=%s", (pid,)),
+                      10, what=f"pid {pid} registered")[0][0]
+
+
+def snapshot_reads(url: str) -> int:
+    """How many times the ledger's operation snapshot was read in this database (every
+    process): pg_stat_statements, counted by the server."""
+    return int(rows(url, "SELECT COALESCE(SUM(s.calls), 0) FROM pg_stat_statements s JOIN"
+                         " pg_database d ON d.oid = s.dbid WHERE d.datname = current_database()"
+                         " AND s.query LIKE %s", (SNAPSHOT_SQL,))[0][0])
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_on_one_postgres_ledger_dispatch_once_and_replay_byte_identical(
+        tmp_path, pg_url, processes, report):
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 3000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up:
+        proxies = [guarded(tmp_path, up, f"p{k}", pg_url) for k in range(processes)]
+        try:
+            with ThreadPoolExecutor(max_workers=1 + 2 * (processes - 1)) as pool:
+                first = pool.submit(post, proxies[0].url)
+                wait_until(lambda: up.dispatches(), 10, what="the original's dispatch")
+                dups = [pool.submit(post, p.url) for p in proxies[1:] for _ in range(2)]
+                results = [first.result()] + [d.result() for d in dups]
+            owner = instance_of(pg_url, proxies[0].pid)
+            held = [e for p in range(1, processes) for e in events(tmp_path, f"p{p}", "duplicate_held")]
+            log = "".join(p.log_text() for p in proxies)
+        finally:
+            for p in proxies:
+                p.stop()
+    assert [r[0] for r in results] == [200] * len(results)
+    assert len({r[2] for r in results}) == 1  # byte-identical
+    assert all(r[1].get("x-turnguard") == "replayed" for r in results[1:])
+    assert len(up.dispatches()) == 1
+    assert len(held) == 2 * (processes - 1) and all(e["owner"] == owner for e in held)
+    assert_no_traceback(log)
+    report(f"{processes} mitmdump processes, one PostgreSQL ledger: original via the first, "
+           f"{len(dups)} duplicates via the others -> upstream dispatches={len(up.dispatches())}, "
+           f"statuses={[r[0] for r in results]}, distinct bodies=1")
+
+
+def test_a_duplicate_held_on_another_process_is_woken_by_a_notification_not_by_polling(
+        tmp_path, pg_url, report):
+    try:  # the server counts the queries (tests/pg_server.py preloads it)
+        rows(pg_url, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        snapshot_reads(pg_url)
+    except psycopg.Error as e:
+        pytest.skip(f"pg_stat_statements is not loaded on this server, polls cannot be counted: {e}")
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(max_workers=2) as pool:
+        original = pool.submit(post, a.url)
+        dispatched = wait_until(lambda: up.dispatches(), 10, what="the original's dispatch")[0]
+        duplicate = pool.submit(post, b.url)
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holds it")
+        time.sleep(0.3)  # B's admission is over: from here on, any snapshot read is a poll
+        before = snapshot_reads(pg_url)
+        time.sleep(max(0.0, dispatched["ts"] + 3.5 - time.time()))  # until just before the end
+        during = snapshot_reads(pg_url) - before
+        status, headers, body = duplicate.result(30)
+        assert original.result(30)[2] == body
+        log = a.log_text() + b.log_text()
+    assert during == 0, f"{during} snapshot reads (polls) while the duplicate was held"
+    assert status == 200 and headers.get("x-turnguard") == "replayed"
+    assert len(up.dispatches()) == 1
+    assert "notifications" not in log or "lost" not in log
+    assert_no_traceback(log)
+    report("duplicate held on another process (PostgreSQL ledger): woken by NOTIFY, "
+           f"snapshot reads while held={during} (polling would read every 200 ms)")
+
+
+def test_two_processes_in_once_mode_on_postgres_recover_once(tmp_path, pg_url):
+    storm = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+             "default": {"kind": "ok", "events": 4}}
+    opts = {"turnguard_recovery_mode": ONCE, "turnguard_response_created_timeout_ms": 600,
+            "turnguard_cooldown_ms": 3000}
+    with MockUpstream(tmp_path, storm) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b:
+        assert post(a.url, ANCHORED)[0] == 502  # cut: no response event in time
+        assert post(a.url, ANCHORED)[0] in (0, 502)  # reset: the circuit opens; A owns the session
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            via_a = [pool.submit(post, a.url, ANCHORED) for _ in range(3)]
+            time.sleep(0.3)
+            via_b = [pool.submit(post, b.url, ANCHORED) for _ in range(3)]
+            a_results = [f.result()[0] for f in via_a]
+            b_results = [f.result()[0] for f in via_b]
+        log = a.log_text() + b.log_text()
+    assert a_results == [200] * 3
+    assert b_results == [503] * 3  # B holds no owner proof for A's session: fails closed
+    assert [e["reason"] for e in events(tmp_path, "b", "fail_closed")] == ["owner_proof_missing"] * 3
+    assert len(up.dispatches()) == 3
+    assert len(events(tmp_path, "a", "recovery_claimed") + events(tmp_path, "b", "recovery_claimed")) == 1
+    assert rows(pg_url, "SELECT MAX(recovery_dispatches) FROM operations") == [(1,)]
+    assert_no_traceback(log)
+
+
+def _kill_owner_mid_stream(tmp_path, pg_url, *, prefix=None, **options):
+    """A dispatches a stalled original and holds nothing; B holds 3 duplicates of it; A is
+    killed (-9). Returns (B's answers, the dead instance, seconds from the kill to the reap)."""
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 30000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "b", pg_url, **options) as b:
+        a = guarded(tmp_path, up, "a", pg_url, prefix=prefix, **options)
+        pool = ThreadPoolExecutor(max_workers=4)
+        try:
+            first = pool.submit(post, a.url)
+            wait_until(lambda: up.dispatches(), 10, what="A's dispatch")
+            dups = [pool.submit(post, b.url) for _ in range(3)]
+            wait_until(lambda: len(events(tmp_path, "b", "duplicate_held")) == 3, 10,
+                       what="3 duplicates held by B")
+            owner = events(tmp_path, "b", "duplicate_held")[0]["owner"]
+            killed_at = time.time()
+            a.kill9()
+            assert first.result(timeout=30)[0] == 0
+            results = [f.result(timeout=90) for f in dups]
+        finally:
+            a.stop()
+            pool.shutdown(wait=False)
+        log = b.log_text()
+        dispatches = len(up.dispatches())
+    reaped = events(tmp_path, "b", "instance_reaped")
+    assert [r["instance"] for r in reaped] == [owner], reaped
+    assert [r[0] for r in results] == [200] * 3
+    assert len({r[2] for r in results}) == 1
+    assert dispatches == 2  # A's (lost in the crash) + B's single retry
+    assert [r for r in rows(pg_url, "SELECT kind, outcome FROM attempts ORDER BY attempt_id")] == [
+        ("original", "unknown"), ("retry", "completed")]
+    assert_no_traceback(log)
+    return reaped[0], reaped[0]["ts"] - killed_at
+
+
+def test_owner_killed_mid_stream_on_the_same_kernel_is_reaped_by_proof(tmp_path, pg_url, report):
+    reaped, reap_s = _kill_owner_mid_stream(tmp_path, pg_url)
+    assert reaped["proof"] == "process gone"
+    assert reap_s < 20
+    report(f"PostgreSQL ledger, owner killed -9 mid-stream (same kernel): survivor reaped it by "
+           f"proof after {reap_s:.1f} s and served the 3 held duplicates; upstream dispatches=2")
+
+
+def test_owner_killed_on_another_host_is_reaped_by_its_lease(tmp_path, pg_url, report):
+    """Another pid namespace stands for another host: its pid means nothing here, so the
+    survivor may only go by the lease (turnguard_instance_lease_ms, short here)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    prefix = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+    reaped, reap_s = _kill_owner_mid_stream(tmp_path, pg_url, prefix=prefix,
+                                            turnguard_instance_lease_ms=15000,  # the shortest
+                                            turnguard_hold_timeout_ms=90000)
+    assert reaped["proof"] == "lease expired"
+    assert 15.0 - 5.0 <= reap_s < 45  # not before its lease ran out (heartbeat 5 s old at most)
+    report(f"PostgreSQL ledger, owner on 'another host' (pid namespace) killed -9: reaped by its "
+           f"lease (15 s) after {reap_s:.1f} s; upstream dispatches=2")
+
+
+def test_postgres_restarted_while_requests_are_held_and_a_cooldown_is_open(tmp_path, own_pg, report):
+    url = own_pg.url
+    opts = {"turnguard_response_created_timeout_ms": 600, "turnguard_cooldown_ms": 120000,
+            "turnguard_cooldown_max_ms": 120000}
+    cooling = {"authorization": f"Bearer {SECRET}", "session-id": "sess-cooling"}
+    slow = {"x-mock-behaviour": json.dumps({"kind": "ok", "events": 6, "gap_ms": 800})}
+    body = {**BODY, "input": "held through a restart"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, **opts) as a, \
+            guarded(tmp_path, up, "b", url, **opts) as b:
+        for behaviour in ({"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}):
+            assert post(a.url, {**cooling, "x-mock-behaviour": json.dumps(behaviour)})[0] in (0, 502)
+        wait_until(lambda: events(tmp_path, "a", "circuit_opened"), 10, what="the circuit open")
+        assert post(b.url, cooling)[0] == 503  # the other process sees the cooldown
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            original = pool.submit(post, b.url, {**HEADERS, **slow}, body)
+            wait_until(lambda: len(up.dispatches()) == 3, 10, what="the original's dispatch")
+            dups = [pool.submit(post, a.url, HEADERS, body) for _ in range(3)]
+            wait_until(lambda: len(events(tmp_path, "a", "duplicate_held")) == 3, 10,
+                       what="3 duplicates held on A")
+            own_pg.restart(down_s=1.5)  # a crash-like stop: every connection breaks
+            results = [original.result(60)] + [d.result(60) for d in dups]
+        after = [post(p.url, cooling)[0] for p in (a, b)]
+        log = a.log_text() + b.log_text()
+    circuits = rows(url, "SELECT failures, open_until FROM circuits WHERE open_until > %s",
+                    (time.time(),))
+    assert [r[0] for r in results] == [200] * 4
+    assert len({r[2] for r in results}) == 1
+    assert len(up.dispatches()) == 3  # 2 failures that opened the circuit + the original, once
+    assert after == [503, 503]  # the cooldown outlived the restart
+    assert len(circuits) == 1 and circuits[0][0] == 2
+    assert rows(url, "SELECT COUNT(*) FROM attempts WHERE outcome = 'in_flight'") == [(0,)]
+    assert_no_traceback(log)
+    report("PostgreSQL restarted (immediate stop, 1.5 s down) with 3 duplicates held and a "
+           f"cooldown open: answers={[r[0] for r in results]}, upstream dispatches of the held "
+           f"operation=1, cooldown afterwards={after}")
+
+
+def test_a_ledger_down_at_start_up_keeps_proxying_and_is_used_once_it_is_up(tmp_path, own_pg):
+    own_pg.stop()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", own_pg.url) as a:
+        assert post(a.url)[0] == 200  # proxied, decided in memory
+        unavailable = events(tmp_path, "a", "ledger_unavailable")
+        assert unavailable and unavailable[0]["during"] == "open"
+        own_pg.restart()  # (it is stopped: this starts it)
+        wait_until(lambda: re.search(r"turnguard: ledger \S+ \(instance", a.log_text()), 15,
+                   what="the ledger opened")
+        body = {**BODY, "input": "after the outage"}
+        assert post(a.url, HEADERS, body)[0] == 200
+        again = post(a.url, HEADERS, body)
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+        log = a.log_text()
+    assert rows(own_pg.url, "SELECT COUNT(*) FROM operations") >= [(2,)]
+    assert_no_traceback(log)

@@ -1,0 +1,319 @@
+"""The PostgreSQL ledger's own parts, in-process on a real server: the location and its masked
+password, migrations when several processes start at once, a database made again, a claim in
+doubt when the connection broke, the attempt-end notifications through ``FailoverStore`` (and
+the fallback when they are lost), and the control tool on a PostgreSQL URL. (The contract both
+stores keep is tested on both in test_ledger.py and test_recovery_machine.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import io
+import json
+import threading
+import time
+
+import psycopg
+import pytest
+
+from turnguard_core import circuit, identity, ledger_cli, liveness, policy
+from turnguard_core.failover import FailoverStore
+from turnguard_core.knowledge import MemoryStore
+from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
+from turnguard_core.ledger_location import display, is_postgres
+from turnguard_core.pg_ledger import SCHEMA_VERSION as PG_SCHEMA_VERSION
+from turnguard_core.pg_ledger import PgLedger, PgLedgerAdmin
+from turnguard_shell import config
+
+GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
+
+
+def ident(n: int) -> identity.Identity:
+    view = identity.RequestView("POST", "/v1/responses", (("authorization", "Bearer k"),),
+                                json.dumps({"n": n}).encode())
+    out = identity.identify(view)
+    assert isinstance(out, identity.Identity)
+    return out
+
+
+def with_password(url: str, password: str = "s3cret-pw") -> str:
+    scheme, _, rest = url.partition("://")
+    user, _, host = rest.partition("@")
+    return f"{scheme}://{user}:{password}@{host}"
+
+
+def sql(url: str, query: str, args=()) -> list[tuple]:
+    with psycopg.connect(url, autocommit=True) as db:
+        cur = db.execute(query, args)
+        return cur.fetchall() if cur.description else []
+
+
+# -- the location --------------------------------------------------------------------------------
+@pytest.mark.parametrize("location, shown", [
+    ("postgresql://tg:pw@db.example:5432/ledger", "postgresql://tg:***@db.example:5432/ledger"),
+    ("postgres://tg:p%40ss@h/l?sslmode=require", "postgres://tg:***@h/l?sslmode=require"),
+    ("postgresql://h/l?user=tg&password=pw&sslmode=require",
+     "postgresql://h/l?user=tg&password=***&sslmode=require"),
+    ("postgresql:///l?service=turnguard", "postgresql:///l?service=turnguard"),
+    ("postgresql://tg@h/l", "postgresql://tg@h/l"),
+    ("/var/lib/turnguard/ledger.sqlite3", "/var/lib/turnguard/ledger.sqlite3"),
+])
+def test_the_location_is_shown_without_its_password(location, shown):
+    assert display(location) == shown
+    assert is_postgres(location) == location.startswith("postgres")
+
+
+def test_turnguard_ledger_takes_a_postgres_url_and_refuses_a_bad_one_without_its_password(tmp_path):
+    url = "postgresql://tg:hunter2@127.0.0.1:5432/ledger"
+    assert config.ledger_path(url, str(tmp_path)) == url
+    with pytest.raises(ValueError) as refused:
+        config.ledger_path("postgresql://tg:hunter2@127.0.0.1:port/ledger", str(tmp_path))
+    assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
+
+
+def test_a_failure_never_shortens_an_open_cooldown():
+    """Another replica (another clock, a shorter turnguard_cooldown_ms) records a failure: the
+    cooldown it would open ends earlier than the one in force, which stands."""
+    cfg = circuit.CircuitConfig(threshold=1, cooldown_s=10, cooldown_max_s=10)
+    longer = circuit.CircuitState(3, 2000.0, 600)
+    after, transition = circuit.record_outcome(longer, eventless_failure=True, completed=False,
+                                               now=1000.0, cfg=cfg)
+    assert after.open_until == 2000.0 and after.failures == 4 and transition == "opened"
+
+
+# -- schema, generation, connection faults ---------------------------------------------------------
+def test_processes_that_start_together_migrate_the_schema_once(pg_url):
+    ledgers = [PgLedger(pg_url, f"p{k}") for k in range(6)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(ledgers))
+
+    def open_one(led):
+        start.wait()
+        try:
+            led.open(time.time())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one, args=(led,)) for led in ledgers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert len({led.generation for led in ledgers}) == 1 and ledgers[0].generation
+    assert sql(pg_url, "SELECT value FROM meta WHERE key='schema_version'") == [
+        (str(PG_SCHEMA_VERSION),)]
+    assert sql(pg_url, "SELECT COUNT(*) FROM instances") == [(6,)]
+    for led in ledgers:
+        led.close()
+
+
+def test_a_database_made_again_is_an_error_not_an_empty_ledger(pg_url):
+    led = PgLedger(pg_url, "a")
+    led.open(1000.0)
+    assert led.file_replaced() is None
+    sql(pg_url, "DROP TABLE meta, spool, attempts, operations, circuits, sessions, instances,"
+                " control_audit")
+    PgLedger(pg_url, "b").open(1001.0)  # another process makes a new ledger there
+    with pytest.raises(LedgerError, match="replaced"):
+        led.heartbeat(1002.0)
+    assert "replaced" in led.file_replaced()
+    led.close()
+
+
+def test_a_newer_schema_is_refused(pg_url):
+    PgLedger(pg_url, "a").open(1000.0)
+    sql(pg_url, "UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(LedgerError, match="newer"):
+        PgLedger(pg_url, "b").open(1001.0)
+
+
+def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
+    led = PgLedger(pg_url, "a")
+    led.open(1000.0)
+    i = ident(1)
+    claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
+    led._doubtful_claims.append(claim.attempt_id)  # as if the COMMIT's answer had been lost
+    # this test's database only: other tests (other workers) share the server
+    sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
+                " application_name='turnguard' AND datname=current_database()"
+                " AND pid<>pg_backend_pid()")
+    with pytest.raises(LedgerError):
+        led.snapshot(i.op_key)  # the broken connection is noticed
+    assert led.snapshot(i.op_key).state == "rejected"  # reconnected, and given back first
+    assert sql(pg_url, "SELECT outcome, detail FROM attempts") == [
+        ("rejected", "claim given back: the connection broke at commit")]
+    again = led.admit(i, method="POST", path="/v1/responses", now=1001.0, guard=GUARD, flow_id="f")
+    assert isinstance(again, policy.Dispatch) and again.kind == "retry"
+    led.close()
+
+
+def test_a_restart_of_the_server_is_an_outage_and_the_ledger_comes_back(own_pg):
+    led = PgLedger(own_pg.url, "a", busy_timeout_ms=2000)
+    led.open(1000.0)
+    i = ident(1)
+    claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
+    own_pg.restart()
+    with pytest.raises(LedgerError):
+        led.finish(claim.attempt_id, AttemptEnd("completed", 200, 1, None,
+                                                Recording(200, (), b"ok")), now=1001.0)
+    assert led.finish(claim.attempt_id, AttemptEnd("completed", 200, 1, None,
+                                                   Recording(200, (), b"ok")), now=1001.0).applied
+    assert led.recording(claim.attempt_id).body == b"ok"
+    led.close()
+
+
+# -- notifications through FailoverStore -----------------------------------------------------------
+def _failover(ended: list) -> FailoverStore:
+    return FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(), emit=lambda *a, **k: None,
+        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: [],
+        on_reregistered=lambda n: None,
+        on_attempt_ended=lambda *end: ended.append(end))
+
+
+async def _until(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_other_processes_attempt_ends_are_notified_and_the_fallback_is_polling(pg_url):
+    ended: list = []
+    store = _failover(ended)
+    assert store.open(pg_url)
+    try:
+        assert store.attempt_ends_notified and not store.recheck_foreign
+        peer = PgLedger(pg_url, "peer")
+        peer.open(time.time())
+        i = ident(7)
+        claim = peer.admit(i, method="POST", path="/v1/responses", now=time.time(), guard=GUARD,
+                           flow_id="f")
+        peer.finish(claim.attempt_id, AttemptEnd("unknown", None, 0), now=time.time())
+        await _until(lambda: ended)
+        assert ended == [(i.op_key, claim.attempt_id, "unknown")]
+        # the listener's connection is lost: polling until it is back, then one re-check
+        sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name='turnguard-listen' AND datname=current_database()")
+        await _until(lambda: not store.attempt_ends_notified)
+        await _until(lambda: store.attempt_ends_notified)
+        assert store.recheck_foreign
+        assert store.polls == 0
+        peer.close()
+    finally:
+        store.close()
+
+
+async def test_a_held_duplicate_is_woken_by_the_notification_even_if_it_came_first():
+    """The end is notified between the admission that said Hold and the start of the wait."""
+    from turnguard_shell.waiters import Waiters
+
+    class Flow:
+        id = "f1"
+
+    waiters = Waiters()
+    waiters.attempt_ended_elsewhere("op", 5, "completed")
+    woke = await waiters.duplicate(Flow(), "f1", "op", 5, timeout_s=5)
+    assert woke.outcome == "completed"
+    # an end of an older attempt does not wake a wait on a newer one
+    waiters.attempt_ended_elsewhere("op2", 4, "unknown")
+    assert type(await waiters.duplicate(Flow(), "f1", "op2", 5, timeout_s=0.05)).__name__ == "TimedOut"
+
+
+# -- the control tool --------------------------------------------------------------------------------
+def test_scripts_turnguard_works_on_a_postgres_ledger_and_never_prints_the_password(pg_url):
+    led = PgLedgerAdmin(pg_url, "a")
+    led.open(time.time())
+    cfg = circuit.CircuitConfig(threshold=1, cooldown_s=600, cooldown_max_s=600)
+    i = ident(3)
+    claim = led.admit(i, method="POST", path="/v1/responses", now=time.time(), guard=GUARD,
+                      flow_id="f", circuit_scope="session:abc")
+    led.finish(claim.attempt_id, AttemptEnd("unknown", None, 0), now=time.time(),
+               circuit_cfg=cfg, eventless_failure=True)
+    url = with_password(pg_url)  # trust auth on the test server: the password is not checked
+    for args in (["status"], ["list"], ["stats"], ["show", i.op_key[:12]], ["circuit", "list"],
+                 ["status", "--json"]):
+        out, err = io.StringIO(), io.StringIO()
+        assert ledger_cli.main(["--ledger", url, *args], out, err) == 0, err.getvalue()
+        assert "s3cret-pw" not in out.getvalue() + err.getvalue()
+    out = io.StringIO()
+    assert ledger_cli.main(["--ledger", url, "status"], out, io.StringIO()) == 0
+    assert "***" in out.getvalue() and "session:abc" in out.getvalue()
+    assert ledger_cli.main(["--ledger", url, "circuit", "clear", "--all"], io.StringIO(),
+                           io.StringIO()) == 0
+    assert led.circuit_state("session:abc") == circuit.CircuitState()
+    assert [a["action"] for a in led.audit_log()] == ["circuit_clear"]
+    led.close()
+
+
+async def test_no_error_or_status_line_shows_the_password():
+    """libpq echoes what it cannot parse; the ledger's errors and the status line never show
+    the password."""
+    from turnguard_core.ledger_location import scrub
+
+    url = "postgresql://tg:p%40ss-w0rd@127.0.0.1:1/ledger?sslmode=disable"
+    assert scrub("bad value p@ss-w0rd and p%40ss-w0rd", url) == "bad value *** and ***"
+    led = PgLedger(url, "a")
+    with pytest.raises(LedgerError) as refused:  # nothing listens on port 1
+        led.open(1000.0)
+    assert "p@ss-w0rd" not in str(refused.value) and "p%40ss" not in str(refused.value)
+    assert led.path == "postgresql://tg:***@127.0.0.1:1/ledger?sslmode=disable"
+    store = _failover([])
+    assert not store.open(url)  # an outage, said without the password
+    assert store.location == led.path and "p%40ss" not in (store.error or "")
+    store.close()
+
+
+async def test_a_database_made_again_under_a_running_process_gets_its_attempts_in_flight(
+        pg_url, monkeypatch):
+    """The heartbeat finds another generation: an outage, never an empty ledger. The process
+    opens the new database and registers its attempt in flight there before deciding from it,
+    so another process holds that operation's duplicates instead of dispatching them."""
+    from dataclasses import dataclass
+
+    from turnguard_core import failover
+
+    monkeypatch.setattr(failover, "HEARTBEAT_S", 0.2)
+
+    @dataclass
+    class Attempt:
+        ident: identity.Identity
+        attempt_id: int | None
+        generation: str
+        kind: str = "original"
+        flow_id: str = "f"
+        method: str = "POST"
+        route: str = "/v1/responses"
+        circuit_scope: str = "route:x"
+        transport: str = "http"
+
+    attempts: list[Attempt] = []
+    store = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(), emit=lambda *a, **k: None,
+        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: attempts,
+        on_reregistered=lambda n: None)
+    assert store.open(pg_url)
+    try:
+        i = ident(11)
+        claim = await store.admit(
+            i, method="POST", route="/v1/responses", flow_id="f", circuit_scope="route:x",
+            recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+            window_s=300, threshold=2, deadline=time.monotonic() + 5)
+        attempts.append(Attempt(i, claim.attempt_id, store.generation))
+        old = store.generation
+        sql(pg_url, "DROP TABLE meta, spool, attempts, operations, circuits, sessions,"
+                    " instances, control_audit")
+        peer = PgLedger(pg_url, "peer")
+        peer.open(time.time())
+        await _until(lambda: not store.is_open)  # the heartbeat saw another generation
+        await store.reopen_if_due()
+        assert store.is_open and store.generation == peer.generation != old
+        assert await store.recover(time.monotonic() + 5)
+        assert attempts[0].generation == peer.generation
+        held = peer.admit(i, method="POST", path="/v1/responses", now=time.time(), guard=GUARD,
+                          flow_id="g")
+        assert held == policy.Hold(attempts[0].attempt_id, "me")
+        peer.close()
+    finally:
+        store.close()
