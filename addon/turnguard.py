@@ -21,7 +21,7 @@ if _HERE not in sys.path:
 
 from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
-from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
+from turnguard_core import circuit, identity, machine, negotiation, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
@@ -30,6 +30,7 @@ from turnguard_shell.inflight import InFlight  # noqa: E402
 from turnguard_shell.maintenance import Maintenance  # noqa: E402
 from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
 from turnguard_shell.process import ProcessState  # noqa: E402
+from turnguard_shell.relay import Relay  # noqa: E402
 from turnguard_shell.sessions import Sessions  # noqa: E402
 from turnguard_shell.waiters import Waiters  # noqa: E402
 from turnguard_shell.websocket import WebSockets  # noqa: E402
@@ -187,6 +188,8 @@ class TurnGuard:
                 self.inflight.start(flow, ident, state.dispatch, scope)
             case machine.Replay():
                 await self.replayer.replay(flow, ident, state)
+            case machine.Attach():
+                await self._attach(flow, ident, state)
             case machine.Respond():
                 flows.answer(flow, state.answer)
             case machine.Abandon():
@@ -237,8 +240,8 @@ class TurnGuard:
                 case machine.FailClosed():
                     remaining = await self.store.circuit_remaining(scope, deadline=deadline)
                     state, effects = machine.fail_closed(req, state, remaining)
-                case (machine.Forward() | machine.Replay() | machine.Respond() | machine.Abandon()
-                      | machine.PassThrough()):
+                case (machine.Forward() | machine.Replay() | machine.Attach() | machine.Respond()
+                      | machine.Abandon() | machine.PassThrough()):
                     return state
                 case _:
                     assert_never(state)
@@ -250,10 +253,47 @@ class TurnGuard:
             return await self.waiters.cooldown(flow, key, ident.op_key, ident.session,
                                                state.epoch, state.wait_s)
         # an attempt of another process is notified (PostgreSQL) or polled for; this
-        # process's wakes its waiters
-        foreign = None if self.inflight.is_local(ident.op_key) else (state.attempt_id or 0)
-        return await self.waiters.duplicate(flow, key, ident.op_key, foreign,
-                                            state.deadline - time.monotonic())
+        # process's wakes its waiters, and its response, once it streams, can be attached to
+        local = self.inflight.of_operation(ident.op_key)
+        if local is not None and local.live is not None and local.live.started \
+                and self._can_attach(flow, local.live):
+            return machine.Attachable(local.live)
+        foreign = None if local is not None else (state.attempt_id or 0)
+        while True:  # bounded by the hold's deadline
+            woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,
+                                                state.deadline - time.monotonic())
+            if not isinstance(woke, machine.Attachable) or self._can_attach(flow, woke.live):
+                return woke
+            if woke.live.end is not None or not self.inflight.is_local(ident.op_key):
+                return machine.Ended("unknown")  # it ended meanwhile: admitted again
+
+    def _can_attach(self, flow: http.HTTPFlow, live) -> bool:
+        """Whether ``flow`` (a request, or a WebSocket's call) can take ``live`` as it is: the
+        same transport, the whole response still kept, the same representation (``Vary`` and
+        content coding, as for a replay), and, over HTTP, a destination the relay can stand in
+        for (not through an upstream proxy)."""
+        if not self.settings.attach or not live.attachable:
+            return False
+        if flow.websocket is not None:
+            return live.transport == "ws"
+        if live.transport != "http" or live.head is None or flow.server_conn.via is not None:
+            return False
+        head = live.head
+        return isinstance(negotiation.plan(head.headers, head.vary_key,
+                                           flows.request_headers(flow)), negotiation.AsRecorded)
+
+    async def _attach(self, flow: http.HTTPFlow, ident: identity.Identity,
+                      state: machine.Attach) -> None:
+        """Answer ``flow`` live from the attempt it attached to, through the relay."""
+        relay = self._process.relay
+        if relay is None:
+            relay = self._process.relay = Relay()
+        await relay.ensure_started()
+        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
+                                      "attempt": state.attempt_id}
+        relay.route(flow, state.live, lambda end, sent: logger.debug(
+            "turnguard: attached flow %s ended (%s, %d bytes)", flow.id, end or "client left",
+            sent))
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
         for effect in effects:
@@ -289,6 +329,10 @@ class TurnGuard:
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         try:
+            if (flow.metadata.get("turnguard") or {}).get("role") == "attached":
+                flow.response.stream = True  # the relay's stream, live to the client
+                Relay.restore(flow)
+                return
             self.inflight.tee_response(flow)
         except Exception:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)

@@ -145,6 +145,10 @@ async def make_guard(tmp_path: Path, **options):
         settings_ = {
             "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
             "turnguard_events": str(tmp_path / "events.jsonl"),
+            # a duplicate of a stream in flight attaches through the relay, which needs a proxy
+            # to follow the flow there: tested with one (test_attach, test_e2e_attach); here
+            # duplicates are held and replayed unless a test asks for attach
+            "turnguard_attach": False,
             **options,
         }
         tctx.options.update(**settings_)

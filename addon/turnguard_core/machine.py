@@ -8,6 +8,8 @@ mitmweb). Every request starts in ``Admit`` and ends in exactly one terminal sta
     Forward      dispatch it upstream as a new attempt (the store claimed it)
     PassThrough  forward it untouched, outside single flight (nothing to guard it with)
     Replay       answer from a recording (the shell may still decline it: Vary, encodings)
+    Attach       answer live from the attempt in flight in this process: its response so
+                 far at once, then the rest as it comes (``live``), to the same end
     Respond      answer it with turnguard's own answer (409, 422, 503)
     FailClosed   answer 503 (the shell reads the circuit's remaining cooldown, then
                  ``fail_closed`` gives the answer)
@@ -18,7 +20,8 @@ and in between it waits in ``HoldDuplicate`` (another attempt of its operation i
 ``FetchRecording``. Who moves a state:
 
     Admit           --on_admission(store's decision)-->  any state
-    HoldDuplicate   --on_woke(Ended | TimedOut | Gone)-->  Admit | Replay | Respond | Abandon
+    HoldDuplicate   --on_woke(Ended | Attachable | TimedOut | Gone)-->
+                        Admit | Replay | Attach | Respond | Abandon
     WaitCooldown    --on_woke(TimedOut | Gone | OwnershipLost)-->  Admit | FailClosed | Abandon
     FetchRecording  --on_recording(recording or not)-->  Replay | PassThrough | FailClosed
 """
@@ -34,6 +37,7 @@ from .ledger import Recording
 MARK_HELD = ":hourglass:"
 MARK_COOLDOWN = ":snowflake:"
 MARK_REJECTED = ":no_entry:"
+MARK_ATTACHED = ":link:"
 
 
 # -- what a request is -------------------------------------------------------------------------
@@ -155,6 +159,16 @@ class Replay:
 
 
 @dataclass(frozen=True, slots=True)
+class Attach:
+    """Terminal: answer live from the attempt in flight in this process (``attempt_id``):
+    ``live`` is the shell's handle on its response (opaque here)."""
+
+    live: Any
+    held_ms: int
+    attempt_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Respond:
     """Terminal: turnguard's own answer."""
 
@@ -176,7 +190,7 @@ class Abandon:
     reason: str
 
 
-Terminal = Forward | PassThrough | Replay | Respond | FailClosed | Abandon
+Terminal = Forward | PassThrough | Replay | Attach | Respond | FailClosed | Abandon
 State = Admit | HoldDuplicate | WaitCooldown | FetchRecording | Terminal
 Transition = tuple["State", tuple[Effect, ...]]
 
@@ -188,6 +202,14 @@ class Ended:
 
     outcome: str
     recording: Recording | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Attachable:
+    """The attempt waited for is this process's and its response is streaming: the request
+    can attach to it (``live``: the shell's handle on that response, opaque here)."""
+
+    live: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +231,7 @@ class OwnershipLost:
     epoch: int | None
 
 
-Woke = Ended | TimedOut | Gone | OwnershipLost
+Woke = Ended | Attachable | TimedOut | Gone | OwnershipLost
 
 
 # -- transitions -------------------------------------------------------------------------------
@@ -365,6 +387,15 @@ def on_woke(
             return _abandon(req, gone, state.held_since, now)
         case Ended(recording=recording) if recording is not None:
             return Replay(recording, round((now - state.held_since) * 1000), None), ()
+        case Attachable(live=live):
+            held_ms = round((now - state.held_since) * 1000)
+            return Attach(live, held_ms, state.attempt_id), (
+                Emit("duplicate_attached", {**req.base, "attempt": state.attempt_id,
+                                            "held_ms": held_ms}),
+                Show(MARK_ATTACHED, f"turnguard: attached to the attempt of {req.op_id} in "
+                                    f"flight after {held_ms} ms: its response so far, then the "
+                                    "rest live; nothing was sent upstream"),
+            )
         case _:  # ended without a recording: admit again (claim, replay or hold anew)
             return Admit(state.recovery, state.held_since, state.deadline), ()
 

@@ -54,6 +54,7 @@ OUTCOMES = ("completed", "rejected", "partial", "unknown")
 DUPLICATE_ACTIONS = {
     "duplicate_held": "held",
     "duplicate_replayed": "replayed",
+    "duplicate_attached": "attached",
     "duplicate_forwarded": "forwarded",
     "duplicate_rejected": "rejected",
     "replay_declined": "declined",

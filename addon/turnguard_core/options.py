@@ -97,6 +97,29 @@ OPTIONS: tuple[OptionSpec, ...] = (
         minimum=0,
     ),
     OptionSpec(
+        "turnguard_attach", bool, True,
+        "A duplicate of an event stream in flight in this process attaches to it: it gets "
+        "the response so far at once, then the rest live, to the same end, and no hold bound "
+        "applies once the stream has started. false: duplicates are held until the original "
+        "ends, then replayed.",
+    ),
+    OptionSpec(
+        "turnguard_detach_ms", int, 0,
+        "Run guarded HTTP dispatches detached from their client: the upstream call is the "
+        "proxy's own (mitmproxy's replay path: same upstream mode, TLS settings and HTTP/2), "
+        "the client attaches to it, and when the client disconnects the call keeps running "
+        "this long without any client, so that its retry attaches to it or replays it "
+        "instead of running the turn again. 0: off (the client's connection is the upstream "
+        "call's, as in plain mitmproxy).",
+        minimum=0,
+    ),
+    OptionSpec(
+        "turnguard_detach_max", int, 32,
+        "Most upstream calls running at once without any client (turnguard_detach_ms); one "
+        "more whose client leaves is cut at once.",
+        minimum=0,
+    ),
+    OptionSpec(
         "turnguard_response_created_timeout_ms", int, 60000,
         "Cut a guarded dispatch's upstream connection when no response event (headers and "
         "first SSE event) arrived within this long, and record it as an eventless failure "
@@ -170,6 +193,9 @@ class Settings:
     owner_lease_s: float
     instance_lease_s: float
     credential_headers: tuple[str, ...] = ()  # lower-cased, beyond identity.CREDENTIAL_HEADERS
+    attach: bool = True
+    detach_s: float = 0.0  # 0: off
+    detach_max: int = 32
     metrics: tuple[str, int] | None = None  # (host, port) to serve /metrics on; None: off
 
 
@@ -222,6 +248,9 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
         instance_lease_s=v["turnguard_instance_lease_ms"] / 1000,
         credential_headers=tuple(dict.fromkeys(name.lower() for name in credential_headers)),
         metrics=metrics,
+        attach=v["turnguard_attach"],
+        detach_s=v["turnguard_detach_ms"] / 1000,
+        detach_max=v["turnguard_detach_max"],
     )
 
 

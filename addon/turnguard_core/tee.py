@@ -40,8 +40,11 @@ class ResponseTee:
         counts_events: bool,
         keep_max_bytes: int,
         on_first_event: Callable[[], None] | None = None,
+        on_chunk: Callable[[bytes], None] | None = None,
     ):
+        """``on_chunk``: given each non-empty chunk as it passes (live attach)."""
         self.counts_events = counts_events
+        self._on_chunk = on_chunk
         self._parser = SseKinds() if counts_events else None
         self._keep_max = keep_max_bytes
         self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
@@ -72,6 +75,12 @@ class ResponseTee:
         except Exception:  # the client's bytes matter more than our bookkeeping
             logger.exception("turnguard: response tee failed; passing the body through")
             self._chunks = None
+        if chunk and self._on_chunk is not None:
+            try:
+                self._on_chunk(chunk)
+            except Exception:
+                logger.exception("turnguard: live copy of a response failed")
+                self._on_chunk = None
         return chunk
 
     def _take(self, chunk: bytes) -> None:

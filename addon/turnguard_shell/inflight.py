@@ -18,10 +18,11 @@ from typing import Callable
 
 from mitmproxy import http
 
-from turnguard_core import identity, options, policy
+from turnguard_core import identity, negotiation, options, policy
 from turnguard_core.ending import EndFacts, classify_end, end_telemetry
 from turnguard_core.failover import FailoverStore
 from turnguard_core.ledger import AttemptEnd
+from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
 from turnguard_core.proxy_internals import cut_upstream
 from turnguard_core.tee import ResponseTee
@@ -58,6 +59,7 @@ class Attempt:
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
     first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
+    live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -120,6 +122,8 @@ class InFlight:
                           time.monotonic(), circuit_scope, "POST" if ws_events else
                           flow.request.method, ident.route,
                           transport="ws" if ws_events else "http", ws_events=ws_events)
+        if ws_events is not None and self._settings().attach:
+            attempt.live = LiveResponse("ws", max_bytes=self._settings().replay_max_bytes)
         self._process.attempts[key] = attempt
         self._process.by_op[ident.op_key] = key
         if ws_events is None:
@@ -169,11 +173,15 @@ class InFlight:
             attempt.stop_timer()  # an answer that is not an event stream is its own event
         settings = self._settings()
         keep = settings.replay_max_bytes if settings.guard.replay and ok else 0
+        attempt.live = _live_http(flow, settings) if settings.attach and is_sse and ok else None
         attempt.tee = ResponseTee(
             counts_events=counts_events, keep_max_bytes=keep,
             on_first_event=lambda: self._current()._first_event(attempt),
+            on_chunk=attempt.live.feed if attempt.live is not None else None,
         )
         resp.stream = attempt.tee
+        if attempt.live is not None:
+            self._waiters.attempt_streaming(attempt.ident.op_key, attempt.live)
 
     def _first_event(self, attempt: Attempt) -> None:
         """The attempt has output now. The ledger learns it a moment later, and not at all
@@ -189,13 +197,20 @@ class InFlight:
         if attempt.flow_id in self._process.attempts:
             self._store.first_event(attempt)
 
-    def ws_event(self, key: str, first_output: bool) -> None:
-        """A WebSocket call's response sent an event (``first_output``: its first event that
-        carries output, which the ledger learns as for an HTTP stream's first event)."""
+    def ws_event(self, key: str, first_output: bool, text: str) -> None:
+        """A WebSocket call's response sent an event (``text``; ``first_output``: its first
+        event that carries output, which the ledger learns as for an HTTP stream's first
+        event)."""
         attempt = self._process.attempts.get(key)
         if attempt is None:
             return
         attempt.stop_timer()
+        live = attempt.live
+        if live is not None:
+            was_started = live.started
+            live.feed(text)
+            if not was_started:
+                self._waiters.attempt_streaming(attempt.ident.op_key, live)
         if first_output:
             self._first_event(attempt)
 
@@ -211,12 +226,17 @@ class InFlight:
         if attempt is None:
             return None
         attempt.stop_timer()
-        why, recorded = Ended("unknown"), None
+        why, recorded, facts = Ended("unknown"), None, None
         try:
-            why, recorded = self._record_end(attempt, facts_of(attempt))
+            facts = facts_of(attempt)
+            why, recorded = self._record_end(attempt, facts)
         except Exception:
             logger.exception("turnguard: recording the outcome of %s failed", key)
         finally:
+            if attempt.live is not None:  # attached duplicates end as its client did
+                complete = facts is not None and facts.body_complete and facts.error is None
+                attempt.live.finish("complete" if complete else "failed",
+                                    None if facts is None else facts.error)
             op_key = attempt.ident.op_key
             if self._process.by_op.get(op_key) == key:
                 del self._process.by_op[op_key]
@@ -265,3 +285,17 @@ class InFlight:
             cut_reason=attempt.cut_reason,
             client_gone=not flow.client_conn.connected,
         )
+
+
+def _live_http(flow: http.HTTPFlow, settings: options.Settings) -> LiveResponse | None:
+    """A live copy of an event stream's response for duplicates to attach to; None when no
+    duplicate could take it as it is (``Vary: *``)."""
+    resp = flow.response
+    headers = tuple(resp.headers.items(multi=True))
+    names = negotiation.vary_names(headers)
+    if names is None:
+        return None
+    live = LiveResponse("http", max_bytes=settings.replay_max_bytes)
+    live.start(Head(resp.status_code, headers,
+                    negotiation.vary_key(names, flows.request_headers(flow))))
+    return live

@@ -28,6 +28,7 @@ class ProcessState:
     kept_writes: collections.deque = field(default_factory=collections.deque)
     memory: MemoryStore = field(default_factory=MemoryStore)
     guard: Any = None  # the addon instance that gets the hooks now
+    relay: Any = None  # relay.Relay: attached flows' streams (made on first use)
 
     @classmethod
     def new(cls) -> "ProcessState":

@@ -2,7 +2,8 @@
 
 A request waits either as a duplicate of an attempt in flight (``DuplicateWait``: woken when
 that attempt ends, here or in another process: notified by the ledger (PostgreSQL) or, else,
-polled) or through a retry circuit's cooldown
+polled; or, for this process's attempt, when its response starts to stream and the request
+can attach to it) or through a retry circuit's cooldown
 (``CooldownWait``: woken by its timer, or early when its session's ownership is lost). Either
 is woken early when its flow is killed or its client leaves. Every wake-up goes through
 ``resolve``.
@@ -19,7 +20,7 @@ from typing import Callable, Iterable
 from mitmproxy import http
 
 from turnguard_core import identity
-from turnguard_core.machine import Ended, Gone, OwnershipLost, TimedOut, Woke
+from turnguard_core.machine import Attachable, Ended, Gone, OwnershipLost, TimedOut, Woke
 
 
 @dataclass
@@ -113,6 +114,13 @@ class Waiters:
         if not wait.wake.done():
             wait.wake.set_result(why)
 
+    def attempt_streaming(self, op_key: str, live) -> None:
+        """This process's attempt of ``op_key`` began to stream (``live``, a
+        ``LiveResponse``): wake its duplicates of the same transport, to attach to it."""
+        for wait in list(self._by_op.get(op_key, {}).values()):
+            if wait.foreign_attempt is None and _transport(wait.flow) == live.transport:
+                self.resolve(wait, Attachable(live))
+
     def attempt_ended(self, op_key: str, why: Ended) -> None:
         for wait in self:
             if isinstance(wait, DuplicateWait) and wait.op_key == op_key:
@@ -187,3 +195,7 @@ class Waiters:
                        else f"{w.flow.request.method} {route}")
             yield (f"{key} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
                    f"{request}")
+
+
+def _transport(flow: http.HTTPFlow) -> str:
+    return "ws" if flow.websocket is not None else "http"

@@ -277,7 +277,8 @@ class WebSockets:
                 return
             if current.attempt_key is not None:
                 self._guard.inflight.ws_event(
-                    current.attempt_key, first_output=output_before == 0 < current.events.output_seen)
+                    current.attempt_key, output_before == 0 < current.events.output_seen,
+                    message.text)
             if current.events.ended:
                 self._response_ended(sock)
         except Exception:  # the client's frames matter more than our bookkeeping

@@ -1,0 +1,134 @@
+"""An attempt's response as it arrives, for the duplicates that attach to it (live attach).
+
+``LiveResponse`` is what this process has seen of one attempt's response so far: its head
+(status and headers, HTTP) and every piece of its body (HTTP body chunks, or a WebSocket
+call's event frames), in order, then its end: ``complete`` (the client of the attempt got
+the whole response) or ``failed`` (cut mid-way, or no response at all). A duplicate that
+attaches (``attach``) is given everything so far at once and then each piece as it comes, by
+the callbacks of its ``Listener``: the same bytes, in the same order, as the attempt's own
+client, and the same end.
+
+Pieces are kept up to ``max_bytes``; past that no new duplicate can attach (``attachable`` is
+False: it would miss the start) while those attached keep getting every piece. Pure: no
+proxy, clock or event loop; listeners are plain callbacks (the shell's hand them to its
+sockets and queues).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+Transport = Literal["http", "ws"]
+End = Literal["complete", "failed"]
+Piece = bytes | str  # an HTTP body chunk, or a WebSocket event frame's text
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The response's status line and headers (as the attempt's client got them)."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    vary_key: str | None  # of the attempt's request (see ``negotiation.vary_key``)
+
+
+@dataclass
+class Listener:
+    """One attached duplicate: ``on_head`` once (HTTP), ``on_piece`` for each piece in order,
+    ``on_end`` once. Callbacks must not raise (a listener that does is dropped)."""
+
+    on_head: Callable[[Head], None]
+    on_piece: Callable[[Piece], None]
+    on_end: Callable[[End, str | None], None]  # the end, and the failure's text if failed
+    attached: bool = field(default=True)
+
+
+class LiveResponse:
+    def __init__(self, transport: Transport, *, max_bytes: int):
+        self.transport = transport
+        self.max_bytes = max_bytes
+        self.head: Head | None = None
+        self.end: End | None = None
+        self.error: str | None = None
+        self._pieces: list[Piece] | None = []
+        self._size = 0
+        self._listeners: list[Listener] = []
+        self.attached_total = 0  # listeners that ever attached
+        self.started = False  # its head (HTTP) or first piece (WebSocket) arrived
+
+    # -- the attempt's side ------------------------------------------------------------------------
+    def start(self, head: Head) -> None:
+        """The response's head arrived (HTTP; a WebSocket call has none)."""
+        if self.head is not None or self.end is not None:
+            return
+        self.head = head
+        self.started = True
+        for listener in list(self._listeners):
+            self._call(listener, listener.on_head, head)
+
+    def feed(self, piece: Piece) -> None:
+        """One more piece of the response (empty pieces are ignored)."""
+        if not piece or self.end is not None:
+            return
+        self.started = True
+        if self._pieces is not None:
+            self._size += len(piece)
+            if self._size > self.max_bytes:
+                self._pieces = None  # too large to give a newcomer from its start
+            else:
+                self._pieces.append(piece)
+        for listener in list(self._listeners):
+            self._call(listener, listener.on_piece, piece)
+
+    def finish(self, end: End, error: str | None = None) -> None:
+        """The response ended (``failed``: with ``error``'s text)."""
+        if self.end is not None:
+            return
+        self.end, self.error = end, error
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener.attached = False
+            self._call(listener, listener.on_end, end, error)
+
+    # -- the duplicates' side ----------------------------------------------------------------------
+    @property
+    def attachable(self) -> bool:
+        """Whether a new duplicate can still get the whole response from its start."""
+        return self._pieces is not None
+
+    @property
+    def listeners(self) -> int:
+        return len(self._listeners)
+
+    def attach(self, listener: Listener) -> bool:
+        """Give ``listener`` the response so far, then what comes (synchronously: nothing can
+        arrive in between); False when the response is no longer attachable."""
+        if self._pieces is None:
+            return False
+        self.attached_total += 1
+        if self.head is not None and not self._call(listener, listener.on_head, self.head):
+            return True
+        for piece in list(self._pieces):
+            if not self._call(listener, listener.on_piece, piece):
+                return True
+        if self.end is not None:
+            listener.attached = False
+            self._call(listener, listener.on_end, self.end, self.error)
+            return True
+        self._listeners.append(listener)
+        return True
+
+    def detach(self, listener: Listener) -> None:
+        """The duplicate left (its client went away)."""
+        listener.attached = False
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _call(self, listener: Listener, fn, *args) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception:  # noqa: BLE001 - one broken listener never stops the others
+            self.detach(listener)
+            return False

@@ -1,0 +1,229 @@
+"""The relay: a loopback HTTP/1.1 server inside the addon that streams a live response.
+
+mitmproxy cannot stream a body an addon makes (MITMPROXY-NOTES: "An addon cannot stream a
+synthetic body through the public API"). So a flow that attaches to an attempt in flight is
+routed here instead of upstream (``route``): its destination becomes this server, with a
+one-time token in the ``x-turnguard-attach`` header, and mitmproxy streams what the relay
+sends to the flow's client (its ``responseheaders`` sets ``stream``; ``restore`` puts the
+flow's destination back for mitmweb and saved flows). The relay answers with the
+``LiveResponse``'s head, every piece so far, then each piece as it comes:
+
+- complete: the chunked body ends normally;
+- failed after the head: the connection is cut without the last chunk, so mitmproxy cuts the
+  flow's client as the attempt's own client was cut (the same failure);
+- failed before any head: a 502 JSON answer saying so.
+
+Only mitmproxy, on loopback, ever connects here; a request without a known token gets 404.
+A relay connection whose peer goes away detaches its listener at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Callable
+
+from mitmproxy import http
+
+from turnguard_core import answers
+from turnguard_core.live import End, Head, Listener, LiveResponse
+from turnguard_core.tee import recordable_headers
+
+logger = logging.getLogger("turnguard")
+
+TOKEN_HEADER = "x-turnguard-attach"
+MAX_HEAD_BYTES = 256 * 1024  # mitmproxy sends the flow's request: its headers
+MAX_REQUEST_BODY = 64 * 1024 * 1024  # the guarded request's body comes along; it is dropped
+ROUTE_TTL_S = 60.0  # a route mitmproxy did not follow by then is forgotten
+_REASONS = {200: "OK", 201: "Created", 202: "Accepted", 502: "Bad Gateway", 404: "Not Found"}
+
+
+@dataclass
+class Route:
+    live: LiveResponse
+    on_end: Callable[[End | None, int], None]  # (the end the flow saw, or None: left; bytes)
+    handle: asyncio.TimerHandle | None = None
+
+
+class Relay:
+    def __init__(self) -> None:
+        self._server: asyncio.base_events.Server | None = None
+        self._starting: asyncio.Future | None = None
+        self.port: int | None = None
+        self._routes: dict[str, Route] = {}
+        self._connections: set[asyncio.Task] = set()
+
+    async def ensure_started(self) -> int:
+        """Listen on a free loopback port (once); returns it."""
+        if self.port is not None:
+            return self.port
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(
+                asyncio.start_server(self._serve, "127.0.0.1", 0))
+        server = await asyncio.shield(self._starting)
+        if self._server is None:
+            self._server = server
+            self.port = server.sockets[0].getsockname()[1]
+            logger.debug("turnguard: relay for attached flows on 127.0.0.1:%d", self.port)
+        return self.port
+
+    def route(self, flow: http.HTTPFlow, live: LiveResponse,
+              on_end: Callable[[End | None, int], None]) -> None:
+        """Send ``flow`` here instead of upstream, to be answered from ``live`` (the relay must
+        be started). ``on_end`` is called once the flow's answer ended (or its client left)."""
+        assert self.port is not None, "route() before ensure_started()"
+        token = secrets.token_urlsafe(18)
+        route = Route(live, on_end)
+        route.handle = asyncio.get_running_loop().call_later(
+            ROUTE_TTL_S, lambda: self._routes.pop(token, None))
+        self._routes[token] = route
+        req = flow.request
+        meta = flow.metadata.setdefault("turnguard", {})
+        meta["relayed_from"] = [req.scheme, req.host, req.port]
+        req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
+        req.headers[TOKEN_HEADER] = token
+
+    @staticmethod
+    def restore(flow: http.HTTPFlow) -> None:
+        """Put a relayed flow's destination back (what mitmweb shows, what a saved flow says)."""
+        meta = flow.metadata.get("turnguard") or {}
+        origin = meta.pop("relayed_from", None)
+        if origin is None:
+            return
+        req = flow.request
+        req.scheme, req.host, req.port = origin[0], origin[1], int(origin[2])
+        req.headers.pop(TOKEN_HEADER, None)
+
+    def close(self) -> None:
+        for route in self._routes.values():
+            if route.handle is not None:
+                route.handle.cancel()
+        self._routes.clear()
+        for task in list(self._connections):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.port = None
+        self._starting = None
+
+    # -- the server --------------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        try:
+            await self._answer(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                asyncio.CancelledError):
+            pass
+        except Exception:  # noqa: BLE001 - a relay fault cuts one flow, never the proxy
+            logger.exception("turnguard: relay connection failed")
+        finally:
+            if task is not None:
+                self._connections.discard(task)
+            writer.transport.abort()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if len(head) > MAX_HEAD_BYTES:
+            return
+        token, length = _token_and_length(head)
+        if 0 < length <= MAX_REQUEST_BODY:
+            await reader.readexactly(length)
+        route = self._routes.pop(token, None) if token else None
+        if route is None:
+            writer.write(_response_head(404, (("content-type", "text/plain"),), length=9)
+                         + b"not found")
+            await writer.drain()
+            return
+        if route.handle is not None:
+            route.handle.cancel()
+        await self._stream(route, reader, writer)
+
+    async def _stream(self, route: Route, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        listener = Listener(
+            on_head=lambda h: queue.put_nowait(("head", h)),
+            on_piece=lambda p: queue.put_nowait(("piece", p)),
+            on_end=lambda e, err: queue.put_nowait(("end", e, err)),
+        )
+        # mitmproxy sends nothing more on this connection: a read that ends means it left
+        peer_left = asyncio.ensure_future(reader.read(1))
+        peer_left.add_done_callback(lambda _: queue.put_nowait(("left",)))
+        sent_head, sent, end = False, 0, None
+        try:
+            if not route.live.attach(listener):
+                writer.write(_failed(503, "the response grew too large to attach to"))
+                await writer.drain()
+                return
+            while True:
+                item = await queue.get()
+                match item:
+                    case ("head", h):
+                        writer.write(_response_head(h.status, _attached_headers(h)))
+                        sent_head = True
+                    case ("piece", piece):
+                        data = piece if isinstance(piece, bytes) else piece.encode()
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        sent += len(data)
+                    case ("end", "complete", _):
+                        end = "complete"
+                        writer.write(b"0\r\n\r\n" if sent_head else
+                                     _failed(502, "the attempt ended without a response"))
+                        await writer.drain()
+                        return
+                    case ("end", _, error):
+                        end = "failed"
+                        if not sent_head:
+                            writer.write(_failed(502, "the attempt attached to failed: "
+                                                 f"{error or 'no response'}"))
+                            await writer.drain()
+                        return  # after the head: cut, as the attempt's client was
+                    case ("left",):
+                        return
+                await writer.drain()
+        finally:
+            peer_left.cancel()
+            route.live.detach(listener)
+            try:
+                route.on_end(end, sent)
+            except Exception:  # noqa: BLE001
+                logger.exception("turnguard: relay end callback failed")
+
+
+def _token_and_length(head: bytes) -> tuple[str | None, int]:
+    token, length = None, 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == TOKEN_HEADER.encode():
+            token = value.strip().decode("ascii", "replace")
+        elif name == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                length = 0
+    return token, length
+
+
+def _attached_headers(head: Head) -> tuple[tuple[str, str], ...]:
+    return (*recordable_headers(head.headers), ("x-turnguard", "attached"),
+            ("transfer-encoding", "chunked"))
+
+
+def _response_head(status: int, headers, *, length: int | None = None) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    if length is not None:
+        lines.append(f"content-length: {length}")
+    lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+def _failed(status: int, message: str) -> bytes:
+    a = answers.error_answer(status, "turnguard_attach_failed", message)
+    return _response_head(status, a.headers, length=len(a.body)) + a.body

@@ -1,0 +1,161 @@
+"""End to end: live attach. A duplicate of a stream in flight gets the response so far at once,
+then the rest as it comes, to the same end; real mitmdump + turnguard in front of the mock.
+
+Assertions count what the upstream saw and compare what each client got; when a client's
+first byte came is compared with events (the original's end), never with a time bound."""
+
+import asyncio
+import time
+
+import httpx
+
+from harness import (
+    MockUpstream,
+    assert_no_traceback,
+    guarded,
+    mock_behaviour,
+    sse_event_types,
+    sse_post,
+    turnguard_events,
+)
+
+HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"}
+BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
+
+
+async def stream_post(url: str, *, headers=HEADERS, body=BODY, delay_s: float = 0.0,
+                      behaviour: dict | None = None, timeout: float = 60) -> dict:
+    """POST on a fresh connection after ``delay_s``; read the body as it comes. Returns its
+    status, headers, body, and when (monotonic) it was sent, its first body byte came and it
+    ended; ``error`` is the transport error that cut it, if any."""
+    await asyncio.sleep(delay_s)
+    h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
+         **(mock_behaviour(**behaviour) if behaviour else {})}
+    out: dict = {"sent": time.monotonic(), "first": None, "error": None, "body": b""}
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+        try:
+            async with c.stream("POST", url + "/v1/responses", json=body, headers=h) as r:
+                out["status"], out["headers"] = r.status_code, dict(r.headers)
+                async for chunk in r.aiter_raw():
+                    if out["first"] is None and chunk:
+                        out["first"] = time.monotonic()
+                    out["body"] += chunk
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+    out["end"] = time.monotonic()
+    return out
+
+
+def test_duplicates_of_a_slow_stream_attach_and_get_the_same_stream_live(tmp_path, report):
+    """The OmniRoute incident's shape, scaled down: an original that streams for about 6 s,
+    five duplicates arriving while it streams, a hold bound (2 s) shorter than the stream:
+    one upstream execution, six complete and identical streams, no 409, and each duplicate's
+    first byte before the original ended (live, not a replay after the end)."""
+    slow = {"kind": "ok", "events": 20, "gap_ms": 300}
+
+    async def run(url):
+        return await asyncio.gather(
+            stream_post(url, behaviour=slow),
+            *(stream_post(url, delay_s=1.0 + 0.8 * i) for i in range(5)))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
+                                               turnguard_hold_timeout_ms=2000) as proxy:
+        original, *dups = asyncio.run(run(proxy.url))
+        assert len(up.dispatches()) == 1
+        results = [original, *dups]
+        assert [r["status"] for r in results] == [200] * 6
+        assert all(r["error"] is None for r in results)
+        assert sse_event_types(original["body"])[-1] == "response.completed"
+        assert {r["body"] for r in results} == {original["body"]}
+        assert [d["headers"].get("x-turnguard") for d in dups] == ["attached"] * 5
+        for d in dups:
+            assert d["first"] is not None and d["first"] < original["end"], \
+                "a duplicate's first byte must come while the original still streams"
+        attached = turnguard_events(tmp_path, kind="duplicate_attached")
+        assert len(attached) == 5
+        assert not turnguard_events(tmp_path, kind="duplicate_rejected")
+        assert_no_traceback(proxy.log_text())
+    first_ms = sorted(round((d["first"] - d["sent"]) * 1000) for d in dups)
+    report("attach: original streaming 6 s, 5 duplicates arriving during it, hold bound 2 s: "
+           f"upstream dispatches={len(up.dispatches())}, statuses={[r['status'] for r in results]}, "
+           f"identical bodies, 409s=0; duplicates' first byte after {first_ms} ms")
+
+
+def test_a_duplicate_held_before_the_stream_starts_attaches_when_it_does(tmp_path):
+    """The original's headers come after 1.5 s: its duplicate is held (no response yet),
+    then attaches when the stream starts, and gets it whole."""
+    late = {"kind": "ok", "events": 6, "delay_ms": 1500, "gap_ms": 200}
+
+    async def run(url):
+        return await asyncio.gather(stream_post(url, behaviour=late),
+                                    stream_post(url, delay_s=0.4))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert len(up.dispatches()) == 1
+        assert original["status"] == dup["status"] == 200
+        assert dup["body"] == original["body"]
+        assert dup["headers"]["x-turnguard"] == "attached"
+        assert dup["first"] < original["end"]
+        held = turnguard_events(tmp_path, kind="duplicate_held")
+        attached = turnguard_events(tmp_path, kind="duplicate_attached")
+        assert len(held) == len(attached) == 1
+        assert attached[0]["held_ms"] > 0  # it waited for the stream to start
+
+
+def test_an_attached_duplicate_ends_with_the_same_failure(tmp_path):
+    """The original's upstream resets mid-stream: its client and the attached duplicate both
+    get the events so far, then a cut; the retry after it is dispatched again (as after any
+    partial attempt)."""
+    cut = {"kind": "partial", "events": 4, "gap_ms": 400, "end": "reset"}
+
+    async def run(url):
+        return await asyncio.gather(stream_post(url, behaviour=cut),
+                                    stream_post(url, delay_s=0.6))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert len(up.dispatches()) == 1
+        assert original["error"] is not None and dup["error"] is not None
+        assert dup["headers"]["x-turnguard"] == "attached"
+        assert dup["body"] == original["body"]
+        assert "response.completed" not in sse_event_types(dup["body"])
+        status, _, body = sse_post(proxy.url, body=BODY, headers=HEADERS)
+        assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 2  # the retry runs: the partial attempt did not complete
+        assert_no_traceback(proxy.log_text())
+
+
+def test_with_attach_off_a_duplicate_is_held_and_replayed(tmp_path):
+    slow = {"kind": "ok", "events": 6, "gap_ms": 250}
+
+    async def run(url):
+        return await asyncio.gather(stream_post(url, behaviour=slow),
+                                    stream_post(url, delay_s=0.5))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_attach=False) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert len(up.dispatches()) == 1
+        assert dup["body"] == original["body"]
+        assert dup["headers"]["x-turnguard"] == "replayed"
+        assert dup["first"] >= original["end"] - 0.05  # after the original's end, not live
+        assert not turnguard_events(tmp_path, kind="duplicate_attached")
+
+
+def test_a_duplicate_that_takes_another_representation_is_not_attached(tmp_path):
+    """The original's stream varies on a header the duplicate sends otherwise: the duplicate
+    cannot take it as it is, so it is held as before (and then answered by its own dispatch,
+    since the recording does not fit it either)."""
+    varies = {"kind": "ok", "events": 5, "gap_ms": 250, "headers": {"vary": "x-client-flavour"}}
+
+    async def run(url):
+        return await asyncio.gather(
+            stream_post(url, behaviour=varies, headers={**HEADERS, "x-client-flavour": "a"}),
+            stream_post(url, delay_s=0.5, headers={**HEADERS, "x-client-flavour": "b"}))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert original["status"] == dup["status"] == 200
+        assert dup["headers"].get("x-turnguard") != "attached"
+        assert not turnguard_events(tmp_path, kind="duplicate_attached")
+        assert len(turnguard_events(tmp_path, kind="duplicate_held")) == 1
