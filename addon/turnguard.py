@@ -26,6 +26,7 @@ from turnguard_core.failover import FailoverStore  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
+from turnguard_shell.detached import Detacher, why_not_detached  # noqa: E402
 from turnguard_shell.inflight import InFlight  # noqa: E402
 from turnguard_shell.maintenance import Maintenance  # noqa: E402
 from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
@@ -76,6 +77,8 @@ class TurnGuard:
         self.metrics_endpoint = MetricsEndpoint(self)
         self.replayer = Replayer(self.store, self.explainer, self._emit)
         self.websockets = WebSockets(process)
+        self.detacher = Detacher(process.detached, self._emit, self.explainer,
+                                 lambda: self.settings)
         self.addons = [self.maintenance, Commands(self)]
 
     @property
@@ -163,6 +166,8 @@ class TurnGuard:
     async def request(self, flow: http.HTTPFlow) -> None:
         if self.refused or self.filter is None or flow.response is not None or not self.filter(flow):
             return
+        if (flow.metadata.get("turnguard") or {}).get("detached"):
+            return  # turnguard's own upstream call of a detached dispatch
         self.maintenance.ensure_running()
         try:
             await self._guard(flow)
@@ -185,7 +190,10 @@ class TurnGuard:
         state = await self.decide(flow, ident, req, flow.request.method, scope)
         match state:
             case machine.Forward():
-                self.inflight.start(flow, ident, state.dispatch, scope)
+                if cfg.detach_s > 0 and why_not_detached(flow) is None:
+                    await self._dispatch_detached(flow, ident, req, state.dispatch, scope)
+                else:
+                    self.inflight.start(flow, ident, state.dispatch, scope)
             case machine.Replay():
                 await self.replayer.replay(flow, ident, state)
             case machine.Attach():
@@ -255,6 +263,8 @@ class TurnGuard:
         # an attempt of another process is notified (PostgreSQL) or polled for; this
         # process's wakes its waiters, and its response, once it streams, can be attached to
         local = self.inflight.of_operation(ident.op_key)
+        if local is not None:
+            self.detacher.wanted(local.flow_id)
         if local is not None and local.live is not None and local.live.started \
                 and self._can_attach(flow, local.live):
             return machine.Attachable(local.live)
@@ -272,7 +282,7 @@ class TurnGuard:
         same transport, the whole response still kept, the same representation (``Vary`` and
         content coding, as for a replay), and, over HTTP, a destination the relay can stand in
         for (not through an upstream proxy)."""
-        if not self.settings.attach or not live.attachable:
+        if not self.settings.attach or not live.attachable or not live.shareable:
             return False
         if flow.websocket is not None:
             return live.transport == "ws"
@@ -282,18 +292,44 @@ class TurnGuard:
         return isinstance(negotiation.plan(head.headers, head.vary_key,
                                            flows.request_headers(flow)), negotiation.AsRecorded)
 
-    async def _attach(self, flow: http.HTTPFlow, ident: identity.Identity,
-                      state: machine.Attach) -> None:
-        """Answer ``flow`` live from the attempt it attached to, through the relay."""
+    async def _relay(self) -> Relay:
         relay = self._process.relay
         if relay is None:
             relay = self._process.relay = Relay()
         await relay.ensure_started()
+        return relay
+
+    async def _attach(self, flow: http.HTTPFlow, ident: identity.Identity,
+                      state: machine.Attach) -> None:
+        """Answer ``flow`` live from the attempt it attached to, through the relay."""
+        relay = await self._relay()
         flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
                                       "attempt": state.attempt_id}
-        relay.route(flow, state.live, lambda end, sent: logger.debug(
-            "turnguard: attached flow %s ended (%s, %d bytes)", flow.id, end or "client left",
-            sent))
+        relay.route(flow, state.live, lambda end, sent: self._attached_ended(flow, state.live,
+                                                                           end, sent))
+
+    def _attached_ended(self, flow: http.HTTPFlow, live, end: str | None, sent: int) -> None:
+        logger.debug("turnguard: attached flow %s ended (%s, %d bytes)", flow.id,
+                     end or "client left", sent)
+        self.detacher.listener_left(live)
+
+    async def _dispatch_detached(self, flow: http.HTTPFlow, ident: identity.Identity,
+                                 req: machine.RequestFacts, dispatch: policy.Dispatch,
+                                 scope: str) -> None:
+        """Dispatch ``flow`` as a detached call (``detached``): its client attaches to it."""
+        try:
+            relay = await self._relay()
+        except OSError as e:  # no relay, no detached call: the flow goes upstream itself
+            logger.warning("turnguard: relay unavailable (%s); %s dispatched as is", e, flow.id)
+            self.inflight.start(flow, ident, dispatch, scope)
+            return
+        up, live = self.detacher.prepare(flow, req.base)
+        attempt = self.inflight.start(up, ident, dispatch, scope)
+        attempt.live = live
+        self.detacher.start(up)
+        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
+                                      "attempt": dispatch.attempt_id, "detached": up.id}
+        relay.route(flow, live, lambda end, sent: self._attached_ended(flow, live, end, sent))
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
         for effect in effects:

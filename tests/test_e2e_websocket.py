@@ -94,8 +94,8 @@ def test_a_call_goes_upstream_once_and_its_events_are_relayed(tmp_path):
 
 
 def test_two_sockets_sending_the_same_call_make_one_dispatch(tmp_path):
-    """Same session, turn and input; another key order and start-ms: the second is held and
-    answered with the first one's events."""
+    """Same session, turn and input; another key order and start-ms: the second is held until
+    the first one's response starts, then attached to it: it gets the same events."""
     with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 1500}}) as up, \
             proxy(tmp_path, up) as p:
         async def both():
@@ -108,7 +108,44 @@ def test_two_sockets_sending_the_same_call_make_one_dispatch(tmp_path):
         assert len(ws_dispatches(up)) == 1
         assert first == second and types(first)[-1] == "response.completed"
         assert [e["transport"] for e in events(tmp_path, "duplicate_held")] == ["ws"]
-        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
+
+
+def test_a_duplicate_call_attaches_and_gets_the_events_live(tmp_path, report):
+    """The first call streams for about 3 s; the same call on another socket 1 s later gets
+    the events so far at once and the rest as they come (its first event comes before the
+    first call's last), and its socket then carries on: its next call is a delta on it."""
+    slow = {"default": {"kind": "ok", "events": 10, "gap_ms": 300}}
+    with MockUpstream(tmp_path, slow) as up, proxy(tmp_path, up) as p:
+        async def timed(c):
+            got, first = [], None
+            while not got or got[-1].get("type") not in ("response.completed", "response.failed"):
+                got.append(json.loads(await c.recv()))
+                first = first or loop.time()
+            return got, first, loop.time()
+
+        async def both():
+            async with WsClient.connect(p.url, headers=HEADERS) as a, \
+                    WsClient.connect(p.url, headers=HEADERS) as b:
+                await a.send(call([user("long")], seed=1))
+                original = asyncio.create_task(timed(a))
+                await asyncio.sleep(1.0)
+                sent = loop.time()
+                await b.send(call([user("long")], seed=2))
+                dup = await timed(b)
+                return await original, dup, sent
+
+        loop = asyncio.new_event_loop()
+        (first, _, first_end), (second, second_first, _), sent = loop.run_until_complete(both())
+        loop.close()
+        assert len(ws_dispatches(up)) == 1
+        assert first == second and types(first)[-1] == "response.completed"
+        assert second_first < first_end, "the duplicate's first event must come live"
+        assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
+        assert_no_traceback(p.log_text())
+    report(f"WebSocket attach: a duplicate call 1 s into a 3 s stream got its first event after "
+           f"{round((second_first - sent) * 1000)} ms, all {len(second)} events identical; "
+           f"upstream dispatches={len(ws_dispatches(up))}")
 
 
 def test_a_completed_call_is_replayed_on_a_new_socket_and_to_its_post_fallback(tmp_path):

@@ -117,11 +117,49 @@ def test_openai_python_two_clients_racing_one_turn(tmp_path, guard, report):
         if guard:
             assert len(up.dispatches()) == 1
             assert results[0] == results[1]  # the same response id and text: one execution
-            assert len(events(tmp_path, "tg", "duplicate_replayed")) == 1
+            # the second arrives while the first streams: it attaches to it
+            assert len(events(tmp_path, "tg", "duplicate_attached")) == 1
         else:
             assert len(up.dispatches()) == 2 and results[0][0] != results[1][0]
     report(f"openai-python, two clients racing one turn, {'turnguard' if guard else 'plain mitmdump'}: "
            f"upstream dispatches={len(up.dispatches())}")
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_openai_python_that_times_out_retries_into_the_detached_call(tmp_path, detach, report):
+    """openai-python with a 2 s timeout against an upstream that takes 5 s to answer: each
+    timeout drops the connection and the SDK retries the same request. Detached
+    (``turnguard_detach_ms``), the upstream call goes on without its client and a retry
+    attaches to it (or replays it): one execution, the turn completes. Not detached, every
+    retry is cut with its client and runs the turn again."""
+    import openai
+
+    scenario = {"default": {"kind": "ok", "delay_ms": 5000, "events": 3}}
+    # the upstream's 5 s of silence is no eventless failure here (SHORT cuts it after 1 s)
+    options = {"turnguard_response_created_timeout_ms": 20000,
+               **({"turnguard_detach_ms": 30000} if detach else {})}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "tg", **options) as p:
+        client = openai.OpenAI(base_url=f"{p.url}/v1", api_key="sk-repro-dummy", max_retries=4,
+                               http_client=openai.DefaultHttpxClient(trust_env=False), timeout=2)
+        t0 = time.monotonic()
+        try:
+            result = sdk_turn(client, {"session-id": "sess-timeout"})
+        except openai.APIError:  # timed out every time, or the circuit opened
+            result = None
+        took = time.monotonic() - t0
+        dispatches = len(up.dispatches())
+        if detach:
+            assert result is not None, "the turn must complete through the detached call"
+            assert dispatches == 1
+            detached = events(tmp_path, "tg", "upstream_detached")
+            assert len(detached) == 1 and detached[0]["used"] is True
+            assert detached[0]["ran_without_client_ms"] > 0
+        else:
+            assert dispatches > 1  # each retry ran the turn again
+    report(f"openai-python timeout=2 s vs an upstream that takes 5 s, "
+           f"{'detached' if detach else 'not detached'}: "
+           f"{'completed' if result else 'gave up'} after {took:.1f} s, upstream dispatches="
+           f"{dispatches}")
 
 
 @pytest.mark.parametrize("mode", ["fail_closed", "server_anchored_replay_once"])

@@ -56,6 +56,9 @@ class LiveResponse:
         self._listeners: list[Listener] = []
         self.attached_total = 0  # listeners that ever attached
         self.started = False  # its head (HTTP) or first piece (WebSocket) arrived
+        # whether duplicates may attach (a detached call's own client always does, whatever
+        # the response; duplicates only to an event stream that succeeds)
+        self.shareable = True
 
     # -- the attempt's side ------------------------------------------------------------------------
     def start(self, head: Head) -> None:

@@ -17,6 +17,11 @@ Nothing here imports mitmproxy; the caller passes the proxyserver addon. If an u
 of these, ``cut_upstream`` returns a reason instead of raising, and
 ``tests/test_proxy_internals.py`` fails loudly.
 
+Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
+``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
+client is a stand-in, so the upstream call outlives the real client's connection;
+``cut_handler_upstream`` cuts it as above.
+
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
 ``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
@@ -41,6 +46,12 @@ def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> 
     handler = connections.get(client_conn_id)
     if handler is None:
         return "client connection is gone"
+    return cut_handler_upstream(handler, server_conn, reason)
+
+
+def cut_handler_upstream(handler, server_conn, reason: str) -> str | None:
+    """``cut_upstream`` on a connection handler itself (one turnguard made to run a detached
+    dispatch: mitmproxy's ``ReplayHandler``, not in the proxyserver's map)."""
     transports = getattr(handler, "transports", None)
     if transports is None:
         return "connection handler has no transports (mitmproxy internals changed?)"

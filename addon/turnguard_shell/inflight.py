@@ -143,8 +143,11 @@ class InFlight:
             return
         attempt.timer = None
         attempt.cut_reason = MISSING_RESPONSE_CREATED
-        why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id, flow.server_conn,
-                               f"turnguard: {MISSING_RESPONSE_CREATED}")
+        if key in self._process.detached:
+            why_not = self._process.guard.detacher.cut(key, f"turnguard: {MISSING_RESPONSE_CREATED}")
+        else:
+            why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id, flow.server_conn,
+                                   f"turnguard: {MISSING_RESPONSE_CREATED}")
         after_ms = round(self._settings().response_created_timeout_s * 1000)
         self._emit("upstream_cut", **attempt.base, reason=MISSING_RESPONSE_CREATED,
                    after_ms=after_ms, headers_seen=attempt.status is not None,
@@ -173,14 +176,24 @@ class InFlight:
             attempt.stop_timer()  # an answer that is not an event stream is its own event
         settings = self._settings()
         keep = settings.replay_max_bytes if settings.guard.replay and ok else 0
-        attempt.live = _live_http(flow, settings) if settings.attach and is_sse and ok else None
+        shareable = settings.attach and is_sse and ok
+        if attempt.live is not None:  # a detached call: its client is attached already
+            head = _head(flow)
+            attempt.live.shareable = shareable and head is not None
+            attempt.live.start(head or Head(resp.status_code,
+                                            tuple(resp.headers.items(multi=True)), None))
+        elif shareable:
+            head = _head(flow)
+            if head is not None:
+                attempt.live = LiveResponse("http", max_bytes=settings.replay_max_bytes)
+                attempt.live.start(head)
         attempt.tee = ResponseTee(
             counts_events=counts_events, keep_max_bytes=keep,
             on_first_event=lambda: self._current()._first_event(attempt),
             on_chunk=attempt.live.feed if attempt.live is not None else None,
         )
         resp.stream = attempt.tee
-        if attempt.live is not None:
+        if attempt.live is not None and attempt.live.shareable:
             self._waiters.attempt_streaming(attempt.ident.op_key, attempt.live)
 
     def _first_event(self, attempt: Attempt) -> None:
@@ -237,6 +250,8 @@ class InFlight:
                 complete = facts is not None and facts.body_complete and facts.error is None
                 attempt.live.finish("complete" if complete else "failed",
                                     None if facts is None else facts.error)
+            if key in self._process.detached and self._process.guard is not None:
+                self._process.guard.detacher.ended(key, why.outcome)
             op_key = attempt.ident.op_key
             if self._process.by_op.get(op_key) == key:
                 del self._process.by_op[op_key]
@@ -287,15 +302,12 @@ class InFlight:
         )
 
 
-def _live_http(flow: http.HTTPFlow, settings: options.Settings) -> LiveResponse | None:
-    """A live copy of an event stream's response for duplicates to attach to; None when no
-    duplicate could take it as it is (``Vary: *``)."""
+def _head(flow: http.HTTPFlow) -> Head | None:
+    """The response's head as a duplicate would take it; None when no duplicate could
+    (``Vary: *``)."""
     resp = flow.response
     headers = tuple(resp.headers.items(multi=True))
     names = negotiation.vary_names(headers)
     if names is None:
         return None
-    live = LiveResponse("http", max_bytes=settings.replay_max_bytes)
-    live.start(Head(resp.status_code, headers,
-                    negotiation.vary_key(names, flows.request_headers(flow))))
-    return live
+    return Head(resp.status_code, headers, negotiation.vary_key(names, flows.request_headers(flow)))

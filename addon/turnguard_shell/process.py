@@ -29,6 +29,7 @@ class ProcessState:
     memory: MemoryStore = field(default_factory=MemoryStore)
     guard: Any = None  # the addon instance that gets the hooks now
     relay: Any = None  # relay.Relay: attached flows' streams (made on first use)
+    detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
 
     @classmethod
     def new(cls) -> "ProcessState":

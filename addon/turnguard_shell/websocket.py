@@ -9,6 +9,8 @@ call runs the same request machine, with the same ledger, as an HTTP request:
                  upstream cannot know the response it continues); the response's events are
                  relayed live, read as they pass and recorded as one attempt
     Replay       the recorded events are sent to the client; nothing goes upstream
+    Attach       the events of the same call in flight on another socket of this process:
+                 those so far at once, then each as it comes, to the same end
     Respond      turnguard's answer as an ``error`` event with a numeric ``status``
     PassThrough  the frame goes upstream untouched, no attempt
     Abandon      nothing is sent upstream; a client still there gets a 503 ``error`` event
@@ -35,6 +37,7 @@ from mitmproxy import ctx, http
 
 from turnguard_core import answers, circuit, identity, machine, negotiation, ws
 from turnguard_core.ending import EndFacts
+from turnguard_core.live import Listener
 
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
@@ -68,6 +71,7 @@ class Socket:
     closed: bool = False
     guarded: bool = True
     task: asyncio.Task | None = None
+    attached: tuple | None = None  # (LiveResponse, Listener) while a call is attached
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -134,6 +138,9 @@ class WebSockets:
             return
         sock.closed = True
         sock.frames.put_nowait(None)
+        if sock.attached is not None:
+            live, listener = sock.attached
+            live.detach(listener)
         data = flow.websocket
         by_client = bool(data and data.closed_by_client)
         code = data.close_code if data else None
@@ -235,6 +242,8 @@ class WebSockets:
             case machine.Replay():
                 if not await self._replay(sock, key, ident, full, state):
                     self._dispatch(sock, key, frame, full, content, self._events(), ident)
+            case machine.Attach(live=live):
+                self._attach(sock, full, live)
             case machine.Respond(answer=answer):
                 inject(flow, ws.error_frame(answer.status, answer.body), to_client=True)
             case machine.Abandon(reason=reason):  # the client is still there: it may retry
@@ -315,6 +324,38 @@ class WebSockets:
             self._guard.inflight.close(
                 response.attempt_key,
                 lambda attempt: _end_facts(attempt, response.events, headers, error, client_gone))
+
+    # -- attach ----------------------------------------------------------------------------------
+    def _attach(self, sock: Socket, full: ws.FullRequest, live) -> None:
+        """Send the client the events of the call in flight it duplicates: those so far, then
+        each as it comes. The socket has this response in flight until it ends (its next
+        frames wait, as for its own); a response that fails gets an ``error`` event."""
+        flow, events = sock.flow, ws.ResponseEvents()
+        response = Response(full.body, events, None)
+        sock.begin(response)
+
+        def piece(text) -> None:
+            if not sock.closed:
+                events.feed(text)
+                inject(flow, text, to_client=True)
+
+        def end(how: str, error: str | None) -> None:
+            sock.attached = None
+            if sock.current is not response:
+                return
+            sock.finish()
+            if how == "complete":
+                sock.record.remember(full.body, events, from_upstream=False)
+            elif not sock.closed:
+                failed = answers.error_answer(
+                    502, "upstream_stream_failed", "the response this call was attached to "
+                    f"failed upstream ({error or 'no end'}); retry it.", retry_after_s=1)
+                inject(flow, ws.error_frame(502, failed.body), to_client=True)
+
+        listener = Listener(on_head=lambda head: None, on_piece=piece, on_end=end)
+        sock.attached = (live, listener)
+        if not live.attach(listener):  # it grew too large meanwhile: end like a failure
+            end("failed", "too large to attach to")
 
     # -- replay ----------------------------------------------------------------------------------
     async def _replay(self, sock: Socket, key: str, ident: identity.Identity,

@@ -1,0 +1,177 @@
+"""Detached dispatches (``turnguard_detach_ms``): a guarded HTTP request's upstream call runs on
+a connection turnguard owns, so that it outlives its client.
+
+mitmproxy closes a flow's server connection with its client's connection. For a detached
+dispatch the request is copied into a flow of turnguard's own (its metadata says
+``detached``), which mitmproxy's own client-replay handler runs (``ReplayHandler``: the same
+upstream, TLS settings, HTTP/2 and addons as any flow; mitmweb shows it as a replay). That
+flow is the attempt; the client's flow attaches to its live response through the relay, as a
+duplicate does, from its first byte. When every client has left before the end, the call goes
+on without one for ``turnguard_detach_ms``, so that a retry attaches to it (or, once it
+completed, replays it) instead of running the turn again; past that with nobody attached, or
+when more than ``turnguard_detach_max`` calls would run without a client, it is cut.
+``upstream_detached`` says, when such a call ends, how long it ran without a client, whether
+it was used (a retry came for it meanwhile: it attached, or waited for its end to replay it)
+and how it ended.
+
+The mitmproxy internals used (``ReplayHandler``, cutting its server connection) are named
+here and in ``turnguard_core.proxy_internals``, and checked by ``tests/test_proxy_internals``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mitmproxy import ctx, http
+from mitmproxy.addons.clientplayback import ReplayHandler
+
+from turnguard_core.live import LiveResponse
+from turnguard_core.proxy_internals import cut_handler_upstream
+
+logger = logging.getLogger("turnguard")
+
+MARK_DETACHED = ":satellite:"
+
+
+@dataclass
+class Detached:
+    """One detached upstream call: ``up`` is turnguard's flow that runs it."""
+
+    up: http.HTTPFlow
+    client_flow_id: str
+    base: dict
+    live: LiveResponse
+    handler: ReplayHandler | None = None
+    task: asyncio.Task | None = None
+    orphan_since: float | None = None  # monotonic; set while no client is attached
+    orphan_total_s: float = 0.0
+    attached_at_orphan: int = 0
+    used: bool = False
+    ever_orphaned: bool = False
+    cut_reason: str | None = None
+    timer: asyncio.TimerHandle | None = None
+    done_callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+
+def why_not_detached(flow: http.HTTPFlow) -> str | None:
+    """Why ``flow`` cannot be dispatched detached (None: it can)."""
+    if flow.websocket is not None:
+        return "a WebSocket"
+    if flow.request.raw_content is None:
+        return "its body is streamed"
+    if flow.server_conn.via is not None:
+        return "sent through an upstream proxy (the relay cannot stand in for it)"
+    return None
+
+
+class Detacher:
+    def __init__(self, calls: dict, emit: Callable[..., None], explainer, settings):
+        self._calls: dict[str, Detached] = calls  # up flow id -> Detached (the process's)
+        self._emit = emit
+        self._explainer = explainer
+        self._settings = settings
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def get(self, up_id: str) -> Detached | None:
+        return self._calls.get(up_id)
+
+    def prepare(self, flow: http.HTTPFlow, base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
+        """The flow that will run ``flow``'s upstream call, and the live response its client
+        (and any duplicate) attaches to. ``start`` then runs it (once it is registered as the
+        operation's attempt)."""
+        up = flow.copy()
+        up.response = None
+        up.error = None
+        up.is_replay = "request"
+        up.metadata = {}
+        live = LiveResponse("http", max_bytes=self._settings().replay_max_bytes)
+        self._calls[up.id] = Detached(up, flow.id, {**base, "flow": flow.id}, live)
+        return up, live
+
+    def start(self, up: http.HTTPFlow) -> None:
+        """Run the call on mitmproxy's replay handler (its hooks come to the addon as any
+        flow's; the request hook passes it over)."""
+        d = self._calls[up.id]
+        up.metadata.setdefault("turnguard", {})["detached"] = d.client_flow_id
+        self._explainer.show(up, MARK_DETACHED, "turnguard: the upstream call of flow "
+                             f"{d.client_flow_id}, detached from its client (it goes on "
+                             "without one for turnguard_detach_ms)")
+        d.handler = ReplayHandler(up, ctx.options)
+        d.task = asyncio.get_running_loop().create_task(d.handler.replay())
+        d.task.add_done_callback(lambda t: _log_failure(t, up.id))
+
+    def listener_left(self, live: LiveResponse) -> None:
+        """A client or duplicate attached to ``live`` left (or got its answer): a detached
+        call without any client starts its window, or is cut at once past the cap."""
+        d = next((d for d in self._calls.values() if d.live is live), None)
+        if d is None or live.end is not None or live.listeners > 0 or d.orphan_since is not None:
+            return
+        settings = self._settings()
+        d.orphan_since, d.ever_orphaned = time.monotonic(), True
+        d.attached_at_orphan = live.attached_total
+        orphans = sum(1 for x in self._calls.values() if x.orphan_since is not None)
+        if orphans > settings.detach_max:
+            return self._cut(d, "turnguard_detach_max")
+        d.timer = asyncio.get_running_loop().call_later(
+            settings.detach_s, lambda: self._window_over(d))
+
+    def wanted(self, up_id: str) -> None:
+        """A duplicate (a retry) of the call came: if it runs without a client, it is used."""
+        d = self._calls.get(up_id)
+        if d is not None and d.orphan_since is not None:
+            d.used = True
+
+    def _window_over(self, d: Detached) -> None:
+        d.timer = None
+        if d.live.end is not None:
+            return
+        if d.live.listeners > 0:  # a retry attached meanwhile: it has a client again
+            self._back(d)
+            return
+        self._cut(d, "no client within turnguard_detach_ms")
+
+    def _back(self, d: Detached) -> None:
+        if d.orphan_since is not None:
+            d.orphan_total_s += time.monotonic() - d.orphan_since
+            d.orphan_since = None
+        d.used = d.used or d.live.attached_total > d.attached_at_orphan
+
+    def _cut(self, d: Detached, reason: str) -> None:
+        d.cut_reason = reason
+        why_not = cut_handler_upstream(d.handler, d.up.server_conn, f"turnguard: {reason}") \
+            if d.handler is not None else "not started"
+        if why_not is not None and d.task is not None and not d.task.done():
+            d.task.cancel(f"turnguard: {reason}")  # before it has a server connection
+        logger.info("turnguard: cut the detached upstream call of %s (%s)", d.client_flow_id,
+                    reason)
+
+    def ended(self, up_id: str, outcome: str) -> None:
+        """The call's attempt ended (``outcome``): forget it; say what it was worth."""
+        d = self._calls.pop(up_id, None)
+        if d is None:
+            return
+        if d.timer is not None:
+            d.timer.cancel()
+        if d.orphan_since is not None or d.ever_orphaned:
+            self._back(d)
+            self._emit("upstream_detached", **d.base, attempt_flow=up_id,
+                       ran_without_client_ms=round(d.orphan_total_s * 1000), used=d.used,
+                       outcome=outcome, cut=d.cut_reason)
+
+    def cut(self, up_id: str, reason: str) -> str | None:
+        """Cut a detached call's upstream (the response_created timeout); why not if not."""
+        d = self._calls.get(up_id)
+        if d is None or d.handler is None:
+            return "not a running detached call"
+        return cut_handler_upstream(d.handler, d.up.server_conn, reason)
+
+
+def _log_failure(task: asyncio.Task, up_id: str) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("turnguard: the detached call %s failed: %r", up_id, task.exception())
