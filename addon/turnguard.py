@@ -23,6 +23,7 @@ from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
 from turnguard_core import circuit, identity, machine, negotiation, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
+from turnguard_core.tee import recordable_headers  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
@@ -282,7 +283,8 @@ class TurnGuard:
         same transport, the whole response still kept, the same representation (``Vary`` and
         content coding, as for a replay), and, over HTTP, a destination the relay can stand in
         for (not through an upstream proxy)."""
-        if not self.settings.attach or not live.attachable or not live.shareable:
+        if not (self.settings.attach and self.settings.guard.replay) or not live.attachable \
+                or not live.shareable:
             return False
         if flow.websocket is not None:
             return live.transport == "ws"
@@ -301,7 +303,15 @@ class TurnGuard:
 
     async def _attach(self, flow: http.HTTPFlow, ident: identity.Identity,
                       state: machine.Attach) -> None:
-        """Answer ``flow`` live from the attempt it attached to, through the relay."""
+        """Answer ``flow`` live from the attempt it attached to, through the relay; or, when
+        that response is complete already (a burst of duplicates woken as it streamed), with
+        its bytes at once, as a replay is (no relay connection)."""
+        body = state.live.whole()
+        if body is not None:
+            head = state.live.head
+            flows.replay(flow, ident.op_id, head.status, recordable_headers(head.headers), body,
+                         how="attached")
+            return
         relay = await self._relay()
         flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
                                       "attempt": state.attempt_id}

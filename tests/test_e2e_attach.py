@@ -159,3 +159,72 @@ def test_a_duplicate_that_takes_another_representation_is_not_attached(tmp_path)
         assert dup["headers"].get("x-turnguard") != "attached"
         assert not turnguard_events(tmp_path, kind="duplicate_attached")
         assert len(turnguard_events(tmp_path, kind="duplicate_held")) == 1
+
+
+# -- detached dispatches -------------------------------------------------------------------------
+
+
+def client_that_gives_up(url: str, after_s: float) -> str | None:
+    """POST, then drop the connection after ``after_s`` without an answer; the error."""
+    h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+    try:
+        sse_post(url, body=BODY, headers=h, timeout=after_s)
+    except httpx.HTTPError as e:
+        return repr(e)
+    return None
+
+
+def test_a_detached_call_whose_client_never_comes_back_is_cut_after_the_window(tmp_path):
+    """The client gives up after 0.5 s; nobody retries; the call runs 1 s without a client
+    (turnguard_detach_ms), then it is cut; the ledger records it as any cut attempt."""
+    stall = {"default": {"kind": "ok", "delay_ms": 8000}}
+    with MockUpstream(tmp_path, stall) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1000,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        assert client_that_gives_up(proxy.url, 0.5) is not None
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["used"] is False
+        assert detached["cut"] == "no client within turnguard_detach_ms"
+        assert detached["ran_without_client_ms"] >= 900
+        assert detached["outcome"] == "unknown"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path):
+    stall = {"default": {"kind": "ok", "delay_ms": 8000}}
+    with MockUpstream(tmp_path, stall) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=60000, turnguard_detach_max=0,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        assert client_that_gives_up(proxy.url, 0.5) is not None
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["cut"] == "turnguard_detach_max"
+        assert detached["ran_without_client_ms"] < 60000
+
+
+def test_a_detached_call_answers_its_client_as_a_direct_one_would(tmp_path):
+    """Detached or not, the client gets the same status, events and end; the upstream sees
+    one request."""
+    async def run(url):
+        return await stream_post(url, behaviour={"kind": "ok", "events": 4, "gap_ms": 50})
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, name="direct") as direct:
+        plain = asyncio.run(run(direct.url))
+    with MockUpstream(tmp_path, name="up2") as up2, guarded(
+            tmp_path, up2, name="detached", turnguard_detach_ms=30000) as proxy:
+        detached = asyncio.run(run(proxy.url))
+        assert len(up2.dispatches()) == 1
+    assert detached["status"] == plain["status"] == 200
+    assert detached["error"] is None
+    assert sse_event_types(detached["body"]) == sse_event_types(plain["body"])
+    assert detached["headers"]["content-type"] == plain["headers"]["content-type"]
+
+
+def wait_for_event(tmp_path, kind, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = turnguard_events(tmp_path, kind=kind)
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} event within {timeout} s")

@@ -59,10 +59,11 @@ def test_stalled_original_and_five_duplicates_give_one_dispatch_and_six_identica
         assert len(bodies) == 1, "all six clients must get byte-identical SSE bodies"
         assert sse_event_types(results[0][2])[-1] == "response.completed"
         assert len(up.dispatches()) == 1
-        assert [h.get("x-turnguard") for _, h, _ in results[1:]] == ["replayed"] * 5
+        # held while the original stalled, then attached to its stream once it started
+        assert [h.get("x-turnguard") for _, h, _ in results[1:]] == ["attached"] * 5
         assert results[0][1].get("x-turnguard") is None  # the original passes untouched
         assert len(turnguard_events(tmp_path, kind="duplicate_held")) == 5
-        assert len(turnguard_events(tmp_path, kind="duplicate_replayed")) == 5
+        assert len(turnguard_events(tmp_path, kind="duplicate_attached")) == 5
         assert not turnguard_events(tmp_path, kind="duplicate_rejected")
         assert_no_traceback(proxy.log_text())
     report(

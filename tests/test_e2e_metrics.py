@@ -70,8 +70,9 @@ def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):
         assert metric(after, "turnguard_dispatches_total") == len(upstream) == 1
         assert metric(after, "turnguard_dispatches_total", kind="original") == 1
         assert metric(after, "turnguard_duplicates_total", action="held") == 5
-        assert metric(after, "turnguard_duplicates_total", action="replayed") == 5
-        assert metric(after, "turnguard_hold_seconds_count", result="replayed") == 5
+        # the original stalled before streaming: its duplicates attached once it streamed
+        assert metric(after, "turnguard_duplicates_total", action="attached") == 5
+        assert metric(after, "turnguard_hold_seconds_count", result="attached") == 5
         assert metric(after, "turnguard_hold_seconds_sum") > 5 * 2.0  # each waited seconds
         assert metric(after, "turnguard_outcomes_total", outcome="completed") == 1
         assert metric(after, "turnguard_attempt_duration_seconds_sum") >= 4.0
@@ -83,9 +84,9 @@ def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):
         assert len(instances) == 1
         assert_no_traceback(p.log_text())
     report(f"metrics, duplicate storm: dispatches_total={metric(after, 'turnguard_dispatches_total'):g} "
-           f"= upstream log {len(upstream)}; held gauge peaked at 5; duplicates held/replayed "
+           f"= upstream log {len(upstream)}; held gauge peaked at 5; duplicates held/attached "
            f"{metric(after, 'turnguard_duplicates_total', action='held'):g}/"
-           f"{metric(after, 'turnguard_duplicates_total', action='replayed'):g}")
+           f"{metric(after, 'turnguard_duplicates_total', action='attached'):g}")
 
 
 def test_cooldown_storm_counters_match_the_upstream_log_in_default_and_once_mode(tmp_path, report):

@@ -81,9 +81,9 @@ def test_a_call_goes_upstream_once_and_its_events_are_relayed(tmp_path):
         outcome = wait_until(lambda: events(tmp_path, "outcome"), what="outcome")
         assert outcome[0]["outcome"] == "completed" and outcome[0]["replayable"] is True
         assert outcome[0]["transport"] == "ws"
-        ledger = tmp_path / "ledger.sqlite3"
-        assert ledger_query(ledger, "SELECT transport, outcome FROM attempts") == [
-            ("ws", "completed")]
+        ledger = tmp_path / "ledger.sqlite3"  # the end is committed just after its telemetry
+        wait_until(lambda: ledger_query(ledger, "SELECT transport, outcome FROM attempts") == [
+            ("ws", "completed")], what="the attempt's end in the ledger")
         shown = subprocess.run([str(REPO / "scripts" / "ledger"), "--ledger", str(ledger),
                                 "show", outcome[0]["op"]], capture_output=True, text=True,
                                timeout=60)

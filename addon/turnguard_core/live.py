@@ -55,7 +55,10 @@ class LiveResponse:
         self._size = 0
         self._listeners: list[Listener] = []
         self.attached_total = 0  # listeners that ever attached
-        self.started = False  # its head (HTTP) or first piece (WebSocket) arrived
+        # the attempt made progress: its first event (HTTP) or first output (WebSocket), set
+        # by the shell; before that a duplicate waits (an eventless failure is retried, not
+        # shared)
+        self.started = False
         # whether duplicates may attach (a detached call's own client always does, whatever
         # the response; duplicates only to an event stream that succeeds)
         self.shareable = True
@@ -66,7 +69,6 @@ class LiveResponse:
         if self.head is not None or self.end is not None:
             return
         self.head = head
-        self.started = True
         for listener in list(self._listeners):
             self._call(listener, listener.on_head, head)
 
@@ -74,7 +76,6 @@ class LiveResponse:
         """One more piece of the response (empty pieces are ignored)."""
         if not piece or self.end is not None:
             return
-        self.started = True
         if self._pieces is not None:
             self._size += len(piece)
             if self._size > self.max_bytes:
@@ -99,6 +100,12 @@ class LiveResponse:
     def attachable(self) -> bool:
         """Whether a new duplicate can still get the whole response from its start."""
         return self._pieces is not None
+
+    def whole(self) -> bytes | None:
+        """The whole body of a complete HTTP response (None: not complete, or not kept)."""
+        if self.end != "complete" or self._pieces is None or self.transport != "http":
+            return None
+        return b"".join(self._pieces)  # type: ignore[arg-type]
 
     @property
     def listeners(self) -> int:

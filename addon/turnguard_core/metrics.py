@@ -308,7 +308,7 @@ class Metrics:
 
     def _declare_histograms(self, histogram) -> None:
         self.hold_seconds = histogram(
-            "hold_seconds", "How long a duplicate was held, by how the hold ended (replayed, "
+            "hold_seconds", "How long a duplicate was held, by how the hold ended (replayed, attached, "
             "rejected, forwarded, declined, abandoned).", HOLD_BUCKETS, ("result",))
         self.cooldown_wait_seconds = histogram(
             "cooldown_wait_seconds", "How long a request was held through a cooldown, by how "

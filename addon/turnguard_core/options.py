@@ -100,8 +100,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "turnguard_attach", bool, True,
         "A duplicate of an event stream in flight in this process attaches to it: it gets "
         "the response so far at once, then the rest live, to the same end, and no hold bound "
-        "applies once the stream has started. false: duplicates are held until the original "
-        "ends, then replayed.",
+        "applies once the stream has started (needs turnguard_replay). false: duplicates are "
+        "held until the original ends, then replayed.",
     ),
     OptionSpec(
         "turnguard_detach_ms", int, 0,

@@ -53,6 +53,9 @@ class Commands:
                 "in_flight": len(g.inflight),
                 "held_duplicates": sum(isinstance(w, DuplicateWait) for w in held),
                 "held_through_cooldown": sum(isinstance(w, CooldownWait) for w in held),
+                "attached": sum(a.live.listeners for a in g.inflight if a.live is not None),
+                "detached_calls": len(g.detacher),
+                "detached_without_client": g.detacher.without_client(),
                 "cooldowns": [
                     {"scope": scope, "failures": st.failures,
                      "remaining_ms": round(st.remaining_s(now) * 1000),

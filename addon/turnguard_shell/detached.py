@@ -78,8 +78,9 @@ class Detacher:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def get(self, up_id: str) -> Detached | None:
-        return self._calls.get(up_id)
+    def without_client(self) -> int:
+        """Detached calls running without any client now."""
+        return sum(1 for d in self._calls.values() if d.orphan_since is not None)
 
     def prepare(self, flow: http.HTTPFlow, base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
         """The flow that will run ``flow``'s upstream call, and the live response its client
@@ -115,8 +116,7 @@ class Detacher:
         settings = self._settings()
         d.orphan_since, d.ever_orphaned = time.monotonic(), True
         d.attached_at_orphan = live.attached_total
-        orphans = sum(1 for x in self._calls.values() if x.orphan_since is not None)
-        if orphans > settings.detach_max:
+        if self.without_client() > settings.detach_max:
             return self._cut(d, "turnguard_detach_max")
         d.timer = asyncio.get_running_loop().call_later(
             settings.detach_s, lambda: self._window_over(d))

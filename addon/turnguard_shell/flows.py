@@ -109,14 +109,16 @@ def answer(flow: http.HTTPFlow, a: answers.Answer) -> None:
     flow.metadata["turnguard"] = {"role": "answered", "status": a.status}
 
 
-def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes) -> None:
-    """Answer the flow from a recording: the bytes as given (never re-encoded by mitmproxy)."""
+def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes, *,
+           how: str = "replayed") -> None:
+    """Answer the flow from a recording (or, ``how`` "attached", from the whole response of
+    the attempt it attached to): the bytes as given (never re-encoded by mitmproxy)."""
     resp = http.Response.make(status, b"", _headers(headers))
     resp.raw_content = body
     resp.headers["content-length"] = str(len(body))
-    resp.headers["x-turnguard"] = "replayed"
+    resp.headers["x-turnguard"] = how
     flow.response = resp
-    flow.metadata["turnguard"] = {"role": "replay", "op": op_id}
+    flow.metadata["turnguard"] = {"role": "replay" if how == "replayed" else how, "op": op_id}
 
 
 def proxyserver():

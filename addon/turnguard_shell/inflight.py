@@ -122,7 +122,8 @@ class InFlight:
                           time.monotonic(), circuit_scope, "POST" if ws_events else
                           flow.request.method, ident.route,
                           transport="ws" if ws_events else "http", ws_events=ws_events)
-        if ws_events is not None and self._settings().attach:
+        settings = self._settings()
+        if ws_events is not None and settings.attach and settings.guard.replay:
             attempt.live = LiveResponse("ws", max_bytes=self._settings().replay_max_bytes)
         self._process.attempts[key] = attempt
         self._process.by_op[ident.op_key] = key
@@ -176,7 +177,7 @@ class InFlight:
             attempt.stop_timer()  # an answer that is not an event stream is its own event
         settings = self._settings()
         keep = settings.replay_max_bytes if settings.guard.replay and ok else 0
-        shareable = settings.attach and is_sse and ok
+        shareable = settings.attach and settings.guard.replay and is_sse and ok
         if attempt.live is not None:  # a detached call: its client is attached already
             head = _head(flow)
             attempt.live.shareable = shareable and head is not None
@@ -193,8 +194,6 @@ class InFlight:
             on_chunk=attempt.live.feed if attempt.live is not None else None,
         )
         resp.stream = attempt.tee
-        if attempt.live is not None and attempt.live.shareable:
-            self._waiters.attempt_streaming(attempt.ident.op_key, attempt.live)
 
     def _first_event(self, attempt: Attempt) -> None:
         """The attempt has output now. The ledger learns it a moment later, and not at all
@@ -202,6 +201,11 @@ class InFlight:
         for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
         attempt.first_event_at = time.monotonic()
+        live = attempt.live
+        if live is not None and not live.started:  # duplicates may attach from now on
+            live.started = True
+            if live.shareable:
+                self._waiters.attempt_streaming(attempt.ident.op_key, live)
         if attempt.attempt_id is not None:
             asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
@@ -218,12 +222,8 @@ class InFlight:
         if attempt is None:
             return
         attempt.stop_timer()
-        live = attempt.live
-        if live is not None:
-            was_started = live.started
-            live.feed(text)
-            if not was_started:
-                self._waiters.attempt_streaming(attempt.ident.op_key, live)
+        if attempt.live is not None:
+            attempt.live.feed(text)
         if first_output:
             self._first_event(attempt)
 
@@ -246,8 +246,10 @@ class InFlight:
         except Exception:
             logger.exception("turnguard: recording the outcome of %s failed", key)
         finally:
-            if attempt.live is not None:  # attached duplicates end as its client did
-                complete = facts is not None and facts.body_complete and facts.error is None
+            if attempt.live is not None:  # attached duplicates end as its client did, or
+                # cleanly once the stream's terminal success came (it completed upstream)
+                complete = why.outcome == "completed" or (
+                    facts is not None and facts.body_complete and facts.error is None)
                 attempt.live.finish("complete" if complete else "failed",
                                     None if facts is None else facts.error)
             if key in self._process.detached and self._process.guard is not None:

@@ -61,7 +61,7 @@ class Relay:
             return self.port
         if self._starting is None:
             self._starting = asyncio.ensure_future(
-                asyncio.start_server(self._serve, "127.0.0.1", 0))
+                asyncio.start_server(self._serve, "127.0.0.1", 0, limit=MAX_HEAD_BYTES))
         server = await asyncio.shield(self._starting)
         if self._server is None:
             self._server = server
@@ -77,13 +77,19 @@ class Relay:
         token = secrets.token_urlsafe(18)
         route = Route(live, on_end)
         route.handle = asyncio.get_running_loop().call_later(
-            ROUTE_TTL_S, lambda: self._routes.pop(token, None))
+            ROUTE_TTL_S, lambda: self._expire(token))
         self._routes[token] = route
         req = flow.request
         meta = flow.metadata.setdefault("turnguard", {})
         meta["relayed_from"] = [req.scheme, req.host, req.port]
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
         req.headers[TOKEN_HEADER] = token
+
+    def _expire(self, token: str) -> None:
+        """mitmproxy never followed the route (its client left first)."""
+        route = self._routes.pop(token, None)
+        if route is not None:
+            _call_end(route, None, 0)
 
     @staticmethod
     def restore(flow: http.HTTPFlow) -> None:
@@ -124,12 +130,11 @@ class Relay:
         finally:
             if task is not None:
                 self._connections.discard(task)
-            writer.transport.abort()
+            if not writer.transport.is_closing():  # not closed cleanly: cut
+                writer.transport.abort()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        if len(head) > MAX_HEAD_BYTES:
-            return
+        head = await reader.readuntil(b"\r\n\r\n")  # at most MAX_HEAD_BYTES (the limit)
         token, length = _token_and_length(head)
         if 0 < length <= MAX_REQUEST_BODY:
             await reader.readexactly(length)
@@ -137,7 +142,8 @@ class Relay:
         if route is None:
             writer.write(_response_head(404, (("content-type", "text/plain"),), length=9)
                          + b"not found")
-            await writer.drain()
+            await _flushed(writer)
+            writer.close()
             return
         if route.handle is not None:
             route.handle.cancel()
@@ -158,7 +164,8 @@ class Relay:
         try:
             if not route.live.attach(listener):
                 writer.write(_failed(503, "the response grew too large to attach to"))
-                await writer.drain()
+                await _flushed(writer)
+                writer.close()
                 return
             while True:
                 item = await queue.get()
@@ -174,25 +181,39 @@ class Relay:
                         end = "complete"
                         writer.write(b"0\r\n\r\n" if sent_head else
                                      _failed(502, "the attempt ended without a response"))
-                        await writer.drain()
+                        await _flushed(writer)
+                        writer.close()
                         return
                     case ("end", _, error):
                         end = "failed"
                         if not sent_head:
                             writer.write(_failed(502, "the attempt attached to failed: "
                                                  f"{error or 'no response'}"))
-                            await writer.drain()
-                        return  # after the head: cut, as the attempt's client was
+                            await _flushed(writer)
+                            writer.close()
+                            return
+                        await _flushed(writer)  # every byte the attempt's client got, then
+                        return  # the cut (the connection is aborted), as that client's
                     case ("left",):
                         return
                 await writer.drain()
         finally:
             peer_left.cancel()
             route.live.detach(listener)
-            try:
-                route.on_end(end, sent)
-            except Exception:  # noqa: BLE001
-                logger.exception("turnguard: relay end callback failed")
+            _call_end(route, end, sent)
+
+
+def _call_end(route: Route, end: End | None, sent: int) -> None:
+    try:
+        route.on_end(end, sent)
+    except Exception:  # noqa: BLE001
+        logger.exception("turnguard: relay end callback failed")
+
+
+async def _flushed(writer: asyncio.StreamWriter) -> None:
+    """Wait until every byte written went to the socket (not merely below the high mark)."""
+    writer.transport.set_write_buffer_limits(high=0)
+    await writer.drain()
 
 
 def _token_and_length(head: bytes) -> tuple[str | None, int]:

@@ -407,7 +407,9 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                 "statuses": sorted({r.status for r in ok}),
                 "upstream_dispatches": st["dispatches"],
                 "upstream_held_during_hold": st_before["held"],
-                "replayed": sum(r.headers.get("x-turnguard") == "replayed" for r in ok),
+                # answered from the original's response: replayed, or attached to it live
+                "replayed": sum(r.headers.get("x-turnguard") in ("replayed", "attached")
+                                for r in ok),
                 "setup_s": setup_s,
                 "hold_s": hold_wall,
                 "cpu_s_during_hold": cpu1 - cpu0,

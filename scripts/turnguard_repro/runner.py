@@ -27,6 +27,7 @@ SETTLE_TIMEOUT_S = 3.0  # after the clients: wait for the mock to log every disp
 
 HOLD_FIELDS = {  # turnguard events that say how long a request was held
     "duplicate_replayed": "held_ms",
+    "duplicate_attached": "held_ms",
     "duplicate_rejected": "held_ms",
     "duplicate_forwarded": "held_ms",
     "hold_abandoned": "held_ms",
@@ -310,6 +311,7 @@ def summarize(res: ColumnResult) -> dict[str, Any]:
         "max_hold_ms": max(holds) if holds else None,
         "turnguard": {
             "replayed": ev["duplicate_replayed"],
+            "attached": ev["duplicate_attached"],
             "held_duplicates": ev["duplicate_held"],
             "rejected_409": ev["duplicate_rejected"],
             "cooldown_503": ev["cooldown_rejected"],
@@ -344,6 +346,8 @@ def _tg_text(m: dict[str, Any]) -> str:
     parts = []
     if t["replayed"]:
         parts.append(f"replayed {t['replayed']}")
+    if t.get("attached"):
+        parts.append(f"attached {t['attached']}")
     if t["rejected_409"]:
         parts.append(f"409 {t['rejected_409']}")
     if t["fail_closed"] or t["cooldown_503"]:

@@ -29,6 +29,7 @@ CUT_MATCH_S = 1.0  # a cut dispatch's end, as the upstream logged it, follows tu
 
 HOLD_ENDS = {
     "duplicate_replayed": "replayed",
+    "duplicate_attached": "attached",
     "duplicate_rejected": "409",
     "duplicate_forwarded": "forwarded",
     "hold_abandoned": "abandoned",
