@@ -228,3 +228,32 @@ def wait_for_event(tmp_path, kind, timeout=20.0):
             return found[0]
         time.sleep(0.05)
     raise AssertionError(f"no {kind} event within {timeout} s")
+
+
+def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
+    """A duplicate's client drops its connection mid-stream: the original and the other
+    duplicate still get the whole stream; one upstream execution."""
+    slow = {"kind": "ok", "events": 12, "gap_ms": 200}
+
+    async def leaver(url):
+        await asyncio.sleep(0.6)
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+            async with c.stream("POST", url + "/v1/responses", json=BODY, headers=h) as r:
+                async for chunk in r.aiter_raw():
+                    if chunk:
+                        return r.headers.get("x-turnguard")  # leaves after its first bytes
+
+    async def run(url):
+        return await asyncio.gather(stream_post(url, behaviour=slow), leaver(url),
+                                    stream_post(url, delay_s=1.2))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, left_as, stayed = asyncio.run(run(proxy.url))
+        assert left_as == "attached"
+        assert len(up.dispatches()) == 1
+        assert original["error"] is None and stayed["error"] is None
+        assert stayed["body"] == original["body"]
+        assert sse_event_types(stayed["body"])[-1] == "response.completed"
+        assert len(turnguard_events(tmp_path, kind="duplicate_attached")) == 2
+        assert_no_traceback(proxy.log_text())

@@ -191,6 +191,20 @@ def test_the_original_ended_without_a_recording_the_duplicate_is_admitted_again(
     assert state == Admit(None, NOW - 3, NOW + 27) and effects == ()
 
 
+def test_a_stream_in_flight_here_is_attached_to_and_says_so():
+    live = object()  # the shell's handle: opaque to the machine
+    state, effects = machine.on_woke(facts(), HOLD, machine.Attachable(live), NOW)
+    assert state == machine.Attach(live, 3000, 5)
+    assert record(effects, "duplicate_attached")["held_ms"] == 3000
+    assert any(isinstance(e, machine.Show) and e.mark == machine.MARK_ATTACHED for e in effects)
+
+
+def test_a_client_gone_when_the_stream_starts_is_abandoned_not_attached():
+    state, _ = machine.on_woke(facts(), HOLD, machine.Attachable(object()), NOW,
+                               gone="client disconnected")
+    assert isinstance(state, Abandon)
+
+
 def test_the_bound_passed_409():
     state, _ = machine.on_woke(facts(), HOLD, TimedOut(), NOW)
     assert isinstance(state, Respond) and state.answer.status == 409

@@ -64,3 +64,18 @@ async def test_cut_cancels_the_server_connection_task_and_reports_why_not_otherw
     assert cut_upstream(PS(), "client-1", "other", "why") == "no open server connection for this flow"
     assert cut_upstream(None, "c", "s", "why") == "no proxyserver addon"
     assert "internals changed" in cut_upstream(object(), "c", "s", "why")
+
+
+def test_the_replay_handler_detached_dispatches_run_on_still_exists():
+    """turnguard_detach_ms runs a guarded call on mitmproxy's client-replay handler, made as
+    ``ReplayHandler(flow, options)``, started by ``replay()``, and cut through ``transports``
+    (a ConnectionHandler's): if an upgrade moves any of it, this fails."""
+    import inspect
+
+    from mitmproxy.addons.clientplayback import ReplayHandler
+    from mitmproxy.proxy.server import ConnectionHandler
+
+    assert list(inspect.signature(ReplayHandler.__init__).parameters)[1:] == ["flow", "options"]
+    assert inspect.iscoroutinefunction(ReplayHandler.replay)
+    assert issubclass(ReplayHandler, ConnectionHandler)
+    assert "transports" in inspect.getsource(ConnectionHandler.__init__)
