@@ -286,8 +286,8 @@ class TurnGuard:
         if not (self.settings.attach and self.settings.guard.replay) or not live.attachable \
                 or not live.shareable:
             return False
-        if flow.websocket is not None:
-            return live.transport == "ws"
+        if flow.websocket is not None:  # a call's events, or an event stream's as frames
+            return live.transport == "ws" or (live.head is not None and _plain_sse(live.head))
         if live.transport != "http" or live.head is None or flow.server_conn.via is not None:
             return False
         head = live.head
@@ -422,6 +422,13 @@ class TurnGuard:
         for f in flows_:
             if f.error is not None:
                 self.waiters.gone(f.id, "killed")
+
+
+def _plain_sse(head) -> bool:
+    """Whether a response is an uncompressed event stream (its events can become frames)."""
+    headers = {k.lower(): v for k, v in head.headers}
+    return headers.get("content-type", "").startswith("text/event-stream") and \
+        headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
 
 
 addons = [TurnGuard()]

@@ -483,3 +483,37 @@ def test_a_frame_behind_a_response_that_never_ends_waits_no_longer_than_the_budg
         assert [(o["transport"], o["outcome"]) for o in outcome] == [("ws", "partial")]
         assert len(ws_dispatches(up)) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_path, report):
+    """Codex's idle timeout: the socket drops while the upstream still thinks. Detached
+    (``turnguard_detach_ms``), the call runs on as turnguard's own HTTP POST; the retry on a
+    new socket (the same call: full input, another start-ms and key order) attaches to it
+    and gets the whole response: one upstream execution."""
+    thinking = {"default": {"kind": "ok", "think_ms": 3000, "events": 3}}
+    with MockUpstream(tmp_path, thinking) as up, proxy(
+            tmp_path, up, turnguard_detach_ms=30000,
+            turnguard_response_created_timeout_ms=20000) as p:
+        async def drop_then_retry():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(call([user("think hard")], seed=1))
+                first = json.loads(await a.recv())  # response.created, then silence
+                a.abort()  # the idle timeout: a TCP drop, no close frame
+            await asyncio.sleep(0.3)
+            async with WsClient.connect(p.url, headers=HEADERS) as b:
+                await b.send(call([user("think hard")], seed=2))
+                return first, await b.response()
+
+        first, retried = asyncio.run(drop_then_retry())
+        assert first["type"] == "response.created"
+        assert types(retried)[0] == "response.created" and types(retried)[-1] == "response.completed"
+        assert retried[0] == first  # the same response: the one upstream execution
+        assert len(up.dispatches()) == 1
+        assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
+        detached = wait_until(lambda: events(tmp_path, "upstream_detached"),
+                              what="upstream_detached")
+        assert detached[0]["used"] is True and detached[0]["outcome"] == "completed"
+        assert_no_traceback(p.log_text())
+    report(f"WebSocket call detached: socket dropped 0.0 s into a 3 s think, retry on a new "
+           f"socket attached; upstream dispatches={len(up.dispatches())} "
+           f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")

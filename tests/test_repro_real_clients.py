@@ -398,3 +398,38 @@ def test_codex_cli_post_fallback_is_the_same_operation_as_its_websocket_frames(c
     report(f"codex exec {CODEX_VERSION}: WebSocket frames and their HTTP POST fallback as one "
            f"operation through a 9 s cooldown: completed in {took:.1f} s, 503s seen="
            f"{len(rejected)} ({sum(r['transport'] == 'http' for r in rejected)} over HTTP)")
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_codex_cli_over_websocket_whose_socket_drops_is_answered_by_the_detached_call(
+        codex, tmp_path, detach, report):
+    """Codex over a WebSocket with a 2.5 s stream idle timeout, against an upstream that thinks
+    6 s after response.created: Codex drops its socket and retries on a new one (full input).
+    Detached, the call goes on upstream without the dropped socket and each retry attaches
+    to it: one upstream execution, and the turn completes. Not detached, each drop cuts the
+    call and its retry runs the turn again."""
+    scenario = {"default": {"kind": "ok", "think_ms": 6000, "events": 3}}
+    options = {"turnguard_response_created_timeout_ms": 30000,
+               **({"turnguard_detach_ms": 60000} if detach else {})}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "tg", **options) as p:
+        started = time.monotonic()
+        done = codex_exec(codex, tmp_path, p.url, "say hello",
+                          "model_providers.repro.supports_websockets=true",
+                          "model_providers.repro.stream_idle_timeout_ms=2500")
+        took = time.monotonic() - started
+        ds = up.dispatches()
+        attached = events(tmp_path, "tg", "duplicate_attached")
+        if not detach:
+            assert len(ds) > 1, diagnose(tmp_path, "tg", up)
+        else:
+            assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+            assert "hellohellohello" in done.stdout
+            assert len(ds) == 1, diagnose(tmp_path, "tg", up)
+            assert attached and all(a["transport"] == "ws" for a in attached)
+            detached = events(tmp_path, "tg", "upstream_detached")
+            assert detached and detached[0]["used"] is True
+            assert detached[0]["outcome"] == "completed"
+    report(f"codex exec {CODEX_VERSION} over WebSocket, idle timeout 2.5 s vs a 6 s think, "
+           f"{'detached' if detach else 'not detached'}: "
+           f"{'completed' if done.returncode == 0 else f'rc {done.returncode}'} in {took:.1f} s, "
+           f"{len(attached)} retries attached, upstream dispatches={len(ds)}")

@@ -105,9 +105,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "turnguard_detach_ms", int, 0,
-        "Run guarded HTTP dispatches detached from their client: the upstream call is the "
-        "proxy's own (mitmproxy's replay path: same upstream mode, TLS settings and HTTP/2), "
-        "the client attaches to it, and when the client disconnects the call keeps running "
+        "Run guarded dispatches detached from their client: the upstream call is the proxy's "
+        "own (mitmproxy's replay path: same upstream, TLS settings and HTTP/2; a WebSocket "
+        "call goes as its HTTP POST), the client attaches to it, and when the client "
+        "disconnects the call keeps running "
         "this long without any client, so that its retry attaches to it or replays it "
         "instead of running the turn again. 0: off (the client's connection is the upstream "
         "call's, as in plain mitmproxy).",

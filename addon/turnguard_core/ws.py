@@ -295,6 +295,26 @@ def frames_of_recording(body: bytes) -> list[str] | None:
     return frames or None
 
 
+class SseToFrames:
+    """An SSE body, chunk by chunk, as event frames (``frames_of_recording`` for a stream that
+    is still arriving): ``feed(chunk)`` returns the frames of the events it completed, in
+    order; events that are no JSON event (``[DONE]``, a comment, garbage) are left out."""
+
+    def __init__(self) -> None:
+        self._parser = SseParser()
+
+    def feed(self, chunk: bytes) -> list[str]:
+        return self._frames(self._parser.feed(chunk))
+
+    def close(self) -> list[str]:
+        return self._frames(self._parser.close())
+
+    @staticmethod
+    def _frames(events) -> list[str]:
+        return [ev.data for ev in events
+                if not ev.truncated and _parse_event(ev.data, len(ev.data) + 1) is not None]
+
+
 def ws_status(status: int) -> int:
     """The status of turnguard's HTTP answer as an ``error`` event's ``status``. 409
     (``turn_in_progress``: retry later) becomes 503: Codex retries a 5xx on a new socket and

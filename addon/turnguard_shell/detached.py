@@ -35,6 +35,11 @@ from turnguard_core.proxy_internals import cut_handler_upstream
 logger = logging.getLogger("turnguard")
 
 MARK_DETACHED = ":satellite:"
+# a WebSocket handshake's headers that the same call sent as an HTTP POST does not carry
+_HANDSHAKE_ONLY = ("upgrade", "connection", "sec-websocket-key", "sec-websocket-version",
+                   "sec-websocket-extensions", "sec-websocket-protocol", "openai-beta",
+                   "content-length", "transfer-encoding", "accept", "accept-encoding",
+                   "content-type")
 
 
 @dataclass
@@ -58,10 +63,9 @@ class Detached:
 
 
 def why_not_detached(flow: http.HTTPFlow) -> str | None:
-    """Why ``flow`` cannot be dispatched detached (None: it can)."""
-    if flow.websocket is not None:
-        return "a WebSocket"
-    if flow.request.raw_content is None:
+    """Why ``flow`` (a request, or a WebSocket whose call is dispatched) cannot be dispatched
+    detached (None: it can)."""
+    if flow.websocket is None and flow.request.raw_content is None:
         return "its body is streamed"
     if flow.server_conn.via is not None:
         return "sent through an upstream proxy (the relay cannot stand in for it)"
@@ -86,13 +90,35 @@ class Detacher:
         """The flow that will run ``flow``'s upstream call, and the live response its client
         (and any duplicate) attaches to. ``start`` then runs it (once it is registered as the
         operation's attempt)."""
-        up = flow.copy()
+        return self._register(flow.copy(), flow.id, base)
+
+    def prepare_call(self, ws_flow: http.HTTPFlow, key: str, body: bytes,
+                     base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
+        """``prepare`` for a call on the WebSocket ``ws_flow`` (``key``): the call goes upstream
+        as the HTTP POST Codex falls back to (the same path and headers, without the
+        handshake's; ``body`` is the call without its WebSocket-only fields), asking for an
+        uncompressed event stream, whose events the socket then gets as frames."""
+        up = ws_flow.copy()
+        up.websocket = None
+        req = up.request
+        req.method = "POST"
+        for name in _HANDSHAKE_ONLY:
+            if name in req.headers:
+                del req.headers[name]
+        req.headers["content-type"] = "application/json"
+        req.headers["accept"] = "text/event-stream"
+        req.headers["accept-encoding"] = "identity"
+        req.content = body
+        return self._register(up, key, base)
+
+    def _register(self, up: http.HTTPFlow, client: str,
+                  base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
         up.response = None
         up.error = None
         up.is_replay = "request"
         up.metadata = {}
         live = LiveResponse("http", max_bytes=self._settings().replay_max_bytes)
-        self._calls[up.id] = Detached(up, flow.id, {**base, "flow": flow.id}, live)
+        self._calls[up.id] = Detached(up, client, {**base, "flow": client}, live)
         return up, live
 
     def start(self, up: http.HTTPFlow) -> None:

@@ -116,9 +116,10 @@ class Waiters:
 
     def attempt_streaming(self, op_key: str, live) -> None:
         """This process's attempt of ``op_key`` began to stream (``live``, a
-        ``LiveResponse``): wake its duplicates of the same transport, to attach to it."""
+        ``LiveResponse``): wake its duplicates, to attach to it (those that cannot take it
+        wait on for its end)."""
         for wait in list(self._by_op.get(op_key, {}).values()):
-            if wait.foreign_attempt is None and _transport(wait.flow) == live.transport:
+            if wait.foreign_attempt is None:
                 self.resolve(wait, Attachable(live))
 
     def attempt_ended(self, op_key: str, why: Ended) -> None:
@@ -196,6 +197,3 @@ class Waiters:
             yield (f"{key} op={w.op_key[:12]} held={now - w.since:.1f}s waiting for {what}: "
                    f"{request}")
 
-
-def _transport(flow: http.HTTPFlow) -> str:
-    return "ws" if flow.websocket is not None else "http"

@@ -141,6 +141,8 @@ class WebSockets:
         if sock.attached is not None:
             live, listener = sock.attached
             live.detach(listener)
+            if self._guard is not None:  # a detached call may now run without a client
+                self._guard.detacher.listener_left(live)
         data = flow.websocket
         by_client = bool(data and data.closed_by_client)
         code = data.close_code if data else None
@@ -233,6 +235,8 @@ class WebSockets:
         if sock.closed:
             return  # the client left while it was decided: nothing to send, nowhere
         match state:
+            case machine.Forward(dispatch=dispatch) if cfg.detach_s > 0:
+                self._dispatch_detached(sock, key, full, ident, dispatch, scope, req.base)
             case machine.Forward(dispatch=dispatch):
                 events = self._events(keep=True)
                 guard.inflight.start(flow, ident, dispatch, scope, key=key, ws_events=events)
@@ -325,34 +329,68 @@ class WebSockets:
                 response.attempt_key,
                 lambda attempt: _end_facts(attempt, response.events, headers, error, client_gone))
 
+    def _dispatch_detached(self, sock: Socket, key: str, full: ws.FullRequest,
+                           ident: identity.Identity, dispatch, scope: str, base: dict) -> None:
+        """Send the call upstream detached from the socket (``turnguard_detach_ms``): as the
+        HTTP POST Codex falls back to, on turnguard's own flow, whose events the socket gets
+        as frames; a socket that drops leaves it running for its retry to attach to."""
+        guard = self._guard
+        body = identity.canonical_json(identity.operation_body(full.body))
+        up, live = guard.detacher.prepare_call(sock.flow, key, body, base)
+        attempt = guard.inflight.start(up, ident, dispatch, scope)
+        attempt.live = live
+        guard.detacher.start(up)
+        self._attach(sock, full, live)
+
     # -- attach ----------------------------------------------------------------------------------
     def _attach(self, sock: Socket, full: ws.FullRequest, live) -> None:
-        """Send the client the events of the call in flight it duplicates: those so far, then
-        each as it comes. The socket has this response in flight until it ends (its next
-        frames wait, as for its own); a response that fails gets an ``error`` event."""
+        """Send the client the events of the call in flight it duplicates (or of its own
+        detached call): those so far, then each as it comes; from an HTTP attempt, its event
+        stream's events as frames. The socket has this response in flight until it ends (its
+        next frames wait, as for its own); a response that fails gets an ``error`` event with
+        a status (an HTTP error answer's own)."""
         flow, events = sock.flow, ws.ResponseEvents()
         response = Response(full.body, events, None)
         sock.begin(response)
+        frames_of = ws.SseToFrames() if live.transport == "http" else None
+        refused: dict = {}  # an HTTP answer that is no event stream: its status and body
 
-        def piece(text) -> None:
-            if not sock.closed:
+        def head(h) -> None:
+            content_type = next((v for k, v in h.headers if k.lower() == "content-type"), "")
+            if not (200 <= h.status < 300 and content_type.startswith("text/event-stream")):
+                refused.update(status=h.status, body=[])
+
+        def send(frames) -> None:
+            for text in frames:
                 events.feed(text)
                 inject(flow, text, to_client=True)
+
+        def piece(p) -> None:
+            if sock.closed:
+                return
+            if refused:
+                refused["body"].append(p)
+            else:
+                send(frames_of.feed(p) if frames_of is not None else [p])
 
         def end(how: str, error: str | None) -> None:
             sock.attached = None
             if sock.current is not response:
                 return
+            if frames_of is not None and not refused and not sock.closed:
+                send(frames_of.close())
             sock.finish()
-            if how == "complete":
+            if how == "complete" and not refused:
                 sock.record.remember(full.body, events, from_upstream=False)
             elif not sock.closed:
-                failed = answers.error_answer(
-                    502, "upstream_stream_failed", "the response this call was attached to "
-                    f"failed upstream ({error or 'no end'}); retry it.", retry_after_s=1)
-                inject(flow, ws.error_frame(502, failed.body), to_client=True)
+                status, body = refused.get("status", 502), b"".join(refused.get("body", ()))
+                if not refused or not body:
+                    body = answers.error_answer(
+                        502, "upstream_stream_failed", "the response to this call failed "
+                        f"upstream ({error or 'no end'}); retry it.", retry_after_s=1).body
+                inject(flow, ws.error_frame(ws.ws_status(status), body), to_client=True)
 
-        listener = Listener(on_head=lambda head: None, on_piece=piece, on_end=end)
+        listener = Listener(on_head=head, on_piece=piece, on_end=end)
         sock.attached = (live, listener)
         if not live.attach(listener):  # it grew too large meanwhile: end like a failure
             end("failed", "too large to attach to")
