@@ -21,18 +21,17 @@ if _HERE not in sys.path:
 
 from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
-from turnguard_core import circuit, identity, machine, negotiation, options, policy  # noqa: E402
+from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
-from turnguard_core.tee import recordable_headers  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
+from turnguard_shell.attaching import Attacher  # noqa: E402
 from turnguard_shell.commands import Commands  # noqa: E402
-from turnguard_shell.detached import Detacher, why_not_detached  # noqa: E402
+from turnguard_shell.detached import Detacher  # noqa: E402
 from turnguard_shell.inflight import InFlight  # noqa: E402
 from turnguard_shell.maintenance import Maintenance  # noqa: E402
 from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
 from turnguard_shell.process import ProcessState  # noqa: E402
-from turnguard_shell.relay import Relay  # noqa: E402
 from turnguard_shell.sessions import Sessions  # noqa: E402
 from turnguard_shell.waiters import Waiters  # noqa: E402
 from turnguard_shell.websocket import WebSockets  # noqa: E402
@@ -80,6 +79,7 @@ class TurnGuard:
         self.websockets = WebSockets(process)
         self.detacher = Detacher(process.detached, self._emit, self.explainer,
                                  lambda: self.settings)
+        self.attacher = Attacher(process, self.inflight, self.detacher, lambda: self.settings)
         self.addons = [self.maintenance, Commands(self)]
 
     @property
@@ -191,14 +191,13 @@ class TurnGuard:
         state = await self.decide(flow, ident, req, flow.request.method, scope)
         match state:
             case machine.Forward():
-                if cfg.detach_s > 0 and why_not_detached(flow) is None:
-                    await self._dispatch_detached(flow, ident, req, state.dispatch, scope)
-                else:
+                if not await self.attacher.dispatch_detached(flow, ident, req, state.dispatch,
+                                                             scope):
                     self.inflight.start(flow, ident, state.dispatch, scope)
             case machine.Replay():
                 await self.replayer.replay(flow, ident, state)
             case machine.Attach():
-                await self._attach(flow, ident, state)
+                await self.attacher.attach(flow, ident, state)
             case machine.Respond():
                 flows.answer(flow, state.answer)
             case machine.Abandon():
@@ -267,79 +266,16 @@ class TurnGuard:
         if local is not None:
             self.detacher.wanted(local.flow_id)
         if local is not None and local.live is not None and local.live.started \
-                and self._can_attach(flow, local.live):
+                and self.attacher.can_attach(flow, local.live):
             return machine.Attachable(local.live)
         foreign = None if local is not None else (state.attempt_id or 0)
         while True:  # bounded by the hold's deadline
             woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,
                                                 state.deadline - time.monotonic())
-            if not isinstance(woke, machine.Attachable) or self._can_attach(flow, woke.live):
+            if not isinstance(woke, machine.Attachable) or self.attacher.can_attach(flow, woke.live):
                 return woke
             if woke.live.end is not None or not self.inflight.is_local(ident.op_key):
                 return machine.Ended("unknown")  # it ended meanwhile: admitted again
-
-    def _can_attach(self, flow: http.HTTPFlow, live) -> bool:
-        """Whether ``flow`` (a request, or a WebSocket's call) can take ``live`` as it is: the
-        same transport, the whole response still kept, the same representation (``Vary`` and
-        content coding, as for a replay), and, over HTTP, a destination the relay can stand in
-        for (not through an upstream proxy)."""
-        if not (self.settings.attach and self.settings.guard.replay) or not live.attachable \
-                or not live.shareable:
-            return False
-        if flow.websocket is not None:  # a call's events, or an event stream's as frames
-            return live.transport == "ws" or (live.head is not None and _plain_sse(live.head))
-        if live.transport != "http" or live.head is None or flow.server_conn.via is not None:
-            return False
-        head = live.head
-        return isinstance(negotiation.plan(head.headers, head.vary_key,
-                                           flows.request_headers(flow)), negotiation.AsRecorded)
-
-    async def _relay(self) -> Relay:
-        relay = self._process.relay
-        if relay is None:
-            relay = self._process.relay = Relay()
-        await relay.ensure_started()
-        return relay
-
-    async def _attach(self, flow: http.HTTPFlow, ident: identity.Identity,
-                      state: machine.Attach) -> None:
-        """Answer ``flow`` live from the attempt it attached to, through the relay; or, when
-        that response is complete already (a burst of duplicates woken as it streamed), with
-        its bytes at once, as a replay is (no relay connection)."""
-        body = state.live.whole()
-        if body is not None:
-            head = state.live.head
-            flows.replay(flow, ident.op_id, head.status, recordable_headers(head.headers), body,
-                         how="attached")
-            return
-        relay = await self._relay()
-        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
-                                      "attempt": state.attempt_id}
-        relay.route(flow, state.live, lambda end, sent: self._attached_ended(flow, state.live,
-                                                                           end, sent))
-
-    def _attached_ended(self, flow: http.HTTPFlow, live, end: str | None, sent: int) -> None:
-        logger.debug("turnguard: attached flow %s ended (%s, %d bytes)", flow.id,
-                     end or "client left", sent)
-        self.detacher.listener_left(live)
-
-    async def _dispatch_detached(self, flow: http.HTTPFlow, ident: identity.Identity,
-                                 req: machine.RequestFacts, dispatch: policy.Dispatch,
-                                 scope: str) -> None:
-        """Dispatch ``flow`` as a detached call (``detached``): its client attaches to it."""
-        try:
-            relay = await self._relay()
-        except OSError as e:  # no relay, no detached call: the flow goes upstream itself
-            logger.warning("turnguard: relay unavailable (%s); %s dispatched as is", e, flow.id)
-            self.inflight.start(flow, ident, dispatch, scope)
-            return
-        up, live = self.detacher.prepare(flow, req.base)
-        attempt = self.inflight.start(up, ident, dispatch, scope)
-        attempt.live = live
-        self.detacher.start(up)
-        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
-                                      "attempt": dispatch.attempt_id, "detached": up.id}
-        relay.route(flow, live, lambda end, sent: self._attached_ended(flow, live, end, sent))
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
         for effect in effects:
@@ -375,11 +311,8 @@ class TurnGuard:
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         try:
-            if (flow.metadata.get("turnguard") or {}).get("role") == "attached":
-                flow.response.stream = True  # the relay's stream, live to the client
-                Relay.restore(flow)
-                return
-            self.inflight.tee_response(flow)
+            if not self.attacher.responseheaders(flow):
+                self.inflight.tee_response(flow)
         except Exception:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)
 
@@ -422,13 +355,6 @@ class TurnGuard:
         for f in flows_:
             if f.error is not None:
                 self.waiters.gone(f.id, "killed")
-
-
-def _plain_sse(head) -> bool:
-    """Whether a response is an uncompressed event stream (its events can become frames)."""
-    headers = {k.lower(): v for k, v in head.headers}
-    return headers.get("content-type", "").startswith("text/event-stream") and \
-        headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
 
 
 addons = [TurnGuard()]

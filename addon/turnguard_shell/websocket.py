@@ -41,6 +41,7 @@ from turnguard_core.live import Listener
 
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
+from .detached import why_not_detached
 
 if TYPE_CHECKING:
     from .inflight import Attempt
@@ -235,7 +236,8 @@ class WebSockets:
         if sock.closed:
             return  # the client left while it was decided: nothing to send, nowhere
         match state:
-            case machine.Forward(dispatch=dispatch) if cfg.detach_s > 0:
+            case machine.Forward(dispatch=dispatch) if cfg.detach_s > 0 \
+                    and why_not_detached(flow) is None:
                 self._dispatch_detached(sock, key, full, ident, dispatch, scope, req.base)
             case machine.Forward(dispatch=dispatch):
                 events = self._events(keep=True)

@@ -1,0 +1,121 @@
+"""Live attach and detached dispatches on HTTP: which flow may take which live response, and
+how a flow is answered from one (the relay) or runs detached (``detached``).
+
+The machine decides *that* a duplicate attaches (``machine.Attach``); this module says whether
+it *can* take the live response as it is, and does it. A WebSocket's calls attach in
+``websocket`` (frames are injected, no relay).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from mitmproxy import http
+
+from turnguard_core import identity, machine, negotiation, options, policy
+from turnguard_core.live import LiveResponse
+from turnguard_core.tee import recordable_headers
+
+from . import flows
+from .detached import Detacher, why_not_detached
+from .inflight import InFlight
+from .process import ProcessState
+from .relay import Relay
+
+logger = logging.getLogger("turnguard")
+
+
+class Attacher:
+    def __init__(self, process: ProcessState, inflight: InFlight, detacher: Detacher,
+                 settings: Callable[[], options.Settings]):
+        self._process = process
+        self._inflight = inflight
+        self._detacher = detacher
+        self._settings = settings
+
+    def can_attach(self, flow: http.HTTPFlow, live: LiveResponse) -> bool:
+        """Whether ``flow`` (a request, or a WebSocket whose call it is) can take ``live`` as
+        it is: attach on (with replay), the whole response still kept and shareable, the same
+        representation (``Vary`` and content coding, as for a replay), and, over HTTP, a
+        destination the relay can stand in for (not through an upstream proxy). A call on a
+        WebSocket takes a call's events, or an uncompressed event stream's as frames."""
+        settings = self._settings()
+        if not (settings.attach and settings.guard.replay) or not live.attachable \
+                or not live.shareable:
+            return False
+        if flow.websocket is not None:
+            return live.transport == "ws" or (live.head is not None and _plain_sse(live.head))
+        if live.transport != "http" or live.head is None or flow.server_conn.via is not None:
+            return False
+        head = live.head
+        return isinstance(negotiation.plan(head.headers, head.vary_key,
+                                           flows.request_headers(flow)), negotiation.AsRecorded)
+
+    async def attach(self, flow: http.HTTPFlow, ident: identity.Identity,
+                     state: machine.Attach) -> None:
+        """Answer ``flow`` live from the attempt it attached to, through the relay; or, when
+        that response is complete already (a burst of duplicates woken as it streamed), with
+        its bytes at once, as a replay is (no relay connection)."""
+        live = state.live
+        body = live.whole()
+        if body is not None:
+            flows.replay(flow, ident.op_id, live.head.status,
+                         recordable_headers(live.head.headers), body, how="attached")
+            return
+        relay = await self._relay()
+        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
+                                      "attempt": state.attempt_id}
+        relay.route(flow, live, lambda end, sent: self._ended(flow, live, end, sent))
+
+    async def dispatch_detached(self, flow: http.HTTPFlow, ident: identity.Identity,
+                                req: machine.RequestFacts, dispatch: policy.Dispatch,
+                                scope: str) -> bool:
+        """Dispatch ``flow`` as a detached call when ``turnguard_detach_ms`` asks for it (its
+        client attaches to it through the relay); False when the flow is to be dispatched as
+        it is (off, not detachable, or no relay)."""
+        if self._settings().detach_s <= 0 or why_not_detached(flow) is not None:
+            return False
+        try:
+            relay = await self._relay()
+        except OSError as e:
+            logger.warning("turnguard: relay unavailable (%s); %s dispatched as is", e, flow.id)
+            return False
+        up, live = self._detacher.prepare(flow, req.base)
+        attempt = self._inflight.start(up, ident, dispatch, scope)
+        attempt.live = live
+        self._detacher.start(up)
+        flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
+                                      "attempt": dispatch.attempt_id, "detached": up.id}
+        relay.route(flow, live, lambda end, sent: self._ended(flow, live, end, sent))
+        return True
+
+    @staticmethod
+    def responseheaders(flow: http.HTTPFlow) -> bool:
+        """An attached flow's response (the relay's) starts: stream it live to the client and
+        put the flow's destination back. False: not an attached flow."""
+        if (flow.metadata.get("turnguard") or {}).get("role") != "attached":
+            return False
+        flow.response.stream = True
+        Relay.restore(flow)
+        return True
+
+    def _ended(self, flow: http.HTTPFlow, live: LiveResponse, end: str | None,
+               sent: int) -> None:
+        logger.debug("turnguard: attached flow %s ended (%s, %d bytes)", flow.id,
+                     end or "client left", sent)
+        self._detacher.listener_left(live)
+
+    async def _relay(self) -> Relay:
+        relay = self._process.relay
+        if relay is None:
+            relay = self._process.relay = Relay()
+        await relay.ensure_started()
+        return relay
+
+
+def _plain_sse(head) -> bool:
+    """Whether a response is an uncompressed event stream (its events can become frames)."""
+    headers = {k.lower(): v for k, v in head.headers}
+    return headers.get("content-type", "").startswith("text/event-stream") and \
+        headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
