@@ -381,3 +381,22 @@ def test_a_held_http2_duplicate_whose_stream_is_reset_is_never_forwarded(tmp_pat
         dup = [e for e in read_jsonl(tmp_path / "events.jsonl") if e.get("flow") == held["flow"]]
         assert not [e for e in dup if e["event"] in ("dispatch", "duplicate_forwarded")], dup
         assert [e for e in dup if e["event"] == "hold_abandoned"]
+
+
+def test_a_detached_http2_call_answers_its_http2_client_and_its_duplicate(tmp_path):
+    """turnguard_detach_ms with HTTP/2 clients: the call runs on turnguard's own flow (the
+    upstream speaks HTTP/1.1), the client's stream and a duplicate's are answered from it
+    through the relay, byte for byte; one upstream execution."""
+    scenario = {"sequence": [{"kind": "ok", "events": 6, "gap_ms": 300}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=30000) as proxy:
+        original = h2_post(tmp_path, "original", proxy)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=15)
+        dup = h2_post(tmp_path, "dup", proxy)
+        replies = [original.result(), dup.result()]
+        assert [r.http_version for r in replies] == ["2", "2"]
+        assert [r.status for r in replies] == [200, 200]
+        assert replies[0].body == replies[1].body
+        assert sse_event_types(replies[0].body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert replies[1].headers.get("x-turnguard") == "attached"
