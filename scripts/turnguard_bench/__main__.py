@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turnguard_bench import config, ledger_bench, micro, phases, procs, report
+from turnguard_bench import config, ledger_bench, micro, phases, procs, relay_phase, report
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -78,6 +78,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
                     p.stop()
         if "holds" in cfg.phases:
             res["holds"] = await phases.holds(cfg, workdir)
+        if "relay" in cfg.phases:
+            phases.log("the relay's cost: detached dispatches vs direct ones")
+            res["relay"] = await relay_phase.relay(cfg, workdir, up)
         if "ledger" in cfg.phases:
             phases.log("ledger claims and the exactly-once check")
             res["ledger"] = await asyncio.to_thread(ledger_bench.run, workdir, cfg)

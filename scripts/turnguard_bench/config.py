@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 KiB = 1024
 MiB = 1024 * 1024
 
-PHASES = ("per_request", "streaming", "holds", "replay", "ledger", "soak", "micro")
+PHASES = ("per_request", "streaming", "holds", "replay", "relay", "ledger", "soak", "micro")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Config:
     soak_concurrency: int
     soak_baseline: bool  # also soak plain mitmdump
     micro_scale: int
+    relay: dict[int, int] = field(default_factory=lambda: {1: 60, 8: 150})  # clients -> requests
     wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
@@ -66,6 +67,7 @@ def quick() -> Config:
 def full() -> Config:
     return Config(
         mode="full",
+        relay={1: 500, 8: 2000, 32: 3000},
         repeats=3,
         warmup=200,
         per_request={1: 500, 8: 2000, 32: 3000, 128: 4000},
