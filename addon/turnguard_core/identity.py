@@ -44,6 +44,7 @@ tuple, so no two different tuples share an encoding.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -301,8 +302,7 @@ def _identify(
 
 def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...]) -> str:
     """Hash of every credential the request carries (see the module docstring)."""
-    names = set(CREDENTIAL_HEADERS)
-    names.update(name.lower() for name in extra_names)
+    names = _credential_names(tuple(extra_names))
     values: dict[str, list[str]] = {}
     for name, value in request.headers:
         key = name.lower()
@@ -314,6 +314,11 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     parts += ["url", target.prefix, target.suffix]
     parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
     return _tuple_hash("principal", *parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(CREDENTIAL_HEADERS) | {name.lower() for name in extra_names}
 
 
 def parse_json_object(body: bytes | None, max_bytes: int) -> dict[str, Any] | Passthrough:
