@@ -58,6 +58,7 @@ class Attempt:
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
     first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
+    first_event_timer: asyncio.TimerHandle | None = None  # records the first event, if still on
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -181,8 +182,8 @@ class InFlight:
         for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
         attempt.first_event_at = time.monotonic()
-        if attempt.attempt_id is not None:
-            asyncio.get_running_loop().call_later(
+        if attempt.attempt_id is not None and attempt.first_event_timer is None:
+            attempt.first_event_timer = asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
 
     def _record_first_event(self, attempt: Attempt) -> None:
@@ -211,6 +212,8 @@ class InFlight:
         if attempt is None:
             return None
         attempt.stop_timer()
+        if attempt.first_event_timer is not None:  # its finish records the events: no wake-up
+            attempt.first_event_timer.cancel()
         why, recorded = Ended("unknown"), None
         try:
             why, recorded = self._record_end(attempt, facts_of(attempt))
