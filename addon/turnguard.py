@@ -350,7 +350,14 @@ class TurnGuard:
         except Exception:
             logger.exception("turnguard: websocket_end failed for %s", flow.id)
 
-    def update(self, flows_) -> None:
+    @property
+    def update(self):
+        """mitmproxy's ``update`` hook, only while a flow is held (None: no hook). mitmproxy
+        looks a hook up on every event, and fires ``update`` after each of a flow's hooks:
+        four calls per request for nothing when no flow waits."""
+        return self._update if len(self.waiters) else None
+
+    def _update(self, flows_) -> None:
         """A flow was changed elsewhere (e.g. killed with the flow.kill command): wake it if held."""
         for f in flows_:
             if f.error is not None:

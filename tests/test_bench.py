@@ -163,7 +163,10 @@ def test_soak_reports_memory_and_ledger_size(quick_run):
     assert so["requests"] == so["requested"] and so["errors"] == 0
     assert [p["requests"] for p in so["points"]] == quick_run[0]["config"]["soak_checkpoints"]
     assert all(p["rss_mib"] > 0 and p["ledger_bytes"]["total"] > 0 for p in so["points"])
-    assert so["ledger_bytes_last"] >= so["ledger_bytes_first"]
+    # the database file never shrinks (no VACUUM); the WAL does (a purge's TRUNCATE
+    # checkpoint), so their total may be smaller at the last point than at the first
+    first, last = so["points"][0]["ledger_bytes"], so["points"][-1]["ledger_bytes"]
+    assert last["db"] >= first["db"]
     assert _num(so["ledger_bytes_per_request_after_window"])
     assert _num(so["rss_growth_pct"])
 

@@ -540,3 +540,22 @@ def test_identify_never_raises_on_malformed_views():
     for view in bad:
         r = identify(view)
         assert isinstance(r, (Identity, Passthrough))
+
+
+def _tuple_hash_reference(domain: str, *parts: str) -> str:
+    """The encoding the ledgers' keys were made with: changing it would orphan them."""
+    h = hashlib.sha256(b"turnguard-" + domain.encode("utf-8", "surrogatepass") + b"\0")
+    for part in parts:
+        b = part.encode("utf-8", "surrogatepass")
+        h.update(b"%d:" % len(b))
+        h.update(b)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@given(st.text(max_size=20), st.lists(st.text(), max_size=6))
+def test_tuple_hashes_keep_their_encoding(domain, parts):
+    from turnguard_core.identity import _tuple_hash
+
+    assert _tuple_hash(domain, *parts) == _tuple_hash_reference(domain, *parts)
+    assert _tuple_hash("op", "a\ud800", "") == _tuple_hash_reference("op", "a\ud800", "")

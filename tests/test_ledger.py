@@ -598,6 +598,39 @@ async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(t
     runner.close()
 
 
+async def test_deferred_writes_and_a_later_claim_commit_together(tmp_path):
+    """A call made while writes are deferred runs in their transaction (one commit); a call
+    that fails there is run again on its own, after them, and they still land."""
+    from turnguard_core.ledger_runner import LedgerRunner
+
+    runner = LedgerRunner(Ledger(str(tmp_path / "l.sqlite3"), "a", busy_timeout_ms=5000))
+    runner.call_sync(lambda led: led.open(1000.0))
+    i, j = ident({"n": 1}), ident({"n": 2})
+    d = await runner.call(lambda led: admit(led, i))
+    commits = []
+    runner.ledger._conn().set_trace_callback(
+        lambda sql: commits.append(sql) if sql.startswith("COMMIT") else None)
+    end = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x"))
+    finished = runner.defer(lambda led: led.finish(d.attempt_id, end, now=1001.0))
+    claim = await runner.call(lambda led: admit(led, j, now=1001.0))
+    assert isinstance(claim, policy.Dispatch) and (await finished).applied
+    assert len(commits) == 1
+
+    ran = []
+
+    def failing(led):
+        ran.append(led.snapshot(i.op_key).state)
+        if len(ran) == 1:
+            raise RuntimeError("fails inside the shared transaction")
+        return "ran alone"
+
+    finished2 = runner.defer(lambda led: led.finish(claim.attempt_id, end, now=1002.0))
+    assert await runner.call(failing) == "ran alone"
+    assert (await finished2).applied
+    assert runner.ledger.snapshot(j.op_key).state == "completed"
+    runner.close()
+
+
 async def test_a_heavy_deferred_write_runs_on_the_ledgers_thread_and_keeps_the_order(tmp_path):
     import threading
 

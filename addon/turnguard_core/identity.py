@@ -44,6 +44,7 @@ tuple, so no two different tuples share an encoding.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -301,8 +302,7 @@ def _identify(
 
 def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...]) -> str:
     """Hash of every credential the request carries (see the module docstring)."""
-    names = set(CREDENTIAL_HEADERS)
-    names.update(name.lower() for name in extra_names)
+    names = _credential_names(tuple(extra_names))
     values: dict[str, list[str]] = {}
     for name, value in request.headers:
         key = name.lower()
@@ -314,6 +314,11 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     parts += ["url", target.prefix, target.suffix]
     parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
     return _tuple_hash("principal", *parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(CREDENTIAL_HEADERS) | {name.lower() for name in extra_names}
 
 
 def parse_json_object(body: bytes | None, max_bytes: int) -> dict[str, Any] | Passthrough:
@@ -415,13 +420,11 @@ def _sha(data: bytes) -> str:
 def _tuple_hash(domain: str, *parts: str) -> str:
     """sha256 hex over an unambiguous encoding: "turnguard-<domain>", then each part as
     b"<len>:" + utf8 + b"\\0"."""
-    h = hashlib.sha256(b"turnguard-" + _utf8(domain) + b"\0")
-    for part in parts:
-        b = _utf8(part)
-        h.update(b"%d:" % len(b))
-        h.update(b)
-        h.update(b"\0")
-    return h.hexdigest()
+    out = [b"turnguard-" + _utf8(domain) + b"\0"]
+    for part in parts:  # the same bytes as updating a hash part by part, in one update
+        b = part.encode("utf-8", "surrogatepass")
+        out.append(b"%d:%b\0" % (len(b), b))
+    return hashlib.sha256(b"".join(out)).hexdigest()
 
 
 def _bare_host(host: str) -> str:

@@ -150,6 +150,14 @@ _MIGRATIONS: dict[int, str] = {
 }
 
 
+_INSERT_OPERATION = (
+    "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
+    " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
+    " created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?, ?)"
+)
+_INSERT_OPERATION_IF_ABSENT = _INSERT_OPERATION + " ON CONFLICT(op_key) DO NOTHING"
+
+
 class LedgerError(Exception):
     """The ledger cannot be used for this decision (locked, read-only, full, corrupt, ...)."""
 
@@ -425,18 +433,31 @@ class Ledger:
         state alone decides) is read without the write lock, in one statement; only a
         dispatch, or a decision the circuit or the session could change, takes it."""
         self._check_file()
-        snapshot = self._snapshot(self._conn(), identity.op_key)
-        if snapshot is not None:
+        seen = self._snapshot(self._conn(), identity.op_key)
+        if seen is not None:
             decision = policy.admit(
-                snapshot, fingerprint=identity.fingerprint,
+                seen, fingerprint=identity.fingerprint,
                 has_idempotency_key=identity.idempotency_key is not None, now=now, policy=guard)
             if not isinstance(decision, policy.Dispatch):
                 return decision
-        with self._tx() as db:
-            snapshot = self._snapshot(db, identity.op_key)
+        # the file was checked a moment ago: the transaction need not stat it again
+        with self._tx() if self._batch is not None else _Transaction(self._conn()) as db:
             remaining = 0.0
             if circuit_scope is not None:
                 remaining = self._circuit(db, circuit_scope).remaining_s(now)
+            if seen is None and recovery is None:
+                # A new operation (the common case): what the policy decides for an unknown
+                # operation, claimed with one statement less when the row is still absent
+                # (inserted now); if another process inserted it meanwhile, read it below.
+                decision = policy.admit(
+                    None, fingerprint=identity.fingerprint,
+                    has_idempotency_key=identity.idempotency_key is not None, now=now,
+                    policy=guard, circuit_remaining_s=remaining, once_mode=once_mode)
+                if isinstance(decision, policy.Dispatch) and self._insert_operation(
+                        db, identity, method, path, circuit_scope, now, if_absent=True):
+                    return policy.Dispatch(decision.kind, self._claim(
+                        db, identity, decision.kind, flow_id, now, transport))
+            snapshot = self._snapshot(db, identity.op_key)
             owner_ok = True
             if recovery is not None:
                 owner_ok = self._owns(db, recovery.session, recovery.epoch)
@@ -478,12 +499,12 @@ class Ledger:
 
     def _insert_operation(
         self, db: sqlite3.Connection, identity: Identity, method: str, path: str,
-        circuit_scope: str | None, now: float,
-    ) -> None:
-        db.execute(
-            "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
-            " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
-            " created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?, 'new', ?, ?, ?)",
+        circuit_scope: str | None, now: float, *, if_absent: bool = False,
+    ) -> bool:
+        """Insert the operation's row (state ``new``); ``if_absent``: not when it exists
+        (then False: nothing was inserted)."""
+        cur = db.execute(
+            _INSERT_OPERATION_IF_ABSENT if if_absent else _INSERT_OPERATION,
             (
                 identity.op_key, identity.scope, identity.session, method,
                 path, identity.idempotency_key, identity.fingerprint,
@@ -491,6 +512,7 @@ class Ledger:
                 now, now,
             ),
         )
+        return cur.rowcount == 1
 
     def _claim(
         self, db: sqlite3.Connection, identity: Identity, kind: str, flow_id: str | None,

@@ -21,6 +21,10 @@ run (so a response's end goes to its client first), or before any other call, wh
 first. One transaction instead of one per write, and none on the path of the hook that made
 it. (Without the fast path, each deferred write is its own transaction on the thread.)
 
+A call made while deferred writes wait (on the fast path) runs in their transaction, after
+them: one commit for all (say an admission right after a response's end). If that transaction
+does not commit, nothing of it applied, and they run as above: the writes, then the call.
+
 A call submitted after another sees its effects (the addon relies on it: an attempt's
 ``finish`` is queued before any later request for the operation can be admitted); a deferred
 write counts as submitted when ``defer`` is called.
@@ -181,6 +185,11 @@ class LedgerRunner:
     async def call(self, job: Job[T], *, deadline: float | None = None) -> T:
         """Run ``job`` (now, or on the ledger's thread) and await its result; on the thread,
         bounded by ``deadline`` (see the module docstring)."""
+        if self._deferred and self._fast_path and not self._deferred_heavy \
+                and self._fast_possible():
+            done, result = self._run_with_deferred(job)
+            if done:
+                return result
         self.flush()
         if self._fast_possible():
             try:
@@ -188,6 +197,26 @@ class LedgerRunner:
             except _Contended:
                 pass
         return await asyncio.wrap_future(self._queue(job, deadline))
+
+    def _run_with_deferred(self, job: Job[T]) -> tuple[bool, T | None]:
+        """The deferred writes, then ``job``, in one transaction on the fast path (a commit
+        less than flushing them first). (True, its result); or (False, None) when that
+        transaction did not commit (nothing of it applied): the deferred writes are put
+        back, and the caller flushes them and runs ``job`` on its own, as without this."""
+        batch, self._deferred = self._deferred, []
+        jobs = [j for j, _ in batch]
+
+        def run_all(ledger: Ledger) -> tuple[list, T]:
+            with ledger.batch():
+                return [j(ledger) for j in jobs], job(ledger)
+
+        try:
+            results, result = self._run_fast(run_all)
+        except Exception:  # noqa: BLE001 - rolled back: each runs again on its own below
+            self._deferred = batch + self._deferred
+            return False, None
+        _settle(batch, results, None)
+        return True, result
 
     def call_sync(self, job: Job[T], *, timeout: float | None = None) -> T:
         """Run ``job`` on the ledger's thread and wait for it here (start-up, status). Raises

@@ -42,7 +42,10 @@ def decoded_body(req: http.Request, max_body: int) -> bytes | None:
     (mitmproxy's ``req.content`` has no bound: a small compressed body could decode to
     gigabytes); None when it cannot be decoded within that."""
     raw = req.raw_content or b""
-    codings = [c.strip().lower() for c in req.headers.get("content-encoding", "").split(",")]
+    encoding = req.headers.get("content-encoding")
+    if not encoding:  # the common case: nothing to decode
+        return raw
+    codings = [c.strip().lower() for c in encoding.split(",")]
     codec = BoundedCodec(max_body)
     try:
         for coding in reversed([c for c in codings if c not in ("", "identity")]):

@@ -60,6 +60,7 @@ class Attempt:
     first_event_at: float | None = None  # monotonic time of the first response event
     timer: asyncio.TimerHandle | None = None  # response_created timeout
     live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
+    first_event_timer: asyncio.TimerHandle | None = None  # records the first event, if still on
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -206,8 +207,8 @@ class InFlight:
             live.started = True
             if live.shareable:
                 self._waiters.attempt_streaming(attempt.ident.op_key, live)
-        if attempt.attempt_id is not None:
-            asyncio.get_running_loop().call_later(
+        if attempt.attempt_id is not None and attempt.first_event_timer is None:
+            attempt.first_event_timer = asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
 
     def _record_first_event(self, attempt: Attempt) -> None:
@@ -239,6 +240,8 @@ class InFlight:
         if attempt is None:
             return None
         attempt.stop_timer()
+        if attempt.first_event_timer is not None:  # its finish records the events: no wake-up
+            attempt.first_event_timer.cancel()
         why, recorded, facts = Ended("unknown"), None, None
         try:
             facts = facts_of(attempt)
