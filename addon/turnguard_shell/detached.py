@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from mitmproxy import ctx, http
@@ -59,7 +59,6 @@ class Detached:
     ever_orphaned: bool = False
     cut_reason: str | None = None
     timer: asyncio.TimerHandle | None = None
-    done_callbacks: list[Callable[[], None]] = field(default_factory=list)
 
 
 def why_not_detached(flow: http.HTTPFlow) -> str | None:
