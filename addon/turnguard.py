@@ -272,7 +272,8 @@ class TurnGuard:
         while True:  # bounded by the hold's deadline
             woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,
                                                 state.deadline - time.monotonic())
-            if not isinstance(woke, machine.Attachable) or self.attacher.can_attach(flow, woke.live):
+            if not isinstance(woke, machine.Attachable) \
+                    or self.attacher.can_attach(flow, woke.live):
                 return woke
             if woke.live.end is not None or not self.inflight.is_local(ident.op_key):
                 return machine.Ended("unknown")  # it ended meanwhile: admitted again

@@ -125,7 +125,7 @@ class InFlight:
                           transport="ws" if ws_events else "http", ws_events=ws_events)
         settings = self._settings()
         if ws_events is not None and settings.attach and settings.guard.replay:
-            attempt.live = LiveResponse("ws", max_bytes=self._settings().replay_max_bytes)
+            attempt.live = LiveResponse("ws", max_bytes=settings.replay_max_bytes)
         self._process.attempts[key] = attempt
         self._process.by_op[ident.op_key] = key
         if ws_events is None:
@@ -145,11 +145,12 @@ class InFlight:
             return
         attempt.timer = None
         attempt.cut_reason = MISSING_RESPONSE_CREATED
-        if key in self._process.detached:
-            why_not = self._process.guard.detacher.cut(key, f"turnguard: {MISSING_RESPONSE_CREATED}")
+        reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
+        if key in self._process.detached:  # turnguard's own call: cut on its replay handler
+            why_not = self._process.guard.detacher.cut(key, reason)
         else:
             why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id, flow.server_conn,
-                                   f"turnguard: {MISSING_RESPONSE_CREATED}")
+                                   reason)
         after_ms = round(self._settings().response_created_timeout_s * 1000)
         self._emit("upstream_cut", **attempt.base, reason=MISSING_RESPONSE_CREATED,
                    after_ms=after_ms, headers_seen=attempt.status is not None,
