@@ -5,11 +5,13 @@ Assertions count what the upstream saw and compare what each client got; when a 
 first byte came is compared with events (the original's end), never with a time bound."""
 
 import asyncio
+import os
 import time
 
 import httpx
 
 from harness import (
+    ADDON,
     MockUpstream,
     assert_no_traceback,
     guarded,
@@ -17,6 +19,7 @@ from harness import (
     sse_event_types,
     sse_post,
     turnguard_events,
+    wait_until,
 )
 
 HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"}
@@ -256,3 +259,37 @@ def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
         assert sse_event_types(stayed["body"])[-1] == "response.completed"
         assert len(turnguard_events(tmp_path, kind="duplicate_attached")) == 2
         assert_no_traceback(proxy.log_text())
+
+
+def test_a_script_reload_mid_stream_keeps_attached_and_detached_clients_streaming(tmp_path):
+    """mitmproxy reloads a changed script while a detached call streams to its client and a
+    duplicate streams from it through the relay: both get the whole stream (the relay and
+    the call are the process's, not the addon instance's), the new instance records the
+    call's end, and a later retry is replayed from it: one upstream execution."""
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    slow = {"kind": "ok", "events": 16, "gap_ms": 250}
+
+    async def run(p):
+        original = asyncio.create_task(stream_post(p.url, behaviour=slow))
+        dup = asyncio.create_task(stream_post(p.url, delay_s=0.8))
+        await asyncio.sleep(1.3)  # both streaming; mitmproxy looks at the mtime once a second
+        os.utime(script)
+        await asyncio.to_thread(wait_until, lambda: p.log_text().count("turnguard: running") >= 2,
+                                15, what="the script reloaded")
+        return await original, await dup
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, addon=script,
+                                               turnguard_detach_ms=30000) as p:
+        original, dup = asyncio.run(run(p))
+        assert original["error"] is None and dup["error"] is None
+        assert sse_event_types(original["body"])[-1] == "response.completed"
+        assert dup["body"] == original["body"] and dup["headers"]["x-turnguard"] == "attached"
+        status, headers, body = sse_post(p.url, body=BODY, headers=HEADERS)
+        assert status == 200 and headers["x-turnguard"] == "replayed" and body == original["body"]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
