@@ -183,7 +183,7 @@ class Detacher:
             return
         if d.timer is not None:
             d.timer.cancel()
-        if d.orphan_since is not None or d.ever_orphaned:
+        if d.ever_orphaned:
             self._back(d)
             self._emit("upstream_detached", **d.base, attempt_flow=up_id,
                        ran_without_client_ms=round(d.orphan_total_s * 1000), used=d.used,
