@@ -159,7 +159,12 @@ def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=30), label="cuts")
     events = parse([raw], max_event_bytes=limit)[1]
     want = [terminal_kind(e.type) or "other" for e in events]
-    for chunks in ([raw], split_at(raw, cuts), bytewise(raw)):
+    # as an upstream writes: a chunk per event or per few events (the fast path's chunks)
+    ends = [i + 2 for i in range(len(raw)) if raw[i:i + 2] == b"\n\n"]
+    by_events = split_at(raw, data.draw(st.lists(st.sampled_from(ends), max_size=len(ends)),
+                                        label="event ends") if ends else [])
+    for chunks in ([raw], split_at(raw, cuts), bytewise(raw), split_at(raw, ends), by_events,
+                   [b"", *split_at(raw, ends)]):
         p = SseKinds(max_event_bytes=limit)
         got = [k for c in chunks for k in p.feed(c)]
         p.close()

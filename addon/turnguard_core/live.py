@@ -82,8 +82,9 @@ class LiveResponse:
                 self._pieces = None  # too large to give a newcomer from its start
             else:
                 self._pieces.append(piece)
-        for listener in list(self._listeners):
-            self._call(listener, listener.on_piece, piece)
+        if self._listeners:
+            for listener in list(self._listeners):
+                self._call(listener, listener.on_piece, piece)
 
     def finish(self, end: End, error: str | None = None) -> None:
         """The response ended (``failed``: with ``error``'s text)."""

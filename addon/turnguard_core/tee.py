@@ -48,7 +48,6 @@ class ResponseTee:
         self._parser = SseKinds() if counts_events else None
         self._keep_max = keep_max_bytes
         self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
-        self._size = 0
         self._on_first_event = on_first_event
         self.body_bytes = 0
         self.terminal: Literal["success", "failure"] | None = None
@@ -71,7 +70,10 @@ class ResponseTee:
 
     def __call__(self, chunk: bytes) -> bytes:
         try:
-            self._take(chunk)
+            if chunk:
+                self._take(chunk)
+            else:
+                self._end()
         except Exception:  # the client's bytes matter more than our bookkeeping
             logger.exception("turnguard: response tee failed; passing the body through")
             self._chunks = None
@@ -84,21 +86,22 @@ class ResponseTee:
         return chunk
 
     def _take(self, chunk: bytes) -> None:
-        if not chunk:
-            self.ended = True
-            if self._parser:
-                self._count(self._parser.close())
-            return
         self.body_bytes += len(chunk)
         if self._chunks is not None:
-            self._size += len(chunk)
-            if self._size > self._keep_max:
+            if self.body_bytes > self._keep_max:  # every byte so far was kept: the same size
                 self._chunks = None
                 self.over_cap = True
             else:
                 self._chunks.append(chunk)
-        if self._parser:
-            self._count(self._parser.feed(chunk))
+        if self._parser is not None:
+            kinds = self._parser.feed(chunk)
+            if kinds:
+                self._count(kinds)
+
+    def _end(self) -> None:
+        self.ended = True
+        if self._parser is not None:
+            self._count(self._parser.close())
 
     def _count(self, kinds) -> None:
         if not kinds:
