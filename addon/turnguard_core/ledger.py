@@ -884,12 +884,13 @@ class Ledger:
         operations without an ``Idempotency-Key`` that ended more than ``window_s`` ago (past
         the replay window a request of theirs is dispatched again; an ``Idempotency-Key``
         keeps its recording for the retention). Their attempts stay, no longer replayable.
-        Returns the recordings purged."""
+        Returns the recordings purged. Reads only the recordings past the window (by index)
+        and their operations (by key), never the whole ledger."""
         with self._tx() as db:
             purged = db.execute(
                 "UPDATE attempts SET replayable=0, headers=NULL WHERE replayable=1"
-                " AND ended_at<? AND op_key IN"
-                " (SELECT op_key FROM operations WHERE idempotency_key IS NULL)"
+                " AND ended_at<? AND EXISTS (SELECT 1 FROM operations o"
+                " WHERE o.op_key=attempts.op_key AND o.idempotency_key IS NULL)"
                 " RETURNING attempt_id",
                 (now - window_s,),
             ).fetchall()

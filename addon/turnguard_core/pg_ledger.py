@@ -842,8 +842,8 @@ class PgLedger:
         with self._tx() as tx:
             purged = [row[0] for row in tx.db.execute(
                 "UPDATE attempts SET replayable=0, headers=NULL WHERE replayable=1"
-                " AND ended_at<%s AND op_key IN"
-                " (SELECT op_key FROM operations WHERE idempotency_key IS NULL)"
+                " AND ended_at<%s AND EXISTS (SELECT 1 FROM operations o"
+                " WHERE o.op_key=attempts.op_key AND o.idempotency_key IS NULL)"
                 " RETURNING attempt_id",
                 (now - window_s,),
             ).fetchall()]
