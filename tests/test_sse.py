@@ -166,10 +166,17 @@ def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
     for chunks in ([raw], split_at(raw, cuts), bytewise(raw), split_at(raw, ends), by_events,
                    [b"", *split_at(raw, ends)]):
         p = SseKinds(max_event_bytes=limit)
-        got = [k for c in chunks for k in p.feed(c)]
+        per_chunk = [p.feed(c) for c in chunks]
         p.close()
-        assert got == want
+        assert [k for kinds in per_chunk for k in kinds] == want
         assert p.events_seen == len(events)
+        # take(): per chunk, the count and the last terminal kind among its events
+        t = SseKinds(max_event_bytes=limit)
+        for chunk, kinds in zip(chunks, per_chunk):
+            before = t.events_seen
+            terminal = [k for k in kinds if k != "other"]
+            assert t.take(chunk) == (terminal[-1] if terminal else None)
+            assert t.events_seen - before == len(kinds)
 
 
 # --- line endings, BOM, UTF-8 -------------------------------------------------------------------

@@ -302,7 +302,13 @@ class SseKinds(SseParser):
     ``SseEvent``, decoding data that cannot name a terminal type, or parsing its JSON.
     ``last_type`` is not kept (None)."""
 
-    __slots__ = ()
+    __slots__ = ("_clean",)
+
+    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024):
+        super().__init__(max_event_bytes)
+        # nothing pending (no partial line or event, no BOM to look for): what the fast
+        # paths need; false at the start, so that the line parser sees (and strips) a BOM
+        self._clean = False
 
     @staticmethod
     def _data_line(value: bytes):
@@ -320,6 +326,23 @@ class SseKinds(SseParser):
         self.events_seen += 1
         return kind or "other"
 
+    def take(self, chunk: bytes) -> Literal["success", "failure"] | None:
+        """``feed`` for a reader that needs only the count (``events_seen``) and the last
+        terminal kind among the events ``chunk`` completed (None: none was terminal). One
+        call for a chunk of one event led by its ``event:`` field (nearly every chunk of a
+        Responses stream): its kind is its name's, whatever its data says."""
+        if self._clean and chunk[-2:] == b"\n\n" and len(chunk) <= self.max_event_bytes:
+            lines = chunk.splitlines()  # the line parser's split: CR, LF and CRLF
+            if (len(lines) == 3 and lines[0][:7] == b"event: " and len(lines[0]) > 7
+                    and lines[1] and lines[1][:5] != b"event"):
+                self.events_seen += 1
+                return _KIND_OF_NAME.get(lines[0][7:])  # type: ignore[return-value]
+        kind = None
+        for k in self.feed(chunk):
+            if k != "other":
+                kind = k
+        return kind  # type: ignore[return-value]
+
     def feed(self, chunk: bytes) -> list[Literal["success", "failure", "other"]]:  # type: ignore[override]
         """Consume ``chunk``; the terminal kind (or ``"other"``) of each event it completed.
 
@@ -327,36 +350,23 @@ class SseKinds(SseParser):
         blank line, nothing pending from earlier chunks) is read with few bytes operations;
         anything else goes through the line parser. Both give the same kinds: the fast paths
         take only chunks on which they provably agree (the tests check it in any chunking)."""
-        if self._between_events(chunk):
-            lines = chunk.splitlines()  # the line parser's split: CR, LF and CRLF
-            if len(lines) == 3 and lines[0][:7] == b"event: " and lines[1] and lines[1][:5] != b"event":
-                # one event, its event: field first, one other line, then the blank line
-                # (nearly every chunk of a Responses stream): its kind is its name's
-                name = lines[0][7:]
-                if name:
-                    self.events_seen += 1
-                    return [_KIND_OF_NAME.get(name, "other")]  # type: ignore[list-item]
-            if chunk[0] != _LF and b"\r" not in chunk and b"\n\n\n" not in chunk:
-                return self._blocks(chunk)
-        return super().feed(chunk)  # type: ignore[return-value]
+        if (self._clean and chunk[-2:] == b"\n\n" and len(chunk) <= self.max_event_bytes
+                and chunk[0] != _LF and b"\r" not in chunk and b"\n\n\n" not in chunk):
+            return self._blocks(chunk)  # no line can be over the limit: the chunk is not
+        kinds = super().feed(chunk)
+        self._clean = not (self._line or self._line_overlong or self._skip_lf or self._closed
+                           or self._data or self._event is not None or self._truncated
+                           or self._at_start)
+        return kinds  # type: ignore[return-value]
 
-    def _between_events(self, chunk: bytes) -> bool:
-        """Whether nothing is pending (no partial line, event or BOM) and ``chunk`` ends with
-        a blank line (LF LF) and has no line over the limit (it is not over it itself)."""
-        if (self._line or self._line_overlong or self._skip_lf or self._closed
-                or self._data or self._event is not None or self._truncated):
-            return False
-        if chunk[-2:] != b"\n\n" or len(chunk) > self.max_event_bytes:
-            return False
-        if self._at_start:
-            if chunk[0] == _BOM[0]:
-                return False  # a BOM, or its first byte: the line parser strips it
-            self._at_start = False
-        return True
+    def close(self) -> list:
+        self._clean = False
+        return super().close()
 
     def _blocks(self, chunk: bytes) -> list[Literal["success", "failure", "other"]]:
         """The kinds of the events of a chunk of whole LF-ended events (no CR, no blank line
-        but those ending events) with nothing pending before it. Each block between
+        but those ending events) with nothing pending before it (it leaves nothing
+        pending either). Each block between
         blank lines is one event's lines; as in the line parser, the last ``event`` field and
         the ``data`` fields count (a field name is what precedes the first colon, one space
         after it is dropped), and a block with neither dispatches nothing."""

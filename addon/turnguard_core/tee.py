@@ -69,15 +69,30 @@ class ResponseTee:
         return b"".join(self._chunks)
 
     def __call__(self, chunk: bytes) -> bytes:
+        # one call per chunk of the stream: kept flat on purpose (each Python call costs)
+        if not chunk:
+            self._end()
+            return chunk
         try:
-            if chunk:
-                self._take(chunk)
-            else:
-                self._end()
+            self.body_bytes += len(chunk)
+            if self._chunks is not None:
+                if self.body_bytes > self._keep_max:  # every byte so far was kept: its size
+                    self._chunks = None
+                    self.over_cap = True
+                else:
+                    self._chunks.append(chunk)
+            parser = self._parser
+            if parser is not None:
+                before = parser.events_seen
+                kind = parser.take(chunk)
+                if kind is not None:
+                    self.terminal = kind
+                if not before and parser.events_seen and self._on_first_event is not None:
+                    self._on_first_event()
         except Exception:  # the client's bytes matter more than our bookkeeping
             logger.exception("turnguard: response tee failed; passing the body through")
             self._chunks = None
-        if chunk and self._on_chunk is not None:
+        if self._on_chunk is not None:
             try:
                 self._on_chunk(chunk)
             except Exception:
@@ -85,30 +100,10 @@ class ResponseTee:
                 self._on_chunk = None
         return chunk
 
-    def _take(self, chunk: bytes) -> None:
-        self.body_bytes += len(chunk)
-        if self._chunks is not None:
-            if self.body_bytes > self._keep_max:  # every byte so far was kept: the same size
-                self._chunks = None
-                self.over_cap = True
-            else:
-                self._chunks.append(chunk)
-        if self._parser is not None:
-            kinds = self._parser.feed(chunk)
-            if kinds:
-                self._count(kinds)
-
     def _end(self) -> None:
-        self.ended = True
-        if self._parser is not None:
-            self._count(self._parser.close())
-
-    def _count(self, kinds) -> None:
-        if not kinds:
-            return
-        first = self._parser.events_seen == len(kinds)
-        for kind in kinds:
-            if kind != "other":
-                self.terminal = kind
-        if first and self._on_first_event is not None:
-            self._on_first_event()
+        try:
+            self.ended = True
+            if self._parser is not None:
+                self._parser.close()  # a stream's end never completes an event
+        except Exception:
+            logger.exception("turnguard: response tee failed at the end of the body")
