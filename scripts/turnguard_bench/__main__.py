@@ -62,15 +62,18 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
                 "floor": ("floor", {}),
                 # replay of the 5 MiB case needs a cap above 5 MiB (the default is 8 MiB)
                 "turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20}),
+                **({"answer_floor": ("answer_floor", {})} if "replay" in cfg.phases else {}),
             })
+            # the answer floor only replays: the phases of dispatched requests leave it out
+            dispatching = {k: p for k, p in ms.items() if k != "answer_floor"}
             res["commands"] = {name: p.extra["cmd"] for name, p in ms.items()}
             try:
                 for p in ms.values():
                     await phases.warm(p, cfg.warmup)
                 if "per_request" in cfg.phases:
-                    res["per_request"] = await phases.per_request(cfg, up, ms)
+                    res["per_request"] = await phases.per_request(cfg, up, dispatching)
                 if "streaming" in cfg.phases:
-                    res["streaming"] = await phases.streaming(cfg, up, ms)
+                    res["streaming"] = await phases.streaming(cfg, up, dispatching)
                 if "replay" in cfg.phases:
                     res["replay"] = await phases.replay(cfg, up, ms)
             finally:

@@ -24,7 +24,8 @@ from turnguard_bench.stats import median, percentile, ratio, spread
 from turnguard_procs import cpu_seconds, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
-BASES = ("plain", "plain_stream", "floor")  # what turnguard is compared with
+# what turnguard is compared with (answer_floor: in the replay phase only)
+BASES = ("plain", "plain_stream", "floor", "answer_floor")
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
 GUARDED_PATH = "/v1/responses"
 SOAK_WINDOW_MS = 2000
@@ -259,7 +260,7 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         # size 0: the per-request phase's 8-event stream (replay vs plain dispatch of it)
         raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)} if size else None)
         prime = None
-        if v == "turnguard":  # the original: dispatched and recorded
+        if v in ("turnguard", "answer_floor"):  # the original: dispatched and recorded
             pl = await client.run_load(ms[v].port, lambda i: raw, 1, 1, time_limit_s=60,
                                        hash_body=True)
             prime = pl.results[0]
@@ -288,6 +289,9 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         "turnguard_all_replayed": all(r["replayed"] == r["requests"] for r in tg_runs),
         "turnguard_replays_byte_identical": all(r["same_as_original"] and r["distinct_bodies"] == 1 for r in tg_runs),
         "turnguard_nothing_dispatched_on_replay": all(r["upstream_dispatches"] == 0 for r in tg_runs),
+        "answer_floor_nothing_dispatched": all(
+            r["upstream_dispatches"] == 0 for by_v in runs.values()
+            for r in by_v.get("answer_floor", [])),
     }
     return out
 

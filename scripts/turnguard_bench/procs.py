@@ -25,6 +25,7 @@ PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 START_TIMEOUT_S = 30.0
 FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
+ANSWER_FLOOR_ADDON = Path(__file__).with_name("answer_floor_addon.py")
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
 
@@ -82,6 +83,8 @@ VARIANTS = {
     "floor": "mitmdump -s floor_addon.py (a no-op addon that only streams SSE responses: "
              "what any streaming addon costs)",
     "turnguard": "mitmdump -s addon/turnguard.py (guarded responses streamed through its tee)",
+    "answer_floor": "mitmdump -s answer_floor_addon.py (replay phase only: answers a repeated "
+                    "request from memory, what any replaying addon costs)",
 }
 
 
@@ -181,6 +184,8 @@ def start_mitmdumps(
                 opts["stream_large_bodies"] = "1"
             elif variant == "floor":
                 cmd += ["-s", str(FLOOR_ADDON)]
+            elif variant == "answer_floor":
+                cmd += ["-s", str(ANSWER_FLOOR_ADDON)]
             elif variant == "turnguard":
                 cmd += ["-s", str(_addon_dir / ADDON.name)]
                 opts["turnguard_ledger"] = str(workdir / f"{name}-ledger.sqlite3")

@@ -33,9 +33,10 @@ def _setting_rows(label: str, row: dict, variant_cells, ratio_cells) -> list[lis
     per ratio of turnguard to a plain variant, ``[label, "turnguard/<base>",
     *ratio_cells(ratios)]``."""
     rows = [[label, v, *variant_cells(row[v])]
-            for v in ("plain", "plain_stream", "floor", "turnguard") if v in row]
+            for v in ("plain", "plain_stream", "floor", "answer_floor", "turnguard") if v in row]
     rows += [[label, f"turnguard/{base}", *ratio_cells(row[f"turnguard_vs_{base}"])]
-             for base in ("plain", "plain_stream", "floor") if f"turnguard_vs_{base}" in row]
+             for base in ("plain", "plain_stream", "floor", "answer_floor")
+             if f"turnguard_vs_{base}" in row]
     return rows
 
 
@@ -105,7 +106,10 @@ def targets(res: dict) -> list[dict]:
         if r is not None:
             add("replay of the 8-event SSE >= 1.5x plain_stream dispatching it", _x(r), r >= 1.5,
                 f"vs buffered plain: {_x(row.get('turnguard_vs_plain', {}).get('rps_ratio'))}"
-                f"; median latency {_x(row.get('turnguard_vs_plain_stream', {}).get('median_ratio'))}")
+                f"; median latency {_x(row.get('turnguard_vs_plain_stream', {}).get('median_ratio'))}"
+                f"; the ceiling (answer_floor / plain_stream): "
+                f"{_x(_ratio(row, 'answer_floor', 'plain_stream', 'rps'))}, turnguard / "
+                f"answer_floor: {_x(row.get('turnguard_vs_answer_floor', {}).get('rps_ratio'))}")
     ho = res.get("holds")
     if ho and "turnguard" in ho["variants"]:
         t = ho["variants"]["turnguard"]
