@@ -32,6 +32,12 @@ def recordable_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, s
 class ResponseTee:
     """``tee(chunk) -> chunk``; ``tee(b"")`` marks the end of the body (mitmproxy's contract).
 
+    Events are counted as they pass until the first one; after it, while the body is kept
+    anyway, a chunk is only kept and its events are read when ``events_seen`` or
+    ``terminal`` is asked (or at the end, or when the body grows past the cap and stops being
+    kept): the same counts, since the parser gives the same events in any chunking, for one
+    call per chunk less while the stream flows.
+
     Never raises: a fault in counting or copying is logged and the chunk still passes."""
 
     def __init__(
@@ -48,15 +54,25 @@ class ResponseTee:
         self._parser = SseKinds() if counts_events else None
         self._keep_max = keep_max_bytes
         self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
+        self._unread = -1  # index of the first kept chunk not read yet (-1: every chunk is read)
         self._on_first_event = on_first_event
         self.body_bytes = 0
-        self.terminal: Literal["success", "failure"] | None = None
+        self._terminal: Literal["success", "failure"] | None = None
         self.ended = False
         self.over_cap = False
 
     @property
     def events_seen(self) -> int:
-        return self._parser.events_seen if self._parser else 0
+        if self._parser is None:
+            return 0
+        self._read_kept()
+        return self._parser.events_seen
+
+    @property
+    def terminal(self) -> Literal["success", "failure"] | None:
+        """The kind of the last terminal event so far (None: none yet)."""
+        self._read_kept()
+        return self._terminal
 
     @property
     def body(self) -> bytes | None:
@@ -75,23 +91,22 @@ class ResponseTee:
             return chunk
         try:
             self.body_bytes += len(chunk)
-            if self._chunks is not None:
-                if self.body_bytes > self._keep_max:  # every byte so far was kept: its size
-                    self._chunks = None
-                    self.over_cap = True
-                else:
-                    self._chunks.append(chunk)
-            parser = self._parser
-            if parser is not None:
-                before = parser.events_seen
-                kind = parser.take(chunk)
-                if kind is not None:
-                    self.terminal = kind
-                if not before and parser.events_seen and self._on_first_event is not None:
-                    self._on_first_event()
+            chunks = self._chunks
+            if chunks is not None and self.body_bytes > self._keep_max:
+                self._read_kept()  # every byte so far was kept: read what was not, then drop
+                self._chunks = chunks = None
+                self.over_cap = True
+            if chunks is not None:
+                chunks.append(chunk)
+                if self._unread < 0 and self._parser is not None:
+                    self._read(chunk)
+                    if self._parser.events_seen:  # from now on read when asked
+                        self._unread = len(chunks)
+            elif self._parser is not None:
+                self._read(chunk)
         except Exception:  # the client's bytes matter more than our bookkeeping
             logger.exception("turnguard: response tee failed; passing the body through")
-            self._chunks = None
+            self._drop_kept()
         if self._on_chunk is not None:
             try:
                 self._on_chunk(chunk)
@@ -100,10 +115,42 @@ class ResponseTee:
                 self._on_chunk = None
         return chunk
 
+    def _read(self, data: bytes) -> None:
+        """Count the events ``data`` completes (the next bytes of the body)."""
+        parser = self._parser
+        before = parser.events_seen
+        kind = parser.take(data)
+        if kind is not None:
+            self._terminal = kind
+        if not before and parser.events_seen and self._on_first_event is not None:
+            self._on_first_event()
+
+    def _read_kept(self) -> None:
+        """Read the kept chunks not read yet (one by one: a chunk of one event is the parser's
+        fastest case)."""
+        if self._unread < 0 or self._chunks is None:
+            return
+        unread, self._unread = self._chunks[self._unread:], len(self._chunks)
+        take = self._parser.take
+        for chunk in unread:
+            kind = take(chunk)
+            if kind is not None:
+                self._terminal = kind
+
+    def _drop_kept(self) -> None:
+        """Keep no more of the body (it is not replayable), reading what was not read yet."""
+        try:
+            self._read_kept()
+        except Exception:
+            logger.exception("turnguard: response tee could not count the kept events")
+        self._chunks = None
+        self._unread = -1
+
     def _end(self) -> None:
         try:
             self.ended = True
             if self._parser is not None:
+                self._read_kept()
                 self._parser.close()  # a stream's end never completes an event
         except Exception:
             logger.exception("turnguard: response tee failed at the end of the body")
