@@ -1,9 +1,11 @@
 """The live response a duplicate attaches to (``turnguard_core.live``), without a proxy."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from turnguard_core.live import Head, Listener, LiveResponse
+from turnguard_core.tee import ResponseTee
 
 HEAD = Head(200, (("content-type", "text/event-stream"),), None)
 
@@ -25,33 +27,48 @@ class Got:
         self.end = (end, error)
 
 
-@given(st.lists(st.binary(min_size=1, max_size=20), max_size=30), st.data())
-def test_a_listener_gets_every_piece_in_order_wherever_it_attaches(pieces, data):
+def feeder(live: LiveResponse, through_tee: bool):
+    """How pieces reach ``live``: its own ``feed``, or an HTTP tee keeping the same pieces
+    under the same cap (one list for both; the tee calls it only while someone listens)."""
+    if not through_tee:
+        return live.feed
+    return ResponseTee(counts_events=False, keep_max_bytes=live.max_bytes, live=live)
+
+
+@pytest.mark.parametrize("through_tee", [False, True])
+@given(pieces=st.lists(st.binary(min_size=1, max_size=20), max_size=30), data=st.data())
+def test_a_listener_gets_every_piece_in_order_wherever_it_attaches(through_tee, pieces, data):
     live = LiveResponse("http", max_bytes=10_000)
     live.start(HEAD)
+    feed = feeder(live, through_tee)
     at = data.draw(st.integers(0, len(pieces)))
     early, late = Got(), Got()
-    assert live.attach(early.listener)
+    if data.draw(st.booleans(), label="one attached from the start"):
+        assert live.attach(early.listener)
+    else:
+        early.pieces, early.head, early.end = pieces, HEAD, ("complete", None)  # nobody
     for piece in pieces[:at]:
-        live.feed(piece)
+        feed(piece)
     assert live.attach(late.listener)
     for piece in pieces[at:]:
-        live.feed(piece)
+        feed(piece)
     live.finish("complete")
     for got in (early, late):
         assert got.head == HEAD and got.pieces == pieces and got.end == ("complete", None)
     assert live.whole() == b"".join(pieces)
 
 
-def test_past_max_bytes_no_one_new_attaches_but_those_attached_get_everything():
+@pytest.mark.parametrize("through_tee", [False, True])
+def test_past_max_bytes_no_one_new_attaches_but_those_attached_get_everything(through_tee):
     live = LiveResponse("http", max_bytes=10)
     live.start(HEAD)
+    feed = feeder(live, through_tee)
     attached = Got()
     live.attach(attached.listener)
-    live.feed(b"12345678")
-    live.feed(b"90abc")  # 13 bytes: too many to give a newcomer
+    feed(b"12345678")
+    feed(b"90abc")  # 13 bytes: too many to give a newcomer
     assert not live.attachable and not live.attach(Got().listener)
-    live.feed(b"d")
+    feed(b"d")
     live.finish("failed", "reset")
     assert attached.pieces == [b"12345678", b"90abc", b"d"]
     assert attached.end == ("failed", "reset")

@@ -54,6 +54,7 @@ class LiveResponse:
         self._pieces: list[Piece] | None = []
         self._size = 0
         self._listeners: list[Listener] = []
+        self.listening = False  # whether a listener is attached now
         self.attached_total = 0  # listeners that ever attached
         # the attempt made progress: its first event (HTTP) or first output (WebSocket), set
         # by the shell; before that a duplicate waits (an eventless failure is retried, not
@@ -83,8 +84,26 @@ class LiveResponse:
             else:
                 self._pieces.append(piece)
         if self._listeners:
+            self.fed(piece)
+
+    def kept_by_feeder(self) -> list[Piece] | None:
+        """Hand the keeping of the pieces to the feeder, when it keeps the very same ones
+        under the same cap anyway (the HTTP tee keeps the body for the recording): the list
+        it appends each piece to, then calling ``fed(piece)`` only while ``listening``, and
+        ``stop_keeping()`` when it stops. None when this response was fed already."""
+        if self._pieces is None or self._pieces or self.end is not None:
+            return None
+        return self._pieces
+
+    def fed(self, piece: Piece) -> None:
+        """A piece the feeder kept (see ``kept_by_feeder``): give it to the listeners."""
+        if self.end is None:
             for listener in list(self._listeners):
                 self._call(listener, listener.on_piece, piece)
+
+    def stop_keeping(self) -> None:
+        """The pieces are no longer kept whole (over the cap): nobody new can attach."""
+        self._pieces = None
 
     def finish(self, end: End, error: str | None = None) -> None:
         """The response ended (``failed``: with ``error``'s text)."""
@@ -92,6 +111,7 @@ class LiveResponse:
             return
         self.end, self.error = end, error
         listeners, self._listeners = self._listeners, []
+        self.listening = False
         for listener in listeners:
             listener.attached = False
             self._call(listener, listener.on_end, end, error)
@@ -128,6 +148,7 @@ class LiveResponse:
             self._call(listener, listener.on_end, self.end, self.error)
             return True
         self._listeners.append(listener)
+        self.listening = True
         return True
 
     def detach(self, listener: Listener) -> None:
@@ -135,6 +156,7 @@ class LiveResponse:
         listener.attached = False
         if listener in self._listeners:
             self._listeners.remove(listener)
+            self.listening = bool(self._listeners)
 
     def _call(self, listener: Listener, fn, *args) -> bool:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Literal
 
+from .live import LiveResponse
 from .sse import SseKinds
 
 logger = logging.getLogger("turnguard")
@@ -46,14 +47,21 @@ class ResponseTee:
         counts_events: bool,
         keep_max_bytes: int,
         on_first_event: Callable[[], None] | None = None,
-        on_chunk: Callable[[bytes], None] | None = None,
+        live: LiveResponse | None = None,
     ):
-        """``on_chunk``: given each non-empty chunk as it passes (live attach)."""
+        """``live``: the response duplicates attach to (live attach), fed each non-empty
+        chunk as it passes; when it keeps what the tee keeps (same cap), one list serves both
+        and it is called only while someone listens."""
         self.counts_events = counts_events
-        self._on_chunk = on_chunk
+        self._live = live
         self._parser = SseKinds() if counts_events else None
         self._keep_max = keep_max_bytes
         self._chunks: list[bytes] | None = [] if keep_max_bytes > 0 else None
+        self._live_shares = False
+        if live is not None and self._chunks is not None and live.max_bytes == keep_max_bytes:
+            shared = live.kept_by_feeder()
+            if shared is not None:
+                self._chunks, self._live_shares = shared, True  # type: ignore[assignment]
         self._unread = -1  # index of the first kept chunk not read yet (-1: every chunk is read)
         self._on_first_event = on_first_event
         self.body_bytes = 0
@@ -93,8 +101,8 @@ class ResponseTee:
             self.body_bytes += len(chunk)
             chunks = self._chunks
             if chunks is not None and self.body_bytes > self._keep_max:
-                self._read_kept()  # every byte so far was kept: read what was not, then drop
-                self._chunks = chunks = None
+                self._drop_kept()  # every byte so far was kept: read what was not, then drop
+                chunks = None
                 self.over_cap = True
             if chunks is not None:
                 chunks.append(chunk)
@@ -107,12 +115,13 @@ class ResponseTee:
         except Exception:  # the client's bytes matter more than our bookkeeping
             logger.exception("turnguard: response tee failed; passing the body through")
             self._drop_kept()
-        if self._on_chunk is not None:
+        live = self._live
+        if live is not None and (live.listening or not self._live_shares):
             try:
-                self._on_chunk(chunk)
+                live.fed(chunk) if self._live_shares else live.feed(chunk)
             except Exception:
                 logger.exception("turnguard: live copy of a response failed")
-                self._on_chunk = None
+                self._live = None
         return chunk
 
     def _read(self, data: bytes) -> None:
@@ -145,6 +154,8 @@ class ResponseTee:
             logger.exception("turnguard: response tee could not count the kept events")
         self._chunks = None
         self._unread = -1
+        if self._live_shares:
+            self._live.stop_keeping()  # type: ignore[union-attr]
 
     def _end(self) -> None:
         try:

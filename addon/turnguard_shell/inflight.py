@@ -193,7 +193,7 @@ class InFlight:
         attempt.tee = ResponseTee(
             counts_events=counts_events, keep_max_bytes=keep,
             on_first_event=lambda: self._current()._first_event(attempt),
-            on_chunk=attempt.live.feed if attempt.live is not None else None,
+            live=attempt.live,
         )
         resp.stream = attempt.tee
 
