@@ -3,6 +3,9 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
+from unittest import mock
+
+from turnguard_core import tee as tee_module
 from turnguard_core.sse import SseKinds
 from turnguard_core.tee import ResponseTee, recordable_headers
 
@@ -29,11 +32,18 @@ _TYPES = st.sampled_from(["response.created", "response.output_text.delta", "res
                           "response.failed", "error", ""])
 
 
-@given(st.lists(_TYPES, max_size=10), st.sampled_from([0, 60, 250, 1 << 20]), st.data())
-def test_events_read_when_asked_are_the_events_read_as_they_pass(types, keep, data):
-    """After the first event a kept chunk is read only when asked: at every point the count,
-    the terminal kind and the first-event callback are what a parser fed every chunk gives,
-    whatever the chunking, the cap (under, over, crossed mid-stream) and when it is asked."""
+@given(st.lists(_TYPES, max_size=10), st.sampled_from([0, 60, 250, 1 << 20]),
+       st.sampled_from([2, 3, tee_module.READ_BATCH]), st.data())
+def test_events_read_when_asked_are_the_events_read_as_they_pass(types, keep, batch, data):
+    """After the first event kept chunks are read in batches or when asked: at every point
+    the count, the terminal kind and the first-event callback are what a parser fed every
+    chunk gives, whatever the chunking, the batch, the cap (under, over, crossed mid-stream)
+    and when it is asked."""
+    with mock.patch.object(tee_module, "READ_BATCH", batch):
+        _read_when_asked(types, keep, data)
+
+
+def _read_when_asked(types, keep, data):
     stream = "".join(  # an empty type: a data-only event whose JSON names its type
         (f"event: {t}\n" if t else "") + f"data: {{\"type\":\"{t or 'error'}\"}}\n\n"
         for t in types).encode()
