@@ -7,10 +7,13 @@ replays), and explains it in mitmweb (a mark and a comment).
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 import weakref
 
 from mitmproxy import ctx, hooks, http
+from mitmproxy.net.http import status_codes
 
 from turnguard_core import answers, identity
 from turnguard_core.codec import BoundedCodec
@@ -106,9 +109,29 @@ def _headers(pairs) -> http.Headers:
     )
 
 
+# A response to copy: ``http.Response.make`` checks the type of every field of a new response
+# (mitmproxy's ``MessageData.__post_init__``, about 20 us), and turnguard's are right by
+# construction.
+_BLANK_RESPONSE = http.Response.make(200)
+
+
+def make_response(status: int, body: bytes, headers: http.Headers) -> http.Response:
+    """What ``http.Response.make(status, body, headers)`` makes (``body`` encoded as the
+    headers' content coding says, the ``content-length`` header set), without checking its
+    fields' types again: a copy of a blank response, given them."""
+    resp = copy.copy(_BLANK_RESPONSE)
+    resp.data = copy.copy(_BLANK_RESPONSE.data)
+    resp.status_code = status
+    resp.reason = status_codes.RESPONSES.get(status, "").encode()
+    resp.headers = headers
+    resp.timestamp_start = resp.timestamp_end = time.time()
+    resp.content = body
+    return resp
+
+
 def answer(flow: http.HTTPFlow, a: answers.Answer) -> None:
     """Answer the flow with turnguard's own answer (nothing goes upstream)."""
-    flow.response = http.Response.make(a.status, a.body, _headers(a.headers))
+    flow.response = make_response(a.status, a.body, _headers(a.headers))
     flow.metadata["turnguard"] = {"role": "answered", "status": a.status}
 
 
@@ -116,7 +139,7 @@ def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes, *
            how: str = "replayed") -> None:
     """Answer the flow from a recording (or, ``how`` "attached", from the whole response of
     the attempt it attached to): the bytes as given (never re-encoded by mitmproxy)."""
-    resp = http.Response.make(status, b"", _headers(headers))
+    resp = make_response(status, b"", _headers(headers))
     resp.raw_content = body
     resp.headers["content-length"] = str(len(body))
     resp.headers["x-turnguard"] = how
