@@ -195,9 +195,13 @@ def canonical_json(value: Any) -> bytes:
 
     Lone surrogates (legal as JSON escapes) are encoded with ``surrogatepass`` so this is total.
     """
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
-    ).encode("utf-8", "surrogatepass")
+    return _CANONICAL_ENCODER.encode(value).encode("utf-8", "surrogatepass")
+
+
+# json.dumps and json.loads with options other than the defaults build an encoder or decoder on
+# every call: made once here (they keep no state between calls).
+_CANONICAL_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
 
 
 def operation_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -346,7 +350,7 @@ def _parse_body(body: bytes | None, max_body_bytes: int) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise _Reject("body is not UTF-8") from None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates)
+        value = _BODY_DECODER.decode(text)
     except _DuplicateKey:
         raise _Reject("duplicate keys in JSON body") from None
     except RecursionError:
@@ -365,6 +369,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(obj) != len(pairs):
         raise _DuplicateKey
     return obj
+
+
+_BODY_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)  # what json.loads would make
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -420,6 +427,9 @@ def _sha(data: bytes) -> str:
 def _tuple_hash(domain: str, *parts: str) -> str:
     """sha256 hex over an unambiguous encoding: "turnguard-<domain>", then each part as
     b"<len>:" + utf8 + b"\\0"."""
+    text = "".join(["turnguard-", domain, "\0", *[f"{len(p)}:{p}\0" for p in parts]])
+    if text.isascii():  # the common case: a character is a byte, so each length is the same
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
     out = [b"turnguard-" + _utf8(domain) + b"\0"]
     for part in parts:  # the same bytes as updating a hash part by part, in one update
         b = part.encode("utf-8", "surrogatepass")
