@@ -265,11 +265,8 @@ def _identify(
     target = split_target(request.path)
 
     principal = _principal(request, target, credential_headers)
-    upstream = (
-        _tuple_hash("upstream", *request.upstream.parts())
-        if request.upstream is not None else _tuple_hash("upstream-unknown")
-    )
-    scope = _tuple_hash("scope", principal, upstream)
+    upstream = _upstream_hash(request.upstream)
+    scope = _scope_hash(principal, upstream)
 
     session_key = _session_key(headers)
     session = _tuple_hash("session", scope, session_key)[:32] if session_key else None
@@ -318,6 +315,20 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     parts += ["url", target.prefix, target.suffix]
     parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
     return _tuple_hash("principal", *parts)
+
+
+# The upstream and the scope are the same for most of a proxy's requests: their hashes are
+# remembered (keyed by the upstream, and by hashes: no credential is kept).
+@functools.lru_cache(maxsize=256)
+def _upstream_hash(upstream: Upstream | None) -> str:
+    if upstream is None:
+        return _tuple_hash("upstream-unknown")
+    return _tuple_hash("upstream", *upstream.parts())
+
+
+@functools.lru_cache(maxsize=1024)
+def _scope_hash(principal: str, upstream: str) -> str:
+    return _tuple_hash("scope", principal, upstream)
 
 
 @functools.lru_cache(maxsize=64)
