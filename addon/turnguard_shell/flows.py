@@ -7,7 +7,6 @@ replays), and explains it in mitmweb (a mark and a comment).
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import weakref
@@ -109,22 +108,19 @@ def _headers(pairs) -> http.Headers:
     )
 
 
-# A response to copy: ``http.Response.make`` checks the type of every field of a new response
-# (mitmproxy's ``MessageData.__post_init__``, about 20 us), and turnguard's are right by
-# construction.
-_BLANK_RESPONSE = http.Response.make(200)
-
-
 def make_response(status: int, body: bytes, headers: http.Headers) -> http.Response:
     """What ``http.Response.make(status, body, headers)`` makes (``body`` encoded as the
     headers' content coding says, the ``content-length`` header set), without checking its
-    fields' types again: a copy of a blank response, given them."""
-    resp = copy.copy(_BLANK_RESPONSE)
-    resp.data = copy.copy(_BLANK_RESPONSE.data)
-    resp.status_code = status
-    resp.reason = status_codes.RESPONSES.get(status, "").encode()
-    resp.headers = headers
-    resp.timestamp_start = resp.timestamp_end = time.time()
+    fields' types again (mitmproxy's ``MessageData.__post_init__``, about 20 us a response;
+    turnguard's are right by construction): its state (``ResponseData``) given directly."""
+    data = object.__new__(http.ResponseData)
+    now = time.time()
+    data.__dict__.update(
+        http_version=b"HTTP/1.1", headers=headers, content=None, trailers=None,
+        timestamp_start=now, timestamp_end=now, status_code=status,
+        reason=status_codes.RESPONSES.get(status, "").encode())
+    resp = object.__new__(http.Response)
+    resp.data = data
     resp.content = body
     return resp
 
