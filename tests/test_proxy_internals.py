@@ -79,3 +79,27 @@ def test_the_replay_handler_detached_dispatches_run_on_still_exists():
     assert inspect.iscoroutinefunction(ReplayHandler.replay)
     assert issubclass(ReplayHandler, ConnectionHandler)
     assert "transports" in inspect.getsource(ConnectionHandler.__init__)
+
+
+def test_a_response_made_without_its_type_checks_is_what_response_make_makes():
+    """flows.make_response relies on a response's state being its ``data`` (a ``ResponseData``
+    whose attributes are its fields) and on Response.make being that state's constructor plus
+    ``content``: if an upgrade changes either, this fails."""
+    from mitmproxy import http
+
+    from turnguard_shell import flows
+
+    headers = [(), (("content-type", "text/event-stream"),), (("content-encoding", "gzip"),),
+               (("content-encoding", "bogus"), ("x", "y")), (("transfer-encoding", "chunked"),),
+               (("content-length", "5"), ("a", "b"), ("content-length", "7"))]
+    for status in (200, 409, 422, 599):
+        for pairs in headers:
+            for body in (b"", b"12345"):
+                made = http.Response.make(status, body, flows._headers(pairs))
+                ours = flows.make_response(status, body, flows._headers(pairs))
+                assert vars(ours).keys() == vars(made).keys() == {"data"}
+                assert list(vars(ours.data)) == list(vars(made.data))
+                state, expected = ours.get_state(), made.get_state()
+                for s in (state, expected):
+                    assert s.pop("timestamp_start") <= s.pop("timestamp_end")
+                assert state == expected

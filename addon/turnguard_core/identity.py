@@ -195,9 +195,13 @@ def canonical_json(value: Any) -> bytes:
 
     Lone surrogates (legal as JSON escapes) are encoded with ``surrogatepass`` so this is total.
     """
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
-    ).encode("utf-8", "surrogatepass")
+    return _CANONICAL_ENCODER.encode(value).encode("utf-8", "surrogatepass")
+
+
+# json.dumps and json.loads with options other than the defaults build an encoder or decoder on
+# every call: made once here (they keep no state between calls).
+_CANONICAL_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
 
 
 def operation_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -261,11 +265,8 @@ def _identify(
     target = split_target(request.path)
 
     principal = _principal(request, target, credential_headers)
-    upstream = (
-        _tuple_hash("upstream", *request.upstream.parts())
-        if request.upstream is not None else _tuple_hash("upstream-unknown")
-    )
-    scope = _tuple_hash("scope", principal, upstream)
+    upstream = _upstream_hash(request.upstream)
+    scope = _scope_hash(principal, upstream)
 
     session_key = _session_key(headers)
     session = _tuple_hash("session", scope, session_key)[:32] if session_key else None
@@ -316,6 +317,20 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     return _tuple_hash("principal", *parts)
 
 
+# The upstream and the scope are the same for most of a proxy's requests: their hashes are
+# remembered (keyed by the upstream, and by hashes: no credential is kept).
+@functools.lru_cache(maxsize=256)
+def _upstream_hash(upstream: Upstream | None) -> str:
+    if upstream is None:
+        return _tuple_hash("upstream-unknown")
+    return _tuple_hash("upstream", *upstream.parts())
+
+
+@functools.lru_cache(maxsize=1024)
+def _scope_hash(principal: str, upstream: str) -> str:
+    return _tuple_hash("scope", principal, upstream)
+
+
 @functools.lru_cache(maxsize=64)
 def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
     return frozenset(CREDENTIAL_HEADERS) | {name.lower() for name in extra_names}
@@ -346,7 +361,7 @@ def _parse_body(body: bytes | None, max_body_bytes: int) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise _Reject("body is not UTF-8") from None
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates)
+        value = _BODY_DECODER.decode(text)
     except _DuplicateKey:
         raise _Reject("duplicate keys in JSON body") from None
     except RecursionError:
@@ -365,6 +380,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(obj) != len(pairs):
         raise _DuplicateKey
     return obj
+
+
+_BODY_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)  # what json.loads would make
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -420,6 +438,9 @@ def _sha(data: bytes) -> str:
 def _tuple_hash(domain: str, *parts: str) -> str:
     """sha256 hex over an unambiguous encoding: "turnguard-<domain>", then each part as
     b"<len>:" + utf8 + b"\\0"."""
+    text = "".join(["turnguard-", domain, "\0", *[f"{len(p)}:{p}\0" for p in parts]])
+    if text.isascii():  # the common case: a character is a byte, so each length is the same
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
     out = [b"turnguard-" + _utf8(domain) + b"\0"]
     for part in parts:  # the same bytes as updating a hash part by part, in one update
         b = part.encode("utf-8", "surrogatepass")

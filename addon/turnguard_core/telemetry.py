@@ -29,6 +29,10 @@ logger = logging.getLogger("turnguard")
 # file and the metrics get every event.
 ROUTINE = frozenset({"dispatch", "outcome"})
 
+# What json.dumps(record, separators=(",", ":"), default=str) uses, made once (json.dumps
+# makes an encoder on every call given options).
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
 
 def handlers_take(log: logging.Logger, level: int, ignore: tuple[type, ...] = ()) -> bool:
     """Whether a record of ``level`` logged to ``log`` reaches a handler whose level lets it
@@ -74,7 +78,7 @@ class Telemetry:
         if self._file is None and not to_log:
             return
         record = {"ts": round(self._clock(), 6), "event": event, **fields}
-        line = json.dumps(record, separators=(",", ":"), default=str)
+        line = _LINE_ENCODER.encode(record)
         if self._file is not None:
             try:
                 self._file.write(line + "\n")

@@ -8,9 +8,11 @@ replays), and explains it in mitmweb (a mark and a comment).
 from __future__ import annotations
 
 import json
+import time
 import weakref
 
 from mitmproxy import ctx, hooks, http
+from mitmproxy.net.http import status_codes
 
 from turnguard_core import answers, identity
 from turnguard_core.codec import BoundedCodec
@@ -106,9 +108,26 @@ def _headers(pairs) -> http.Headers:
     )
 
 
+def make_response(status: int, body: bytes, headers: http.Headers) -> http.Response:
+    """What ``http.Response.make(status, body, headers)`` makes (``body`` encoded as the
+    headers' content coding says, the ``content-length`` header set), without checking its
+    fields' types again (mitmproxy's ``MessageData.__post_init__``, about 20 us a response;
+    turnguard's are right by construction): its state (``ResponseData``) given directly."""
+    data = object.__new__(http.ResponseData)
+    now = time.time()
+    data.__dict__.update(
+        http_version=b"HTTP/1.1", headers=headers, content=None, trailers=None,
+        timestamp_start=now, timestamp_end=now, status_code=status,
+        reason=status_codes.RESPONSES.get(status, "").encode())
+    resp = object.__new__(http.Response)
+    resp.data = data
+    resp.content = body
+    return resp
+
+
 def answer(flow: http.HTTPFlow, a: answers.Answer) -> None:
     """Answer the flow with turnguard's own answer (nothing goes upstream)."""
-    flow.response = http.Response.make(a.status, a.body, _headers(a.headers))
+    flow.response = make_response(a.status, a.body, _headers(a.headers))
     flow.metadata["turnguard"] = {"role": "answered", "status": a.status}
 
 
@@ -116,7 +135,7 @@ def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes, *
            how: str = "replayed") -> None:
     """Answer the flow from a recording (or, ``how`` "attached", from the whole response of
     the attempt it attached to): the bytes as given (never re-encoded by mitmproxy)."""
-    resp = http.Response.make(status, b"", _headers(headers))
+    resp = make_response(status, b"", _headers(headers))
     resp.raw_content = body
     resp.headers["content-length"] = str(len(body))
     resp.headers["x-turnguard"] = how
