@@ -365,11 +365,11 @@ class SseKinds(SseParser):
 
     def _blocks(self, chunk: bytes) -> list[Literal["success", "failure", "other"]]:
         """The kinds of the events of a chunk of whole LF-ended events (no CR, no blank line
-        but those ending events) with nothing pending before it (it leaves nothing
-        pending either). Each block between
-        blank lines is one event's lines; as in the line parser, the last ``event`` field and
-        the ``data`` fields count (a field name is what precedes the first colon, one space
-        after it is dropped), and a block with neither dispatches nothing."""
+        but those ending events) with nothing pending before it (it leaves nothing pending
+        either). Each block between blank lines is one event's lines; as in the line parser,
+        the last ``event`` field and the ``data`` fields count (a field name is what precedes
+        the first colon, one space after it is dropped), and a block with neither dispatches
+        nothing."""
         kinds: list[Literal["success", "failure", "other"]] = []
         for block in chunk[:-2].split(b"\n\n"):
             event: bytes | None = None
