@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import assert_never
+from typing import Callable, assert_never
 
 # mitmproxy puts this folder on sys.path only while it loads the script: import the core now.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +52,7 @@ class TurnGuard:
         self.settings = options.settings_from(options.DEFAULTS)
         self.filter: flowfilter.TFilter | None = None
         self.telemetry = config.telemetry()
+        self._undo_log_filter: Callable[[], object] = lambda: None
         self._running = False  # set by the running hook: start-up is over
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
         self.identifier = Identifier()
@@ -100,6 +101,7 @@ class TurnGuard:
         # process's instance id and its attempts in flight (their hooks now come here).
         self._build(ProcessState.of(loader.master))
         self._process.guard = self
+        self._undo_log_filter = config.keep_out_of_legacy_log_events()
         for spec in options.OPTIONS:
             loader.add_option(spec.name, spec.type, spec.default, spec.help,
                               choices=list(spec.choices) if spec.choices else None)
@@ -160,6 +162,7 @@ class TurnGuard:
         self.store.close()
         self.identifier.close()
         self.telemetry.close()
+        self._undo_log_filter()
         if self._process.guard is self:
             self._process.guard = None
 

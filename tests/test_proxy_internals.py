@@ -103,3 +103,33 @@ def test_a_response_made_without_its_type_checks_is_what_response_make_makes():
                 for s in (state, expected):
                     assert s.pop("timestamp_start") <= s.pop("timestamp_end")
                 assert state == expected
+
+
+def test_turnguard_records_skip_only_the_deprecated_add_log_bridge():
+    """turnguard's log records stay out of mitmproxy's bridge to its deprecated ``add_log``
+    hook (a loop wake-up and a hook call on every addon per record), and only out of it:
+    other handlers (the terminal, mitmweb's event log) and other loggers' records pass; the
+    undo (the addon's ``done``) puts it back as it was."""
+    import logging
+
+    from mitmproxy import log as mitmproxy_log
+    from mitmproxy.test import taddons
+
+    from turnguard_shell import config
+
+    def record(name: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.INFO, __file__, 1, "a line", None, None)
+
+    with taddons.context():
+        handlers = logging.getLogger().handlers
+        legacy = [h for h in handlers if isinstance(h, mitmproxy_log.LegacyLogEvents)]
+        others = [h for h in handlers if not isinstance(h, mitmproxy_log.LegacyLogEvents)]
+        assert legacy, "mitmproxy no longer installs its add_log bridge"
+        undo = config.keep_out_of_legacy_log_events()
+        try:
+            assert not any(h.filter(record("turnguard")) for h in legacy)
+            assert all(h.filter(record("mitmproxy.proxy.server")) for h in legacy)
+            assert all(h.filter(record("turnguard")) for h in others)
+        finally:
+            undo()
+        assert all(h.filter(record("turnguard")) for h in legacy)

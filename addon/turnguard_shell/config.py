@@ -3,7 +3,9 @@ ledger path. Each raises ``ValueError`` with the one line a user sees when it is
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Callable
 
 from mitmproxy import flowfilter
 from mitmproxy import log as mitmproxy_log
@@ -26,6 +28,25 @@ def parse_filter(expression: str) -> flowfilter.TFilter:
 # unless termlog_verbosity is debug, would still cost a hook call on every addon).
 IGNORED_LOG_HANDLERS = tuple(
     t for t in (getattr(mitmproxy_log, "LegacyLogEvents", None),) if isinstance(t, type))
+
+
+class _NotTurnguardRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != "turnguard"
+
+
+def keep_out_of_legacy_log_events() -> Callable[[], None]:
+    """Keep turnguard's log records from mitmproxy's bridge to its deprecated ``add_log``
+    hook; returns what undoes it. Each record that bridge takes wakes the event loop and
+    calls ``add_log`` on every addon (about 0.1 ms: a third of what a replayed duplicate
+    costs turnguard), for a hook addons no longer need (they read the log with ``logging``
+    handlers since mitmproxy 9). The terminal, mitmweb's event log and every other handler
+    still get every record."""
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, IGNORED_LOG_HANDLERS)]
+    not_ours = _NotTurnguardRecords()
+    for handler in handlers:
+        handler.addFilter(not_ours)
+    return lambda: [handler.removeFilter(not_ours) for handler in handlers]  # type: ignore[func-returns-value]
 
 
 def telemetry(path: str | None = None) -> Telemetry:
