@@ -8,14 +8,18 @@ replay faster than this in mitmproxy: its requests per second over ``plain_strea
 dispatching the same request are the ceiling of turnguard's replay ratio.
 """
 
+from collections import OrderedDict
+
 from mitmproxy import http
 
-MAX_ANSWERS = 64  # the replay phase uses a handful of bodies; bounded all the same
+# The most recent answers kept (the oldest go first): the replay phase replays the body it
+# has just primed, after the warm-up's hundreds of others.
+MAX_ANSWERS = 64
 
 
 class AnswerFloor:
     def __init__(self) -> None:
-        self._answers: dict[bytes, http.Response] = {}
+        self._answers: OrderedDict[bytes, http.Response] = OrderedDict()
 
     def request(self, flow: http.HTTPFlow) -> None:
         answer = self._answers.get(flow.request.raw_content or b"")
@@ -24,9 +28,10 @@ class AnswerFloor:
 
     def response(self, flow: http.HTTPFlow) -> None:
         key = flow.request.raw_content or b""
-        if (flow.response is not None and flow.response.status_code == 200
-                and key not in self._answers and len(self._answers) < MAX_ANSWERS):
+        if flow.response is not None and flow.response.status_code == 200 and key not in self._answers:
             self._answers[key] = flow.response.copy()
+            if len(self._answers) > MAX_ANSWERS:
+                self._answers.popitem(last=False)
 
 
 addons = [AnswerFloor()]
