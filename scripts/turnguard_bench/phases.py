@@ -333,6 +333,9 @@ async def holds_once(cfg, workdir: Path, rep: int) -> dict:
                 "turnguard_events": str(events_path),
                 "turnguard_hold_timeout_ms": 600000,  # held through the setup of 10,000
                 "turnguard_request_budget_ms": 900000,
+                # the originals get no byte for the setup and the hold (over a minute in full
+                # mode): past this bound turnguard would cut them and send a duplicate instead
+                "turnguard_response_created_timeout_ms": 900000,
                 "connection_strategy": "lazy",
             }),
             f"holds-plain-{rep}": ("plain", {"connection_strategy": "lazy"}),
