@@ -612,17 +612,23 @@ def test_a_batch_commits_its_writes_together_or_not_at_all(tmp_path):
     a.finish(ids[1], end, now=1001.0)  # and the ledger is usable after it
 
 
-async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(tmp_path):
+def _runner_counting_commits(tmp_path):
+    """A ledger runner on a fresh ledger, and the list of the COMMITs its connection runs."""
     from turnguard_core.ledger_runner import LedgerRunner
 
-    path = tmp_path / "l.sqlite3"
-    runner = LedgerRunner(Ledger(str(path), "a", busy_timeout_ms=5000))
+    runner = LedgerRunner(Ledger(str(tmp_path / "l.sqlite3"), "a", busy_timeout_ms=5000))
     runner.call_sync(lambda led: led.open(1000.0))
-    i = ident({"n": 1})
-    d = await runner.call(lambda led: admit(led, i))
-    commits = []
+    commits: list[str] = []
     runner.ledger._conn().set_trace_callback(
         lambda sql: commits.append(sql) if sql.startswith("COMMIT") else None)
+    return runner, commits
+
+
+async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(tmp_path):
+    runner, commits = _runner_counting_commits(tmp_path)
+    i = ident({"n": 1})
+    d = await runner.call(lambda led: admit(led, i))
+    commits.clear()
     end = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x"))
     finished = runner.defer(lambda led: led.finish(d.attempt_id, end, now=1001.0))
     counted = runner.defer(lambda led: led.note_duplicates(i.op_key, held=1))
@@ -637,15 +643,10 @@ async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(t
 async def test_deferred_writes_and_a_later_claim_commit_together(tmp_path):
     """A call made while writes are deferred runs in their transaction (one commit); a call
     that fails there is run again on its own, after them, and they still land."""
-    from turnguard_core.ledger_runner import LedgerRunner
-
-    runner = LedgerRunner(Ledger(str(tmp_path / "l.sqlite3"), "a", busy_timeout_ms=5000))
-    runner.call_sync(lambda led: led.open(1000.0))
+    runner, commits = _runner_counting_commits(tmp_path)
     i, j = ident({"n": 1}), ident({"n": 2})
     d = await runner.call(lambda led: admit(led, i))
-    commits = []
-    runner.ledger._conn().set_trace_callback(
-        lambda sql: commits.append(sql) if sql.startswith("COMMIT") else None)
+    commits.clear()
     end = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x"))
     finished = runner.defer(lambda led: led.finish(d.attempt_id, end, now=1001.0))
     claim = await runner.call(lambda led: admit(led, j, now=1001.0))

@@ -443,7 +443,7 @@ def _tuple_hash(domain: str, *parts: str) -> str:
         return hashlib.sha256(text.encode("ascii")).hexdigest()
     out = [b"turnguard-" + _utf8(domain) + b"\0"]
     for part in parts:  # the same bytes as updating a hash part by part, in one update
-        b = part.encode("utf-8", "surrogatepass")
+        b = _utf8(part)
         out.append(b"%d:%b\0" % (len(b), b))
     return hashlib.sha256(b"".join(out)).hexdigest()
 
