@@ -24,7 +24,7 @@ if str(SCRIPTS) not in sys.path:
 from turnguard_bench import profiling, upstream  # noqa: E402
 
 BENCH_TIMEOUT_S = 400
-VARIANTS = ("plain", "plain_stream", "floor", "turnguard")
+VARIANTS = ("plain", "plain_stream", "floor", "ledger_floor", "turnguard")
 
 
 def _num(x) -> bool:
@@ -81,11 +81,15 @@ def test_per_request_measures_every_variant_and_answers_every_request(quick_run)
                 assert rep["answers"] == rep["ok"] == rep["requests"] > 0
                 assert rep["statuses"] == [200] and rep["events_ok"]
                 assert rep["upstream_dispatches"] == rep["requests"]  # distinct bodies: no replay
-        for base in ("plain", "plain_stream", "floor"):
+        for base in ("plain", "plain_stream", "floor", "ledger_floor"):
             ratios = row[f"turnguard_vs_{base}"]
             assert all(_num(ratios[k]) for k in ("rps_ratio", "median_ratio", "p99_ratio",
                                                   "added_median_ms"))
     assert all(pr["checks"].values())
+    # the ledger floor wrote a claim and an end for every request (warm-up ones too)
+    measured = sum(rep["requests"] for row in pr["concurrency"].values()
+                   for rep in row["ledger_floor"]["reps"])
+    assert pr["ledger_floor_completed_claims"] >= measured > 0
 
 
 @pytest.mark.slow
@@ -133,8 +137,9 @@ def test_replays_are_byte_identical_and_never_dispatched(quick_run):
             assert rep["distinct_bodies"] == 1 and rep["same_as_original"]
             assert rep["upstream_dispatches"] == 0
             assert rep["body_bytes"] == (int(size) or short)
-        for v in VARIANTS:
+        for v in ("plain", "plain_stream", "floor", "answer_floor", "turnguard"):
             assert _num(row[v]["rps"]) and row[v]["rps"] > 0
+        assert "ledger_floor" not in row  # it only dispatches
     assert all(rp["checks"].values())
 
 

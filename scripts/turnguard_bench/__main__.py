@@ -55,17 +55,21 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
     up = procs.start_upstream(workdir)
     try:
         if any(p in cfg.phases for p in THROUGHPUT_PHASES):
-            phases.log("starting plain, plain_stream and turnguard mitmdumps")
+            dispatches = "per_request" in cfg.phases or "streaming" in cfg.phases
+            phases.log("starting plain, plain_stream, the floors and turnguard mitmdumps")
             ms = procs.start_mitmdumps(workdir, up.url, {
                 "plain": ("plain", {}),
                 "plain_stream": ("plain_stream", {}),
                 "floor": ("floor", {}),
+                **({"ledger_floor": ("ledger_floor", {})} if dispatches else {}),
                 # replay of the 5 MiB case needs a cap above 5 MiB (the default is 8 MiB)
                 "turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20}),
                 **({"answer_floor": ("answer_floor", {})} if "replay" in cfg.phases else {}),
             })
-            # the answer floor only replays: the phases of dispatched requests leave it out
+            # the answer floor only replays: the phases of dispatched requests leave it out;
+            # the ledger floor only dispatches: the replay phase leaves it out
             dispatching = {k: p for k, p in ms.items() if k != "answer_floor"}
+            replaying = {k: p for k, p in ms.items() if k != "ledger_floor"}
             res["commands"] = {name: p.extra["cmd"] for name, p in ms.items()}
             try:
                 for p in ms.values():
@@ -75,7 +79,7 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
                 if "streaming" in cfg.phases:
                     res["streaming"] = await phases.streaming(cfg, up, dispatching)
                 if "replay" in cfg.phases:
-                    res["replay"] = await phases.replay(cfg, up, ms)
+                    res["replay"] = await phases.replay(cfg, up, replaying)
             finally:
                 for p in ms.values():
                     p.stop()

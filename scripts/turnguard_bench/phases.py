@@ -2,7 +2,10 @@
 
 Variants (see ``procs.VARIANTS``): ``plain`` (mitmdump, no addon: bodies buffered),
 ``plain_stream`` (no addon, ``stream_large_bodies=1``: bodies streamed), ``floor`` (a no-op
-addon that only streams SSE responses: what any streaming addon costs) and ``turnguard``
+addon that only streams SSE responses: what any streaming addon costs), ``ledger_floor`` (the
+floor plus a durable claim and end per request in SQLite: what any guard that executes a
+request at most once across processes must write; per-request and streaming phases),
+``answer_floor`` (answers a repeated request from memory; replay phase) and ``turnguard``
 (``-s addon/turnguard.py``; it streams guarded responses through its tee). All of them front the
 same bench upstream on 127.0.0.1 with the same options otherwise; repeats run the variants in a
 rotating order so that a burst of load from elsewhere on the machine does not always hit the
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -24,8 +28,9 @@ from turnguard_bench.stats import median, percentile, ratio, spread
 from turnguard_procs import cpu_seconds, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
-# what turnguard is compared with (answer_floor: in the replay phase only)
-BASES = ("plain", "plain_stream", "floor", "answer_floor")
+# what turnguard is compared with (ledger_floor: in the phases of dispatched requests only;
+# answer_floor: in the replay phase only)
+BASES = ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor")
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
 GUARDED_PATH = "/v1/responses"
 SOAK_WINDOW_MS = 2000
@@ -201,7 +206,22 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         "all_streams_complete": all(r["events_ok"] for r in all_runs),
         "every_request_dispatched_once": all(r["upstream_dispatches"] == r["requests"] for r in all_runs),
     }
+    if "ledger_floor" in ms:  # it did write what it stands for: a claim and an end per request
+        measured = sum(r["requests"] for by_v in runs.values() for r in by_v["ledger_floor"])
+        out["ledger_floor_completed_claims"] = completed = ledger_floor_completed(ms["ledger_floor"])
+        out["checks"]["ledger_floor_recorded_every_request"] = completed >= measured
     return out
+
+
+def ledger_floor_completed(p: procs.Proc) -> int:
+    """Claims the ``ledger_floor`` variant has ended (with their bodies) in its file."""
+    path = Path(p.extra["confdir"]) / procs.LEDGER_FLOOR_FILE
+    db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=10)
+    try:
+        return db.execute("SELECT count(*) FROM claims WHERE state='completed'"
+                          " AND length(body) > 0").fetchone()[0]
+    finally:
+        db.close()
 
 
 # -- 2. streaming ----------------------------------------------------------------------------

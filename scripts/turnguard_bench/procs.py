@@ -26,6 +26,8 @@ MITMDUMP = Path(sys.executable).with_name("mitmdump")
 START_TIMEOUT_S = 30.0
 FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
 ANSWER_FLOOR_ADDON = Path(__file__).with_name("answer_floor_addon.py")
+LEDGER_FLOOR_ADDON = Path(__file__).with_name("ledger_floor_addon.py")
+LEDGER_FLOOR_FILE = "ledger-floor.sqlite3"  # in the variant's confdir
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
 
@@ -82,6 +84,9 @@ VARIANTS = {
     "plain_stream": "mitmdump, no addon, --set stream_large_bodies=1 (bodies streamed)",
     "floor": "mitmdump -s floor_addon.py (a no-op addon that only streams SSE responses: "
              "what any streaming addon costs)",
+    "ledger_floor": "mitmdump -s ledger_floor_addon.py (the floor plus a durable claim before "
+                    "each request goes upstream and its end and body after: what any guard "
+                    "that executes a request at most once across processes must write)",
     "turnguard": "mitmdump -s addon/turnguard.py (guarded responses streamed through its tee)",
     "answer_floor": "mitmdump -s answer_floor_addon.py (replay phase only: answers a repeated "
                     "request from memory, what any replaying addon costs)",
@@ -186,6 +191,8 @@ def start_mitmdumps(
                 cmd += ["-s", str(FLOOR_ADDON)]
             elif variant == "answer_floor":
                 cmd += ["-s", str(ANSWER_FLOOR_ADDON)]
+            elif variant == "ledger_floor":
+                cmd += ["-s", str(LEDGER_FLOOR_ADDON)]
             elif variant == "turnguard":
                 cmd += ["-s", str(_addon_dir / ADDON.name)]
                 opts["turnguard_ledger"] = str(workdir / f"{name}-ledger.sqlite3")
@@ -197,7 +204,8 @@ def start_mitmdumps(
                     v = "true" if v else "false"
                 cmd += ["--set", f"{k}={v}"]
             procs[name] = _start(name, cmd, workdir / f"{name}.log", MITMDUMP_LINE,
-                                 {"variant": variant, "options": opts, "cmd": cmd})
+                                 {"variant": variant, "options": opts, "cmd": cmd,
+                                  "confdir": str(confdir)})
         for p in procs.values():
             wait_listening(p)
     except BaseException:

@@ -33,9 +33,10 @@ def _setting_rows(label: str, row: dict, variant_cells, ratio_cells) -> list[lis
     per ratio of turnguard to a plain variant, ``[label, "turnguard/<base>",
     *ratio_cells(ratios)]``."""
     rows = [[label, v, *variant_cells(row[v])]
-            for v in ("plain", "plain_stream", "floor", "answer_floor", "turnguard") if v in row]
+            for v in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor", "turnguard")
+            if v in row]
     rows += [[label, f"turnguard/{base}", *ratio_cells(row[f"turnguard_vs_{base}"])]
-             for base in ("plain", "plain_stream", "floor", "answer_floor")
+             for base in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor")
              if f"turnguard_vs_{base}" in row]
     return rows
 
@@ -46,6 +47,16 @@ def _ratio(row: dict, a: str, b: str, key: str):
         return row[a][key] / row[b][key]
     except (KeyError, TypeError, ZeroDivisionError):
         return None
+
+
+def _ledger_floor(row: dict, key: str, ratio_key: str) -> str:
+    """The ledger floor's part of a target's detail: what a durable claim and end per request
+    leave of plain_stream, and turnguard's share of that."""
+    if "ledger_floor" not in row:
+        return ""
+    return (f"; the ledger floor vs plain_stream: {_x(_ratio(row, 'ledger_floor', 'plain_stream', key))}"
+            f", turnguard / ledger_floor: "
+            f"{_x(row.get('turnguard_vs_ledger_floor', {}).get(ratio_key))}")
 
 
 def _section(title: str) -> str:
@@ -74,7 +85,8 @@ def targets(res: dict) -> list[dict]:
                 add(f"throughput >= 0.95x the floor at {c} clients", _x(vs_f["rps_ratio"]),
                     vs_f["rps_ratio"] >= 0.95,
                     f"from CPU per request: {_x(vs_f.get('cpu_rps_ratio'))}; the floor vs "
-                    f"plain_stream: {_x(_ratio(row, 'floor', 'plain_stream', 'rps'))}")
+                    f"plain_stream: {_x(_ratio(row, 'floor', 'plain_stream', 'rps'))}"
+                    f"{_ledger_floor(row, 'rps', 'rps_ratio')}")
         a = rows.get("1", {}).get("turnguard_vs_plain_stream", {})
         if a:
             others = ", ".join(
@@ -98,7 +110,8 @@ def targets(res: dict) -> list[dict]:
                     _x(r), r >= 0.90,
                     f"vs the floor: {_x(row.get('turnguard_vs_floor', {}).get('events_per_s_ratio'))}"
                     f"; from CPU per response: "
-                    f"{_x(row.get('turnguard_vs_plain_stream', {}).get('cpu_events_per_s_ratio'))}")
+                    f"{_x(row.get('turnguard_vs_plain_stream', {}).get('cpu_events_per_s_ratio'))}"
+                    f"{_ledger_floor(row, 'events_per_s', 'events_per_s_ratio')}")
     rp = res.get("replay")
     if rp and "0" in rp["sizes"]:
         row = rp["sizes"]["0"]

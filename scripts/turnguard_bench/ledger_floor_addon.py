@@ -1,0 +1,75 @@
+"""The benchmark's ``ledger_floor`` variant: the ``floor`` plus the durable writes any guard that
+executes a request at most once across processes must make, and nothing else.
+
+Before a request goes upstream, a claim on its body's hash is committed to a SQLite file (WAL,
+``synchronous=NORMAL``, as turnguard's ledger); when its response ends, its outcome and its
+body (kept as it streams, for replays) are committed. Both run on the event loop, as
+turnguard's ledger calls do when the file is not contended. No identity beyond a hash, no
+policy, no holds, no telemetry: what turnguard does above this variant is its own logic; what
+this variant costs over ``floor`` is what a durable claim and end cost any guard.
+"""
+
+import hashlib
+import os
+import sqlite3
+import time
+
+from mitmproxy import ctx, http
+
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS claims (op_key TEXT PRIMARY KEY, state TEXT NOT NULL,"
+    " started_at REAL NOT NULL, ended_at REAL, status INTEGER, body BLOB)"
+)
+
+
+class Tee:
+    """Passes each chunk on and keeps it."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if chunk:
+            self.chunks.append(chunk)
+        return chunk
+
+
+class LedgerFloor:
+    def __init__(self) -> None:
+        self.db: sqlite3.Connection | None = None
+
+    def running(self) -> None:
+        path = os.path.join(os.path.expanduser(ctx.options.confdir), "ledger-floor.sqlite3")
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(SCHEMA)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.request.method != "POST" or self.db is None:
+            return
+        op_key = hashlib.sha256(flow.request.raw_content or b"").hexdigest()
+        self.db.execute("BEGIN IMMEDIATE")
+        claimed = self.db.execute(
+            "INSERT INTO claims (op_key, state, started_at) VALUES (?, 'in_flight', ?)"
+            " ON CONFLICT(op_key) DO NOTHING", (op_key, time.time())).rowcount
+        self.db.execute("COMMIT")
+        if claimed:
+            flow.metadata["ledger_floor"] = op_key
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+            flow.response.stream = Tee() if "ledger_floor" in flow.metadata else True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        op_key = flow.metadata.get("ledger_floor")
+        if op_key is None or self.db is None:
+            return
+        tee = flow.response.stream
+        body = b"".join(tee.chunks) if isinstance(tee, Tee) else flow.response.raw_content
+        self.db.execute(
+            "UPDATE claims SET state='completed', ended_at=?, status=?, body=? WHERE op_key=?",
+            (time.time(), flow.response.status_code, body, op_key))
+
+
+addons = [LedgerFloor()]
