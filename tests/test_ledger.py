@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import sqlite3
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from hypothesis_profiles import examples
 from turnguard_core import identity, policy
+from turnguard_core.heartbeat import Heartbeat, IdleWal
 from turnguard_core.ledger import (
     _MIGRATIONS,
     SCHEMA_VERSION,
@@ -21,6 +23,7 @@ from turnguard_core.ledger import (
     Ledger,
     LedgerError,
     Recording,
+    WalState,
     _split_sql,
 )
 from turnguard_core.ledger_admin import LedgerAdmin
@@ -700,3 +703,68 @@ def test_an_attempt_end_whose_detail_holds_a_nul_is_recorded(ledger_backend):
     assert led.finish(d.attempt_id, AttemptEnd("unknown", None, 0, "reset\x00by peer"),
                       now=1001.0).applied
     assert led.snapshot(ident({"nul": 1}).op_key).state == "unknown"
+
+
+def test_idle_wal_is_emptied_only_once_no_other_connection_committed_for_its_idle_time():
+    idle = IdleWal(idle_s=2.0)
+    assert not idle.after_checkpoint(WalState(frames=10, version=1), now=0.0)  # first sight
+    assert not idle.after_checkpoint(WalState(frames=10, version=1), now=1.9)
+    assert idle.after_checkpoint(WalState(frames=10, version=1), now=2.0)
+    assert idle.after_checkpoint(WalState(frames=10, version=1), now=2.25)  # it failed: again
+    assert not idle.after_checkpoint(WalState(frames=0, version=1), now=2.5)  # emptied
+    assert not idle.after_checkpoint(WalState(frames=0, version=1), now=9.0)  # nothing to empty
+    # a commit elsewhere (the version moves) starts the idle time again
+    assert not idle.after_checkpoint(WalState(frames=4, version=2), now=9.25)
+    assert not idle.after_checkpoint(WalState(frames=9, version=3), now=11.0)
+    assert not idle.after_checkpoint(WalState(frames=9, version=3), now=12.9)
+    assert idle.after_checkpoint(WalState(frames=9, version=3), now=13.0)
+
+
+def _wal_bytes(path: Path) -> int:
+    wal = Path(f"{path}-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def test_the_heartbeat_empties_the_wal_of_an_idle_ledger_and_keeps_every_write(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    main = Ledger(str(path), "a", checkpoint_on_commit=False)
+    main.open(1000.0)
+    beat = Heartbeat(Ledger(str(path), "a"), interval_s=60.0, on_reregistered=lambda n: None,
+                     on_file_gone=lambda why: None, idle_truncate_s=0.3)
+    beat.start(1000.0)
+    try:
+        idents = [ident({"n": n}) for n in range(50)]
+        for i in idents:
+            d = admit(main, i)
+            main.finish(d.attempt_id, AttemptEnd("completed", 200, 3, None,
+                                                 Recording(200, (), b"x" * 3000)), now=1001.0)
+        assert _wal_bytes(path) > 0
+        deadline = time.monotonic() + 30
+        while _wal_bytes(path) and time.monotonic() < deadline:  # bounded
+            time.sleep(0.05)
+        assert _wal_bytes(path) == 0
+        for i in idents:  # every write is in the database file now
+            assert isinstance(admit(main, i, now=1002.0), policy.Replay)
+        assert main.recording(admit(main, idents[0], now=1002.0).attempt_id).body == b"x" * 3000
+    finally:
+        beat.stop()
+        main.close()
+
+
+def test_emptying_the_wal_gives_up_while_a_reader_needs_it(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    led = open_ledger(path)
+    admit(led, ident({"n": 1}))
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM operations").fetchone()  # a snapshot in the WAL
+    try:
+        led.truncate_wal()  # waits at most TRUNCATE_BUSY_MS, then leaves the WAL as it is
+        assert _wal_bytes(path) > 0
+        assert led.checkpoint().frames > 0
+    finally:
+        reader.execute("COMMIT")
+    led.truncate_wal()
+    assert _wal_bytes(path) == 0 and led.checkpoint().frames == 0
+    assert led.busy_timeout_ms == 5000
+    assert led._conn().execute("PRAGMA busy_timeout").fetchone()[0] == 5000  # restored

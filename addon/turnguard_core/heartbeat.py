@@ -6,9 +6,11 @@ connection waits behind a lock. ``Heartbeat`` runs on a daemon thread with its o
 every ``interval_s`` it renews the lease, every second it checks that the ledger file is still
 the one it opened, and every ``CHECKPOINT_S`` it copies the WAL into the database (a passive
 checkpoint: the connection that decides requests leaves that to this thread, so its commits
-stay short and the event loop never waits for a checkpoint's writes and fsyncs). It reports
-to the caller's callbacks (called on the thread: they must only hand over to the event loop,
-e.g. with ``loop.call_soon_threadsafe``):
+stay short and the event loop never waits for a checkpoint's writes and fsyncs). Once no other
+connection has committed for ``IDLE_TRUNCATE_S`` it empties the WAL file (while writes go on,
+the file keeps its size, so that commits reuse its blocks; see ``ledger.WAL_SIZE_LIMIT``). It
+reports to the caller's callbacks (called on the thread: they must only hand over to the event
+loop, e.g. with ``loop.call_soon_threadsafe``):
 
 - ``on_reregistered(incarnation)``: the instance's row was gone (a peer reaped it): it is
   registered again, and its attempts in flight must be assumed ended by the peer;
@@ -24,21 +26,42 @@ import threading
 import time
 from typing import Callable
 
-from .ledger import Ledger, LedgerError
+from .ledger import Ledger, LedgerError, WalState
 
 logger = logging.getLogger("turnguard")
 
 FILE_CHECK_S = 1.0
 CHECKPOINT_S = 0.25
+IDLE_TRUNCATE_S = 2.0
+
+
+class IdleWal:
+    """When to empty the WAL file: once it holds frames and no other connection has committed
+    for ``idle_s`` (pure: the checkpoints' ``WalState`` and the times are given)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._version: int | None = None
+        self._since = 0.0
+
+    def after_checkpoint(self, wal: WalState, now: float) -> bool:
+        """Whether to empty it now; asked after each checkpoint. True again at the next
+        checkpoint when emptying it failed (the WAL still holds frames)."""
+        if wal.version != self._version or wal.frames == 0:
+            self._version, self._since = wal.version, now
+            return False
+        return now - self._since >= self.idle_s
 
 
 class Heartbeat:
     def __init__(
         self, ledger: Ledger, *, interval_s: float,
         on_reregistered: Callable[[int], None], on_file_gone: Callable[[str], None],
+        idle_truncate_s: float = IDLE_TRUNCATE_S,
     ):
         self._ledger = ledger
         self._interval_s = interval_s
+        self._idle_wal = IdleWal(idle_truncate_s)
         self._on_reregistered = on_reregistered
         self._on_file_gone = on_file_gone
         self._stop = threading.Event()
@@ -59,7 +82,9 @@ class Heartbeat:
         try:
             while not self._stop.wait(CHECKPOINT_S):
                 try:
-                    self._ledger.checkpoint()
+                    wal = self._ledger.checkpoint()
+                    if self._idle_wal.after_checkpoint(wal, time.monotonic()):
+                        self._ledger.truncate_wal()
                 except LedgerError as e:  # the next one copies what this one could not
                     logger.debug("turnguard: checkpoint not made (%s)", e)
                 if time.monotonic() < next_check:

@@ -55,6 +55,7 @@ from .ledger import (
     HeartbeatResult,
     LedgerError,
     Recording,
+    WalState,
 )
 from .ledger_admin import CircuitRow, SessionRow, _circuit_json, _one_by_prefix, _session_dict
 from .ledger_location import display, scrub
@@ -851,8 +852,13 @@ class PgLedger:
                 tx.db.execute("DELETE FROM spool WHERE attempt_id = ANY(%s)", (purged,))
             return len(purged)
 
-    def checkpoint(self) -> None:
-        """Nothing to do: PostgreSQL makes its own checkpoints (see ``Ledger.checkpoint``)."""
+    def checkpoint(self) -> WalState:
+        """Nothing to do: PostgreSQL makes its own checkpoints (see ``Ledger.checkpoint``);
+        there is no WAL file to empty (no frames)."""
+        return WalState(0, 0)
+
+    def truncate_wal(self) -> None:
+        """Nothing to do (see ``checkpoint``)."""
 
     @_wrap
     def collect_garbage(self, *, now: float, retention_s: float, instance_stale_s: float) -> int:
