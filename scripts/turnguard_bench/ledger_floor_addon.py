@@ -16,6 +16,7 @@ import time
 
 from mitmproxy import ctx, http
 
+FILE_NAME = "ledger-floor.sqlite3"  # in mitmproxy's confdir (the bench reads it back)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS claims (op_key TEXT PRIMARY KEY, state TEXT NOT NULL,"
     " started_at REAL NOT NULL, ended_at REAL, status INTEGER, body BLOB)"
@@ -39,7 +40,7 @@ class LedgerFloor:
         self.db: sqlite3.Connection | None = None
 
     def running(self) -> None:
-        path = os.path.join(os.path.expanduser(ctx.options.confdir), "ledger-floor.sqlite3")
+        path = os.path.join(os.path.expanduser(ctx.options.confdir), FILE_NAME)
         self.db = sqlite3.connect(path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from turnguard_bench import client, procs
+from turnguard_bench import client, ledger_floor_addon, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
 from turnguard_procs import cpu_seconds, rss_bytes
 
@@ -215,7 +215,7 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
 
 def ledger_floor_completed(p: procs.Proc) -> int:
     """Claims the ``ledger_floor`` variant has ended (with their bodies) in its file."""
-    path = Path(p.extra["confdir"]) / procs.LEDGER_FLOOR_FILE
+    path = Path(p.extra["confdir"]) / ledger_floor_addon.FILE_NAME
     db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=10)
     try:
         return db.execute("SELECT count(*) FROM claims WHERE state='completed'"

@@ -27,7 +27,6 @@ START_TIMEOUT_S = 30.0
 FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
 ANSWER_FLOOR_ADDON = Path(__file__).with_name("answer_floor_addon.py")
 LEDGER_FLOOR_ADDON = Path(__file__).with_name("ledger_floor_addon.py")
-LEDGER_FLOOR_FILE = "ledger-floor.sqlite3"  # in the variant's confdir
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
 
