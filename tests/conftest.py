@@ -31,7 +31,7 @@ TIERS = {
     "unit": {
         "test_circuit", "test_degraded", "test_identity", "test_ledger", "test_live", "test_liveness",
         "test_machine", "test_mock_parts", "test_negotiation", "test_offload", "test_ops",
-        "test_options", "test_outage_machine", "test_pg_store", "test_policy",
+        "test_options", "test_outage_machine", "test_own_replays", "test_pg_store", "test_policy",
         "test_private_files",
         "test_recovery_machine", "test_sse", "test_tee", "test_ws",
     },

@@ -75,3 +75,34 @@ def test_knowledge_is_bounded_in_entries_and_bytes():
                                             now=0, window_s=None).exhausted] == [2, 3, 4]
     k.completed("huge", rec(100))  # larger than the whole budget: not kept
     assert k.recording("huge", fingerprint="f", now=1000, window_s=9) is None
+
+
+def own(attempt_id: int | None = 7, generation: str = "gen-1") -> KnownRecording:
+    return KnownRecording(Recording(200, (), b"x"), ended_at=1000.0, fingerprint="f",
+                          attempt_id=attempt_id, generation=generation)
+
+
+def test_a_replay_of_its_own_recording_is_the_ledgers_decision_known_in_memory():
+    k = Knowledge()
+    k.completed("op", own())
+    ask = dict(fingerprint="f", now=1100.0, window_s=300, generation="gen-1")
+    assert k.replay_attempt("op", **ask) == 7
+    # what the ledger would not replay, or names another file's row: the ledger decides
+    assert k.replay_attempt("other", **ask) is None
+    assert k.replay_attempt("op", **{**ask, "fingerprint": "g"}) is None
+    assert k.replay_attempt("op", **{**ask, "now": 1301.0}) is None
+    assert k.replay_attempt("op", **{**ask, "generation": "gen-2"}) is None
+    k.completed("no-row", own(attempt_id=None))
+    assert k.replay_attempt("no-row", **ask) is None
+
+
+def test_a_recording_whose_end_the_ledger_refused_is_forgotten():
+    k = Knowledge()
+    k.completed("op", own(attempt_id=7))
+    k.superseded("op", 6)  # an older attempt's end: not this recording
+    assert k.replay_attempt("op", fingerprint="f", now=1100.0, window_s=300,
+                            generation="gen-1") == 7
+    k.superseded("op", 7)
+    assert k.replay_attempt("op", fingerprint="f", now=1100.0, window_s=300,
+                            generation="gen-1") is None
+    assert k.recording_bytes == 0

@@ -423,8 +423,15 @@ class FailoverStore:
     ) -> policy.Admission | policy.ReplayFromMemory:
         """The ledger's decision for the request (a claim when it dispatches), or, without a
         ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
-        flight now, asked after the ledger failed)."""
+        flight now, asked after the ledger failed). A replay of one of this process's own
+        recordings is the ledger's decision too, known without reading it
+        (``MemoryStore.replay``)."""
         now = time.time()
+        if recovery is None:  # a recovery claim reads the session's owner in the ledger
+            known = self.memory.replay(ident, now=now, window_s=window_s,
+                                       generation=self.generation)
+            if known is not None:
+                return known
         admission = await self._call("admit", lambda store: store.admit(
             ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
             circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
@@ -534,6 +541,7 @@ class FailoverStore:
         self.memory.attempt_ended(
             attempt.ident, recording=ending.recording,
             spent_once_claim=attempt.kind == "recovery" and ending.spends_once_claim, now=now,
+            attempt_id=attempt.attempt_id, generation=attempt.generation,
         )
 
         def in_memory() -> None:  # no ledger (yet): keep the circuit in memory
@@ -546,6 +554,8 @@ class FailoverStore:
 
         def landed(result: FinishResult, late: bool) -> None:
             if not result.applied:
+                if attempt.attempt_id is not None:
+                    self.memory.knowledge.superseded(attempt.ident.op_key, attempt.attempt_id)
                 self._emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
                            reason="the attempt was ended meanwhile (reaped)")
             self._note_circuit(result, quiet=late)  # a late write's effect was told already

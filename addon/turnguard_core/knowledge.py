@@ -1,5 +1,5 @@
 """What a process remembers of the ledger's durable facts, to decide while it cannot read it
-(``MemoryStore``).
+(``MemoryStore``), and to answer a replay of one of its own attempts without reading it.
 
 While the ledger is locked, full or gone, turnguard decides in memory
 (``policy.admit_without_ledger``). Deciding from nothing would dispatch again what the ledger
@@ -23,6 +23,7 @@ from .policy import (
     Fenced,
     Hold,
     MemoryFacts,
+    Replay,
     ReplayFromMemory,
     admit_without_ledger,
 )
@@ -36,6 +37,8 @@ class KnownRecording:
     recording: Recording
     ended_at: float  # wall clock, as the ledger's ended_at
     fingerprint: str  # of the body that produced it (an Idempotency-Key reuse must not get it)
+    attempt_id: int | None = None  # its attempt's row in the ledger (None: it has none)
+    generation: str = ""  # of the ledger file that holds that row
 
 
 class Knowledge:
@@ -77,6 +80,14 @@ class Knowledge:
             _, dropped = self._recordings.popitem(last=False)
             self._bytes -= len(dropped.recording.body)
 
+    def superseded(self, op_key: str, attempt_id: int) -> None:
+        """The ledger did not take ``attempt_id``'s end (it had been ended meanwhile, by a
+        reaper): its recording is not what the ledger would replay, forget it."""
+        known = self._recordings.get(op_key)
+        if known is not None and known.attempt_id == attempt_id:
+            del self._recordings[op_key]
+            self._bytes -= len(known.recording.body)
+
     def _put(self, table: OrderedDict, key: str, value) -> None:
         table[key] = value
         table.move_to_end(key)
@@ -92,6 +103,18 @@ class Knowledge:
         if known is None or known.fingerprint != fingerprint or now - known.ended_at > window_s:
             return None
         return known.recording
+
+    def replay_attempt(
+        self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
+    ) -> int | None:
+        """The row, in the ledger file of ``generation``, of a recording of ``op_key`` for
+        this very body that ended within ``window_s`` (None: none known, or its attempt has
+        no row in that file: an id of another file may name another operation's attempt)."""
+        known = self._recordings.get(op_key)
+        if known is None or known.fingerprint != fingerprint or now - known.ended_at > window_s \
+                or known.generation != generation:
+            return None
+        return known.attempt_id
 
     def facts(
         self, op_key: str, *, in_flight_here: bool, fingerprint: str, now: float,
@@ -132,6 +155,28 @@ class MemoryStore:
             recovering=recovering, once_mode=once_mode, has_session=ident.session is not None,
         )
 
+    def replay(
+        self, ident: Identity, *, now: float, window_s: float | None, generation: str,
+    ) -> Replay | None:
+        """The ledger's own decision for a request this process can answer from a recording
+        of one of its attempts, made without reading the ledger; None when it cannot tell.
+
+        Once an attempt completed with a recording, the ledger replays that attempt to every
+        request of its operation with the same body until the window (``window_s``, None:
+        replay is off) passes: no process dispatches it meanwhile, and no later write
+        changes it. So the answer is known here from the attempt's end (remembered with the
+        ``ended_at`` the ledger was given), unless the ledger did not take that end
+        (``Knowledge.superseded``) or is another file now (``generation``: the ledger's in
+        use). A process whose window is longer than another's may
+        replay a recording the other has since run again: an answer of the same request
+        either way, never a dispatch."""
+        if window_s is None:
+            return None
+        attempt_id = self.knowledge.replay_attempt(
+            ident.op_key, fingerprint=ident.fingerprint, now=now, window_s=window_s,
+            generation=generation)
+        return None if attempt_id is None else Replay(attempt_id)
+
     def recording(self, ident: Identity, *, now: float, window_s: float | None) -> Recording | None:
         if window_s is None:
             return None
@@ -161,12 +206,14 @@ class MemoryStore:
 
     def attempt_ended(
         self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,
-        now: float,
+        now: float, attempt_id: int | None = None, generation: str = "",
     ) -> None:
         """One of this process's attempts ended (``spent_once_claim``: a recovery that ended
-        without a known result)."""
+        without a known result; ``attempt_id``: its row in the ledger file of ``generation``,
+        if it has one)."""
         if recording is not None:
-            self.knowledge.completed(ident.op_key, KnownRecording(recording, now, ident.fingerprint))
+            self.knowledge.completed(ident.op_key, KnownRecording(
+                recording, now, ident.fingerprint, attempt_id, generation))
             return
         self.knowledge.ended(ident.op_key)
         if spent_once_claim:

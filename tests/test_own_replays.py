@@ -1,0 +1,170 @@
+"""A replay of one of this process's own recordings is decided without reading the ledger: once
+its attempt completed with a recording, the ledger replays that attempt to every request of the
+operation with the same body until the window passes, so the process knows the answer already.
+
+On a real SQLite ledger file, through ``FailoverStore``: the statements its connection runs are
+traced, so "without reading the ledger" is counted, not assumed; and each case where the ledger
+could decide otherwise (another body, the window passed, the end refused because the attempt
+was reaped meanwhile, another ledger file) goes to the ledger as before."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+from dataclasses import dataclass
+
+from turnguard_core import circuit, identity, liveness, policy
+from turnguard_core.ending import AttemptEnding
+from turnguard_core.failover import FailoverStore
+from turnguard_core.knowledge import MemoryStore
+from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
+SCOPE = "route:own-replays"
+
+
+def ident(text: str, idempotency_key: str | None = None) -> identity.Identity:
+    headers = [("authorization", "Bearer sk-own-replays")]
+    if idempotency_key:
+        headers.append(("idempotency-key", idempotency_key))
+    view = identity.RequestView("POST", "/v1/responses", tuple(headers),
+                                json.dumps({"input": text}).encode())
+    out = identity.identify(view)
+    assert isinstance(out, identity.Identity)
+    return out
+
+
+@dataclass
+class Attempt:
+    ident: identity.Identity
+    attempt_id: int | None
+    generation: str
+    kind: str = "original"
+    flow_id: str = "f"
+    method: str = "POST"
+    route: str = "/v1/responses"
+    circuit_scope: str = SCOPE
+    transport: str = "http"
+
+
+class Traced:
+    """A ``FailoverStore`` on a real ledger file whose connection's statements are counted."""
+
+    def __init__(self, path: str):
+        self.events: list[tuple[str, dict]] = []
+        self.store = FailoverStore(
+            instance_id="me", identity=liveness.read_process_identity(),
+            emit=lambda event, **fields: self.events.append((event, fields)),
+            memory=MemoryStore(), kept=collections.deque(), attempts=lambda: [],
+            on_reregistered=lambda n: None)
+        assert self.store.open(path)
+        self.statements: list[str] = []
+        self.store._store._runner.ledger._db.set_trace_callback(self.statements.append)
+
+    async def admit(self, i: identity.Identity, guard: policy.GuardPolicy = GUARD):
+        """As the addon asks: the window is the guard's for this request (None: replay off)."""
+        window_s = None if not guard.replay else (
+            guard.retention_s if i.idempotency_key else guard.replay_window_s)
+        return await self.store.admit(
+            i, method="POST", route="/v1/responses", flow_id="f", circuit_scope=SCOPE,
+            recovery=None, once_mode=False, in_flight_here=lambda: False, guard=guard,
+            window_s=window_s, threshold=2, deadline=time.monotonic() + 5)
+
+    async def complete(self, i: identity.Identity, attempt_id: int, body: bytes) -> bool:
+        """End the attempt as completed with a recording; whether the ledger took the end."""
+        recording = Recording(200, (("content-type", "text/event-stream"),), body)
+        ending = AttemptEnding("completed", recording, None, False, None, None)
+        landed = self.store.finish(
+            Attempt(i, attempt_id, self.store.generation), ending,
+            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
+            circuit_cfg=circuit.CircuitConfig(), base={})
+        assert landed is not None
+        await landed
+        return not any(event == "outcome_fenced_out" for event, _ in self.events)
+
+
+async def test_a_replay_of_its_own_recording_reads_nothing_and_is_the_ledgers_decision(tmp_path):
+    traced = Traced(str(tmp_path / "ledger.sqlite3"))
+    try:
+        turn = ident("the turn")
+        claim = await traced.admit(turn)
+        assert isinstance(claim, policy.Dispatch)
+        assert await traced.complete(turn, claim.attempt_id, b"data: done\n\n")
+
+        traced.statements.clear()
+        replay = await traced.admit(turn)
+        assert replay == policy.Replay(claim.attempt_id)
+        assert traced.statements == []  # decided without a statement on the ledger
+        recording, readable = await traced.store.recording(turn, replay.attempt_id, window_s=300,
+                                                           deadline=time.monotonic() + 5)
+        assert readable and recording.body == b"data: done\n\n" and traced.statements == []
+
+        # the ledger, asked itself by another process, decides the same
+        peer = Ledger(str(tmp_path / "ledger.sqlite3"), "peer")
+        peer.open(time.time())
+        try:
+            assert peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                              guard=GUARD, flow_id="g") == replay
+        finally:
+            peer.close()
+
+        # a decision the memory cannot know goes to the ledger
+        other = await traced.admit(ident("another turn"))
+        assert isinstance(other, policy.Dispatch) and traced.statements
+        traced.statements.clear()
+        replay_off = policy.GuardPolicy(replay=False, replay_window_s=300, retention_s=3600)
+        assert isinstance(await traced.admit(turn, replay_off), policy.Dispatch)
+        assert traced.statements  # replay off: dispatched again, by the ledger's claim
+    finally:
+        traced.store.close()
+
+
+async def test_a_key_reused_with_another_body_or_a_passed_window_is_decided_by_the_ledger(
+        tmp_path):
+    traced = Traced(str(tmp_path / "ledger.sqlite3"))
+    try:
+        keyed = ident("first body", idempotency_key="key-1")
+        claim = await traced.admit(keyed)
+        assert await traced.complete(keyed, claim.attempt_id, b"data: one\n\n")
+        traced.statements.clear()
+        assert await traced.admit(ident("second body", idempotency_key="key-1")) \
+            == policy.Conflict()
+        assert traced.statements
+
+        plain = ident("short window")
+        claim = await traced.admit(plain)
+        assert await traced.complete(plain, claim.attempt_id, b"data: two\n\n")
+        await asyncio.sleep(0.05)
+        traced.statements.clear()
+        again = await traced.admit(plain, policy.GuardPolicy(
+            replay=True, replay_window_s=0.01, retention_s=3600))
+        assert isinstance(again, policy.Dispatch) and traced.statements
+    finally:
+        traced.store.close()
+
+
+async def test_a_recording_whose_attempt_was_reaped_meanwhile_is_not_replayed(tmp_path):
+    """A reaper ended the attempt (this process looked dead) before its end was written: the
+    ledger refuses the end and dispatches the operation again as a retry; the memory must not
+    answer with the recording the ledger never took."""
+    path = str(tmp_path / "ledger.sqlite3")
+    traced = Traced(path)
+    try:
+        turn = ident("reaped turn")
+        claim = await traced.admit(turn)
+        reaper = Ledger(path, "reaper")
+        reaper.open(time.time())
+        try:
+            assert reaper.reap_instance("me", now=time.time(), stale_before=None) \
+                == [turn.op_key]
+        finally:
+            reaper.close()
+        assert not await traced.complete(turn, claim.attempt_id, b"data: late\n\n")
+        traced.statements.clear()
+        decision = await traced.admit(turn)
+        assert decision == policy.Dispatch("retry", decision.attempt_id)
+        assert traced.statements
+    finally:
+        traced.store.close()
