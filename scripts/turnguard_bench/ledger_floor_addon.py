@@ -35,27 +35,45 @@ class Tee:
         return chunk
 
 
+def open_db(path: str) -> sqlite3.Connection:
+    """The floor's file, as turnguard's ledger opens its own (WAL, ``synchronous=NORMAL``)."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute(SCHEMA)
+    return db
+
+
+def claim(db: sqlite3.Connection, op_key: str, now: float) -> bool:
+    """Claim ``op_key``, committed; False when it was claimed before."""
+    db.execute("BEGIN IMMEDIATE")
+    claimed = db.execute(
+        "INSERT INTO claims (op_key, state, started_at) VALUES (?, 'in_flight', ?)"
+        " ON CONFLICT(op_key) DO NOTHING", (op_key, now)).rowcount
+    db.execute("COMMIT")
+    return claimed == 1
+
+
+def end(db: sqlite3.Connection, op_key: str, status: int, body: bytes, now: float) -> None:
+    """The claim's end, with the body kept for replays, committed."""
+    db.execute(
+        "UPDATE claims SET state='completed', ended_at=?, status=?, body=? WHERE op_key=?",
+        (now, status, body, op_key))
+
+
 class LedgerFloor:
     def __init__(self) -> None:
         self.db: sqlite3.Connection | None = None
 
     def running(self) -> None:
         path = os.path.join(os.path.expanduser(ctx.options.confdir), FILE_NAME)
-        self.db = sqlite3.connect(path, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute(SCHEMA)
+        self.db = open_db(path)
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.request.method != "POST" or self.db is None:
             return
         op_key = hashlib.sha256(flow.request.raw_content or b"").hexdigest()
-        self.db.execute("BEGIN IMMEDIATE")
-        claimed = self.db.execute(
-            "INSERT INTO claims (op_key, state, started_at) VALUES (?, 'in_flight', ?)"
-            " ON CONFLICT(op_key) DO NOTHING", (op_key, time.time())).rowcount
-        self.db.execute("COMMIT")
-        if claimed:
+        if claim(self.db, op_key, time.time()):
             flow.metadata["ledger_floor"] = op_key
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -68,9 +86,7 @@ class LedgerFloor:
             return
         tee = flow.response.stream
         body = b"".join(tee.chunks) if isinstance(tee, Tee) else flow.response.raw_content
-        self.db.execute(
-            "UPDATE claims SET state='completed', ended_at=?, status=?, body=? WHERE op_key=?",
-            (time.time(), flow.response.status_code, body, op_key))
+        end(self.db, op_key, flow.response.status_code, body, time.time())
 
 
 addons = [LedgerFloor()]

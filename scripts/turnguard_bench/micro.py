@@ -7,6 +7,7 @@ shares can be checked against absolute microseconds. Each figure is the median o
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -214,7 +215,29 @@ def ledger_us(scale: int, workdir: Path) -> dict:
     out["ledger_claim_session_renew_us"] = _best(
         lambda i: led.claim_session("sess", now=time.time(), lease_s=300, new_id="d"), n) * 1e6
     out["ledger_recording_1.8KiB_us"] = _best(lambda i: led.recording(attempts[i]), n) * 1e6
+    # the recording of the streaming phase's 10,000-event response: one transaction that a
+    # claim made meanwhile waits behind
+    big = b"".join(upstream.events_body(10_000))
+    big_rec = Recording(200, rec.headers, big)
+    fresh = [led.admit(idents[i][0], method="POST", path=PATH, now=time.time(), guard=guard,
+                       flow_id="f", circuit_scope=idents[i][1]).attempt_id
+             for i in range(n * 5, n * 5 + 10)]
+    out["ledger_finish_completed_10000_events_ms"] = _best(
+        lambda i: led.finish(fresh[i], AttemptEnd("completed", 200, 10_000, None, big_rec),
+                             now=time.time(), circuit_cfg=cfg, eventless_failure=False),
+        2, runs=5) * 1e3
     led.close()
+
+    # The same claim and end as the bench's ledger_floor variant writes them: what any guard
+    # must commit, against the figures above (turnguard's records, indexes and checks).
+    from turnguard_bench import ledger_floor_addon as floor
+
+    db = floor.open_db(str(workdir / f"micro-floor-{uuid.uuid4().hex[:6]}.sqlite3"))
+    keys = [hashlib.sha256(_body(i, 200)).hexdigest() for i in range(n * 5 + 10)]
+    out["ledger_floor_claim_us"] = _best(lambda i: floor.claim(db, keys[i], time.time()), n) * 1e6
+    out["ledger_floor_end_1.8KiB_us"] = _best(
+        lambda i: floor.end(db, keys[i], 200, body, time.time()), n) * 1e6
+    db.close()
     return out
 
 
