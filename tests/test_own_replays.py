@@ -13,13 +13,14 @@ import asyncio
 import collections
 import json
 import time
-from dataclasses import dataclass
 
 from turnguard_core import circuit, identity, liveness, policy
 from turnguard_core.ending import AttemptEnding
 from turnguard_core.failover import FailoverStore
 from turnguard_core.knowledge import MemoryStore
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+from store_attempt import StoreAttempt
 
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 SCOPE = "route:own-replays"
@@ -34,19 +35,6 @@ def ident(text: str, idempotency_key: str | None = None) -> identity.Identity:
     out = identity.identify(view)
     assert isinstance(out, identity.Identity)
     return out
-
-
-@dataclass
-class Attempt:
-    ident: identity.Identity
-    attempt_id: int | None
-    generation: str
-    kind: str = "original"
-    flow_id: str = "f"
-    method: str = "POST"
-    route: str = "/v1/responses"
-    circuit_scope: str = SCOPE
-    transport: str = "http"
 
 
 class Traced:
@@ -77,7 +65,7 @@ class Traced:
         recording = Recording(200, (("content-type", "text/event-stream"),), body)
         ending = AttemptEnding("completed", recording, None, False, None, None)
         landed = self.store.finish(
-            Attempt(i, attempt_id, self.store.generation), ending,
+            StoreAttempt(i, attempt_id, self.store.generation, circuit_scope=SCOPE), ending,
             AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
             circuit_cfg=circuit.CircuitConfig(), base={})
         assert landed is not None

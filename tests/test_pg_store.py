@@ -25,6 +25,8 @@ from turnguard_core.pg_ledger import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from turnguard_core.pg_ledger import PgLedger, PgLedgerAdmin
 from turnguard_shell import config
 
+from store_attempt import StoreAttempt
+
 GUARD = policy.GuardPolicy(replay=True, replay_window_s=300, retention_s=3600)
 
 
@@ -270,25 +272,11 @@ async def test_a_database_made_again_under_a_running_process_gets_its_attempts_i
     """The heartbeat finds another generation: an outage, never an empty ledger. The process
     opens the new database and registers its attempt in flight there before deciding from it,
     so another process holds that operation's duplicates instead of dispatching them."""
-    from dataclasses import dataclass
-
     from turnguard_core import failover
 
     monkeypatch.setattr(failover, "HEARTBEAT_S", 0.2)
 
-    @dataclass
-    class Attempt:
-        ident: identity.Identity
-        attempt_id: int | None
-        generation: str
-        kind: str = "original"
-        flow_id: str = "f"
-        method: str = "POST"
-        route: str = "/v1/responses"
-        circuit_scope: str = "route:x"
-        transport: str = "http"
-
-    attempts: list[Attempt] = []
+    attempts: list[StoreAttempt] = []
     store = FailoverStore(
         instance_id="me", identity=liveness.read_process_identity(), emit=lambda *a, **k: None,
         memory=MemoryStore(), kept=collections.deque(), attempts=lambda: attempts,
@@ -300,7 +288,7 @@ async def test_a_database_made_again_under_a_running_process_gets_its_attempts_i
             i, method="POST", route="/v1/responses", flow_id="f", circuit_scope="route:x",
             recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
             window_s=300, threshold=2, deadline=time.monotonic() + 5)
-        attempts.append(Attempt(i, claim.attempt_id, store.generation))
+        attempts.append(StoreAttempt(i, claim.attempt_id, store.generation))
         old = store.generation
         sql(pg_url, "DROP TABLE meta, spool, attempts, operations, circuits, sessions,"
                     " instances, control_audit")

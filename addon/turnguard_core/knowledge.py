@@ -95,14 +95,20 @@ class Knowledge:
             table.popitem(last=False)
 
     # -- reading -------------------------------------------------------------------------------
+    def _replayable(
+        self, op_key: str, fingerprint: str, now: float, window_s: float
+    ) -> KnownRecording | None:
+        known = self._recordings.get(op_key)
+        if known is None or known.fingerprint != fingerprint or now - known.ended_at > window_s:
+            return None
+        return known
+
     def recording(
         self, op_key: str, *, fingerprint: str, now: float, window_s: float
     ) -> Recording | None:
         """A recording of ``op_key`` for this very body that ended within ``window_s``."""
-        known = self._recordings.get(op_key)
-        if known is None or known.fingerprint != fingerprint or now - known.ended_at > window_s:
-            return None
-        return known.recording
+        known = self._replayable(op_key, fingerprint, now, window_s)
+        return None if known is None else known.recording
 
     def replay_attempt(
         self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
@@ -110,11 +116,8 @@ class Knowledge:
         """The row, in the ledger file of ``generation``, of a recording of ``op_key`` for
         this very body that ended within ``window_s`` (None: none known, or its attempt has
         no row in that file: an id of another file may name another operation's attempt)."""
-        known = self._recordings.get(op_key)
-        if known is None or known.fingerprint != fingerprint or now - known.ended_at > window_s \
-                or known.generation != generation:
-            return None
-        return known.attempt_id
+        known = self._replayable(op_key, fingerprint, now, window_s)
+        return None if known is None or known.generation != generation else known.attempt_id
 
     def facts(
         self, op_key: str, *, in_flight_here: bool, fingerprint: str, now: float,
@@ -167,9 +170,9 @@ class MemoryStore:
         changes it. So the answer is known here from the attempt's end (remembered with the
         ``ended_at`` the ledger was given), unless the ledger did not take that end
         (``Knowledge.superseded``) or is another file now (``generation``: the ledger's in
-        use). A process whose window is longer than another's may
-        replay a recording the other has since run again: an answer of the same request
-        either way, never a dispatch."""
+        use). A process whose window is longer than another's may replay a recording the
+        other has since run again: an answer of the same request either way, never a
+        dispatch."""
         if window_s is None:
             return None
         attempt_id = self.knowledge.replay_attempt(

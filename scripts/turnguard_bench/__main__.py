@@ -1,7 +1,7 @@
 """scripts/bench: turnguard side by side with plain mitmdump, on one loopback upstream.
 
     scripts/bench [--quick] [--json FILE] [--phases LIST] [--set K=V] [--addon-rev REV] [--keep]
-    scripts/bench --profile DIR [--profile-seconds S] [--addon-rev REV]
+    scripts/bench --profile DIR [--profile-seconds S] [--profile-clients N] [--addon-rev REV]
 
 Prints a table (absolute figures and turnguard/plain ratios) and the targets of issue 5; with
 ``--json FILE`` also writes every measurement. The exit status is 1 when a correctness check
@@ -133,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                         "collapsed stacks to DIR and print where turnguard's time goes")
     p.add_argument("--profile-seconds", type=float, default=20.0,
                    help="seconds of load per profiled scenario (default 20)")
+    p.add_argument("--profile-clients", type=int, default=32,
+                   help="concurrent clients of the profiled per-request load (default 32; 1: "
+                        "no batching, each request alone)")
     args = p.parse_args(argv)
 
+    if args.profile_clients < 1:
+        p.error(f"--profile-clients wants 1 or more, not {args.profile_clients}")
     cfg = config.quick() if args.quick else config.full()
     if args.phases:
         wanted = tuple(x.strip() for x in args.phases.split(",") if x.strip())
@@ -164,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(profiling.run(
                 cfg, workdir, Path(args.profile), args.profile_seconds,
-                f"git {args.addon_rev}" if args.addon_rev else "working tree"))
+                f"git {args.addon_rev}" if args.addon_rev else "working tree",
+                clients=args.profile_clients))
         res = asyncio.run(run_all(cfg, workdir))
         if args.addon_rev:
             res["environment"]["addon_from"] = f"git {args.addon_rev}"

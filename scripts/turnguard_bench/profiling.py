@@ -1,7 +1,8 @@
 """``scripts/bench --profile DIR``: where a turnguard mitmdump spends its time under load.
 
 py-spy (``requirements-bench.txt``) samples the mitmdump process while the bench client drives
-one scenario at a time: ``requests`` (32 clients, short guarded SSE answers), ``streaming``
+one scenario at a time: ``requests`` (32 clients unless ``--profile-clients`` says otherwise,
+short guarded SSE answers), ``streaming``
 (10,000-event responses, one client), ``replay`` (100 KiB replays, 4 clients) and ``holds``
 (1,000 duplicates of 10 held operations, then the release). Each profile is written to
 ``DIR/<scenario>.txt`` in py-spy's raw (collapsed stack) format, which flamegraph.pl and
@@ -212,13 +213,15 @@ def render(res: dict, unit_name: str) -> str:
     return "\n".join(out)
 
 
-async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str) -> dict:
+async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str, *,
+                clients: int) -> dict:
     outdir.mkdir(parents=True, exist_ok=True)
     up = procs.start_upstream(workdir)
-    results: dict = {"environment": {**environment(), "addon_from": addon_from}}
+    results: dict = {"environment": {**environment(), "addon_from": addon_from,
+                                     "requests_clients": clients}}
     env = results["environment"]
     print(f"profiling turnguard: git {env['git']}, addon from {addon_from}, sha256 {env['addon_sha256']}, "
-          f"load average {env['loadavg_before']}", flush=True)
+          f"load average {env['loadavg_before']}; 'requests' with {clients} client{'s' * (clients != 1)}", flush=True)
     try:
         ms = procs.start_mitmdumps(workdir, up.url, {
             "profile-turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20,
@@ -233,7 +236,7 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
             nonce = "prof-" + uuid.uuid4().hex[:8]
             load = await client.run_load(
                 target.port, lambda i: phases.model_request(nonce, i, session=f"s{i % 64}"),
-                10**7, 32, time_limit_s=seconds)
+                10**7, clients, time_limit_s=seconds)
             return {"count": sum(r.error is None for r in load.results)}
 
         async def streaming(target=p):
@@ -303,6 +306,7 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
     return results
 
 
-async def run(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str) -> int:
-    res = await _main(cfg, workdir, outdir, seconds, addon_from)
+async def run(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str, *,
+              clients: int = 32) -> int:
+    res = await _main(cfg, workdir, outdir, seconds, addon_from, clients=clients)
     return 0 if res else 1
