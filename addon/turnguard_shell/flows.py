@@ -110,18 +110,25 @@ def _headers(pairs) -> http.Headers:
 
 def make_response(status: int, body: bytes, headers: http.Headers) -> http.Response:
     """What ``http.Response.make(status, body, headers)`` makes (``body`` encoded as the
-    headers' content coding says, the ``content-length`` header set), without checking its
-    fields' types again (mitmproxy's ``MessageData.__post_init__``, about 20 us a response;
-    turnguard's are right by construction): its state (``ResponseData``) given directly."""
+    headers' content coding says, the ``content-length`` header set)."""
+    resp = _response(status, headers, None)
+    resp.content = body
+    return resp
+
+
+def _response(status: int, headers: http.Headers, raw_content: bytes | None) -> http.Response:
+    """A response whose body is ``raw_content`` as it goes on the wire, made without checking
+    its fields' types again (mitmproxy's ``MessageData.__post_init__``, about 20 us a
+    response; turnguard's are right by construction): its state (``ResponseData``) given
+    directly."""
     data = object.__new__(http.ResponseData)
     now = time.time()
     data.__dict__.update(
-        http_version=b"HTTP/1.1", headers=headers, content=None, trailers=None,
+        http_version=b"HTTP/1.1", headers=headers, content=raw_content, trailers=None,
         timestamp_start=now, timestamp_end=now, status_code=status,
         reason=status_codes.RESPONSES.get(status, "").encode())
     resp = object.__new__(http.Response)
     resp.data = data
-    resp.content = body
     return resp
 
 
@@ -135,8 +142,7 @@ def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes, *
            how: str = "replayed") -> None:
     """Answer the flow from a recording (or, ``how`` "attached", from the whole response of
     the attempt it attached to): the bytes as given (never re-encoded by mitmproxy)."""
-    resp = make_response(status, b"", _headers(headers))
-    resp.raw_content = body
+    resp = _response(status, _headers(headers), body)
     resp.headers["content-length"] = str(len(body))
     resp.headers["x-turnguard"] = how
     flow.response = resp

@@ -1,0 +1,84 @@
+"""Telemetry's log lines: the record each decision makes, and when none is made at all."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from turnguard_core import telemetry
+from turnguard_core.telemetry import Telemetry
+
+
+class Keep(logging.Handler):
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def kept():
+    log = logging.getLogger("turnguard")
+    handler, level, propagate = Keep(), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+        log.disabled = False
+
+
+def test_a_decision_is_one_record_as_logger_log_would_make_it(kept):
+    Telemetry(clock=lambda: 12.5).emit("duplicate_replayed", op="ab12", flow="f1", status=200)
+    [record] = kept.records
+    assert record.name == "turnguard" and record.levelno == logging.INFO
+    assert record.getMessage() == ('turnguard {"ts":12.5,"event":"duplicate_replayed",'
+                                   '"op":"ab12","flow":"f1","status":200}')
+    # where logger.log would have placed it: the caller, Telemetry.emit in telemetry.py
+    code = Telemetry.emit.__code__
+    assert record.pathname == telemetry.__file__ and record.filename == "telemetry.py"
+    assert record.module == "telemetry" and record.funcName == "emit"
+    assert code.co_firstlineno <= record.lineno <= max(line for _, _, line in code.co_lines()
+                                                        if line is not None)
+    assert record.exc_info is None and record.stack_info is None
+    assert json.loads(record.args[0])["event"] == "duplicate_replayed"
+
+
+def test_routine_events_are_debug_and_the_others_info(kept):
+    t = Telemetry()
+    t.emit("dispatch", op="a")
+    t.emit("outcome", op="a")
+    t.emit("duplicate_held", op="a")
+    assert [(r.levelno, json.loads(r.args[0])["event"]) for r in kept.records] == [
+        (logging.DEBUG, "dispatch"), (logging.DEBUG, "outcome"), (logging.INFO, "duplicate_held")]
+
+
+def test_no_record_is_made_when_no_handler_takes_it_nor_for_a_disabled_logger(kept):
+    kept.setLevel(logging.INFO)
+    t = Telemetry()
+    t.emit("dispatch", op="a")  # DEBUG: no handler takes it
+    assert kept.records == [] and t.counts["dispatch"] == 1
+    logging.getLogger("turnguard").disabled = True
+    t.emit("duplicate_held", op="a")
+    assert kept.records == [] and t.counts["duplicate_held"] == 1
+
+
+def test_the_loggers_filters_still_apply(kept):
+    log = logging.getLogger("turnguard")
+    dropped = lambda record: "duplicate_held" not in record.getMessage()  # noqa: E731
+    log.addFilter(dropped)
+    try:
+        t = Telemetry()
+        t.emit("duplicate_held", op="a")
+        t.emit("duplicate_replayed", op="a")
+    finally:
+        log.removeFilter(dropped)
+    assert [json.loads(r.args[0])["event"] for r in kept.records] == ["duplicate_replayed"]
