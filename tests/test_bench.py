@@ -143,6 +143,39 @@ def test_replays_are_byte_identical_and_never_dispatched(quick_run):
     assert all(rp["checks"].values())
 
 
+REPLAY_PARTS = ("request hook", "identity", "request facts (session owner)",
+                "decision (admission, ledger)", "replay answer")
+DISPATCH_PARTS = ("request hook", "identity", "request facts (session owner)",
+                  "decision (admission, ledger)", "dispatch start (attempt, heartbeat)",
+                  "responseheaders hook", "response hook")
+
+
+@pytest.mark.slow
+def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run):
+    data, text = quick_run
+    hk = data["hooks"]
+    assert all(hk["checks"].values()) and "4a. inside mitmdump" in text
+    n, replay = hk["replay"]["requests"], hk["replay"]["turnguard"]
+    for part in REPLAY_PARTS:
+        assert replay[part]["calls"] == n, part
+        assert _num(replay[part]["median_us"]) and replay[part]["median_us"] > 0, part
+    # every replay is explained by one log line: its record made and handled
+    assert replay["log record handling (handlers)"]["calls"] >= n
+    assert replay["telemetry line (JSON, log record)"]["calls"] >= n
+    assert "dispatch start (attempt, heartbeat)" not in replay  # nothing goes upstream
+    # the parts nest: a replay's identity, decision and answer are within its hook
+    inner = sum(replay[p]["total_us"] for p in REPLAY_PARTS[1:])
+    assert inner <= replay["request hook"]["total_us"]
+    assert hk["replay"]["answer_floor"]["request hook"]["calls"] == n
+    m, dispatch = hk["dispatch"]["requests"], hk["dispatch"]["turnguard"]
+    for part in DISPATCH_PARTS:
+        assert dispatch[part]["calls"] == m and _num(dispatch[part]["us_per_request"]), part
+    assert "replay answer" not in dispatch
+    # dispatch and outcome: at DEBUG, so no log record is made for them
+    assert dispatch["telemetry line (JSON, log record)"]["calls"] >= 2 * m
+    assert dispatch.get("log record handling (handlers)", {"calls": 0})["calls"] < m
+
+
 @pytest.mark.slow
 def test_ledger_claims_and_exactly_once(quick_run):
     le = quick_run[0]["ledger"]

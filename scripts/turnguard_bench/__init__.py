@@ -6,6 +6,7 @@ Modules:
     client     an asyncio keep-alive HTTP/1.1 load client (raw sockets, bounded in count and time)
     procs      starting and stopping the upstream and the mitmdump variants; /proc CPU and RSS
     phases     the measurements of issue 5 (per-request, streaming, holds, replay, ledger, soak)
+    hooks_phase   turnguard's hooks and their parts timed inside mitmdump (hook_timer_addon)
     ledger_bench  ledger claims/s from 1 and 4 processes and the exactly-once check
     micro      in-process micro-benchmarks of turnguard's core (identity, SSE, tee, telemetry)
     report     the table and the JSON

@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turnguard_bench import config, ledger_bench, micro, phases, procs, relay_phase, report
+from turnguard_bench import (config, hooks_phase, ledger_bench, micro, phases, procs,
+                             relay_phase, report)
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -85,6 +86,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
                     p.stop()
         if "holds" in cfg.phases:
             res["holds"] = await phases.holds(cfg, workdir)
+        if "hooks" in cfg.phases:
+            phases.log("inside mitmdump: turnguard's hooks and their parts, timed")
+            res["hooks"] = await hooks_phase.hooks(cfg, workdir, up)
         if "relay" in cfg.phases:
             phases.log("the relay's cost: detached dispatches vs direct ones")
             res["relay"] = await relay_phase.relay(cfg, workdir, up)

@@ -27,6 +27,7 @@ START_TIMEOUT_S = 30.0
 FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
 ANSWER_FLOOR_ADDON = Path(__file__).with_name("answer_floor_addon.py")
 LEDGER_FLOOR_ADDON = Path(__file__).with_name("ledger_floor_addon.py")
+HOOK_TIMER_ADDON = Path(__file__).with_name("hook_timer_addon.py")
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
 
@@ -171,9 +172,11 @@ def start_upstream(workdir: Path, name: str = "upstream") -> Proc:
 
 
 def start_mitmdumps(
-    workdir: Path, upstream_url: str, specs: dict[str, tuple[str, dict[str, object]]]
+    workdir: Path, upstream_url: str, specs: dict[str, tuple[str, dict[str, object]]],
+    *, hook_timer: bool = False,
 ) -> dict[str, Proc]:
-    """Start several mitmdump processes at once. ``specs``: name -> (variant, extra options)."""
+    """Start several mitmdump processes at once. ``specs``: name -> (variant, extra options).
+    ``hook_timer``: each also loads ``hook_timer_addon.py`` after its addon."""
     procs: dict[str, Proc] = {}
     try:
         for name, (variant, options) in specs.items():
@@ -197,6 +200,8 @@ def start_mitmdumps(
                 opts["turnguard_ledger"] = str(workdir / f"{name}-ledger.sqlite3")
             elif variant != "plain":
                 raise ValueError(f"unknown variant {variant}")
+            if hook_timer:
+                cmd += ["-s", str(HOOK_TIMER_ADDON)]
             opts.update(options)
             for k, v in opts.items():
                 if isinstance(v, bool):

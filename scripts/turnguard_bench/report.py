@@ -282,6 +282,21 @@ def render(res: dict) -> str:
         o.append(table(rows, ["body", "variant", "req/s", "MiB/s", "median ms", "p99 ms", "spread"]))
         o.append(f"checks: {rp['checks']}")
 
+    hk = res.get("hooks")
+    if hk:
+        o.append(_section("4a. inside mitmdump: the hooks and their parts, timed in the process "
+                          "(parts nest: the request hook holds the others)"))
+        rows = []
+        for load in ("replay", "dispatch"):
+            for v in ("answer_floor", "turnguard"):
+                for part, t in hk[load].get(v, {}).items():
+                    rows.append([load, v, part, _f(t["calls_per_request"], ".2f"),
+                                 _f(t["median_us"], ".1f"), _f(t["p90_us"], ".1f"),
+                                 _f(t["us_per_request"], ".1f")])
+        o.append(table(rows, ["load", "addon", "part", "calls/req", "median us", "p90 us",
+                              "us/req"]))
+        o.append(f"checks: {hk['checks']}")
+
     rl = res.get("relay")
     if rl:
         o.append(_section("4b. the relay's cost: turnguard_detach_ms (the call on turnguard's own "

@@ -1,0 +1,121 @@
+"""The benchmark's hook timer (the ``hooks`` phase): times, inside a running mitmdump, the
+hooks of the addon it measures and named parts of them: the CPU time of the thread that runs
+them (``time.thread_time()``: the event loop's; time the process is not running, preempted
+by the load's clients on a small machine, does not count).
+
+Loaded after the measured addon (``-s addon/turnguard.py -s hook_timer_addon.py``). At
+``running`` it replaces each timed callable (``PARTS``: attribute paths from the addon, e.g.
+``replayer.replay``; the ``turnguard`` logger's ``handle``) with a wrapper on its instance, so
+that every call of it from then on is timed; mitmproxy looks a hook up on its addon at every
+call, so the hooks are timed too. A part that suspends (awaits something that is not ready) is
+timed to its end, its waiting included: the parts of a replay and of a claim on an
+uncontended ledger never suspend.
+
+``GET /_bench/hook_times`` (answered by this addon, never timed) returns what was timed since
+the last such request, as JSON, and starts over: ``{"addon": name, "parts": {part: {"calls":
+n, "median_us": .., "p90_us": .., "total_us": ..}}}``. Parts nest (the request hook includes
+its identity, its decision and its answer; the answer includes its telemetry line): each is
+timed as a whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import time
+
+from mitmproxy import ctx, http
+
+TIMES_PATH = "/_bench/hook_times"
+
+# the measured addon (by mitmproxy's name for it) -> part -> the attribute path of the callable
+PARTS: dict[str, dict[str, str]] = {
+    "turnguard": {
+        "request hook": "request",
+        "identity": "identifier.identify",
+        "request facts (session owner)": "request_facts",
+        "decision (admission, ledger)": "decide",
+        "replay answer": "replayer.replay",
+        "dispatch start (attempt, heartbeat)": "inflight.start",
+        "telemetry line (JSON, log record)": "telemetry.emit",
+        "responseheaders hook": "responseheaders",
+        "response hook": "response",
+    },
+    "answerfloor": {"request hook": "request", "response hook": "response"},
+}
+LOG_PART = "log record handling (handlers)"  # the "turnguard" logger's handle(), with turnguard
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _ours(args: tuple) -> bool:
+    """Whether a call is about one of this addon's own requests (never timed)."""
+    return bool(args) and isinstance(args[0], http.HTTPFlow) \
+        and args[0].request.path.startswith("/_bench/")
+
+
+class HookTimer:
+    def __init__(self) -> None:
+        self.addon: str | None = None
+        self.samples: dict[str, list[float]] = {}
+
+    def running(self) -> None:
+        for name, parts in PARTS.items():
+            target = ctx.master.addons.get(name)
+            if target is None:
+                continue
+            self.addon = name
+            for part, path in parts.items():
+                *owners, attr = path.split(".")
+                owner = functools.reduce(getattr, owners, target)
+                self._wrap(owner, attr, part)
+            if name == "turnguard":
+                self._wrap(logging.getLogger("turnguard"), "handle", LOG_PART)
+            return
+        logging.getLogger(__name__).warning("hook timer: no addon of %s loaded", list(PARTS))
+
+    def _wrap(self, owner: object, attr: str, part: str) -> None:
+        func = getattr(owner, attr)
+        samples = self.samples.setdefault(part, [])
+        clock = time.thread_time
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def timed_async(*args, **kwargs):
+                t0 = clock()
+                try:
+                    return await func(*args, **kwargs)
+                finally:
+                    if not _ours(args):
+                        samples.append(clock() - t0)
+            setattr(owner, attr, timed_async)
+        else:
+            @functools.wraps(func)
+            def timed(*args, **kwargs):
+                t0 = clock()
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    if not _ours(args):
+                        samples.append(clock() - t0)
+            setattr(owner, attr, timed)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.request.path != TIMES_PATH:
+            return
+        parts = {}
+        for part, samples in self.samples.items():
+            s = sorted(samples)
+            parts[part] = {"calls": len(s), "median_us": _percentile(s, 0.5) * 1e6 if s else None,
+                           "p90_us": _percentile(s, 0.9) * 1e6 if s else None,
+                           "total_us": sum(s) * 1e6}
+            samples.clear()
+        flow.response = http.Response.make(
+            200, json.dumps({"addon": self.addon, "parts": parts}).encode(),
+            {"content-type": "application/json"})
+
+
+addons = [HookTimer()]
