@@ -10,6 +10,7 @@ from typing import Callable
 from mitmproxy import http
 
 from turnguard_core import identity, machine, negotiation
+from turnguard_core.identity_memo import IdentityMemo
 from turnguard_core.ledger import Recording
 from turnguard_core.codec import BoundedCodec
 from turnguard_core.failover import FailoverStore
@@ -25,12 +26,14 @@ MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than
 class Identifier:
     def __init__(self) -> None:
         self._worker = IdentityWorker()  # started the first time a large body arrives
+        self._memo = IdentityMemo()  # a retry of a request seen last: identified at once
 
     async def identify(
         self, flow: http.HTTPFlow, timeout_s: float, credential_headers: tuple[str, ...]
     ) -> identity.Identity | identity.Passthrough:
-        """The request's identity: computed here for a small body, in the worker process for a
-        large one (``offload``), so that no body holds the event loop for long."""
+        """The request's identity: computed here for a small body (remembered for its retries:
+        ``identity_memo``), in the worker process for a large one (``offload``), so that no
+        body holds the event loop for long."""
         return await self.identify_view(flows.request_view(flow, MAX_GUARDED_BODY), timeout_s,
                                         credential_headers)
 
@@ -42,7 +45,7 @@ class Identifier:
             return view
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY, credential_headers=credential_headers)
         if view.body is None or len(view.body) <= INLINE_MAX_BYTES:
-            return identity.identify(view, **kwargs)
+            return self._memo.identify(view, **kwargs)
         return await self._worker.identify(
             view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)
 

@@ -24,20 +24,25 @@ import functools
 import inspect
 import json
 import logging
+import sys
 import time
 
 from mitmproxy import ctx, http
 
 TIMES_PATH = "/_bench/hook_times"
 
-# the measured addon (by mitmproxy's name for it) -> part -> the attribute path of the callable
+# the measured addon (by mitmproxy's name for it) -> part -> the callable: an attribute path
+# from the addon, or "module:function" for a function its modules call through their module
 PARTS: dict[str, dict[str, str]] = {
     "turnguard": {
         "request hook": "request",
         "identity": "identifier.identify",
+        "identity: the request's view (headers, body)": "turnguard_shell.flows:request_view",
+        "identity: parsing and hashing": "turnguard_core.identity:identify",
         "request facts (session owner)": "request_facts",
         "decision (admission, ledger)": "decide",
         "replay answer": "replayer.replay",
+        "replay answer: the response made": "turnguard_shell.flows:replay",
         "dispatch start (attempt, heartbeat)": "inflight.start",
         "telemetry line (JSON, log record)": "telemetry.emit",
         "responseheaders hook": "responseheaders",
@@ -70,8 +75,10 @@ class HookTimer:
                 continue
             self.addon = name
             for part, path in parts.items():
+                module, colon, path = path.rpartition(":")
                 *owners, attr = path.split(".")
-                owner = functools.reduce(getattr, owners, target)
+                owner = functools.reduce(getattr, owners,
+                                         sys.modules[module] if colon else target)
                 self._wrap(owner, attr, part)
             if name == "turnguard":
                 self._wrap(logging.getLogger("turnguard"), "handle", LOG_PART)
