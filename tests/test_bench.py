@@ -163,6 +163,11 @@ def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run)
     assert replay["log record handling (handlers)"]["calls"] >= n
     assert replay["telemetry line (JSON, log record)"]["calls"] >= n
     assert "dispatch start (attempt, heartbeat)" not in replay  # nothing goes upstream
+    # a replay is the request identified just before, byte for byte: its identity is
+    # remembered (identity_memo), its body never parsed again; each new operation's is
+    parsing = "identity: parsing and hashing (not remembered)"
+    assert parsing not in replay
+    assert hk["dispatch"]["turnguard"][parsing]["calls"] == hk["dispatch"]["requests"]
     # the parts nest: a replay's identity, decision and answer are within its hook
     inner = sum(replay[p]["total_us"] for p in REPLAY_PARTS[1:])
     assert inner <= replay["request hook"]["total_us"]

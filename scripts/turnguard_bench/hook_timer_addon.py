@@ -32,13 +32,15 @@ from mitmproxy import ctx, http
 TIMES_PATH = "/_bench/hook_times"
 
 # the measured addon (by mitmproxy's name for it) -> part -> the callable: an attribute path
-# from the addon, or "module:function" for a function its modules call through their module
+# from the addon, or "module:function" for a function its modules call through their module;
+# several, separated by "|": the first that exists (an older addon, --addon-rev, has another)
 PARTS: dict[str, dict[str, str]] = {
     "turnguard": {
         "request hook": "request",
         "identity": "identifier.identify",
         "identity: the request's view (headers, body)": "turnguard_shell.flows:request_view",
-        "identity: parsing and hashing": "turnguard_core.identity:identify",
+        "identity: parsing and hashing (not remembered)":
+            "turnguard_core.identity_memo:identify|turnguard_core.identity:identify",
         "request facts (session owner)": "request_facts",
         "decision (admission, ledger)": "decide",
         "replay answer": "replayer.replay",
@@ -74,12 +76,18 @@ class HookTimer:
             if target is None:
                 continue
             self.addon = name
-            for part, path in parts.items():
-                module, colon, path = path.rpartition(":")
-                *owners, attr = path.split(".")
-                owner = functools.reduce(getattr, owners,
-                                         sys.modules[module] if colon else target)
-                self._wrap(owner, attr, part)
+            for part, paths in parts.items():
+                for path in paths.split("|"):
+                    module, colon, path = path.rpartition(":")
+                    *owners, attr = path.split(".")
+                    try:
+                        owner = functools.reduce(getattr, owners,
+                                                 sys.modules[module] if colon else target)
+                        getattr(owner, attr)
+                    except (KeyError, AttributeError):
+                        continue
+                    self._wrap(owner, attr, part)
+                    break
             if name == "turnguard":
                 self._wrap(logging.getLogger("turnguard"), "handle", LOG_PART)
             return
