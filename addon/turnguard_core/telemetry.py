@@ -86,7 +86,7 @@ class Telemetry:
                 logger.warning("turnguard: cannot write telemetry to %s: %s", self.path, e)
         if to_log:
             # what logger.log(level, "turnguard %s", line) makes and handles, without its
-            # walk of the stack for the caller (this method, always): 5 us of a 60 us line
+            # walk of the stack for the caller (this method, always): a fifth of the line's cost
             logger.handle(logger.makeRecord(logger.name, level, __file__, _EMIT_LINE,
                                             "turnguard %s", (line,), None, "emit"))
 
