@@ -133,3 +133,20 @@ def test_turnguard_records_skip_only_the_deprecated_add_log_bridge():
         finally:
             undo()
         assert all(h.filter(record("turnguard")) for h in legacy)
+
+
+def test_the_inject_websocket_command_body_is_reached_without_its_argument_check(caplog):
+    from turnguard_core.proxy_internals import command_body
+
+    proxyserver = Proxyserver()
+    send = command_body(proxyserver, "inject_websocket")
+    assert send is not None and send.__self__ is proxyserver
+    assert Proxyserver.inject_websocket.command_name == "inject.websocket"
+    assert send.__func__ is Proxyserver.inject_websocket.__wrapped__  # the command's own body
+    # the same body: a flow that is not a WebSocket is refused with the command's warning
+    from mitmproxy.test import tflow
+
+    with caplog.at_level("WARNING"):
+        send(tflow.tflow(), True, b"{}", True)
+    assert "Cannot inject WebSocket messages into non-WebSocket flows" in caplog.text
+    assert command_body(object(), "inject_websocket") is None  # then the shell uses the command

@@ -158,6 +158,38 @@ def test_an_error_event_before_output_is_a_failure_without_output():
     assert read(["not json", "{}", '{"type": 1}']).unreadable == 3
 
 
+_FRAMES = response_frames("resp_9", [{"type": "message", "role": "assistant", "content": []}])
+upstream_frames = st.lists(st.one_of(
+    st.sampled_from(_FRAMES + ['{"type":"response.create"}', '{"type": 1}', "[]",
+                               ' {"type":"x"}']),
+    st.text(max_size=12),
+    st.builds(lambda t, v: json.dumps({"type": t, "v": v}), st.text(max_size=8), st.integers()),
+), max_size=12)
+
+
+def _state(events: ws.ResponseEvents) -> tuple:
+    return (events.events_seen, events.output_seen, events.unreadable, events.terminal,
+            events.terminal_type, events.error_status, events.response_id, events.output_items,
+            events.over_cap, events.sse_body)
+
+
+@given(upstream_frames, st.sampled_from([0, 64, 1 << 20]), st.sampled_from([8, 1 << 20]))
+def test_a_frame_read_once_by_upstream_event_feeds_as_a_frame_read_twice(frames, keep, max_event):
+    once = ws.ResponseEvents(keep_max_bytes=keep, max_event_bytes=max_event)
+    twice = ws.ResponseEvents(keep_max_bytes=keep, max_event_bytes=max_event)
+    for text in frames:
+        speaks, event = ws.upstream_event(text)
+        assert speaks == ws.speaks_responses(text)
+        assert once.feed(text, event) == twice.feed(text)
+    assert _state(once) == _state(twice)
+
+
+def test_a_frame_too_large_to_read_speaks_responses_but_is_read_by_feed_alone():
+    big = json.dumps({"type": "response.output_text.delta", "delta": "x" * 100})
+    assert ws.upstream_event(big, max_bytes=10) == (True, None)
+    assert ws.upstream_event('{"type":"response.create"}') == (False, {"type": "response.create"})
+
+
 def test_events_over_the_cap_are_not_kept():
     events = read(response_frames("r", [user("x" * 100)]), keep=100)
     assert events.over_cap and events.sse_body is None

@@ -1,5 +1,6 @@
 """The one place turnguard relies on mitmproxy internals: cutting a flow's upstream connection,
-and telling whether an HTTP/2 client still wants a stream that turnguard holds.
+telling whether an HTTP/2 client still wants a stream that turnguard holds, and injecting a
+WebSocket message without the command's per-call argument check.
 
 Cutting.
 
@@ -21,6 +22,13 @@ Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-repl
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
 client is a stand-in, so the upstream call outlives the real client's connection;
 ``cut_handler_upstream`` cuts it as above.
+
+Injecting WebSocket messages. mitmproxy's ``inject.websocket`` command checks its arguments
+against the method's signature on every call (``inspect.signature``: about 0.1 ms a message
+under load, most of what injecting costs). turnguard calls the command's own method body
+(``command_body``: the function its ``@command`` decorator wraps, reached through
+``functools.wraps``' ``__wrapped__``) with arguments turnguard types itself, and the command
+when that is not there.
 
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
@@ -65,6 +73,14 @@ def cut_handler_upstream(handler, server_conn, reason: str) -> str | None:
         return "server connection already closed"
     task.cancel(reason)
     return None
+
+
+def command_body(addon, method_name: str):
+    """``addon``'s command method ``method_name`` without its ``@command`` argument check,
+    bound to ``addon``; None when there is no such wrapped method (the caller then goes
+    through the command)."""
+    body = getattr(getattr(type(addon), method_name, None), "__wrapped__", None)
+    return None if body is None else body.__get__(addon)
 
 
 def client_stream_closed(http_layer, flow, client_conn) -> bool | None:

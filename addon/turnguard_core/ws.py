@@ -27,7 +27,8 @@ Contract
 * ``speaks_responses(text)`` tells an upstream frame that can be a Responses event (a JSON
   object with a str ``type`` other than the client's ``response.create``) from one that shows
   the socket speaks something else (an echo, another protocol): the shell then stops guarding
-  that socket.
+  that socket. ``upstream_event(text)`` says the same with the event it read, which
+  ``feed(text, event)`` then takes without reading the frame again.
 * ``frames_of_recording(body)`` turns a recorded SSE body back into event frames;
   ``error_frame`` is turnguard's own answer on this transport: an ``error`` event that always
   carries a numeric ``status`` (Codex ignores one without and hangs).
@@ -54,6 +55,7 @@ __all__ = [
     "frames_of_recording",
     "parse_client_frame",
     "speaks_responses",
+    "upstream_event",
     "ws_status",
 ]
 
@@ -207,9 +209,11 @@ class ResponseEvents:
             return None
         return b"".join(self._kept)
 
-    def feed(self, text: str) -> str | None:
-        """Take one server frame's text; returns its event type (None: not an event)."""
-        event = _parse_event(text, self._max_event)
+    def feed(self, text: str, event: dict[str, Any] | None = None) -> str | None:
+        """Take one server frame's text; returns its event type (None: not an event).
+        ``event``: the frame already read by ``upstream_event`` (it is not read again)."""
+        if event is None or len(text) > self._max_event:
+            event = _parse_event(text, self._max_event)
         if event is None:
             self.unreadable += 1
             return None
@@ -273,10 +277,17 @@ def _parse_event(text: str, max_bytes: int) -> dict[str, Any] | None:
 def speaks_responses(text: str, max_bytes: int = 8 * 1024 * 1024) -> bool:
     """Whether an upstream text frame can be a Responses event (see the module's contract).
     A frame too large to read is given the benefit of the doubt."""
+    return upstream_event(text, max_bytes)[0]
+
+
+def upstream_event(text: str, max_bytes: int = 8 * 1024 * 1024
+                   ) -> tuple[bool, dict[str, Any] | None]:
+    """``speaks_responses(text)``, and the event read from the frame (None: too large to
+    read here, or not an event), for ``ResponseEvents.feed``: each frame is read once."""
     if len(text) > max_bytes:
-        return True
+        return True, None
     event = _parse_event(text, max_bytes)
-    return event is not None and event["type"] != WS_FRAME_TYPE
+    return event is not None and event["type"] != WS_FRAME_TYPE, event
 
 
 def frames_of_recording(body: bytes) -> list[str] | None:

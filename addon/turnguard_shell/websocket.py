@@ -1,9 +1,12 @@
 """The guard on a WebSocket: Codex's Responses calls sent as ``response.create`` frames.
 
-Each guarded socket (its upgrade matched ``turnguard_filter``) gets a ``Socket``. The client's
-frames are dropped as they arrive (``websocket_message`` never waits) and queued; a task per
-socket takes them in order, one response at a time (the protocol's own rule), and for each
-call runs the same request machine, with the same ledger, as an HTTP request:
+Each guarded socket (its upgrade matched ``turnguard_filter``) gets a ``Socket``. A client's
+frame with nothing before it is decided in its own ``websocket_message`` hook as far as that
+goes without waiting (``_decide_now``): sent upstream, it goes on as it came (or rebuilt);
+otherwise it is dropped there (the hook never waits) and sent, or answered, once decided. The
+frames that come meanwhile are dropped and queued; a task per socket takes them in order, one
+response at a time (the protocol's own rule). Each call runs the same request machine, with
+the same ledger, as an HTTP request:
 
     Forward      the frame goes upstream (as sent, or rebuilt to its full input when the
                  upstream cannot know the response it continues); the response's events are
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from mitmproxy import ctx, http
 
-from turnguard_core import answers, circuit, identity, machine, negotiation, ws
+from turnguard_core import answers, circuit, identity, machine, negotiation, proxy_internals, ws
 from turnguard_core.ending import EndFacts
 from turnguard_core.live import Listener
 
@@ -73,6 +76,14 @@ class Socket:
     guarded: bool = True
     task: asyncio.Task | None = None
     attached: tuple | None = None  # (LiveResponse, Listener) while a call is attached
+    # A frame decided in its own websocket_message hook (``WebSockets._decide_now``): the
+    # hook's message while it is (``inline``; ``inline_sent``: it goes on as it is, maybe
+    # rebuilt), and the decision when it went on past the hook (``busy``, awaited before the
+    # next frame); ``serving``: ``_serve`` has a queued frame in hand.
+    inline: object | None = None
+    inline_sent: bool = False
+    busy: asyncio.Task | None = None
+    serving: bool = False
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -89,9 +100,13 @@ class Socket:
 
 def inject(flow: http.HTTPFlow, content: bytes | str, *, to_client: bool,
            is_text: bool = True) -> None:
-    """Send a message on the socket (mitmproxy's ``inject.websocket``)."""
+    """Send a message on the socket (what mitmproxy's ``inject.websocket`` does)."""
     data = content.encode("utf-8", "surrogatepass") if isinstance(content, str) else content
-    ctx.master.commands.call("inject.websocket", flow, to_client, data, is_text)
+    send = proxy_internals.command_body(ctx.master.addons.get("proxyserver"), "inject_websocket")
+    if send is None:
+        ctx.master.commands.call("inject.websocket", flow, to_client, data, is_text)
+    else:
+        send(flow, to_client, data, is_text)
 
 
 class WebSockets:
@@ -130,8 +145,32 @@ class WebSockets:
             self._guard._emit("passthrough", flow=flow.id, transport="ws",
                               reason=f"more than {MAX_QUEUED_FRAMES} frames queued")
             return  # forwarded as it is, now
+        if (sock.busy is None and not sock.serving and sock.frames.empty()
+                and sock.idle.is_set() and not sock.closed):
+            return self._decide_now(sock, message)
         message.drop()
         sock.frames.put_nowait((message.content, message.is_text))
+
+    def _decide_now(self, sock: Socket, message) -> None:
+        """Decide a frame that has nothing before it in its own hook, as far as that goes
+        without waiting (mitmproxy runs a new task eagerly, to its first wait): a frame that
+        goes upstream then goes on as the client sent it (or rebuilt), without being dropped
+        and sent again; one answered by turnguard is dropped. A decision that has to wait (a
+        hold, a ledger busy elsewhere, an identity off the loop) goes on in its task, the
+        frame dropped meanwhile and sent when decided, as a queued frame is; the socket's next
+        frames wait for it."""
+        sock.inline, sock.inline_sent = message, False
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self._one_frame(sock, message.content, message.is_text))
+        finally:
+            sent, sock.inline = sock.inline_sent, None
+        if not sent:
+            message.drop()
+        if not task.done():
+            sock.busy = task
+            task.add_done_callback(lambda t: setattr(sock, "busy", None)
+                                   if sock.busy is t else None)
 
     def end(self, flow: http.HTTPFlow) -> None:
         sock = self._sockets.pop(flow.id, None)
@@ -160,25 +199,34 @@ class WebSockets:
             item = await sock.frames.get()
             if item is None:
                 return
-            if not await self._idle(sock) and self._guard is not None:
-                self._let_go(sock, "a response did not end within turnguard_request_budget_ms "
-                                   "while the client's next frame waited")
-            if sock.closed:
-                return
-            content, is_text = item
+            sock.serving = True
             try:
-                if self._guard is None or not sock.guarded:  # unloaded, or let go
-                    self._forward(sock, content, is_text)
-                else:
-                    await self._frame(sock, content, is_text)
-            except Exception as e:  # never lose a frame: forward it as it came
-                logger.exception("turnguard: guarding a frame of %s failed; forwarding it",
-                                 sock.flow.id)
-                if self._guard is not None:
-                    self._guard._emit("passthrough", flow=sock.flow.id, transport="ws",
-                                      reason=f"internal error: {e!r}")
-                if sock.current is None:
-                    self._forward(sock, content, is_text)
+                if sock.busy is not None:  # a frame decided past its hook comes first
+                    await asyncio.wait({sock.busy})
+                if not await self._idle(sock) and self._guard is not None:
+                    self._let_go(sock, "a response did not end within "
+                                       "turnguard_request_budget_ms while the client's next "
+                                       "frame waited")
+                if sock.closed:
+                    return
+                await self._one_frame(sock, *item)
+            finally:
+                sock.serving = False
+
+    async def _one_frame(self, sock: Socket, content: bytes, is_text: bool) -> None:
+        try:
+            if self._guard is None or not sock.guarded:  # unloaded, or let go
+                self._forward(sock, content, is_text)
+            else:
+                await self._frame(sock, content, is_text)
+        except Exception as e:  # never lose a frame: forward it as it came
+            logger.exception("turnguard: guarding a frame of %s failed; forwarding it",
+                             sock.flow.id)
+            if self._guard is not None:
+                self._guard._emit("passthrough", flow=sock.flow.id, transport="ws",
+                                  reason=f"internal error: {e!r}")
+            if sock.current is None:
+                self._forward(sock, content, is_text)
 
     async def _idle(self, sock: Socket) -> bool:
         """Wait until no response is in flight on the socket (one at a time: the protocol's
@@ -197,6 +245,13 @@ class WebSockets:
             return
         if response is not None:
             sock.begin(response)
+        if sock.inline is not None:  # decided in the frame's own hook: it goes on from there
+            data = content.encode("utf-8", "surrogatepass") if isinstance(content, str) \
+                else content
+            if data != sock.inline.content:
+                sock.inline.content = data
+            sock.inline_sent = True
+            return
         inject(sock.flow, content, to_client=False, is_text=is_text)
 
     async def _frame(self, sock: Socket, content: bytes, is_text: bool) -> None:
@@ -281,14 +336,15 @@ class WebSockets:
     def _upstream_frame(self, sock: Socket, message) -> None:
         current = sock.current
         try:
-            if not message.is_text or not ws.speaks_responses(message.text):
+            speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
+            if not speaks:
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
                                     not_responses=True)
             if current is None:
                 return
             output_before = current.events.output_seen
-            if current.events.feed(message.text) is None:
+            if current.events.feed(message.text, event) is None:
                 return
             if current.attempt_key is not None:
                 self._guard.inflight.ws_event(

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from turnguard_bench import (config, hooks_phase, ledger_bench, micro, phases, procs,
-                             relay_phase, report)
+                             relay_phase, report, ws_phase)
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -89,6 +89,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
         if "hooks" in cfg.phases:
             phases.log("inside mitmdump: turnguard's hooks and their parts, timed")
             res["hooks"] = await hooks_phase.hooks(cfg, workdir, up)
+        if "ws" in cfg.phases:
+            phases.log("Responses over WebSocket: turnguard vs plain mitmdump relaying sockets")
+            res["ws"] = await ws_phase.ws(cfg, workdir)
         if "relay" in cfg.phases:
             phases.log("the relay's cost: detached dispatches vs direct ones")
             res["relay"] = await relay_phase.relay(cfg, workdir, up)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 KiB = 1024
 MiB = 1024 * 1024
 
-PHASES = ("per_request", "streaming", "holds", "replay", "hooks", "relay", "ledger", "soak",
-          "micro")
+PHASES = ("per_request", "streaming", "holds", "replay", "hooks", "ws", "relay", "ledger",
+          "soak", "micro")
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Config:
     micro_scale: int
     relay: dict[int, int] = field(default_factory=lambda: {1: 60, 8: 150})  # clients -> requests
     hooks: dict[str, int] = field(default_factory=lambda: {"replay": 3200, "dispatch": 3200})
+    ws: dict[int, int] = field(default_factory=lambda: {1: 600, 8: 2000})  # sockets -> calls
     wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
@@ -59,6 +60,7 @@ def quick() -> Config:
         ledger_scale_points=[1000, 10000],
         wake_trials=20,
         hooks={"replay": 200, "dispatch": 200},
+        ws={1: 40, 8: 120},
         soak_checkpoints=[200, 2000],
         soak_concurrency=16,
         soak_baseline=False,

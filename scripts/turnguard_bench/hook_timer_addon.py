@@ -5,11 +5,11 @@ by the load's clients on a small machine, does not count).
 
 Loaded after the measured addon (``-s addon/turnguard.py -s hook_timer_addon.py``). At
 ``running`` it replaces each timed callable (``PARTS``: attribute paths from the addon, e.g.
-``replayer.replay``, or module functions; the ``turnguard`` logger's ``handle``) with a
-wrapper on its owner (the instance, or the module), so that every call of it from then on is
-timed; mitmproxy looks a hook up on its addon at every call, so the hooks are timed too. A part that suspends (awaits something that is not ready)
-also counts what the thread ran for other flows meanwhile: the parts of a replay and of a
-claim on an uncontended ledger never suspend.
+``replayer.replay``, or module functions; the ``turnguard`` logger's ``handle``) with a wrapper
+on its owner (the instance, or the module), so that every call of it from then on is timed;
+mitmproxy looks a hook up on its addon at every call, so the hooks are timed too. A part that
+suspends (awaits something that is not ready) also counts what the thread ran for other flows
+meanwhile: the parts of a replay and of a claim on an uncontended ledger never suspend.
 
 ``GET /_bench/hook_times`` (answered by this addon, never timed) returns what was timed since
 the last such request, as JSON, and starts over: ``{"addon": name, "parts": {part: {"calls":

@@ -297,6 +297,24 @@ def render(res: dict) -> str:
                               "us/req"]))
         o.append(f"checks: {hk['checks']}")
 
+    wsr = res.get("ws")
+    if wsr:
+        o.append(_section("4c. Responses over WebSocket (Codex's default transport): calls on K "
+                          "sockets, each socket one call at a time, the mock upstream"))
+        rows = []
+        for k, row in wsr["sockets"].items():
+            for v in ("plain_stream", "turnguard"):
+                r = row[v]
+                rows.append([k, v, _f(r["calls_per_s"], ".0f"), _f(r["median_ms"]),
+                             _f(r["p99_ms"]), _f(r["cpu_ms_per_call"])])
+            d = row["turnguard_vs_plain_stream"]
+            rows.append([k, "turnguard/plain_stream", _x(d["calls_per_s_ratio"]),
+                         _f(d["added_median_ms"], "+.2f"), "",
+                         f"{_x(d['cpu_calls_per_s_ratio'])} by CPU"])
+        o.append(table(rows, ["sockets", "variant", "calls/s", "median ms", "p99 ms",
+                              "CPU ms/call"]))
+        o.append(f"checks: {wsr['checks']}")
+
     rl = res.get("relay")
     if rl:
         o.append(_section("4b. the relay's cost: turnguard_detach_ms (the call on turnguard's own "
