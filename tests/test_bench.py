@@ -182,6 +182,22 @@ def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run)
 
 
 @pytest.mark.slow
+def test_ws_phase_completes_every_call_over_websocket_and_dispatches_each_once(quick_run):
+    data, text = quick_run
+    wsr = data["ws"]
+    assert all(wsr["checks"].values()) and wsr["checks"]["runs"] > 0
+    assert "4c. Responses over WebSocket" in text
+    for sockets, row in wsr["sockets"].items():
+        for v in ("plain_stream", "turnguard"):
+            for rep in row[v]["reps"]:
+                assert rep["completed"] == rep["calls"] == rep["upstream_dispatches"]
+                assert rep["failed"] == 0 and rep["events_per_call"] == [8]
+            assert _num(row[v]["calls_per_s"]) and row[v]["calls_per_s"] > 0
+        ratios = row["turnguard_vs_plain_stream"]
+        assert _num(ratios["calls_per_s_ratio"]) and _num(ratios["cpu_calls_per_s_ratio"])
+
+
+@pytest.mark.slow
 def test_ledger_claims_and_exactly_once(quick_run):
     le = quick_run[0]["ledger"]
     for k in ("claims_1_process", "claims_4_processes"):
