@@ -297,6 +297,22 @@ def render(res: dict) -> str:
                               "us/req"]))
         o.append(f"checks: {hk['checks']}")
 
+    rl = res.get("relay")
+    if rl:
+        o.append(_section("4b. the relay's cost: turnguard_detach_ms (the call on turnguard's own "
+                          "flow, the client through the relay) vs direct dispatches"))
+        rows = []
+        for c, row in rl["concurrency"].items():
+            for v in ("direct", "detached"):
+                r = row[v]
+                rows.append([c, v, _f(r["rps"], ".0f"), _f(r["median_ms"]),
+                             _f(r["cpu_ms_per_request"])])
+            d = row["detached_vs_direct"]
+            rows.append([c, "detached/direct", _x(d["rps_ratio"]),
+                         _f(d["added_median_ms"], "+.2f"), _f(d["added_cpu_ms_per_request"], "+.2f")])
+        o.append(table(rows, ["clients", "variant", "req/s", "median ms", "CPU ms/req"]))
+        o.append(f"checks: {rl['checks']}")
+
     wsr = res.get("ws")
     if wsr:
         o.append(_section("4c. Responses over WebSocket (Codex's default transport): calls on K "
@@ -314,22 +330,6 @@ def render(res: dict) -> str:
         o.append(table(rows, ["sockets", "variant", "calls/s", "median ms", "p99 ms",
                               "CPU ms/call"]))
         o.append(f"checks: {wsr['checks']}")
-
-    rl = res.get("relay")
-    if rl:
-        o.append(_section("4b. the relay's cost: turnguard_detach_ms (the call on turnguard's own "
-                          "flow, the client through the relay) vs direct dispatches"))
-        rows = []
-        for c, row in rl["concurrency"].items():
-            for v in ("direct", "detached"):
-                r = row[v]
-                rows.append([c, v, _f(r["rps"], ".0f"), _f(r["median_ms"]),
-                             _f(r["cpu_ms_per_request"])])
-            d = row["detached_vs_direct"]
-            rows.append([c, "detached/direct", _x(d["rps_ratio"]),
-                         _f(d["added_median_ms"], "+.2f"), _f(d["added_cpu_ms_per_request"], "+.2f")])
-        o.append(table(rows, ["clients", "variant", "req/s", "median ms", "CPU ms/req"]))
-        o.append(f"checks: {rl['checks']}")
 
     le = res.get("ledger")
     if le:
