@@ -30,6 +30,7 @@ LEDGER_FLOOR_ADDON = Path(__file__).with_name("ledger_floor_addon.py")
 HOOK_TIMER_ADDON = Path(__file__).with_name("hook_timer_addon.py")
 
 _UPSTREAM_LINE = re.compile(r"bench upstream listening at http://127\.0\.0\.1:(\d+)")
+_MOCK_LINE = re.compile(r"mock upstream listening at http://127\.0\.0\.1:(\d+)")
 
 
 class Stoppable(Protocol):
@@ -167,6 +168,14 @@ def start_upstream(workdir: Path, name: str = "upstream") -> Proc:
     """The bench upstream (``turnguard_bench.upstream``), listening."""
     p = _start(name, [PYTHON, "-u", "-m", "turnguard_bench.upstream", "--port", "0"],
                workdir / f"{name}.log", _UPSTREAM_LINE)
+    wait_listening(p)
+    return p
+
+
+def start_mock_upstream(workdir: Path, name: str = "mock-upstream") -> Proc:
+    """The mock upstream (``turnguard_mock``: Responses over HTTP and WebSocket), listening."""
+    p = _start(name, [PYTHON, "-u", "-m", "turnguard_mock", "--port", "0"],
+               workdir / f"{name}.log", _MOCK_LINE)
     wait_listening(p)
     return p
 

@@ -13,7 +13,6 @@ call completed with all its events, every call dispatched upstream once.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from pathlib import Path
@@ -24,7 +23,6 @@ from turnguard_bench.stats import median, percentile, ratio
 from turnguard_procs import cpu_seconds
 from turnguard_ws import WsClient
 
-_MOCK_LINE = re.compile(r"mock upstream listening at http://127\.0\.0\.1:(\d+)")
 CALL_TIMEOUT_S = 30.0
 
 
@@ -77,9 +75,7 @@ async def _calls(port: int, sockets: int, calls: int, nonce: str, deadline: floa
 
 
 async def ws(cfg, workdir: Path) -> dict:
-    up = procs._start("ws-upstream", [procs.PYTHON, "-u", "-m", "turnguard_mock", "--port", "0"],
-                      workdir / "ws-upstream.log", _MOCK_LINE)
-    procs.wait_listening(up)
+    up = procs.start_mock_upstream(workdir, "ws-upstream")
     ms: dict[str, procs.Proc] = {}
     runs: dict[int, dict[str, list[dict]]] = {k: {"plain_stream": [], "turnguard": []}
                                               for k in cfg.ws}
