@@ -4,6 +4,7 @@ mitmdump + turnguard in front of the real mock upstream speaking the same transp
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -402,6 +403,40 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
             timeout=20, what="the attempt recorded after the lock")
         assert rows == [("ws", "completed"), ("ws", "completed")]
         assert len(up.dispatches()) == 2
+
+
+def test_a_call_decided_after_its_hook_keeps_its_place_before_the_next_frame(tmp_path):
+    """The ledger is write-locked when a call arrives: its decision has to wait, so it goes on
+    past the frame's websocket_message hook (the frame dropped meanwhile, sent once decided).
+    A prewarm sent right behind it on the same socket needs no ledger, yet it goes upstream
+    only after the call (and after the call's response: one at a time), never before."""
+    ledger = tmp_path / "ledger.sqlite3"
+    first = call([user("first")], seed=3)
+
+    async def call_then_prewarm(url: str, db: sqlite3.Connection):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(first)
+            await c.send(PREWARM)
+            await asyncio.sleep(1.0)  # both frames are in; the call still waits for the ledger
+            db.execute("ROLLBACK")
+            return await c.response(), await c.response()
+
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_request_budget_ms=5000) as p:
+        asyncio.run(one_call(p.url, call([user("warm")], seed=1)))  # the ledger exists
+        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+        try:
+            answered = asyncio.run(call_then_prewarm(p.url, db))
+        finally:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            db.close()
+        assert [types(r) for r in answered][1] == ["response.created", "response.completed"]
+        assert types(answered[0])[-1] == "response.completed"
+        first_sha = hashlib.sha256(json.dumps(first).encode()).hexdigest()
+        order = [r.get("body_sha256", r.get("event")) for r in up.records()
+                 if r.get("event") == "prewarm" or r.get("transport") == "ws"]
+        assert order[-2:] == [first_sha, "prewarm"]
 
 
 def test_a_script_reload_mid_call_hands_the_socket_and_its_attempt_over(tmp_path):
