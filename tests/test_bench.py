@@ -271,3 +271,19 @@ def test_profile_categories():
     assert profiling.categorize(f"run ({mitm});x ({mitm})").startswith("not turnguard")
     assert profiling.categorize(f"run ({mitm});TurnGuard._show ({addon});trigger ({mitm})") \
         == "addon._show (mitmweb UpdateHook trigger)"
+    # the shell (turnguard_shell/, mitmproxy's side of the addon) is turnguard's code too
+    shell = "/x/addon-snapshot/turnguard_shell/websocket.py"
+    assert profiling.categorize(f"run ({mitm});Sockets._call ({shell});x ({mitm})") \
+        == "addon._call"
+    assert profiling.categorize(f"run ({mitm});Sockets._call ({shell});wrapper ({ledger});"
+                                f"Ledger.admit ({ledger})") == "ledger.admit"
+
+
+def test_profile_scenarios_are_checked_before_anything_starts(tmp_path):
+    out = subprocess.run([str(REPO / "scripts" / "bench"), "--profile", str(tmp_path / "p"),
+                          "--profile-scenarios", "requests,websocket"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "--profile-scenarios wants some of requests,streaming,replay,holds,ws, " \
+           "not 'requests,websocket'" in out.stderr
+    assert not (tmp_path / "p").exists()

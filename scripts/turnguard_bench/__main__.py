@@ -1,7 +1,8 @@
 """scripts/bench: turnguard side by side with plain mitmdump, on one loopback upstream.
 
     scripts/bench [--quick] [--json FILE] [--phases LIST] [--set K=V] [--addon-rev REV] [--keep]
-    scripts/bench --profile DIR [--profile-seconds S] [--profile-clients N] [--addon-rev REV]
+    scripts/bench --profile DIR [--profile-seconds S] [--profile-clients N]
+                  [--profile-scenarios LIST] [--addon-rev REV]
 
 Prints a table (absolute figures and turnguard/plain ratios) and the targets of issue 5; with
 ``--json FILE`` also writes every measurement. The exit status is 1 when a correctness check
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from turnguard_bench import (config, hooks_phase, ledger_bench, micro, phases, procs,
-                             relay_phase, report, ws_phase)
+                             profiling, relay_phase, report, ws_phase)
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -136,17 +137,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the work folder (logs, ledgers) and print its path")
     p.add_argument("--profile", metavar="DIR",
                    help="instead of the benchmark: profile a turnguard mitmdump with py-spy under "
-                        "per-request load, streaming, replay and a hold release; write the "
+                        "per-request load, streaming, replay, a hold release and calls over "
+                        "WebSockets; write the "
                         "collapsed stacks to DIR and print where turnguard's time goes")
     p.add_argument("--profile-seconds", type=float, default=20.0,
                    help="seconds of load per profiled scenario (default 20)")
     p.add_argument("--profile-clients", type=int, default=32,
                    help="concurrent clients of the profiled per-request load (default 32; 1: "
                         "no batching, each request alone)")
+    p.add_argument("--profile-scenarios", metavar="LIST",
+                   default=",".join(profiling.SCENARIOS),
+                   help="comma-separated subset of the profiled scenarios "
+                        f"{','.join(profiling.SCENARIOS)} (default: all)")
     args = p.parse_args(argv)
 
     if args.profile_clients < 1:
         p.error(f"--profile-clients wants 1 or more, not {args.profile_clients}")
+    scenarios = tuple(x.strip() for x in args.profile_scenarios.split(",") if x.strip())
+    if not scenarios or set(scenarios) - set(profiling.SCENARIOS):
+        p.error(f"--profile-scenarios wants some of {','.join(profiling.SCENARIOS)}, "
+                f"not {args.profile_scenarios!r}")
     cfg = config.quick() if args.quick else config.full()
     if args.phases:
         wanted = tuple(x.strip() for x in args.phases.split(",") if x.strip())
@@ -172,12 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         procs.snapshot_addon(workdir, args.addon_rev)
         if args.profile:
-            from turnguard_bench import profiling
-
             return asyncio.run(profiling.run(
                 cfg, workdir, Path(args.profile), args.profile_seconds,
                 f"git {args.addon_rev}" if args.addon_rev else "working tree",
-                clients=args.profile_clients))
+                clients=args.profile_clients, scenarios=scenarios))
         res = asyncio.run(run_all(cfg, workdir))
         if args.addon_rev:
             res["environment"]["addon_from"] = f"git {args.addon_rev}"

@@ -1,10 +1,13 @@
 """``scripts/bench --profile DIR``: where a turnguard mitmdump spends its time under load.
 
 py-spy (``requirements-bench.txt``) samples the mitmdump process while the bench client drives
-one scenario at a time: ``requests`` (32 clients unless ``--profile-clients`` says otherwise,
-short guarded SSE answers), ``streaming``
-(10,000-event responses, one client), ``replay`` (100 KiB replays, 4 clients) and ``holds``
-(1,000 duplicates of 10 held operations, then the release). Each profile is written to
+one scenario at a time (``--profile-scenarios`` picks some): ``requests`` (32 clients unless
+``--profile-clients`` says otherwise, short guarded SSE answers), ``streaming``
+(10,000-event responses, one client), ``replay`` (100 KiB replays, 4 clients), ``holds``
+(1,000 duplicates of 10 held operations, then the release) and ``ws`` (Responses calls over 8
+WebSockets, each one call at a time, in front of the mock upstream, as the ``ws`` phase
+drives them). ``requests``, ``streaming`` and ``ws`` are also profiled on plain_stream, and
+turnguard's added time per unit is split by function. Each profile is written to
 ``DIR/<scenario>.txt`` in py-spy's raw (collapsed stack) format, which flamegraph.pl and
 speedscope read, and summarised by category: the ledger transactions (admit, first_event,
 finish, ...), identity hashing, telemetry (JSON + logging), the tee and SSE parser, the hold
@@ -24,7 +27,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from turnguard_bench import client, phases, procs
+from turnguard_bench import client, phases, procs, ws_phase
 from turnguard_bench.envinfo import environment
 from turnguard_bench.report import table
 from turnguard_procs import Process, cpu_seconds
@@ -37,6 +40,9 @@ _FRAME = re.compile(r"^(?P<name>.*) \((?P<path>[^()]*)\)$")
 # ``Event.wait`` on the heartbeat thread, an idle ``ThreadPoolExecutor`` worker): such stacks
 # are left out of every total, or they would pass for a third of turnguard's time.
 IDLE_LEAVES = {("wait", "threading.py"), ("_worker", "thread.py"), ("get", "queue.py")}
+
+SCENARIOS = ("requests", "streaming", "replay", "holds", "ws")
+WS_SOCKETS = 8
 
 HOLD_FUNCS = {"_wait", "_wake", "_tick_forever", "_wake_gone_flows", "_poll_foreign",
               "_check_cooldown_sessions"}
@@ -66,7 +72,7 @@ def _module(path: str) -> str | None:
     p = Path(path)
     if p.parent.name == "turnguard_core":
         return p.stem
-    if p.name in ADDON_FILES:
+    if p.name in ADDON_FILES or p.parent.name == "turnguard_shell":  # the shell: the addon's
         return "addon"
     return None
 
@@ -213,23 +219,55 @@ def render(res: dict, unit_name: str) -> str:
     return "\n".join(out)
 
 
-async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str, *,
-                clients: int) -> dict:
-    outdir.mkdir(parents=True, exist_ok=True)
-    up = procs.start_upstream(workdir)
-    results: dict = {"environment": {**environment(), "addon_from": addon_from,
-                                     "requests_clients": clients}}
-    env = results["environment"]
-    print(f"profiling turnguard: git {env['git']}, addon from {addon_from}, sha256 {env['addon_sha256']}, "
-          f"load average {env['loadavg_before']}; 'requests' with {clients} client{'s' * (clients != 1)}", flush=True)
+async def _profile_into(results: dict, p: procs.Proc, outdir: Path, name: str,
+                        seconds: float, work, unit: str) -> None:
+    phases.log(f"profiling '{name}' ...")
+    r = await _profiled(p, outdir, name, seconds + 70, work)
+    r["unit"] = unit
+    results[name] = r
+    print(render(r, unit), flush=True)
+
+
+async def _profile_ws(results: dict, workdir: Path, outdir: Path, seconds: float) -> None:
+    """The ``ws`` scenario: turnguard and plain_stream each relaying calls on ``WS_SOCKETS``
+    sockets to the mock upstream (it speaks Responses over WebSocket)."""
+    up = procs.start_mock_upstream(workdir, "profile-ws-upstream")
+    ms = procs.start_mitmdumps(workdir, up.url, {"profile-ws-turnguard": ("turnguard", {}),
+                                                 "profile-ws-plain_stream": ("plain_stream", {})})
+
+    async def calls(target: procs.Proc) -> dict:
+        s = await ws_phase.calls(target.port, WS_SOCKETS, 10**6, "profw-" + uuid.uuid4().hex[:8],
+                                 time.monotonic() + seconds)
+        return {"count": s["completed"]}
+
     try:
-        ms = procs.start_mitmdumps(workdir, up.url, {
-            "profile-turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20,
-                                                "turnguard_hold_timeout_ms": 120000}),
-            "profile-plain_stream": ("plain_stream", {}),
-        })
-        p = ms["profile-turnguard"]
-        base = ms.get("profile-plain_stream")
+        for variant in ("plain_stream", "turnguard"):
+            p = ms[f"profile-ws-{variant}"]
+            await ws_phase.calls(p.port, 1, 20, "profw-warm-" + uuid.uuid4().hex[:8],
+                                 time.monotonic() + 30)
+            name = "ws" if variant == "turnguard" else "ws-plain_stream"
+            await _profile_into(results, p, outdir, name, seconds, lambda p=p: calls(p), "calls")
+            p.stop()
+    finally:
+        for p in ms.values():
+            p.stop()
+        up.stop()
+
+
+HTTP_SCENARIOS = ("requests", "streaming", "replay", "holds")
+
+
+async def _profile_http(results: dict, workdir: Path, outdir: Path, seconds: float, *,
+                        clients: int, scenarios: tuple[str, ...]) -> None:
+    """The HTTP scenarios named in ``scenarios``, against the bench upstream."""
+    up = procs.start_upstream(workdir)
+    ms = procs.start_mitmdumps(workdir, up.url, {
+        "profile-turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20,
+                                            "turnguard_hold_timeout_ms": 120000}),
+        "profile-plain_stream": ("plain_stream", {}),
+    })
+    p, base = ms["profile-turnguard"], ms["profile-plain_stream"]
+    try:
         await phases.warm(p, 300)
 
         async def requests(target=p):
@@ -273,28 +311,41 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
                 t.cancel()
             return {"count": sum(1 for t in done if t.result().error is None)}
 
-        plan = [("requests", requests, "requests"), ("streaming", streaming, "events"),
-                ("replay", replay, "replays"), ("holds", holds, "answers")]
-        if base is not None:
+        plan = [(name, work, unit) for name, work, unit in (
+            ("requests", requests, "requests"), ("streaming", streaming, "events"),
+            ("replay", replay, "replays"), ("holds", holds, "answers")) if name in scenarios]
+        compared = [(name, work, unit) for name, work, unit in plan
+                    if name in ("requests", "streaming")]
+        if compared:
             await phases.warm(base, 300)
-            for name, work, unit in (("requests", requests, "requests"),
-                                     ("streaming", streaming, "events")):
-                phases.log(f"profiling '{name}' on plain_stream (the reference) ...")
-                r = await _profiled(base, outdir, f"{name}-plain_stream", seconds + 70,
-                                    lambda work=work: work(base))
-                r["unit"] = unit
-                results[f"{name}-plain_stream"] = r
-                print(render(r, unit), flush=True)
-            base.stop()
+            for name, work, unit in compared:
+                await _profile_into(results, base, outdir, f"{name}-plain_stream", seconds,
+                                    lambda work=work: work(base), unit)
+        base.stop()
         for name, work, unit in plan:
-            phases.log(f"profiling '{name}' ...")
-            r = await _profiled(p, outdir, name, seconds + 70, work)
-            r["unit"] = unit
-            results[name] = r
-            print(render(r, unit), flush=True)
-        p.stop()
-        for name, unit in (("requests", "request"), ("streaming", "event")):
-            if f"{name}-plain_stream" in results:
+            await _profile_into(results, p, outdir, name, seconds, work, unit)
+    finally:
+        for proc in (p, base, up):
+            proc.stop()
+
+
+async def _main(workdir: Path, outdir: Path, seconds: float, addon_from: str, *,
+                clients: int, scenarios: tuple[str, ...] = SCENARIOS) -> dict:
+    outdir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"environment": {**environment(), "addon_from": addon_from,
+                                     "requests_clients": clients, "scenarios": list(scenarios)}}
+    env = results["environment"]
+    print(f"profiling turnguard: git {env['git']}, addon from {addon_from}, sha256 {env['addon_sha256']}, "
+          f"load average {env['loadavg_before']}; scenarios {','.join(scenarios)}; "
+          f"'requests' with {clients} client{'s' * (clients != 1)}", flush=True)
+    try:
+        if set(scenarios) & set(HTTP_SCENARIOS):
+            await _profile_http(results, workdir, outdir, seconds, clients=clients,
+                                scenarios=scenarios)
+        if "ws" in scenarios:
+            await _profile_ws(results, workdir, outdir, seconds)
+        for name, unit in (("requests", "request"), ("streaming", "event"), ("ws", "call")):
+            if f"{name}-plain_stream" in results and name in results:
                 print(f"\n== where turnguard's added CPU per {unit} goes in '{name}', by function "
                       "(inclusive; under py-spy; a function's time includes what it calls)")
                 print(diff_table(results[name], results[f"{name}-plain_stream"], unit=unit))
@@ -307,6 +358,7 @@ async def _main(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: st
 
 
 async def run(cfg, workdir: Path, outdir: Path, seconds: float, addon_from: str, *,
-              clients: int = 32) -> int:
-    res = await _main(cfg, workdir, outdir, seconds, addon_from, clients=clients)
+              clients: int = 32, scenarios: tuple[str, ...] = SCENARIOS) -> int:
+    res = await _main(workdir, outdir, seconds, addon_from, clients=clients,
+                      scenarios=scenarios)
     return 0 if res else 1

@@ -38,7 +38,7 @@ async def _ws_dispatches(up: procs.Proc) -> int:
     return sum(r.get("transport") == "ws" for r in records)
 
 
-async def _calls(port: int, sockets: int, calls: int, nonce: str, deadline: float) -> dict:
+async def calls(port: int, sockets: int, calls: int, nonce: str, deadline: float) -> dict:
     """``calls`` calls over ``sockets`` sockets, each socket one call at a time."""
     latencies: list[float] = []
     events: list[int] = []
@@ -84,12 +84,12 @@ async def ws(cfg, workdir: Path) -> dict:
                                                      "ws-turnguard": ("turnguard", {})})
         variants = {"plain_stream": ms["ws-plain_stream"], "turnguard": ms["ws-turnguard"]}
         for p in variants.values():  # warm-up: a few calls on one socket
-            await _calls(p.port, 1, 20, f"ws-warm-{uuid.uuid4().hex[:8]}",
+            await calls(p.port, 1, 20, f"ws-warm-{uuid.uuid4().hex[:8]}",
                          time.monotonic() + cfg.load_time_limit_s)
         for rep, sockets, n, v in _in_turn(cfg.ws, variants, cfg.repeats):
             p = variants[v]
             before, cpu0 = await _ws_dispatches(up), cpu_seconds(p.pid)
-            s = await _calls(p.port, sockets, n, f"ws-{v}-{sockets}-{rep}-{uuid.uuid4().hex[:8]}",
+            s = await calls(p.port, sockets, n, f"ws-{v}-{sockets}-{rep}-{uuid.uuid4().hex[:8]}",
                              time.monotonic() + cfg.load_time_limit_s)
             s["cpu_ms_per_call"] = (cpu_seconds(p.pid) - cpu0) * 1000 / max(1, s["completed"])
             s["upstream_dispatches"] = await _ws_dispatches(up) - before
