@@ -187,14 +187,21 @@ def test_ws_phase_completes_every_call_over_websocket_and_dispatches_each_once(q
     wsr = data["ws"]
     assert all(wsr["checks"].values()) and wsr["checks"]["runs"] > 0
     assert "4c. Responses over WebSocket" in text
+    measured = 0
     for sockets, row in wsr["sockets"].items():
-        for v in ("plain_stream", "turnguard"):
+        for v in ("plain_stream", "ledger_floor", "turnguard"):
             for rep in row[v]["reps"]:
                 assert rep["completed"] == rep["calls"] == rep["upstream_dispatches"]
                 assert rep["failed"] == 0 and rep["events_per_call"] == [8]
             assert _num(row[v]["calls_per_s"]) and row[v]["calls_per_s"] > 0
-        ratios = row["turnguard_vs_plain_stream"]
-        assert _num(ratios["calls_per_s_ratio"]) and _num(ratios["cpu_calls_per_s_ratio"])
+        measured += sum(rep["calls"] for rep in row["ledger_floor"]["reps"])
+        for pair in ("turnguard_vs_plain_stream", "turnguard_vs_ledger_floor",
+                     "ledger_floor_vs_plain_stream"):
+            ratios = row[pair]
+            assert _num(ratios["calls_per_s_ratio"]) and _num(ratios["cpu_calls_per_s_ratio"])
+    # the floor claimed and ended every call it relayed (the warm-up's too)
+    assert wsr["ledger_floor_completed_claims"] >= measured > 0
+    assert "ledger_floor/plain_stream" in text
 
 
 @pytest.mark.slow

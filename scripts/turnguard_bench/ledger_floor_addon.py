@@ -4,12 +4,17 @@ executes a request at most once across processes must make, and nothing else.
 Before a request goes upstream, a claim on its body's hash is committed to a SQLite file (WAL,
 ``synchronous=NORMAL``, as turnguard's ledger); when its response ends, its outcome and its
 body (kept as it streams, for replays) are committed. Both run on the event loop, as
-turnguard's ledger calls do when the file is not contended. No identity beyond a hash, no
+turnguard's ledger calls do when the file is not contended. On a WebSocket the same for each
+``response.create`` frame a client sends (the frame goes on while its claim is committed in
+the hook; a repeated one too: the floor never holds or answers), its response being the
+server's event frames up to the terminal one, each read as JSON, as a guard must to know
+the response's end. No identity beyond a hash, no
 policy, no holds, no telemetry: what turnguard does above this variant is its own logic; what
 this variant costs over ``floor`` is what a durable claim and end cost any guard.
 """
 
 import hashlib
+import json
 import os
 import sqlite3
 import time
@@ -61,6 +66,19 @@ def end(db: sqlite3.Connection, op_key: str, status: int, body: bytes, now: floa
         (now, status, body, op_key))
 
 
+TERMINAL_TYPES = frozenset({"response.completed", "response.failed", "response.incomplete",
+                            "error"})
+
+
+def _event_type(text: str) -> str | None:
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return None
+    kind = event.get("type") if isinstance(event, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 class LedgerFloor:
     def __init__(self) -> None:
         self.db: sqlite3.Connection | None = None
@@ -87,6 +105,26 @@ class LedgerFloor:
         tee = flow.response.stream
         body = b"".join(tee.chunks) if isinstance(tee, Tee) else flow.response.raw_content
         end(self.db, op_key, flow.response.status_code, body, time.time())
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        message = flow.websocket.messages[-1]
+        if self.db is None or not message.is_text:
+            return
+        if message.from_client:
+            if _event_type(message.text) == "response.create":
+                op_key = hashlib.sha256(message.content).hexdigest()
+                if claim(self.db, op_key, time.time()):
+                    flow.metadata["ledger_floor_ws"] = (op_key, [])
+            return
+        pending = flow.metadata.get("ledger_floor_ws")
+        if pending is None:
+            return
+        kind = _event_type(message.text)
+        pending[1].append(message.content)
+        if kind in TERMINAL_TYPES:
+            del flow.metadata["ledger_floor_ws"]
+            end(self.db, pending[0], 200 if kind == "response.completed" else 502,
+                b"\n".join(pending[1]), time.time())
 
 
 addons = [LedgerFloor()]

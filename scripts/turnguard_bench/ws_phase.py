@@ -5,9 +5,11 @@ The upstream is the mock (``turnguard_mock``: it speaks the Responses API over W
 JSON event per text frame, its default answer ``response.created`` .. ``response.completed``).
 Each of K sockets sends its calls one after the other (``response.create`` frames with inputs
 unique to the run, as Codex sends a turn's calls), each waited for to its terminal event.
-Figures per variant: calls/s, median latency, mitmdump's CPU per call; the ratio by CPU is the
-steadier guide on a shared machine (the mock and the client share its 2 cores). Checks: every
-call completed with all its events, every call dispatched upstream once.
+Variants: plain_stream, the ledger floor (``ledger_floor_addon``: a durable claim per call and
+its end, nothing else) and turnguard. Figures per variant: calls/s, median latency, mitmdump's
+CPU per call; the ratio by CPU is the steadier guide on a shared machine (the mock and the
+client share its 2 cores). Checks: every call completed with all its events, every call
+dispatched upstream once, the ledger floor claimed and ended every call.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import uuid
 from pathlib import Path
 
 from turnguard_bench import client, procs
-from turnguard_bench.phases import _in_turn, log
+from turnguard_bench.phases import _in_turn, ledger_floor_completed, log
 from turnguard_bench.stats import median, percentile, ratio
 from turnguard_procs import cpu_seconds
 from turnguard_ws import WsClient
 
 CALL_TIMEOUT_S = 30.0
+# plain mitmdump relaying; the ledger floor (a durable claim per call and its end, committed
+# on the event loop: what any guard that runs a call at most once must write); turnguard
+VARIANTS = ("plain_stream", "ledger_floor", "turnguard")
 
 
 def call_frame(nonce: str, i: int) -> dict:
@@ -77,12 +82,10 @@ async def calls(port: int, sockets: int, calls: int, nonce: str, deadline: float
 async def ws(cfg, workdir: Path) -> dict:
     up = procs.start_mock_upstream(workdir, "ws-upstream")
     ms: dict[str, procs.Proc] = {}
-    runs: dict[int, dict[str, list[dict]]] = {k: {"plain_stream": [], "turnguard": []}
-                                              for k in cfg.ws}
+    runs: dict[int, dict[str, list[dict]]] = {k: {v: [] for v in VARIANTS} for k in cfg.ws}
     try:
-        ms = procs.start_mitmdumps(workdir, up.url, {"ws-plain_stream": ("plain_stream", {}),
-                                                     "ws-turnguard": ("turnguard", {})})
-        variants = {"plain_stream": ms["ws-plain_stream"], "turnguard": ms["ws-turnguard"]}
+        ms = procs.start_mitmdumps(workdir, up.url, {f"ws-{v}": (v, {}) for v in VARIANTS})
+        variants = {v: ms[f"ws-{v}"] for v in VARIANTS}
         for p in variants.values():  # warm-up: a few calls on one socket
             await calls(p.port, 1, 20, f"ws-warm-{uuid.uuid4().hex[:8]}",
                          time.monotonic() + cfg.load_time_limit_s)
@@ -97,6 +100,7 @@ async def ws(cfg, workdir: Path) -> dict:
             log(f"ws sockets={sockets:<2} {v:<12} rep {rep + 1}: {s['calls_per_s']:.0f} calls/s, "
                 f"median {s['median_ms']:.2f} ms, cpu {s['cpu_ms_per_call']:.2f} ms/call, "
                 f"completed {s['completed']}/{n}")
+        completed = ledger_floor_completed(variants["ledger_floor"])
     finally:
         for p in ms.values():
             p.stop()
@@ -108,12 +112,14 @@ async def ws(cfg, workdir: Path) -> dict:
                for v, reps in by_v.items()}
         for v, reps in by_v.items():
             row[v]["reps"] = reps
-        tg, plain = row["turnguard"], row["plain_stream"]
-        row["turnguard_vs_plain_stream"] = {
-            "calls_per_s_ratio": ratio(tg["calls_per_s"], plain["calls_per_s"]),
-            "cpu_calls_per_s_ratio": ratio(plain["cpu_ms_per_call"], tg["cpu_ms_per_call"]),
-            "added_median_ms": tg["median_ms"] - plain["median_ms"],
-        }
+        for a, b in (("turnguard", "plain_stream"), ("turnguard", "ledger_floor"),
+                     ("ledger_floor", "plain_stream")):
+            row[f"{a}_vs_{b}"] = {
+                "calls_per_s_ratio": ratio(row[a]["calls_per_s"], row[b]["calls_per_s"]),
+                "cpu_calls_per_s_ratio": ratio(row[b]["cpu_ms_per_call"],
+                                               row[a]["cpu_ms_per_call"]),
+                "added_median_ms": row[a]["median_ms"] - row[b]["median_ms"],
+            }
         out["sockets"][str(sockets)] = row
     every = [r for by_v in runs.values() for reps in by_v.values() for r in reps]
     out["checks"] = {
@@ -122,4 +128,8 @@ async def ws(cfg, workdir: Path) -> dict:
                                     for r in every),
         "every_call_dispatched_once": all(r["upstream_dispatches"] == r["calls"] for r in every),
     }
+    # the floor did write what it stands for: a claim and an end (its events) per call
+    measured = sum(r["calls"] for by_v in runs.values() for r in by_v["ledger_floor"])
+    out["ledger_floor_completed_claims"] = completed
+    out["checks"]["ledger_floor_recorded_every_call"] = completed >= measured
     return out
