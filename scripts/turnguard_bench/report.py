@@ -318,18 +318,14 @@ def render(res: dict) -> str:
         o.append(_section("4c. Responses over WebSocket (Codex's default transport): calls on K "
                           "sockets, each socket one call at a time, the mock upstream"))
         rows = []
-        for k, row in wsr["sockets"].items():
-            for v in ("plain_stream", "ledger_floor", "turnguard"):
-                if v not in row:  # a JSON of a run before the ledger floor was measured here
-                    continue
-                r = row[v]
-                rows.append([k, v, _f(r["calls_per_s"], ".0f"), _f(r["median_ms"]),
-                             _f(r["p99_ms"]), _f(r["cpu_ms_per_call"])])
-            for a, b in (("turnguard", "plain_stream"), ("turnguard", "ledger_floor"),
-                         ("ledger_floor", "plain_stream")):
-                d = row.get(f"{a}_vs_{b}")
-                if d is not None:
-                    rows.append([k, f"{a}/{b}", _x(d["calls_per_s_ratio"]),
+        for k, row in wsr["sockets"].items():  # each variant, then each "<a>_vs_<b>" ratio
+            for v, r in row.items():
+                if "_vs_" not in v:
+                    rows.append([k, v, _f(r["calls_per_s"], ".0f"), _f(r["median_ms"]),
+                                 _f(r["p99_ms"]), _f(r["cpu_ms_per_call"])])
+            for pair, d in row.items():
+                if "_vs_" in pair:
+                    rows.append([k, pair.replace("_vs_", "/"), _x(d["calls_per_s_ratio"]),
                                  _f(d["added_median_ms"], "+.2f"), "",
                                  f"{_x(d['cpu_calls_per_s_ratio'])} by CPU"])
         o.append(table(rows, ["sockets", "variant", "calls/s", "median ms", "p99 ms",
