@@ -703,7 +703,9 @@ async def test_at_start_up_a_bad_option_is_one_error_line_and_turnguard_stays_of
         errors = [r.getMessage() for r in caplog.records
                   if r.levelno == logging.ERROR and r.name == "turnguard"]
         assert len(errors) == 1 and "turnguard_recovery_mode" in errors[0] and "'maybe'" in errors[0]
-        assert all(r.exc_info is None for r in caplog.records)
+        # turnguard's records only: a test before this one may leave a task that the garbage
+        # collector reports (asyncio's "Task was destroyed", with its stack) at any point
+        assert all(r.exc_info is None for r in caplog.records if r.name == "turnguard")
         assert tg.refused and not tg.store.is_open
         flow = tflow.tflow()
         flow.request.path = "/v1/responses"

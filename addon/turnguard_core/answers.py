@@ -6,10 +6,11 @@ Pure: each function returns status, headers and body; the addon turns them into 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from .records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Answer:
     status: int
     headers: tuple[tuple[str, str], ...]

@@ -19,20 +19,21 @@ Rules:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Literal
+
+from .records import record
 
 Transition = Literal["opened", "reset"] | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CircuitConfig:
     threshold: int = 2
     cooldown_s: float = 60.0
     cooldown_max_s: float = 600.0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CircuitState:
     failures: int = 0
     open_until: float | None = None

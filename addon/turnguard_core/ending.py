@@ -9,16 +9,16 @@ writes it to the store and wakes the attempt's held duplicates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import negotiation, policy
 from .ledger import Recording
 from .machine import Emit
+from .records import record
 from .tee import recordable_headers
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EndFacts:
     """What the shell saw of one attempt's end."""
 
@@ -39,7 +39,7 @@ class EndFacts:
     failed_event: str | None = None  # "error" / "response.failed" that ended it (WebSocket)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AttemptEnding:
     outcome: policy.Outcome
     recording: Recording | None  # the response to replay to its duplicates, if any

@@ -40,6 +40,7 @@ from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
 from .ledger_runner import LedgerRunner, LedgerTimeout
+from .records import record
 from .store import (
     DuplicatesWrite,
     FinishWrite,
@@ -94,7 +95,7 @@ class KeptWrite:
         return self.generation in (ANY_LEDGER, generation)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Unread:
     """The ledger could not be read now (say nothing, decide nothing from it)."""
 

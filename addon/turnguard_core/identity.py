@@ -47,8 +47,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from .records import record
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -101,7 +102,7 @@ _ROUTES_LONGEST_FIRST = tuple(sorted(KNOWN_ROUTES, key=len, reverse=True))
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Upstream:
     """Where the proxy sends a request: the address it connects to (scheme, host, port), the
     Host header it sends (``host_header``), and the upstream proxy in between (``via``, e.g.
@@ -125,7 +126,7 @@ class Upstream:
         return (scheme, host, str(int(self.port)), vhost, (self.via or "").lower())
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestView:
     """What identify() needs of a request."""
 
@@ -137,7 +138,7 @@ class RequestView:
     proxy_auth: str | None = None  # credentials the proxy itself authenticated and removed
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Target:
     """A request target split into the route it names and the rest (see ``split_target``)."""
 
@@ -146,7 +147,7 @@ class Target:
     suffix: str  # a trailing "/" and the query string with its "?"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Identity:
     """A request's identity. Every field is a hash, a known route, or a value taken from the
     body; no secrets."""
@@ -173,7 +174,7 @@ class Identity:
         return self.turn_state is not None and self.previous_response_id is None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Passthrough:
     """The request cannot be identified; forward it unguarded and log ``reason``."""
 

@@ -12,7 +12,6 @@ bytes, oldest dropped first. No clock, disk or proxy: times are passed in.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from .circuit import CircuitState
 from .identity import Identity
@@ -27,12 +26,13 @@ from .policy import (
     ReplayFromMemory,
     admit_without_ledger,
 )
+from .records import record
 
 MAX_OPERATIONS = 10_000
 MAX_RECORDING_BYTES = 64 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KnownRecording:
     recording: Recording
     ended_at: float  # wall clock, as the ledger's ended_at

@@ -19,12 +19,12 @@ import json
 import os
 import sqlite3
 import urllib.parse
-from dataclasses import dataclass
 from typing import Iterable, Literal
 
 from . import circuit, liveness, policy
 from .identity import Identity
 from .private_files import UnsafePath, check_private_path, ensure_private_file
+from .records import record
 
 SCHEMA_VERSION = 6
 SPOOL_CHUNK = 256 * 1024
@@ -169,7 +169,7 @@ class LedgerError(Exception):
     """The ledger cannot be used for this decision (locked, read-only, full, corrupt, ...)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Recording:
     """A completed attempt's response, as it went to the original client."""
 
@@ -179,7 +179,7 @@ class Recording:
     vary_key: str | None = None  # see negotiation.vary_key; None: unknown
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AttemptEnd:
     """How an attempt ended, for ``Ledger.finish``."""
 
@@ -190,7 +190,7 @@ class AttemptEnd:
     recording: Recording | None = None  # given only when the response may be replayed
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FinishResult:
     """What ``Ledger.finish`` did: whether the end was applied (not fenced out) and, when the
     operation has a circuit, its state afterwards and whether it opened or reset."""
@@ -204,7 +204,7 @@ class FinishResult:
 HeartbeatResult = Literal["renewed", "reregistered"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WalState:
     """What a checkpoint saw: the frames the WAL holds, and the database's ``data_version`` as
     the checkpointing connection sees it (it changes when any other connection commits)."""

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
 
 from . import circuit, liveness, policy
 from .ledger import Ledger, LedgerError, _dicts, _wrap
+from .records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CircuitRow:
     scope: str
     state: circuit.CircuitState
     updated_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SessionRow:
     session: str
     ownership: policy.SessionOwnership

@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from .records import record
+
 Transport = Literal["http", "ws"]
 End = Literal["complete", "failed"]
 Piece = bytes | str  # an HTTP body chunk, or a WebSocket event frame's text
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Head:
     """The response's status line and headers (as the attempt's client got them)."""
 

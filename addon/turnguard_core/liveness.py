@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from typing import Callable, Literal
+
+from .records import record
 
 Verdict = Literal["alive", "dead", "stale"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ProcessIdentity:
     """Who a turnguard process is, as far as other processes can check. Empty strings and
     ``None`` when the system cannot tell (no ``/proc``)."""
@@ -41,7 +42,7 @@ class ProcessIdentity:
     start_ticks: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PeerRow:
     """A registered instance, as the ledger has it."""
 

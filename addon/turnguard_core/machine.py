@@ -28,11 +28,12 @@ and in between it waits in ``HoldDuplicate`` (another attempt of its operation i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from . import answers, policy
 from .ledger import Recording
+from .records import record
 
 MARK_HELD = ":hourglass:"
 MARK_COOLDOWN = ":snowflake:"
@@ -41,7 +42,7 @@ MARK_ATTACHED = ":link:"
 
 
 # -- what a request is -------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class RequestFacts:
     """What the machine knows of one guarded request. Times are the shell's monotonic clock."""
 
@@ -67,7 +68,7 @@ class RequestFacts:
 
 
 # -- effects -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class Emit:
     """One telemetry record."""
 
@@ -75,7 +76,7 @@ class Emit:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Show:
     """What mitmweb shows of the flow: a mark (None: keep it) and a comment."""
 
@@ -83,7 +84,7 @@ class Show:
     comment: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CountHeld:
     """A duplicate of ``op_key`` began to be held: counted on the operation in the ledger
     (for inspection)."""
@@ -95,7 +96,7 @@ Effect = Emit | Show | CountHeld
 
 
 # -- states ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class Admit:
     """Ask the store what to do (a recovery claim when ``recovery`` is given). ``held_since``
     and ``hold_deadline`` carry a duplicate hold across re-admissions."""
@@ -105,7 +106,7 @@ class Admit:
     hold_deadline: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HoldDuplicate:
     """Wait for the operation's attempt in flight (``attempt_id``, if known) to end, until
     ``deadline``."""
@@ -116,7 +117,7 @@ class HoldDuplicate:
     recovery: policy.RecoveryClaim | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WaitCooldown:
     """Held through the circuit's cooldown for ``wait_s`` (nothing is dispatched meanwhile),
     with the session owned at ``epoch``."""
@@ -126,7 +127,7 @@ class WaitCooldown:
     since: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FetchRecording:
     """Read the recording to replay: ``attempt_id``'s in the store (None: only the one this
     process keeps in memory)."""
@@ -135,21 +136,21 @@ class FetchRecording:
     held_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Forward:
     """Terminal: dispatch upstream as the attempt the store claimed."""
 
     dispatch: policy.Dispatch
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PassThrough:
     """Terminal: forward untouched (no attempt), saying why."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Replay:
     """Terminal: answer from ``recording``."""
 
@@ -158,7 +159,7 @@ class Replay:
     attempt_id: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Attach:
     """Terminal: answer live from the attempt in flight in this process (``attempt_id``):
     ``live`` is the shell's handle on its response (opaque here)."""
@@ -168,14 +169,14 @@ class Attach:
     attempt_id: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Respond:
     """Terminal: turnguard's own answer."""
 
     answer: answers.Answer
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FailClosed:
     """Terminal: 503 with ``code``, nothing dispatched (see ``fail_closed``)."""
 
@@ -183,7 +184,7 @@ class FailClosed:
     code: str = "upstream_request_timeout"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Abandon:
     """Terminal: the client is gone (or the flow was killed); never dispatch it."""
 
@@ -196,7 +197,7 @@ Transition = tuple["State", tuple[Effect, ...]]
 
 
 # -- why a wait ended --------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class Ended:
     """The attempt waited for ended (``recording``: completed and replayable)."""
 
@@ -204,7 +205,7 @@ class Ended:
     recording: Recording | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Attachable:
     """The attempt waited for is this process's and its response is streaming: the request
     can attach to it (``live``: the shell's handle on that response, opaque here)."""
@@ -212,19 +213,19 @@ class Attachable:
     live: Any
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TimedOut:
     """The wait's bound passed first."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Gone:
     """The flow was killed or its client went away."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OwnershipLost:
     """Another process took the session (a higher epoch)."""
 

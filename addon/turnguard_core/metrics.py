@@ -39,6 +39,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
+from .records import record
+
 logger = logging.getLogger("turnguard")
 
 NAMESPACE = "turnguard"
@@ -135,7 +137,7 @@ def _seconds(ms: object) -> float | None:
     return ms / 1000
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GaugeState:
     """What the addon holds right now, read at scrape time (``state`` callable of ``Metrics``).
     ``circuits_open_until`` are the ends (Unix time) of the cooldowns this process knows of."""

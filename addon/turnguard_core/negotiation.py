@@ -27,8 +27,9 @@ Rules (RFC 9110, 12.5.3 Accept-Encoding and 12.5.5 Vary):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Iterable, Protocol
+
+from .records import record
 
 __all__ = [
     "PRODUCIBLE",
@@ -62,12 +63,12 @@ class Codec(Protocol):
         """Apply one content coding."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AsRecorded:
     """Send the recording as it is."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Recode:
     """Undo ``recorded`` (codings in the order they were applied), then apply ``target``
     (``"identity"``: none)."""
@@ -76,14 +77,14 @@ class Recode:
     target: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decline:
     """Do not replay; forward the duplicate. ``reason`` is for telemetry."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Serve:
     """The headers and body to send (``recode``'s result: ``recoded``; or the recording as it
     is)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Sequence  # the one mitmproxy's option manager knows
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .circuit import CircuitConfig
 from .identity import KNOWN_ROUTES
 from .policy import RECOVERY_MODES, GuardPolicy, RecoveryMode
+from .records import record
 
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
 # anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
@@ -28,7 +28,7 @@ DEFAULT_FILTER = (
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OptionSpec:
     name: str
     type: type
@@ -180,7 +180,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Settings:
     """The options as the guard uses them, in seconds."""
 

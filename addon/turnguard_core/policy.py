@@ -8,8 +8,9 @@ inside its write transaction, which is what makes a claim atomic across processe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
+
+from .records import record
 
 Outcome = Literal["in_flight", "completed", "rejected", "partial", "unknown"]
 
@@ -34,7 +35,7 @@ def once_claim_spent(recovery_dispatches: int, state: Outcome) -> bool:
     return recovery_dispatches >= 1 and state in SPENT_OUTCOMES
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GuardPolicy:
     """The options that shape admission, in seconds."""
 
@@ -43,7 +44,7 @@ class GuardPolicy:
     retention_s: float = 86400.0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OperationSnapshot:
     """What the ledger knows of an operation when a request for it arrives."""
 
@@ -57,7 +58,7 @@ class OperationSnapshot:
     recovery_dispatches: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Dispatch:
     """Send the request upstream as a new attempt. ``kind`` says why the attempt exists."""
 
@@ -65,14 +66,14 @@ class Dispatch:
     attempt_id: int | None = None  # filled in by the ledger when it records the claim
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Replay:
     """Answer from the recording of ``attempt_id``; nothing goes upstream."""
 
     attempt_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Hold:
     """Another attempt of the operation is in flight: wait for it to end."""
 
@@ -80,12 +81,12 @@ class Hold:
     owner_instance: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Conflict:
     """The request reuses an ``Idempotency-Key`` with a different body: 422, never a replay."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Fenced:
     """The request's circuit is cooling down: no dispatch now. ``remaining_s`` of cooldown
     are left; ``output_seen`` says whether the operation already produced response events."""
@@ -94,7 +95,7 @@ class Fenced:
     output_seen: bool
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Denied:
     """A recovery claim was refused: fail closed with ``code`` (an OpenAI error code)."""
 
@@ -102,7 +103,7 @@ class Denied:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RecoveryClaim:
     """A request released from a cooldown wait asks for a recovery dispatch. ``epoch`` is the
     owner epoch of its durable session that this process holds (the fencing token)."""
@@ -195,12 +196,12 @@ def _admit_unfenced(
     return Dispatch("retry")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReplayFromMemory:
     """Answer from a recording this process keeps in memory (the ledger cannot be read)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MemoryFacts:
     """What this process knows of an operation without reading the ledger: only durable facts
     it learned from the ledger or its own attempts. ``exhausted`` never reverts (a spent
@@ -271,7 +272,7 @@ def fence_hold_denial(
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SessionOwnership:
     """A durable session's row: who owns it, with which epoch (fencing token), until when."""
 

@@ -25,8 +25,9 @@ gives the same events (also when a split falls inside a CRLF pair or a multi-byt
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Literal
+
+from .records import record
 
 __all__ = [
     "TERMINAL_FAILURE",
@@ -72,7 +73,7 @@ def _json_type(data: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SseEvent:
     """One dispatched event.
 

@@ -12,7 +12,6 @@ PostgreSQL one (``pg_ledger.PgLedger``, several hosts), whose methods have the s
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Protocol
 
 from . import circuit, liveness, policy
@@ -20,9 +19,10 @@ from .identity import Identity
 from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
 from .ledger_admin import CircuitRow
 from .ledger_runner import LedgerRunner
+from .records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FinishWrite:
     """An attempt's end (its operation's outcome, its recording, its circuit's effect)."""
 
@@ -33,7 +33,7 @@ class FinishWrite:
     eventless_failure: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OfflineEndWrite:
     """The end of an attempt dispatched while the ledger could not be written (it has no row
     there): recorded whole once the ledger is back (``Ledger.record_offline_attempt``)."""
@@ -51,14 +51,14 @@ class OfflineEndWrite:
     transport: str = "http"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FirstEventWrite:
     """An attempt saw its first response event (its operation has output now)."""
 
     attempt_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DuplicatesWrite:
     """Duplicates of an operation held or replayed (for inspection; no decision reads it)."""
 
@@ -67,7 +67,7 @@ class DuplicatesWrite:
     replayed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GiveBackWrite:
     """A claim made for a request that stopped waiting for it: ended, never dispatched."""
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .identity import WS_FRAME_TYPE, Passthrough, canonical_json, parse_json_object
+from .records import record
 from .sse import SseParser, terminal_kind
 
 __all__ = [
@@ -66,7 +67,7 @@ _BOOKKEEPING = frozenset({"response.created", "response.in_progress", "response.
 SSE_HEADERS = (("content-type", "text/event-stream"),)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Call:
     """A ``response.create`` frame that asks for generation: a model call."""
 
@@ -79,14 +80,14 @@ class Call:
         return prev if isinstance(prev, str) and prev else None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Prewarm:
     """A ``response.create`` with ``generate: false``: warms the socket, generates nothing."""
 
     body: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NotACall:
     reason: str
 
@@ -109,7 +110,7 @@ def parse_client_frame(content: bytes, is_text: bool, *,
     return Call(parsed, turn_id if isinstance(turn_id, str) and turn_id else None)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FullRequest:
     """A call as its operation: ``body`` is the full request (``rebuilt``: made from a delta
     frame and the socket's record). ``unresolved`` names a ``previous_response_id`` the record
