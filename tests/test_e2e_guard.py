@@ -23,7 +23,6 @@ from harness import (
     asse_post,
     guarded,
     response_id,
-    rss_kb,
     sse_event_types,
     sse_post,
     turnguard_events,
@@ -269,10 +268,17 @@ def test_invalid_options_stop_mitmdump_with_a_clear_message(tmp_path, option, me
     assert message in proc.stdout + proc.stderr
 
 
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def test_a_compressed_body_is_guarded_and_a_decompression_bomb_passes_untouched(tmp_path):
-    """A gzip-encoded request is identified by its decoded body (its duplicate is replayed);
-    one that decodes to more than turnguard guards (a bomb) is forwarded untouched without
-    being decoded whole: mitmdump's memory stays far below what it would decode to."""
+    """A gzip-encoded request is identified by its decoded body (its duplicate is replayed),
+    also with two codings; one that decodes to more than turnguard guards (a bomb, in one
+    coding or two) is forwarded untouched, decoded only in the identity worker, never in
+    mitmdump: its peak memory does not grow by the 64 MiB the bound would let a decoder make;
+    three codings are not decoded at all."""
     body = json.dumps({**BODY, "input": "compressed"}).encode()
     coded = {**HEADERS, "content-encoding": "gzip", "content-type": "application/json"}
     bomb = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
@@ -282,11 +288,19 @@ def test_a_compressed_body_is_guarded_and_a_decompression_bomb_passes_untouched(
         first = sse_post(proxy.url, body=gzip.compress(body), headers=coded)
         again = sse_post(proxy.url, body=gzip.compress(body, mtime=1), headers=coded)
         assert first[0] == again[0] == 200 and again[1].get("x-turnguard") == "replayed"
-        assert len(up.dispatches()) == 1
-        rss_before = rss_kb(proxy.pid)
-        status, headers, _ = sse_post(proxy.url, body=bomb_body, headers=coded)
-        assert status == 400 and "x-turnguard" not in headers  # the mock's answer to its bytes
+        twice = {**coded, "content-encoding": "gzip, gzip"}
+        two = json.dumps({**BODY, "input": "coded twice"}).encode()
+        first2 = sse_post(proxy.url, body=gzip.compress(gzip.compress(two)), headers=twice)
+        again2 = sse_post(proxy.url, body=gzip.compress(gzip.compress(two), mtime=1), headers=twice)
+        assert first2[0] == again2[0] == 200 and again2[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 2
+        peak_before = _peak_rss_kb(proxy.pid)
+        for encoding, data in [("gzip", bomb_body), ("gzip, gzip", gzip.compress(bomb_body)),
+                               ("gzip, gzip, gzip", gzip.compress(gzip.compress(bomb_body)))]:
+            status, headers, _ = sse_post(proxy.url, body=data,
+                                          headers={**coded, "content-encoding": encoding})
+            assert status == 400 and "x-turnguard" not in headers  # the mock's answer to its bytes
         reasons = [e["reason"] for e in turnguard_events(tmp_path, kind="passthrough")]
-        assert reasons == ["body could not be decoded"]
-        assert rss_kb(proxy.pid) - rss_before < 256 * 1024  # never decoded whole (512 MiB)
+        assert reasons == ["body could not be decoded"] * 3
+        assert _peak_rss_kb(proxy.pid) - peak_before < 32 * 1024  # never decoded here
         assert_no_traceback(proxy.log_text())

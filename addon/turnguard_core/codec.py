@@ -1,8 +1,8 @@
-"""Content codings for re-encoding a replay: gzip, deflate, br, zstd; decoding is bounded.
+"""Content codings (gzip, deflate, br, zstd) of request bodies and replays; decoding is bounded.
 
-A recorded body is at most ``turnguard_replay_max_bytes``, but decoded it could be a
-decompression bomb: ``BoundedCodec.decode`` stops at ``max_bytes`` of output and raises
-``ValueError`` instead. Encoding uses mitmproxy's own codec functions
+A body is at most some bytes on the wire, but decoded it could be a decompression bomb:
+``BoundedCodec.decode`` stops at ``max_bytes`` of output and raises ``TooBig`` instead, and
+``decode_content`` undoes at most ``MAX_CONTENT_CODINGS`` codings of one body. Encoding uses mitmproxy's own codec functions
 (``mitmproxy.net.encoding.custom_encode``, fast settings), not its ``encode``: that one keeps a
 module-wide cache, which a call from another thread (the addon recodes off the event loop) would
 race with. The same brotli and zstd modules mitmproxy uses are used here; no proxy, clock or
@@ -22,11 +22,36 @@ if sys.version_info >= (3, 14):
 else:  # pragma: no cover - the backport mitmproxy depends on below 3.14
     from backports import zstd  # type: ignore[no-redef]
 
-__all__ = ["BoundedCodec"]
+__all__ = ["MAX_CONTENT_CODINGS", "BoundedCodec", "TooBig", "content_codings", "decode_content"]
+
+MAX_CONTENT_CODINGS = 2
+"""A body with more content codings than this is not decoded: no client stacks them, and each
+layer could decode to the whole bound."""
 
 
-class _TooBig(ValueError):
-    pass
+class TooBig(ValueError):
+    """The data decodes to more than the bound."""
+
+
+def content_codings(header: str | None) -> tuple[str, ...]:
+    """The codings a ``Content-Encoding`` value lists, in the order they were applied: lower
+    case, ``x-gzip`` as ``gzip``, without ``identity`` and empty entries."""
+    if not header:
+        return ()
+    codings = (c.strip().lower() for c in header.split(","))
+    return tuple("gzip" if c == "x-gzip" else c for c in codings if c not in ("", "identity"))
+
+
+def decode_content(data: bytes, codings: tuple[str, ...], max_bytes: int) -> bytes:
+    """``data`` with ``codings`` (as ``content_codings`` gives them) undone, last applied first,
+    each at most ``max_bytes`` decoded; ``ValueError`` (``TooBig`` past the bound) when it
+    cannot be, or when there are more than ``MAX_CONTENT_CODINGS``."""
+    if len(codings) > MAX_CONTENT_CODINGS:
+        raise ValueError(f"{len(codings)} content codings (at most {MAX_CONTENT_CODINGS} are decoded)")
+    codec = BoundedCodec(max_bytes)
+    for coding in reversed(codings):
+        data = codec.decode(data, coding)
+    return data
 
 
 class BoundedCodec:
@@ -45,7 +70,7 @@ class BoundedCodec:
         if coding == "deflate":  # zlib-wrapped as the RFC says, or raw as some servers send
             try:
                 return self._zlib(data, zlib.MAX_WBITS)
-            except _TooBig:
+            except TooBig:
                 raise
             except ValueError:
                 return self._zlib(data, -zlib.MAX_WBITS)
@@ -61,7 +86,7 @@ class BoundedCodec:
         return mitmproxy_encoding.custom_encode[coding](data)
 
     def _too_big(self) -> ValueError:
-        return _TooBig(f"decodes to more than {self.max_bytes} bytes")
+        return TooBig(f"decodes to more than {self.max_bytes} bytes")
 
     def _zlib(self, data: bytes, wbits: int) -> bytes:
         d = zlib.decompressobj(wbits)

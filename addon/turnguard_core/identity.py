@@ -49,6 +49,7 @@ import hashlib
 import json
 from typing import Any
 
+from .codec import decode_content
 from .records import record
 
 __all__ = [
@@ -136,6 +137,9 @@ class RequestView:
     body: bytes | None  # decoded body (content-encoding removed); None when undecodable
     upstream: Upstream | None = None  # None: not known (outside a proxy)
     proxy_auth: str | None = None  # credentials the proxy itself authenticated and removed
+    # content codings still on ``body`` (``codec.content_codings``): identify decodes it, at
+    # most ``max_body_bytes`` a coding (the shell leaves a body that decodes large to the worker)
+    body_codings: tuple[str, ...] = ()
 
 
 @record
@@ -261,7 +265,7 @@ def identify(
 def _identify(
     request: RequestView, max_body_bytes: int, credential_headers: tuple[str, ...]
 ) -> Identity:
-    body = _parse_body(request.body, max_body_bytes)
+    body = _parse_body(_decoded(request, max_body_bytes), max_body_bytes)
     headers = _first_values(request.headers)
     target = split_target(request.path)
 
@@ -347,6 +351,15 @@ def parse_json_object(body: bytes | None, max_bytes: int) -> dict[str, Any] | Pa
         return Passthrough(r.reason)
     except RecursionError:
         return Passthrough("JSON nesting too deep")
+
+
+def _decoded(request: RequestView, max_body_bytes: int) -> bytes | None:
+    if not request.body_codings or request.body is None:
+        return request.body
+    try:
+        return decode_content(request.body, request.body_codings, max_body_bytes)
+    except ValueError:
+        return None
 
 
 def _parse_body(body: bytes | None, max_body_bytes: int) -> dict[str, Any]:

@@ -32,8 +32,8 @@ class Identifier:
         self, flow: http.HTTPFlow, timeout_s: float, credential_headers: tuple[str, ...]
     ) -> identity.Identity | identity.Passthrough:
         """The request's identity: computed here for a small body (remembered for its retries:
-        ``identity_memo``), in the worker process for a large one (``offload``), so that no
-        body holds the event loop for long."""
+        ``identity_memo``), in the worker process for a large one or one that decodes large
+        (``offload``), so that no body holds the event loop for long."""
         return await self.identify_view(flows.request_view(flow, MAX_GUARDED_BODY), timeout_s,
                                         credential_headers)
 
@@ -44,7 +44,7 @@ class Identifier:
         if isinstance(view, identity.Passthrough):
             return view
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY, credential_headers=credential_headers)
-        if view.body is None or len(view.body) <= INLINE_MAX_BYTES:
+        if view.body is None or len(view.body) <= INLINE_MAX_BYTES and not view.body_codings:
             return self._memo.identify(view, **kwargs)
         return await self._worker.identify(
             view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)

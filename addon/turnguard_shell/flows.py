@@ -15,7 +15,8 @@ from mitmproxy import ctx, hooks, http
 from mitmproxy.net.http import status_codes
 
 from turnguard_core import answers, identity
-from turnguard_core.codec import BoundedCodec
+from turnguard_core.codec import TooBig, content_codings, decode_content
+from turnguard_core.offload import INLINE_MAX_BYTES
 from turnguard_core.proxy_internals import client_stream_closed, find_http_layer
 
 MARK_REPLAYED = ":recycle:"
@@ -30,31 +31,25 @@ def request_headers(flow: http.HTTPFlow) -> tuple[tuple[str, str], ...]:
 
 
 def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | identity.Passthrough:
-    """What identity needs of the request, or why it cannot be guarded."""
+    """What identity needs of the request, or why it cannot be guarded. A body with content
+    codings is decoded here when that stays within ``INLINE_MAX_BYTES``; past that it goes on
+    encoded (``body_codings``), to be decoded with its identity off the event loop (a body of a
+    few kilobytes can decode to the whole bound, and each coding to as much again)."""
     req = flow.request
     if req.raw_content is None:
         return identity.Passthrough("request body is streamed")
     if len(req.raw_content) > max_body:
         return identity.Passthrough(f"body too large ({len(req.raw_content)} bytes > limit {max_body})")
-    return _view(flow, req.method, request_headers(flow), decoded_body(req, max_body))
-
-
-def decoded_body(req: http.Request, max_body: int) -> bytes | None:
-    """The request body without its content codings, at most ``max_body`` bytes once decoded
-    (mitmproxy's ``req.content`` has no bound: a small compressed body could decode to
-    gigabytes); None when it cannot be decoded within that."""
-    raw = req.raw_content or b""
-    encoding = req.headers.get("content-encoding")
-    if not encoding:  # the common case: nothing to decode
-        return raw
-    codings = [c.strip().lower() for c in encoding.split(",")]
-    codec = BoundedCodec(max_body)
-    try:
-        for coding in reversed([c for c in codings if c not in ("", "identity")]):
-            raw = codec.decode(raw, "gzip" if coding == "x-gzip" else coding)
-    except ValueError:
-        return None
-    return raw
+    body: bytes | None = req.raw_content
+    codings = content_codings(req.headers.get("content-encoding"))
+    if codings:
+        try:
+            body, codings = decode_content(body, codings, INLINE_MAX_BYTES), ()
+        except TooBig:
+            pass  # decoded with its identity, in the worker
+        except ValueError:
+            body, codings = None, ()
+    return _view(flow, req.method, request_headers(flow), body, codings)
 
 
 def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | identity.Passthrough:
@@ -66,7 +61,8 @@ def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | ide
 
 
 def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...],
-          body: bytes | None) -> identity.RequestView | identity.Passthrough:
+          body: bytes | None, body_codings: tuple[str, ...] = ()
+          ) -> identity.RequestView | identity.Passthrough:
     req = flow.request
     if not req.host:
         return identity.Passthrough("upstream unknown (no host)")
@@ -81,6 +77,7 @@ def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...]
         path=req.path,
         headers=headers,
         body=body,
+        body_codings=body_codings,
         upstream=identity.Upstream(
             scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
             via=_via(flow),

@@ -154,18 +154,18 @@ class MockUpstream:
 
 
 def _decoded(req: Request) -> bytes:
-    """The request body without its gzip/deflate content coding (ValueError: another coding,
-    invalid data, or more than MAX_BODY_BYTES decoded)."""
-    coding = (req.header("content-encoding") or "identity").strip().lower()
-    if coding == "identity":
-        return req.body
-    if coding not in ("gzip", "x-gzip", "deflate"):
-        raise ValueError(f"content-encoding {coding} not supported")
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS if coding != "deflate" else zlib.MAX_WBITS)
-    try:
-        out = d.decompress(req.body, MAX_BODY_BYTES + 1)
-    except zlib.error as e:
-        raise ValueError(str(e)) from None
-    if len(out) > MAX_BODY_BYTES or not d.eof:
-        raise ValueError("body too large once decoded, or incomplete")
-    return out
+    """The request body without its gzip/deflate content codings, last applied first
+    (ValueError: another coding, invalid data, or more than MAX_BODY_BYTES decoded)."""
+    codings = [c.strip().lower() for c in (req.header("content-encoding") or "").split(",")]
+    body = req.body
+    for coding in reversed([c for c in codings if c not in ("", "identity")]):
+        if coding not in ("gzip", "x-gzip", "deflate"):
+            raise ValueError(f"content-encoding {coding} not supported")
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS if coding != "deflate" else zlib.MAX_WBITS)
+        try:
+            body = d.decompress(body, MAX_BODY_BYTES + 1)
+        except zlib.error as e:
+            raise ValueError(str(e)) from None
+        if len(body) > MAX_BODY_BYTES or not d.eof:
+            raise ValueError("body too large once decoded, or incomplete")
+    return body
