@@ -302,6 +302,8 @@ class TurnGuard:
                      scope: str, state: machine.Admit, deadline: float):
         local = self.inflight.of_operation(ident.op_key)
         if local is not None:  # this process's attempt is in flight: hold, no ledger needed
+            if local.ident.fingerprint != ident.fingerprint:  # its Idempotency-Key, another body
+                return policy.Conflict()
             return policy.Hold(local.attempt_id, self.instance_id)
         cfg = self.settings
         return await self.store.admit(

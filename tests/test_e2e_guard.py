@@ -194,6 +194,30 @@ def test_replay_window_and_idempotency_keys(tmp_path):
         assert len(turnguard_events(tmp_path, kind="idempotency_key_conflict")) == 1
 
 
+def test_an_idempotency_key_reused_with_another_body_while_its_first_runs_here_is_422(tmp_path):
+    """The same key with another body, while the key's first request is in flight in this very
+    process (attach on and off, streamed or not): 422, never held on it, attached to it or
+    answered with its response."""
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 2500}], "default": {"kind": "ok"}}
+    idem = {**HEADERS, "idempotency-key": "transfer-1"}
+    for attach, stream in [("true", True), ("false", True), ("false", False)]:
+        run = tmp_path / f"{attach}-{stream}"
+        run.mkdir()
+        with MockUpstream(run, scenario) as up, guarded(run, up, turnguard_attach=attach) as proxy, \
+                ThreadPoolExecutor(max_workers=1) as pool:
+            body = {**BODY, "stream": stream}
+            first = pool.submit(sse_post, proxy.url, body={**body, "input": "$10 to alice"},
+                                headers=idem)
+            wait_until(lambda: len(up.dispatches()) == 1, 10, what="the first request upstream")
+            status, _, answer = sse_post(
+                proxy.url, body={**body, "input": "$9999 to mallory"}, headers=idem)
+            assert status == 422 and json.loads(answer)["error"]["code"] == "idempotency_key_conflict"
+            assert first.result(30)[0] == 200
+            assert len(up.dispatches()) == 1
+            assert not turnguard_events(run, kind="duplicate_held")
+            assert_no_traceback(proxy.log_text())
+
+
 def test_no_replay_across_credentials_or_sessions(tmp_path):
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         a = sse_post(proxy.url, body=BODY, headers=HEADERS)
