@@ -11,8 +11,10 @@ import random
 import sqlite3
 import subprocess
 
+import pytest
 from harness import (ADDON, REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
                      parse_sse, sse_post, turnguard_events, wait_until)
+from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
@@ -331,6 +333,52 @@ def test_hostile_frames_pass_through_untouched(tmp_path):
                                "frame type 'response.cancel' is not response.create",
                                "duplicate keys in JSON frame", "frame is not JSON"]
         assert len(ws_dispatches(up)) == 2
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("first", [b"\x00\xff binary", "not json", '{"type": "response.cancel"}',
+                                   '{"type": "response.create", "model": "a", "model": "b", '
+                                   '"input": [], "stream": true}'])
+def test_a_call_right_behind_a_frame_that_is_no_call_gets_its_own_answer(tmp_path, first):
+    """A frame turnguard does not follow, with a call sent right behind it on the socket: the
+    upstream's answer to that frame is not taken for the call's (the call completes and is
+    recorded with its own events: its retry on a new socket is replayed them, not run again)."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        async def pipelined():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(first)
+                await c.send(call([user("run me once")], seed=1))
+                return await c.response(), await c.response()
+
+        _, answered = asyncio.run(pipelined())
+        assert types(answered)[-1] == "response.completed"
+        dispatched = len(ws_dispatches(up))
+        retried = asyncio.run(one_call(p.url, call([user("run me once")], seed=5)))
+        assert retried == answered  # the call's own events, replayed
+        assert len(ws_dispatches(up)) == dispatched
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"]
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert_no_traceback(p.log_text())
+
+
+def test_a_client_that_queues_too_many_frames_is_let_go_with_its_frames_in_order(tmp_path):
+    """More frames queued behind a response in flight than turnguard keeps: the socket is let
+    go, and every frame goes upstream untouched in the order sent, none ahead of the queue."""
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1500}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        frames = [call([user(f"frame {i}")], seed=i) for i in range(MAX_QUEUED_FRAMES + 6)]
+
+        async def flood():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                for frame in frames:
+                    await c.send(frame)
+                return [await c.response() for _ in frames]
+
+        answers = asyncio.run(flood())
+        assert all(types(a)[-1] == "response.completed" for a in answers)
+        index = {hashlib.sha256(json.dumps(f).encode()).hexdigest(): i for i, f in enumerate(frames)}
+        assert [index[d["body_sha256"]] for d in ws_dispatches(up)] == list(range(len(frames)))
+        assert any("frames queued" in e["reason"] for e in events(tmp_path, "passthrough"))
         assert_no_traceback(p.log_text())
 
 

@@ -19,13 +19,16 @@ the same ledger, as an HTTP request:
     Abandon      nothing is sent upstream; a client still there gets a 503 ``error`` event
 
 Frames that are not calls (a prewarm, binary, not JSON, other types) go upstream untouched,
-in order, and are named in the telemetry. An upstream that answers with something that is no
-Responses event (binary, not JSON, an echo of the frame) does not speak this protocol: the
-socket is no longer guarded (its attempt in flight ends as rejected, its queued frames go on
-untouched, in order). A frame is never lost: if guarding it fails, it is
-forwarded. The socket's ``SocketRecord`` remembers the responses it carried, so that a delta
-frame (``previous_response_id`` + new items) has the same identity as its full resend on a
-new socket or as the HTTP POST fallback.
+in order, and are named in the telemetry; like a call, each waits for the answer to the frame
+before it, and the upstream's answer to it is its own (never taken for the next call's). An
+upstream that answers with something that is no Responses event (binary, not JSON, an echo of
+the frame) does not speak this protocol: the socket is no longer guarded (its attempt in
+flight ends as rejected, its queued frames go on untouched, in order, before any later one).
+So is a socket whose client sends more than ``MAX_QUEUED_FRAMES`` frames ahead of the
+response in flight. A frame is never lost: if guarding it fails, it is forwarded. The
+socket's ``SocketRecord`` remembers the responses it carried, so that a delta frame
+(``previous_response_id`` + new items) has the same identity as its full resend on a new
+socket or as the HTTP POST fallback.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ MAX_QUEUED_FRAMES = 64  # frames a client may send ahead of the socket's respons
 class Response:
     """The response the upstream is sending on a socket now."""
 
-    request: dict  # the full request it answers
+    request: dict | None  # the full request it answers (None: a frame that is no call)
     events: ws.ResponseEvents
     attempt_key: str | None  # its attempt, when it is a guarded dispatch
 
@@ -84,6 +87,9 @@ class Socket:
     inline_sent: bool = False
     busy: asyncio.Task | None = None
     serving: bool = False
+    # let go while frames waited: they are injected, so every later frame is too, behind
+    # them (one that went on as it came could pass an injected one still on its way)
+    queue_rest: bool = False
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -137,15 +143,15 @@ class WebSockets:
         if sock is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
-        if message.injected or not sock.guarded:
-            return  # ours, on its way; or a socket turnguard let go
+        if message.injected:
+            return  # ours, on its way
         if not message.from_client:
-            return self._upstream_frame(sock, message)
-        if sock.frames.qsize() >= MAX_QUEUED_FRAMES:
-            self._guard._emit("passthrough", flow=flow.id, transport="ws",
-                              reason=f"more than {MAX_QUEUED_FRAMES} frames queued")
-            return  # forwarded as it is, now
-        if (sock.busy is None and not sock.serving and sock.frames.empty()
+            return self._upstream_frame(sock, message) if sock.guarded else None
+        if not sock.guarded and not sock.queue_rest:
+            return  # a socket turnguard let go: on its way as it came
+        if sock.guarded and sock.frames.qsize() >= MAX_QUEUED_FRAMES:
+            self._let_go(sock, f"more than {MAX_QUEUED_FRAMES} frames queued")  # queued: in order
+        elif (sock.guarded and sock.busy is None and not sock.serving and sock.frames.empty()
                 and sock.idle.is_set() and not sock.closed):
             return self._decide_now(sock, message)
         message.drop()
@@ -259,7 +265,7 @@ class WebSockets:
         match frame:
             case ws.NotACall(reason=reason):
                 self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
-                self._forward(sock, content, is_text)
+                self._forward(sock, content, is_text, Response(None, self._events(), None))
             case ws.Prewarm(body=body):
                 full = sock.record.full_request(body)
                 self._forward(sock, content, is_text, Response(full.body, self._events(), None))
@@ -363,6 +369,7 @@ class WebSockets:
         if not sock.guarded:
             return
         sock.guarded = False
+        sock.queue_rest = not sock.frames.empty() or sock.serving or sock.busy is not None
         self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
         response = sock.finish()
         if response is not None and response.attempt_key is not None:
@@ -380,7 +387,8 @@ class WebSockets:
         response = sock.finish()
         if response is None:
             return
-        sock.record.remember(response.request, response.events, from_upstream=True)
+        if response.request is not None:
+            sock.record.remember(response.request, response.events, from_upstream=True)
         if response.attempt_key is not None:
             headers = flows.request_headers(sock.flow)
             self._guard.inflight.close(
