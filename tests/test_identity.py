@@ -192,6 +192,21 @@ def test_every_value_of_a_repeated_credential_header_counts_in_order():
     assert len({one.principal, two.principal, swapped.principal}) == 3
 
 
+def test_a_credential_header_spelled_with_underscores_is_that_credential():
+    """Servers that map headers to CGI-style names read ``x_api_key`` as ``x-api-key``."""
+    assert ident(headers=[("x_api_key", "K9")]).principal != ident(headers=[]).principal
+    assert ident(headers=[("X_Api_Key", "K9")]).principal == ident(headers=[("x-api-key", "K9")]).principal
+    tenant = ("x_tenant_key",)
+    assert (ident(headers=[("x-tenant-key", "a")], credential_headers=tenant).principal
+            != ident(headers=[("x-tenant-key", "b")], credential_headers=tenant).principal)
+
+
+def test_a_key_sent_as_a_websocket_subprotocol_is_a_credential():
+    a = ident(headers=[("Sec-WebSocket-Protocol", "realtime, openai-insecure-api-key.sk-AAAA")])
+    b = ident(headers=[("Sec-WebSocket-Protocol", "realtime, openai-insecure-api-key.sk-BBBB")])
+    assert a.principal != b.principal and "sk-AAAA" not in repr(a)
+
+
 def test_proxy_authentication_is_part_of_the_principal():
     a, b = ident(proxy_auth='["alice", "pw"]'), ident(proxy_auth='["bob", "pw"]')
     none, empty = ident(proxy_auth=None), ident(proxy_auth="")

@@ -18,9 +18,11 @@ tuple, so no two different tuples share an encoding.
   as a credential.
 * **Principal** = hash of every credential the request carries: the values of the
   credential-bearing headers present (``CREDENTIAL_HEADERS`` plus the caller's
-  ``credential_headers``; names case-insensitive; every non-empty value of a repeated header,
-  in order), the URL rest, and the proxy's own authentication (``proxy_auth``: mitmproxy's
-  proxyauth consumes ``Proxy-Authorization`` before turnguard sees it).
+  ``credential_headers``; names case-insensitive, ``_`` read as ``-``, since servers that map
+  headers to CGI-style names read ``x_api_key`` as ``x-api-key``; every non-empty value of a
+  repeated header, in order: an empty one is no credential), the URL rest, and the proxy's
+  own authentication (``proxy_auth``: mitmproxy's proxyauth consumes ``Proxy-Authorization``
+  before turnguard sees it).
 * **Upstream** = hash of where the proxy sends the request: scheme, host and port it connects
   to, the Host header it sends when that names another host or port (virtual hosting), and
   the upstream proxy it goes through (mitmproxy's upstream mode). ``None`` (callers outside a
@@ -85,6 +87,7 @@ CREDENTIAL_HEADERS = (
     "x-litellm-api-key",
     "chatgpt-account-id", "openai-organization", "openai-project", "x-goog-user-project",
     "x-amz-security-token",
+    "sec-websocket-protocol",  # browsers' clients send their key as a subprotocol
 )
 
 # The model routes turnguard knows by name (the default filter guards POSTs to exactly these,
@@ -311,7 +314,7 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     names = _credential_names(tuple(extra_names))
     values: dict[str, list[str]] = {}
     for name, value in request.headers:
-        key = name.lower()
+        key = _credential_name(name)
         if key in names and value:
             values.setdefault(key, []).append(value)
     parts = ["headers", str(len(values))]
@@ -338,7 +341,11 @@ def _scope_hash(principal: str, upstream: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(CREDENTIAL_HEADERS) | {name.lower() for name in extra_names}
+    return frozenset(CREDENTIAL_HEADERS) | {_credential_name(name) for name in extra_names}
+
+
+def _credential_name(name: str) -> str:
+    return name.lower().replace("_", "-")
 
 
 def parse_json_object(body: bytes | None, max_bytes: int) -> dict[str, Any] | Passthrough:
