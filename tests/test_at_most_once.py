@@ -272,6 +272,36 @@ def test_a_ledger_fault_when_the_original_ends_does_not_wedge_the_turn(tmp_path,
            "retries via both processes replayed; upstream dispatches=1")
 
 
+def test_a_process_stopped_while_it_owes_a_turns_end_writes_it_before_it_exits(tmp_path, report):
+    """The ledger is locked when the original completes (its end is kept) and the process is
+    stopped (SIGTERM) before it could write it: it writes it while it closes, once the lock
+    goes, so the turn stays completed (a peer replays it) instead of being reaped as unfinished
+    and run again."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up:
+        with guarded(tmp_path, up, "a") as a:
+            turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=100)}
+            original = in_background(post, a.url, turn, body_of("stopped owing its end"))
+            wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
+                       what="the original streaming")
+            with write_lock(ledger):
+                assert original.result(30)[0] == 200
+                wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
+                           what="its end kept")
+                a.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.7)  # closing, it waits for the lock
+            assert a.proc.wait(30) == 0
+            assert "writes owed (" not in a.log_text()  # none left unwritten
+        assert query(ledger, "SELECT state FROM operations") == [("completed",)]
+        with guarded(tmp_path, up, "b") as b:
+            status, headers, _ = post(b.url, SESSION, body_of("stopped owing its end"))
+            assert status == 200 and headers.get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("stopped (SIGTERM) owing a completed turn's end (ledger locked): written while "
+           "closing; the retry via another process replayed; upstream dispatches=1")
+
+
 # -- 3. completed means replayable --------------------------------------------------------------
 
 

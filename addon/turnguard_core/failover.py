@@ -39,7 +39,7 @@ from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
-from .ledger_runner import LedgerRunner, LedgerTimeout
+from .ledger_runner import LedgerRunner, LedgerTimeout, contended
 from .records import record
 from .store import (
     DuplicatesWrite,
@@ -56,6 +56,7 @@ logger = logging.getLogger("turnguard")
 
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
+CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
 MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ticker, at most
@@ -139,6 +140,7 @@ class FailoverStore:
         self._emit = emit
         self.memory = memory
         self._kept = kept  # outlives a script reload, with the attempts it concerns
+        self._sent: dict[asyncio.Future, KeptWrite] = {}  # sent, not yet known written
         self._attempts = attempts
         self._on_reregistered = on_reregistered
         self._on_attempt_ended = on_attempt_ended
@@ -266,8 +268,14 @@ class FailoverStore:
         # after a fault, it stays noted until a try applies what is owed (recover)
 
     def close(self) -> None:
+        """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
+        locked or full) are tried first, at most ``CLOSE_WRITES_S`` in all: a process that
+        stops (SIGTERM) or is reloaded must not leave a completed turn to be reaped as
+        partial and run again; what still cannot be written is logged."""
         if self._store is not None and _loop_running():  # (unit tests close outside a loop)
             self.write_counts()
+        if self._store is not None and (self._kept or self._sent):
+            self._write_owed(time.monotonic() + CLOSE_WRITES_S)
         if self._listener is not None:
             self._listener.stop()
             self._listener = None
@@ -277,6 +285,37 @@ class FailoverStore:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+    def _write_owed(self, deadline: float) -> None:
+        """The writes sent and not yet known written, then the kept ones, written by
+        ``deadline`` if the ledger lets them (a lock is waited for until then)."""
+        store = self._store
+        store.settle(deadline - time.monotonic())
+        failed = [entry for future, entry in self._sent.items()
+                  if not future.done() or future.cancelled() or future.exception()]
+        self._sent.clear()  # (their callbacks, should the loop run them, find them gone)
+        self._kept.extendleft(reversed(failed))  # sent before any kept since
+        owed, written, error = len(self._kept), 0, "no time left"
+        while self._kept and time.monotonic() < deadline:
+            kept = self._kept[0]
+            if kept.belongs_to(store.generation):
+                try:
+                    store.write_sync(kept.write, timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+                except LedgerError as e:  # locked: the busy timeout waited; try until the end
+                    error = str(e)
+                    if contended(e):
+                        continue
+                    break
+                written += 1
+            self._kept.popleft()
+        if self._kept:
+            logger.warning("turnguard: closing with %d ledger writes owed (%s); a process that "
+                           "reaps this one's attempts takes them as unfinished",
+                           len(self._kept), error)
+        elif owed:
+            logger.info("turnguard: closing: the %d ledger writes owed were written", written)
 
     def _attempt_ended(self, op_key: str, attempt_id: int, state: str) -> None:
         """A process sharing the ledger ended an attempt (notified, on the event loop)."""
@@ -515,8 +554,11 @@ class FailoverStore:
                 kept()
             return None
         future = self._store.send(write)
+        self._sent[future] = entry
 
         def done(f: asyncio.Future) -> None:
+            if self._sent.pop(f, None) is None:  # settled at close
+                return
             error = f.exception()
             if error is not None:
                 self._kept.append(entry)

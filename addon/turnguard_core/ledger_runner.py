@@ -47,7 +47,8 @@ class LedgerTimeout(LedgerError):
     """The call's deadline passed before the ledger could run it; it did nothing."""
 
 
-def _contended(error: LedgerError) -> bool:
+def contended(error: LedgerError) -> bool:
+    """Whether the ledger failed for a lock held by another connection (it may work later)."""
     text = str(error).lower()
     return "locked" in text or "busy" in text
 
@@ -74,6 +75,8 @@ class LedgerRunner:
         # deferred writes, with the futures their callers hold, until the next flush
         self._deferred: list[tuple[Job, asyncio.Future]] = []
         self._deferred_heavy = False  # one of them is heavy: the batch runs on the thread
+        # batches handed to the thread whose futures the event loop has not settled yet
+        self._landing: dict[concurrent.futures.Future, tuple[list, bool]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnguard-ledger"
         )
@@ -99,7 +102,7 @@ class LedgerRunner:
         try:
             return self._run(job, self._fast_busy_ms)
         except LedgerError as e:
-            if not _contended(e):
+            if not contended(e):
                 raise
             self._slow_until = time.monotonic() + self._slow_s
             raise _Contended from e
@@ -166,20 +169,36 @@ class LedgerRunner:
                 return
         self._land(self._queue(run_batch), batch, single=False)
 
-    @staticmethod
-    def _land(done: concurrent.futures.Future, batch: list[tuple[Job, asyncio.Future]], *,
+    def _land(self, done: concurrent.futures.Future, batch: list[tuple[Job, asyncio.Future]], *,
               single: bool) -> None:
         """Settle ``batch``'s futures, on their loop, once ``done`` (its job on the thread:
         the batch's, or ``single``: the one write's) has run."""
         loop = batch[0][1].get_loop()
+        self._landing[done] = (batch, single)
 
         def landed(f: concurrent.futures.Future) -> None:
-            error = f.exception()
-            results = None if error else ([f.result()] if single else f.result())
             with contextlib.suppress(RuntimeError):  # the loop is gone: so are the waiters
-                loop.call_soon_threadsafe(_settle, batch, results, error)
+                loop.call_soon_threadsafe(self._settle_landed, f)
 
         done.add_done_callback(landed)
+
+    def _settle_landed(self, done: concurrent.futures.Future) -> None:
+        entry = self._landing.pop(done, None)
+        if entry is None:
+            return
+        batch, single = entry
+        error = done.exception()
+        results = None if error else ([done.result()] if single else done.result())
+        _settle(batch, results, error)
+
+    def settle(self, timeout: float) -> None:
+        """At close, when the event loop will not run what the thread hands over: flush the
+        deferred writes, wait at most ``timeout`` s for the thread to run what is queued, and
+        settle here the futures of the writes it ran (a write still running stays unsettled)."""
+        self.flush()
+        concurrent.futures.wait(list(self._landing), timeout=max(0.0, timeout))
+        for done in [d for d in self._landing if d.done()]:
+            self._settle_landed(done)
 
     # -- the interface ----------------------------------------------------------------------------
     async def call(self, job: Job[T], *, deadline: float | None = None) -> T:

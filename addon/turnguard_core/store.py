@@ -128,6 +128,13 @@ class Store(Protocol):
 
     async def write(self, write: Write, *, deadline: float | None) -> FinishResult | None: ...
 
+    def write_sync(self, write: Write, *, timeout: float) -> FinishResult | None:
+        """``write``, waited for on the caller's thread (at close: the event loop is done)."""
+
+    def settle(self, timeout: float) -> None:
+        """At close: the writes sent so far are run (at most ``timeout`` s) and their futures
+        settled, without the event loop."""
+
     def counts(self, *, timeout: float) -> dict[str, int]: ...
 
     def open_circuits(self, now: float, *, timeout: float) -> list[tuple[str, circuit.CircuitState]]: ...
@@ -259,6 +266,12 @@ class LedgerStore:
 
     async def write(self, write, *, deadline):
         return await self._runner.call(lambda led: _apply(write, led), deadline=deadline)
+
+    def write_sync(self, write, *, timeout):
+        return self._runner.call_sync(lambda led: _apply(write, led), timeout=timeout)
+
+    def settle(self, timeout):
+        self._runner.settle(timeout)
 
     def counts(self, *, timeout):
         return self._runner.call_sync(lambda led: led.counts(), timeout=timeout)
