@@ -274,7 +274,8 @@ class TurnGuard:
         foreign = None if local is not None else (state.attempt_id or 0)
         while True:  # bounded by the hold's deadline
             woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,
-                                                state.deadline - time.monotonic())
+                                                state.deadline - time.monotonic(),
+                                                self.store.generation)
             if not isinstance(woke, machine.Attachable) \
                     or self.attacher.can_attach(flow, woke.live):
                 return woke

@@ -434,6 +434,69 @@ def test_deleting_the_ledger_under_a_running_process_is_an_outage_not_an_empty_l
            "upstream dispatches=1")
 
 
+def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp_path, report):
+    """A's original is in flight and B holds its duplicate when the ledger file is deleted.
+    Whichever process opens the new file first, B does not take the attempt's absence from it
+    for its end: it waits until A registers it there, then for its end, and replays it."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        turn = {**SESSION, **behaviour(kind="ok", delay_ms=6000)}
+        original = in_background(post, a.url, turn, body_of("deleted under a held duplicate"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, b.url, SESSION, body_of("deleted under a held duplicate"))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holding")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        assert original.result(30)[0] == 200
+        status, headers, _ = duplicate.result(40)
+        assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("ledger deleted while B held a duplicate of A's turn: B waited for A to register it "
+           f"in the new file and got it {headers.get('x-turnguard')}; upstream dispatches=1")
+
+
+@pytest.mark.parametrize("fact", ["completed", "spent", "cooling"])
+def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fact, report):
+    """The ledger file is deleted after the process learned a durable fact from it: a turn
+    completed (replayable), a once-mode operation's one recovery spent, a retry circuit
+    cooling. The new file knows none of it; the process still decides by it (a replay, a
+    refusal, a 503), never a dispatch the old file would have refused."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = {"completed": {}, "cooling": dict(turnguard_cooldown_ms=60000),
+            "spent": dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500,
+                          turnguard_hold_timeout_ms=20000)}[fact]
+    body = body_of(f"learned before the delete: {fact}")
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a:
+        headers = ANCHORED if fact == "spent" else SESSION
+        if fact == "completed":
+            assert post(a.url, SESSION, body)[0] == 200
+        else:  # eventless failures: the circuit opens (and in once mode, the recovery fails)
+            for _ in range(3 if fact == "spent" else 2):
+                post(a.url, {**headers, **behaviour(kind="reset")}, body)
+            wait_until(lambda: not in_flight(ledger), 10, what="the failures recorded")
+        if fact == "spent":
+            assert query(ledger, "SELECT recovery_dispatches FROM operations") == [(1,)]
+            time.sleep(2)  # past the cooldown
+        dispatched = len(up.dispatches())
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        a.wait_for_log("is another file now", 15)
+        status, answer_headers, _ = post(a.url, headers, body)
+        assert len(up.dispatches()) == dispatched
+        if fact == "completed":
+            assert status == 200 and answer_headers.get("x-turnguard") == "replayed"
+        else:
+            assert status == 503
+        assert_no_traceback(a.log_text())
+    report(f"ledger deleted after a {fact} fact was learned: the process still decided by it "
+           f"(answered {status}); upstream dispatches unchanged ({dispatched})")
+
+
 # -- 7. nothing a client sends holds the event loop ---------------------------------------------
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from turnguard_core import policy
-from turnguard_core.knowledge import Knowledge, KnownRecording
+from turnguard_core.circuit import CircuitState
+from turnguard_core.identity import Identity
+from turnguard_core.knowledge import Knowledge, KnownRecording, MemoryStore
 from turnguard_core.ledger import Recording
 from turnguard_core.policy import MemoryFacts, admit_without_ledger
 
@@ -106,3 +108,33 @@ def test_a_recording_whose_end_the_ledger_refused_is_forgotten():
     assert k.replay_attempt("op", fingerprint="f", now=1100.0, window_s=300,
                             generation="gen-1") is None
     assert k.recording_bytes == 0
+
+
+def test_what_was_learned_from_a_replaced_ledger_file_still_decides():
+    """After the ledger file was replaced (``file_replaced``), the old file's recordings,
+    spent once-claims and cooling circuits decide before the new file is asked."""
+    def ident(op: str) -> Identity:
+        return Identity("p", "u", "s", None, "/v1/responses", None, None, None, "f", op)
+
+    m = MemoryStore()
+    m.knowledge.completed("done", own(attempt_id=7))  # its row is in gen-1
+    m.knowledge.exhausted("spent")
+    m.circuits["cooling"] = CircuitState(2, 1200.0)
+    m.circuits["cooled"] = CircuitState(2, 1050.0)
+    ask = dict(circuit_scope="other", once_mode=True, recovering=False, now=1100.0,
+               window_s=300, generation="gen-2")
+    assert m.carried(ident("spent"), **ask) is None  # nothing carried before a replacement
+    m.file_replaced(1100.0)
+    assert m.carried(ident("done"), **ask) == policy.ReplayFromMemory()
+    assert m.carried(ident("done"), **{**ask, "generation": "gen-1"}) is None  # its own file
+    assert m.carried(ident("done"), **{**ask, "recovering": True}) is None
+    assert m.carried(ident("spent"), **ask) == policy.Denied(
+        "upstream_operation_status_unknown", "claim_exhausted")
+    assert m.carried(ident("spent"), **{**ask, "once_mode": False}) is None
+    assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooling"}) == policy.Fenced(
+        100.0, output_seen=False)
+    assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooled"}) is None
+    assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooling", "now": 1201.0}) is None
+    m.carried_circuits["cooling"] = CircuitState(2, 1200.0)
+    assert m.clear_carried_circuits("cooling") == {"cooling"}
+    assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooling"}) is None

@@ -153,6 +153,8 @@ class FailoverStore:
         self.path = ""
         self.error: str | None = None  # the fault noted last; None: the ledger works
         self._reopen_at = 0.0
+        self._gone_generation = ""  # of the file last found deleted or replaced
+        self._carrying = False  # decides with facts learned from such a file (memory.carried)
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
@@ -265,6 +267,13 @@ class FailoverStore:
     def _use(self, opened: _Opened) -> None:
         self._store, self._heartbeat, self._listener = opened.store, opened.heartbeat, opened.listener
         logger.info("turnguard: ledger %s (instance %s)", self.location, self._instance_id)
+        if self._gone_generation and self._gone_generation != opened.store.generation:
+            self.memory.file_replaced(time.time())
+            self._carrying = True
+            logger.warning("turnguard: ledger %s is another file now; what this process learned "
+                           "from the old one (recordings, spent once-claims, cooling circuits) "
+                           "still decides", self.location)
+        self._gone_generation = ""
         # after a fault, it stays noted until a try applies what is owed (recover)
 
     def close(self) -> None:
@@ -343,6 +352,7 @@ class FailoverStore:
         attempts in flight in it before deciding from it."""
         if self._store is None:
             return
+        self._gone_generation = self._store.generation
         self.close()
         self._down(LedgerError(why), "file check")
         self._reopen_at = 0.0  # open the new file at once
@@ -472,6 +482,13 @@ class FailoverStore:
                                        generation=self.generation)
             if known is not None:
                 return known
+        if self._carrying:
+            carried = self.memory.carried(
+                ident, circuit_scope=circuit_scope, once_mode=once_mode,
+                recovering=recovery is not None, now=now, window_s=window_s,
+                generation=self.generation)
+            if carried is not None:
+                return carried
         admission = await self._call("admit", lambda store: store.admit(
             ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
             circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
@@ -700,6 +717,8 @@ class FailoverStore:
         circuits = {scope: state for scope, state in self.memory.circuits.items()
                     if not state.remaining_s(now) or scope in cooling}
         circuits.update(cooling)
+        circuits.update({scope: state for scope, state in self.memory.carried_circuits.items()
+                         if state.remaining_s(now) and scope not in cooling})
         self.memory.circuits = circuits  # replaced whole: the metrics thread reads it
         return set(cooling)
 

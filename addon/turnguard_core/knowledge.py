@@ -7,6 +7,10 @@ knows must not be: an operation another process has in flight, a completed one i
 a once-mode operation whose one recovery was spent. ``Knowledge`` keeps those facts as the
 process learns them (from admissions and from its own attempts' ends), bounded in entries and
 bytes, oldest dropped first. No clock, disk or proxy: times are passed in.
+
+A ledger file deleted or replaced under the process is an outage, never an empty ledger: what
+it learned from the old file (its recordings, spent once-claims and cooling circuits) still
+decides (``MemoryStore.carried``) where the new file, which knows none of it, would dispatch.
 """
 
 from __future__ import annotations
@@ -80,6 +84,17 @@ class Knowledge:
             _, dropped = self._recordings.popitem(last=False)
             self._bytes -= len(dropped.recording.body)
 
+    def exhausted_keys(self) -> list[str]:
+        return list(self._exhausted)
+
+    def recorded_in_another_file(
+        self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
+    ) -> bool:
+        """A recording of ``op_key`` for this very body, within ``window_s``, whose attempt's
+        row is in a ledger file other than ``generation``'s (one since deleted or replaced)."""
+        known = self._replayable(op_key, fingerprint, now, window_s)
+        return known is not None and known.generation not in ("", generation)
+
     def superseded(self, op_key: str, attempt_id: int) -> None:
         """The ledger did not take ``attempt_id``'s end (it had been ended meanwhile, by a
         reaper): its recording is not what the ledger would replay, forget it."""
@@ -146,6 +161,50 @@ class MemoryStore:
     def __init__(self) -> None:
         self.knowledge = Knowledge()
         self.circuits: dict[str, CircuitState] = {}
+        # learned from a ledger file since deleted or replaced (``file_replaced``)
+        self.carried_exhausted: OrderedDict[str, None] = OrderedDict()
+        self.carried_circuits: dict[str, CircuitState] = {}
+
+    def file_replaced(self, now: float) -> None:
+        """The ledger is another file now: keep what the old one said durably, for
+        ``carried`` (recordings keep their file's generation and need nothing here)."""
+        for op_key in self.knowledge.exhausted_keys():
+            self.carried_exhausted[op_key] = None
+            self.carried_exhausted.move_to_end(op_key)
+        while len(self.carried_exhausted) > MAX_OPERATIONS:
+            self.carried_exhausted.popitem(last=False)
+        self.carried_circuits.update(
+            {scope: state for scope, state in self.circuits.items() if state.remaining_s(now)})
+
+    def carried(
+        self, ident: Identity, *, circuit_scope: str, once_mode: bool, recovering: bool,
+        now: float, window_s: float | None, generation: str,
+    ) -> Admission | ReplayFromMemory | None:
+        """The decision that what was learned from an earlier ledger file makes for the
+        request, before the ledger (file ``generation``) is asked; None: it makes none.
+        A recording of it is replayed (not for a recovery claim), a spent once-claim refused,
+        a cooling circuit fences it."""
+        if not recovering and window_s is not None and self.knowledge.recorded_in_another_file(
+                ident.op_key, fingerprint=ident.fingerprint, now=now, window_s=window_s,
+                generation=generation):
+            return ReplayFromMemory()
+        if once_mode and ident.op_key in self.carried_exhausted:
+            return Denied("upstream_operation_status_unknown", "claim_exhausted")
+        state = self.carried_circuits.get(circuit_scope)
+        if state is not None:
+            remaining = state.remaining_s(now)
+            if remaining:
+                return Fenced(remaining, output_seen=False)
+            del self.carried_circuits[circuit_scope]
+        return None
+
+    def clear_carried_circuits(self, scope: str | None) -> set[str]:
+        """An operator cleared ``scope`` (None: every circuit): its carried cooldown ends too.
+        Returns the scopes cleared."""
+        cleared = {s for s in self.carried_circuits if scope is None or s == scope}
+        for s in cleared:
+            del self.carried_circuits[s]
+        return cleared
 
     def admit(
         self, ident: Identity, *, circuit_scope: str, recovering: bool, once_mode: bool,

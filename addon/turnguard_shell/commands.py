@@ -103,7 +103,8 @@ class Commands:
         actor = self._actor("turnguard.circuit.clear")
         cleared = self._control(lambda store: store.clear_circuits(
             None if scope == "all" else scope, now=now, actor=actor, timeout=STATUS_TIMEOUT_S))
-        scopes = {row.scope for row in cleared}
+        scopes = {row.scope for row in cleared} | g.store.memory.clear_carried_circuits(
+            None if scope == "all" else scope)
         g.store.memory.circuits = {k: v for k, v in g.store.memory.circuits.items()
                                    if k not in scopes}
         g.waiters.cooldowns_cleared({k for k, v in g.store.memory.circuits.items()

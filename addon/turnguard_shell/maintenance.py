@@ -113,5 +113,11 @@ class Maintenance:
             snap = await self._guard.store.snapshot(op_key)
             if isinstance(snap, Unread):
                 return
+            if snap is None and self._guard.store.generation not in \
+                    self._guard.waiters.foreign_generations(op_key):
+                # not in this ledger file, and seen in one since deleted or replaced: its
+                # process registers it here once it notices (then it is seen again), or it
+                # has ended; the duplicates wait (to their bound), never dispatch it again now
+                continue
             if snap is None or snap.state != "in_flight" or snap.current_attempt not in attempts:
                 self._guard.waiters.attempt_ended(op_key, Ended(snap.state if snap else "gone"))

@@ -31,6 +31,7 @@ class DuplicateWait:
     foreign_attempt: int | None  # set when the attempt is another process's: polled
     since: float
     wake: asyncio.Future
+    generation: str = ""  # of the ledger file the foreign attempt was seen in
 
 
 @dataclass
@@ -85,14 +86,15 @@ class Waiters:
 
     async def duplicate(
         self, flow: http.HTTPFlow, key: str, op_key: str, foreign_attempt: int | None,
-        timeout_s: float,
+        timeout_s: float, generation: str = "",
     ) -> Woke:
         """Wait for the operation's attempt in flight to end (``foreign_attempt``: another
-        process's, whose end is notified (``attempt_ended_elsewhere``) or polled for by the
-        maintenance ticker; an end notified before this wait began ends it at once)."""
+        process's, seen in the ledger file of ``generation``, whose end is notified
+        (``attempt_ended_elsewhere``) or polled for by the maintenance ticker; an end notified
+        before this wait began ends it at once)."""
         loop = asyncio.get_running_loop()
         wait = DuplicateWait(flow, key, op_key, foreign_attempt, time.monotonic(),
-                            loop.create_future())
+                            loop.create_future(), generation)
         if foreign_attempt:
             ended = self._recent_ends.get((op_key, foreign_attempt))
             if ended is not None:
@@ -178,6 +180,11 @@ class Waiters:
             if isinstance(wait, DuplicateWait) and wait.foreign_attempt is not None:
                 watched.setdefault(wait.op_key, set()).add(wait.foreign_attempt)
         return watched
+
+    def foreign_generations(self, op_key: str) -> set[str]:
+        """The ledger files in which the attempts waited on for ``op_key`` were seen."""
+        return {w.generation for w in self._by_op.get(op_key, {}).values()
+                if w.foreign_attempt is not None}
 
     def cooldown_sessions(self) -> set[tuple[str, int]]:
         return {(w.session, w.epoch) for w in self if isinstance(w, CooldownWait)}
