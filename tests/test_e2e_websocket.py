@@ -311,7 +311,7 @@ def test_a_client_that_leaves_while_held_ends_the_hold(tmp_path):
 
 def test_hostile_frames_pass_through_untouched(tmp_path):
     hostile = [b"\x00\xff binary", "not json", "[1, 2]", '{"type": "response.cancel"}',
-               '{"type": "response.create", "type": "x"}', "{" * 5000,
+               '{"type": "response.create", "type": "x"}', "{" * 5000, "[" * 100_000,
                json.dumps({"type": "response.create", "input": "x" * (2 << 20)})]
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
         async def send_all():
@@ -325,13 +325,14 @@ def test_hostile_frames_pass_through_untouched(tmp_path):
             return answers
 
         answers = asyncio.run(send_all())
-        assert [a[0]["status"] for a in answers[:6]] == [400] * 6  # the mock's own answers
-        assert types(answers[6])[-1] == "response.completed"  # a call, however large
-        assert types(answers[7])[-1] == "response.completed"
+        assert [a[0]["status"] for a in answers[:7]] == [400] * 7  # the mock's own answers
+        assert types(answers[7])[-1] == "response.completed"  # a call, however large
+        assert types(answers[8])[-1] == "response.completed"
         reasons = [e["reason"] for e in events(tmp_path, "passthrough")]
-        assert reasons[:6] == ["binary frame", "frame is not JSON", "frame is not a JSON object",
+        assert reasons[:7] == ["binary frame", "frame is not JSON", "frame is not a JSON object",
                                "frame type 'response.cancel' is not response.create",
-                               "duplicate keys in JSON frame", "frame is not JSON"]
+                               "duplicate keys in JSON frame", "frame is not JSON",
+                               "JSON nesting too deep"]
         assert len(ws_dispatches(up)) == 2
         assert_no_traceback(p.log_text())
 

@@ -69,7 +69,7 @@ class Dispatch:
         self.rid = f"resp_{n}_{secrets.token_hex(8)}"
         try:
             body = json.loads(req.body) if req.body else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             body = None
         self.body = body if isinstance(body, dict) else {}
         model = self.body.get("model")

@@ -185,8 +185,11 @@ def _frame_body(message) -> dict[str, Any] | None:
         return None
     try:
         body = json.loads(message.data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
         return None
     if not isinstance(body, dict) or body.get("type") != "response.create":
+        return None
+    prev = body.get("previous_response_id")
+    if prev is not None and not isinstance(prev, str):  # the API answers such a frame 400
         return None
     return body
