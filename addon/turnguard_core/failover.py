@@ -276,14 +276,15 @@ class FailoverStore:
         self._gone_generation = ""
         # after a fault, it stays noted until a try applies what is owed (recover)
 
-    def close(self) -> None:
+    def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
-        locked or full) are tried first, at most ``CLOSE_WRITES_S`` in all: a process that
-        stops (SIGTERM) or is reloaded must not leave a completed turn to be reaped as
-        partial and run again; what still cannot be written is logged."""
+        locked or full) are tried first (``write_owed``; not into a file found deleted or
+        replaced), at most ``CLOSE_WRITES_S`` in all: a process that stops (SIGTERM) or is
+        reloaded must not leave a completed turn to be reaped as partial and run again; what
+        still cannot be written is logged."""
         if self._store is not None and _loop_running():  # (unit tests close outside a loop)
             self.write_counts()
-        if self._store is not None and (self._kept or self._sent):
+        if write_owed and self._store is not None and (self._kept or self._sent):
             self._write_owed(time.monotonic() + CLOSE_WRITES_S)
         if self._listener is not None:
             self._listener.stop()
@@ -353,7 +354,7 @@ class FailoverStore:
         if self._store is None:
             return
         self._gone_generation = self._store.generation
-        self.close()
+        self.close(write_owed=False)
         self._down(LedgerError(why), "file check")
         self._reopen_at = 0.0  # open the new file at once
 

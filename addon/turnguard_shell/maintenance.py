@@ -113,8 +113,8 @@ class Maintenance:
             snap = await self._guard.store.snapshot(op_key)
             if isinstance(snap, Unread):
                 return
-            if snap is None and self._guard.store.generation not in \
-                    self._guard.waiters.foreign_generations(op_key):
+            seen_in = self._guard.waiters.foreign_generations(op_key)
+            if snap is None and "" not in seen_in and self._guard.store.generation not in seen_in:
                 # not in this ledger file, and seen in one since deleted or replaced: its
                 # process registers it here once it notices (then it is seen again), or it
                 # has ended; the duplicates wait (to their bound), never dispatch it again now
