@@ -82,3 +82,26 @@ def test_the_loggers_filters_still_apply(kept):
     finally:
         log.removeFilter(dropped)
     assert [json.loads(r.args[0])["event"] for r in kept.records] == ["duplicate_replayed"]
+
+
+def test_an_events_file_deleted_or_rotated_is_reopened_at_its_path(tmp_path, caplog):
+    path = tmp_path / "events.jsonl"
+    t = Telemetry(str(path))
+    t.emit("first")
+    t.reopen_if_moved()  # still the same file: nothing happens
+    path.rename(tmp_path / "events.jsonl.1")  # rotated
+    t.reopen_if_moved()
+    t.emit("second")
+    path.unlink()  # deleted
+    t.reopen_if_moved()
+    t.emit("third")
+    assert [json.loads(x)["event"] for x in (tmp_path / "events.jsonl.1").read_text().splitlines()] \
+        == ["first"]
+    assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == ["third"]
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")  # unsafe now: refused, the old file kept
+    with caplog.at_level(logging.WARNING, logger="turnguard"):
+        t.reopen_if_moved()
+    assert "not reopened" in caplog.text and not (tmp_path / "elsewhere").exists()
+    t.close()

@@ -90,6 +90,31 @@ class Telemetry:
             logger.handle(logger.makeRecord(logger.name, level, __file__, _EMIT_LINE,
                                             "turnguard %s", (line,), None, "emit"))
 
+    def reopen_if_moved(self) -> None:
+        """The events file was deleted, renamed or replaced (log rotation, by hand): go on in
+        a new private file at the path, so that no later record goes to a file nobody reads.
+        An unsafe path now (a symlink, another owner's file) is refused: the old file is kept
+        and a warning says why."""
+        if self._file is None:
+            return
+        try:
+            at_path = os.stat(self.path, follow_symlinks=False)
+            mine = os.fstat(self._file.fileno())
+            if (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        try:
+            check_private_path(self.path)
+            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+        except (OSError, ValueError) as e:
+            logger.warning("turnguard: events file %s moved; not reopened (%s)", self.path, e)
+            return
+        self._file.close()
+        self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+        logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
+                    self.path)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -63,6 +63,7 @@ class Maintenance:
             await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
             try:
                 g.waiters.wake_gone(g.clients.gone)
+                g.telemetry.reopen_if_moved()
                 await self._maintain_ledger(time.time())
                 foreign = g.waiters.foreign()
                 recheck, g.store.recheck_foreign = g.store.recheck_foreign, False
