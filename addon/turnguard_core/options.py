@@ -175,7 +175,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_events", str, "",
         "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
-        "like the ledger); empty: telemetry goes to the log only.",
+        "like the ledger; deleted or rotated while running: opened again at the path); "
+        "empty: telemetry goes to the log only.",
     ),
 )
 
