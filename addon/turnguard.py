@@ -79,7 +79,7 @@ class TurnGuard:
         self.replayer = Replayer(self.store, self.explainer, self._emit)
         self.websockets = WebSockets(process)
         self.detacher = Detacher(process.detached, self._emit, self.explainer,
-                                 lambda: self.settings)
+                                 lambda: self.settings, self._awaited)
         self.attacher = Attacher(process, self.inflight, self.detacher, lambda: self.settings)
         self.addons = [self.maintenance, Commands(self)]
 
@@ -91,6 +91,11 @@ class TurnGuard:
     def metrics(self):
         """The Prometheus metrics served (``turnguard_metrics``), or None."""
         return self.metrics_endpoint.metrics
+
+    def _awaited(self, flow_id: str) -> bool:
+        """A duplicate is held waiting for the attempt of ``flow_id`` (a detached call's)."""
+        attempt = self.inflight.attempt(flow_id)
+        return attempt is not None and self.waiters.holding(attempt.ident.op_key)
 
     def _emit(self, event: str, **fields) -> None:
         self.telemetry.emit(event, **fields)

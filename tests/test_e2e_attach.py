@@ -9,6 +9,7 @@ import os
 import time
 
 import httpx
+import pytest
 
 from harness import (
     ADDON,
@@ -190,6 +191,53 @@ def test_a_detached_call_whose_client_never_comes_back_is_cut_after_the_window(t
         assert detached["ran_without_client_ms"] >= 900
         assert detached["outcome"] == "unknown"
         assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+def test_a_detached_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
+    """The client gives up before the upstream's first byte; its retry comes within the
+    window and is held (nothing streams yet) past the window's end: the call is not cut (a
+    retry waiting for it is a client), and the retry attaches once it streams: one execution."""
+    slow = {"kind": "ok", "events": 5, "gap_ms": 100, "delay_ms": 4000}
+
+    async def run(url):
+        first = asyncio.ensure_future(stream_post(url, behaviour=slow, timeout=0.8))
+        retry = await stream_post(url, behaviour=slow, delay_s=1.2, timeout=40)
+        await first
+        return retry
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1500, turnguard_hold_timeout_ms=30000,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        retry = asyncio.run(run(proxy.url))
+        assert retry["status"] == 200 and retry["error"] is None
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert retry["headers"].get("x-turnguard") == "attached"
+        assert len(up.dispatches()) == 1
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["used"] is True and detached["cut"] is None
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.parametrize("kind", ["reset", "clean_close"])
+def test_eventless_failures_of_detached_calls_open_the_circuit(tmp_path, kind):
+    """A detached call's flow never has a client connection of its own: its eventless
+    failures are the upstream's, not a client's leaving, and feed the retry circuit as a
+    direct call's do (two open it: the next requests get 503, nothing dispatched)."""
+    anchored = {**HEADERS, "x-codex-turn-state": "ts-detached"}
+
+    async def run(url):
+        return [await stream_post(url, headers=anchored, behaviour={"kind": kind}, timeout=15)
+                for _ in range(4)]
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=30000, turnguard_cooldown_ms=20000) as proxy:
+        answers = asyncio.run(run(proxy.url))
+        assert [a.get("status") for a in answers[2:]] == [503, 503]
+        assert len(up.dispatches()) == 2
+        failures = turnguard_events(tmp_path, kind="eventless_failure")
+        assert [f["counts_for_circuit"] for f in failures] == [True, True]
+        assert turnguard_events(tmp_path, kind="circuit_opened")
         assert_no_traceback(proxy.log_text())
 
 

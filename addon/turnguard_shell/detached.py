@@ -72,11 +72,14 @@ def why_not_detached(flow: http.HTTPFlow) -> str | None:
 
 
 class Detacher:
-    def __init__(self, calls: dict, emit: Callable[..., None], explainer, settings):
+    def __init__(self, calls: dict, emit: Callable[..., None], explainer, settings,
+                 awaited: Callable[[str], bool] = lambda up_id: False):
+        """``awaited(up_id)``: a duplicate (a retry) is held waiting for that call now."""
         self._calls: dict[str, Detached] = calls  # up flow id -> Detached (the process's)
         self._emit = emit
         self._explainer = explainer
         self._settings = settings
+        self._awaited = awaited
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -159,6 +162,11 @@ class Detacher:
         if d.live.listeners > 0:  # a retry attached meanwhile: it has a client again
             self._back(d)
             return
+        if self._awaited(d.up.id):  # a retry waits for it (to attach once it streams): a
+            d.used = True          # client too; the window starts again when it is gone
+            d.timer = asyncio.get_running_loop().call_later(
+                self._settings().detach_s, lambda: self._window_over(d))
+            return
         self._cut(d, "no client within turnguard_detach_ms")
 
     def _back(self, d: Detached) -> None:
@@ -169,6 +177,7 @@ class Detacher:
 
     def _cut(self, d: Detached, reason: str) -> None:
         d.cut_reason = reason
+        d.up.metadata.setdefault("turnguard", {})["detached_cut"] = reason
         why_not = cut_handler_upstream(d.handler, d.up.server_conn, f"turnguard: {reason}") \
             if d.handler is not None else "not started"
         if why_not is not None and d.task is not None and not d.task.done():

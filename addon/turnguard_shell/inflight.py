@@ -108,6 +108,10 @@ class InFlight:
         flow_id = self._process.by_op.get(op_key)
         return None if flow_id is None else self._process.attempts.get(flow_id)
 
+    def attempt(self, key: str) -> Attempt | None:
+        """The attempt in flight of the flow (or WebSocket call) ``key``."""
+        return self._process.attempts.get(key)
+
     def is_local(self, op_key: str) -> bool:
         return op_key in self._process.by_op
 
@@ -304,8 +308,18 @@ class InFlight:
             request_headers=flows.request_headers(flow),
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
-            client_gone=not flow.client_conn.connected,
+            client_gone=_client_gone(flow),
         )
+
+
+def _client_gone(flow: http.HTTPFlow) -> bool:
+    """Whether the attempt ended for want of a client. A detached call's flow never has a
+    connected client (mitmproxy's replay handler runs it): it went without one only when
+    turnguard cut it for that (``detached``)."""
+    meta = flow.metadata.get("turnguard") or {}
+    if "detached" in meta:
+        return "detached_cut" in meta
+    return not flow.client_conn.connected
 
 
 def _head(flow: http.HTTPFlow) -> Head | None:

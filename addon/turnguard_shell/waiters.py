@@ -181,6 +181,10 @@ class Waiters:
                 watched.setdefault(wait.op_key, set()).add(wait.foreign_attempt)
         return watched
 
+    def holding(self, op_key: str) -> bool:
+        """Whether a duplicate of ``op_key`` is held waiting for its attempt in flight."""
+        return bool(self._by_op.get(op_key))
+
     def foreign_generations(self, op_key: str) -> set[str]:
         """The ledger files in which the attempts waited on for ``op_key`` were seen."""
         return {w.generation for w in self._by_op.get(op_key, {}).values()
