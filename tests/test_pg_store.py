@@ -58,6 +58,10 @@ def sql(url: str, query: str, args=()) -> list[tuple]:
      "postgresql://h/l?user=tg&password=***&sslmode=require"),
     ("postgresql:///l?service=turnguard", "postgresql:///l?service=turnguard"),
     ("postgresql://tg@h/l", "postgresql://tg@h/l"),
+    # libpq decodes a parameter's name: these are the password too; sslpassword is a secret
+    ("postgresql://tg@h/l?%70assword=pw", "postgresql://tg@h/l?%70assword=***"),
+    ("postgresql://h?PassWord=pw&sslpassword=key&a=b",
+     "postgresql://h?PassWord=***&sslpassword=***&a=b"),
     ("/var/lib/turnguard/ledger.sqlite3", "/var/lib/turnguard/ledger.sqlite3"),
 ])
 def test_the_location_is_shown_without_its_password(location, shown):

@@ -9,12 +9,12 @@ events file: everything that shows the location shows ``display(location)``.
 
 from __future__ import annotations
 
-import re
 import urllib.parse
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
-_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+# libpq's parameters that carry a secret (names percent-decoded, as libpq reads them)
+_SECRET_PARAMS = frozenset({"password", "sslpassword"})
 
 
 def is_postgres(location: str) -> bool:
@@ -23,43 +23,55 @@ def is_postgres(location: str) -> bool:
 
 
 def display(location: str) -> str:
-    """``location`` as it may be shown: a URL's password (in the authority or as a
-    ``password=`` parameter) replaced by ``***``; an SQLite path as it is."""
+    """``location`` as it may be shown: a URL's password (in the authority, or as a
+    ``password`` or ``sslpassword`` parameter however its name is percent-encoded) replaced
+    by ``***``; an SQLite path as it is."""
     if not is_postgres(location):
         return location
-    text = _PASSWORD_PARAM.sub(r"\1***", location.strip())
-    scheme, _, rest = text.partition("://")
+    scheme, _, rest = location.strip().partition("://")
     authority, sep, tail = _split_authority(rest)
     userinfo, at, hostport = authority.rpartition("@")
     if at and ":" in userinfo:
         user = userinfo.split(":", 1)[0]
         authority = f"{user}:***@{hostport}"
+    if sep == "?" or "?" in tail:
+        path, qmark, query = ("", "", tail) if sep == "?" else tail.partition("?")
+        query, hash_, fragment = query.partition("#")
+        params = [_masked(param) for param in query.split("&")]
+        tail = f"{path}{qmark}{'&'.join(params)}{hash_}{fragment}"
     return f"{scheme}://{authority}{sep}{tail}"
 
 
-def password_of(location: str) -> str | None:
-    """The password a PostgreSQL URL carries (in its authority or as ``password=``), if any."""
+def _masked(param: str) -> str:
+    key, eq, _ = param.partition("=")
+    if eq and urllib.parse.unquote_plus(key).strip().lower() in _SECRET_PARAMS:
+        return f"{key}=***"
+    return param
+
+
+def _secrets_of(location: str) -> list[str]:
+    """Every secret a PostgreSQL URL carries (its password, in its authority or as a
+    parameter, and an ``sslpassword``)."""
     if not is_postgres(location):
-        return None
+        return []
+    found = []
     query = urllib.parse.urlsplit(location.strip()).query if "?" in location else ""
     for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
-        if key.lower() == "password" and value:
-            return value
+        if key.strip().lower() in _SECRET_PARAMS and value:
+            found.append(value)
     rest = location.strip().partition("://")[2]
     userinfo, at, _ = _split_authority(rest)[0].rpartition("@")
-    if at and ":" in userinfo:
-        return userinfo.split(":", 1)[1] or None
-    return None
+    if at and ":" in userinfo and userinfo.split(":", 1)[1]:
+        found.append(userinfo.split(":", 1)[1])
+    return found
 
 
 def scrub(text: str, location: str) -> str:
-    """``text`` (an error message) without the password of ``location``, raw or URL-decoded."""
-    password = password_of(location)
-    if not password:
-        return text
-    for secret in {password, urllib.parse.unquote(password)}:
-        if secret:
-            text = text.replace(secret, "***")
+    """``text`` (an error message) without the secrets of ``location``, raw or URL-decoded."""
+    for password in _secrets_of(location):
+        for secret in {password, urllib.parse.unquote(password)}:
+            if secret:
+                text = text.replace(secret, "***")
     return text
 
 
