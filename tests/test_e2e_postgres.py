@@ -104,6 +104,43 @@ def test_processes_on_one_postgres_ledger_dispatch_once_and_replay_byte_identica
            f"statuses={[r[0] for r in results]}, distinct bodies=1")
 
 
+def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_memory(
+        tmp_path, pg_url):
+    """A's claim waits on table locks past its request's wait for the ledger: A decides in
+    memory and dispatches. The claim then lands: it becomes that running attempt's row
+    (given back, it left the turn running with nothing in flight in the ledger), so a
+    duplicate through B is held and replayed, never run again."""
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, body={**BODY, "input": warm})[0] == 200
+        body = {**BODY, "input": "its claim answers late"}
+        slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
+        circuits = psycopg.connect(pg_url, autocommit=True)
+        tables = psycopg.connect(pg_url, autocommit=True)
+        try:  # each of the claim's statements waits within its own bound; together too long
+            circuits.execute("BEGIN")
+            circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
+            tables.execute("BEGIN")
+            tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
+            original = pool.submit(post, a.url, slow, body)
+            time.sleep(0.40)
+            circuits.execute("COMMIT")
+            time.sleep(0.45)
+            tables.execute("COMMIT")
+        finally:
+            circuits.close()
+            tables.close()
+        wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
+                            if e.get("reason") == "its claim answered late"], 10,
+                   what="the late claim taken as the attempt's row")
+        status, headers, _ = post(b.url, body=body)
+        assert original.result(30)[0] == status == 200
+        assert headers.get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 3  # the two warm-ups, and the turn once
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 def test_a_duplicate_held_on_another_process_is_woken_by_a_notification_not_by_polling(
         tmp_path, pg_url, report):
     try:  # the server counts the queries (tests/pg_server.py preloads it)

@@ -490,11 +490,12 @@ class FailoverStore:
                 generation=self.generation)
             if carried is not None:
                 return carried
+        generation = self.generation
         admission = await self._call("admit", lambda store: store.admit(
             ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
             circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
             deadline=deadline, transport=transport,
-        ), deadline=deadline, on_late=self._give_back)
+        ), deadline=deadline, on_late=lambda task: self._late_claim(task, ident, generation))
         if isinstance(admission, Unread):
             return self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
@@ -504,14 +505,27 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
-    def _give_back(self, task: asyncio.Future) -> None:
-        """A claim made for a request that stopped waiting for it is ended at once
-        (``rejected``: it never went upstream), or it would stay in flight for no one."""
+    def _late_claim(self, task: asyncio.Future, ident: Identity, generation: str) -> None:
+        """A claim that answered after its request stopped waiting for it (the request was
+        decided in memory meanwhile). When this process runs the operation now without a
+        ledger row (dispatched from memory), the claim becomes that attempt's row: the ledger
+        must show it in flight while it runs, or another process would run it again.
+        Otherwise it is ended at once (``rejected``: it never went upstream), or it would
+        stay in flight for no one."""
         if task.cancelled() or task.exception() is not None:
             return
         claim = task.result()
-        if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
-            self.write(self.generation, GiveBackWrite(claim.attempt_id, time.time()))
+        if not isinstance(claim, policy.Dispatch) or claim.attempt_id is None:
+            return
+        running = next((a for a in self._attempts()
+                        if a.attempt_id is None and a.ident.op_key == ident.op_key), None)
+        if running is not None:
+            running.attempt_id, running.generation = claim.attempt_id, generation
+            self._emit("attempt_adopted", op=ident.op_id, flow=running.flow_id,
+                       attempt=claim.attempt_id, ledger_generation=generation,
+                       reason="its claim answered late")
+            return
+        self.write(generation, GiveBackWrite(claim.attempt_id, time.time()))
 
     async def recording(
         self, ident: Identity, attempt_id: int | None, *, window_s: float | None,
