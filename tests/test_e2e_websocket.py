@@ -454,6 +454,127 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
         assert len(up.dispatches()) == 2
 
 
+def test_a_client_that_drops_while_its_call_is_decided_leaves_nothing_in_flight(tmp_path):
+    """The ledger is locked when a call arrives, and the client drops its socket before the
+    call is decided: the claim made for it is given back (nothing went upstream), so its
+    retry on a new socket is dispatched, not held and refused as a turn in progress."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_hold_timeout_ms=3000) as p:
+        asyncio.run(one_call(p.url, call([user("warm")], seed=100)))
+        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+
+        async def drop():
+            c = await WsClient.connect(p.url, headers=HEADERS)
+            await c.send(call([user("dropped while decided")], seed=1))
+            await asyncio.sleep(0.1)
+            c.abort()
+            await asyncio.sleep(0.2)
+            db.execute("ROLLBACK")
+
+        try:
+            asyncio.run(drop())
+        finally:
+            db.close()
+        wait_until(lambda: events(tmp_path, "hold_abandoned"), 10, what="the call abandoned")
+        retried = asyncio.run(one_call(p.url, call([user("dropped while decided")], seed=2)))
+        assert types(retried)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 2  # the warm-up, and the retry: never the dropped one
+        assert wait_until(lambda: not ledger_query(
+            ledger, "SELECT 1 FROM operations WHERE state='in_flight'"), 10, what="nothing in flight")
+        assert_no_traceback(p.log_text())
+
+
+def test_a_socket_let_go_while_a_call_is_decided_passes_it_and_every_frame_behind_it(tmp_path):
+    """A call's decision waits on a locked ledger while its client sends more frames behind
+    it than turnguard queues: the socket is let go, and the call, once decided, goes on
+    untouched like every frame behind it (its claim given back): each frame is answered in
+    turn, none waits for a request budget, nothing stays in flight."""
+    ledger = tmp_path / "ledger.sqlite3"
+    behind = MAX_QUEUED_FRAMES + 2
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_request_budget_ms=30000) as p:
+        asyncio.run(one_call(p.url, call([user("warm")], seed=100)))
+        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+
+        async def flood():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("decided late")], seed=1))
+                for _ in range(behind):
+                    await c.send(PREWARM)
+                await asyncio.sleep(1.0)
+                db.execute("ROLLBACK")
+                return [await c.response(10) for _ in range(behind + 1)]
+
+        try:
+            answers = asyncio.run(flood())
+        finally:
+            db.close()
+        assert types(answers[0])[-1] == "response.completed"
+        assert all(types(a) == ["response.created", "response.completed"] for a in answers[1:])
+        assert wait_until(lambda: not ledger_query(
+            ledger, "SELECT 1 FROM operations WHERE state='in_flight'"), 10, what="nothing in flight")
+        assert_no_traceback(p.log_text())
+
+
+def test_a_socket_let_go_while_its_attached_response_streams_gets_one_response_at_a_time(
+        tmp_path):
+    """A detached call streams to its socket longer than the request budget while the client
+    waits with its next call behind it: the socket is let go, the attached response ends there
+    with an error event (a numeric status), and only then does the next call's response come;
+    never the two interleaved."""
+    slow = {"sequence": [{"kind": "ok", "events": 12, "gap_ms": 400}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, slow) as up, proxy(
+            tmp_path, up, turnguard_request_budget_ms=2000, turnguard_detach_ms=30000) as p:
+        async def pipelined():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("X")], seed=1))
+                await asyncio.sleep(0.1)
+                await c.send(call([user("Y")], seed=2))
+                first, second = await c.response(20), await c.response(20)
+                try:  # nothing of the first comes after the second
+                    late = await c.recv(1.5)
+                except TimeoutError:
+                    late = None
+                return first, second, late
+
+        first, second, late = asyncio.run(pipelined())
+        assert first[-1]["type"] == "error" and first[-1]["status"] == 502
+        assert types(second)[-1] == "response.completed"
+        ids = {e["response"]["id"] for e in second if "response" in e}
+        assert len(ids) == 1 and not ids & {e["response"]["id"] for e in first if "response" in e}
+        assert late is None
+        assert any("turnguard_request_budget_ms" in e["reason"]
+                   for e in events(tmp_path, "passthrough"))
+        assert_no_traceback(p.log_text())
+
+
+def test_a_late_event_of_a_response_that_ended_is_not_the_next_calls(tmp_path):
+    """A misbehaving upstream sends a response's terminal event once more, late, while the
+    socket's next call is in flight: it is not taken for that call's end (its retry on a new
+    socket is replayed its own events, with its output)."""
+    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_terminal"},
+                             {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        async def two_calls():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("A")], seed=1))
+                first = await c.response()
+                await c.send(call([user("B")], seed=2))
+                stray = await c.response()  # relayed as the upstream sent it
+                return first, stray, await c.response()
+
+        first, stray, second = asyncio.run(two_calls())
+        ids = [{e["response"]["id"] for e in r if "response" in e} for r in (first, second)]
+        assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
+        assert stray == first[-1:]
+        retried = asyncio.run(one_call(p.url, call([user("B")], seed=3)))
+        assert retried == [e for e in second if e["response"]["id"] in ids[1]
+                           or "response" not in e]
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_a_call_decided_after_its_hook_keeps_its_place_before_the_next_frame(tmp_path):
     """The ledger is write-locked when a call arrives: its decision has to wait, so it goes on
     past the frame's websocket_message hook (the frame dropped meanwhile, sent once decided).

@@ -505,6 +505,12 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
+    def give_back(self, dispatch: policy.Dispatch) -> None:
+        """A claim whose request will not go upstream after all (its client left while it
+        was decided): ended at once (``rejected``), so that a retry may run it."""
+        if dispatch.attempt_id is not None:
+            self.write(self.generation, GiveBackWrite(dispatch.attempt_id, time.time()))
+
     def _late_claim(self, task: asyncio.Future, ident: Identity, generation: str) -> None:
         """A claim that answered after its request stopped waiting for it (the request was
         decided in memory meanwhile). When this process runs the operation now without a

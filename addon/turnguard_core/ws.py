@@ -46,13 +46,14 @@ from .records import record
 from .sse import SseParser, terminal_kind
 
 __all__ = [
-    "MAX_FRAME_BYTES",
     "Call",
+    "MAX_FRAME_BYTES",
     "NotACall",
     "Prewarm",
     "ResponseEvents",
     "SocketRecord",
     "error_frame",
+    "event_response_id",
     "frames_of_recording",
     "parse_client_frame",
     "speaks_responses",
@@ -289,6 +290,14 @@ def upstream_event(text: str, max_bytes: int = 8 * 1024 * 1024
         return True, None
     event = _parse_event(text, max_bytes)
     return event is not None and event["type"] != WS_FRAME_TYPE, event
+
+
+def event_response_id(event: dict[str, Any] | None) -> str | None:
+    """The id of the response an event names (``response.created``, ``completed``... carry
+    their response object), or None."""
+    response = event.get("response") if event is not None else None
+    rid = response.get("id") if isinstance(response, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def frames_of_recording(body: bytes) -> list[str] | None:

@@ -34,6 +34,7 @@ socket or as the HTTP POST fallback.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,9 @@ class Socket:
     # let go while frames waited: they are injected, so every later frame is too, behind
     # them (one that went on as it came could pass an injected one still on its way)
     queue_rest: bool = False
+    # the ids of the responses that ended on it lately: a late event of one is not the next's
+    ended_responses: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=16))
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -101,6 +105,8 @@ class Socket:
     def finish(self) -> Response | None:
         current, self.current = self.current, None
         self.idle.set()
+        if current is not None and current.events.response_id is not None:
+            self.ended_responses.append(current.events.response_id)
         return current
 
 
@@ -294,8 +300,19 @@ class WebSockets:
                                         turn_anchor=frame.turn_id is not None, transport="ws")
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
         state = await guard.decide(flow, ident, req, "POST", scope)
-        if sock.closed:
-            return  # the client left while it was decided: nothing to send, nowhere
+        if sock.closed or not sock.guarded:
+            # the client left while it was decided (nothing to send, nowhere), or the socket
+            # was let go meanwhile (the frame goes on untouched, as every frame now does): a
+            # claim made for it is given back, or it would stay in flight for no one
+            if isinstance(state, machine.Forward):
+                guard.store.give_back(state.dispatch)
+            if sock.closed:
+                guard._emit("hold_abandoned", op=ident.op_id, flow=key, transport="ws",
+                            session=ident.session, reason="websocket closed while the call "
+                            "was decided; nothing was sent upstream")
+            else:
+                self._forward(sock, content, True)
+            return
         match state:
             case machine.Forward(dispatch=dispatch) if cfg.detach_s > 0 \
                     and why_not_detached(flow) is None:
@@ -349,6 +366,11 @@ class WebSockets:
                                     not_responses=True)
             if current is None:
                 return
+            rid = ws.event_response_id(event)
+            if rid is not None and (rid != current.events.response_id
+                                    if current.events.response_id is not None
+                                    else rid in sock.ended_responses):
+                return  # another response's event (a stray one of one that ended)
             output_before = current.events.output_seen
             if current.events.feed(message.text, event) is None:
                 return
@@ -367,10 +389,21 @@ class WebSockets:
         or, when the socket does not speak the Responses API (``not_responses``), as a
         rejection (no circuit, not replayable)."""
         if not sock.guarded:
+            sock.finish()  # (a budget past on a socket let go: the frame behind goes on)
             return
         sock.guarded = False
         sock.queue_rest = not sock.frames.empty() or sock.serving or sock.busy is not None
         self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
+        if sock.attached is not None:  # turnguard's own response in flight: it ends here,
+            live, listener = sock.attached  # before any later frame's answer can come
+            sock.attached = None
+            live.detach(listener)
+            self._guard.detacher.listener_left(live)
+            if not sock.closed:
+                ended = answers.error_answer(
+                    502, "upstream_stream_failed", f"turnguard let this socket go ({reason});"
+                    " the response in flight ends here; retry the call.", retry_after_s=1)
+                inject(sock.flow, ws.error_frame(502, ended.body), to_client=True)
         response = sock.finish()
         if response is not None and response.attempt_key is not None:
             headers = flows.request_headers(sock.flow)

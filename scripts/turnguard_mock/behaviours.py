@@ -168,6 +168,9 @@ class Dispatch:
             await self._sleep(_ms(self.b, "first_event_ms", 0))
             await self._stream(events, _ms(self.b, "gap_ms", 0))
             after = self.b.get("after_completed")
+            if after == "repeat_terminal":  # a misbehaving upstream: the terminal event
+                await self._sleep(0.3)      # once more, late (a WebSocket's next call may
+                await self._stream(events[-1:], 0)  # be in flight by then)
             if after in ("reset", "clean_close"):
                 # every event, response.completed included, then a broken transport: the
                 # chunked body never ends
@@ -184,7 +187,8 @@ class Dispatch:
     async def _do_ok(self, default_delay_ms: float = 0) -> None:
         """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``after_completed``
         (``reset`` or ``clean_close``: the transport breaks after the last event, before the
-        end of the chunked body), ``delay_ms``
+        end of the chunked body; ``repeat_terminal``: the last event again 300 ms later, as a
+        misbehaving upstream might), ``delay_ms``
         (before the headers, 0), ``first_event_ms`` (headers to first event, 0), ``think_ms``
         (after response.created and response.in_progress, before the output: a turn that
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``

@@ -75,8 +75,10 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
         raise ValueError(f"{where}: content_encoding must be one of {list(CONTENT_ENCODINGS)}")
     if "end" in b and b["end"] not in PARTIAL_ENDS:
         raise ValueError(f"{where}: end must be one of {list(PARTIAL_ENDS)}")
-    if "after_completed" in b and b["after_completed"] not in ("reset", "clean_close"):
-        raise ValueError(f"{where}: after_completed must be reset or clean_close")
+    if "after_completed" in b and b["after_completed"] not in (
+            "reset", "clean_close", "repeat_terminal"):
+        raise ValueError(f"{where}: after_completed must be reset, clean_close or "
+                         "repeat_terminal")
     if "headers" in b:
         h = b["headers"]
         if not isinstance(h, dict) or not all(
