@@ -2,6 +2,8 @@
 through real mitmdump subprocesses in front of the real mock upstream."""
 
 import json
+import signal
+import socket
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +163,43 @@ def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_p
     report("10 concurrent requests held through one cooldown (once mode): "
            f"recovery dispatches={len(events(tmp_path, 'recovery_claimed'))}, "
            f"all answered {set(r[0] for r in results)}")
+
+
+def test_once_mode_never_spends_the_recovery_on_a_client_that_left_while_the_proxy_was_paused(
+        tmp_path):
+    """Requests held through the cooldown; the process is paused (SIGSTOP) across its end and
+    the clients of the first ones leave meanwhile. Resumed, turnguard must not give the one
+    recovery dispatch to a client that left (mitmproxy had not yet read its going): the
+    requests still waiting are recovered, once."""
+    leaving_n, staying_n = 8, 4
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p, ThreadPoolExecutor(max_workers=staying_n) as pool:
+        open_circuit(p.url)
+        host, port = p.url.removeprefix("http://").split(":")
+        body = json.dumps(TURN).encode()
+        request = (b"POST /v1/responses HTTP/1.1\r\nhost: " + host.encode() + b"\r\n"
+                   + b"".join(f"{k}: {v}\r\n".encode() for k, v in ANCHORED.items())
+                   + b"content-type: application/json\r\naccept: text/event-stream\r\n"
+                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        leaving = []
+        for i in range(leaving_n):
+            leaving.append(socket.create_connection((host, int(port)), timeout=10))
+            leaving[-1].sendall(request)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", i + 1)
+        staying = [pool.submit(post, p.url) for _ in range(staying_n)]
+        wait_events(tmp_path, "wait_operation_fenced_cooldown", leaving_n + staying_n)
+        p.proc.send_signal(signal.SIGSTOP)
+        try:
+            for s in leaving:
+                s.close()
+            time.sleep(COOLDOWN_MS / 1000 + 0.5)  # past the cooldown's end
+        finally:
+            p.proc.send_signal(signal.SIGCONT)
+        assert [f.result(30)[0] for f in staying] == [200] * staying_n
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert len(up.dispatches()) == 3  # the two failures, and the recovery once
+        assert_no_traceback(p.log_text())
 
 
 def test_once_mode_never_recovers_the_same_operation_twice(tmp_path):

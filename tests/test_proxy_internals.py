@@ -6,13 +6,47 @@ import inspect
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.proxy import server
 
-from turnguard_core.proxy_internals import client_stream_closed, cut_upstream
+from turnguard_core.proxy_internals import (
+    client_stream_closed,
+    client_transport_ended,
+    cut_upstream,
+)
 
 
 def test_the_internals_cut_upstream_walks_still_exist():
     assert isinstance(Proxyserver().connections, dict)
     assert "transports" in inspect.getsource(server.ConnectionHandler.__init__)
     assert "handler" in server.ConnectionIO.__annotations__
+
+
+def test_the_internals_the_client_transport_check_walks_still_exist():
+    assert "reader" in server.ConnectionIO.__annotations__
+    assert "reader.read(" in inspect.getsource(server.ConnectionHandler.handle_connection)
+
+
+async def test_client_transport_ended_reads_the_connections_stream_reader():
+    class Conn:
+        id = "client-1"
+
+    def proxyserver_with(reader):
+        class IO:
+            pass
+
+        io = IO()
+        io.reader = reader
+        handler = type("Handler", (), {"transports": {conn: io}})()
+        return type("Proxyserver", (), {"connections": {conn.id: handler}})()
+
+    conn = Conn()
+    open_reader = asyncio.StreamReader()
+    assert client_transport_ended(proxyserver_with(open_reader), conn) is False
+    ended = asyncio.StreamReader()
+    ended.feed_eof()
+    assert client_transport_ended(proxyserver_with(ended), conn) is True
+    reset = asyncio.StreamReader()
+    reset.set_exception(ConnectionResetError())
+    assert client_transport_ended(proxyserver_with(reset), conn) is True
+    assert client_transport_ended(type("P", (), {"connections": {}})(), conn) is None
 
 
 def test_the_internals_the_http2_stream_check_walks_still_exist():

@@ -30,6 +30,15 @@ under load, most of what injecting costs). turnguard calls the command's own met
 ``functools.wraps``' ``__wrapped__``) with arguments turnguard types itself, and the command
 when that is not there.
 
+A client that left while the event loop was held (a paused process, a long hook): its
+connection's ``StreamReader`` has the end (or the reset) as soon as asyncio read it, some loop
+steps before mitmproxy's connection task marks ``client_conn`` closed; ``client_transport_ended``
+reads it there:
+
+    proxyserver addon .connections[client connection id] -> ConnectionHandler
+        .transports[client connection]                      -> ConnectionIO
+            .reader                                         -> asyncio.StreamReader
+
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
 ``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
@@ -103,6 +112,18 @@ def client_stream_closed(http_layer, flow, client_conn) -> bool | None:
 
 _LINKS = ("layer", "child_layer")
 _BOUND = ("_handle_event", "handle_event", "_handle")
+
+
+def client_transport_ended(proxyserver, client_conn) -> bool | None:
+    """Whether asyncio already read the end (or a reset) of the client connection; None when
+    that cannot be told (mitmproxy internals changed)."""
+    handler = getattr(proxyserver, "connections", {}).get(client_conn.id)
+    transports = getattr(handler, "transports", None)
+    io = transports.get(client_conn) if isinstance(transports, dict) else None
+    reader = getattr(io, "reader", None)
+    if reader is None or not hasattr(reader, "at_eof"):
+        return None
+    return reader.at_eof() or reader.exception() is not None
 
 
 def find_http_layer(proxyserver, client_conn_id: str):

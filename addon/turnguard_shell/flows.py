@@ -17,7 +17,11 @@ from mitmproxy.net.http import status_codes
 from turnguard_core import answers, identity
 from turnguard_core.codec import TooBig, content_codings, decode_content
 from turnguard_core.offload import INLINE_MAX_BYTES
-from turnguard_core.proxy_internals import client_stream_closed, find_http_layer
+from turnguard_core.proxy_internals import (
+    client_stream_closed,
+    client_transport_ended,
+    find_http_layer,
+)
 
 MARK_REPLAYED = ":recycle:"
 
@@ -166,6 +170,8 @@ class ClientWatch:
             return "killed"
         if not flow.client_conn.connected:
             return "client disconnected"
+        if client_transport_ended(proxyserver(), flow.client_conn):
+            return "client disconnected"  # read by asyncio; mitmproxy not told yet
         if flow.websocket is not None and flow.websocket.timestamp_end is not None:
             return "websocket closed"
         if flow.request.http_version == "HTTP/2.0":
