@@ -202,6 +202,49 @@ def test_once_mode_never_spends_the_recovery_on_a_client_that_left_while_the_pro
         assert_no_traceback(p.log_text())
 
 
+def _held_raw_request(url: str) -> socket.socket:
+    """The anchored turn sent on a socket of its own, its answer left unread."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(TURN).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: " + host.encode() + b"\r\n"
+                 + b"".join(f"{k}: {v}\r\n".encode() for k, v in ANCHORED.items())
+                 + b"content-type: application/json\r\naccept: text/event-stream\r\n"
+                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_once_mode_a_recovery_whose_client_leaves_goes_on_for_the_other_holder(tmp_path):
+    """Two requests held through the cooldown; the one that wins the one recovery claim has a
+    client that leaves before the answer starts. The recovery dispatch runs detached from it
+    (as with turnguard_detach_ms), so it goes on for the other, which gets the whole answer:
+    one recovery dispatch, not cut with a client that left and spent for nothing."""
+    storm = {**STORM, "default": {"kind": "ok", "events": 4, "delay_ms": 1500}}
+    with MockUpstream(tmp_path, storm) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_response_created_timeout_ms=5000,
+    ) as p:
+        assert post(p.url)[0] == 502  # no response headers within 5 s: cut
+        assert post(p.url)[0] in (0, 502)  # upstream reset: the circuit opens
+        socks = {}
+        for i in range(2):
+            sock = _held_raw_request(p.url)
+            socks[wait_events(tmp_path, "wait_operation_fenced_cooldown", i + 1)[i]["flow"]] = sock
+        [claim] = wait_events(tmp_path, "recovery_claimed", 1)
+        socks.pop(claim["flow"]).close()  # gone before the upstream's first byte
+        [other] = socks.values()
+        answer = b""
+        while b"response.completed" not in answer:
+            chunk = other.recv(65536)
+            assert chunk, f"the other holder's answer was cut: {answer[-300:]!r}"
+            answer += chunk
+            assert len(answer) < 12 or answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        other.close()
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert len(up.dispatches()) == 3  # the two failures, and the recovery once
+        assert_no_traceback(p.log_text())
+
+
 def test_once_mode_never_recovers_the_same_operation_twice(tmp_path):
     scenario = {  # the recovery dispatch fails eventless too
         "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},

@@ -71,17 +71,21 @@ class Attacher:
     async def dispatch_detached(self, flow: http.HTTPFlow, ident: identity.Identity,
                                 req: machine.RequestFacts, dispatch: policy.Dispatch,
                                 scope: str) -> bool:
-        """Dispatch ``flow`` as a detached call when ``turnguard_detach_ms`` asks for it (its
-        client attaches to it through the relay); False when the flow is to be dispatched as
-        it is (off, not detachable, or no relay)."""
-        if self._settings().detach_s <= 0 or why_not_detached(flow) is not None:
+        """Dispatch ``flow`` as a detached call when ``turnguard_detach_ms`` asks for it, and
+        always a once-only recovery (its client attaches to it through the relay; the other
+        requests held on it keep it going if that client leaves, instead of its one dispatch
+        being cut and spent); False when the flow is to be dispatched as it is (off, not
+        detachable, or no relay)."""
+        settings = self._settings()
+        once = dispatch.kind == "recovery" and policy.recovery_is_once(settings.recovery_mode)
+        if (settings.detach_s <= 0 and not once) or why_not_detached(flow) is not None:
             return False
         try:
             relay = await self._relay()
         except OSError as e:
             logger.warning("turnguard: relay unavailable (%s); %s dispatched as is", e, flow.id)
             return False
-        up, live = self._detacher.prepare(flow, req.base)
+        up, live = self._detacher.prepare(flow, req.base, recovery=once)
         attempt = self._inflight.start(up, ident, dispatch, scope)
         attempt.live = live
         self._detacher.start(up)

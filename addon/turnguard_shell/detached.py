@@ -35,6 +35,8 @@ from turnguard_core.proxy_internals import cut_handler_upstream
 logger = logging.getLogger("turnguard")
 
 MARK_DETACHED = ":satellite:"
+AWAITED_RECHECK_S = 0.5  # a call without a client that a held retry waits for: checked again
+RECOVERY_WINDOW_S = 10.0  # a once-mode recovery goes on this long at least without a client
 # a WebSocket handshake's headers that the same call sent as an HTTP POST does not carry
 _HANDSHAKE_ONLY = ("upgrade", "connection", "sec-websocket-key", "sec-websocket-version",
                    "sec-websocket-extensions", "sec-websocket-protocol", "openai-beta",
@@ -57,6 +59,7 @@ class Detached:
     attached_at_orphan: int = 0
     used: bool = False
     ever_orphaned: bool = False
+    window_s: float = 0.0  # how long it goes on without a client
     cut_reason: str | None = None
     timer: asyncio.TimerHandle | None = None
 
@@ -88,11 +91,13 @@ class Detacher:
         """Detached calls running without any client now."""
         return sum(1 for d in self._calls.values() if d.orphan_since is not None)
 
-    def prepare(self, flow: http.HTTPFlow, base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
+    def prepare(self, flow: http.HTTPFlow, base: dict, *, recovery: bool = False
+                ) -> tuple[http.HTTPFlow, LiveResponse]:
         """The flow that will run ``flow``'s upstream call, and the live response its client
         (and any duplicate) attaches to. ``start`` then runs it (once it is registered as the
-        operation's attempt)."""
-        return self._register(flow.copy(), flow.id, base)
+        operation's attempt). ``recovery``: a once-mode recovery, which goes on without a
+        client at least ``RECOVERY_WINDOW_S`` (its one dispatch is for every holder)."""
+        return self._register(flow.copy(), flow.id, base, recovery)
 
     def prepare_call(self, ws_flow: http.HTTPFlow, key: str, body: bytes,
                      base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
@@ -111,16 +116,17 @@ class Detacher:
         req.headers["accept"] = "text/event-stream"
         req.headers["accept-encoding"] = "identity"
         req.content = body
-        return self._register(up, key, base)
+        return self._register(up, key, base, False)
 
-    def _register(self, up: http.HTTPFlow, client: str,
-                  base: dict) -> tuple[http.HTTPFlow, LiveResponse]:
+    def _register(self, up: http.HTTPFlow, client: str, base: dict,
+                  recovery: bool) -> tuple[http.HTTPFlow, LiveResponse]:
         up.response = None
         up.error = None
         up.is_replay = "request"
         up.metadata = {}
         live = LiveResponse("http", max_bytes=self._settings().replay_max_bytes)
-        self._calls[up.id] = Detached(up, client, {**base, "flow": client}, live)
+        self._calls[up.id] = Detached(up, client, {**base, "flow": client}, live,
+                                      window_s=RECOVERY_WINDOW_S if recovery else 0.0)
         return up, live
 
     def start(self, up: http.HTTPFlow) -> None:
@@ -147,7 +153,7 @@ class Detacher:
         if self.without_client() > settings.detach_max:
             return self._cut(d, "turnguard_detach_max")
         d.timer = asyncio.get_running_loop().call_later(
-            settings.detach_s, lambda: self._window_over(d))
+            max(d.window_s, settings.detach_s), lambda: self._window_over(d))
 
     def wanted(self, up_id: str) -> None:
         """A duplicate (a retry) of the call came: if it runs without a client, it is used."""
@@ -165,7 +171,8 @@ class Detacher:
         if self._awaited(d.up.id):  # a retry waits for it (to attach once it streams): a
             d.used = True          # client too; the window starts again when it is gone
             d.timer = asyncio.get_running_loop().call_later(
-                self._settings().detach_s, lambda: self._window_over(d))
+                max(d.window_s, self._settings().detach_s, AWAITED_RECHECK_S),
+                lambda: self._window_over(d))
             return
         self._cut(d, "no client within turnguard_detach_ms")
 
