@@ -88,7 +88,7 @@ def test_a_version_1_ledger_migrates_and_keeps_its_recordings(tmp_path):
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert led.recording(1) == Recording(None,  # status was never set
                                          (("content-type", "text/event-stream"),), b"abc", None)
-    assert len(led.generation) == 32  # made by the migration
+    assert len(led.generation.split("@")[0]) == 32  # made by the migration
     # the old instance's attempt is not in flight: nothing to reap
     assert led.peers_with_attempts_in_flight() == []
     assert led.integrity_check() == "ok"
@@ -236,6 +236,27 @@ def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_p
     assert "replaced by another file" in a.file_replaced()
     with pytest.raises(LedgerError, match="replaced"):
         a.heartbeat(1001.0)
+
+
+def test_an_older_copy_of_the_ledger_put_back_in_its_place_is_another_generation(tmp_path):
+    """A restored backup carries the same made-with id, not the rows since (its attempt ids
+    come again): it must not be taken for the file a process wrote to."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    admit(a, ident({"n": 1}))
+    backup = tmp_path / "backup.sqlite3"
+    with sqlite3.connect(path) as src, sqlite3.connect(backup) as dst:
+        src.backup(dst)
+    admit(a, ident({"n": 2}))
+    for suffix in ("-wal", "-shm"):
+        if Path(f"{path}{suffix}").exists():
+            os.unlink(f"{path}{suffix}")
+    os.replace(backup, path)
+    assert "replaced by another file" in a.file_replaced()
+    b = open_ledger(path, "b")
+    made = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='generation'")
+    assert a.generation.split("@")[0] == made.fetchone()[0]  # the same made-with id ...
+    assert b.generation != a.generation  # ... yet another generation
 
 
 def test_a_spent_once_claim_outlives_retention_as_a_tombstone(ledger_backend):

@@ -246,7 +246,7 @@ class Ledger:
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
-        self.generation = ""  # random id of this ledger file, made when it was created
+        self.generation = ""  # this ledger file: a random id made with it, and its identity
         self.incarnation = 0  # this instance's registration; goes up when it re-registers
 
     # -- opening -------------------------------------------------------------------------------
@@ -282,9 +282,11 @@ class Ledger:
                 with self._tx() as tx:
                     self.incarnation = self._register(tx, now, keep_incarnation=True)
             with self._tx() as tx:
-                self.generation = tx.execute(
-                    "SELECT value FROM meta WHERE key='generation'"
-                ).fetchone()[0]
+                made = tx.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
+            # with the file's identity: an older copy of this very file put back in its place
+            # (a restored backup) has its id, yet not its rows since (attempt ids come again)
+            self.generation = made if self._file_id is None \
+                else f"{made}@{self._file_id[0]}:{self._file_id[1]}"
         except BaseException:
             db.close()
             self._db = None
