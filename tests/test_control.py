@@ -83,6 +83,19 @@ def test_clear_all_and_unknown_or_ambiguous_scopes(tmp_path):
     assert led.circuits(T0 + 2) == [] and led.clear_circuits(None, now=T0 + 3, actor="t") == []
 
 
+def test_an_empty_scope_or_session_names_nothing_even_when_one_row_is_alone(tmp_path):
+    led = open_ledger(tmp_path)
+    i = ident()
+    led.claim_session(i.session, now=T0, lease_s=300, new_id="d")
+    open_circuit(led, i)  # the one circuit and the one session there are
+    for blank in ("", "  "):
+        with pytest.raises(LedgerError, match="empty"):
+            led.clear_circuits(blank, now=T0 + 2, actor="t")
+        with pytest.raises(LedgerError, match="empty"):
+            led.release_session(blank, now=T0 + 2, actor="t")
+    assert isinstance(admit(led, i, T0 + 3), policy.Fenced) and led.audit_log() == []
+
+
 def test_in_once_mode_a_cleared_circuit_never_yields_a_second_recovery_dispatch(tmp_path):
     led = open_ledger(tmp_path)
     i = ident()

@@ -46,7 +46,10 @@ def _session_dict(row: policy.SessionOwnership) -> dict:
 def _one_by_prefix(rows: list[tuple], prefix: str, *, missing: str, ambiguous: str) -> tuple:
     """The row whose key (first column) is ``prefix``, else the one it starts; raises
     ``LedgerError`` (``missing`` or ``ambiguous``) when there is none or more than one
-    (``rows``: at most two, by key)."""
+    (``rows``: at most two, by key). An empty prefix names nothing (it would start every
+    key: an operator's slip must not act on whatever row is alone)."""
+    if not prefix.strip():
+        raise LedgerError("an empty scope or session names nothing")
     exact = [r for r in rows if r[0] == prefix]
     rows = exact or rows
     if not rows:
