@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
+import time
 
 import pytest
 from mitmproxy import exceptions
@@ -97,6 +99,25 @@ def test_the_sink_never_raises():
     metrics.observe("outcome", {"duration_ms": "not a number", "outcome": object()})
     metrics.observe("duplicate_rejected", {"flow": None, "held_ms": -5})
     assert metric(samples(metrics), "turnguard_outcomes_total", outcome="other") == 1
+
+
+def test_a_scraper_that_resets_or_goes_silent_prints_no_traceback(capfd, monkeypatch):
+    monkeypatch.setattr(m, "SCRAPE_READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(m._QuietHandler, "timeout", 0.2)
+    metrics = m.Metrics("i")
+    host, port = metrics.serve("127.0.0.1", 0)
+    try:
+        silent = socket.create_connection((host, port))
+        reset = socket.create_connection((host, port))
+        reset.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()
+        time.sleep(0.6)  # past the read timeout of the silent one
+        silent.close()
+        assert scrape(f"http://{host}:{port}/metrics")  # still serving
+    finally:
+        metrics.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_each_metrics_object_has_its_own_registry():

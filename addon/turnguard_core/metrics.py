@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -415,6 +416,14 @@ class Metrics:
 
         class Server(ThreadingWSGIServer):
             address_family = family
+
+            def handle_error(self, request, client_address) -> None:
+                """A scraper that went silent, slow or away (the read timeout, a reset) is no
+                error worth a traceback in mitmdump's output (socketserver prints one)."""
+                error = sys.exc_info()[1]
+                if not isinstance(error, OSError):  # TimeoutError, ConnectionError included
+                    logger.warning("turnguard: a metrics request from %s failed: %r",
+                                   client_address[0], error)
 
         server = make_server(host, port, make_wsgi_app(self.registry), Server,
                              handler_class=_QuietHandler)
