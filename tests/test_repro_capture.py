@@ -68,6 +68,7 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     out = reproduce("from-capture", str(flows), "-o", str(scenario_path)).stdout
     assert "6 model requests" in out and "authorization x6" in out
     text = scenario_path.read_text()
+    assert scenario_path.stat().st_mode & 0o777 == 0o600
     for secret in (SECRET, ACCOUNT, "COOKIE-SECRET", "another-SECRET-key", "private prompt"):
         assert secret not in text, secret
     scen = json.loads(text)
@@ -110,3 +111,28 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert "failed, no client retried" in table
     report(f"capture round trip: captured {captured} dispatches; replay plain={plain['upstream_dispatches']}, "
            f"turnguard default={default['upstream_dispatches']} (duplicate replayed)")
+
+
+def test_a_key_in_the_url_is_not_kept_and_requests_that_shared_a_url_still_do():
+    from turnguard_repro import capture
+
+    clean = capture._Cleaner(keep_bodies=False)
+    assert clean.path("/v1/responses") == "/v1/responses"
+    by_query = clean.path("/v1/responses?key=sk-SECRET-1")
+    in_path = clean.path("/sk-SECRET-2/v1/responses")
+    assert clean.path("/v1/responses?key=sk-SECRET-1") == by_query != in_path
+    assert "SECRET" not in by_query + in_path
+    assert by_query.endswith("/responses") and in_path.endswith("/responses")
+    assert clean.path("/openai/deployments/x/chat/completions?api-version=1").endswith(
+        "/chat/completions")
+
+
+def test_a_file_that_is_no_flow_file_gets_one_clear_line(tmp_path):
+    for name, data in [("truncated.flows", b"99999999999:abc"), ("junk.flows", b"not a capture")]:
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        proc = subprocess.run([str(REPRODUCE), "from-capture", str(bad), "-o",
+                               str(tmp_path / "s.json")], capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL, cwd=REPO)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "not a mitmproxy flow file" in proc.stderr and "Traceback" not in proc.stderr

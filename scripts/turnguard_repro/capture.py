@@ -18,7 +18,9 @@ What is extracted:
   (its ``flow.metadata["turnguard"]["role"]`` is ``replay`` or ``answered``) were not
   dispatched: they are in the client timeline only.
 
-Secrets are dropped on the way: ``Authorization``, ``Proxy-Authorization``, cookies,
+Secrets are dropped on the way: a path other than a known route keeps its model route only
+(``/responses``, ``/chat/completions``) behind a dummy prefix, one per distinct URL (a key
+may travel in the path or the query); ``Authorization``, ``Proxy-Authorization``, cookies,
 ``chatgpt-account-id``, ``OpenAI-Organization``/``-Project`` and every header whose name
 mentions a key, token, secret, auth, password or credential (except ``Idempotency-Key`` and the
 ``x-codex-turn-*`` headers, which are not secrets and which turnguard's identity needs). Each
@@ -47,6 +49,8 @@ from typing import Any
 from turnguard_sse import SseEvent, SseReader
 
 MODEL_PATH = re.compile(r"/(responses|chat/completions)/?(\?|$)")
+KNOWN_ROUTES = {"/v1/responses", "/v1/chat/completions", "/backend-api/codex/responses",
+                "/openai/v1/responses", "/openai/v1/chat/completions"}
 SECRET_HEADERS = {
     "authorization", "proxy-authorization", "cookie", "set-cookie", "chatgpt-account-id",
     "openai-organization", "openai-project", "x-api-key", "api-key",
@@ -71,7 +75,19 @@ class _Cleaner:
     def __init__(self, keep_bodies: bool):
         self.keep_bodies = keep_bodies
         self.credentials: dict[str, int] = {}  # in memory only: never written
+        self.urls: dict[str, int] = {}  # the same, for what a path carries beside its route
         self.dropped: Counter[str] = Counter()
+
+    def path(self, path: str) -> str:
+        """A known route as it is; else only its model route is kept, behind a dummy prefix
+        that stands for the rest (a key in the path or the query: ``/sk-.../v1/responses``,
+        ``?key=``), one per distinct rest, so that requests that shared a URL still share one."""
+        if path in KNOWN_ROUTES:
+            return path
+        route = MODEL_PATH.search(path)
+        tail = route.group(0).rstrip("?") if route else "/responses"
+        n = self.urls.setdefault(path, len(self.urls) + 1)
+        return f"/repro-url-{n}{tail}"
 
     def headers(self, headers) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -224,7 +240,7 @@ def scenario_from_flows(path: str, *, keep_bodies: bool = False,
         session = headers.get("session-id") or headers.get("session_id") or "no-session"
         by_session.setdefault(session, []).append({
             "at_ms": _ms(t0, fl.request.timestamp_start),
-            "path": fl.request.path,
+            "path": cleaner.path(fl.request.path),
             "headers": headers,
             "body_text": body_text,
             "flow": fl.id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -105,13 +106,25 @@ def main(argv: list[str] | None = None) -> int:
                             "their content with stable placeholders; duplicates stay duplicates)")
         p.add_argument("--columns", default="plain,default,once")
         a = p.parse_args(argv[1:])
+        from mitmproxy.exceptions import FlowReadException
         try:
             scen, summary = capture.scenario_from_flows(
                 a.flows, keep_bodies=a.keep_bodies, columns=a.columns.split(","))
         except (OSError, ValueError) as e:
             print(f"reproduce from-capture: {e}", file=sys.stderr)
             return 2
-        Path(a.output).write_text(json.dumps(scen, indent=2) + "\n", encoding="utf-8")
+        except (FlowReadException, MemoryError) as e:
+            print(f"reproduce from-capture: {a.flows} is not a mitmproxy flow file "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        try:  # private: it may describe what the capture held
+            fd = os.open(a.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(json.dumps(scen, indent=2) + "\n")
+        except OSError as e:
+            print(f"reproduce from-capture: cannot write {a.output}: {e.strerror}",
+                  file=sys.stderr)
+            return 2
         print(summary)
         print(f"wrote {a.output}; replay it with: scripts/reproduce run {a.output}")
         return 0
