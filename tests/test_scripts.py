@@ -9,6 +9,7 @@ directly with ``Ledger``. Every wait is bounded; everything listens on 127.0.0.1
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import random
 import re
@@ -509,3 +510,40 @@ def test_ledger_cli_reads_without_writing(direct_ledger: DirectLedger):
         assert db.execute("SELECT instance_id FROM instances").fetchall() == [("writer",)]
     finally:
         db.close()
+
+
+def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp_path):
+    """SIGTERM to scripts/reproduce mid-run stops it as ^C does: every column's mitmdump and
+    mock upstream goes with it (they kept running before, orphaned)."""
+    work = tmp_path / "work"
+    log = (tmp_path / "reproduce.out").open("wb")
+    proc = subprocess.Popen(
+        [str(REPO / "scripts" / "reproduce"), "duplicate-storm", "--keep", str(work)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+        env=_env(), start_new_session=True)
+    try:
+        wait_until(lambda: any("mitmdump" in args for args in
+                               _processes_mentioning(str(work)).values()), 120, 0.2,
+                   "a column's mitmdump")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        left: dict[int, str] = {}
+
+        def none_left() -> bool:
+            left.clear()
+            left.update(_processes_mentioning(str(work)))
+            return not left
+
+        try:
+            wait_until(none_left, 10, 0.1, "every process it started stopped")
+        except AssertionError:
+            raise AssertionError(f"left running: {left}") from None
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait(10)
+        for pid in _processes_mentioning(str(work)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert "Traceback" not in (tmp_path / "reproduce.out").read_text(errors="replace")

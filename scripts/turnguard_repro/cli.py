@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -92,6 +93,20 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="extra turnguard option for every turnguard column (repeatable)")
     p.add_argument("--serial", action="store_true", help="run the columns one after the other")
     p.add_argument("--keep", metavar="DIR", help="keep every log, ledger and events file in DIR")
+
+
+def _stop_on_sigterm() -> list[bool]:
+    """SIGTERM stops a run as ^C does (asyncio cancels it, so that every column stops the
+    mitmdump and mock it started, and the work folder goes): without this, Python would end
+    at once and leave them running. Returns a flag set once SIGTERM came."""
+    came: list[bool] = []
+
+    def on_sigterm(signum, frame) -> None:
+        came.append(True)
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return came
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for w in runner.stall_warnings(scen, extra):
             print(f"reproduce: WARNING: {w}", file=sys.stderr)
-        results = asyncio.run(runner.run_scenario(
-            scen, workdir, columns=columns,
-            save_flows=Path(a.save_flows).resolve() if a.save_flows else None,
-            extra_options=extra, serial=a.serial,
-        ))
+        stopped = _stop_on_sigterm()
+        try:
+            results = asyncio.run(runner.run_scenario(
+                scen, workdir, columns=columns,
+                save_flows=Path(a.save_flows).resolve() if a.save_flows else None,
+                extra_options=extra, serial=a.serial,
+            ))
+        except KeyboardInterrupt:  # every process it started was stopped on the way out
+            print("reproduce: stopped", file=sys.stderr)
+            return 128 + (signal.SIGTERM if stopped else signal.SIGINT)
         if a.timeline:
             Path(a.timeline).write_text(timeline.render_svg(scen, results), encoding="utf-8")
         if a.json:

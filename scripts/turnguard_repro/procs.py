@@ -46,7 +46,7 @@ async def start_mock(workdir: Path, scenario: dict[str, Any]) -> tuple[Process, 
          "--log", str(log), "--scenario", str(scen)],
         workdir / "upstream.out", new_session=True,
     )
-    m = await proc.await_line(MOCK_LINE, START_TIMEOUT_S, "mock upstream")
+    m = await _started(proc, MOCK_LINE, "mock upstream")
     return proc, m.group(1), log
 
 
@@ -76,5 +76,15 @@ async def start_mitmdump(
     if save_flows is not None:
         cmd += ["-w", str(save_flows)]
     proc = Process(cmd, workdir / "mitmdump.log", new_session=True)
-    m = await proc.await_line(MITMDUMP_LINE, START_TIMEOUT_S, "mitmdump")
+    m = await _started(proc, MITMDUMP_LINE, "mitmdump")
     return proc, f"http://127.0.0.1:{m.group(1)}"
+
+
+async def _started(proc: Process, pattern, what: str):
+    """Its listening line; a process that never says it (it failed, or the run was stopped
+    meanwhile: ^C, SIGTERM) is stopped here, since its caller never gets it to stop."""
+    try:
+        return await proc.await_line(pattern, START_TIMEOUT_S, what)
+    except BaseException:
+        proc.stop()
+        raise
