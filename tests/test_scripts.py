@@ -547,3 +547,13 @@ def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp
                 os.kill(pid, signal.SIGKILL)
         log.close()
     assert "Traceback" not in (tmp_path / "reproduce.out").read_text(errors="replace")
+
+
+def test_scripts_reproduce_refuses_a_bad_turnguard_option_before_it_starts_anything():
+    for option, message in [("turnguard_hold_timeout_ms=abc", "is not an integer"),
+                            ("turnguard_hold_timeot_ms=5", "did you mean turnguard_hold_timeout_ms")]:
+        proc = subprocess.run([str(REPO / "scripts" / "reproduce"), "--set", option,
+                               "duplicate-storm"], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL, cwd=REPO, env=_env())
+        assert proc.returncode == 1 and message in proc.stderr, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr

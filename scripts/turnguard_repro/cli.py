@@ -58,6 +58,11 @@ def _parse_sets(items: list[str]) -> dict[str, str]:
         if not sep or not k.startswith("turnguard_"):
             raise SystemExit(f"reproduce: --set wants turnguard_NAME=VALUE, not {item!r}")
         out[k] = v
+    from turnguard_core.options import deferred_problems  # the addon's own check
+
+    problems = deferred_problems({k: [v] for k, v in out.items()})
+    if problems:  # each turnguard column's mitmdump would refuse to start
+        raise SystemExit("reproduce: " + "; ".join(problems.values()))
     return out
 
 
