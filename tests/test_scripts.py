@@ -557,3 +557,15 @@ def test_scripts_reproduce_refuses_a_bad_turnguard_option_before_it_starts_anyth
                               stdin=subprocess.DEVNULL, cwd=REPO, env=_env())
         assert proc.returncode == 1 and message in proc.stderr, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_ledger_cli_refuses_a_huge_limit_and_an_argument_that_is_not_utf8(direct_ledger):
+    led = str(direct_ledger.path)
+    for args in (["list", "--limit", "9" * 20], ["audit", "--limit", "9" * 20]):
+        r = _ledger_cli("--ledger", led, *args)
+        assert r.returncode == 2 and "must be at most" in r.stderr and "Traceback" not in r.stderr
+    for command in (["show"], ["circuit", "clear"], ["session", "release"]):
+        r = subprocess.run([str(LEDGER), "--ledger", led, *command, b"\xff\xfe".decode(
+            "utf-8", "surrogateescape")], capture_output=True, timeout=CLI_TIMEOUT_S,
+            env=_env(), stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and b"not UTF-8" in r.stderr and b"Traceback" not in r.stderr

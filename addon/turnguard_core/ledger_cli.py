@@ -142,6 +142,9 @@ def _control_commands(sub, common: argparse.ArgumentParser) -> None:
                          help="the session id (a hash, see status) or a unique start of it")
 
 
+MAX_COUNT = 2**31 - 1  # a --limit past SQLite's integers would only fail deep down
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -149,6 +152,8 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {n}")
+    if n > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, not {n}")
     return n
 
 
@@ -592,6 +597,11 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
+    for value in vars(args).values():  # bytes that are not UTF-8 (a terminal's slip)
+        if isinstance(value, str) and not _utf8(value):
+            parser.print_usage(err)
+            err.write(f"{os.path.basename(PROG_NAME)}: error: an argument is not UTF-8 text\n")
+            return 2
     location = args.ledger or default_ledger_path()
     if is_postgres(location):  # a PostgreSQL ledger: shown without its password
         from .pg_ledger import PgLedgerAdmin
@@ -633,6 +643,14 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         return 1
     finally:
         ledger.close()
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # surrogates: how Python keeps undecodable bytes of argv
+        return False
+    return True
 
 
 if __name__ == "__main__":
