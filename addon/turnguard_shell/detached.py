@@ -8,8 +8,11 @@ upstream, TLS settings, HTTP/2 and addons as any flow; mitmweb shows it as a rep
 flow is the attempt; the client's flow attaches to its live response through the relay, as a
 duplicate does, from its first byte. When every client has left before the end, the call goes
 on without one for ``turnguard_detach_ms``, so that a retry attaches to it (or, once it
-completed, replays it) instead of running the turn again; past that with nobody attached, or
-when more than ``turnguard_detach_max`` calls would run without a client, it is cut.
+completed, replays it) instead of running the turn again; a retry held waiting for it
+(nothing streamed yet) counts as a client. Past that with nobody attached or waiting, or
+when more than ``turnguard_detach_max`` calls would run without a client, it is cut. A
+once-mode recovery dispatch runs detached whatever ``turnguard_detach_ms`` says (at least
+``RECOVERY_WINDOW_S`` without a client): it is the one dispatch for every request held on it.
 ``upstream_detached`` says, when such a call ends, how long it ran without a client, whether
 it was used (a retry came for it meanwhile: it attached, or waited for its end to replay it)
 and how it ended.
