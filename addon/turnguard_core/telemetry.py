@@ -60,6 +60,7 @@ class Telemetry:
         self._clock = clock
         self._ignored_handlers = ignored_handlers
         self._file = None
+        self._refused: str | None = None  # why the moved events file was not reopened
         self.path = path or None
         self.counts: Counter[str] = Counter()
         # called with (event, fields) for every record, before it is written; must not raise
@@ -108,8 +109,11 @@ class Telemetry:
             check_private_path(self.path)
             fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
         except (OSError, ValueError) as e:
-            logger.warning("turnguard: events file %s moved; not reopened (%s)", self.path, e)
+            if str(e) != self._refused:  # said once, not at every check while it lasts
+                self._refused = str(e)
+                logger.warning("turnguard: events file %s moved; not reopened (%s)", self.path, e)
             return
+        self._refused = None
         self._file.close()
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
         logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
