@@ -165,6 +165,18 @@ def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_p
            f"all answered {set(r[0] for r in results)}")
 
 
+def _held_raw_request(url: str) -> socket.socket:
+    """The anchored turn sent on a socket of its own, its answer left unread."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(TURN).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: " + host.encode() + b"\r\n"
+                 + b"".join(f"{k}: {v}\r\n".encode() for k, v in ANCHORED.items())
+                 + b"content-type: application/json\r\naccept: text/event-stream\r\n"
+                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
 def test_once_mode_never_spends_the_recovery_on_a_client_that_left_while_the_proxy_was_paused(
         tmp_path):
     """Requests held through the cooldown; the process is paused (SIGSTOP) across its end and
@@ -176,16 +188,9 @@ def test_once_mode_never_spends_the_recovery_on_a_client_that_left_while_the_pro
         tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
     ) as p, ThreadPoolExecutor(max_workers=staying_n) as pool:
         open_circuit(p.url)
-        host, port = p.url.removeprefix("http://").split(":")
-        body = json.dumps(TURN).encode()
-        request = (b"POST /v1/responses HTTP/1.1\r\nhost: " + host.encode() + b"\r\n"
-                   + b"".join(f"{k}: {v}\r\n".encode() for k, v in ANCHORED.items())
-                   + b"content-type: application/json\r\naccept: text/event-stream\r\n"
-                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
         leaving = []
         for i in range(leaving_n):
-            leaving.append(socket.create_connection((host, int(port)), timeout=10))
-            leaving[-1].sendall(request)
+            leaving.append(_held_raw_request(p.url))
             wait_events(tmp_path, "wait_operation_fenced_cooldown", i + 1)
         staying = [pool.submit(post, p.url) for _ in range(staying_n)]
         wait_events(tmp_path, "wait_operation_fenced_cooldown", leaving_n + staying_n)
@@ -200,18 +205,6 @@ def test_once_mode_never_spends_the_recovery_on_a_client_that_left_while_the_pro
         assert len(events(tmp_path, "recovery_claimed")) == 1
         assert len(up.dispatches()) == 3  # the two failures, and the recovery once
         assert_no_traceback(p.log_text())
-
-
-def _held_raw_request(url: str) -> socket.socket:
-    """The anchored turn sent on a socket of its own, its answer left unread."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(TURN).encode()
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: " + host.encode() + b"\r\n"
-                 + b"".join(f"{k}: {v}\r\n".encode() for k, v in ANCHORED.items())
-                 + b"content-type: application/json\r\naccept: text/event-stream\r\n"
-                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-    return sock
 
 
 def test_once_mode_a_recovery_whose_client_leaves_goes_on_for_the_other_holder(tmp_path):

@@ -505,11 +505,13 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
-    def give_back(self, dispatch: policy.Dispatch) -> None:
+    def give_back(self, dispatch: policy.Dispatch, generation: str | None = None) -> None:
         """A claim whose request will not go upstream after all (its client left while it
-        was decided): ended at once (``rejected``), so that a retry may run it."""
+        was decided; its answer came too late): ended at once (``rejected``), so that a retry
+        may run it. ``generation``: the ledger file it was made in (None: the one in use)."""
         if dispatch.attempt_id is not None:
-            self.write(self.generation, GiveBackWrite(dispatch.attempt_id, time.time()))
+            self.write(self.generation if generation is None else generation,
+                       GiveBackWrite(dispatch.attempt_id, time.time()))
 
     def _late_claim(self, task: asyncio.Future, ident: Identity, generation: str) -> None:
         """A claim that answered after its request stopped waiting for it (the request was
@@ -531,7 +533,7 @@ class FailoverStore:
                        attempt=claim.attempt_id, ledger_generation=generation,
                        reason="its claim answered late")
             return
-        self.write(generation, GiveBackWrite(claim.attempt_id, time.time()))
+        self.give_back(claim, generation)
 
     async def recording(
         self, ident: Identity, attempt_id: int | None, *, window_s: float | None,
