@@ -34,6 +34,7 @@ from harness import (
     ledger_query,
     mock_behaviour,
     post_turn,
+    response_id,
     sse_event_types,
     turnguard_events,
     wait_until,
@@ -457,6 +458,58 @@ def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp
         assert_no_traceback(a.log_text() + b.log_text())
     report("ledger deleted while B held a duplicate of A's turn: B waited for A to register it "
            f"in the new file and got it {headers.get('x-turnguard')}; upstream dispatches=1")
+
+
+def test_an_older_copy_written_over_the_ledger_never_gives_one_turn_anothers_answer(
+    tmp_path, report
+):
+    """An older copy of the ledger is written over it in place (same file, same inode: a
+    backup restored with ``cp``), while A's turn W is in flight. The copy's attempt ids come
+    again: B, started on it, claims the same attempt id for another principal's turn Z. A's
+    end of W names that id. It must not end Z's attempt (Z's retries would get W's answer):
+    every end and replay names its operation too, so W's end is fenced out, Z ends as its own,
+    and Z's retry gets Z's answer."""
+    ledger = tmp_path / "ledger.sqlite3"
+    wal = Path(f"{ledger}-wal")
+    other = {"authorization": "Bearer sk-another-principal", "session-id": "sess-other"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        assert post(a.url, SESSION, body_of("before the backup"))[0] == 200
+        backup = tmp_path / "backup.sqlite3"
+        with contextlib.closing(sqlite3.connect(ledger, timeout=10)) as src, \
+                contextlib.closing(sqlite3.connect(backup)) as dst:
+            src.backup(dst)
+        w = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=10000)},
+                          body_of("turn W"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch" and len(up.dispatches()) == 2)
+        w_attempt = query(ledger, "SELECT max(attempt_id) FROM attempts")[0][0]
+        # A's heartbeat empties the WAL once nothing was written for 2 s: the copy then
+        # takes in full when written over the file
+        wait_until(lambda: not wal.exists() or wal.stat().st_size == 0, 15, what="WAL emptied")
+        inode = ledger.stat().st_ino
+        shutil.copyfile(backup, ledger)
+        assert ledger.stat().st_ino == inode
+        with guarded(tmp_path, up, "b") as b:
+            z = in_background(post, b.url, {**other, **behaviour(kind="ok", delay_ms=10000)},
+                              body_of("turn Z"))
+            wait_until(lambda: len(up.dispatches()) == 3, 15, what="Z dispatched")
+            assert query(ledger, "SELECT max(attempt_id) FROM attempts")[0][0] == w_attempt
+            w_status, _, w_body = w.result(40)
+            assert not z.done()  # W ended while Z, of the same attempt id, was in flight
+            z_status, _, z_body = z.result(40)
+            assert w_status == z_status == 200
+            assert response_id(w_body) != response_id(z_body)
+            for p in (b, a):  # B ran Z; A never saw it and reads the ledger
+                status, headers, again = post(p.url, other, body_of("turn Z"))
+                assert status == 200 and headers.get("x-turnguard") == "replayed"
+                assert response_id(again) == response_id(z_body)  # Z's answer, never W's
+            assert len(up.dispatches()) == 3
+            fenced = events(tmp_path, "a", "outcome_fenced_out")
+            assert [e["attempt"] for e in fenced] == [w_attempt]
+            assert_no_traceback(a.log_text() + b.log_text())
+    report(f"an older copy written over the ledger in place while a turn was in flight: "
+           f"another principal's turn got the same attempt id ({w_attempt}); the first turn's "
+           f"end was fenced out and the second's retry got its own answer; upstream "
+           f"dispatches=3")
 
 
 @pytest.mark.parametrize("fact", ["completed", "spent", "cooling"])

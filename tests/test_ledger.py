@@ -193,6 +193,28 @@ def test_reap_dead_instance(ledger_backend):
         ("unknown", "completed"), ("in_flight", None)]
 
 
+def test_an_attempt_id_of_another_operation_is_neither_ended_nor_replayed(ledger_backend):
+    """Attempt ids come again in an older copy of a ledger put back in place: a write or a
+    read by attempt id that names its operation never touches another operation's attempt."""
+    a = ledger_backend.open("a")
+    mine, theirs = ident({"n": 1}), ident({"n": 2}, auth="Bearer another")
+    d = admit(a, theirs)
+    rec = Recording(200, (("content-type", "text/event-stream"),), b"mine")
+    a.first_event(d.attempt_id, mine.op_key)
+    assert a.snapshot(theirs.op_key).events_seen == 0
+    ended = a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, rec), now=1001.0,
+                     op_key=mine.op_key)
+    assert not ended.applied
+    assert a.snapshot(theirs.op_key).state == "in_flight"
+    op = a.find_operation(theirs.op_key)
+    assert [(r["outcome"], r["late_outcome"]) for r in op["attempt_rows"]] == [("in_flight", None)]
+    theirs_rec = Recording(200, (("content-type", "text/event-stream"),), b"theirs")
+    assert a.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None, theirs_rec),
+                    now=1002.0, op_key=theirs.op_key).applied
+    assert a.recording(d.attempt_id, mine.op_key) is None
+    assert a.recording(d.attempt_id, theirs.op_key).body == b"theirs"
+
+
 def test_a_reaped_instance_reregisters_at_its_next_heartbeat_under_a_new_incarnation(ledger_backend):
     a = ledger_backend.open("a")
     b = ledger_backend.open("b")

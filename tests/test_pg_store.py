@@ -139,7 +139,7 @@ def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
     led.open(1000.0)
     i = ident(1)
     claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
-    led._doubtful_claims.append(claim.attempt_id)  # as if the COMMIT's answer had been lost
+    led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
     # this test's database only: other tests (other workers) share the server
     sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
                 " application_name='turnguard' AND datname=current_database()"

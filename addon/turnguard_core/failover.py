@@ -505,13 +505,14 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
-    def give_back(self, dispatch: policy.Dispatch, generation: str | None = None) -> None:
+    def give_back(self, dispatch: policy.Dispatch, op_key: str,
+                  generation: str | None = None) -> None:
         """A claim whose request will not go upstream after all (its client left while it
         was decided; its answer came too late): ended at once (``rejected``), so that a retry
         may run it. ``generation``: the ledger file it was made in (None: the one in use)."""
         if dispatch.attempt_id is not None:
             self.write(self.generation if generation is None else generation,
-                       GiveBackWrite(dispatch.attempt_id, time.time()))
+                       GiveBackWrite(dispatch.attempt_id, op_key, time.time()))
 
     def _late_claim(self, task: asyncio.Future, ident: Identity, generation: str) -> None:
         """A claim that answered after its request stopped waiting for it (the request was
@@ -533,7 +534,7 @@ class FailoverStore:
                        attempt=claim.attempt_id, ledger_generation=generation,
                        reason="its claim answered late")
             return
-        self.give_back(claim, generation)
+        self.give_back(claim, ident.op_key, generation)
 
     async def recording(
         self, ident: Identity, attempt_id: int | None, *, window_s: float | None,
@@ -545,7 +546,7 @@ class FailoverStore:
         if recording is not None or attempt_id is None:
             return recording, True
         found = await self._call("replay", lambda store: store.recording(
-            attempt_id, deadline=deadline), deadline=deadline)
+            attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
         return (None, False) if isinstance(found, Unread) else (found, True)
 
     async def claim_session(
@@ -613,7 +614,8 @@ class FailoverStore:
 
     def first_event(self, attempt: AttemptInFlight) -> None:
         if attempt.attempt_id is not None:
-            self.write(attempt.generation, FirstEventWrite(attempt.attempt_id))
+            self.write(attempt.generation,
+                       FirstEventWrite(attempt.attempt_id, attempt.ident.op_key))
 
     def finish(
         self, attempt: AttemptInFlight, ending: AttemptEnding, end: AttemptEnd, *, now: float,
@@ -651,7 +653,8 @@ class FailoverStore:
             return self.write(ANY_LEDGER, write, landed=landed, kept=in_memory)
         return self.write(
             attempt.generation,
-            FinishWrite(attempt.attempt_id, end, now, circuit_cfg, ending.eventless),
+            FinishWrite(attempt.attempt_id, attempt.ident.op_key, end, now, circuit_cfg,
+                        ending.eventless),
             landed=landed, kept=in_memory,
         )
 

@@ -590,13 +590,14 @@ class Ledger:
 
     # -- attempts ------------------------------------------------------------------------------
     @_wrap
-    def first_event(self, attempt_id: int) -> None:
-        """Record that the attempt has seen a response event (it has output now)."""
+    def first_event(self, attempt_id: int, op_key: str | None = None) -> None:
+        """Record that the attempt has seen a response event (it has output now).
+        ``op_key``: the attempt's operation (see ``finish``)."""
         with self._tx() as db:
             row = db.execute(
-                "UPDATE attempts SET events_seen=MAX(events_seen, 1) WHERE attempt_id=?"
-                " RETURNING op_key",
-                (attempt_id,),
+                "UPDATE attempts SET events_seen=MAX(events_seen, 1)"
+                " WHERE attempt_id=? AND op_key=coalesce(?, op_key) RETURNING op_key",
+                (attempt_id, op_key),
             ).fetchone()
             if row is not None:
                 db.execute(
@@ -607,7 +608,7 @@ class Ledger:
     def finish(
         self, attempt_id: int, end: AttemptEnd, *, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
-        transport: str = "http",
+        transport: str = "http", op_key: str | None = None,
     ) -> FinishResult:
         """Record an attempt's end, move its operation to the outcome and, with
         ``circuit_cfg``, feed the outcome to the operation's retry circuit (same transaction).
@@ -615,9 +616,12 @@ class Ledger:
         Fenced: only an attempt still in flight is finished, and only the operation's current
         attempt moves the operation. ``applied`` is False when fenced out (e.g. reaped); the
         outcome is then kept as the attempt's ``late_outcome`` (for the record), and nothing
-        else changes."""
+        else changes. ``op_key``: the attempt's operation, as its writer knows it. An attempt
+        id names another operation's attempt in an older copy of the file put back in place
+        (its ids are handed out again); such an end is fenced out, never applied there."""
         with self._tx() as db:
-            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure)
+            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure,
+                                op_key)
 
     @_wrap
     def record_offline_attempt(
@@ -637,28 +641,31 @@ class Ledger:
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
             attempt_id = self._claim(db, identity, kind, flow_id, now, transport)
-            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure)
+            return self._finish(db, attempt_id, end, now, circuit_cfg, eventless_failure,
+                                identity.op_key)
 
     def _finish(
         self, db: sqlite3.Connection, attempt_id: int, end: AttemptEnd, now: float,
-        circuit_cfg: circuit.CircuitConfig | None, eventless_failure: bool,
+        circuit_cfg: circuit.CircuitConfig | None, eventless_failure: bool, op_key: str | None,
     ) -> FinishResult:
         rec = end.recording
         row = db.execute(
             "UPDATE attempts SET ended_at=?, status=?, events_seen=MAX(events_seen, ?),"
             " outcome=?, detail=?, headers=?, body_bytes=?, replayable=?, vary_key=?"
-            " WHERE attempt_id=? AND outcome='in_flight' RETURNING op_key",
+            " WHERE attempt_id=? AND op_key=coalesce(?, op_key) AND outcome='in_flight'"
+            " RETURNING op_key",
             (
                 now, end.status, end.events_seen, end.outcome, end.detail,
                 json.dumps(rec.headers) if rec else None,
                 len(rec.body) if rec else None, 1 if rec else 0,
-                rec.vary_key if rec else None, attempt_id,
+                rec.vary_key if rec else None, attempt_id, op_key,
             ),
         ).fetchone()
         if row is None:
             db.execute(
-                "UPDATE attempts SET late_outcome=? WHERE attempt_id=? AND late_outcome IS NULL",
-                (end.outcome, attempt_id),
+                "UPDATE attempts SET late_outcome=?"
+                " WHERE attempt_id=? AND op_key=coalesce(?, op_key) AND late_outcome IS NULL",
+                (end.outcome, attempt_id, op_key),
             )
             return FinishResult(False)
         if rec is not None:
@@ -787,12 +794,14 @@ class Ledger:
             ).fetchone() is not None
 
     @_wrap
-    def recording(self, attempt_id: int) -> Recording | None:
-        """The replayable response of an attempt, or None if it has none (purged, not kept)."""
+    def recording(self, attempt_id: int, op_key: str | None = None) -> Recording | None:
+        """The replayable response of an attempt, or None if it has none (purged, not kept,
+        or, with ``op_key``, the attempt is not that operation's: see ``finish``)."""
         db = self._conn()
         row = db.execute(
-            "SELECT status, headers, vary_key FROM attempts WHERE attempt_id=? AND replayable=1",
-            (attempt_id,),
+            "SELECT status, headers, vary_key FROM attempts"
+            " WHERE attempt_id=? AND op_key=coalesce(?, op_key) AND replayable=1",
+            (attempt_id, op_key),
         ).fetchone()
         if row is None:
             return None

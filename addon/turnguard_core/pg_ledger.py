@@ -209,13 +209,14 @@ def _wrap(fn):
 
 class _Transaction:
     """``BEGIN`` with the call's timeouts (one round trip) ... ``COMMIT``; rolls back on any
-    exception. ``claimed`` lists the attempts this transaction claimed: if the connection breaks
-    before the commit is known to have landed, the ledger gives them back later."""
+    exception. ``claimed`` lists the attempts this transaction claimed (attempt id, operation):
+    if the connection breaks before the commit is known to have landed, the ledger gives them
+    back later."""
 
     def __init__(self, ledger: "PgLedger", lock: int | None):
         self.ledger = ledger
         self.lock = lock
-        self.claimed: list[int] = []
+        self.claimed: list[tuple[int, str]] = []
 
     def __enter__(self) -> "_Transaction":
         db = self.ledger._conn()
@@ -258,7 +259,7 @@ class PgLedger:
         self._opened = False
         self._readonly = False
         self._replaced: str | None = None
-        self._doubtful_claims: list[int] = []
+        self._doubtful_claims: list[tuple[int, str]] = []
         self.generation = ""
         self.incarnation = 0
 
@@ -306,8 +307,8 @@ class PgLedger:
         doubtful = list(self._doubtful_claims)
         end = AttemptEnd("rejected", None, 0, "claim given back: the connection broke at commit")
         with self._tx() as tx:
-            for attempt_id in doubtful:
-                self._finish(tx, attempt_id, end, time.time(), None, False)
+            for attempt_id, op_key in doubtful:
+                self._finish(tx, attempt_id, end, time.time(), None, False, op_key)
         del self._doubtful_claims[:len(doubtful)]
 
     def _drop(self) -> None:
@@ -487,7 +488,7 @@ class PgLedger:
              identity.previous_response_id, 1 if kind == "recovery" else 0, circuit_scope,
              now, now),
         ).fetchone()[0]
-        tx.claimed.append(attempt_id)
+        tx.claimed.append((attempt_id, identity.op_key))
         return attempt_id
 
     @_wrap
@@ -535,7 +536,7 @@ class PgLedger:
         ).fetchone()
         if claimed is None:  # cannot happen under the operation's lock; refuse rather than double
             raise psycopg.IntegrityError("operation was claimed concurrently")
-        tx.claimed.append(claimed[0])
+        tx.claimed.append((claimed[0], identity.op_key))
         return claimed[0]
 
     @staticmethod
@@ -557,12 +558,13 @@ class PgLedger:
 
     # -- attempts ------------------------------------------------------------------------------
     @_wrap
-    def first_event(self, attempt_id: int) -> None:
+    def first_event(self, attempt_id: int, op_key: str | None = None) -> None:
         """See ``Ledger.first_event``."""
         with self._tx() as tx:
             row = tx.db.execute(
-                "UPDATE attempts SET events_seen=GREATEST(events_seen, 1) WHERE attempt_id=%s"
-                " RETURNING op_key", (attempt_id,),
+                "UPDATE attempts SET events_seen=GREATEST(events_seen, 1)"
+                " WHERE attempt_id=%s AND op_key=COALESCE(%s, op_key) RETURNING op_key",
+                (attempt_id, op_key),
             ).fetchone()
             if row is not None:
                 tx.db.execute(
@@ -573,10 +575,12 @@ class PgLedger:
     def finish(
         self, attempt_id: int, end: AttemptEnd, *, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
+        op_key: str | None = None,
     ) -> FinishResult:
         """See ``Ledger.finish``; also notifies the processes holding its duplicates."""
         with self._tx() as tx:
-            return self._finish(tx, attempt_id, end, now, circuit_cfg, eventless_failure)
+            return self._finish(tx, attempt_id, end, now, circuit_cfg, eventless_failure,
+                                op_key)
 
     @_wrap
     def record_offline_attempt(
@@ -593,26 +597,29 @@ class PgLedger:
             if snapshot is None:
                 self._insert_operation(tx.db, identity, method, path, circuit_scope, now)
             attempt_id = self._claim(tx, identity, kind, flow_id, now, transport)
-            tx.claimed.remove(attempt_id)  # ended in the same transaction: nothing to give back
-            return self._finish(tx, attempt_id, end, now, circuit_cfg, eventless_failure)
+            tx.claimed.remove((attempt_id, identity.op_key))  # ended here: nothing to give back
+            return self._finish(tx, attempt_id, end, now, circuit_cfg, eventless_failure,
+                                identity.op_key)
 
     def _finish(
         self, tx: _Transaction, attempt_id: int, end: AttemptEnd, now: float,
-        circuit_cfg: circuit.CircuitConfig | None, eventless_failure: bool,
+        circuit_cfg: circuit.CircuitConfig | None, eventless_failure: bool, op_key: str | None,
     ) -> FinishResult:
         db, rec = tx.db, end.recording
         row = db.execute(
             "UPDATE attempts SET ended_at=%s, status=%s, events_seen=GREATEST(events_seen, %s),"
             " outcome=%s, detail=%s, headers=%s, body_bytes=%s, replayable=%s, vary_key=%s"
-            " WHERE attempt_id=%s AND outcome='in_flight' RETURNING op_key",
+            " WHERE attempt_id=%s AND op_key=COALESCE(%s, op_key) AND outcome='in_flight'"
+            " RETURNING op_key",
             (now, end.status, end.events_seen, end.outcome, _text(end.detail),
              json.dumps(rec.headers) if rec else None, len(rec.body) if rec else None,
-             1 if rec else 0, rec.vary_key if rec else None, attempt_id),
+             1 if rec else 0, rec.vary_key if rec else None, attempt_id, op_key),
         ).fetchone()
         if row is None:
             db.execute(
-                "UPDATE attempts SET late_outcome=%s WHERE attempt_id=%s AND late_outcome IS NULL",
-                (end.outcome, attempt_id))
+                "UPDATE attempts SET late_outcome=%s WHERE attempt_id=%s"
+                " AND op_key=COALESCE(%s, op_key) AND late_outcome IS NULL",
+                (end.outcome, attempt_id, op_key))
             return FinishResult(False)
         if rec is not None:
             self._spool(db, attempt_id, rec.body)
@@ -740,12 +747,13 @@ class PgLedger:
             ).fetchone() is not None
 
     @_wrap
-    def recording(self, attempt_id: int) -> Recording | None:
+    def recording(self, attempt_id: int, op_key: str | None = None) -> Recording | None:
         """See ``Ledger.recording``."""
         db = self._conn()
         row = db.execute(
-            "SELECT status, headers, vary_key FROM attempts WHERE attempt_id=%s AND replayable=1",
-            (attempt_id,)).fetchone()
+            "SELECT status, headers, vary_key FROM attempts"
+            " WHERE attempt_id=%s AND op_key=COALESCE(%s, op_key) AND replayable=1",
+            (attempt_id, op_key)).fetchone()
         if row is None:
             return None
         body = b"".join(bytes(r[0]) for r in db.execute(

@@ -27,6 +27,7 @@ class FinishWrite:
     """An attempt's end (its operation's outcome, its recording, its circuit's effect)."""
 
     attempt_id: int
+    op_key: str  # the attempt's operation: the write applies to no other's attempt
     end: AttemptEnd
     now: float
     circuit_cfg: circuit.CircuitConfig | None = None
@@ -56,6 +57,7 @@ class FirstEventWrite:
     """An attempt saw its first response event (its operation has output now)."""
 
     attempt_id: int
+    op_key: str
 
 
 @record
@@ -72,6 +74,7 @@ class GiveBackWrite:
     """A claim made for a request that stopped waiting for it: ended, never dispatched."""
 
     attempt_id: int
+    op_key: str
     now: float
 
 
@@ -88,7 +91,8 @@ class Store(Protocol):
         transport: str = "http",
     ) -> policy.Admission: ...
 
-    async def recording(self, attempt_id: int, *, deadline: float | None) -> Recording | None: ...
+    async def recording(self, attempt_id: int, op_key: str, *,
+                        deadline: float | None) -> Recording | None: ...
 
     async def claim_session(
         self, session: str, *, now: float, lease_s: float, new_id: str, deadline: float | None,
@@ -161,7 +165,7 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
         case FinishWrite():
             return ledger.finish(write.attempt_id, write.end, now=write.now,
                                  circuit_cfg=write.circuit_cfg,
-                                 eventless_failure=write.eventless_failure)
+                                 eventless_failure=write.eventless_failure, op_key=write.op_key)
         case OfflineEndWrite():
             return ledger.record_offline_attempt(
                 write.ident, method=write.method, path=write.route, kind=write.kind,
@@ -169,12 +173,12 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
                 now=write.now, circuit_cfg=write.circuit_cfg,
                 eventless_failure=write.eventless_failure, transport=write.transport)
         case FirstEventWrite():
-            ledger.first_event(write.attempt_id)
+            ledger.first_event(write.attempt_id, write.op_key)
             return None
         case GiveBackWrite():
             return ledger.finish(write.attempt_id, AttemptEnd(
                 "rejected", None, 0, "abandoned: the request stopped waiting for the ledger"),
-                now=write.now)
+                now=write.now, op_key=write.op_key)
         case DuplicatesWrite():
             ledger.note_duplicates(write.op_key, held=write.held, replayed=write.replayed)
             return None
@@ -213,8 +217,9 @@ class LedgerStore:
             transport=transport,
         ), deadline=deadline)
 
-    async def recording(self, attempt_id, *, deadline):
-        return await self._runner.call(lambda led: led.recording(attempt_id), deadline=deadline)
+    async def recording(self, attempt_id, op_key, *, deadline):
+        return await self._runner.call(lambda led: led.recording(attempt_id, op_key),
+                                       deadline=deadline)
 
     async def claim_session(self, session, *, now, lease_s, new_id, deadline):
         return await self._runner.call(

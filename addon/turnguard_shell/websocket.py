@@ -305,7 +305,7 @@ class WebSockets:
             # was let go meanwhile (the frame goes on untouched, as every frame now does): a
             # claim made for it is given back, or it would stay in flight for no one
             if isinstance(state, machine.Forward):
-                guard.store.give_back(state.dispatch)
+                guard.store.give_back(state.dispatch, ident.op_key)
             if sock.closed:
                 guard._emit("hold_abandoned", op=ident.op_id, flow=key, transport="ws",
                             session=ident.session, reason="websocket closed while the call "
