@@ -337,6 +337,38 @@ def _spend_the_once_claim(url: str, up: MockUpstream, text: str) -> None:
     wait_until(lambda: len(up.dispatches()) == 3, 15, what="the recovery dispatch")
 
 
+def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path, report):
+    """A's turn is dispatched from memory while another connection holds the ledger's write
+    lock (past the request's 0.5 s for the ledger). Until A writes its row, another process
+    takes the turn for new: so A tries again as soon as a try gave up, not at its next
+    maintenance tick. A duplicate sent to B a quarter of a second after the lock went is held
+    on A's attempt, in each of three rounds (lock lengths put the release at several points
+    of A's tick). With a try per tick, registration came up to a second after the release,
+    and this test failed in 3 runs of 3."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        for lock_s in (2.3, 3.1, 3.8):
+            body = body_of(f"dispatched behind a lock of {lock_s} s")
+            before = len(up.dispatches())
+            with write_lock(ledger):
+                original = in_background(
+                    post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
+                wait_until(lambda: len(up.dispatches()) == before + 1, 10,
+                           what="the original dispatched from memory")
+                time.sleep(lock_s)
+            time.sleep(0.25)
+            duplicate = post(b.url, SESSION, body)
+            assert original.result(30)[0] == duplicate[0] == 200
+            assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+            assert len(up.dispatches()) == before + 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a turn dispatched from memory behind a lock (3 rounds of 2.3-3.8 s): its duplicate "
+           "through another process 0.25 s after the release was held each time; upstream "
+           "dispatches=1 per turn")
+
+
 def test_once_mode_never_dispatches_a_spent_operation_while_the_ledger_is_locked(tmp_path):
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500)

@@ -169,6 +169,19 @@ class FailoverStore:
         and it owes nothing (kept writes, attempts to register)."""
         return self._store is not None and self.error is None and not self._kept
 
+    @property
+    def owes_rows_behind_a_lock(self) -> bool:
+        """The ledger is locked by another connection while this process owes it rows that
+        other processes decide by: an attempt dispatched without a row in this file, or the
+        end of one (recorded whole). Until they are written another process takes the
+        operation for new, so the maintenance tries again as soon as a try gave up (each
+        waits for the lock in SQLite's busy handler, without using the CPU)."""
+        if self.error is None or not contended(self.error):
+            return False
+        generation = self.generation
+        return (any(isinstance(k.write, OfflineEndWrite) for k in self._kept)
+                or any(a.generation != generation for a in self._attempts()))
+
     def down_reason(self) -> str | None:
         """Why decisions cannot read the ledger now (None: they can)."""
         if self.usable:

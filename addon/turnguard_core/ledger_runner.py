@@ -47,7 +47,7 @@ class LedgerTimeout(LedgerError):
     """The call's deadline passed before the ledger could run it; it did nothing."""
 
 
-def contended(error: LedgerError) -> bool:
+def contended(error: LedgerError | str) -> bool:
     """Whether the ledger failed for a lock held by another connection (it may work later)."""
     text = str(error).lower()
     return "locked" in text or "busy" in text

@@ -28,6 +28,7 @@ logger = logging.getLogger("turnguard")
 
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0
+OWED_ROWS_RETRY_S = 0.01  # rows owed behind a lock: try again at once (each try waits for it)
 REAP_S = 5.0  # look for dead peers' attempts this often (every second when waiting on one)
 FOREIGN_REAP_S = 1.0
 
@@ -60,7 +61,10 @@ class Maintenance:
         while True:
             foreign = g.waiters.foreign()
             poll = bool(foreign) and not g.store.attempt_ends_notified
-            await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
+            if g.store.owes_rows_behind_a_lock:
+                await asyncio.sleep(OWED_ROWS_RETRY_S)
+            else:
+                await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
             try:
                 g.waiters.wake_gone(g.clients.gone)
                 g.telemetry.reopen_if_moved()
