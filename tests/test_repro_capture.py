@@ -20,8 +20,13 @@ CAPTURE_ADDON = REPO / "scripts" / "turnguard_repro" / "capture_addon.py"
 SECRET = "sk-live-CAPTURE-SECRET-0123456789"
 ACCOUNT = "acct-SECRET-4242"
 COOKIE = "session=COOKIE-SECRET-77"
+# every kind of credential header: listed, spelled with "_", a subprotocol, one the proxy's
+# turnguard_credential_headers would add (named to from-capture with --credential-header)
 HEADERS = {"authorization": f"Bearer {SECRET}", "chatgpt-account-id": ACCOUNT, "cookie": COOKIE,
-           "session-id": "sess-cap", "x-api-key": "another-SECRET-key"}
+           "session-id": "sess-cap", "x-api-key": "another-SECRET-key",
+           "x_goog_user_project": "project-SECRET-9", "OpenAI_Organization": "org-SECRET-5",
+           "sec-websocket-protocol": "realtime, openai-insecure-api-key.sk-SECRET-WS",
+           "x-tenant": "tenant-SECRET-3"}
 
 
 def body(text: str) -> dict:
@@ -65,12 +70,14 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert statuses[:2] == [200, 200] and statuses[3] == 429 and captured == 6
 
     scenario_path = tmp_path / "scenario.json"
-    out = reproduce("from-capture", str(flows), "-o", str(scenario_path)).stdout
+    scenario_path.write_text("{}")
+    scenario_path.chmod(0o644)  # a file that was there is made private too
+    out = reproduce("from-capture", str(flows), "-o", str(scenario_path),
+                    "--credential-header", "X-Tenant").stdout
     assert "6 model requests" in out and "authorization x6" in out
     text = scenario_path.read_text()
     assert scenario_path.stat().st_mode & 0o777 == 0o600
-    for secret in (SECRET, ACCOUNT, "COOKIE-SECRET", "another-SECRET-key", "private prompt"):
-        assert secret not in text, secret
+    assert "SECRET" not in text and "private prompt" not in text
     scen = json.loads(text)
     (client,) = scen["clients"]
     reqs = client["params"]["requests"]
@@ -125,6 +132,23 @@ def test_a_key_in_the_url_is_not_kept_and_requests_that_shared_a_url_still_do():
     assert by_query.endswith("/responses") and in_path.endswith("/responses")
     assert clean.path("/openai/deployments/x/chat/completions?api-version=1").endswith(
         "/chat/completions")
+
+
+def test_every_credential_header_is_dropped_and_distinct_credentials_stay_distinct():
+    from mitmproxy.http import Headers
+
+    from turnguard_core.identity import CREDENTIAL_HEADERS
+    from turnguard_repro import capture
+
+    clean = capture._Cleaner(keep_bodies=False, credential_headers=frozenset({"x-tenant"}))
+    for name in (*CREDENTIAL_HEADERS, "x-tenant"):
+        for spelling in (name, name.replace("-", "_"), name.upper()):
+            out = clean.headers(Headers([(spelling.encode(), b"SECRET-value")]))
+            assert "SECRET" not in json.dumps(out), spelling
+    one = clean.headers(Headers(authorization="Bearer a", x_api_key="k1"))
+    again = clean.headers(Headers(authorization="Bearer a", x_api_key="k1"))
+    other = clean.headers(Headers(authorization="Bearer a", x_api_key="k2"))
+    assert one == again != other  # what turnguard takes for one principal, and only that
 
 
 def test_a_file_that_is_no_flow_file_gets_one_clear_line(tmp_path):

@@ -20,12 +20,16 @@ What is extracted:
 
 Secrets are dropped on the way: a path other than a known route keeps its model route only
 (``/responses``, ``/chat/completions``) behind a dummy prefix, one per distinct URL (a key
-may travel in the path or the query); ``Authorization``, ``Proxy-Authorization``, cookies,
-``chatgpt-account-id``, ``OpenAI-Organization``/``-Project`` and every header whose name
-mentions a key, token, secret, auth, password or credential (except ``Idempotency-Key`` and the
+may travel in the path or the query); every header turnguard counts as credential-bearing
+(``identity.CREDENTIAL_HEADERS``: ``Authorization``, cookies, ``OpenAI-Organization``,
+``Sec-WebSocket-Protocol``, ...), those the caller names (``credential_headers``, as its
+``turnguard_credential_headers``), ``Set-Cookie``, and every header whose name mentions a key,
+token, secret, auth, password or credential; names are read case-insensitive and with ``_``
+as ``-`` (``x_api_key``), as turnguard reads them (except ``Idempotency-Key`` and the
 ``x-codex-turn-*`` headers, which are not secrets and which turnguard's identity needs). Each
-distinct credential becomes a dummy ``Bearer sk-repro-credential-<n>`` so that requests that
-shared a credential still share one, and requests that did not still do not. By default the
+distinct set of credential values becomes a dummy ``Bearer sk-repro-credential-<n>`` so that
+requests that shared their credentials still share one, and requests that did not still do
+not. By default the
 *content* of request bodies and of output text is replaced as well (``input`` becomes a stable
 placeholder derived from the whole body, so identical bodies stay identical and different ones
 stay different; ``model``, ``stream``, ``previous_response_id`` and ``store`` are kept); pass
@@ -46,15 +50,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from turnguard_core.identity import CREDENTIAL_HEADERS
 from turnguard_sse import SseEvent, SseReader
 
 MODEL_PATH = re.compile(r"/(responses|chat/completions)/?(\?|$)")
 KNOWN_ROUTES = {"/v1/responses", "/v1/chat/completions", "/backend-api/codex/responses",
                 "/openai/v1/responses", "/openai/v1/chat/completions"}
-SECRET_HEADERS = {
-    "authorization", "proxy-authorization", "cookie", "set-cookie", "chatgpt-account-id",
-    "openai-organization", "openai-project", "x-api-key", "api-key",
-}
+SECRET_HEADERS = {*CREDENTIAL_HEADERS, "set-cookie"}
 SECRET_WORDS = ("key", "token", "secret", "auth", "password", "credential", "cookie")
 NOT_SECRET = {"idempotency-key", "x-codex-turn-state", "x-codex-turn-metadata"}
 DROP = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding",
@@ -64,16 +66,22 @@ MAX_ERROR_BODY = 4096
 QUICK_FAILURE_MS = 100
 
 
-def _is_secret(name: str) -> bool:
-    n = name.lower()
+def _header_name(name: str) -> str:
+    """A header's name as turnguard's identity reads it: lower case, ``_`` as ``-``."""
+    return name.lower().replace("_", "-")
+
+
+def _is_secret(name: str, extra: frozenset[str] = frozenset()) -> bool:
+    n = _header_name(name)
     if n in NOT_SECRET:
         return False
-    return n in SECRET_HEADERS or any(w in n for w in SECRET_WORDS)
+    return n in SECRET_HEADERS or n in extra or any(w in n for w in SECRET_WORDS)
 
 
 class _Cleaner:
-    def __init__(self, keep_bodies: bool):
+    def __init__(self, keep_bodies: bool, credential_headers: frozenset[str] = frozenset()):
         self.keep_bodies = keep_bodies
+        self.credential_headers = credential_headers
         self.credentials: dict[str, int] = {}  # in memory only: never written
         self.urls: dict[str, int] = {}  # the same, for what a path carries beside its route
         self.dropped: Counter[str] = Counter()
@@ -91,16 +99,19 @@ class _Cleaner:
 
     def headers(self, headers) -> dict[str, str]:
         out: dict[str, str] = {}
-        cred = "\0".join([headers.get("authorization", ""), headers.get("chatgpt-account-id", "")])
+        secrets: list[tuple[str, str]] = []
         for k, v in headers.items(multi=True):
             lk = k.lower()
             if lk in DROP:
                 continue
-            if _is_secret(lk):
+            if _is_secret(lk, self.credential_headers):
                 self.dropped[lk] += 1
+                if v:
+                    secrets.append((_header_name(lk), v))
                 continue
             out.setdefault(lk, v)
-        if cred.strip("\0"):
+        if secrets:
+            cred = "\0".join(f"{k}\0{v}" for k, v in sorted(secrets))
             n = self.credentials.setdefault(cred, len(self.credentials) + 1)
             out["authorization"] = f"Bearer sk-repro-credential-{n}"
         return out
@@ -218,8 +229,11 @@ def _dispatched(flow) -> bool:
 
 
 def scenario_from_flows(path: str, *, keep_bodies: bool = False,
-                        columns: list[str] | None = None) -> tuple[dict[str, Any], str]:
-    """(scenario, one-paragraph summary) from a mitmproxy flow file."""
+                        columns: list[str] | None = None,
+                        credential_headers: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
+    """(scenario, one-paragraph summary) from a mitmproxy flow file. ``credential_headers``:
+    more header names whose values are secrets (as the proxy's
+    ``turnguard_credential_headers``)."""
     from mitmproxy import http, io  # the runner needs mitmproxy anyway; import late for --help
 
     with open(path, "rb") as f:
@@ -230,7 +244,8 @@ def scenario_from_flows(path: str, *, keep_bodies: bool = False,
                          f"({len(flows)} HTTP flows in the file)")
     model.sort(key=lambda fl: fl.request.timestamp_start)
     t0 = model[0].request.timestamp_start
-    cleaner = _Cleaner(keep_bodies)
+    cleaner = _Cleaner(keep_bodies, frozenset(_header_name(h.strip())
+                                              for h in credential_headers if h.strip()))
     by_session: dict[str, list[dict[str, Any]]] = {}
     operations: dict[str, dict[str, Any]] = {}
     dispatched = answered = 0

@@ -125,11 +125,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="keep request bodies and output text verbatim (default: replace "
                             "their content with stable placeholders; duplicates stay duplicates)")
         p.add_argument("--columns", default="plain,default,once")
+        p.add_argument("--credential-header", action="append", default=[], metavar="NAME",
+                       help="another header whose values are secrets (dropped, as the "
+                            "built-in credential headers are); repeatable. Name those the "
+                            "proxy's turnguard_credential_headers added")
         a = p.parse_args(argv[1:])
         from mitmproxy.exceptions import FlowReadException
         try:
             scen, summary = capture.scenario_from_flows(
-                a.flows, keep_bodies=a.keep_bodies, columns=a.columns.split(","))
+                a.flows, keep_bodies=a.keep_bodies, columns=a.columns.split(","),
+                credential_headers=tuple(a.credential_header))
         except (OSError, ValueError) as e:
             print(f"reproduce from-capture: {e}", file=sys.stderr)
             return 2
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:  # private: it may describe what the capture held
             fd = os.open(a.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 out.write(json.dumps(scen, indent=2) + "\n")
         except OSError as e:
