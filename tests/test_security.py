@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import secrets
+import sqlite3
 import stat
 import subprocess
 import tempfile
@@ -58,7 +59,8 @@ def post(url, headers, body, path="/v1/responses", timeout=60):
 
 def test_no_secret_reaches_the_ledger_the_events_or_the_log(tmp_path, report):
     tokens = {name: f"{name}-SECRET-{secrets.token_hex(8)}" for name in (
-        "bearer", "account", "idem", "cookie", "apikey", "xapikey", "session", "org")}
+        "bearer", "account", "idem", "cookie", "apikey", "xapikey", "session", "org",
+        "echoed_org", "echoed_project")}
     headers = {
         "authorization": f"Bearer {tokens['bearer']}",
         "chatgpt-account-id": tokens["account"],
@@ -70,7 +72,12 @@ def test_no_secret_reaches_the_ledger_the_events_or_the_log(tmp_path, report):
         "openai-organization": tokens["org"],
     }
     body = {"model": "gpt-test", "input": "keep my secrets", "stream": True}
-    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1200}, {"kind": "reset"}],
+    # the recorded answer carries what api.openai.com sends back: the organization and the
+    # project of the key (credential-bearing headers, never kept at rest)
+    echoed = {"openai-organization": tokens["echoed_org"],
+              "openai_project": tokens["echoed_project"]}
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 1200, "headers": echoed},
+                             {"kind": "reset"}],
                 "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as p:
         with ThreadPoolExecutor(max_workers=3) as pool:  # original + held duplicates
@@ -142,6 +149,30 @@ def test_ledger_and_events_files_are_0600_whatever_the_umask(tmp_path):
         finally:
             p.stop()
             default.stop()
+
+
+def test_a_wal_and_shm_left_readable_by_others_are_made_private(tmp_path):
+    """A process killed leaves the ledger's -wal and -shm; copied or restored under the usual
+    umask they are 0644, and SQLite keeps the mode of those it finds. The rows they hold
+    (recordings) are the ledger's: a process that opens the ledger makes them 0600."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up:
+        with guarded(tmp_path, up):
+            pass  # made the ledger
+        with umask(0o022), contextlib.closing(sqlite3.connect(ledger)) as other:
+            other.execute("PRAGMA journal_mode=WAL")
+            other.execute("CREATE TABLE IF NOT EXISTS test_scratch (x)")
+            other.execute("INSERT INTO test_scratch VALUES (1)")
+            other.commit()  # its -wal and -shm stay while it is open
+            for f in ledger_files(ledger):
+                os.chmod(f, 0o644)
+            assert len(ledger_files(ledger)) == 3
+            with guarded(tmp_path, up) as p:
+                assert post(p.url, {"session-id": "s"}, {"model": "m", "input": "w"})[0] == 200
+                modes = {f.name: oct(stat.S_IMODE(os.stat(f).st_mode))
+                         for f in ledger_files(ledger)}
+    assert modes == dict.fromkeys(["ledger.sqlite3", "ledger.sqlite3-wal",
+                                   "ledger.sqlite3-shm"], "0o600"), modes
 
 
 def _start_refused(tmp_path: Path, ledger: Path) -> subprocess.CompletedProcess:

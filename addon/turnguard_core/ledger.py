@@ -258,6 +258,10 @@ class Ledger:
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
             ensure_private_file(real_path)
+            # SQLite makes a new -wal and -shm with the file's mode, and keeps those it finds
+            # (left by a process killed, or copied in with the file): they hold its rows too
+            for suffix in ("-wal", "-shm"):
+                ensure_private_file(real_path + suffix, create=False)
         # check_same_thread=False: the addon hands the connection between the event loop and
         # a thread of its own, never using it from both at once (see ledger_runner)
         db = sqlite3.connect(

@@ -71,16 +71,17 @@ def open_private(path: str, flags: int) -> int:
     return fd
 
 
-def ensure_private_file(path: str) -> None:
-    """Make sure ``path`` is a private regular file (created 0600 if missing), without keeping
-    a descriptor open. For a file that SQLite may already hold open in this process (a second
-    connection, a script reload): closing any descriptor of a file drops every POSIX lock this
-    process holds on it, including SQLite's, so an existing file is checked by its path, never
-    opened."""
+def ensure_private_file(path: str, *, create: bool = True) -> None:
+    """Make sure ``path`` is a private regular file (created 0600 if missing, unless not
+    ``create``: then a missing file is left missing), without keeping a descriptor open. For a
+    file that SQLite may already hold open in this process (a second connection, a script
+    reload): closing any descriptor of a file drops every POSIX lock this process holds on it,
+    including SQLite's, so an existing file is checked by its path, never opened."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        os.close(open_private(path, os.O_RDWR))
+        if create:
+            os.close(open_private(path, os.O_RDWR))
         return
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(f"{path} is a symbolic link")

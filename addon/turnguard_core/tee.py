@@ -11,23 +11,28 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Literal
 
+from .identity import CREDENTIAL_HEADERS
 from .live import LiveResponse
 from .sse import SseKinds
 
 logger = logging.getLogger("turnguard")
 
-# Not replayed: hop-by-hop and framing headers (the replay has its own framing), cookies.
+# Not replayed: hop-by-hop and framing headers (the replay has its own framing), cookies, and
+# the credential-bearing headers an upstream may echo (OpenAI-Organization, OpenAI-Project):
+# no credential is kept at rest.
 _NOT_RECORDED = frozenset(
     {
         "connection", "keep-alive", "proxy-connection", "transfer-encoding", "content-length",
-        "upgrade", "te", "trailer", "set-cookie", "alt-svc",
+        "upgrade", "te", "trailer", "set-cookie", "alt-svc", *CREDENTIAL_HEADERS,
     }
 )
 
 
 def recordable_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """The response headers a replay repeats, in order."""
-    return tuple((k, v) for k, v in headers if k.lower() not in _NOT_RECORDED)
+    """The response headers a replay repeats, in order (names read as the identity reads a
+    credential header's: ``_`` as ``-``)."""
+    return tuple((k, v) for k, v in headers
+                 if k.lower().replace("_", "-") not in _NOT_RECORDED)
 
 
 # After the first event, kept chunks are read this many at a time: one loop over them costs
