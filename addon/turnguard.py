@@ -23,6 +23,7 @@ from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
 from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
+from turnguard_core.offload import WorkerStopped  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.attaching import Attacher  # noqa: E402
@@ -189,7 +190,16 @@ class TurnGuard:
         """What happens to a guarded request: identify it, run the machine, do what it ends in."""
         cfg = self.settings
         budget_deadline = time.monotonic() + cfg.request_budget_s
-        ident = await self.identifier.identify(flow, cfg.request_budget_s, cfg.credential_headers)
+        try:
+            ident = await self.identifier.identify(flow, cfg.request_budget_s,
+                                                   cfg.credential_headers)
+        except WorkerStopped:  # a script reload while its body was identified off the loop
+            successor = self._process.guard
+            if successor is not None and successor is not self and not successor.refused:
+                logger.info("turnguard: reloaded while %s was identified; the addon loaded "
+                            "now decides it", flow.id)
+                return await successor._guard(flow)
+            ident = identity.Passthrough("turnguard unloaded while identifying the request")
         if isinstance(ident, identity.Passthrough):
             self._emit("passthrough", flow=flow.id, reason=ident.reason, transport="http")
             return

@@ -67,6 +67,31 @@ def in_background(fn, *args):
     return future
 
 
+def reloadable(tmp_path: Path) -> Path:
+    """A copy of turnguard's script that the test can touch to make mitmproxy reload it."""
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    return script
+
+
+def touch_to_reload(proxy: Mitmdump, script: Path) -> int:
+    """Touch ``script`` (mitmproxy looks at its mtime once a second); the count of the
+    instances started so far, for ``reloaded``."""
+    started = proxy.log_text().count("turnguard: running")
+    time.sleep(1.1)
+    os.utime(script)
+    return started
+
+
+def reloaded(proxy: Mitmdump, started: int) -> None:
+    wait_until(lambda: proxy.log_text().count("turnguard: running") > started, 15,
+               what="the script reloaded")
+
+
 def in_flight(ledger: Path) -> list[tuple]:
     return query(ledger, "SELECT op_key FROM operations WHERE state='in_flight'")
 
@@ -178,22 +203,14 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
     """mitmproxy reloads a changed script: the new addon instance keeps the process's
     identity, gets the original's remaining hooks and records its end (so the retry is
     replayed, not held behind an attempt no one ends)."""
-    script = tmp_path / "reloadable.py"
-    script.write_text(
-        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
-        f"__file__ = {str(ADDON)!r}\n"
-        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
-    )
+    script = reloadable(tmp_path)
     with MockUpstream(tmp_path) as up, guarded(
         tmp_path, up, "a", addon=script, turnguard_hold_timeout_ms=3000
     ) as a:
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
                                  body_of("reloaded"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        os.utime(script)
-        wait_until(lambda: a.log_text().count("turnguard: running") >= 2, 15,
-                   what="the script reloaded")
+        reloaded(a, touch_to_reload(a, script))
         assert original.result(30)[0] == 200
         ledger = tmp_path / "ledger.sqlite3"
         wait_until(lambda: query(ledger, "SELECT outcome FROM attempts") == [("completed",)], 10,
@@ -544,18 +561,60 @@ def test_an_older_copy_written_over_the_ledger_never_gives_one_turn_anothers_ans
            f"dispatches=3")
 
 
-@pytest.mark.parametrize("fact", ["completed", "spent", "cooling"])
-def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fact, report):
+def test_a_turn_in_flight_when_the_ledger_is_deleted_is_registered_after_a_reload(
+    tmp_path, report
+):
+    """The ledger file is deleted while A's turn is in flight, and A's script is reloaded at
+    once (before A noticed). The new addon instance opens the file now at the path and
+    registers the process's attempt there before it decides anything from it, so B, asked
+    for the same turn seconds later, holds it instead of running it again; the turn's end
+    goes into the new file."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        turn = {**SESSION, **behaviour(kind="ok", delay_ms=9000)}
+        body = body_of("deleted, then reloaded")
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)  # past mitmproxy's look at the script's mtime
+        original = in_background(post, a.url, turn, body)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        os.utime(script)
+        reloaded(a, started)
+        wait_until(lambda: events(tmp_path, "a", "attempt_adopted"), 10,
+                   what="the reloaded instance registering the turn in the new file")
+        status, headers, _ = post(b.url, SESSION, body)
+        assert original.result(30)[0] == status == 200
+        assert headers.get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 1
+        assert not events(tmp_path, "a", "ledger_writes_dropped")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("ledger deleted under a turn in flight, then the script reloaded: the new instance "
+           "registered the turn in the new file; another process held its duplicate "
+           f"({headers.get('x-turnguard')}); upstream dispatches=1")
+
+
+@pytest.mark.parametrize("fact,reload", [("completed", False), ("spent", False),
+                                         ("cooling", False), ("completed", True),
+                                         ("spent", True)])
+def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fact, reload,
+                                                                     report):
     """The ledger file is deleted after the process learned a durable fact from it: a turn
     completed (replayable), a once-mode operation's one recovery spent, a retry circuit
     cooling. The new file knows none of it; the process still decides by it (a replay, a
-    refusal, a 503), never a dispatch the old file would have refused."""
+    refusal, a 503), never a dispatch the old file would have refused; also after its script
+    was reloaded (``reload``: the facts are the process's, not the addon instance's)."""
+    script = reloadable(tmp_path)
     ledger = tmp_path / "ledger.sqlite3"
     opts = {"completed": {}, "cooling": dict(turnguard_cooldown_ms=60000),
             "spent": dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500,
                           turnguard_hold_timeout_ms=20000)}[fact]
     body = body_of(f"learned before the delete: {fact}")
-    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a:
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a:
         headers = ANCHORED if fact == "spent" else SESSION
         if fact == "completed":
             assert post(a.url, SESSION, body)[0] == 200
@@ -571,6 +630,8 @@ def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fa
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{ledger}{suffix}")
         a.wait_for_log("is another file now", 15)
+        if reload:
+            reloaded(a, touch_to_reload(a, script))
         status, answer_headers, _ = post(a.url, headers, body)
         assert len(up.dispatches()) == dispatched
         if fact == "completed":
@@ -578,8 +639,9 @@ def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fa
         else:
             assert status == 503
         assert_no_traceback(a.log_text())
-    report(f"ledger deleted after a {fact} fact was learned: the process still decided by it "
-           f"(answered {status}); upstream dispatches unchanged ({dispatched})")
+    report(f"ledger deleted after a {fact} fact was learned"
+           f"{', then the script reloaded' if reload else ''}: the process still decided by "
+           f"it (answered {status}); upstream dispatches unchanged ({dispatched})")
 
 
 # -- 7. nothing a client sends holds the event loop ---------------------------------------------

@@ -10,12 +10,14 @@ import os
 import random
 import sqlite3
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (ADDON, REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
                      parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
+from test_at_most_once import reloadable, reloaded, touch_to_reload
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
@@ -722,3 +724,33 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
     report(f"WebSocket call detached: socket dropped 0.0 s into a 3 s think, retry on a new "
            f"socket attached; upstream dispatches={len(up.dispatches())} "
            f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")
+
+
+def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_path, report):
+    """A call frame past 256 KiB (150,000 small input items: about a second) is identified in
+    a worker process. mitmproxy reloads the script meanwhile, which stops the old instance's
+    worker: the instance loaded now identifies and decides the call, so it is guarded (before,
+    it went upstream unguarded, and its retry through another process ran it again)."""
+    script = reloadable(tmp_path)
+    items = [{"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "t"}] * 150_000}]
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 6000}}) as up, \
+            guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        started = touch_to_reload(a, script)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            original = pool.submit(asyncio.run, one_call(a.url, call(items, seed=1)))
+            reloaded(a, started)
+            a.wait_for_log("was identified; the addon loaded now decides it", 20)
+            wait_until(lambda: ws_dispatches(up), 20, what="the call dispatched")
+            retry = asyncio.run(one_call(b.url, call(items, seed=2)))
+            first = original.result(60)
+        assert types(first)[-1] == types(retry)[-1] == "response.completed"
+        assert first[-1]["response"]["id"] == retry[-1]["response"]["id"]
+        assert len(up.dispatches()) == 1
+        assert not turnguard_events(tmp_path, "a", "passthrough")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("script reloaded while a 150,000-item call was identified in the worker: the new "
+           "instance decided it; its retry through another process got the same response; "
+           "upstream dispatches=1")

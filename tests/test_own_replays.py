@@ -156,3 +156,81 @@ async def test_a_recording_whose_attempt_was_reaped_meanwhile_is_not_replayed(tm
         assert traced.statements
     finally:
         traced.store.close()
+
+
+# -- a ledger file replaced under the store --------------------------------------------------------
+
+
+def _delete(path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            (path.parent / f"{path.name}{suffix}").unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def test_an_end_owed_to_a_deleted_ledger_file_is_recorded_whole_in_the_new_one(tmp_path):
+    """An attempt's end that is written after its ledger file was deleted names a row that
+    file had: it goes into the new file whole (operation, attempt, end), so other processes
+    replay the turn instead of running it again; nothing is dropped."""
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    store = traced.store
+    try:
+        turn = ident("ended after the delete")
+        claim = await traced.admit(turn)
+        old = store.generation
+        _delete(path)
+        store._file_gone("ledger file deleted")  # as the heartbeat finds it
+        assert store.open(str(path)) and store.generation != old and store.memory.carrying
+        recording = Recording(200, (("content-type", "text/event-stream"),), b"data: end\n\n")
+        ending = AttemptEnding("completed", recording, None, False, None, None)
+        assert store.finish(
+            StoreAttempt(turn, claim.attempt_id, old, circuit_scope=SCOPE), ending,
+            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
+            circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+        assert await store.recover(time.monotonic() + 5)
+        assert not [e for e, _ in traced.events if e == "ledger_writes_dropped"]
+        peer = Ledger(str(path), "peer")
+        peer.open(time.time())
+        try:
+            replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                                guard=GUARD, flow_id="g")
+            assert isinstance(replay, policy.Replay)
+            assert peer.recording(replay.attempt_id, turn.op_key).body == b"data: end\n\n"
+        finally:
+            peer.close()
+    finally:
+        store.close()
+
+
+async def test_a_store_made_after_a_reload_registers_attempts_of_another_file_first(tmp_path):
+    """A script reload makes a new store around the process's memory and attempts. When the
+    file at the path is not the one the process used (deleted just before), the new store
+    learns it (what the old file said still decides) and registers the attempts in flight
+    there before any decision reads it."""
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    turn = ident("in flight across a reload")
+    claim = await traced.admit(turn)
+    attempt = StoreAttempt(turn, claim.attempt_id, traced.store.generation, circuit_scope=SCOPE)
+    traced.store.close()
+    _delete(path)
+    reloaded = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(), emit=lambda e, **f: None,
+        memory=traced.store.memory, kept=collections.deque(), attempts=lambda: [attempt],
+        on_reregistered=lambda n: None)
+    try:
+        assert reloaded.open(str(path))
+        assert reloaded.memory.carrying and not reloaded.usable
+        assert reloaded.down_reason() == "attempts in flight to register"
+        assert await reloaded.recover(time.monotonic() + 5)
+        assert attempt.generation == reloaded.generation and reloaded.usable
+        peer = Ledger(str(path), "peer")
+        peer.open(time.time())
+        try:
+            assert peer.snapshot(turn.op_key).state == "in_flight"
+        finally:
+            peer.close()
+    finally:
+        reloaded.close()

@@ -91,9 +91,18 @@ class KeptWrite:
     generation: str  # the ledger file whose rows it names (ANY_LEDGER: none)
     write: Write
     landed: Callable[[Any, bool], None] | None = None
+    # what to write instead into another file (an attempt's end, recorded whole); None: the
+    # write is dropped there
+    elsewhere: Callable[[], Write] | None = None
 
     def belongs_to(self, generation: str) -> bool:
         return self.generation in (ANY_LEDGER, generation)
+
+    def for_ledger(self, generation: str) -> Write | None:
+        """The write to apply to the ledger file of ``generation``; None: none (dropped)."""
+        if self.belongs_to(generation):
+            return self.write
+        return None if self.elsewhere is None else self.elsewhere()
 
 
 @record
@@ -153,8 +162,9 @@ class FailoverStore:
         self.path = ""
         self.error: str | None = None  # the fault noted last; None: the ledger works
         self._reopen_at = 0.0
-        self._gone_generation = ""  # of the file last found deleted or replaced
-        self._carrying = False  # decides with facts learned from such a file (memory.carried)
+        # attempts in flight that name another ledger file (a script reload opened the file
+        # now at the path): registered in this one before any decision reads it
+        self._adoption_due = False
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
@@ -167,7 +177,8 @@ class FailoverStore:
     def usable(self) -> bool:
         """Decisions may read the ledger: it is open, no fault was noted since it last worked,
         and it owes nothing (kept writes, attempts to register)."""
-        return self._store is not None and self.error is None and not self._kept
+        return (self._store is not None and self.error is None and not self._kept
+                and not self._adoption_due)
 
     @property
     def owes_rows_behind_a_lock(self) -> bool:
@@ -186,7 +197,11 @@ class FailoverStore:
         """Why decisions cannot read the ledger now (None: they can)."""
         if self.usable:
             return None
-        return self.error or ("writes owed" if self._kept else "ledger not open")
+        if self.error:
+            return self.error
+        if self._kept:
+            return "writes owed"
+        return "attempts in flight to register" if self._adoption_due else "ledger not open"
 
     @property
     def generation(self) -> str:
@@ -280,14 +295,15 @@ class FailoverStore:
     def _use(self, opened: _Opened) -> None:
         self._store, self._heartbeat, self._listener = opened.store, opened.heartbeat, opened.listener
         logger.info("turnguard: ledger %s (instance %s)", self.location, self._instance_id)
-        if self._gone_generation and self._gone_generation != opened.store.generation:
-            self.memory.file_replaced(time.time())
-            self._carrying = True
+        generation = opened.store.generation
+        if self.memory.ledger_opened(generation, time.time()):
             logger.warning("turnguard: ledger %s is another file now; what this process learned "
                            "from the old one (recordings, spent once-claims, cooling circuits) "
                            "still decides", self.location)
-        self._gone_generation = ""
-        # after a fault, it stays noted until a try applies what is owed (recover)
+        # attempts of another file (this instance, or the one before a script reload, ran
+        # them there) are registered in this one first; after a fault, it stays noted until a
+        # try applies what is owed (recover)
+        self._adoption_due = any(a.generation != generation for a in self._attempts())
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
@@ -321,9 +337,10 @@ class FailoverStore:
         owed, written, error = len(self._kept), 0, "no time left"
         while self._kept and time.monotonic() < deadline:
             kept = self._kept[0]
-            if kept.belongs_to(store.generation):
+            write = kept.for_ledger(store.generation)
+            if write is not None:
                 try:
-                    store.write_sync(kept.write, timeout=max(0.0, deadline - time.monotonic()))
+                    store.write_sync(write, timeout=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     break
                 except LedgerError as e:  # locked: the busy timeout waited; try until the end
@@ -366,7 +383,6 @@ class FailoverStore:
         attempts in flight in it before deciding from it."""
         if self._store is None:
             return
-        self._gone_generation = self._store.generation
         self.close(write_owed=False)
         self._down(LedgerError(why), "file check")
         self._reopen_at = 0.0  # open the new file at once
@@ -421,14 +437,16 @@ class FailoverStore:
             for attempt in list(self._attempts()):
                 if attempt.generation != store.generation:
                     await self._adopt(store, attempt, deadline)
+            self._adoption_due = False
             probed, dropped = bool(self._kept), 0
             while self._kept:
                 kept = self._kept[0]
-                if not kept.belongs_to(store.generation):
+                write = kept.for_ledger(store.generation)
+                if write is None:
                     self._kept.popleft()
                     dropped += 1
                     continue
-                result = await store.write(kept.write, deadline=deadline)
+                result = await store.write(write, deadline=deadline)
                 self._kept.popleft()
                 if kept.landed is not None:
                     kept.landed(result, True)
@@ -496,7 +514,7 @@ class FailoverStore:
                                        generation=self.generation)
             if known is not None:
                 return known
-        if self._carrying:
+        if self.memory.carrying:
             carried = self.memory.carried(
                 ident, circuit_scope=circuit_scope, once_mode=once_mode,
                 recovering=recovery is not None, now=now, window_s=window_s,
@@ -596,12 +614,14 @@ class FailoverStore:
         return await self._call("poll", lambda store: store.snapshot(op_key))
 
     # -- writes --------------------------------------------------------------------------------
-    def write(self, generation: str, write: Write, *, landed=None, kept=None) -> asyncio.Future | None:
+    def write(self, generation: str, write: Write, *, landed=None, kept=None,
+              elsewhere: Callable[[], Write] | None = None) -> asyncio.Future | None:
         """A write that must never be lost: sent now when the ledger is usable, else kept in
         order. ``kept()`` runs when it is kept instead of written (now, or when sending it
         failed); ``landed(result, late)`` once it is written (``late``: it had been kept).
+        ``elsewhere()``: the write to make instead should the ledger be another file by then.
         Returns the write's future when it was sent now."""
-        entry = KeptWrite(generation, write, landed)
+        entry = KeptWrite(generation, write, landed, elsewhere)
         if not self.usable or not entry.belongs_to(self.generation):
             self._kept.append(entry)
             if kept is not None:
@@ -658,17 +678,20 @@ class FailoverStore:
                            reason="the attempt was ended meanwhile (reaped)")
             self._note_circuit(result, quiet=late)  # a late write's effect was told already
 
-        if attempt.attempt_id is None:  # dispatched without a ledger: recorded whole later
-            write: Write = OfflineEndWrite(
+        def whole() -> Write:  # recorded whole: operation, attempt and end
+            return OfflineEndWrite(
                 attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
                 attempt.circuit_scope, end, now, circuit_cfg, ending.eventless,
                 attempt.transport)
-            return self.write(ANY_LEDGER, write, landed=landed, kept=in_memory)
+
+        if attempt.attempt_id is None:  # dispatched without a ledger
+            return self.write(ANY_LEDGER, whole(), landed=landed, kept=in_memory)
+        # its row's file may be gone before this is written: then it goes into the new one
         return self.write(
             attempt.generation,
             FinishWrite(attempt.attempt_id, attempt.ident.op_key, end, now, circuit_cfg,
                         ending.eventless),
-            landed=landed, kept=in_memory,
+            landed=landed, kept=in_memory, elsewhere=whole,
         )
 
     def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:

@@ -164,6 +164,19 @@ class MemoryStore:
         # learned from a ledger file since deleted or replaced (``file_replaced``)
         self.carried_exhausted: OrderedDict[str, None] = OrderedDict()
         self.carried_circuits: dict[str, CircuitState] = {}
+        self.ledger_generation = ""  # of the ledger file this process uses, or used last
+        self.carrying = False  # decides with facts learned from an earlier file (``carried``)
+
+    def ledger_opened(self, generation: str, now: float) -> bool:
+        """The ledger file of ``generation`` is open now. True when it is not the one this
+        process used before (deleted or replaced since, whichever addon instance saw it):
+        what that one said durably is kept (``file_replaced``) and decides from now on."""
+        before, self.ledger_generation = self.ledger_generation, generation
+        if not before or before == generation:
+            return False
+        self.file_replaced(now)
+        self.carrying = True
+        return True
 
     def file_replaced(self, now: float) -> None:
         """The ledger is another file now: keep what the old one said durably, for

@@ -50,7 +50,9 @@ class Identifier:
             view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)
 
     def close(self) -> None:
-        self._worker.close()
+        """Unloaded: the worker stops; a request it was identifying raises ``WorkerStopped``
+        (the addon loaded next identifies it again)."""
+        self._worker.close(unloaded=True)
 
 
 async def negotiated(rec: Recording, request_headers: tuple[tuple[str, str], ...]

@@ -45,6 +45,7 @@ from mitmproxy import ctx, http
 from turnguard_core import answers, circuit, identity, machine, negotiation, proxy_internals, ws
 from turnguard_core.ending import EndFacts
 from turnguard_core.live import Listener
+from turnguard_core.offload import WorkerStopped
 
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
@@ -290,9 +291,21 @@ class WebSockets:
         sock.calls += 1
         key = f"{flow.id}:{sock.calls}"
         full = sock.record.full_request(frame.body)
-        ident = await guard.identifier.identify_view(
-            flows.ws_call_view(flow, full.encoded()), cfg.request_budget_s,
-            cfg.credential_headers)
+        view = flows.ws_call_view(flow, full.encoded())
+        while True:
+            try:
+                ident = await guard.identifier.identify_view(view, cfg.request_budget_s,
+                                                             cfg.credential_headers)
+                break
+            except WorkerStopped:  # a script reload while the frame was identified off the
+                successor = self._guard  # loop: the instance that runs now decides
+                if successor is None or successor is guard or successor.refused:
+                    ident = identity.Passthrough("turnguard unloaded while identifying the call")
+                    break
+                logger.info("turnguard: reloaded while call %s was identified; the addon "
+                            "loaded now decides it", key)
+                guard = successor
+                cfg = guard.settings
         if isinstance(ident, identity.Passthrough):
             guard._emit("passthrough", flow=key, transport="ws", reason=ident.reason)
             return self._forward(sock, content, True, Response(full.body, self._events(), None))
