@@ -43,6 +43,13 @@ LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding wi
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
 
 
+def _shutting_down() -> bool:
+    """mitmproxy is exiting (not reloading the script): its master's ``should_exit`` is set
+    before the ``done`` hooks run. True when that cannot be told (no master)."""
+    should_exit = getattr(getattr(ctx, "master", None), "should_exit", None)
+    return should_exit is None or should_exit.is_set()
+
+
 def _ledger_deadline(budget_deadline: float) -> float:
     """How long a request may wait for the ledger now: never past its budget."""
     return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
@@ -162,10 +169,12 @@ class TurnGuard:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
         once (killed, so their clients retry against the new instance) instead of waiting
         out their bound on an addon that no longer gets events. Attempts in flight, writes
-        owed to the ledger and what is known of it stay with the process."""
+        owed to the ledger and what is known of it stay with the process: at shutdown the
+        owed writes are tried as the ledger closes; on a reload the instance loaded next
+        writes them (the event loop is not held for them)."""
         self.waiters.release_all("turnguard unloaded")
         self.metrics_endpoint.close()
-        self.store.close()
+        self.store.close(write_owed=_shutting_down())
         self.identifier.close()
         self.telemetry.close()
         self._undo_log_filter()

@@ -323,6 +323,38 @@ def test_a_process_stopped_while_it_owes_a_turns_end_writes_it_before_it_exits(t
 # -- 3. completed means replayable --------------------------------------------------------------
 
 
+def test_a_reload_while_a_turns_end_is_owed_leaves_it_to_the_new_instance(tmp_path, report):
+    """The ledger is locked when the original completes (its end is kept) and the script is
+    reloaded during the lock. The old instance does not hold the event loop waiting for the
+    lock; the new one writes the end as soon as the lock goes (it tries again as each try
+    gives up, also to open the ledger), so a duplicate sent through another process just
+    after is replayed within its short hold bound, not refused with 409 (before, the end
+    came several seconds after the lock, at the next try to open the ledger)."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a, \
+            guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=1500) as b:
+        turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=100)}
+        original = in_background(post, a.url, turn, body_of("owed across a reload"))
+        wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
+                   what="the original streaming")
+        with write_lock(ledger):
+            assert original.result(30)[0] == 200
+            wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
+                       what="its end kept")
+            reloaded(a, touch_to_reload(a, script))
+            time.sleep(2.5)  # the new instance tries to open the ledger meanwhile
+        time.sleep(0.2)
+        status, headers, _ = post(b.url, SESSION, body_of("owed across a reload"))
+        assert status == 200 and headers.get("x-turnguard") == "replayed"
+        assert query(ledger, "SELECT state FROM operations") == [("completed",)]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("script reloaded while a completed turn's end was owed (ledger locked): the new "
+           "instance wrote it as the lock went; a duplicate through another process 0.2 s "
+           "later was replayed; upstream dispatches=1")
+
+
 @pytest.mark.parametrize("cut", ["reset", "clean_close"])
 def test_a_stream_cut_after_response_completed_is_replayed_not_run_again(tmp_path, cut):
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:

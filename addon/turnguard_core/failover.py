@@ -181,17 +181,16 @@ class FailoverStore:
                 and not self._adoption_due)
 
     @property
-    def owes_rows_behind_a_lock(self) -> bool:
-        """The ledger is locked by another connection while this process owes it rows that
-        other processes decide by: an attempt dispatched without a row in this file, or the
-        end of one (recorded whole). Until they are written another process takes the
-        operation for new, so the maintenance tries again as soon as a try gave up (each
-        waits for the lock in SQLite's busy handler, without using the CPU)."""
+    def owes_writes_behind_a_lock(self) -> bool:
+        """The ledger is locked by another connection (or could not be opened for it) while
+        this process owes it writes: an attempt without a row in this file (until it is
+        written, another process takes the operation for new), an attempt's end (its
+        duplicates wait for it). The maintenance then tries again as soon as a try gave up:
+        each waits for the lock in SQLite's busy handler, without using the CPU."""
         if self.error is None or not contended(self.error):
             return False
         generation = self.generation
-        return (any(isinstance(k.write, OfflineEndWrite) for k in self._kept)
-                or any(a.generation != generation for a in self._attempts()))
+        return bool(self._kept) or any(a.generation != generation for a in self._attempts())
 
     def down_reason(self) -> str | None:
         """Why decisions cannot read the ledger now (None: they can)."""
@@ -246,6 +245,8 @@ class FailoverStore:
             connected = await loop.run_in_executor(None, self._connect, self.path, loop)
         except (LedgerError, OSError) as e:
             self._down(e, "open")
+            if contended(e):  # locked: the next tick tries again (each try waits for it)
+                self._reopen_at = 0.0
             return
         if self._store is not None:  # opened meanwhile (a change of option)
             connected.close()

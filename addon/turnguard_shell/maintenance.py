@@ -28,7 +28,7 @@ logger = logging.getLogger("turnguard")
 
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0
-OWED_ROWS_RETRY_S = 0.01  # rows owed behind a lock: try again at once (each try waits for it)
+OWED_WRITES_RETRY_S = 0.01  # writes owed behind a lock: try again at once (each try waits)
 REAP_S = 5.0  # look for dead peers' attempts this often (every second when waiting on one)
 FOREIGN_REAP_S = 1.0
 
@@ -61,8 +61,8 @@ class Maintenance:
         while True:
             foreign = g.waiters.foreign()
             poll = bool(foreign) and not g.store.attempt_ends_notified
-            if g.store.owes_rows_behind_a_lock:
-                await asyncio.sleep(OWED_ROWS_RETRY_S)
+            if g.store.owes_writes_behind_a_lock:
+                await asyncio.sleep(OWED_WRITES_RETRY_S)
             else:
                 await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
             try:
