@@ -110,6 +110,22 @@ def write_lock(ledger: Path):
 
 
 @contextlib.contextmanager
+def its_end_kept_behind_a_lock(tmp_path: Path, proxy: Mitmdump, name: str, text: str):
+    """An original through ``proxy`` (named ``name``) that completes while another connection
+    holds the ledger's write lock: the block runs inside the lock, the original's end kept."""
+    ledger = tmp_path / "ledger.sqlite3"
+    turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=100)}
+    original = in_background(post, proxy.url, turn, body_of(text))
+    wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
+               what="the original streaming")
+    with write_lock(ledger):
+        assert original.result(30)[0] == 200
+        wait_until(lambda: events(tmp_path, name, "ledger_unavailable"), 10,
+                   what="its end kept")
+        yield
+
+
+@contextlib.contextmanager
 def wal_at_its_end(ledger: Path):
     """Until the block ends, every write to the ledger must grow its WAL file, so that a full
     disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
@@ -298,14 +314,7 @@ def test_a_process_stopped_while_it_owes_a_turns_end_writes_it_before_it_exits(t
     ledger = tmp_path / "ledger.sqlite3"
     with MockUpstream(tmp_path) as up:
         with guarded(tmp_path, up, "a") as a:
-            turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=100)}
-            original = in_background(post, a.url, turn, body_of("stopped owing its end"))
-            wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
-                       what="the original streaming")
-            with write_lock(ledger):
-                assert original.result(30)[0] == 200
-                wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
-                           what="its end kept")
+            with its_end_kept_behind_a_lock(tmp_path, a, "a", "stopped owing its end"):
                 a.proc.send_signal(signal.SIGTERM)
                 time.sleep(0.7)  # closing, it waits for the lock
             assert a.proc.wait(30) == 0
@@ -334,14 +343,7 @@ def test_a_reload_while_a_turns_end_is_owed_leaves_it_to_the_new_instance(tmp_pa
     script = reloadable(tmp_path)
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a, \
             guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=1500) as b:
-        turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=100)}
-        original = in_background(post, a.url, turn, body_of("owed across a reload"))
-        wait_until(lambda: query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"), 10,
-                   what="the original streaming")
-        with write_lock(ledger):
-            assert original.result(30)[0] == 200
-            wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
-                       what="its end kept")
+        with its_end_kept_behind_a_lock(tmp_path, a, "a", "owed across a reload"):
             reloaded(a, touch_to_reload(a, script))
             time.sleep(2.5)  # the new instance tries to open the ledger meanwhile
         time.sleep(0.2)
