@@ -63,10 +63,28 @@ def sql(url: str, query: str, args=()) -> list[tuple]:
     ("postgresql://h?PassWord=pw&sslpassword=key&a=b",
      "postgresql://h?PassWord=***&sslpassword=***&a=b"),
     ("/var/lib/turnguard/ledger.sqlite3", "/var/lib/turnguard/ledger.sqlite3"),
+    # libpq ends the credentials at the first "@" before any "/": a raw "?" or "#" in the
+    # password is the password's
+    ("postgresql://tg:12?34@h/l", "postgresql://tg:***@h/l"),
+    ("postgresql://tg:ab#cd@h:5432/l?sslmode=disable", "postgresql://tg:***@h:5432/l?sslmode=disable"),
 ])
 def test_the_location_is_shown_without_its_password(location, shown):
     assert display(location) == shown
     assert is_postgres(location) == location.startswith("postgres")
+
+
+@pytest.mark.parametrize("url", ["postgresql://tg:ab?cd@127.0.0.1/l",
+                                 "postgresql://tg:ab#cd@127.0.0.1:x/l"])
+def test_a_url_with_a_raw_question_mark_or_hash_in_its_password_never_shows_it(url):
+    """Accepted as libpq reads it, or refused for its port: never a message quoting it."""
+    from turnguard_core.ledger_location import check_postgres_url, scrub
+
+    try:
+        assert check_postgres_url(url) == url
+    except ValueError as e:
+        assert "ab" not in str(e) and "cd" not in str(e), e
+    password = url.split("tg:", 1)[1].split("@", 1)[0]
+    assert "ab" not in display(url) and scrub(f"pw was {password}", url) == "pw was ***"
 
 
 def test_turnguard_ledger_takes_a_postgres_url_and_refuses_a_bad_one_without_its_password(tmp_path):

@@ -29,11 +29,11 @@ def display(location: str) -> str:
     if not is_postgres(location):
         return location
     scheme, _, rest = location.strip().partition("://")
-    authority, sep, tail = _split_authority(rest)
-    userinfo, at, hostport = authority.rpartition("@")
-    if at and ":" in userinfo:
-        user = userinfo.split(":", 1)[0]
-        authority = f"{user}:***@{hostport}"
+    userinfo, after = _credentials(rest)
+    shown = "" if userinfo is None else (
+        f"{userinfo.split(':', 1)[0]}:***@" if ":" in userinfo else f"{userinfo}@")
+    hostport, sep, tail = _split_authority(after)
+    authority = f"{shown}{hostport}"
     if sep == "?" or "?" in tail:
         path, qmark, query = ("", "", tail) if sep == "?" else tail.partition("?")
         query, hash_, fragment = query.partition("#")
@@ -55,13 +55,13 @@ def _secrets_of(location: str) -> list[str]:
     if not is_postgres(location):
         return []
     found = []
-    query = urllib.parse.urlsplit(location.strip()).query if "?" in location else ""
+    scheme, _, rest = location.strip().partition("://")
+    userinfo, after = _credentials(rest)
+    query = urllib.parse.urlsplit(f"{scheme}://{after}").query
     for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
         if key.strip().lower() in _SECRET_PARAMS and value:
             found.append(value)
-    rest = location.strip().partition("://")[2]
-    userinfo, at, _ = _split_authority(rest)[0].rpartition("@")
-    if at and ":" in userinfo and userinfo.split(":", 1)[1]:
+    if userinfo is not None and ":" in userinfo and userinfo.split(":", 1)[1]:
         found.append(userinfo.split(":", 1)[1])
     return found
 
@@ -73,6 +73,18 @@ def scrub(text: str, location: str) -> str:
             if secret:
                 text = text.replace(secret, "***")
     return text
+
+
+def _credentials(rest: str) -> tuple[str | None, str]:
+    """(user[:password] or None, what follows it) of a URL after its ``scheme://``, read as
+    libpq reads it: the credentials end at the first ``@`` met before any ``/``, so a raw
+    ``?`` or ``#`` in a password is the password's, not a query's or a fragment's."""
+    for i, ch in enumerate(rest):
+        if ch == "@":
+            return rest[:i], rest[i + 1:]
+        if ch == "/":
+            break
+    return None, rest
 
 
 def _split_authority(rest: str) -> tuple[str, str, str]:
@@ -87,8 +99,9 @@ def check_postgres_url(location: str) -> str:
     """The URL, stripped, if libpq can parse it; raises ``ValueError`` (the message shows no
     password) otherwise."""
     url = location.strip()
-    try:
-        parsed = urllib.parse.urlsplit(url)
+    scheme, _, rest = url.partition("://")
+    try:  # the hosts and the rest, checked without the credentials (never quoted)
+        parsed = urllib.parse.urlsplit(f"{scheme}://{_credentials(rest)[1]}")
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError as e:
         raise ValueError(f"not a valid PostgreSQL URL: {e}") from None
