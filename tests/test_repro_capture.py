@@ -151,6 +151,27 @@ def test_every_credential_header_is_dropped_and_distinct_credentials_stay_distin
     assert one == again != other  # what turnguard takes for one principal, and only that
 
 
+def test_an_error_body_keeps_no_credential_of_the_request():
+    """An upstream's 401 quotes the key it refused (OpenAI shows it partly masked), another
+    error echoes a header: the scenario's behaviour keeps neither."""
+    from mitmproxy.test import tflow
+
+    from turnguard_repro import capture
+
+    for body in (b'{"error": {"message": "Incorrect API key provided: sk-proj-abc***wxyz."}}',
+                 b'{"error": {"message": "unknown org org-SECRET-77, key sk-live-SECRET-1"}}',
+                 b"plain text: tenant tenant-SECRET-3 refused"):
+        flow = tflow.tflow(resp=True)
+        flow.request.headers["authorization"] = "Bearer sk-live-SECRET-1"
+        flow.request.headers["OpenAI_Organization"] = "org-SECRET-77"
+        flow.request.headers["x-tenant"] = "tenant-SECRET-3"
+        flow.response.status_code = 401
+        flow.response.set_content(body)
+        b = capture.behaviour_of(flow, False, frozenset({"x-tenant"}))
+        text = json.dumps(b)
+        assert b["code"] == 401 and "SECRET" not in text and "abc***" not in text, text
+
+
 def test_a_file_that_is_no_flow_file_gets_one_clear_line(tmp_path):
     for name, data in [("truncated.flows", b"99999999999:abc"), ("junk.flows", b"not a capture")]:
         bad = tmp_path / name

@@ -144,8 +144,26 @@ def _ms(a: float | None, b: float | None) -> int:
     return max(0, round((b - a) * 1000))
 
 
-def behaviour_of(flow, keep_bodies: bool) -> dict[str, Any]:
-    """The mock behaviour that reproduces what the upstream did for one dispatched flow."""
+# what an error body may quote of a key (OpenAI's 401 shows "sk-proj-abc***...wxyz")
+_KEY_LIKE = re.compile(rb"(?<![A-Za-z0-9])(?:sk|rk|pk|sess)-[A-Za-z0-9_\-*.]{4,}")
+
+
+def _without_secrets(raw: bytes, request_headers,
+                     credential_headers: frozenset[str] = frozenset()) -> bytes:
+    """An upstream's error body without the request's credential values (whole, or the token
+    after its scheme) and without anything shaped like a key, masked or not."""
+    for name, value in request_headers.items(multi=True):
+        if value and _is_secret(name, credential_headers):
+            for secret in {value, value.split(" ", 1)[-1]}:
+                if len(secret) >= 4:
+                    raw = raw.replace(secret.encode("utf-8", "surrogateescape"), b"***")
+    return _KEY_LIKE.sub(b"sk-repro-redacted", raw)
+
+
+def behaviour_of(flow, keep_bodies: bool,
+                 credential_headers: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The mock behaviour that reproduces what the upstream did for one dispatched flow (an
+    error body without the request's secrets: ``_without_secrets``)."""
     req_end = flow.request.timestamp_end or flow.request.timestamp_start
     r, err = flow.response, flow.error
     if r is None:
@@ -161,7 +179,8 @@ def behaviour_of(flow, keep_bodies: bool) -> dict[str, Any]:
     ctype = r.headers.get("content-type", "").lower()
     if not 200 <= r.status_code < 300:
         b: dict[str, Any] = {"kind": "status", "code": r.status_code, "delay_ms": delay}
-        raw = r.get_content(strict=False) or b""
+        raw = _without_secrets(r.get_content(strict=False) or b"", flow.request.headers,
+                               credential_headers)
         try:
             b["body"] = json.loads(raw) if raw else ""
         except ValueError:
@@ -264,7 +283,8 @@ def scenario_from_flows(path: str, *, keep_bodies: bool = False,
             dispatched += 1
             key = hashlib.sha256(body_text.encode()).hexdigest()
             operations.setdefault(key, {"sequence": [], "default": {"kind": "ok"}})
-            operations[key]["sequence"].append(behaviour_of(fl, keep_bodies))
+            operations[key]["sequence"].append(
+                behaviour_of(fl, keep_bodies, cleaner.credential_headers))
         else:
             answered += 1
     clients = [
