@@ -184,6 +184,23 @@ def test_a_frame_read_once_by_upstream_event_feeds_as_a_frame_read_twice(frames,
     assert _state(once) == _state(twice)
 
 
+_ANY_TYPE = st.one_of(
+    st.text(alphabet=st.characters(exclude_categories=())),  # lone surrogates too
+    st.sampled_from(['x\ndata: {"type":"response.failed"}\n\nevent: y', "a\rb", "\ud800"]))
+
+
+@given(st.lists(_ANY_TYPE, min_size=1, max_size=6))
+def test_the_recording_replays_exactly_the_frames_kept_whatever_their_type(types_):
+    """An event's type is any JSON string: a line break in it must not write SSE fields of
+    its own (a fake ``response.failed`` in the replay), a lone surrogate must not break the
+    recording."""
+    frames = [json.dumps({"type": t, "n": i}) for i, t in enumerate(types_)]
+    frames.append(json.dumps({"type": "response.completed", "response": {"id": "r"}}))
+    events = read(frames)
+    assert events.events_seen == len(frames)
+    assert ws.frames_of_recording(events.sse_body) == frames
+
+
 def test_a_frame_too_large_to_read_speaks_responses_but_is_read_by_feed_alone():
     big = json.dumps({"type": "response.output_text.delta", "delta": "x" * 100})
     assert ws.upstream_event(big, max_bytes=10) == (True, None)

@@ -248,7 +248,10 @@ class ResponseEvents:
     def _keep(self, kind: str, text: str) -> None:
         if self._kept is None:
             return
-        chunk = b"event: " + kind.encode() + b"\ndata: " + _one_line(text) + b"\n\n"
+        # the event's name as an SSE "event:" field only when it is one printable line (a
+        # type with a line break would write fields of its own; the data carries the type)
+        name = b"event: " + kind.encode() + b"\n" if kind.isprintable() else b""
+        chunk = name + b"data: " + _one_line(text) + b"\n\n"
         self._kept_bytes += len(chunk)
         if self._kept_bytes > self._keep_max:
             self._kept, self.over_cap = None, True
