@@ -88,6 +88,20 @@ class WsClient:
         self._writer.write(self._ws.send(event))
         await self._writer.drain()
 
+    async def send_in_two(self, message: dict[str, Any] | str, first_bytes: int):
+        """Send the first ``first_bytes`` of ``message``'s frame now; returns a coroutine
+        function that sends the rest (a client whose message reaches the proxy in parts)."""
+        text = json.dumps(message) if isinstance(message, dict) else message
+        raw = self._ws.send(TextMessage(text))
+        self._writer.write(raw[:first_bytes])
+        await self._writer.drain()
+
+        async def rest() -> None:
+            self._writer.write(raw[first_bytes:])
+            await self._writer.drain()
+
+        return rest
+
     async def recv(self, timeout: float = TIMEOUT_S) -> str | bytes | Closed:
         """The next whole message, or ``Closed``."""
         return await asyncio.wait_for(self._recv(), timeout)

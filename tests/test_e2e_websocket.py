@@ -754,3 +754,70 @@ def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_
     report("script reloaded while a 150,000-item call was identified in the worker: the new "
            "instance decided it; its retry through another process got the same response; "
            "upstream dispatches=1")
+
+
+# -- what turnguard sends itself on a socket: whole, in order, every character intact ------------
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_frames_turnguard_sends_itself_keep_every_character(tmp_path):
+    """Frames turnguard sends after their hook (a call past 256 KiB, identified off the event
+    loop; a call queued behind another) and events it replays are cut into frames of about
+    4 kB by mitmproxy: a character is never cut in two (before, each half became U+FFFD)."""
+    text = "naïve café — " + "€" * 1500  # over 4 kB of UTF-8 in each event that carries it
+    big = call([user("€" * 100_000)], seed=1)  # over 256 KiB: identified in the worker
+    slow = {"kind": "ok", "text": text, "events": 2, "delay_ms": 800}
+    scenario = {"sequence": [{"kind": "ok", "text": text, "events": 2}, slow],
+                "default": {"kind": "ok", "text": text, "events": 2}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        async def run():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                sent = [json.dumps(big, ensure_ascii=False)]
+                await c.send(sent[0])
+                first = await c.response()
+                slow_call = call([user("slow")], turn="turn-2", seed=2)
+                queued = call([user("queued € " * 600)], turn="turn-3", seed=3)
+                sent += [json.dumps(slow_call, ensure_ascii=False),
+                         json.dumps(queued, ensure_ascii=False)]
+                await c.send(sent[1])
+                await c.send(sent[2])  # queued behind the slow one: sent once it ended
+                await c.response()
+                await c.response()
+            async with WsClient.connect(p.url, headers=HEADERS) as c:  # a retry: replayed
+                await c.send(json.dumps(call([user("€" * 100_000)], seed=4), ensure_ascii=False))
+                again = await c.response()
+            return sent, first, again
+
+        sent, first, again = asyncio.run(run())
+        assert [d["body_sha256"] for d in ws_dispatches(up)] == [_sha(f) for f in sent]
+        assert again == first and not any("\ufffd" in json.dumps(e) for e in again)
+        assert any(text in json.dumps(e, ensure_ascii=False) for e in again)
+        assert_no_traceback(p.log_text())
+
+
+def test_a_frame_queued_while_the_client_sends_its_next_one_in_parts_goes_alone(tmp_path):
+    """A call queued behind a slow one is sent when that one ends; if the client has sent
+    only part of its next (large) frame by then, the queued call still goes upstream alone,
+    and the next one whole (before, mitmproxy sent the queued call after the part, and the
+    next one lost it: two errors where plain mitmdump completes three calls)."""
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 1500}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        frames = [json.dumps(call([user(f"{name} " + "x" * pad)], turn=f"turn-{name}", seed=i))
+                  for i, (name, pad) in enumerate([("A", 0), ("B", 0), ("C", 200_000)])]
+
+        async def run():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(frames[0])  # slow upstream: 1.5 s
+                await asyncio.sleep(0.2)
+                await c.send(frames[1])  # queued behind A
+                rest = await c.send_in_two(frames[2], 1000)
+                await asyncio.sleep(2.5)  # A ends; B goes upstream now
+                await rest()
+                return [await c.response(timeout=15) for _ in frames]
+
+        answers = asyncio.run(run())
+        assert [types(a)[-1] for a in answers] == ["response.completed"] * 3
+        assert [d["body_sha256"] for d in ws_dispatches(up)] == [_sha(f) for f in frames]
+        assert not events(tmp_path, "passthrough")
+        assert_no_traceback(p.log_text())

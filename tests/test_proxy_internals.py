@@ -3,6 +3,9 @@
 import asyncio
 import inspect
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.proxy import server
 
@@ -184,3 +187,25 @@ def test_the_inject_websocket_command_body_is_reached_without_its_argument_check
         send(tflow.tflow(), True, b"{}", True)
     assert "Cannot inject WebSocket messages into non-WebSocket flows" in caplog.text
     assert command_body(object(), "inject_websocket") is None  # then the shell uses the command
+
+
+# -- the WebSocket layer's mends ---------------------------------------------------------------
+@given(st.text(alphabet=st.sampled_from("a€é😀\u0800")), st.booleans(), st.sampled_from([3, 4000]))
+def test_text_is_cut_into_frames_only_where_a_character_starts(text, as_received, fragment_size):
+    """A message cut as it was received (its frames' lengths) or, changed, into frames of
+    ``FRAGMENT_SIZE``: each text frame decodes alone, and binary is cut as before."""
+    from mitmproxy.proxy.layers import websocket as layer
+
+    from turnguard_core import proxy_internals
+
+    assert proxy_internals.mend_websocket_layer(layer) is None
+    content = text.encode()
+    original = [content[:len(content) // 2], content[len(content) // 2:]] if as_received else []
+    cut = layer.Fragmentizer(original, True)
+    cut.FRAGMENT_SIZE = fragment_size
+    frames = list(cut(content))
+    assert "".join(f.data for f in frames) == text  # no U+FFFD: each frame decodes alone
+    assert [f.message_finished for f in frames] == [False] * (len(frames) - 1) + [True]
+    binary = layer.Fragmentizer([], False)
+    binary.FRAGMENT_SIZE = fragment_size
+    assert b"".join(f.data for f in binary(content)) == content

@@ -39,6 +39,19 @@ reads it there:
         .transports[client connection]                      -> ConnectionIO
             .reader                                         -> asyncio.StreamReader
 
+Two mends of mitmproxy's WebSocket layer (``mend_websocket_layer``, given the module
+``mitmproxy.proxy.layers.websocket``), for the messages turnguard sends itself or changes:
+
+- ``Fragmentizer`` cuts a message it sends into ~4 kB frames (a changed or injected one) or
+  into the original's frame lengths, and decodes each text frame alone, with
+  ``errors="replace"``: a character cut in two becomes two U+FFFD. Text is now cut on a
+  character's first byte (at most 3 bytes earlier); binary messages and cuts that fall on a
+  character's start are as before.
+- ``WebsocketLayer.relay_messages`` adds an injected message to the sender's message buffer
+  (``frame_buf``): when the client has sent part of its next message, the injected one is sent
+  with that part before it, and the client's message loses it. An injected message is now
+  relayed with the buffer set aside and put back after.
+
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
 ``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
@@ -90,6 +103,71 @@ def command_body(addon, method_name: str):
     through the command)."""
     body = getattr(getattr(type(addon), method_name, None), "__wrapped__", None)
     return None if body is None else body.__get__(addon)
+
+
+def _on_character_start(content: bytes, cut: int) -> int:
+    """``cut`` moved back onto the first byte of a UTF-8 character (at most 3 bytes)."""
+    floor = max(0, cut - 3)
+    while floor < cut < len(content) and content[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return cut
+
+
+def _text_safe_call(self, content: bytes):
+    """``Fragmentizer.__call__``, with text cut only where a character starts."""
+    if len(content) == sum(self.fragment_lengths):
+        cuts, at = [], 0
+        for length in self.fragment_lengths[:-1]:
+            at += length
+            cuts.append(at)
+    else:
+        cuts = list(range(self.FRAGMENT_SIZE, len(content), self.FRAGMENT_SIZE))
+    start = 0
+    for cut in cuts:
+        if self.is_text:
+            cut = _on_character_start(content, cut)
+        if start < cut < len(content):
+            yield self.msg(content[start:cut], False)
+            start = cut
+    yield self.msg(content[start:], True)
+
+
+def _relay_injected_apart(relay_messages, injected_event):
+    def relay(self, event):
+        if not isinstance(event, injected_event):
+            return relay_messages(self, event)
+        return _apart(self, event)
+
+    def _apart(self, event):
+        sender = self.client_ws if event.message.from_client else self.server_ws
+        partial, sender.frame_buf = sender.frame_buf, [b""]
+        try:
+            yield from relay_messages(self, event)
+        finally:  # (anything that came meanwhile continues the sender's own message)
+            later, sender.frame_buf = sender.frame_buf, partial
+            partial[-1] += later[0]
+            partial.extend(later[1:])
+
+    relay._turnguard_mended = True
+    return relay
+
+
+def mend_websocket_layer(module) -> str | None:
+    """Install the two mends (see the module's docstring) in ``module``
+    (``mitmproxy.proxy.layers.websocket``), once. Returns None, or why not (an upgrade moved
+    what they replace)."""
+    fragmentizer = getattr(module, "Fragmentizer", None)
+    layer = getattr(module, "WebsocketLayer", None)
+    injected = getattr(module, "WebSocketMessageInjected", None)
+    relay = getattr(layer, "relay_messages", None)
+    if fragmentizer is None or relay is None or injected is None \
+            or not hasattr(fragmentizer, "FRAGMENT_SIZE") or not hasattr(fragmentizer, "msg"):
+        return "mitmproxy's WebSocket layer is not the one these mends were written for"
+    if getattr(relay, "_turnguard_mended", False):
+        return None
+    fragmentizer.__call__ = _text_safe_call
+    layer.relay_messages = _relay_injected_apart(relay, injected)
+    return None
 
 
 def client_stream_closed(http_layer, flow, client_conn) -> bool | None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mitmproxy import ctx, http
+from mitmproxy.proxy.layers import websocket as websocket_layer
 
 from turnguard_core import answers, circuit, identity, machine, negotiation, proxy_internals, ws
 from turnguard_core.ending import EndFacts
@@ -129,6 +130,10 @@ class WebSockets:
     def __init__(self, process) -> None:
         self._process = process
         self._sockets: dict[str, Socket] = process.sockets
+        why_not = proxy_internals.mend_websocket_layer(websocket_layer)
+        if why_not is not None:
+            logger.warning("turnguard: %s: a text message turnguard sends may have characters "
+                           "cut in two past 4 kB", why_not)
 
     @property
     def _guard(self):

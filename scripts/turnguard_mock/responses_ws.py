@@ -71,7 +71,7 @@ class WsDispatch(Dispatch):
         self.status = 200  # the socket's 101 stands for it; nothing is sent
 
     async def _send_event(self, event) -> None:
-        await self.ws.send(TextMessage(json.dumps(event[1], separators=(",", ":"))))
+        await self.ws.send(TextMessage(json.dumps(event[1], separators=(",", ":"), ensure_ascii=False)))
         self.events_sent += 1
         self.completed_sent = self.completed_sent or event[0] == "response.completed"
 
@@ -104,7 +104,7 @@ class WsDispatch(Dispatch):
         if self.b.get("ws_status") is not False:
             event["status"] = status
         event["error"] = error if isinstance(error, dict) else openai_error(status)["error"]
-        await self.ws.send(TextMessage(json.dumps(event, separators=(",", ":"))))
+        await self.ws.send(TextMessage(json.dumps(event, separators=(",", ":"), ensure_ascii=False)))
         self.events_sent += 1
 
     async def _do_clean_close(self) -> None:
