@@ -55,6 +55,29 @@ def open_circuit(led, i, now=T0):
     assert fail(led, admit(led, i, now + 1), now + 1).transition == "opened"
 
 
+@pytest.mark.parametrize("how", ["cooled down", "cleared"])
+def test_in_once_mode_any_dispatch_after_the_circuit_opened_is_the_one_recovery(tmp_path, how):
+    """In once mode, the operation whose failures opened the circuit is dispatched at most
+    once more, whoever sends it: a plain retry (another process's, one sent before the request
+    held for the recovery claims it, or after the circuit was cleared) is counted as the
+    recovery, so the held request's claim then finds it spent."""
+    led = open_ledger(tmp_path)
+    i = ident()
+    open_circuit(led, i)
+    if how == "cleared":
+        led.clear_circuits(None, now=T0 + 3, actor="test")
+    at = T0 + 3.5 if how == "cleared" else T0 + 120
+    first = admit(led, i, at, once=True)  # not the held request: no recovery claim
+    assert first == policy.Dispatch("recovery", 3)
+    fail(led, first, at + 1)
+    owner, _ = led.claim_session(i.session, now=at + 2, lease_s=60, new_id="d")
+    held = policy.RecoveryClaim(i.session, owner.owner_epoch, once=True)
+    assert admit(led, i, at + 2, recovery=held, once=True) == policy.Denied(
+        "upstream_operation_status_unknown", "claim_exhausted")
+    assert admit(led, i, at + 3, once=True) == policy.Denied(
+        "upstream_operation_status_unknown", "claim_exhausted")
+
+
 def test_clearing_an_open_circuit_lets_the_next_request_dispatch_and_is_audited(tmp_path):
     led = open_ledger(tmp_path)
     i = ident()
@@ -62,7 +85,8 @@ def test_clearing_an_open_circuit_lets_the_next_request_dispatch_and_is_audited(
     assert isinstance(admit(led, i, T0 + 2), policy.Fenced)
     cleared = led.clear_circuits(scope_of(i)[:12], now=T0 + 3, actor="test")
     assert [r.scope for r in cleared] == [scope_of(i)] and cleared[0].state.failures == 2
-    assert led.circuit_state(scope_of(i)) == circuit.CircuitState()
+    # closed: its cooldown ended at the clear (the time it did stays known, see below)
+    assert led.circuit_state(scope_of(i)) == circuit.CircuitState(0, T0 + 3)
     assert admit(led, i, T0 + 4) == policy.Dispatch("retry", 3)
     (row,) = led.audit_log()
     assert (row["action"], row["target"], row["actor"]) == ("circuit_clear", scope_of(i), "test")

@@ -14,6 +14,7 @@ from harness import (
     MockUpstream,
     assert_no_traceback,
     guarded,
+    mock_behaviour,
     post_turn,
     sse_event_types,
     turnguard_events,
@@ -279,6 +280,36 @@ def test_two_processes_on_one_ledger_recover_once(tmp_path):
         assert len(up.dispatches()) == 3
         recovered = events(tmp_path, "recovery_claimed", "a") + events(tmp_path, "recovery_claimed", "b")
         assert len(recovered) == 1
+
+
+def test_once_mode_a_retry_elsewhere_while_the_owner_is_paused_is_the_one_recovery(tmp_path):
+    """A owns the session and holds the turn through the cooldown, and is paused (SIGSTOP)
+    across its end. A retry of the turn through B just after the end goes upstream: as the
+    operation's one recovery (counted), not as a plain retry. A's held request, resumed,
+    finds the recovery spent (503); so does every retry after it: one dispatch after the
+    circuit opened, where there were two (B's retry, then A's recovery)."""
+    once = dict(turnguard_recovery_mode="server_anchored_replay_once")
+    with MockUpstream(tmp_path, STORM) as up, proxy(tmp_path, up, "a", **once) as a, \
+            proxy(tmp_path, up, "b", **once) as b:
+        open_circuit(a.url)
+        opened = wait_events(tmp_path, "circuit_opened", 1, "a")
+        cooldown_end = opened[0]["ts"] + COOLDOWN_MS / 1000
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(post, a.url, ANCHORED, TURN, 60)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1, "a")
+            time.sleep(max(0.0, cooldown_end - 0.5 - time.time()))
+            a.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(max(0.0, cooldown_end + 0.2 - time.time()))
+                retried = post(b.url, {**ANCHORED, **mock_behaviour(kind="reset")})[0]
+            finally:
+                a.proc.send_signal(signal.SIGCONT)
+            assert held.result(60)[0] == 503
+        assert retried in (0, 502)
+        assert [post(url)[0] for url in (a.url, b.url)] == [503, 503]
+        assert len(up.dispatches()) == 3  # the two failures, then the one recovery
+        kinds = [e["kind"] for e in events(tmp_path, "dispatch", "a") + events(tmp_path, "dispatch", "b")]
+        assert sorted(kinds) == ["original", "recovery", "retry"]
 
 
 def test_ownership_lost_mid_wait_fails_closed(tmp_path):

@@ -477,9 +477,10 @@ class Ledger:
                 return decision
         # the file was checked a moment ago: the transaction need not stat it again
         with self._tx() if self._batch is not None else _Transaction(self._conn()) as db:
-            remaining = 0.0
+            remaining, open_until = 0.0, None
             if circuit_scope is not None:
-                remaining = self._circuit(db, circuit_scope).remaining_s(now)
+                state = self._circuit(db, circuit_scope)
+                remaining, open_until = state.remaining_s(now), state.open_until
             if seen is None and recovery is None:
                 # A new operation (the common case): what the policy decides for an unknown
                 # operation, claimed with one statement less when the row is still absent
@@ -506,6 +507,7 @@ class Ledger:
                 recovery_once=None if recovery is None else recovery.once,
                 owner_ok=owner_ok,
                 once_mode=once_mode,
+                circuit_open_until=open_until,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision

@@ -69,9 +69,12 @@ class LedgerAdmin(Ledger):
         before. Returns the circuits as they were; raises ``LedgerError`` for an unknown or
         ambiguous scope.
 
-        Clearing changes what the circuit fences and nothing else: an operation's recovery
-        dispatches are counted on the operation (``recovery_dispatches``), so in once mode a
-        cleared circuit never yields a second recovery dispatch (``policy.admit``)."""
+        Clearing changes what the circuit fences and nothing else: its cooldown ends now
+        (``open_until`` is set to now, not removed: that it opened after an operation's last
+        attempt stays known, so in once mode that operation's next dispatch, through any
+        process, is its one recovery, ``policy.admit``), and an operation's recovery
+        dispatches are counted on the operation (``recovery_dispatches``), so a cleared
+        circuit never yields a second one."""
         with self._tx() as db:
             if scope is None:
                 rows = db.execute(
@@ -88,8 +91,8 @@ class LedgerAdmin(Ledger):
             cleared = [CircuitRow(r[0], circuit.CircuitState(*r[1:4]), r[4]) for r in rows]
             for row in cleared:
                 db.execute(
-                    "UPDATE circuits SET failures=0, open_until=NULL, cooldown_s=NULL,"
-                    " updated_at=? WHERE scope=?", (now, row.scope),
+                    "UPDATE circuits SET failures=0, open_until=MIN(open_until, ?),"
+                    " cooldown_s=NULL, updated_at=? WHERE scope=?", (now, now, row.scope),
                 )
                 self._audit(db, now, "circuit_clear", row.scope, actor,
                             _circuit_json(row.state, now), _circuit_json(circuit.CircuitState(), now))

@@ -438,7 +438,7 @@ class PgLedger:
                 has_idempotency_key=identity.idempotency_key is not None, now=now,
                 policy=guard, circuit_remaining_s=remaining,
                 recovery_once=None if recovery is None else recovery.once,
-                owner_ok=owner_ok, once_mode=once_mode,
+                owner_ok=owner_ok, once_mode=once_mode, circuit_open_until=state.open_until,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision
@@ -910,8 +910,9 @@ class PgLedgerAdmin(PgLedger):
                     ambiguous=f"circuit scope {scope!r} is ambiguous; give more of it")]
             cleared = [CircuitRow(r[0], circuit.CircuitState(*r[1:4]), r[4]) for r in rows]
             for row in cleared:
-                db.execute("UPDATE circuits SET failures=0, open_until=NULL, cooldown_s=NULL,"
-                           " updated_at=%s WHERE scope=%s", (now, row.scope))
+                db.execute("UPDATE circuits SET failures=0, open_until=CASE WHEN open_until"
+                           " IS NULL THEN NULL ELSE LEAST(open_until, %s) END, cooldown_s=NULL,"
+                           " updated_at=%s WHERE scope=%s", (now, now, row.scope))
                 self._audit(db, now, "circuit_clear", row.scope, actor,
                             _circuit_json(row.state, now), _circuit_json(circuit.CircuitState(), now))
             return cleared

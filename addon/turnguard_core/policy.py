@@ -127,6 +127,7 @@ def admit(
     recovery_once: bool | None = None,
     owner_ok: bool = True,
     once_mode: bool = False,
+    circuit_open_until: float | None = None,
 ) -> Admission:
     """Decide what happens to a request for an operation, given the operation's current state.
 
@@ -141,7 +142,11 @@ def admit(
     A dispatch is then fenced: while the circuit cools down (``circuit_remaining_s`` > 0) the
     answer is ``Fenced``; a request released from a cooldown wait (``recovery_once`` given)
     asks for a recovery (``_recovery``). In once mode (``once_mode``) a spent operation
-    (``once_claim_spent``) is never dispatched again, by any path: ``Denied``.
+    (``once_claim_spent``) is never dispatched again, by any path: ``Denied``; and any other
+    request of an operation without output whose circuit opened after its last attempt ended
+    (``circuit_open_until``: its failures opened it) is that operation's one recovery too,
+    counted, whoever sends it: a retry through another process, or after the cooldown was
+    cleared, before the request held for the recovery claims it.
     """
     decision = _admit_unfenced(
         snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
@@ -156,8 +161,18 @@ def admit(
     if circuit_remaining_s > 0:
         return Fenced(circuit_remaining_s, snapshot is not None and snapshot.events_seen > 0)
     if recovery_once is None:
+        if once_mode and decision.kind == "retry" and _opened_by(snapshot, circuit_open_until):
+            return Dispatch("recovery")
         return decision
     return _recovery(snapshot, once=recovery_once, owner_ok=owner_ok)
+
+
+def _opened_by(snapshot: OperationSnapshot | None, circuit_open_until: float | None) -> bool:
+    """The operation, without output, ended before its circuit last opened (it has an
+    unknown result from the time its circuit was cooling down for it)."""
+    return (snapshot is not None and circuit_open_until is not None
+            and snapshot.events_seen == 0 and snapshot.ended_at is not None
+            and circuit_open_until > snapshot.ended_at)
 
 
 def _recovery(snapshot: OperationSnapshot | None, *, once: bool, owner_ok: bool) -> Admission:
