@@ -219,6 +219,40 @@ def test_a_detached_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
         assert_no_traceback(proxy.log_text())
 
 
+def test_each_window_of_a_detached_call_counts_from_its_last_client_gone(tmp_path):
+    """Codex's pattern: a client reads the start and drops, a retry attaches and drops too, a
+    third comes back. The window (1.5 s) counts from the last client gone, not from the first:
+    the third attaches, one execution (before, the call was cut 1.5 s after the first client
+    left, 0.2 s after the second, and the third ran the turn again)."""
+    slow = {"kind": "ok", "think_ms": 4000, "events": 8, "gap_ms": 100}
+
+    async def leaves(url, after_first_s):
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS,
+             **mock_behaviour(**slow)}
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+            async with c.stream("POST", url + "/v1/responses", json=BODY, headers=h) as r:
+                await r.aiter_raw().__anext__()
+                await asyncio.sleep(after_first_s)
+                return r.headers.get("x-turnguard")
+
+    async def run(url):
+        await leaves(url, 0.0)
+        await asyncio.sleep(1.2)
+        second = await leaves(url, 0.1)  # attached; gone 1.3 s after the first
+        await asyncio.sleep(0.9)  # 2.2 s after the first left, 0.9 s after the second
+        return second, await stream_post(url, behaviour=slow)
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1500, turnguard_hold_timeout_ms=10000) as proxy:
+        second, third = asyncio.run(run(proxy.url))
+        assert second == "attached" and third["headers"].get("x-turnguard") == "attached"
+        assert sse_event_types(third["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["used"] is True and detached["cut"] is None
+        assert_no_traceback(proxy.log_text())
+
+
 @pytest.mark.parametrize("kind", ["reset", "clean_close"])
 def test_eventless_failures_of_detached_calls_open_the_circuit(tmp_path, kind):
     """A detached call's flow never has a client connection of its own: its eventless

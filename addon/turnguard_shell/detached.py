@@ -146,10 +146,19 @@ class Detacher:
 
     def listener_left(self, live: LiveResponse) -> None:
         """A client or duplicate attached to ``live`` left (or got its answer): a detached
-        call without any client starts its window, or is cut at once past the cap."""
+        call without any client starts its window (again, when a retry attached since the
+        last one started and has left too: each window counts from the last client gone), or
+        is cut at once past the cap."""
         d = next((d for d in self._calls.values() if d.live is live), None)
-        if d is None or live.end is not None or live.listeners > 0 or d.orphan_since is not None:
+        if d is None or live.end is not None or live.listeners > 0:
             return
+        if d.orphan_since is not None:
+            if live.attached_total == d.attached_at_orphan:
+                return  # nobody came since this window started
+            if d.timer is not None:
+                d.timer.cancel()
+                d.timer = None
+            self._back(d)
         settings = self._settings()
         d.orphan_since, d.ever_orphaned = time.monotonic(), True
         d.attached_at_orphan = live.attached_total
