@@ -5,6 +5,7 @@ Assertions count what the upstream saw and compare what each client got; when a 
 first byte came is compared with events (the original's end), never with a time bound."""
 
 import asyncio
+import gzip
 import os
 import time
 
@@ -143,6 +144,29 @@ def test_with_attach_off_a_duplicate_is_held_and_replayed(tmp_path):
         assert dup["body"] == original["body"]
         assert dup["headers"]["x-turnguard"] == "replayed"  # from the recording, after the end
         assert not turnguard_events(tmp_path, kind="duplicate_attached")
+
+
+def test_a_duplicate_of_a_compressed_stream_attaches_to_it_live(tmp_path):
+    """The upstream streams its events in gzip (each flushed as it is made): turnguard cannot
+    count them, yet the stream has started at its first byte. A duplicate that takes gzip
+    attaches to it live and gets its bytes (before, it was held past its bound: 409)."""
+    coded = {"kind": "ok", "events": 10, "gap_ms": 300, "content_encoding": "gzip",
+             "coded_stream": True}
+    gzip_only = {**HEADERS, "accept-encoding": "gzip"}
+
+    async def run(url):
+        original = asyncio.ensure_future(stream_post(url, headers=gzip_only, behaviour=coded))
+        duplicate = await stream_post(url, headers=gzip_only, behaviour=coded, delay_s=1.0)
+        return await original, duplicate
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_hold_timeout_ms=1500) as proxy:
+        original, duplicate = asyncio.run(run(proxy.url))
+        assert original["status"] == duplicate["status"] == 200
+        assert duplicate["headers"].get("x-turnguard") == "attached"
+        assert duplicate["body"] == original["body"] and duplicate["first"] < original["end"]
+        assert sse_event_types(gzip.decompress(duplicate["body"]))[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
 
 
 def test_a_duplicate_that_takes_another_representation_is_not_attached(tmp_path):

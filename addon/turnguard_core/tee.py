@@ -59,10 +59,13 @@ class ResponseTee:
         keep_max_bytes: int,
         on_first_event: Callable[[], None] | None = None,
         live: LiveResponse | None = None,
+        on_first_chunk: Callable[[], None] | None = None,
     ):
         """``live``: the response duplicates attach to (live attach), fed each non-empty
         chunk as it passes; when it keeps what the tee keeps (same cap), one list serves both
-        and it is called only while someone listens."""
+        and it is called only while someone listens. ``on_first_chunk``: called once, at the
+        body's first byte (a stream whose events are not counted: it has started)."""
+        self._on_first_chunk = on_first_chunk
         self.counts_events = counts_events
         self._live = live
         self._parser = SseKinds() if counts_events else None
@@ -109,6 +112,9 @@ class ResponseTee:
             self._end()
             return chunk
         try:
+            if self._on_first_chunk is not None:
+                started, self._on_first_chunk = self._on_first_chunk, None
+                started()
             self.body_bytes += len(chunk)
             chunks = self._chunks
             if chunks is not None and self.body_bytes > self._keep_max:

@@ -198,6 +198,10 @@ class InFlight:
             counts_events=counts_events, keep_max_bytes=keep,
             on_first_event=lambda: self._current()._first_event(attempt),
             live=attempt.live,
+            # a content-coded event stream: its events are not counted, its first byte
+            # starts it (duplicates with its representation attach from then on)
+            on_first_chunk=(lambda: self._current()._streaming(attempt))
+            if is_sse and ok and not counts_events else None,
         )
         resp.stream = attempt.tee
 
@@ -207,14 +211,18 @@ class InFlight:
         for short responses; a crash within that moment records ``unknown``, not ``partial``."""
         attempt.stop_timer()
         attempt.first_event_at = time.monotonic()
-        live = attempt.live
-        if live is not None and not live.started:  # duplicates may attach from now on
-            live.started = True
-            if live.shareable:
-                self._waiters.attempt_streaming(attempt.ident.op_key, live)
+        self._streaming(attempt)
         if attempt.attempt_id is not None and attempt.first_event_timer is None:
             attempt.first_event_timer = asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
+
+    def _streaming(self, attempt: Attempt) -> None:
+        """The attempt's response streams: duplicates may attach to it from now on."""
+        live = attempt.live
+        if live is not None and not live.started:
+            live.started = True
+            if live.shareable:
+                self._waiters.attempt_streaming(attempt.ident.op_key, live)
 
     def _record_first_event(self, attempt: Attempt) -> None:
         if attempt.flow_id in self._process.attempts:

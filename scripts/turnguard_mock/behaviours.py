@@ -153,7 +153,9 @@ class Dispatch:
         coding = self._content_coding()
         streamed = self.body.get("stream") is True  # like the API: JSON unless asked to stream
         final = json.dumps(events[-1][1]["response"]).encode()
-        if coding is not None and coding != "identity":
+        if streamed and coding in ("gzip", "deflate") and self.b.get("coded_stream"):
+            await self._coded_stream(events, coding)
+        elif coding is not None and coding != "identity":
             if streamed:
                 ctype, raw = "text/event-stream", b"".join(frame(*e) for e in events)
             else:
@@ -181,6 +183,23 @@ class Dispatch:
         self.outcome = "completed"
         self.reusable = True
 
+    async def _coded_stream(self, events: list[Event], coding: str) -> None:
+        """``coded_stream``: an event stream in gzip or deflate sent as it is made, each
+        event compressed and flushed in a chunk of its own, ``gap_ms`` apart."""
+        self.status = 200
+        await self.conn.send(response_head(200, self._headers(
+            ("content-type", "text/event-stream"), ("content-encoding", coding),
+            ("transfer-encoding", "chunked"))))
+        z = zlib.compressobj(wbits=31 if coding == "gzip" else 15)
+        gap = _ms(self.b, "gap_ms", 0)
+        for i, event in enumerate(events):
+            if i and gap:
+                await self._sleep(gap)
+            await self.conn.send(chunk(z.compress(frame(*event)) + z.flush(zlib.Z_SYNC_FLUSH)))
+            self.events_sent += 1
+        await self.conn.send(chunk(z.flush()))
+        await self._end_stream()
+
     def _content_coding(self) -> str | None:
         return self.b.get("content_encoding")
 
@@ -194,7 +213,8 @@ class Dispatch:
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``
         ("hello"), ``delta_bytes`` (size of each delta's text; default len(text)), ``headers``
         (extra response headers), ``content_encoding`` (identity, gzip, deflate, br, zstd: the
-        whole body at once in that coding). SSE stream when the body says ``"stream": true``,
+        whole body at once in that coding; with ``coded_stream``, gzip or deflate, an event
+        stream sent as it is made, ``gap_ms`` between events). SSE stream when the body says ``"stream": true``,
         else one JSON object (the API's default)."""
         deltas = int(self.b.get("events", 3))
         await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))
