@@ -4,12 +4,15 @@ mitmdump + turnguard in front of the real mock upstream speaking the same transp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import random
+import signal
 import sqlite3
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -726,22 +729,60 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
            f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")
 
 
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its identity worker, and what multiprocessing adds)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+@contextlib.contextmanager
+def _paused_children(pid: int):
+    """Every process ``pid`` starts is kept stopped (SIGSTOP, every 10 ms, a new one too)
+    until the block ends, then continued."""
+    stopped: set[int] = set()
+    done = threading.Event()
+
+    def keep_stopping() -> None:
+        while not done.is_set():
+            for child in set(_children(pid)) - stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGSTOP)
+                    stopped.add(child)
+            done.wait(0.01)
+
+    thread = threading.Thread(target=keep_stopping, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(5)
+        for child in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+
+
 def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_path, report):
-    """A call frame past 256 KiB (150,000 small input items: about a second) is identified in
-    a worker process. mitmproxy reloads the script meanwhile, which stops the old instance's
-    worker: the instance loaded now identifies and decides the call, so it is guarded (before,
-    it went upstream unguarded, and its retry through another process ran it again)."""
+    """A call frame past 256 KiB is identified in a worker process. mitmproxy reloads the
+    script meanwhile (the worker is paused until then, so the reload comes first), which stops
+    the old instance's worker: the instance loaded now identifies and decides the call, so it
+    is guarded (before, it went upstream unguarded, and its retry through another process ran
+    it again)."""
     script = reloadable(tmp_path)
     items = [{"type": "message", "role": "user",
-              "content": [{"type": "input_text", "text": "t"}] * 150_000}]
+              "content": [{"type": "input_text", "text": "t"}] * 20_000}]
     opts = dict(turnguard_hold_timeout_ms=30000)
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 6000}}) as up, \
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 4000}}) as up, \
             guarded(tmp_path, up, "a", addon=script, **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        started = touch_to_reload(a, script)
         with ThreadPoolExecutor(max_workers=1) as pool:
             original = pool.submit(asyncio.run, one_call(a.url, call(items, seed=1)))
-            reloaded(a, started)
+            wait_until(lambda: _children(a.pid), 20, what="the identity worker")
+            with _paused_children(a.pid):  # the worker cannot answer before the reload
+                reloaded(a, touch_to_reload(a, script))
             a.wait_for_log("was identified; the addon loaded now decides it", 20)
             wait_until(lambda: ws_dispatches(up), 20, what="the call dispatched")
             retry = asyncio.run(one_call(b.url, call(items, seed=2)))
@@ -751,7 +792,7 @@ def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_
         assert len(up.dispatches()) == 1
         assert not turnguard_events(tmp_path, "a", "passthrough")
         assert_no_traceback(a.log_text() + b.log_text())
-    report("script reloaded while a 150,000-item call was identified in the worker: the new "
+    report("script reloaded while a 20,000-item call was identified in the worker: the new "
            "instance decided it; its retry through another process got the same response; "
            "upstream dispatches=1")
 

@@ -165,6 +165,7 @@ class FailoverStore:
         # attempts in flight that name another ledger file (a script reload opened the file
         # now at the path): registered in this one before any decision reads it
         self._adoption_due = False
+        self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
@@ -476,6 +477,15 @@ class FailoverStore:
         """``call(store)`` within ``deadline``: its result, or ``UNREAD`` (noted) when the
         ledger cannot answer. A call still queued at the deadline never runs; one that
         answers after its caller stopped waiting goes to ``on_late``."""
+        if self._store is None and self.path and deadline is not None \
+                and time.monotonic() >= self._reopen_at:
+            # the file was found gone (or could not be opened a while ago): this request
+            # opens the file now at the path rather than deciding blind until the next tick
+            # (another process may have registered its attempts there meanwhile)
+            if self._reopening is None or self._reopening.done():
+                self._reopening = asyncio.get_running_loop().create_task(self.reopen_if_due())
+            await asyncio.wait({self._reopening},
+                               timeout=max(0.0, deadline - time.monotonic()))
         if self._store is None or deadline is not None and deadline <= time.monotonic():
             return UNREAD
         if not self.usable and not await self.recover(deadline):
