@@ -56,12 +56,13 @@ def open_circuit(led, i, now=T0):
 
 
 @pytest.mark.parametrize("how", ["cooled down", "cleared"])
-def test_in_once_mode_any_dispatch_after_the_circuit_opened_is_the_one_recovery(tmp_path, how):
+def test_in_once_mode_any_dispatch_after_the_circuit_opened_is_the_one_recovery(ledger_backend,
+                                                                               how):
     """In once mode, the operation whose failures opened the circuit is dispatched at most
     once more, whoever sends it: a plain retry (another process's, one sent before the request
     held for the recovery claims it, or after the circuit was cleared) is counted as the
-    recovery, so the held request's claim then finds it spent."""
-    led = open_ledger(tmp_path)
+    recovery, so the held request's claim then finds it spent. On both stores."""
+    led = ledger_backend.open("a", T0)
     i = ident()
     open_circuit(led, i)
     if how == "cleared":

@@ -190,8 +190,12 @@ class FailoverStore:
         each waits for the lock in SQLite's busy handler, without using the CPU."""
         if self.error is None or not contended(self.error):
             return False
-        generation = self.generation
-        return bool(self._kept) or any(a.generation != generation for a in self._attempts())
+        return bool(self._kept) or self._attempts_elsewhere(self.generation)
+
+    def _attempts_elsewhere(self, generation: str) -> bool:
+        """This process has attempts in flight without a row in the ledger file of
+        ``generation`` (dispatched without one, or registered in another file)."""
+        return any(a.generation != generation for a in self._attempts())
 
     def down_reason(self) -> str | None:
         """Why decisions cannot read the ledger now (None: they can)."""
@@ -305,7 +309,7 @@ class FailoverStore:
         # attempts of another file (this instance, or the one before a script reload, ran
         # them there) are registered in this one first; after a fault, it stays noted until a
         # try applies what is owed (recover)
-        self._adoption_due = any(a.generation != generation for a in self._attempts())
+        self._adoption_due = self._attempts_elsewhere(generation)
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was

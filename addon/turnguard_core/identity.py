@@ -64,6 +64,7 @@ __all__ = [
     "Target",
     "Upstream",
     "canonical_json",
+    "credential_name",
     "identify",
     "operation_body",
     "parse_json_object",
@@ -314,7 +315,7 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     names = _credential_names(tuple(extra_names))
     values: dict[str, list[str]] = {}
     for name, value in request.headers:
-        key = _credential_name(name)
+        key = credential_name(name)
         if key in names and value:
             values.setdefault(key, []).append(value)
     parts = ["headers", str(len(values))]
@@ -341,10 +342,12 @@ def _scope_hash(principal: str, upstream: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(CREDENTIAL_HEADERS) | {_credential_name(name) for name in extra_names}
+    return frozenset(CREDENTIAL_HEADERS) | {credential_name(name) for name in extra_names}
 
 
-def _credential_name(name: str) -> str:
+def credential_name(name: str) -> str:
+    """A header's name as a credential header is named: lower case, ``_`` read as ``-``
+    (servers that map headers to CGI-style names read ``x_api_key`` as ``x-api-key``)."""
     return name.lower().replace("_", "-")
 
 

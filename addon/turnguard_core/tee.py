@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Literal
 
-from .identity import CREDENTIAL_HEADERS
+from .identity import CREDENTIAL_HEADERS, credential_name
 from .live import LiveResponse
 from .sse import SseKinds
 
@@ -31,8 +31,7 @@ _NOT_RECORDED = frozenset(
 def recordable_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     """The response headers a replay repeats, in order (names read as the identity reads a
     credential header's: ``_`` as ``-``)."""
-    return tuple((k, v) for k, v in headers
-                 if k.lower().replace("_", "-") not in _NOT_RECORDED)
+    return tuple((k, v) for k, v in headers if credential_name(k) not in _NOT_RECORDED)
 
 
 # After the first event, kept chunks are read this many at a time: one loop over them costs

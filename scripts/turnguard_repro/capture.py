@@ -50,7 +50,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from turnguard_core.identity import CREDENTIAL_HEADERS
+from turnguard_core.identity import CREDENTIAL_HEADERS, credential_name
 from turnguard_sse import SseEvent, SseReader
 
 MODEL_PATH = re.compile(r"/(responses|chat/completions)/?(\?|$)")
@@ -66,13 +66,8 @@ MAX_ERROR_BODY = 4096
 QUICK_FAILURE_MS = 100
 
 
-def _header_name(name: str) -> str:
-    """A header's name as turnguard's identity reads it: lower case, ``_`` as ``-``."""
-    return name.lower().replace("_", "-")
-
-
 def _is_secret(name: str, extra: frozenset[str] = frozenset()) -> bool:
-    n = _header_name(name)
+    n = credential_name(name)
     if n in NOT_SECRET:
         return False
     return n in SECRET_HEADERS or n in extra or any(w in n for w in SECRET_WORDS)
@@ -107,7 +102,7 @@ class _Cleaner:
             if _is_secret(lk, self.credential_headers):
                 self.dropped[lk] += 1
                 if v:
-                    secrets.append((_header_name(lk), v))
+                    secrets.append((credential_name(lk), v))
                 continue
             out.setdefault(lk, v)
         if secrets:
@@ -263,7 +258,7 @@ def scenario_from_flows(path: str, *, keep_bodies: bool = False,
                          f"({len(flows)} HTTP flows in the file)")
     model.sort(key=lambda fl: fl.request.timestamp_start)
     t0 = model[0].request.timestamp_start
-    cleaner = _Cleaner(keep_bodies, frozenset(_header_name(h.strip())
+    cleaner = _Cleaner(keep_bodies, frozenset(credential_name(h.strip())
                                               for h in credential_headers if h.strip()))
     by_session: dict[str, list[dict[str, Any]]] = {}
     operations: dict[str, dict[str, Any]] = {}
