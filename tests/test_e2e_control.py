@@ -47,9 +47,9 @@ def turnguard(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def post(url, headers=ANCHORED, timeout=90):
+def post(url, headers=ANCHORED, timeout=90, turn=TURN):
     """(status, body) of one request that accepts JSON errors (status 0: a transport error)."""
-    status, _, body = post_turn(url, {**headers, "accept": "application/json"}, TURN,
+    status, _, body = post_turn(url, {**headers, "accept": "application/json"}, turn,
                                 timeout=timeout)
     return status, body
 
@@ -132,6 +132,42 @@ def test_in_once_mode_a_cleared_circuit_never_gives_a_second_recovery_dispatch(t
             assert_no_traceback(p.log_text())
     report(f"once mode, circuit cleared 3 times, retried through 2 processes: upstream "
            f"dispatches={len(up.dispatches())}, recovery dispatches={len(recovered)}")
+
+
+def test_in_once_mode_a_circuit_opened_again_by_another_turn_gives_no_second_recovery(
+        tmp_path, report):
+    """The operation's one recovery ends with an error status (a known result: the operation
+    is not spent). Another turn of the session opens the circuit again; once that is cleared,
+    a retry of the first operation must not be given a second recovery."""
+    scenario = {
+        "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},
+                     {"kind": "status", "code": 500},  # the recovery dispatch
+                     {"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+        "default": {"kind": "ok"},
+    }
+    other_turn = {**TURN, "input": [{"role": "user", "content": "now the tests"}]}
+    once = {"turnguard_recovery_mode": "server_anchored_replay_once"}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, **once) as p:
+        open_circuit(p.url)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(post, p.url)
+            wait_until(lambda: events(tmp_path, "wait_operation_fenced_cooldown"), 10,
+                       what="a request held through the 60 s cooldown")
+            assert turnguard(tmp_path, "circuit", "clear", "--all").returncode == 0
+            assert held.result(timeout=30)[0] == 500  # recovered once: an error status
+        assert post(p.url, turn=other_turn)[0] == 502  # another turn fails twice without
+        assert post(p.url, turn=other_turn)[0] in (0, 502)  # events: the circuit opens again
+        (circuit,) = json.loads(turnguard(tmp_path, "circuit", "list", "--json").stdout)
+        assert circuit["open"], circuit
+        assert turnguard(tmp_path, "circuit", "clear", "--all").returncode == 0
+        status, body = post(p.url)
+        assert status == 503, (status, body)
+        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+        assert len(up.dispatches()) == 5  # never a second recovery dispatch
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert_no_traceback(p.log_text())
+    report("once mode, recovery answered 500, circuit opened again by another turn and "
+           f"cleared: retry 503, upstream dispatches={len(up.dispatches())}")
 
 
 def test_releasing_a_session_moves_it_to_the_next_process_that_serves_it(tmp_path):

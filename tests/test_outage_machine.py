@@ -904,3 +904,43 @@ MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=No
                          ids=[FAIL_CLOSED, ONCE, INDEFINITE])
 def test_outages_pauses_and_crashes(machine):
     run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
+
+
+class _Draws:
+    """Stands in for Hypothesis's ``data`` in a replayed sequence: each draw picks the first
+    element of the sampled list that ``pick`` accepts."""
+
+    def __init__(self, pick):
+        self.pick = pick
+
+    def draw(self, strategy, label=None):
+        strategy = getattr(strategy, "wrapped_strategy", strategy)
+        elements = strategy.elements if hasattr(strategy, "elements") else [strategy.value]
+        return next(x for x in elements if self.pick(x))
+
+
+def test_once_mode_a_circuit_that_opens_again_gives_no_second_recovery():
+    """A sequence the machine once found (shrunk): the operation's one recovery ends with an
+    error status; another turn of its session opens the circuit again; the operation's held
+    retry is refused (claim_exhausted), and so must be a fresh retry arriving after."""
+    m = OnceModeMachine()
+    try:
+        def process(slot):
+            return _Draws(lambda p: p.slot == slot)
+        attempt_of_op_0 = _Draws(lambda a: a.op == 0)
+        m.the_incident_has_begun(failures=0, retries=1)
+        m.attempt_ends(attempt_of_op_0, "unknown")
+        m.a_turn_fails_without_events(process(0), 0, "unknown")
+        m.requests_arrive(process(0), 0, 1)
+        m.a_cooldown_ends()
+        assert m.recoveries == {0: 1}
+        m.attempt_ends(attempt_of_op_0, "rejected")
+        m.a_turn_fails_without_events(process(0), 1, "unknown")
+        m.a_turn_fails_without_events(process(0), 0, "unknown")
+        m.a_cooldown_ends()
+        m.requests_arrive(process(0), 0, 1)
+        assert m.recoveries == {0: 1}
+        assert list(m.answers.values())[-2:] == ["503 claim_exhausted"] * 2
+        m.nothing_went_wrong_while_deciding()
+    finally:
+        m.teardown()

@@ -107,3 +107,19 @@ def test_turn_in_progress_answer_shape():
     assert h["retry-after"] == "3" and h["x-should-retry"] == "true"
     err = json.loads(a.body)["error"]
     assert err["type"] == err["code"] == "turn_in_progress" and err["message"]
+
+
+def _once_retry(recovery_dispatches, *, circuit_open_until=150.0):
+    s = OperationSnapshot("rejected", "fp", 7, "me", 100.0, None,
+                          recovery_dispatches=recovery_dispatches)
+    return policy.admit(s, fingerprint="fp", has_idempotency_key=False, now=200.0, policy=P,
+                        once_mode=True, circuit_open_until=circuit_open_until)
+
+
+def test_in_once_mode_a_retry_after_the_circuit_opened_is_the_one_recovery_and_never_a_second():
+    """A retry of an operation without output whose circuit opened after its last end is its
+    one recovery; once that recovery was used (it ended with an error status, so the operation
+    is not spent), the next circuit to open must not give it a second one."""
+    assert _once_retry(0) == Dispatch("recovery")
+    assert _once_retry(1) == policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
+    assert _once_retry(1, circuit_open_until=90.0) == Dispatch("retry")

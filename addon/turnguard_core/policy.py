@@ -146,7 +146,8 @@ def admit(
     request of an operation without output whose circuit opened after its last attempt ended
     (``circuit_open_until``: its failures opened it) is that operation's one recovery too,
     counted, whoever sends it: a retry through another process, or after the cooldown was
-    cleared, before the request held for the recovery claims it.
+    cleared, before the request held for the recovery claims it; and ``Denied`` when the
+    operation had its one recovery already (one that ended with a known error status, say).
     """
     decision = _admit_unfenced(
         snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
@@ -162,7 +163,7 @@ def admit(
         return Fenced(circuit_remaining_s, snapshot is not None and snapshot.events_seen > 0)
     if recovery_once is None:
         if once_mode and decision.kind == "retry" and _opened_by(snapshot, circuit_open_until):
-            return Dispatch("recovery")
+            return _recovery(snapshot, once=True, owner_ok=True)
         return decision
     return _recovery(snapshot, once=recovery_once, owner_ok=owner_ok)
 
