@@ -35,6 +35,8 @@ ANCHORED = {**HEADERS, "x-codex-turn-state": "ts_pg_turn"}
 ONCE = "server_anchored_replay_once"
 # the snapshot query: what a process polls with (and what admission reads under its lock)
 SNAPSHOT_SQL = "SELECT o.state, o.fingerprint, o.current_attempt%"
+# an admission's read of the operation and its circuit (the first statement of a claim)
+ADMISSION_SQL = "SELECT c.failures, c.open_until, c.cooldown_s, o.op_key IS NOT NULL%"
 
 
 def guarded(tmp_path, up, name: str, ledger: str, **options) -> Mitmdump:
@@ -49,6 +51,12 @@ def rows(url: str, sql: str, args=()) -> list[tuple]:
     with psycopg.connect(url, autocommit=True, connect_timeout=10) as db:
         cur = db.execute(sql, args)
         return cur.fetchall() if cur.description is not None else []
+
+
+def lock_waiters(url: str, query_like: str) -> int:
+    """How many of the server's sessions running a query like ``query_like`` wait for a lock."""
+    return rows(url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                     " AND query LIKE %s", (query_like,))[0][0]
 
 
 def post(url: str, headers=HEADERS, body=BODY, timeout: float = 60):
@@ -118,15 +126,22 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
         circuits = psycopg.connect(pg_url, autocommit=True)
         tables = psycopg.connect(pg_url, autocommit=True)
-        try:  # each of the claim's statements waits within its own bound; together too long
+        # Each of the claim's two statements waits within its own bound (what is left of the
+        # request's 0.5 s wait for the ledger when the claim starts over on the ledger's
+        # thread: about 0.47 s), and together longer than the request waits for its claim
+        # (0.5 s, and 0.25 s of grace for a call that started in time): 0.38 s on the
+        # circuits once the claim is seen waiting for them, then 0.42 s on the tables.
+        try:
             circuits.execute("BEGIN")
             circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
             tables.execute("BEGIN")
             tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
             original = pool.submit(post, a.url, slow, body)
-            time.sleep(0.40)
+            wait_until(lambda: lock_waiters(pg_url, ADMISSION_SQL), 10,
+                       what="the claim's read waiting for the circuits")
+            time.sleep(0.38)
             circuits.execute("COMMIT")
-            time.sleep(0.45)
+            time.sleep(0.42)
             tables.execute("COMMIT")
         finally:
             circuits.close()
