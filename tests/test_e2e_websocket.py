@@ -580,6 +580,36 @@ def test_a_late_event_of_a_response_that_ended_is_not_the_next_calls(tmp_path):
         assert_no_traceback(p.log_text())
 
 
+def test_an_upstream_that_reuses_one_response_id_has_each_call_guarded(tmp_path):
+    """Response ids need not be unique (Codex takes any): an upstream that answers every call
+    with the same id still has each call's events read as that call's. Not: the second call's
+    events were taken for late events of the first (its id had ended), so its attempt never
+    ended, the next frame waited the whole request budget, the socket was let go and the
+    completed call was counted an eventless failure."""
+    scenario = {"default": {"kind": "ok", "response_id": "resp_fixed0000"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_request_budget_ms=3000) as p:
+        async def turns():
+            waited = []
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                for i in range(3):
+                    sent = asyncio.get_running_loop().time()
+                    await c.send(call([user(f"turn {i}")], turn=f"t{i}", seed=i))
+                    assert types(await c.response())[-1] == "response.completed"
+                    waited.append(asyncio.get_running_loop().time() - sent)
+            return waited
+
+        waited = asyncio.run(turns())
+        assert max(waited) < 2.0, waited
+        outcomes = wait_until(lambda: o if len(o := events(tmp_path, "outcome")) == 3 else None,
+                              what="three outcomes")
+        assert [o["outcome"] for o in outcomes] == ["completed"] * 3
+        assert not [e for e in events(tmp_path, "passthrough")]
+        again = asyncio.run(one_call(p.url, call([user("turn 1")], turn="t1", seed=9)))
+        assert types(again)[-1] == "response.completed" and len(ws_dispatches(up)) == 3
+        assert_no_traceback(p.log_text())
+
+
 def test_a_call_decided_after_its_hook_keeps_its_place_before_the_next_frame(tmp_path):
     """The ledger is write-locked when a call arrives: its decision has to wait, so it goes on
     past the frame's websocket_message hook (the frame dropped meanwhile, sent once decided).

@@ -65,6 +65,7 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_REMEMBERED = 8  # responses a socket record keeps for delta frames
 # Events that say a response exists but carry none of its output.
 _BOOKKEEPING = frozenset({"response.created", "response.in_progress", "response.queued"})
+RESPONSE_STARTS = _BOOKKEEPING  # the events a response begins with
 SSE_HEADERS = (("content-type", "text/event-stream"),)
 
 

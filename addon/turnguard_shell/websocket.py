@@ -387,7 +387,8 @@ class WebSockets:
             rid = ws.event_response_id(event)
             if rid is not None and (rid != current.events.response_id
                                     if current.events.response_id is not None
-                                    else rid in sock.ended_responses):
+                                    else _stray(current.events, event, rid,
+                                                sock.ended_responses)):
                 return  # another response's event (a stray one of one that ended)
             output_before = current.events.output_seen
             if current.events.feed(message.text, event) is None:
@@ -537,6 +538,16 @@ class WebSockets:
                              f"events of operation {ident.op_id} ({len(frames)} frames) after "
                              f"{r.held_ms} ms; nothing was sent upstream")
         return True
+
+
+def _stray(events: ws.ResponseEvents, event: dict, rid: str, ended) -> bool:
+    """Whether an event naming the response ``rid``, before the response in flight named its
+    own, is a late one of a response that ended on the socket. Response ids need not be
+    unique (an upstream may give every response one id): an event that starts a response, or
+    one that comes after the response in flight sent events of its own, is that response's."""
+    if rid not in ended or events.events_seen > 0:
+        return False
+    return event.get("type") not in ws.RESPONSE_STARTS
 
 
 async def _recorded_frames(rec, request_headers) -> tuple[list[str] | None, str | None]:

@@ -66,7 +66,9 @@ class Dispatch:
         self.events_sent = 0
         self.reusable = False
         self.outcome = "unfinished"
-        self.rid = f"resp_{n}_{secrets.token_hex(8)}"
+        # ``response_id``: every response uses this id (servers need not make them unique)
+        rid = b.get("response_id")
+        self.rid = rid if isinstance(rid, str) and rid else f"resp_{n}_{secrets.token_hex(8)}"
         try:
             body = json.loads(req.body) if req.body else {}
         except (ValueError, RecursionError):

@@ -66,7 +66,7 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
         raise ValueError(f"{where}: events must be <= {MAX_EVENTS}")
     if "delta_bytes" in b and int(b["delta_bytes"]) > MAX_DELTA_BYTES:
         raise ValueError(f"{where}: delta_bytes must be <= {MAX_DELTA_BYTES}")
-    for key in ("text", "name", "call_id"):
+    for key in ("text", "name", "call_id", "response_id"):
         if key in b and not isinstance(b[key], str):
             raise ValueError(f"{where}: {key} must be a string")
     if "arguments" in b and not isinstance(b["arguments"], (str, dict)):
