@@ -759,6 +759,25 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
            f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")
 
 
+def test_a_socket_whose_key_is_its_subprotocol_is_not_detached_without_it(tmp_path):
+    """A browser's client sends its key as ``Sec-WebSocket-Protocol``, the one header a POST
+    cannot carry: with ``turnguard_detach_ms`` such a socket's call goes upstream on the
+    socket, with its credential. Not: it went as a detached HTTP POST without any credential
+    (a real upstream answers 401), recorded under the socket's principal."""
+    headers = {"session-id": SESSION,
+               "sec-websocket-protocol": "openai-insecure-api-key.sk-ws-proto-test"}
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_detach_ms=30000) as p:
+        async def one():
+            async with WsClient.connect(p.url, headers=headers) as c:
+                await c.send(call([user("proto")], seed=1))
+                return await c.response()
+
+        assert types(asyncio.run(one()))[-1] == "response.completed"
+        assert [(d["transport"], d["subprotocol_present"]) for d in up.dispatches()] == [
+            ("ws", True)]
+        assert_no_traceback(p.log_text())
+
+
 def _children(pid: int) -> list[int]:
     """The processes ``pid`` started (its identity worker, and what multiprocessing adds)."""
     found = []

@@ -74,6 +74,8 @@ def why_not_detached(flow: http.HTTPFlow) -> str | None:
         return "its body is streamed"
     if flow.server_conn.via is not None:
         return "sent through an upstream proxy (the relay cannot stand in for it)"
+    if flow.websocket is not None and flow.request.headers.get("sec-websocket-protocol"):
+        return "its socket's subprotocol may be its credential, which a POST cannot carry"
     return None
 
 

@@ -127,6 +127,7 @@ class MockUpstream:
                 "body_sha256": body_sha,
                 "behaviour": behaviour["kind"],
                 "authorization_present": req.header("authorization") is not None,
+                "subprotocol_present": req.header("sec-websocket-protocol") is not None,
                 "selected_by": selected_by,
                 "op_n": sel.op_n,
                 "session_n": sel.session_n,
