@@ -116,6 +116,27 @@ def test_a_credential_in_the_query_string_is_not_kept_in_the_ledger(tmp_path):
     check(not found, f"the query-string credential is stored in {found}")
 
 
+def test_a_configured_credential_header_echoed_by_the_upstream_is_not_kept(tmp_path):
+    """A header named by ``turnguard_credential_headers`` is credential-bearing like the
+    built-in ones: when the upstream echoes it in its answer (a gateway that sends the tenant
+    key back), the recording keeps it no more than it keeps an echoed OpenAI-Organization, in
+    any spelling."""
+    token = f"tenant-SECRET-{secrets.token_hex(8)}"
+    echoed = {"x-tenant-key": token, "X_Tenant_Key": token + "-2"}
+    scenario = {"default": {"kind": "ok", "headers": echoed}}
+    headers = {"x-tenant-key": token, "session-id": "tenant"}
+    body = {"model": "m", "input": "echo my tenant key", "stream": True}
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+            tmp_path, up, turnguard_credential_headers="x-tenant-key") as p:
+        assert post(p.url, headers, body)[0] == 200
+        status, replay_headers, _ = post(p.url, headers, body)
+        assert status == 200 and replay_headers.get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+    found = [str(f) for f in ledger_files(tmp_path / "ledger.sqlite3")
+             if token.encode() in f.read_bytes()]
+    check(not found, f"the echoed configured credential is stored in {found}")
+
+
 # -----------------------------------------------------------------------------------------------
 # Private files, unsafe paths refused
 

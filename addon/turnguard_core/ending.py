@@ -59,14 +59,16 @@ class AttemptEnding:
         return self.failure or self.detail
 
 
-def classify_end(facts: EndFacts) -> AttemptEnding:
+def classify_end(facts: EndFacts, credential_headers: tuple[str, ...] = ()) -> AttemptEnding:
+    """What the attempt's end means. ``credential_headers``: the credential-bearing header
+    names configured beyond the built-in ones, never kept in a recording."""
     outcome = policy.classify_outcome(
         status=facts.status, events_seen=facts.events_seen, terminal=facts.terminal,
         body_complete=facts.body_complete, counts_events=facts.counts_events,
     )
     recording, not_recorded = None, None
     if outcome == "completed" and facts.kept_body is not None:
-        headers = recordable_headers(facts.response_headers)
+        headers = recordable_headers(facts.response_headers, credential_headers)
         vary = negotiation.vary_names(headers)
         if vary is None:
             not_recorded = "Vary: *"

@@ -28,10 +28,14 @@ _NOT_RECORDED = frozenset(
 )
 
 
-def recordable_headers(headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+def recordable_headers(headers: Iterable[tuple[str, str]],
+                       credential_headers: Iterable[str] = ()) -> tuple[tuple[str, str], ...]:
     """The response headers a replay repeats, in order (names read as the identity reads a
-    credential header's: ``_`` as ``-``)."""
-    return tuple((k, v) for k, v in headers if credential_name(k) not in _NOT_RECORDED)
+    credential header's: ``_`` as ``-``). ``credential_headers``: more credential-bearing
+    names (``turnguard_credential_headers``), dropped too."""
+    more = {credential_name(name) for name in credential_headers}
+    return tuple((k, v) for k, v in headers
+                 if (n := credential_name(k)) not in _NOT_RECORDED and n not in more)
 
 
 # After the first event, kept chunks are read this many at a time: one loop over them costs

@@ -281,7 +281,7 @@ class InFlight:
     def _record_end(
         self, attempt: Attempt, facts: EndFacts
     ) -> tuple[Ended, asyncio.Future | None]:
-        ending = classify_end(facts)
+        ending = classify_end(facts, self._settings().credential_headers)
         duration_ms = round((time.monotonic() - attempt.started) * 1000)
         first_event_ms = (None if attempt.first_event_at is None
                           else round((attempt.first_event_at - attempt.started) * 1000, 1))
