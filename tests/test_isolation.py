@@ -165,6 +165,55 @@ def test_the_same_upstream_through_either_listener_is_the_same_operation(rig):
     assert_replayed(rig, replace(a, via="regular"), first)
 
 
+def raw_post(address: tuple[str, int], target: str, body: dict) -> bytes:
+    """One HTTP/1.1 POST with the request target ``target`` as given (an absolute-form URL
+    too, which httpx never sends to a server), on a fresh connection; the raw answer."""
+    import socket
+    import time
+
+    data = json.dumps(body).encode()
+    head = (f"POST {target} HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
+            "authorization: Bearer k\r\ncontent-type: application/json\r\n"
+            "accept: text/event-stream\r\naccept-encoding: identity\r\n"
+            f"content-length: {len(data)}\r\nconnection: close\r\n\r\n")
+    out = b""
+    with socket.create_connection(address, timeout=REQUEST_TIMEOUT_S) as s:
+        s.sendall(head.encode() + data)
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_an_absolute_form_target_naming_another_host_is_another_upstream(rig):
+    """A reverse listener forwards an absolute-form request target as it came
+    (``POST http://a.example/v1/responses``), and the origin then takes the host from it and
+    ignores ``Host`` (RFC 9112, 3.2.2): a virtual-hosting upstream (a gateway routing by host)
+    serves another site for another authority. Such a request is never answered from the
+    recording of one naming another host, nor of one in origin-form."""
+    listener = ("127.0.0.1", rig.proxy.ports[0])
+    body = turn("absolute-form")
+    origin_form = raw_post(listener, "/v1/responses", body)
+    assert origin_form.startswith(b"HTTP/1.1 200") and b"x-turnguard" not in origin_form
+    answers = [origin_form]
+    for host in ("site-a.example", "site-b.example"):
+        before = dispatches(rig, 0)
+        got = raw_post(listener, f"http://{host}/v1/responses", body)
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        assert b"x-turnguard: replayed" not in got.lower(), f"{host} got another's recording"
+        assert dispatches(rig, 0) == before + 1
+        assert response_id(got.partition(b"\r\n\r\n")[2]) not in {
+            response_id(a.partition(b"\r\n\r\n")[2]) for a in answers}
+        answers.append(got)
+    again = raw_post(listener, "http://site-b.example/v1/responses", body)
+    assert b"x-turnguard: replayed" in again.lower()  # the control: the same authority shares
+    assert response_id(again.partition(b"\r\n\r\n")[2]) == response_id(
+        answers[-1].partition(b"\r\n\r\n")[2])
+
+
 # -----------------------------------------------------------------------------------------------
 # 2. Every credential-bearing header, and the configured ones
 

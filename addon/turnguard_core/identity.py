@@ -24,8 +24,10 @@ tuple, so no two different tuples share an encoding.
   own authentication (``proxy_auth``: mitmproxy's proxyauth consumes ``Proxy-Authorization``
   before turnguard sees it).
 * **Upstream** = hash of where the proxy sends the request: scheme, host and port it connects
-  to, the Host header it sends when that names another host or port (virtual hosting), and
-  the upstream proxy it goes through (mitmproxy's upstream mode). ``None`` (callers outside a
+  to, the Host header it sends when that names another host or port (virtual hosting), the
+  authority of an absolute-form request target when that names another (a reverse proxy
+  forwards it as it came; the origin takes the host from it), and the upstream proxy it goes
+  through (mitmproxy's upstream mode). ``None`` (callers outside a
   proxy: tests, tools) is a value of its own.
 * ``scope`` = hash(principal, upstream): whatever is shared, is shared only within it.
 * Session key: ``session-id``, else ``session_id``, else the str ``session_id`` member of the
@@ -110,25 +112,34 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 @record
 class Upstream:
     """Where the proxy sends a request: the address it connects to (scheme, host, port), the
-    Host header it sends (``host_header``), and the upstream proxy in between (``via``, e.g.
-    ``"http://127.0.0.1:3128"``), if any."""
+    Host header it sends (``host_header``), the authority of an absolute-form request target
+    it sends as it came (``authority``: a reverse proxy forwards ``POST http://a.example/...``
+    so, and the origin then takes the host from it, not from Host), and the upstream proxy in
+    between (``via``, e.g. ``"http://127.0.0.1:3128"``), if any."""
 
     scheme: str
     host: str
     port: int
     host_header: str | None = None
     via: str | None = None
+    authority: str | None = None
 
     def parts(self) -> tuple[str, ...]:
-        """The canonical parts that identify it. The Host header counts only when it names
-        another host or port than the one connected to."""
+        """The canonical parts that identify it. The Host header and the target's authority
+        count only when they name another host or port than the one connected to (an
+        authority that does not adds no part: the same parts as without one)."""
         scheme, host = self.scheme.lower(), _bare_host(self.host)
         vhost = ""
         if self.host_header:
             named = _parse_authority(self.host_header, _DEFAULT_PORTS.get(scheme))
             if named != (host, self.port):
                 vhost = self.host_header.lower()
-        return (scheme, host, str(int(self.port)), vhost, (self.via or "").lower())
+        parts = (scheme, host, str(int(self.port)), vhost, (self.via or "").lower())
+        if self.authority:
+            named = _parse_authority(self.authority, _DEFAULT_PORTS.get(scheme))
+            if named != (host, self.port):
+                parts += ("authority", self.authority.lower())
+        return parts
 
 
 @record

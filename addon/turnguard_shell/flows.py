@@ -84,7 +84,7 @@ def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...]
         body_codings=body_codings,
         upstream=identity.Upstream(
             scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
-            via=_via(flow),
+            via=_via(flow), authority=req.authority or None,
         ),
         proxy_auth=proxy_auth,
     )
