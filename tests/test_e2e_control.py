@@ -184,3 +184,29 @@ def test_releasing_a_session_moves_it_to_the_next_process_that_serves_it(tmp_pat
         after = json.loads(turnguard(tmp_path, "status", "--json").stdout)["sessions"][0]
         assert after["epoch"] == 3 and after["owner"] not in (None, session["owner"])
         assert [e["result"] for e in events(tmp_path, "session_claimed", "b")] == ["taken_over"]
+
+
+def test_in_once_mode_a_sessionless_operation_has_no_recovery_to_spend(tmp_path):
+    """Only an operation of a session has a recovery (only its requests can be held, and only
+    they fail closed without the ledger, where a spent claim cannot be read). A sessionless
+    operation's retry after its cooldown is a plain retry: were it counted as a recovery, its
+    failure would refuse the operation for good here, while a process that cannot read the
+    ledger dispatches it again."""
+    scenario = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},
+                             {"kind": "reset"}],  # the retry after the cooldown
+                "default": {"kind": "ok"}}
+    sessionless = {"authorization": "Bearer sk-control-test"}
+    once = {"turnguard_recovery_mode": "server_anchored_replay_once",
+            "turnguard_cooldown_ms": 1500, "turnguard_cooldown_max_ms": 3000}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, **once) as p:
+        assert post(p.url, headers=sessionless)[0] == 502
+        assert post(p.url, headers=sessionless)[0] in (0, 502)  # the circuit opens
+        assert post(p.url, headers=sessionless)[0] == 503  # cooling: fail closed
+        time.sleep(1.6)  # the cooldown passes
+        assert post(p.url, headers=sessionless)[0] in (0, 502)  # a retry, failed again
+        time.sleep(3.1)  # the doubled cooldown passes
+        status, body = post(p.url, headers=sessionless)
+        assert status == 200, (status, body)
+        assert [e["kind"] for e in events(tmp_path, "dispatch")] == ["original"] + ["retry"] * 3
+        assert not events(tmp_path, "recovery_claimed")
+        assert_no_traceback(p.log_text())

@@ -508,6 +508,7 @@ class Ledger:
                 owner_ok=owner_ok,
                 once_mode=once_mode,
                 circuit_open_until=open_until,
+                has_session=identity.session is not None,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision

@@ -439,6 +439,7 @@ class PgLedger:
                 policy=guard, circuit_remaining_s=remaining,
                 recovery_once=None if recovery is None else recovery.once,
                 owner_ok=owner_ok, once_mode=once_mode, circuit_open_until=state.open_until,
+                has_session=identity.session is not None,
             )
             if not isinstance(decision, policy.Dispatch):
                 return decision

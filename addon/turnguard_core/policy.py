@@ -128,6 +128,7 @@ def admit(
     owner_ok: bool = True,
     once_mode: bool = False,
     circuit_open_until: float | None = None,
+    has_session: bool = True,
 ) -> Admission:
     """Decide what happens to a request for an operation, given the operation's current state.
 
@@ -148,6 +149,9 @@ def admit(
     counted, whoever sends it: a retry through another process, or after the cooldown was
     cleared, before the request held for the recovery claims it; and ``Denied`` when the
     operation had its one recovery already (one that ended with a known error status, say).
+    Only an operation of a session (``has_session``) has a recovery at all (only its requests
+    can be held through a cooldown, and only they fail closed without the ledger): a retry of
+    a sessionless one after its cooldown is a retry, as in the default mode.
     """
     decision = _admit_unfenced(
         snapshot, fingerprint=fingerprint, has_idempotency_key=has_idempotency_key, now=now,
@@ -162,7 +166,8 @@ def admit(
     if circuit_remaining_s > 0:
         return Fenced(circuit_remaining_s, snapshot is not None and snapshot.events_seen > 0)
     if recovery_once is None:
-        if once_mode and decision.kind == "retry" and _opened_by(snapshot, circuit_open_until):
+        if (once_mode and has_session and decision.kind == "retry"
+                and _opened_by(snapshot, circuit_open_until)):
             return _recovery(snapshot, once=True, owner_ok=True)
         return decision
     return _recovery(snapshot, once=recovery_once, owner_ok=owner_ok)
