@@ -29,7 +29,10 @@ def test_threshold_opens_and_each_further_failure_doubles_up_to_the_max():
 def test_completed_resets_and_other_outcomes_leave_it():
     state, transitions = run(["unknown", "rejected", "partial", "unknown", "completed"])
     assert transitions == [None, None, None, "opened", "reset"]
-    assert state == CircuitState()
+    # closed, no failures; the end of its last cooldown is kept (now), as a clear keeps it:
+    # once mode reads from it that the circuit opened after an operation's last attempt
+    assert state == CircuitState(0, 0.0, None) and state.remaining_s(0.0) == 0
+    assert run(["unknown", "unknown", "completed", "completed"])[1][-1] is None  # reset once
     assert run(["completed"])[1] == [None]  # nothing to reset
 
 

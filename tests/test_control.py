@@ -79,6 +79,33 @@ def test_in_once_mode_any_dispatch_after_the_circuit_opened_is_the_one_recovery(
         "upstream_operation_status_unknown", "claim_exhausted")
 
 
+
+def complete(led, d, now):
+    return led.finish(d.attempt_id, AttemptEnd("completed", 200, 1, None), now=now,
+                      circuit_cfg=CFG, eventless_failure=False)
+
+
+@pytest.mark.parametrize("how", ["cooled down", "cleared"])
+def test_in_once_mode_another_turn_completing_in_between_keeps_the_one_recovery(ledger_backend,
+                                                                               how):
+    """Another turn of the session completes once the cooldown is over (a completion resets
+    the circuit): the first operation's next dispatch is still its one recovery. On both
+    stores."""
+    led = ledger_backend.open("a", T0)
+    i, other = ident(), ident(b'{"input": "other turn"}')
+    open_circuit(led, i)
+    if how == "cleared":
+        led.clear_circuits(None, now=T0 + 3, actor="test")
+    at = T0 + 3.5 if how == "cleared" else T0 + 120
+    done = complete(led, admit(led, other, at, once=True), at)
+    assert done.transition == (None if how == "cleared" else "reset")  # cleared: closed already
+    assert led.circuit_state(scope_of(i)).remaining_s(at + 1) == 0
+    first = admit(led, i, at + 1, once=True)
+    assert first == policy.Dispatch("recovery", 4)
+    fail(led, first, at + 2)
+    assert admit(led, i, at + 3, once=True) == policy.Denied(
+        "upstream_operation_status_unknown", "claim_exhausted")
+
 def test_clearing_an_open_circuit_lets_the_next_request_dispatch_and_is_audited(tmp_path):
     led = open_ledger(tmp_path)
     i = ident()

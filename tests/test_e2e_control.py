@@ -186,6 +186,32 @@ def test_releasing_a_session_moves_it_to_the_next_process_that_serves_it(tmp_pat
         assert [e["result"] for e in events(tmp_path, "session_claimed", "b")] == ["taken_over"]
 
 
+def test_in_once_mode_another_turn_completing_after_a_clear_gives_no_second_recovery(tmp_path):
+    """The circuit opened by an operation's failures is cleared; another turn of the session
+    completes (which resets the circuit). A retry of the first operation is still its one
+    recovery: when it ends without a result the operation is spent, and nothing is dispatched
+    for it again."""
+    scenario = {
+        "sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"},
+                     {"kind": "ok"},  # the other turn
+                     {"kind": "reset"}],  # the first operation's one recovery
+        "default": {"kind": "ok"},
+    }
+    other_turn = {**TURN, "input": [{"role": "user", "content": "now the tests"}]}
+    once = {"turnguard_recovery_mode": "server_anchored_replay_once"}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, **once) as p:
+        open_circuit(p.url)
+        assert turnguard(tmp_path, "circuit", "clear", "--all").returncode == 0
+        assert post(p.url, turn=other_turn)[0] == 200  # resets the circuit
+        assert post(p.url)[0] in (0, 502)  # the recovery, failed without events: spent
+        status, body = post(p.url)
+        assert status == 503, (status, body)
+        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+        assert len(up.dispatches()) == 4  # never a second recovery dispatch
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_in_once_mode_a_sessionless_operation_has_no_recovery_to_spend(tmp_path):
     """Only an operation of a session has a recovery (only its requests can be held, and only
     they fail closed without the ledger, where a spent claim cannot be read). A sessionless

@@ -115,8 +115,8 @@ class ModelCircuit:
         self.failures, self.open_until = 0, 0.0
 
     def end(self, outcome: str, now: float) -> None:
-        if outcome == "completed":
-            self.failures, self.open_until = 0, 0.0
+        if outcome == "completed":  # closed now; the end of its last cooldown is kept
+            self.failures, self.open_until = 0, min(self.open_until, now)
         elif outcome == "unknown":
             self.failures += 1
             if self.failures >= CIRCUIT.threshold:

@@ -8,7 +8,10 @@ Rules:
 - an eventless failure (an ``unknown`` outcome the upstream caused: timeout, reset, clean close,
   connection error) adds one failure; at ``threshold`` failures the circuit opens for
   ``cooldown_s``, and each further failure re-opens it for twice as long, up to ``cooldown_max_s``;
-- a completed response resets it;
+- a completed response resets it: no failures, and a cooldown still running ends now. The end
+  of the last cooldown is kept (as a clear keeps it): that the circuit opened after an
+  operation's last attempt ended is what makes the operation's next dispatch its one recovery
+  in once mode (``policy.admit``), whatever turn of the scope completed meanwhile;
 - a failure never moves an open cooldown's end earlier: processes sharing a ledger (other hosts,
   other clocks, another ``turnguard_cooldown_ms``) can lengthen a cooldown, never shorten it;
 - other outcomes (rejected, partial, a client that went away) leave it as it is;
@@ -59,8 +62,9 @@ def record_outcome(
 ) -> tuple[CircuitState, Transition]:
     """The circuit after one attempt's end, and whether it opened or reset."""
     if completed:
-        if state.failures or state.open_until is not None:
-            return CircuitState(), "reset"
+        if state.failures or state.remaining_s(now) > 0:
+            ended = None if state.open_until is None else min(state.open_until, now)
+            return CircuitState(0, ended, None), "reset"
         return state, None
     if not eventless_failure:
         return state, None
