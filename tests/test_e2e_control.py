@@ -58,6 +58,17 @@ def events(tmp_path, kind, name="mitmdump"):
     return turnguard_events(tmp_path, name, kind)
 
 
+def assert_refused_after_its_one_recovery(tmp_path, up, p, *, dispatches):
+    """The operation's retry through ``p`` fails closed, its one recovery used: nothing more
+    went upstream than ``dispatches`` in all, and one recovery was claimed."""
+    status, body = post(p.url)
+    assert status == 503, (status, body)
+    assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
+    assert len(up.dispatches()) == dispatches  # never a second recovery dispatch
+    assert len(events(tmp_path, "recovery_claimed")) == 1
+    assert_no_traceback(p.log_text())
+
+
 def open_circuit(url):
     assert post(url)[0] == 502  # cut: no response headers within 600 ms
     assert post(url)[0] in (0, 502)  # upstream reset: the circuit opens
@@ -160,12 +171,7 @@ def test_in_once_mode_a_circuit_opened_again_by_another_turn_gives_no_second_rec
         (circuit,) = json.loads(turnguard(tmp_path, "circuit", "list", "--json").stdout)
         assert circuit["open"], circuit
         assert turnguard(tmp_path, "circuit", "clear", "--all").returncode == 0
-        status, body = post(p.url)
-        assert status == 503, (status, body)
-        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
-        assert len(up.dispatches()) == 5  # never a second recovery dispatch
-        assert len(events(tmp_path, "recovery_claimed")) == 1
-        assert_no_traceback(p.log_text())
+        assert_refused_after_its_one_recovery(tmp_path, up, p, dispatches=5)
     report("once mode, recovery answered 500, circuit opened again by another turn and "
            f"cleared: retry 503, upstream dispatches={len(up.dispatches())}")
 
@@ -204,12 +210,7 @@ def test_in_once_mode_another_turn_completing_after_a_clear_gives_no_second_reco
         assert turnguard(tmp_path, "circuit", "clear", "--all").returncode == 0
         assert post(p.url, turn=other_turn)[0] == 200  # resets the circuit
         assert post(p.url)[0] in (0, 502)  # the recovery, failed without events: spent
-        status, body = post(p.url)
-        assert status == 503, (status, body)
-        assert json.loads(body)["error"]["code"] == "upstream_operation_status_unknown"
-        assert len(up.dispatches()) == 4  # never a second recovery dispatch
-        assert len(events(tmp_path, "recovery_claimed")) == 1
-        assert_no_traceback(p.log_text())
+        assert_refused_after_its_one_recovery(tmp_path, up, p, dispatches=4)
 
 
 def test_in_once_mode_a_sessionless_operation_has_no_recovery_to_spend(tmp_path):
