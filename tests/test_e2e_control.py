@@ -237,3 +237,27 @@ def test_in_once_mode_a_sessionless_operation_has_no_recovery_to_spend(tmp_path)
         assert [e["kind"] for e in events(tmp_path, "dispatch")] == ["original"] + ["retry"] * 3
         assert not events(tmp_path, "recovery_claimed")
         assert_no_traceback(p.log_text())
+
+
+def test_a_client_cannot_write_terminal_escapes_to_the_operators_terminal(tmp_path):
+    """The body's ``previous_response_id`` is kept in the ledger as the client sent it; the
+    tool's text output must not hand its control characters (ESC, BEL, C1 CSI, a newline
+    that forges a line) to the operator's terminal."""
+    hostile = "resp_\x1b]0;owned\x07\x1b[2J\x9b31m\rforged: line\nstate: completed"
+    turn = {**TURN, "previous_response_id": hostile}
+    with MockUpstream(tmp_path, {"default": {"kind": "ok"}}) as up, proxy(tmp_path, up) as p:
+        status, _ = post(p.url, headers={"authorization": "Bearer sk-escape"}, turn=turn)
+        assert status in (200, 400), status
+        listed = turnguard(tmp_path, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        (op,) = json.loads(listed.stdout)
+        shown = turnguard(tmp_path, "show", op["op"])
+        assert shown.returncode == 0, shown.stderr
+        assert "previous response" in shown.stdout
+        for out in (shown.stdout, turnguard(tmp_path, "list").stdout,
+                    turnguard(tmp_path, "status").stdout):
+            assert not any(c in out for c in "\x1b\x07\x9b\r"), repr(out)
+            assert "\nstate: completed" not in out, repr(out)
+        as_json = json.loads(turnguard(tmp_path, "show", op["op"], "--json").stdout)
+        assert as_json["previous_response_id"] == hostile  # JSON keeps the value exactly
+        assert_no_traceback(p.log_text())

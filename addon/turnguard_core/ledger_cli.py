@@ -27,6 +27,7 @@ import datetime
 import getpass
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -477,7 +478,8 @@ def cmd_status(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> in
     if v["recent_control_actions"]:
         out.write("recent control actions:\n")
         for a in v["recent_control_actions"]:
-            out.write(f"  {a['at']}  {a['action']} {a['target']}  by {a['actor']}\n")
+            out.write(f"  {a['at']}  {_text(a['action'])} {_text(a['target'])}"
+                      f"  by {_text(a['actor'])}\n")
     return 0
 
 
@@ -499,7 +501,7 @@ def cmd_audit(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int
         out.write("no control actions recorded\n")
     else:
         for a in rows:
-            out.write(f"{a['at']}  {a['action']} {a['target']}  by {a['actor']}\n"
+            out.write(f"{a['at']}  {_text(a['action'])} {_text(a['target'])}  by {_text(a['actor'])}\n"
                       f"    before {json.dumps(a['before'])}\n    after  {json.dumps(a['after'])}\n")
     return 0
 
@@ -527,7 +529,7 @@ def cmd_circuit(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> i
     for row in cleared:
         telemetry.emit("circuit_cleared", scope=row.scope, failures=row.state.failures,
                        remaining_ms=round(row.state.remaining_s(now) * 1000), by="cli")
-        out.write(f"cleared {row.scope} ({row.state.failures} failures, "
+        out.write(f"cleared {_text(row.scope)} ({row.state.failures} failures, "
                   f"{duration(row.state.remaining_s(now))} of cooldown left)\n")
     if not cleared:
         out.write("no circuit counts failures or cools down: nothing to clear\n")
@@ -541,7 +543,7 @@ def cmd_session(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> i
     telemetry.emit("session_released", session=key, owner_was=before.owner_instance,
                    epoch_was=before.owner_epoch, epoch=after.owner_epoch, by="cli")
     telemetry.close()
-    out.write(f"released session {key} (owner was {before.owner_instance or 'none'}, epoch "
+    out.write(f"released session {_text(key)} (owner was {_text(before.owner_instance or 'none')}, epoch "
               f"{before.owner_epoch} -> {after.owner_epoch}); the next process to serve it "
               "takes it over\n")
     return 0
@@ -576,11 +578,44 @@ WRITES = {"circuit": lambda a: a.circuit_command == "clear", "session": lambda a
 PROG_NAME = os.environ.get("TURNGUARD_PROG") or "scripts/turnguard"
 
 
+# what a terminal acts on rather than prints: C0 and C1 controls (ESC, BEL, CR, a C1 CSI),
+# DEL, format characters (bidi overrides), line and paragraph separators and lone surrogates
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                          "\u2060-\u206f\ufeff\ufff9-\ufffb\ud800-\udfff]")
+
+
+def _escape(text: str, keep_newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on written as an escape (``\\x1b``):
+    values in the ledger can come from a client (a body's ``previous_response_id``), and must
+    not move the operator's cursor, retitle the terminal or forge a line of output."""
+    def one(m: re.Match[str]) -> str:
+        c = m.group(0)
+        if keep_newlines and c == "\n":
+            return c
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    return _UNPRINTABLE.sub(one, text)
+
+
+class _Printable:
+    """The output stream with no character a terminal would act on, newlines apart (the
+    tool's own line ends; a value's newlines are escaped by ``_text`` and ``_table``)."""
+
+    def __init__(self, out: TextIO):
+        self._out = out
+
+    def write(self, text: str) -> int:
+        return self._out.write(_escape(text, keep_newlines=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
 def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+    return "-" if value is None else _escape(str(value))
 
 
 def _table(header: list[str], rows: list[list[str]], out: TextIO) -> None:
+    rows = [[_escape(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
@@ -626,7 +661,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         except LedgerError as e:
             raise CliError(f"cannot open the ledger: {e}") from e
         try:
-            return COMMANDS[args.command](ledger, args, out)
+            return COMMANDS[args.command](ledger, args, _Printable(out))
         except LedgerError as e:
             if writes:
                 raise CliError(str(e)) from e
