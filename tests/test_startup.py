@@ -89,7 +89,8 @@ def test_an_invalid_option_value_stops_mitmdump_with_one_line(tmp_path, setting,
     _assert_refused(_mitmdump_once(tmp_path, setting), needle)
 
 
-@pytest.mark.parametrize("case", ["missing folder", "world-writable folder", "group-writable file"])
+@pytest.mark.parametrize("case", ["missing folder", "world-writable folder", "group-writable file",
+                                  "a folder", "a FIFO"])
 def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp_path, case):
     folder = tmp_path / "ledger-folder"
     if case != "missing folder":
@@ -100,9 +101,14 @@ def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp
     elif case == "group-writable file":
         path.write_bytes(b"")
         path.chmod(0o660)
+    elif case == "a folder":  # never openable: refused, not an outage turnguard waits out
+        path.mkdir(mode=0o700)
+    elif case == "a FIFO":
+        os.mkfifo(path, 0o600)
     line = _assert_refused(_mitmdump_once(tmp_path, f"turnguard_ledger={path}"), str(path), "refused")
     assert {"missing folder": "does not exist", "world-writable folder": "world-writable",
-            "group-writable file": "writable by others"}[case] in line
+            "group-writable file": "writable by others", "a folder": "not a regular file",
+            "a FIFO": "not a regular file"}[case] in line
 
 
 def test_a_good_start_says_turnguard_is_running(tmp_path):

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 import urllib.parse
 from typing import Iterable, Literal
 
@@ -1019,9 +1020,18 @@ def check_path(path: str) -> str:
     if path == ":memory:":
         return path
     try:
-        return check_private_path(path)
+        real = check_private_path(path)
     except UnsafePath as e:
         raise LedgerError(str(e)) from None
+    try:  # a folder, FIFO or device there can never be opened as the ledger
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return real
+    except OSError as e:
+        raise LedgerError(f"{path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise LedgerError(f"{path} is not a regular file")
+    return real
 
 
 # An operation whose once-only recovery claim was spent (policy.once_claim_spent): kept for good.
