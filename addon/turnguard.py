@@ -145,9 +145,27 @@ class TurnGuard:
             if "turnguard_ledger" in updated or "confdir" in updated:
                 # a refused path leaves the ledger in use; a fault at open is noted and the
                 # ledger tried again later
-                self.store.open(config.ledger_path(o.turnguard_ledger, o.confdir))
+                location = config.ledger_path(o.turnguard_ledger, o.confdir)
+                self._check_ledger_change(location)
+                self.store.open(location)
         except ValueError as e:
             self._refuse(str(e))
+
+    def _check_ledger_change(self, location: str) -> None:
+        """Another ledger while this process runs turns or holds duplicates registered in the
+        one in use is refused: their ends belong to that ledger (other processes sharing it
+        hold their duplicates on them, and would answer 409 for as long as this process
+        lives), and a held duplicate would be decided again from a ledger that never saw
+        its original. Set it again once they have ended."""
+        if not self._running or not self.store.path or location == self.store.path:
+            return
+        turns, held = len(self.inflight), len(self.waiters)
+        if turns or held:
+            raise ValueError(
+                f"turnguard_ledger={config.display_ledger(location)} is refused for now: "
+                f"{turns} turn(s) in flight and {held} duplicate(s) held on the ledger in use"
+                f" ({self.store.location}) must end there first; set it again once they have"
+                " ended (turnguard.status shows them)")
 
     def _refuse(self, message: str) -> None:
         """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off

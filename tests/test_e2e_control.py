@@ -10,10 +10,14 @@ import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
 
 from harness import (
     REPO,
     MockUpstream,
+    Mitmdump,
     assert_no_traceback,
     guarded,
     post_turn,
@@ -261,3 +265,43 @@ def test_a_client_cannot_write_terminal_escapes_to_the_operators_terminal(tmp_pa
         as_json = json.loads(turnguard(tmp_path, "show", op["op"], "--json").stdout)
         assert as_json["previous_response_id"] == hostile  # JSON keeps the value exactly
         assert_no_traceback(p.log_text())
+
+
+LIVE_OPTIONS = Path(__file__).with_name("live_options.py")
+
+
+def set_live(p, *specs: str) -> tuple[int, str]:
+    """Set options of the running mitmdump ``p`` (loaded with ``live_options.py``)."""
+    r = httpx.post(p.url + "/__set", json=list(specs), trust_env=False, timeout=20)
+    return r.status_code, r.text
+
+
+def test_changing_the_ledger_while_a_turn_streams_never_wedges_its_duplicates(tmp_path):
+    """The ledger option changed in a running process (mitmweb, ``:set``) while one of its
+    turns streams: the turn's end must reach the ledger the other processes share, so a
+    duplicate there is replayed, not answered 409 for as long as this process lives. A bad
+    value is refused with a clear error and the old one kept."""
+    shared, other = tmp_path / "ledger.sqlite3", tmp_path / "other.sqlite3"
+    turn = {**TURN, "input": "switch ledgers"}
+    headers = {"authorization": "Bearer sk-switch"}
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 6, "gap_ms": 700}}) as up, \
+            Mitmdump(tmp_path, up.url, name="a", extra_args=["-s", str(LIVE_OPTIONS)], options={
+                "turnguard_ledger": str(shared),
+                "turnguard_events": str(tmp_path / "a-events.jsonl")}) as a, \
+            guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=3000) as b:
+        with ThreadPoolExecutor(1) as pool:
+            original = pool.submit(post, a.url, headers, 60, turn)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            status, text = set_live(a, "turnguard_hold_timeout_ms=-5")
+            assert status == 400 and "turnguard_hold_timeout_ms" in text, text
+            status, text = set_live(a, f"turnguard_ledger={tmp_path}")  # a folder: refused
+            assert status == 400 and "turnguard_ledger" in text, text
+            changed = set_live(a, f"turnguard_ledger={other}")
+            assert original.result()[0] == 200
+        if changed[0] != 200:  # refused while the turn ran: the refusal says why
+            assert "turnguard_ledger" in changed[1] and "in flight" in changed[1], changed
+            assert set_live(a, f"turnguard_ledger={other}")[0] == 200  # once it has ended
+        status, body = post(b.url, headers, 30, turn)  # b shares the first ledger
+        assert status == 200, (status, body[:300])
+        assert len(up.dispatches()) == 1
+        assert "Traceback" not in a.log_text() + b.log_text()
