@@ -569,3 +569,33 @@ def test_ledger_cli_refuses_a_huge_limit_and_an_argument_that_is_not_utf8(direct
             "utf-8", "surrogateescape")], capture_output=True, timeout=CLI_TIMEOUT_S,
             env=_env(), stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and b"not UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_ledger_cli_on_junk_rows_says_so_in_one_line_and_exits_1(direct_ledger: DirectLedger):
+    """Rows turnguard did not write (a value of the wrong type, a time out of range, JSON that
+    is not): every command answers or says so in one line, exit status 1, never a traceback;
+    --help documents the exit statuses."""
+    led = str(direct_ledger.path)
+    db = sqlite3.connect(led)
+    with db:
+        db.execute("INSERT INTO operations (op_key, scope, method, path, fingerprint, state,"
+                   " created_at, updated_at, ended_at, attempts) VALUES ('ffff0001', 's',"
+                   " 'POST', '/v1/responses', 'fp', 'weird', 'x', 1e308, X'00ff', 'many')")
+        db.execute("INSERT INTO circuits VALUES ('junk', 'many', 'soon', 'x', 'y')")
+        db.execute("INSERT INTO sessions VALUES ('junk', 'd', 'o', 'epoch', 'lease', 0, 0)")
+        db.execute("INSERT INTO instances (instance_id, pid, host, started_at, heartbeat_at)"
+                   " VALUES ('junk', 'pid', 'h', 'x', 'y')")
+        db.execute("INSERT INTO control_audit (at, action, target, actor, before, after)"
+                   " VALUES ('x', 'a', 't', 'b', '{bad', '[1')")
+    db.close()
+    for args in (["status"], ["status", "--json"], ["list"], ["list", "--json"],
+                 ["show", "ffff0001"], ["show", "ffff0001", "--json"], ["stats"],
+                 ["circuit", "list"], ["audit"], ["audit", "--json"],
+                 ["circuit", "clear", "--all"], ["session", "release", "junk"]):
+        r = _ledger_cli("--ledger", led, *args)
+        assert "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.returncode in (0, 1), (args, r.returncode, r.stderr)
+        if r.returncode == 1:
+            assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr, (args, r.stderr)
+    helped = _ledger_cli("--help").stdout
+    assert "Exit status" in helped and "2 usage error" in helped

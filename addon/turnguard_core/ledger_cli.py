@@ -17,7 +17,7 @@ the addon uses, record who did what in the ledger's audit table and, with ``--ev
 $TURNGUARD_EVENTS), append a telemetry line. The ledger holds no secret (credentials,
 sessions and turn-state tokens are hashes); recorded response headers are never printed. Exit
 status: 0 ok, 1 error (missing ledger, no such operation, circuit or session, ambiguous prefix,
-failed integrity check), 2 usage error.
+failed integrity check, a row turnguard did not write), 2 usage error.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def iso(ts: float | None) -> str | None:
     """A Unix time as ISO-8601 UTC with milliseconds, e.g. ``2025-01-02T03:04:05.678Z``."""
     if ts is None:
         return None
-    t = datetime.datetime.fromtimestamp(ts, datetime.UTC)
+    try:
+        t = datetime.datetime.fromtimestamp(ts, datetime.UTC)
+    except (TypeError, ValueError, OverflowError, OSError):  # a junk value in the ledger
+        return f"(not a time: {ts!r})"
     return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -72,7 +75,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "(or none) that uses the ledger. Inspection is read only; circuit clear and session "
         "release write through the ledger's fenced transactions and are audited.",
         epilog="The ledger defaults to $TURNGUARD_LEDGER, else " + DEFAULT_LEDGER
-        + " (the proxy's default with confdir ~/.mitmproxy).",
+        + " (the proxy's default with confdir ~/.mitmproxy). Exit status: 0 ok; 1 error (no"
+        " ledger, a ledger that cannot be opened or read, no such operation, circuit or"
+        " session, an ambiguous prefix, a failed integrity check, a row turnguard did not"
+        " write); 2 usage error.",
     )
     p.add_argument(
         "--ledger", metavar="PATH", default=None,
@@ -675,6 +681,13 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         return 1
     except LedgerError as e:
         err.write(f"{name}: error: reading {path} failed: {e}\n")
+        return 1
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as e:
+        # a row this tool cannot read (a value of the wrong type, a junk JSON text): written
+        # by hand or by something else than turnguard; say so instead of a traceback
+        err.write(f"{name}: error: {path} holds a row turnguard did not write "
+                  f"(edited by hand or by another program: {type(e).__name__}: "
+                  f"{_escape(str(e))})\n")
         return 1
     finally:
         ledger.close()
