@@ -324,3 +324,49 @@ def test_a_ledger_down_at_start_up_keeps_proxying_and_is_used_once_it_is_up(tmp_
         log = a.log_text()
     assert rows(own_pg.url, "SELECT COUNT(*) FROM operations") >= [(2,)]
     assert_no_traceback(log)
+
+
+def _pause_server(server, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) the server's postmaster and every backend: a server that hangs
+    without closing a connection (a frozen VM, a stalled disk)."""
+    import os
+    import signal
+
+    with open(os.path.join(server.data, "postmaster.pid"), encoding="utf-8") as f:
+        postmaster = int(f.readline())
+    children = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True,
+                              text=True, timeout=10).stdout.split()
+    for pid in [postmaster, *map(int, children)]:
+        os.kill(pid, signal.SIGCONT if not paused else signal.SIGSTOP)
+
+
+def test_a_paused_server_leaves_no_unhandled_error_once_it_answers_again(tmp_path, own_pg):
+    """The server hangs (SIGSTOP) while turns start on two processes: every request is
+    answered within its budget, decided in memory; the ledger calls they stopped waiting for
+    fail on the ledger's thread later, and none of them is an unhandled error in mitmdump's
+    log once the server answers again."""
+    url = own_pg.url
+    opts = {"turnguard_request_budget_ms": 6000}
+    slow = {**HEADERS, **harness.mock_behaviour(kind="ok", events=5, gap_ms=800)}
+    body = {**BODY, "input": "the server hangs at the claim"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, **opts) as a, \
+            guarded(tmp_path, up, "b", url, **opts) as b, ThreadPoolExecutor(3) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, body={**BODY, "input": warm})[0] == 200
+        _pause_server(own_pg, True)
+        try:
+            original = pool.submit(post, a.url, slow, body)
+            time.sleep(0.5)
+            dups = [pool.submit(post, b.url, HEADERS, body) for _ in range(2)]
+            time.sleep(10)
+        finally:
+            _pause_server(own_pg, False)
+        results = [original.result(60)] + [d.result(60) for d in dups]
+        wait_until(lambda: "usable again" in a.log_text() and "usable again" in b.log_text(),
+                   20, what="both processes back on the ledger")
+        time.sleep(1)
+        log = a.log_text() + b.log_text()
+    assert [r[0] for r in results] == [200] * 3
+    assert rows(url, "SELECT COUNT(*) FROM attempts WHERE outcome = 'in_flight'") == [(0,)]
+    assert_no_traceback(log)
+

@@ -65,6 +65,12 @@ Emit = Callable[..., None]  # telemetry: emit(event, **fields)
 T = TypeVar("T")
 
 
+def _settle(task: asyncio.Future) -> None:
+    """Retrieve the outcome of a ledger call its caller stopped waiting for."""
+    if not task.cancelled():
+        task.exception()
+
+
 class ControlError(Exception):
     """An operator's control action could not be run (the message says why)."""
 
@@ -503,8 +509,9 @@ class FailoverStore:
             wait_s = max(0.0, deadline - time.monotonic()) + LEDGER_LATE_S
             done, _ = await asyncio.wait([task], timeout=wait_s)
             if not done:
-                if on_late is not None:
-                    task.add_done_callback(on_late)
+                # the call goes on without its caller: its error (the ledger's thread gives
+                # up, or the database fails later) is nobody's, never an unhandled one
+                task.add_done_callback(on_late if on_late is not None else _settle)
                 raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({during})")
             return task.result()
         except LedgerError as e:
