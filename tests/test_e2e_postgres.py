@@ -370,3 +370,31 @@ def test_a_paused_server_leaves_no_unhandled_error_once_it_answers_again(tmp_pat
     assert rows(url, "SELECT COUNT(*) FROM attempts WHERE outcome = 'in_flight'") == [(0,)]
     assert_no_traceback(log)
 
+
+def test_a_connection_the_server_ended_is_made_again_before_a_duplicate_is_decided(
+        tmp_path, pg_url):
+    """The server ends turnguard's connections (pg_terminate_backend: an operator, a pooler or
+    `idle_session_timeout`) while A runs a turn; then a duplicate comes to B. The server is
+    up: B's claim finds its connection gone before it did anything, makes it again and reads
+    A's attempt in flight, so the duplicate is held and replayed, never run again."""
+    scenario = {"sequence": [{"kind": "ok", "events": 6, "gap_ms": 800}],
+                "default": {"kind": "ok"}}
+    sessionless = {"authorization": f"Bearer {SECRET}"}  # the claim is the first ledger call
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(4) as pool:
+        original = pool.submit(post, a.url, sessionless)
+        wait_until(lambda: up.dispatches(), 10, what="the original's dispatch")
+        dups = []
+        for _ in range(3):
+            ended = rows(pg_url, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))"
+                                 " FROM pg_stat_activity WHERE datname = current_database()"
+                                 " AND pid <> pg_backend_pid()")[0][0]
+            assert ended >= 1
+            dups.append(pool.submit(post, b.url, sessionless))
+            time.sleep(0.5)
+        results = [original.result(30)] + [d.result(30) for d in dups]
+        log = a.log_text() + b.log_text()
+    assert [r[0] for r in results] == [200] * 4
+    assert [r[1].get("x-turnguard") for r in results[1:]] == ["replayed"] * 3
+    assert len(up.dispatches()) == 1
+    assert_no_traceback(log)

@@ -177,13 +177,20 @@ def test_a_restart_of_the_server_is_an_outage_and_the_ledger_comes_back(own_pg):
     led.open(1000.0)
     i = ident(1)
     claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
-    own_pg.restart()
+    own_pg.stop(mode="immediate")  # down: an outage
     with pytest.raises(LedgerError):
         led.finish(claim.attempt_id, AttemptEnd("completed", 200, 1, None,
                                                 Recording(200, (), b"ok")), now=1001.0)
+    own_pg.restart()  # (it is stopped: this starts it)
     assert led.finish(claim.attempt_id, AttemptEnd("completed", 200, 1, None,
                                                    Recording(200, (), b"ok")), now=1001.0).applied
     assert led.recording(claim.attempt_id).body == b"ok"
+    # restarted while the connection was idle, and up again by the next claim: the
+    # connection the server ended is made again at once, no outage
+    own_pg.restart()
+    other = ident(2)
+    assert isinstance(led.admit(other, method="POST", path="/v1/responses", now=1002.0,
+                                guard=GUARD, flow_id="g"), policy.Dispatch)
     led.close()
 
 

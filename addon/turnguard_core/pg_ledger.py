@@ -219,12 +219,24 @@ class _Transaction:
         self.claimed: list[tuple[int, str]] = []
 
     def __enter__(self) -> "_Transaction":
-        db = self.ledger._conn()
-        ms = max(1, int(self.ledger._timeout_ms))
+        ledger = self.ledger
+        kept = ledger._db
+        db = ledger._conn()
+        ms = max(1, int(ledger._timeout_ms))
         begin = (f"BEGIN; SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
         if self.lock is not None:
             begin += f"; SELECT pg_advisory_xact_lock({int(self.lock)})"
-        db.execute(begin)
+        try:
+            db.execute(begin)
+        except _CONNECTION_ERRORS:
+            if db is not kept or not (db.broken or db.closed):
+                raise
+            # A kept connection the server ended while it was idle (pg_terminate_backend, a
+            # pooler, idle_session_timeout, a restart): nothing of this transaction ran, and
+            # the server may well be up. Made again once, rather than deciding without it.
+            ledger._drop()
+            db = ledger._conn()
+            db.execute(begin)
         self.db = db
         return self
 
