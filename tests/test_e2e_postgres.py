@@ -398,3 +398,31 @@ def test_a_connection_the_server_ended_is_made_again_before_a_duplicate_is_decid
     assert [r[1].get("x-turnguard") for r in results[1:]] == ["replayed"] * 3
     assert len(up.dispatches()) == 1
     assert_no_traceback(log)
+
+
+def test_a_duplicate_replayed_from_another_process_is_not_failed_closed_by_an_ended_connection(
+        tmp_path, pg_url):
+    """B holds a duplicate of A's turn; the server ends every connection (the server stays up)
+    just before the turn ends. B reads the recording to replay on a connection made again,
+    never answering 503 ledger_unavailable for a turn that completed."""
+    scenario = {"sequence": [{"kind": "ok", "events": 4, "gap_ms": 800}],
+                "default": {"kind": "ok"}}
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(4) as pool:
+        original = pool.submit(post, a.url, sessionless)
+        dispatched = wait_until(lambda: up.dispatches(), 10, what="the original's dispatch")[0]
+        dups = [pool.submit(post, b.url, sessionless) for _ in range(2)]
+        wait_until(lambda: len(events(tmp_path, "b", "duplicate_held")) == 2, 10,
+                   what="2 duplicates held by B")
+        time.sleep(max(0.0, dispatched["ts"] + 2.5 - time.time()))  # before the end (3.2 s)
+        rows(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                     " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        results = [original.result(30)] + [d.result(30) for d in dups]
+        log = a.log_text() + b.log_text()
+    assert [r[0] for r in results] == [200] * 3
+    assert [r[1].get("x-turnguard") for r in results[1:]] == ["replayed"] * 2
+    assert len({r[2] for r in results}) == 1
+    assert len(up.dispatches()) == 1
+    assert "ledger_unavailable" not in log
+    assert_no_traceback(log)

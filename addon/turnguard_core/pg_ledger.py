@@ -38,6 +38,7 @@ import functools
 import hashlib
 import json
 import logging
+import select
 import threading
 import time
 from typing import Callable
@@ -178,6 +179,20 @@ _MIGRATIONS: dict[int, str] = {
 _CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
+def _ended_while_idle(db: psycopg.Connection) -> bool:
+    """An idle connection with something to read: the server ended it (its FATAL message and
+    the end of the stream wait there: pg_terminate_backend, a pooler, idle_session_timeout, a
+    restart). Nothing else is sent to an idle connection that does not LISTEN, bar a rare
+    notice or parameter change; then it is only made again needlessly."""
+    if db.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False
+    try:
+        readable, _, _ = select.select([db.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
+
+
 def lock_key(kind: str, key: str) -> int:
     """A signed 64-bit advisory lock key for ``kind:key`` (a collision only serializes two
     unrelated claims, never mixes them)."""
@@ -293,7 +308,8 @@ class PgLedger:
             raise psycopg.OperationalError("ledger is not open")
         if self._replaced is not None:
             raise psycopg.OperationalError(self._replaced)
-        if self._db is not None and not self._db.closed and not self._db.broken:
+        if self._db is not None and not self._db.closed and not self._db.broken \
+                and not _ended_while_idle(self._db):
             return self._db
         self._drop()
         db = self._connect()
