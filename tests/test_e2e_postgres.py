@@ -426,3 +426,37 @@ def test_a_duplicate_replayed_from_another_process_is_not_failed_closed_by_an_en
     assert len(up.dispatches()) == 1
     assert "ledger_unavailable" not in log
     assert_no_traceback(log)
+
+
+def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable(
+        tmp_path, pg_url):
+    """The database is made read-only (``default_transaction_read_only``: maintenance, a
+    standby) and turnguard's connections are made again meanwhile: every write fails, an
+    outage. Once it is writable again, turnguard recovers by itself: a duplicate on the other
+    process is held and replayed again, not run twice."""
+    name = pg_url.rsplit("/", 1)[1]
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=4, gap_ms=700)}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        rows(admin, f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+             (name,))
+        time.sleep(1)
+        assert post(a.url, sessionless, {**BODY, "input": "read-only"})[0] == 200
+        wait_until(lambda: "ReadOnlySqlTransaction" in a.log_text(), 10, what="a write refused")
+        rows(admin, f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        time.sleep(12)  # two heartbeats and reopen intervals
+        body = {**BODY, "input": "writable again"}
+        original = pool.submit(post, a.url, slow, body)
+        wait_until(lambda: len(up.dispatches()) == 4, 10, what="the original's dispatch")
+        time.sleep(0.3)
+        status, headers, _ = post(b.url, sessionless, body)
+        assert original.result(30)[0] == status == 200
+        log = a.log_text() + b.log_text()
+    assert headers.get("x-turnguard") == "replayed"
+    assert len(up.dispatches()) == 4  # the warm-ups, the one in the outage, the turn once
+    assert_no_traceback(log)

@@ -348,7 +348,12 @@ class PgLedger:
             self._db = None
 
     def _after_error(self, error: psycopg.Error) -> None:
-        if isinstance(error, _CONNECTION_ERRORS) or (self._db is not None and self._db.broken):
+        # a write refused as read-only: the connection's session was made read-only (the
+        # database's or role's default_transaction_read_only when it was made, or a standby):
+        # made again, it takes the database as it is now, writable once the fault is over
+        refused = isinstance(error, pg_errors.ReadOnlySqlTransaction) and not self._readonly
+        if refused or isinstance(error, _CONNECTION_ERRORS) \
+                or (self._db is not None and self._db.broken):
             self._drop()
         else:
             self._rollback()
