@@ -177,6 +177,32 @@ def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
     led.close()
 
 
+def test_a_connection_past_descriptor_1024_is_kept_while_the_server_keeps_it(pg_url):
+    """A busy mitmproxy has more than 1,024 descriptors open: the check for a connection the
+    server ended must work past select()'s limit, or every call makes its connection again."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = []
+    try:
+        while len(filler) < 1030:
+            filler.append(open("/dev/null", "rb"))
+        led = PgLedger(pg_url, "a")
+        led.open(1000.0)
+        first = led._conn()
+        assert first.fileno() > 1024
+        assert led.snapshot(ident(1).op_key) is None
+        assert led._conn() is first  # kept: nothing came from the server
+        led.close()
+    finally:
+        for f in filler:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_restart_of_the_server_is_an_outage_and_the_ledger_comes_back(own_pg):
     led = PgLedger(own_pg.url, "a", busy_timeout_ms=2000)
     led.open(1000.0)

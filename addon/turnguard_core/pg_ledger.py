@@ -186,11 +186,12 @@ def _ended_while_idle(db: psycopg.Connection) -> bool:
     notice or parameter change; then it is only made again needlessly."""
     if db.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return False
-    try:
-        readable, _, _ = select.select([db.fileno()], [], [], 0)
+    try:  # poll, not select: a busy mitmproxy has descriptors past select's 1024
+        waiting = select.poll()
+        waiting.register(db.fileno(), select.POLLIN)
+        return bool(waiting.poll(0))
     except (OSError, ValueError, psycopg.Error):
         return True
-    return bool(readable)
 
 
 def lock_key(kind: str, key: str) -> int:
