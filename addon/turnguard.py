@@ -21,7 +21,7 @@ if _HERE not in sys.path:
 
 from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
-from turnguard_core import circuit, identity, machine, options, policy  # noqa: E402
+from turnguard_core import circuit, identity, ledger_location, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
 from turnguard_core.offload import WorkerStopped  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
@@ -162,7 +162,7 @@ class TurnGuard:
         turns, held = len(self.inflight), len(self.waiters)
         if turns or held:
             raise ValueError(
-                f"turnguard_ledger={config.display_ledger(location)} is refused for now: "
+                f"turnguard_ledger={ledger_location.display(location)} is refused for now: "
                 f"{turns} turn(s) in flight and {held} duplicate(s) held on the ledger in use"
                 f" ({self.store.location}) must end there first; set it again once they have"
                 " ended (turnguard.status shows them)")

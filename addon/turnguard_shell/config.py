@@ -64,11 +64,6 @@ def open_events(path: str) -> Telemetry:
         raise ValueError(f"turnguard_events={path!r} cannot be opened: {e.strerror}") from None
 
 
-def display_ledger(location: str) -> str:
-    """A ledger's location as it may be shown (a PostgreSQL URL's password masked)."""
-    return display(location)
-
-
 def ledger_path(option: str, confdir: str) -> str:
     """The ledger's location: a PostgreSQL URL (``postgresql://...``, ``postgres://...``) as
     given, if it parses; else an SQLite path (``<confdir>/turnguard.sqlite3`` when the option is
