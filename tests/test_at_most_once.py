@@ -260,6 +260,47 @@ def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp
            "turn was not reaped; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("mode", ["default", "once"])
+def test_a_process_paused_past_the_response_created_timeout_keeps_the_answer_that_came(
+        tmp_path, mode):
+    """A is paused (SIGSTOP) right after it dispatched; the upstream answers the whole turn
+    within the response-created timeout, into A's socket. Resumed, A finds that timeout
+    overdue: it must read what came before it cuts anything (its own stall is no silence of
+    the upstream). Cut, the completed turn is lost: the client gets a 502, the failure feeds
+    the circuit, the retry runs the turn again (default mode), or the operation's one
+    recovery is spent on it and every retry refused (once mode)."""
+    first = [{"kind": "reset"}, {"kind": "reset"}] if mode == "once" else []
+    scenario = {"sequence": [*first, {"kind": "ok", "delay_ms": 700, "events": 3}],
+                "default": {"kind": "ok"}}
+    opts: dict[str, object] = dict(turnguard_response_created_timeout_ms=1200,
+                                   turnguard_cooldown_ms=1500)
+    if mode == "once":
+        opts["turnguard_recovery_mode"] = ONCE
+    body = body_of("paused past the timeout")
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a:
+        for _ in first:  # two eventless failures: the circuit opens, the next is held
+            assert post(a.url, ANCHORED, body)[0] in (0, 502)
+        answer = in_background(post, a.url, ANCHORED, body)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch" and r["n"] == len(first), 20)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            paused_at = time.monotonic()
+            end = up.wait_for_record(lambda r: r.get("event") == "dispatch_end"
+                                     and r["n"] == len(first), 10)
+            assert end["outcome"] == "completed"  # the upstream answered it all, in time
+            time.sleep(max(0.0, paused_at + 3 - time.monotonic()))  # past the 1.2 s timeout
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        status, _, got = answer.result(30)
+        assert status == 200 and sse_event_types(got)[-1] == "response.completed", (status, got)
+        assert not events(tmp_path, "a", "upstream_cut")
+        again = post(a.url, ANCHORED, body)
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed", again[:2]
+        assert len(up.dispatches()) == len(first) + 1  # the turn ran once
+        wait_until(lambda: not in_flight(tmp_path / "ledger.sqlite3"), 10, what="no turn in flight")
+        assert_no_traceback(a.log_text())
+
+
 # -- 2. a ledger fault when a turn ends does not wedge it ---------------------------------------
 
 

@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -291,6 +292,32 @@ def test_a_silent_upstream_is_cut_after_the_response_created_timeout(tmp_path):
         assert failure[0]["failure_class"] == "missing_response_created_timeout"
         assert events(tmp_path, "upstream_cut")[0]["cut"] is True
         assert len(up.dispatches()) == 1
+
+
+def test_a_proxy_paused_past_the_response_created_timeout_keeps_the_call_that_came(tmp_path):
+    """The proxy is paused (SIGSTOP) right after it sent a call; the upstream answers it whole
+    within the response-created timeout. Resumed, the overdue timer must not cut what came
+    meanwhile (cut, the call ran upstream and is lost; its retry runs it again)."""
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 700, "events": 3}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_response_created_timeout_ms=1200) as p:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            got = pool.submit(lambda: asyncio.run(one_call(p.url, call([user("hi")]))))
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", 20)
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                end = up.wait_for_record(lambda r: r.get("event") == "dispatch_end", 10)
+                assert end["outcome"] == "completed"
+                time.sleep(3)  # past the 1.2 s timeout
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            assert types(got.result(30))[-1] == "response.completed"
+        assert not events(tmp_path, "upstream_cut")
+        assert types(asyncio.run(one_call(p.url, call([user("hi")], seed=1))))[-1] == \
+            "response.completed"
+        assert len(ws_dispatches(up)) == 1  # the retry was replayed, not run again
+        assert_no_traceback(p.log_text())
 
 
 def test_a_client_that_leaves_while_held_ends_the_hold(tmp_path):

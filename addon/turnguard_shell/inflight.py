@@ -37,6 +37,13 @@ logger = logging.getLogger("turnguard")
 FIRST_EVENT_DELAY_S = 0.1  # a stream's first event is recorded this late, unless it ended
 MARK_CUT = ":scissors:"
 MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
+# The response-created timer fired this much past its due time: the event loop itself stalled
+# (the process was paused, or blocked), and what the upstream sent meanwhile may sit unread in
+# the socket. The timer is given STALL_GRACE_S more to read it before it cuts anything, at
+# most STALL_GRACES times (a loop that keeps stalling does not keep the upstream forever).
+STALL_LATE_S = 0.25
+STALL_GRACE_S = 0.5
+STALL_GRACES = 3
 
 
 @dataclass
@@ -137,17 +144,29 @@ class InFlight:
                                           "attempt": dispatch.attempt_id, "kind": dispatch.kind}
         timeout_s = self._settings().response_created_timeout_s
         if timeout_s > 0:
-            attempt.timer = asyncio.get_running_loop().call_later(
-                timeout_s, lambda: self._current()._cut_if_silent(key, flow)
-            )
+            self._arm_cut(attempt, key, flow, timeout_s, STALL_GRACES)
         return attempt
 
-    def _cut_if_silent(self, key: str, flow: http.HTTPFlow) -> None:
-        """No response event in time: cut the upstream; its end records ``unknown``."""
+    def _arm_cut(self, attempt: Attempt, key: str, flow: http.HTTPFlow, after_s: float,
+                 graces: int) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + after_s
+        attempt.timer = loop.call_later(
+            after_s, lambda: self._current()._cut_if_silent(key, flow, due, graces))
+
+    def _cut_if_silent(self, key: str, flow: http.HTTPFlow, due: float | None = None,
+                       graces: int = 0) -> None:
+        """No response event in time: cut the upstream; its end records ``unknown``. A timer
+        that fires late (this process stalled: its own pause is no silence of the upstream)
+        first lets the loop read what arrived meanwhile."""
         attempt = self._process.attempts.get(key)
         if attempt is None or attempt.events_seen > 0:
             return
         attempt.timer = None
+        if due is not None and graces > 0 \
+                and asyncio.get_running_loop().time() - due > STALL_LATE_S:
+            self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
+            return
         attempt.cut_reason = MISSING_RESPONSE_CREATED
         reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
         if key in self._process.detached:  # turnguard's own call: cut on its replay handler
