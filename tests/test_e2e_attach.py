@@ -7,6 +7,7 @@ first byte came is compared with events (the original's end), never with a time 
 import asyncio
 import gzip
 import os
+import signal
 import time
 
 import httpx
@@ -240,6 +241,37 @@ def test_a_detached_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
         assert len(up.dispatches()) == 1
         detached = wait_for_event(tmp_path, "upstream_detached")
         assert detached["used"] is True and detached["cut"] is None
+        assert_no_traceback(proxy.log_text())
+
+
+def test_a_retry_that_came_while_the_proxy_was_paused_keeps_its_detached_call(tmp_path):
+    """The client gives up at 0.5 s (the call detaches, window 1.5 s); the proxy is paused
+    (SIGSTOP) at 0.8 s and its client retries at once, well within the window; resumed past
+    the window's end, the overdue window must not cut the call before the retry that came is
+    read (cut, the turn ran for nothing and the retry runs it again: two executions)."""
+    slow = {"kind": "ok", "events": 5, "gap_ms": 100, "delay_ms": 3000}
+
+    async def run(proxy):
+        first = asyncio.ensure_future(stream_post(proxy.url, behaviour=slow, timeout=0.5))
+        await asyncio.sleep(0.8)
+        os.kill(proxy.pid, signal.SIGSTOP)
+        try:
+            retry = asyncio.ensure_future(stream_post(proxy.url, behaviour=slow, timeout=40))
+            await asyncio.sleep(3.5)  # past the window's end (2 s)
+        finally:
+            os.kill(proxy.pid, signal.SIGCONT)
+        await first
+        return await retry
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1500, turnguard_hold_timeout_ms=30000,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        retry = asyncio.run(run(proxy))
+        assert retry["status"] == 200 and retry["error"] is None
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1  # one execution
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["cut"] is None
         assert_no_traceback(proxy.log_text())
 
 

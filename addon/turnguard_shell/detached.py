@@ -35,6 +35,8 @@ from mitmproxy.addons.clientplayback import ReplayHandler
 from turnguard_core.live import LiveResponse
 from turnguard_core.proxy_internals import cut_handler_upstream
 
+from .inflight import STALL_GRACE_S, STALL_GRACES, STALL_LATE_S
+
 logger = logging.getLogger("turnguard")
 
 MARK_DETACHED = ":satellite:"
@@ -166,8 +168,7 @@ class Detacher:
         d.attached_at_orphan = live.attached_total
         if self.without_client() > settings.detach_max:
             return self._cut(d, "turnguard_detach_max")
-        d.timer = asyncio.get_running_loop().call_later(
-            max(d.window_s, settings.detach_s), lambda: self._window_over(d))
+        self._arm_window(d, max(d.window_s, settings.detach_s))
 
     def wanted(self, up_id: str) -> None:
         """A duplicate (a retry) of the call came: if it runs without a client, it is used."""
@@ -175,18 +176,27 @@ class Detacher:
         if d is not None and d.orphan_since is not None:
             d.used = True
 
-    def _window_over(self, d: Detached) -> None:
+    def _arm_window(self, d: Detached, after_s: float, graces: int = STALL_GRACES) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + after_s
+        d.timer = loop.call_later(after_s, lambda: self._window_over(d, due, graces))
+
+    def _window_over(self, d: Detached, due: float | None = None, graces: int = 0) -> None:
         d.timer = None
         if d.live.end is not None:
+            return
+        if due is not None and graces > 0 \
+                and asyncio.get_running_loop().time() - due > STALL_LATE_S:
+            # this process stalled past the window's end (paused, blocked): a retry that came
+            # meanwhile may be unread yet; let the loop read it before the call is cut
+            self._arm_window(d, STALL_GRACE_S, graces - 1)
             return
         if d.live.listeners > 0:  # a retry attached meanwhile: it has a client again
             self._back(d)
             return
         if self._awaited(d.up.id):  # a retry waits for it (to attach once it streams): a
             d.used = True          # client too; the window starts again when it is gone
-            d.timer = asyncio.get_running_loop().call_later(
-                max(d.window_s, self._settings().detach_s, AWAITED_RECHECK_S),
-                lambda: self._window_over(d))
+            self._arm_window(d, max(d.window_s, self._settings().detach_s, AWAITED_RECHECK_S))
             return
         self._cut(d, "no client within turnguard_detach_ms")
 
