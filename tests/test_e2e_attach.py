@@ -6,6 +6,7 @@ first byte came is compared with events (the original's end), never with a time 
 
 import asyncio
 import gzip
+import json
 import os
 import signal
 import time
@@ -30,17 +31,25 @@ BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
 
 
 async def stream_post(url: str, *, headers=HEADERS, body=BODY, delay_s: float = 0.0,
-                      behaviour: dict | None = None, timeout: float = 60) -> dict:
+                      behaviour: dict | None = None, timeout: float = 60,
+                      chunked: bool = False) -> dict:
     """POST on a fresh connection after ``delay_s``; read the body as it comes. Returns its
     status, headers, body, and when (monotonic) it was sent, its first body byte came and it
-    ended; ``error`` is the transport error that cut it, if any."""
+    ended; ``error`` is the transport error that cut it, if any. ``chunked``: the body goes
+    with ``Transfer-Encoding: chunked`` (a generator body), not a Content-Length."""
     await asyncio.sleep(delay_s)
     h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
          **(mock_behaviour(**behaviour) if behaviour else {})}
     out: dict = {"sent": time.monotonic(), "first": None, "error": None, "body": b""}
     async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
         try:
-            async with c.stream("POST", url + "/v1/responses", json=body, headers=h) as r:
+            if chunked:
+                async def parts():
+                    yield json.dumps(body).encode()
+                req = {"content": parts()}
+            else:
+                req = {"json": body}
+            async with c.stream("POST", url + "/v1/responses", headers=h, **req) as r:
                 out["status"], out["headers"] = r.status_code, dict(r.headers)
                 async for chunk in r.aiter_raw():
                     if out["first"] is None and chunk:
@@ -429,5 +438,37 @@ def test_a_script_reload_mid_stream_keeps_attached_and_detached_clients_streamin
         assert dup["body"] == original["body"] and dup["headers"]["x-turnguard"] == "attached"
         status, headers, body = sse_post(p.url, body=BODY, headers=HEADERS)
         assert status == 200 and headers["x-turnguard"] == "replayed" and body == original["body"]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
+
+
+def test_a_duplicate_whose_body_is_chunked_attaches_and_gets_the_whole_stream(tmp_path):
+    """A duplicate sent with ``Transfer-Encoding: chunked`` (a generator body): mitmproxy
+    sends its body on to the relay chunked; those bytes are the request's, not the peer
+    leaving, so it gets the same complete stream as the original."""
+    slow = {"kind": "ok", "events": 8, "gap_ms": 250}
+
+    async def run(url):
+        return await asyncio.gather(stream_post(url, behaviour=slow),
+                                    stream_post(url, delay_s=0.6, chunked=True))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert len(up.dispatches()) == 1
+        assert original["error"] is None and dup["error"] is None, dup["error"]
+        assert dup["headers"]["x-turnguard"] == "attached"
+        assert dup["body"] == original["body"]
+        assert sse_event_types(dup["body"])[-1] == "response.completed"
+        assert_no_traceback(proxy.log_text())
+
+
+def test_a_detached_call_whose_body_is_chunked_answers_its_client(tmp_path):
+    """With ``turnguard_detach_ms`` a client whose request body is chunked is answered by its
+    detached call (through the relay) as a direct call would answer it, not with a 502."""
+    slow = {"kind": "ok", "events": 6, "gap_ms": 200}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_detach_ms=5000) as p:
+        r = asyncio.run(stream_post(p.url, behaviour=slow, chunked=True))
+        assert r["error"] is None and r["status"] == 200, (r["status"], r["body"][:300])
+        assert sse_event_types(r["body"])[-1] == "response.completed"
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())

@@ -135,8 +135,10 @@ class Relay:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")  # at most MAX_HEAD_BYTES (the limit)
-        token, length = _token_and_length(head)
-        if 0 < length <= MAX_REQUEST_BODY:
+        token, length, chunked = _token_and_length(head)
+        if chunked:  # mitmproxy sends a chunked request's body chunked: read it to its end,
+            await _skip_chunked(reader)  # or its bytes would read as the peer leaving
+        elif 0 < length <= MAX_REQUEST_BODY:
             await reader.readexactly(length)
         route = self._routes.pop(token, None) if token else None
         if route is None:
@@ -216,8 +218,24 @@ async def _flushed(writer: asyncio.StreamWriter) -> None:
     await writer.drain()
 
 
-def _token_and_length(head: bytes) -> tuple[str | None, int]:
-    token, length = None, 0
+async def _skip_chunked(reader: asyncio.StreamReader) -> None:
+    """Read (and drop) a chunked body, trailers included, at most ``MAX_REQUEST_BODY``."""
+    total = 0
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass  # trailers
+            return
+        total += size
+        if total > MAX_REQUEST_BODY:
+            raise ConnectionError("relayed request body too large")
+        await reader.readexactly(size + 2)
+
+
+def _token_and_length(head: bytes) -> tuple[str | None, int, bool]:
+    token, length, chunked = None, 0, False
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
@@ -228,7 +246,9 @@ def _token_and_length(head: bytes) -> tuple[str | None, int]:
                 length = int(value.strip())
             except ValueError:
                 length = 0
-    return token, length
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    return token, length, chunked
 
 
 def _attached_headers(head: Head) -> tuple[tuple[str, str], ...]:
