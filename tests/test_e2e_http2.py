@@ -400,3 +400,32 @@ def test_a_detached_http2_call_answers_its_http2_client_and_its_duplicate(tmp_pa
         assert sse_event_types(replies[0].body)[-1] == "response.completed"
         assert len(up.dispatches()) == 1
         assert replies[1].headers.get("x-turnguard") == "attached"
+
+
+@pytest.mark.skipif(CURL is None, reason="needs curl with HTTP2 (an upload of unknown length)")
+def test_an_http2_duplicate_without_a_content_length_attaches_and_gets_the_whole_stream(
+        tmp_path):
+    """An HTTP/2 request body may come with no Content-Length (``curl -T -``, any client
+    streaming its body): mitmproxy sends it on to the relay as HTTP/1.1 with no length. Those
+    bytes are the request's, not the peer leaving: the duplicate gets the same complete
+    stream as the original, from one upstream execution."""
+    scenario = {"sequence": [{"kind": "ok", "events": 8, "gap_ms": 250}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        original = h2_post(tmp_path, "original", proxy)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=15)
+        cmd = [CURL, "-sS", "--http2", "-k", "--noproxy", "*", "--max-time", str(CURL_MAX_S),
+               "-X", "POST", "-T", "-", "-D", str(tmp_path / "dup-headers")]
+        for k, v in HEADERS.items():
+            cmd += ["-H", f"{k}: {v}"]
+        cmd.append(f"https://127.0.0.1:{proxy.port}/v1/responses")
+        dup = subprocess.run(cmd, input=json.dumps(BODY).encode(), capture_output=True,
+                             timeout=PROC_WAIT_S)
+        first = original.result()
+        assert dup.returncode == 0, dup.stderr.decode(errors="replace")
+        status, headers = _parse_header_dump((tmp_path / "dup-headers").read_text())
+        assert status == 200 and headers.get("x-turnguard") == "attached"
+        assert dup.stdout == first.body
+        assert sse_event_types(first.body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())

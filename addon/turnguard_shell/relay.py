@@ -14,7 +14,9 @@ flow's destination back for mitmweb and saved flows). The relay answers with the
 - failed before any head: a 502 JSON answer saying so.
 
 Only mitmproxy, on loopback, ever connects here; a request without a known token gets 404.
-A relay connection whose peer goes away detaches its listener at once.
+The request's body is read and dropped, whatever its framing (a Content-Length, chunked, or
+none: an HTTP/2 request without a length comes as HTTP/1.1 without one); a relay connection
+whose peer goes away detaches its listener at once.
 """
 
 from __future__ import annotations
@@ -159,9 +161,12 @@ class Relay:
             on_piece=lambda p: queue.put_nowait(("piece", p)),
             on_end=lambda e, err: queue.put_nowait(("end", e, err)),
         )
-        # mitmproxy sends nothing more on this connection: a read that ends means it left
-        peer_left = asyncio.ensure_future(reader.read(1))
-        peer_left.add_done_callback(lambda _: queue.put_nowait(("left",)))
+        # mitmproxy sends nothing more on this connection but what is left of the request's
+        # body (an HTTP/2 request without a Content-Length comes with no length at all): a
+        # read that ends means it left
+        peer_left = asyncio.ensure_future(_until_eof(reader))
+        peer_left.add_done_callback(
+            lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("left",))))
         sent_head, sent, end = False, 0, None
         try:
             if not route.live.attach(listener):
@@ -216,6 +221,16 @@ async def _flushed(writer: asyncio.StreamWriter) -> None:
     """Wait until every byte written went to the socket (not merely below the high mark)."""
     writer.transport.set_write_buffer_limits(high=0)
     await writer.drain()
+
+
+async def _until_eof(reader: asyncio.StreamReader) -> None:
+    """Read (and drop) what the peer still sends, until it closes (or sends too much)."""
+    total = 0
+    while total <= MAX_REQUEST_BODY:
+        data = await reader.read(64 * 1024)
+        if not data:
+            return
+        total += len(data)
 
 
 async def _skip_chunked(reader: asyncio.StreamReader) -> None:
