@@ -181,3 +181,20 @@ def test_every_metric_the_dashboard_and_rules_query_is_in_a_real_scrape(tmp_path
                          "a counted request")
     missing = wanted - set(s)
     assert not missing, f"queried by ops/ but not in a real /metrics scrape: {sorted(missing)}"
+
+
+# -- every series is told apart by process; a reload keeps the counts -------------------------
+
+
+def test_every_series_of_a_real_scrape_carries_turnguard_instance(tmp_path):
+    """The dashboard filters every query (process_resident_memory_bytes included) by
+    ``turnguard_instance``: a series without the label vanishes once one process is picked."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        post(p.url)
+        s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_outcomes_total"),
+                         "a counted request")
+    unlabelled = sorted({name for name, rows in s.items() for lab, _ in rows
+                         if "turnguard_instance" not in lab})
+    assert metric(s, "process_resident_memory_bytes") > 0
+    assert not unlabelled, f"series without turnguard_instance: {unlabelled}"
+

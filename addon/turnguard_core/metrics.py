@@ -36,7 +36,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
@@ -213,6 +213,26 @@ class _StateCollector(Collector):
         return []  # collected at scrape time only
 
 
+class _Labelled(Collector):
+    """Another collector's series with ``turnguard_instance`` added (the process metrics of
+    the client library have no labels: a dashboard filtered by instance would lose them)."""
+
+    def __init__(self, inner: Collector, instance: str):
+        self._inner = inner
+        self._instance = instance
+
+    def collect(self):
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, INSTANCE_LABEL: self._instance}, s.value,
+                               s.timestamp, s.exemplar)
+            yield out
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+
 class Metrics:
     """The metrics of one addon instance. ``observe`` is the telemetry sink; ``serve`` starts
     the endpoint; ``close`` stops it."""
@@ -238,8 +258,8 @@ class Metrics:
         self.names.gauges.extend(GAUGES)
         if state is not None:
             self.registry.register(_StateCollector(instance, state, clock))
-        try:  # process_resident_memory_bytes, ... (Linux /proc)
-            ProcessCollector(registry=self.registry)
+        try:  # process_resident_memory_bytes, ... (Linux /proc), with turnguard_instance too
+            self.registry.register(_Labelled(ProcessCollector(registry=None), instance))
         except Exception:  # pragma: no cover - a platform without /proc
             pass
         self._bind_children(instance)
