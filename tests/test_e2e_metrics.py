@@ -198,3 +198,25 @@ def test_every_series_of_a_real_scrape_carries_turnguard_instance(tmp_path):
     assert metric(s, "process_resident_memory_bytes") > 0
     assert not unlabelled, f"series without turnguard_instance: {unlabelled}"
 
+
+def test_a_script_reload_keeps_the_counters_of_the_process(tmp_path):
+    """A reload keeps the process's turnguard_instance, so its counters must go on from
+    where they were: a counter of one series never goes down within a process."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, addon=script) as p:
+        assert [post(p.url), post(p.url)] == [200, 200]  # one dispatch, one replay
+        before = scrape_until(metrics_url(p),
+                              lambda s: metric(s, "turnguard_outcomes_total") == 1,
+                              "the outcome counted")
+        reloaded(p, touch_to_reload(p, script))
+        url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
+        after = scrape(url)
+        assert_no_traceback(p.log_text())
+    label = lambda s: {lab["turnguard_instance"] for rows in s.values() for lab, _ in rows  # noqa: E731
+                       if "turnguard_instance" in lab}
+    assert label(before) == label(after)
+    for name in ("turnguard_dispatches_total", "turnguard_duplicates_total",
+                 "turnguard_outcomes_total", "turnguard_events_total"):
+        assert metric(after, name) >= metric(before, name) > 0, name

@@ -256,13 +256,24 @@ class Metrics:
         self._declare_health_counters(self._counter)
         self._declare_histograms(self._histogram)
         self.names.gauges.extend(GAUGES)
+        self._gauge_state: _StateCollector | None = None
         if state is not None:
-            self.registry.register(_StateCollector(instance, state, clock))
+            self._gauge_state = _StateCollector(instance, state, clock)
+            self.registry.register(self._gauge_state)
         try:  # process_resident_memory_bytes, ... (Linux /proc), with turnguard_instance too
             self.registry.register(_Labelled(ProcessCollector(registry=None), instance))
         except Exception:  # pragma: no cover - a platform without /proc
             pass
         self._bind_children(instance)
+
+    def watch(self, state: Callable[[], GaugeState]) -> None:
+        """Read the gauges from ``state`` from now on (a reloaded addon keeps the process's
+        metrics, and with them its counters, but the state is the new instance's)."""
+        if self._gauge_state is None:
+            self._gauge_state = _StateCollector(self.instance, state, time.time)
+            self.registry.register(self._gauge_state)
+        else:
+            self._gauge_state._state = state
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         self.names.counters.append(f"{NAMESPACE}_{name}_total")

@@ -41,10 +41,15 @@ class MetricsEndpoint:
             self.close()
             return
         if self._metrics is None:
-            # imported when wanted: the client library costs ~50 ms at every start-up
-            from turnguard_core.metrics import Metrics
+            kept = g._process.metrics  # a script reload: the process's counters go on
+            if kept is not None:
+                kept.watch(self._gauges)
+                self._metrics = kept
+            else:
+                # imported when wanted: the client library costs ~50 ms at every start-up
+                from turnguard_core.metrics import Metrics
 
-            self._metrics = Metrics(g.instance_id, self._gauges)
+                self._metrics = g._process.metrics = Metrics(g.instance_id, self._gauges)
         try:
             host, port = self._metrics.serve(*address)  # the same registry: the counters go on
         except OSError as e:
@@ -56,7 +61,8 @@ class MetricsEndpoint:
                     f"[{host}]" if ":" in host else host, port)
 
     def close(self) -> None:
-        """Stop serving (frees the address: a reloaded script binds it again)."""
+        """Stop serving (frees the address: a reloaded script binds it again). The counters
+        stay with the process (``ProcessState.metrics``)."""
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

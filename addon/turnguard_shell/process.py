@@ -3,8 +3,9 @@
 mitmproxy reloads a changed script by dropping the addon instance and making a new one, while
 flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
 process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
-this process is in the ledger, its attempts in flight, the ledger writes it still owes, and what
-it learned of the ledger.
+this process is in the ledger, its attempts in flight, the ledger writes it still owes, what
+it learned of the ledger, and its metrics' counters (a reload keeps ``turnguard_instance``, so
+a counter of that series must not start again from 0).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ProcessState:
     guard: Any = None  # the addon instance that gets the hooks now
     relay: Any = None  # relay.Relay: attached flows' streams (made on first use)
     detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
+    metrics: Any = None  # metrics.Metrics: the counters go on across reloads (same instance)
 
     @classmethod
     def new(cls) -> "ProcessState":
