@@ -128,6 +128,16 @@ def passthrough_label(reason: object) -> str:
     return OTHER
 
 
+def abandon_label(reason: object) -> str:
+    """The label value of a hold's end reason: by prefix, as a reason may say more
+    ("websocket closed while the call was decided; ..."); ``other`` when unknown."""
+    text = str(reason or "")
+    for prefix, label in ABANDON_REASONS.items():
+        if text.startswith(prefix):
+            return label
+    return OTHER
+
+
 def _one_of(value: object, allowed: Iterable[str]) -> str:
     return value if isinstance(value, str) and value in allowed else OTHER
 
@@ -409,7 +419,7 @@ class Metrics:
         elif event == "eventless_failure":
             self.eventless_failures.labels(i, _one_of(f.get("failure_class"), FAILURE_CLASSES)).inc()
         elif event == "hold_abandoned":
-            self.holds_abandoned.labels(i, ABANDON_REASONS.get(f.get("reason"), OTHER)).inc()
+            self.holds_abandoned.labels(i, abandon_label(f.get("reason"))).inc()
             self._hold_ended(f, "abandoned")
         elif event == "wait_finished":
             waited = _seconds(f.get("waited_ms"))
