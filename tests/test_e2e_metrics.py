@@ -19,6 +19,7 @@ from harness import (
     metrics_url,
     post_turn,
     scrape,
+    turnguard_events,
     wait_until,
 )
 
@@ -255,3 +256,38 @@ def test_a_websocket_call_abandoned_while_decided_is_counted_as_websocket_closed
         assert_no_traceback(p.log_text())
     assert metric(s, "turnguard_holds_abandoned_total", reason="other") == 0
     assert metric(s, "turnguard_holds_abandoned_total", reason="websocket_closed") == 1
+
+
+def test_a_websocket_client_that_leaves_during_a_cooldown_hold_is_one_abandoned_hold(tmp_path):
+    """Once mode: a call held through a cooldown whose client closes its socket ends one
+    hold: one ``hold_abandoned`` record and one count, not one per layer that saw it go."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS as WS_HEADERS
+    from test_e2e_websocket import call, one_call, user
+    from turnguard_ws import WsClient
+
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "reset"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+    ) as p:
+        frame = call([user("hi")])
+        for _ in range(2):  # the circuit opens
+            assert asyncio.run(one_call(p.url, frame))[-1]["type"] == "closed"
+
+        async def leave():
+            async with WsClient.connect(p.url, headers=WS_HEADERS) as c:
+                await c.send(frame)
+                await asyncio.sleep(0.5)  # held through the cooldown, then gone
+
+        asyncio.run(leave())
+        s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_holds_abandoned_total"),
+                         "the abandoned hold counted")
+        time.sleep(0.5)  # a second count, if any, lands meanwhile
+        s = scrape(metrics_url(p))
+        abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+        assert_no_traceback(p.log_text())
+    assert len(up.dispatches()) == 2  # nothing dispatched for the call that left
+    assert len(abandoned) == 1, abandoned
+    assert metric(s, "turnguard_holds_abandoned_total") == 1
+    assert metric(s, "turnguard_cooldown_wait_seconds_count", reason="gone") == 1

@@ -324,7 +324,8 @@ class WebSockets:
             # claim made for it is given back, or it would stay in flight for no one
             if isinstance(state, machine.Forward):
                 guard.store.give_back(state.dispatch, ident.op_key)
-            if sock.closed:
+            if sock.closed and not isinstance(state, machine.Abandon):
+                # (an Abandon was a hold, and its end has its record already)
                 guard._emit("hold_abandoned", op=ident.op_id, flow=key, transport="ws",
                             session=ident.session, reason="websocket closed while the call "
                             "was decided; nothing was sent upstream")
