@@ -62,6 +62,7 @@ class TurnGuard:
         self.telemetry = config.telemetry()
         self._undo_log_filter: Callable[[], object] = lambda: None
         self._running = False  # set by the running hook: start-up is over
+        self._unloaded = False  # set by done: the process's next instance writes telemetry
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
         self.identifier = Identifier()
         self._build(ProcessState.new())
@@ -106,6 +107,14 @@ class TurnGuard:
         return attempt is not None and self.waiters.holding(attempt.ident.op_key)
 
     def _emit(self, event: str, **fields) -> None:
+        if self._unloaded:
+            # a record of this instance's work made after it was unloaded (holds it let go
+            # end on the loop's next turn): a reload's new instance writes it, as the file
+            # and the metrics are its now
+            now = self._process.guard
+            if now is not None and now is not self:
+                now._emit(event, **fields)
+                return
         self.telemetry.emit(event, **fields)
 
     # -- options ---------------------------------------------------------------------------------
@@ -190,6 +199,7 @@ class TurnGuard:
         owed to the ledger and what is known of it stay with the process: at shutdown the
         owed writes are tried as the ledger closes; on a reload the instance loaded next
         writes them (the event loop is not held for them)."""
+        self._unloaded = True
         self.waiters.release_all("turnguard unloaded")
         self.metrics_endpoint.close()
         self.store.close(write_owed=_shutting_down())

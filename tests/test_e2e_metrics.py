@@ -291,3 +291,35 @@ def test_a_websocket_client_that_leaves_during_a_cooldown_hold_is_one_abandoned_
     assert len(abandoned) == 1, abandoned
     assert metric(s, "turnguard_holds_abandoned_total") == 1
     assert metric(s, "turnguard_cooldown_wait_seconds_count", reason="gone") == 1
+
+
+def test_holds_a_script_reload_lets_go_are_in_the_events_file_and_the_metrics(tmp_path):
+    """A script reload lets held duplicates go (killed: their clients retry): each hold's end
+    is a decision, so it must reach the events file and the metrics, not only the log."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
+    ) as p:
+        url = metrics_url(p)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            first = pool.submit(post, p.url)
+            time.sleep(0.5)
+            dups = [pool.submit(post, p.url) for _ in range(3)]
+            scrape_until(url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 3,
+                         "3 held flows in the gauge")
+            reloaded(p, touch_to_reload(p, script))
+            statuses = [first.result()] + [d.result() for d in dups]
+        url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
+        wait_until(lambda: p.log_text().count('"event":"hold_abandoned"') == 3, 10,
+                   what="the 3 holds let go in the log")
+        s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == 1,
+                         "the original's end counted")
+        abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+        assert_no_traceback(p.log_text())
+    assert statuses[0] == 200 and len(up.dispatches()) == 1
+    assert len(abandoned) == 3
+    assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 3
+    assert metric(s, "turnguard_flows_held") == 0
