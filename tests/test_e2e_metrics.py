@@ -323,3 +323,27 @@ def test_holds_a_script_reload_lets_go_are_in_the_events_file_and_the_metrics(tm
     assert len(abandoned) == 3
     assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 3
     assert metric(s, "turnguard_flows_held") == 0
+
+
+def test_websocket_frames_passed_through_are_counted_by_their_reason_not_as_other(tmp_path):
+    """A binary frame, a text frame that is not JSON and a JSON frame that is no call pass a
+    guarded socket untouched; each passthrough is counted under a reason of its own."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS as WS_HEADERS
+    from turnguard_ws import WsClient
+
+    async def frames(url):
+        async with WsClient.connect(url, headers=WS_HEADERS) as c:
+            for frame in (b"\x00\x01binary", "not json {", {"type": "session.update"}):
+                await c.send(frame)
+                await asyncio.sleep(0.2)
+
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        asyncio.run(frames(p.url))
+        s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_passthrough_total") >= 3,
+                         "3 passthroughs counted")
+        assert_no_traceback(p.log_text())
+    reasons = {lab["reason"]: v for lab, v in s["turnguard_passthrough_total"]}
+    assert "other" not in reasons, reasons
+    assert len(reasons) == 3, reasons

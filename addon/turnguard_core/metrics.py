@@ -106,8 +106,20 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("internal error", "internal_error"),
     ("recording missing", "recording_missing"),
     ("response content-encoding", "response_encoded"),
+    # a WebSocket frame (ws.parse_client_frame says "frame" where a body's reason says "body")
+    ("frame too large", "body_too_large"),
+    ("frame could not be decoded", "body_undecodable"),
+    ("frame is not UTF-8", "body_not_utf8"),
+    ("frame is not a JSON object", "body_not_object"),
+    ("frame is not JSON", "body_not_json"),
+    ("binary frame", "binary_frame"),
+    ("frame type ", "not_a_call"),
+    # a WebSocket let go (websocket.WebSockets._let_go)
+    ("more than ", "frames_queued"),
+    ("a response did not end within", "response_timeout"),
+    ("upstream frame is not a Responses event", "not_responses"),
 )
-PASSTHROUGH_LABELS = tuple(label for _, label in PASSTHROUGH_REASONS) + (OTHER,)
+PASSTHROUGH_LABELS = tuple(dict.fromkeys(label for _, label in PASSTHROUGH_REASONS)) + (OTHER,)
 
 # -- buckets (seconds) -------------------------------------------------------------------------
 
