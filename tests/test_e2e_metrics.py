@@ -227,30 +227,12 @@ def test_a_websocket_call_abandoned_while_decided_is_counted_as_websocket_closed
     """A client drops its socket while its call waits for a locked ledger: the hold it ended
     is counted under its own reason (``websocket_closed``), not ``other``."""
     import asyncio
-    import sqlite3
 
-    from test_e2e_websocket import HEADERS as WS_HEADERS
-    from test_e2e_websocket import call, one_call, user
-    from turnguard_ws import WsClient
+    from test_e2e_websocket import call, drop_a_call_while_the_ledger_is_locked, one_call, user
 
-    ledger = tmp_path / "ledger.sqlite3"
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_hold_timeout_ms=3000) as p:
         asyncio.run(one_call(p.url, call([user("warm")], seed=100)))
-        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-        db.execute("BEGIN EXCLUSIVE")
-
-        async def drop():
-            c = await WsClient.connect(p.url, headers=WS_HEADERS)
-            await c.send(call([user("dropped while decided")], seed=1))
-            await asyncio.sleep(0.1)
-            c.abort()
-            await asyncio.sleep(0.2)
-            db.execute("ROLLBACK")
-
-        try:
-            asyncio.run(drop())
-        finally:
-            db.close()
+        drop_a_call_while_the_ledger_is_locked(p.url, tmp_path / "ledger.sqlite3")
         s = scrape_until(metrics_url(p), lambda s: metric(s, "turnguard_holds_abandoned_total"),
                          "the abandoned call counted")
         assert_no_traceback(p.log_text())

@@ -486,6 +486,26 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
         assert len(up.dispatches()) == 2
 
 
+def drop_a_call_while_the_ledger_is_locked(url: str, ledger) -> None:
+    """A socket sends a call while another connection holds the ledger's write lock, and
+    drops before the call is decided; the lock goes 0.2 s later."""
+    db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")
+
+    async def drop():
+        c = await WsClient.connect(url, headers=HEADERS)
+        await c.send(call([user("dropped while decided")], seed=1))
+        await asyncio.sleep(0.1)
+        c.abort()
+        await asyncio.sleep(0.2)
+        db.execute("ROLLBACK")
+
+    try:
+        asyncio.run(drop())
+    finally:
+        db.close()
+
+
 def test_a_client_that_drops_while_its_call_is_decided_leaves_nothing_in_flight(tmp_path):
     """The ledger is locked when a call arrives, and the client drops its socket before the
     call is decided: the claim made for it is given back (nothing went upstream), so its
@@ -493,21 +513,7 @@ def test_a_client_that_drops_while_its_call_is_decided_leaves_nothing_in_flight(
     ledger = tmp_path / "ledger.sqlite3"
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_hold_timeout_ms=3000) as p:
         asyncio.run(one_call(p.url, call([user("warm")], seed=100)))
-        db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-        db.execute("BEGIN EXCLUSIVE")
-
-        async def drop():
-            c = await WsClient.connect(p.url, headers=HEADERS)
-            await c.send(call([user("dropped while decided")], seed=1))
-            await asyncio.sleep(0.1)
-            c.abort()
-            await asyncio.sleep(0.2)
-            db.execute("ROLLBACK")
-
-        try:
-            asyncio.run(drop())
-        finally:
-            db.close()
+        drop_a_call_while_the_ledger_is_locked(p.url, ledger)
         wait_until(lambda: events(tmp_path, "hold_abandoned"), 10, what="the call abandoned")
         retried = asyncio.run(one_call(p.url, call([user("dropped while decided")], seed=2)))
         assert types(retried)[-1] == "response.completed"
