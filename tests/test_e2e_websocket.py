@@ -944,3 +944,48 @@ def test_a_frame_queued_while_the_client_sends_its_next_one_in_parts_goes_alone(
         assert [d["body_sha256"] for d in ws_dispatches(up)] == [_sha(f) for f in frames]
         assert not events(tmp_path, "passthrough")
         assert_no_traceback(p.log_text())
+
+
+
+@pytest.mark.xfail(strict=True, reason="an attempt of a live process that an older copy of the "
+                   "ledger shows in flight is never ended in that file: the process knows its "
+                   "end but writes only the attempts it still has in flight there, and it is "
+                   "never reaped (it is alive), so the operation stays in flight for good")
+def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_flight(tmp_path):
+    """A copy of the ledger is taken while A's call streams; the call completes (its end in
+    the ledger), then the copy is put in the ledger's place. The copy shows the call in
+    flight, owned by A, which is alive and ended it. Once A and B have seen the new file,
+    nothing may stay in flight there: B's retry of the call must get an answer, not a
+    turn_in_progress error on every retry."""
+    ledger = tmp_path / "ledger.sqlite3"
+    backup = tmp_path / "backup.sqlite3"
+    opts = {"turnguard_hold_timeout_ms": 2000}
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 12, "gap_ms": 150}}) as up, \
+            proxy(tmp_path, up, name="a", **opts) as a, proxy(tmp_path, up, name="b", **opts) as b:
+        asyncio.run(one_call(a.url, call([user("warm")], seed=50)))
+
+        async def copy_mid_call():
+            first = asyncio.create_task(one_call(a.url, call([user("x")], seed=1)))
+            await asyncio.to_thread(wait_until, lambda: len(ledger_query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0")) == 2, 10,
+                what="the call streaming")
+            with contextlib.closing(sqlite3.connect(ledger)) as src, \
+                    contextlib.closing(sqlite3.connect(backup)) as dst:
+                src.backup(dst)
+            return await first
+
+        assert types(asyncio.run(copy_mid_call()))[-1] == "response.completed"
+        wait_until(lambda: not ledger_query(
+            ledger, "SELECT 1 FROM operations WHERE state='in_flight'"), 10, what="its end")
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        os.replace(backup, ledger)
+        for name in ("a", "b"):
+            wait_until(lambda: turnguard_events(tmp_path, name, "ledger_recovered"), 15,
+                       what=f"{name} on the new file")
+        retried = asyncio.run(one_call(b.url, call([user("x")], seed=4)))
+        assert types(retried)[-1] == "response.completed", retried[-1]
+        assert wait_until(lambda: not ledger_query(
+            ledger, "SELECT 1 FROM operations WHERE state='in_flight'"), 10, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
