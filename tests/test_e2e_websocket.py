@@ -947,10 +947,6 @@ def test_a_frame_queued_while_the_client_sends_its_next_one_in_parts_goes_alone(
 
 
 
-@pytest.mark.xfail(strict=True, reason="an attempt of a live process that an older copy of the "
-                   "ledger shows in flight is never ended in that file: the process knows its "
-                   "end but writes only the attempts it still has in flight there, and it is "
-                   "never reaped (it is alive), so the operation stays in flight for good")
 def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_flight(tmp_path):
     """A copy of the ledger is taken while A's call streams; the call completes (its end in
     the ledger), then the copy is put in the ledger's place. The copy shows the call in

@@ -171,6 +171,7 @@ class FailoverStore:
         # attempts in flight that name another ledger file (a script reload opened the file
         # now at the path): registered in this one before any decision reads it
         self._adoption_due = False
+        self._stale_attempts_due = False
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
@@ -308,14 +309,18 @@ class FailoverStore:
         self._store, self._heartbeat, self._listener = opened.store, opened.heartbeat, opened.listener
         logger.info("turnguard: ledger %s (instance %s)", self.location, self._instance_id)
         generation = opened.store.generation
+        self._stale_attempts_due = False
         if self.memory.ledger_opened(generation, time.time()):
+            # an older copy put in the old one's place may show attempts of this instance in
+            # flight that it ended since: they are ended there before the file decides
+            self._stale_attempts_due = True
             logger.warning("turnguard: ledger %s is another file now; what this process learned "
                            "from the old one (recordings, spent once-claims, cooling circuits) "
                            "still decides", self.location)
         # attempts of another file (this instance, or the one before a script reload, ran
         # them there) are registered in this one first; after a fault, it stays noted until a
         # try applies what is owed (recover)
-        self._adoption_due = self._attempts_elsewhere(generation)
+        self._adoption_due = self._attempts_elsewhere(generation) or self._stale_attempts_due
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
@@ -449,6 +454,13 @@ class FailoverStore:
             for attempt in list(self._attempts()):
                 if attempt.generation != store.generation:
                     await self._adopt(store, attempt, deadline)
+            if self._stale_attempts_due:
+                moved = await store.end_stale_attempts(
+                    [a.ident.op_key for a in self._attempts()], now=time.time(),
+                    deadline=deadline)
+                self._stale_attempts_due = False
+                if moved:
+                    self._emit("stale_attempts_ended", ops=len(moved))
             self._adoption_due = False
             probed, dropped = bool(self._kept), 0
             while self._kept:

@@ -890,6 +890,31 @@ class Ledger:
         ]
 
     @_wrap
+    def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:
+        """End this instance's attempts that this file shows in flight for operations it has
+        no attempt in flight of (an older copy of the ledger put in its place shows attempts
+        this process ended since): ``unknown`` when they saw no event, ``partial`` otherwise.
+        Returns the keys of the operations that moved."""
+        with self._tx() as db:
+            ended = db.execute(
+                "UPDATE attempts SET ended_at=?, detail='ended by its owner in another file',"
+                " outcome=CASE WHEN events_seen>0 THEN 'partial' ELSE 'unknown' END"
+                " WHERE instance_id=? AND outcome='in_flight'"
+                " AND op_key NOT IN (SELECT value FROM json_each(?))"
+                " RETURNING attempt_id, op_key, outcome",
+                (now, self.instance_id, json.dumps(keep_ops)),
+            ).fetchall()
+            moved = []
+            for attempt_id, op_key, outcome in ended:
+                if db.execute(
+                    "UPDATE operations SET state=?, updated_at=?, ended_at=?"
+                    " WHERE op_key=? AND current_attempt=? RETURNING op_key",
+                    (outcome, now, now, op_key, attempt_id),
+                ).fetchone():
+                    moved.append(op_key)
+            return moved
+
+    @_wrap
     def reap_instance(
         self, instance_id: str, *, now: float, stale_before: float | None = None
     ) -> list[str]:

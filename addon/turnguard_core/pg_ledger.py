@@ -850,6 +850,26 @@ class PgLedger:
                 for r in rows]
 
     @_wrap
+    def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:
+        """See ``Ledger.end_stale_attempts``."""
+        with self._tx() as tx:
+            db = tx.db
+            ended = db.execute(
+                "UPDATE attempts SET ended_at=%s, detail='ended by its owner in another file',"
+                " outcome=CASE WHEN events_seen>0 THEN 'partial' ELSE 'unknown' END"
+                " WHERE instance_id=%s AND outcome='in_flight' AND NOT (op_key = ANY(%s))"
+                " RETURNING attempt_id, op_key, outcome",
+                (now, self.instance_id, list(keep_ops))).fetchall()
+            moved = []
+            for attempt_id, op_key, outcome in ended:
+                if db.execute(
+                    "UPDATE operations SET state=%s, updated_at=%s, ended_at=%s"
+                    f" WHERE op_key=%s AND current_attempt=%s RETURNING op_key, {_NOTIFY}",
+                    (outcome, now, now, op_key, attempt_id)).fetchone():
+                    moved.append(op_key)
+            return moved
+
+    @_wrap
     def reap_instance(self, instance_id: str, *, now: float,
                       stale_before: float | None = None) -> list[str]:
         """See ``Ledger.reap_instance``. The instance's row is locked first, so a heartbeat

@@ -115,6 +115,10 @@ class Store(Protocol):
 
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
 
+    async def end_stale_attempts(
+        self, keep_ops: list[str], *, now: float, deadline: float | None,
+    ) -> list[str]: ...
+
     async def reap_instance(
         self, instance_id: str, *, now: float, stale_before: float | None,
     ) -> list[str]: ...
@@ -253,6 +257,10 @@ class LedgerStore:
 
     async def peers_with_attempts_in_flight(self):
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
+
+    async def end_stale_attempts(self, keep_ops, *, now, deadline):
+        return await self._runner.call(
+            lambda led: led.end_stale_attempts(list(keep_ops), now=now), deadline=deadline)
 
     async def reap_instance(self, instance_id, *, now, stale_before):
         return await self._runner.call(
