@@ -152,6 +152,25 @@ def test_claim_hold_finish_replay_cycle(ledger_backend):
     assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0).applied
 
 
+def test_stale_attempts_of_an_instance_are_ended_and_the_ones_it_runs_kept(ledger_backend):
+    """``end_stale_attempts``: this instance's attempts in flight for operations it no longer
+    runs end (``partial`` after an event, ``unknown`` before); the ones it runs, and another
+    instance's, stay in flight."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    ran, seen, runs, other = (ident({"input": n}) for n in ("ran", "seen", "runs", "other"))
+    for i in (ran, seen, runs):
+        admit(a, i)
+    a.first_event(a.snapshot(seen.op_key).current_attempt)
+    admit(b, other)
+    assert sorted(a.end_stale_attempts([runs.op_key], now=1001.0)) == sorted(
+        [ran.op_key, seen.op_key])
+    assert [a.snapshot(i.op_key).state for i in (ran, seen, runs, other)] == [
+        "unknown", "partial", "in_flight", "in_flight"]
+    assert a.end_stale_attempts([], now=1002.0) == [runs.op_key]
+    assert b.snapshot(other.op_key).state == "in_flight"
+
+
 def test_failed_attempt_is_retried_once_at_a_time(ledger_backend):
     a = ledger_backend.open("a")
     i = ident({"input": "x"})
