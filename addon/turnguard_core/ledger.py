@@ -904,15 +904,7 @@ class Ledger:
                 " RETURNING attempt_id, op_key, outcome",
                 (now, self.instance_id, json.dumps(keep_ops)),
             ).fetchall()
-            moved = []
-            for attempt_id, op_key, outcome in ended:
-                if db.execute(
-                    "UPDATE operations SET state=?, updated_at=?, ended_at=?"
-                    " WHERE op_key=? AND current_attempt=? RETURNING op_key",
-                    (outcome, now, now, op_key, attempt_id),
-                ).fetchone():
-                    moved.append(op_key)
-            return moved
+            return _operations_ended_with(db, ended, now)
 
     @_wrap
     def reap_instance(
@@ -940,14 +932,7 @@ class Ledger:
                 " WHERE instance_id=? AND outcome='in_flight' RETURNING attempt_id, op_key, outcome",
                 (now, instance_id),
             ).fetchall()
-            moved = []
-            for attempt_id, op_key, outcome in ended:
-                if db.execute(
-                    "UPDATE operations SET state=?, updated_at=?, ended_at=?"
-                    " WHERE op_key=? AND current_attempt=? RETURNING op_key",
-                    (outcome, now, now, op_key, attempt_id),
-                ).fetchone():
-                    moved.append(op_key)
+            moved = _operations_ended_with(db, ended, now)
             db.execute("DELETE FROM instances WHERE instance_id=?", (instance_id,))
             return moved
 
@@ -1071,3 +1056,18 @@ def _split_sql(script: str) -> Iterable[str]:
 def _dicts(cur: sqlite3.Cursor) -> list[dict]:
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def _operations_ended_with(db: sqlite3.Connection, ended: list[tuple[int, str, str]],
+                           now: float) -> list[str]:
+    """The operations whose current attempt is one of ``ended`` (attempt id, operation,
+    outcome), moved to that outcome. Returns their keys."""
+    moved = []
+    for attempt_id, op_key, outcome in ended:
+        if db.execute(
+            "UPDATE operations SET state=?, updated_at=?, ended_at=?"
+            " WHERE op_key=? AND current_attempt=? RETURNING op_key",
+            (outcome, now, now, op_key, attempt_id),
+        ).fetchone():
+            moved.append(op_key)
+    return moved

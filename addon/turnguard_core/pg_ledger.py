@@ -860,14 +860,7 @@ class PgLedger:
                 " WHERE instance_id=%s AND outcome='in_flight' AND NOT (op_key = ANY(%s))"
                 " RETURNING attempt_id, op_key, outcome",
                 (now, self.instance_id, list(keep_ops))).fetchall()
-            moved = []
-            for attempt_id, op_key, outcome in ended:
-                if db.execute(
-                    "UPDATE operations SET state=%s, updated_at=%s, ended_at=%s"
-                    f" WHERE op_key=%s AND current_attempt=%s RETURNING op_key, {_NOTIFY}",
-                    (outcome, now, now, op_key, attempt_id)).fetchone():
-                    moved.append(op_key)
-            return moved
+            return _operations_ended_with(db, ended, now)
 
     @_wrap
     def reap_instance(self, instance_id: str, *, now: float,
@@ -890,13 +883,7 @@ class PgLedger:
                 " outcome=CASE WHEN events_seen>0 THEN 'partial' ELSE 'unknown' END"
                 " WHERE instance_id=%s AND outcome='in_flight' RETURNING attempt_id, op_key, outcome",
                 (now, instance_id)).fetchall()
-            moved = []
-            for attempt_id, op_key, outcome in ended:
-                if db.execute(
-                    "UPDATE operations SET state=%s, updated_at=%s, ended_at=%s"
-                    f" WHERE op_key=%s AND current_attempt=%s RETURNING op_key, {_NOTIFY}",
-                    (outcome, now, now, op_key, attempt_id)).fetchone():
-                    moved.append(op_key)
+            moved = _operations_ended_with(db, ended, now)
             db.execute("DELETE FROM instances WHERE instance_id=%s", (instance_id,))
             return moved
 
@@ -1183,3 +1170,16 @@ def _generation(db: psycopg.Connection) -> str:
 def _dicts(cur) -> list[dict]:
     names = [d.name for d in cur.description]
     return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def _operations_ended_with(db: psycopg.Connection, ended: list[tuple[int, str, str]],
+                           now: float) -> list[str]:
+    """See ``ledger._operations_ended_with``; each moved operation is notified."""
+    moved = []
+    for attempt_id, op_key, outcome in ended:
+        if db.execute(
+            "UPDATE operations SET state=%s, updated_at=%s, ended_at=%s"
+            f" WHERE op_key=%s AND current_attempt=%s RETURNING op_key, {_NOTIFY}",
+            (outcome, now, now, op_key, attempt_id)).fetchone():
+            moved.append(op_key)
+    return moved
