@@ -29,16 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    ProcessCollector,
-    disable_created_metrics,
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .records import record
 
@@ -255,6 +257,73 @@ class _Labelled(Collector):
         return []  # collected at scrape time only
 
 
+class _Counters:
+    """A counter family: its values by label values (the instance's first). Callers hold
+    the lock of their ``Metrics``."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, key: tuple[str, ...]) -> None:
+        self.values[key] = self.values.get(key, 0.0) + 1.0
+
+    def family(self) -> CounterMetricFamily:
+        out = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in list(self.values.items()):
+            out.add_metric(key, value)
+        return out
+
+
+class _Histograms:
+    """A histogram family: per label values, the count of each bucket (an observation
+    counts in the first whose upper bound it does not exceed; the last is +Inf) and the
+    sum. Callers hold the lock of their ``Metrics``."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = (*(float(b) for b in buckets), float("inf"))
+        self._les = tuple(floatToGoString(b) for b in self.bounds)
+        self.values: dict[tuple[str, ...], list[float]] = {}  # bucket counts, then the sum
+
+    def observe(self, key: tuple[str, ...], amount: float) -> None:
+        row = self.values.get(key)
+        if row is None:
+            row = self.values[key] = [0.0] * (len(self.bounds) + 1)
+        row[bisect_left(self.bounds, amount)] += 1.0
+        row[-1] += amount
+
+    def bind(self, key: tuple[str, ...]) -> None:
+        """The series exists (at 0) before its first observation."""
+        self.values.setdefault(key, [0.0] * (len(self.bounds) + 1))
+
+    def family(self) -> HistogramMetricFamily:
+        out = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, row in list(self.values.items()):
+            cumulative, total = [], 0.0
+            for le, count in zip(self._les, row):
+                total += count
+                cumulative.append((le, total))
+            out.add_metric(key, cumulative, row[-1])
+        return out
+
+
+class _Families(Collector):
+    """The counters and histograms of a ``Metrics``, read under its lock at scrape time."""
+
+    def __init__(self, families: list, lock: threading.Lock):
+        self._families = families
+        self._lock = lock
+
+    def collect(self):
+        with self._lock:
+            made = [f.family() for f in self._families]
+        yield from made
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+
 class Metrics:
     """The metrics of one addon instance. ``observe`` is the telemetry sink; ``serve`` starts
     the endpoint; ``close`` stops it."""
@@ -264,9 +333,9 @@ class Metrics:
         clock: Callable[[], float] = time.time,
     ):
         self.instance = instance
-        # no *_created series (a timestamp per counter child): they double the series and no
-        # dashboard uses them. A process-wide switch of the client library; mitmdump is ours.
-        disable_created_metrics()
+        self._key = (instance,)
+        self._lock = threading.Lock()  # records may come from threads other than the loop's
+        self._families: list[_Counters | _Histograms] = []
         self.registry = CollectorRegistry()
         self.names = _Names()
         self._server: WSGIServer | None = None
@@ -277,6 +346,7 @@ class Metrics:
         self._declare_counters(self._counter)
         self._declare_health_counters(self._counter)
         self._declare_histograms(self._histogram)
+        self.registry.register(_Families(self._families, self._lock))
         self.names.gauges.extend(GAUGES)
         self._gauge_state: _StateCollector | None = None
         if state is not None:
@@ -297,15 +367,17 @@ class Metrics:
         else:
             self._gauge_state._state = state
 
-    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> _Counters:
         self.names.counters.append(f"{NAMESPACE}_{name}_total")
-        return Counter(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE,
-                       registry=self.registry)
+        family = _Counters(f"{NAMESPACE}_{name}", doc, (INSTANCE_LABEL, *labels))
+        self._families.append(family)
+        return family
 
-    def _histogram(self, name: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
+    def _histogram(self, name: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> _Histograms:
         self.names.histograms.append(f"{NAMESPACE}_{name}")
-        return Histogram(name, doc, [INSTANCE_LABEL, *labels], namespace=NAMESPACE,
-                         registry=self.registry, buckets=buckets)
+        family = _Histograms(f"{NAMESPACE}_{name}", doc, (INSTANCE_LABEL, *labels), buckets)
+        self._families.append(family)
+        return family
 
     def _declare_counters(self, counter) -> None:
         self.events = counter("events", "Telemetry records emitted, by event name.", ("event",))
@@ -377,73 +449,76 @@ class Metrics:
             ATTEMPT_BUCKETS, ("outcome",))
 
     def _bind_children(self, i: str) -> None:
-        """Children bound once: the hot path does one dict lookup and one locked add."""
+        """The series without a label of their own exist (at 0) from the start."""
         self._plain = {
-            "circuit_opened": self.circuit_opened.labels(i),
-            "circuit_reset": self.circuit_reset.labels(i),
-            "circuit_cleared": self.circuit_cleared.labels(i),
-            "recovery_claimed": self.recovery_claimed.labels(i),
-            "upstream_cut": self.upstream_cuts.labels(i),
-            "ownership_lost": self.ownership_lost.labels(i),
-            "session_released": self.sessions_released.labels(i),
-            "instance_reaped": self.instances_reaped.labels(i),
+            "circuit_opened": self.circuit_opened,
+            "circuit_reset": self.circuit_reset,
+            "circuit_cleared": self.circuit_cleared,
+            "recovery_claimed": self.recovery_claimed,
+            "upstream_cut": self.upstream_cuts,
+            "ownership_lost": self.ownership_lost,
+            "session_released": self.sessions_released,
+            "instance_reaped": self.instances_reaped,
         }
-        self._first_event = self.first_event_seconds.labels(i)
+        for family in self._plain.values():
+            family.values[self._key] = 0.0
+        self.first_event_seconds.bind(self._key)
 
     # -- the telemetry sink ----------------------------------------------------------------------
     def observe(self, event: str, fields: Mapping[str, Any]) -> None:
         """Count one telemetry record. Never raises."""
         try:
-            self._observe(event, fields)
+            with self._lock:
+                self._observe(event, fields)
         except Exception:  # metrics must never break traffic
             logger.debug("turnguard: metrics could not count %s", event, exc_info=True)
 
     def _observe(self, event: str, f: Mapping[str, Any]) -> None:
         i = self.instance
-        self.events.labels(i, event).inc()
+        self.events.inc((i, event))
         plain = self._plain.get(event)
         if plain is not None:
-            plain.inc()
+            plain.inc(self._key)
             return
         if event == "dispatch":
-            self.dispatches.labels(i, _one_of(f.get("kind"), DISPATCH_KINDS)).inc()
+            self.dispatches.inc((i, _one_of(f.get("kind"), DISPATCH_KINDS)))
         elif event == "outcome":
             outcome = _one_of(f.get("outcome"), OUTCOMES)
-            self.outcomes.labels(i, outcome).inc()
+            self.outcomes.inc((i, outcome))
             duration = _seconds(f.get("duration_ms"))
             if duration is not None:
-                self.attempt_seconds.labels(i, outcome).observe(duration)
+                self.attempt_seconds.observe((i, outcome), duration)
             first = _seconds(f.get("first_event_ms"))
             if first is not None:
-                self._first_event.observe(first)
+                self.first_event_seconds.observe(self._key, first)
         elif event in DUPLICATE_ACTIONS:
             action = DUPLICATE_ACTIONS[event]
-            self.duplicates.labels(i, action).inc()
+            self.duplicates.inc((i, action))
             self._hold_ended(f, action)
         elif event == "fail_closed":
-            self.fail_closed.labels(i, _one_of(f.get("reason"), FAIL_CLOSED_REASONS)).inc()
+            self.fail_closed.inc((i, _one_of(f.get("reason"), FAIL_CLOSED_REASONS)))
         elif event == "passthrough":
-            self.passthrough.labels(i, passthrough_label(f.get("reason"))).inc()
+            self.passthrough.inc((i, passthrough_label(f.get("reason"))))
         elif event == "recovery_denied":
-            self.recovery_denied.labels(i, _one_of(f.get("reason"), RECOVERY_DENIED_REASONS)).inc()
+            self.recovery_denied.inc((i, _one_of(f.get("reason"), RECOVERY_DENIED_REASONS)))
         elif event == "ledger_unavailable":
-            self.ledger_outages.labels(i, _one_of(f.get("during"), LEDGER_CALLS)).inc()
+            self.ledger_outages.inc((i, _one_of(f.get("during"), LEDGER_CALLS)))
         elif event == "eventless_failure":
-            self.eventless_failures.labels(i, _one_of(f.get("failure_class"), FAILURE_CLASSES)).inc()
+            self.eventless_failures.inc((i, _one_of(f.get("failure_class"), FAILURE_CLASSES)))
         elif event == "hold_abandoned":
-            self.holds_abandoned.labels(i, abandon_label(f.get("reason"))).inc()
+            self.holds_abandoned.inc((i, abandon_label(f.get("reason"))))
             self._hold_ended(f, "abandoned")
         elif event == "wait_finished":
             waited = _seconds(f.get("waited_ms"))
             if waited is not None:
                 reason = _one_of(f.get("reason"), WAIT_END_REASONS)
-                self.cooldown_wait_seconds.labels(i, reason).observe(waited)
+                self.cooldown_wait_seconds.observe((i, reason), waited)
         elif event == "session_claimed":
-            self.sessions_claimed.labels(i, _one_of(f.get("result"), SESSION_CLAIM_RESULTS)).inc()
+            self.sessions_claimed.inc((i, _one_of(f.get("result"), SESSION_CLAIM_RESULTS)))
         status = f.get("answer_status")
         if status is not None:
-            self.answers.labels(i, _one_of(str(status), ("409", "422", "503")),
-                                _one_of(f.get("code"), ANSWER_CODES)).inc()
+            self.answers.inc((i, _one_of(str(status), ("409", "422", "503")),
+                              _one_of(f.get("code"), ANSWER_CODES)))
 
     def _hold_ended(self, f: Mapping[str, Any], result: str) -> None:
         flow = f.get("flow")
@@ -458,7 +533,7 @@ class Metrics:
             del self._held[flow]
             held = _seconds(f.get("held_ms"))
             if held is not None:
-                self.hold_seconds.labels(self.instance, result).observe(held)
+                self.hold_seconds.observe((self.instance, result), held)
 
     # -- the endpoint ----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> tuple[str, int]:
