@@ -211,3 +211,16 @@ async def test_a_bad_address_while_running_keeps_the_endpoint_in_use(tmp_path):
 async def test_metrics_off_by_default_and_nothing_listens(tmp_path):
     async with make_guard(tmp_path) as g:
         assert g.tg.metrics is None and g.tg.telemetry.sink is None
+
+
+def test_histogram_buckets_are_cumulative_and_end_with_the_count():
+    metrics = m.Metrics("i")
+    for ms in (50, 100, 2000, 700_000):  # 0.05 s, on a bound, inside, past the last bound
+        metrics.observe("outcome", {"outcome": "completed", "duration_ms": ms})
+    rows = {lab["le"]: v for lab, v in samples(metrics)["turnguard_attempt_duration_seconds_bucket"]
+            if lab["outcome"] == "completed"}
+    assert rows["0.1"] == 2 and rows["2.5"] == 3 and rows["600.0"] == 3 and rows["+Inf"] == 4
+    assert list(rows.values()) == sorted(rows.values())
+    s = samples(metrics)
+    assert metric(s, "turnguard_attempt_duration_seconds_count", outcome="completed") == 4
+    assert metric(s, "turnguard_attempt_duration_seconds_sum") == pytest.approx(702.15)
