@@ -24,7 +24,8 @@ if str(SCRIPTS) not in sys.path:
 from turnguard_bench import profiling, upstream  # noqa: E402
 
 BENCH_TIMEOUT_S = 400
-VARIANTS = ("plain", "plain_stream", "floor", "ledger_floor", "turnguard")
+# turnguard_baseline: turnguard as committed at HEAD (--baseline-rev), beside the working tree's
+VARIANTS = ("plain", "plain_stream", "floor", "ledger_floor", "turnguard_baseline", "turnguard")
 
 
 def _num(x) -> bool:
@@ -39,7 +40,8 @@ def quick_run(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "addon")])}
     with open(out_text, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "turnguard_bench", "--quick", "--json", str(out_json)],
+            [sys.executable, "-m", "turnguard_bench", "--quick", "--json", str(out_json),
+             "--baseline-rev", "HEAD"],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: on a timeout it all goes
         )
@@ -81,7 +83,7 @@ def test_per_request_measures_every_variant_and_answers_every_request(quick_run)
                 assert rep["answers"] == rep["ok"] == rep["requests"] > 0
                 assert rep["statuses"] == [200] and rep["events_ok"]
                 assert rep["upstream_dispatches"] == rep["requests"]  # distinct bodies: no replay
-        for base in ("plain", "plain_stream", "floor", "ledger_floor"):
+        for base in ("plain", "plain_stream", "floor", "ledger_floor", "turnguard_baseline"):
             ratios = row[f"turnguard_vs_{base}"]
             assert all(_num(ratios[k]) for k in ("rps_ratio", "median_ratio", "p99_ratio",
                                                   "added_median_ms"))
@@ -132,7 +134,7 @@ def test_replays_are_byte_identical_and_never_dispatched(quick_run):
     assert set(rp["sizes"]) == {"0", str(1024), str(100 * 1024), str(5 * 1024 * 1024)}
     short = sum(map(len, upstream.events_body(8)))  # size 0: the 8-event stream
     for size, row in rp["sizes"].items():
-        for rep in row["turnguard"]["reps"]:
+        for rep in row["turnguard"]["reps"] + row["turnguard_baseline"]["reps"]:
             assert rep["replayed"] == rep["requests"] == rep["ok"]
             assert rep["distinct_bodies"] == 1 and rep["same_as_original"]
             assert rep["upstream_dispatches"] == 0

@@ -1,6 +1,7 @@
 """scripts/bench: turnguard side by side with plain mitmdump, on one loopback upstream.
 
-    scripts/bench [--quick] [--json FILE] [--phases LIST] [--set K=V] [--addon-rev REV] [--keep]
+    scripts/bench [--quick] [--json FILE] [--phases LIST] [--set K=V] [--addon-rev REV]
+                  [--baseline-rev REV] [--keep]
     scripts/bench --profile DIR [--profile-seconds S] [--profile-clients N]
                   [--profile-scenarios LIST] [--addon-rev REV]
 
@@ -66,6 +67,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
                 **({"ledger_floor": ("ledger_floor", {})} if dispatches else {}),
                 # replay of the 5 MiB case needs a cap above 5 MiB (the default is 8 MiB)
                 "turnguard": ("turnguard", {"turnguard_replay_max_bytes": 16 * 2**20}),
+                **({"turnguard_baseline": ("turnguard_baseline",
+                                           {"turnguard_replay_max_bytes": 16 * 2**20})}
+                   if procs.has_baseline() else {}),
                 **({"answer_floor": ("answer_floor", {})} if "replay" in cfg.phases else {}),
             })
             # the answer floor only replays: the phases of dispatched requests leave it out;
@@ -133,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure addon/ as committed at this git revision instead of the "
                         "working tree (the working tree is copied at start either way, so edits "
                         "during a run change nothing)")
+    p.add_argument("--baseline-rev", metavar="REV",
+                   help="also measure addon/ as committed at REV as the variant "
+                        "turnguard_baseline, in the same rounds as turnguard (per_request, "
+                        "streaming and replay phases), with the ratio turnguard / "
+                        "turnguard_baseline: how a change moves turnguard, free of the "
+                        "machine's drift from one run to the next")
     p.add_argument("--keep", action="store_true",
                    help="keep the work folder (logs, ledgers) and print its path")
     p.add_argument("--profile", metavar="DIR",
@@ -181,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="turnguard-bench-"))
     try:
         procs.snapshot_addon(workdir, args.addon_rev)
+        if args.baseline_rev:
+            procs.snapshot_baseline(workdir, args.baseline_rev)
         if args.profile:
             return asyncio.run(profiling.run(
                 cfg, workdir, Path(args.profile), args.profile_seconds,
@@ -189,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(run_all(cfg, workdir))
         if args.addon_rev:
             res["environment"]["addon_from"] = f"git {args.addon_rev}"
+        if args.baseline_rev:
+            res["environment"]["baseline_from"] = f"git {args.baseline_rev}"
         print(report.render(res), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2, default=str))

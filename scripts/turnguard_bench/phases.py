@@ -29,8 +29,8 @@ from turnguard_procs import cpu_seconds, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
 # what turnguard is compared with (ledger_floor: in the phases of dispatched requests only;
-# answer_floor: in the replay phase only)
-BASES = ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor")
+# answer_floor: in the replay phase only; turnguard_baseline: with --baseline-rev only)
+BASES = ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor", "turnguard_baseline")
 SHORT_EVENTS = 8  # the upstream's default stream: created .. completed with 3 deltas
 GUARDED_PATH = "/v1/responses"
 SOAK_WINDOW_MS = 2000
@@ -280,7 +280,7 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         # size 0: the per-request phase's 8-event stream (replay vs plain dispatch of it)
         raw = model_request(nonce, 0, extra={"x-bench-bytes": str(size)} if size else None)
         prime = None
-        if v in ("turnguard", "answer_floor"):  # the original: dispatched and recorded
+        if v in ("turnguard", "turnguard_baseline", "answer_floor"):  # the original: recorded
             pl = await client.run_load(ms[v].port, lambda i: raw, 1, 1, time_limit_s=60,
                                        hash_body=True)
             prime = pl.results[0]
@@ -302,7 +302,8 @@ async def replay(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
                         _request_ratios)
         for size, by_v in runs.items()
     }}
-    tg_runs = [r for by_v in runs.values() for r in by_v.get("turnguard", [])]
+    tg_runs = [r for by_v in runs.values() for v in ("turnguard", "turnguard_baseline")
+               for r in by_v.get(v, [])]
     all_runs = _all_runs(runs)
     out["checks"] = {
         **_answered_checks(all_runs),

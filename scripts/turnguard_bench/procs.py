@@ -43,6 +43,7 @@ _started: list[Stoppable] = []
 # that an edit of the working tree during a run (mitmproxy reloads a changed script, which drops
 # the flows it holds) cannot change what is measured half way.
 _addon_dir: Path = REPO / "addon"
+_baseline_dir: Path | None = None  # --baseline-rev: the turnguard_baseline variant's addon
 
 # ``--set KEY=VALUE`` options of scripts/bench: given to every mitmdump variant alike.
 COMMON_OPTIONS: dict[str, str] = {}
@@ -54,22 +55,38 @@ def snapshot_addon(workdir: Path, rev: str | None = None) -> Path:
     is addon/ as committed at that git revision (to measure a version against another).
     Returns the copy."""
     global _addon_dir
-    dest = workdir / "addon-snapshot"
+    _addon_dir = _copy_addon(workdir / "addon-snapshot", rev)
+    sys.path.insert(0, str(_addon_dir))
+    return _addon_dir
+
+
+def snapshot_baseline(workdir: Path, rev: str) -> Path:
+    """addon/ as committed at ``rev``, for the ``turnguard_baseline`` variant: measured in the
+    same run as ``turnguard``, so that two versions are compared side by side (machine noise
+    from one run to the next is larger than what most changes move)."""
+    global _baseline_dir
+    _baseline_dir = _copy_addon(workdir / "addon-baseline", rev)
+    return _baseline_dir
+
+
+def _copy_addon(dest: Path, rev: str | None) -> Path:
     if rev is None:
         shutil.copytree(ADDON.parent, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    else:
-        tmp = workdir / "addon-rev"
-        tmp.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "addon"],
-                                 capture_output=True, timeout=60)
-        if archive.returncode != 0:
-            raise SystemExit(f"scripts/bench: git archive {rev} addon failed: "
-                             f"{archive.stderr.decode(errors='replace').strip()}")
-        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True, timeout=60)
-        (tmp / "addon").rename(dest)
-    _addon_dir = dest
-    sys.path.insert(0, str(dest))
+        return dest
+    tmp = dest.with_name(dest.name + "-rev")
+    tmp.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "addon"],
+                             capture_output=True, timeout=60)
+    if archive.returncode != 0:
+        raise SystemExit(f"scripts/bench: git archive {rev} addon failed: "
+                         f"{archive.stderr.decode(errors='replace').strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True, timeout=60)
+    (tmp / "addon").rename(dest)
     return dest
+
+
+def has_baseline() -> bool:
+    return _baseline_dir is not None
 
 
 def addon_digest() -> str:
@@ -89,6 +106,8 @@ VARIANTS = {
                     "each request goes upstream and its end and body after: what any guard "
                     "that executes a request at most once across processes must write)",
     "turnguard": "mitmdump -s addon/turnguard.py (guarded responses streamed through its tee)",
+    "turnguard_baseline": "with --baseline-rev REV only: turnguard as committed at REV, "
+                          "measured in the same rounds as turnguard",
     "answer_floor": "mitmdump -s answer_floor_addon.py (replay phase only: answers a repeated "
                     "request from memory, what any replaying addon costs)",
 }
@@ -204,8 +223,11 @@ def start_mitmdumps(
                 cmd += ["-s", str(ANSWER_FLOOR_ADDON)]
             elif variant == "ledger_floor":
                 cmd += ["-s", str(LEDGER_FLOOR_ADDON)]
-            elif variant == "turnguard":
-                cmd += ["-s", str(_addon_dir / ADDON.name)]
+            elif variant in ("turnguard", "turnguard_baseline"):
+                addon_dir = _addon_dir if variant == "turnguard" else _baseline_dir
+                if addon_dir is None:
+                    raise ValueError("turnguard_baseline needs snapshot_baseline first")
+                cmd += ["-s", str(addon_dir / ADDON.name)]
                 opts["turnguard_ledger"] = str(workdir / f"{name}-ledger.sqlite3")
             elif variant != "plain":
                 raise ValueError(f"unknown variant {variant}")

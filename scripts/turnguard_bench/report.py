@@ -33,10 +33,12 @@ def _setting_rows(label: str, row: dict, variant_cells, ratio_cells) -> list[lis
     per ratio of turnguard to a plain variant, ``[label, "turnguard/<base>",
     *ratio_cells(ratios)]``."""
     rows = [[label, v, *variant_cells(row[v])]
-            for v in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor", "turnguard")
+            for v in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor",
+                      "turnguard_baseline", "turnguard")
             if v in row]
     rows += [[label, f"turnguard/{base}", *ratio_cells(row[f"turnguard_vs_{base}"])]
-             for base in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor")
+             for base in ("plain", "plain_stream", "floor", "ledger_floor", "answer_floor",
+                          "turnguard_baseline")
              if f"turnguard_vs_{base}" in row]
     return rows
 
@@ -203,6 +205,8 @@ def render(res: dict) -> str:
     o.append("variants: " + "; ".join(f"{k} = {v}" for k, v in VARIANTS.items())
              + "; all: mitmdump --mode reverse:<bench upstream> --listen-host 127.0.0.1, "
              "default options otherwise, output to a file")
+    if env.get("baseline_from"):
+        o.append(f"turnguard_baseline: addon from {env['baseline_from']}")
     if res.get("common_options"):
         o.append(f"options given to every mitmdump: {res['common_options']}")
     o.append(NOTE)
