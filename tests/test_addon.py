@@ -828,3 +828,24 @@ async def test_a_turn_dispatched_while_the_ledger_was_locked_is_held_by_another_
             await asyncio.wait_for(task, WAIT_S)
             assert f2.response is not None and f2.response.raw_content == body
             assert not other.events("dispatch")
+
+
+def test_headers_read_once_are_read_again_after_any_change():
+    from turnguard_shell import flows
+
+    f = tflow.tflow(resp=True)
+    f.request.headers["Vary-Me"] = "a"
+    first = flows.request_headers(f)
+    assert flows.request_headers(f) is first  # unchanged: remembered
+    assert ("Vary-Me", "a") in first
+    f.request.headers["Vary-Me"] = "b"  # set
+    assert ("Vary-Me", "b") in flows.request_headers(f)
+    f.request.headers.add("Vary-Me", "c")  # a repeat
+    assert [v for k, v in flows.request_headers(f) if k == "Vary-Me"] == ["b", "c"]
+    del f.request.headers["Vary-Me"]
+    assert all(k != "Vary-Me" for k, _ in flows.request_headers(f))
+    f.request.headers = http.Headers(fresh="1")  # replaced whole
+    assert flows.request_headers(f) == (("fresh", "1"),)
+    f.response.headers["x-up"] = "1"
+    assert flows.response_headers(f) == tuple(f.response.headers.items(multi=True))
+    assert flows.response_headers(tflow.tflow()) == ()  # no response yet

@@ -31,7 +31,33 @@ def accepts_sse(flow: http.HTTPFlow) -> bool:
 
 
 def request_headers(flow: http.HTTPFlow) -> tuple[tuple[str, str], ...]:
-    return tuple(flow.request.headers.items(multi=True))
+    """The request's headers as (name, value) pairs, in order, repeats kept."""
+    return headers_of(flow.request)
+
+
+def response_headers(flow: http.HTTPFlow) -> tuple[tuple[str, str], ...]:
+    """The response's headers as ``request_headers`` gives the request's."""
+    return headers_of(flow.response) if flow.response is not None else ()
+
+
+# Each message's headers as str pairs, the last time they were read: a guarded request's
+# are read three times or more (identity, the live response's head, the recording's Vary
+# key), about 0.5 us a header each time.
+_HEADERS_READ: weakref.WeakKeyDictionary[http.Message, tuple[tuple, tuple]] = \
+    weakref.WeakKeyDictionary()
+
+
+def headers_of(message: http.Message) -> tuple[tuple[str, str], ...]:
+    """``tuple(message.headers.items(multi=True))``, remembered while they are unchanged:
+    mitmproxy's ``Headers`` replaces its ``fields`` tuple on every change (and a new
+    ``Headers`` has its own), so the very same tuple means the very same headers."""
+    fields = message.headers.fields
+    seen = _HEADERS_READ.get(message)
+    if seen is not None and seen[0] is fields:
+        return seen[1]
+    pairs = tuple(message.headers.items(multi=True))
+    _HEADERS_READ[message] = (fields, pairs)
+    return pairs
 
 
 def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | identity.Passthrough:

@@ -206,8 +206,7 @@ class InFlight:
         if attempt.live is not None:  # a detached call: its client is attached already
             head = _head(flow)
             attempt.live.shareable = shareable and head is not None
-            attempt.live.start(head or Head(resp.status_code,
-                                            tuple(resp.headers.items(multi=True)), None))
+            attempt.live.start(head or Head(resp.status_code, flows.response_headers(flow), None))
         elif shareable:
             head = _head(flow)
             if head is not None:
@@ -331,7 +330,7 @@ class InFlight:
             body_complete=body_complete and (tee is None or tee.ended),
             kept_body=tee.body if tee else None,
             over_cap=bool(tee and tee.over_cap),
-            response_headers=tuple(resp.headers.items(multi=True)) if resp is not None else (),
+            response_headers=flows.response_headers(flow),
             request_headers=flows.request_headers(flow),
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
@@ -353,7 +352,7 @@ def _head(flow: http.HTTPFlow) -> Head | None:
     """The response's head as a duplicate would take it; None when no duplicate could
     (``Vary: *``)."""
     resp = flow.response
-    headers = tuple(resp.headers.items(multi=True))
+    headers = flows.response_headers(flow)
     names = negotiation.vary_names(headers)
     if names is None:
         return None
