@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,52 @@ def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp
     assert {"missing folder": "does not exist", "world-writable folder": "world-writable",
             "group-writable file": "writable by others", "a folder": "not a regular file",
             "a FIFO": "not a regular file"}[case] in line
+
+
+def test_a_ledger_path_naming_another_programs_database_is_refused_and_left_untouched(tmp_path):
+    """turnguard would add its tables to it."""
+    path = tmp_path / "notes.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE notes (body TEXT)")
+    db.execute("INSERT INTO notes VALUES ('keep me')")
+    db.commit()
+    db.close()
+    path.chmod(0o644)
+    before = path.read_bytes()
+    line = _assert_refused(_mitmdump_once(tmp_path, f"turnguard_ledger={path}"), str(path),
+                           "refused")
+    assert "not a turnguard ledger" in line
+    assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not (tmp_path / "notes.db-wal").exists() and not (tmp_path / "notes.db-shm").exists()
+
+
+def test_a_ledger_path_naming_a_file_that_is_no_database_leaves_it_untouched(tmp_path):
+    """A wrong path (--set turnguard_ledger=/etc/hosts as root) is never made private (0600)
+    nor given SQLite's -wal and -shm beside it. It is an outage, as a ledger replaced by junk
+    is: turnguard runs and decides in memory, and says why."""
+    path = tmp_path / "hosts"
+    path.write_text("127.0.0.1 localhost\n")
+    path.chmod(0o644)
+    before = path.read_bytes()
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", options={"turnguard_ledger": str(path)}) \
+            as proxy:
+        text = proxy.wait_for_log("not a SQLite database; left untouched")
+        proxy.wait_for_log("turnguard: running")
+    assert_no_traceback(text)
+    assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not (tmp_path / "hosts-wal").exists() and not (tmp_path / "hosts-shm").exists()
+
+
+def test_an_events_path_naming_a_file_that_is_no_events_file_is_refused_and_left_untouched(
+        tmp_path):
+    path = tmp_path / "passwd"
+    path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    path.chmod(0o644)
+    before = path.read_bytes()
+    line = _assert_refused(_mitmdump_once(tmp_path, f"turnguard_events={path}"), str(path))
+    assert "not a turnguard events file" in line
+    assert path.read_bytes() == before
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 def test_a_good_start_says_turnguard_is_running(tmp_path):

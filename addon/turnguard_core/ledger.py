@@ -39,6 +39,7 @@ BACKSTOP_CHECKPOINT_PAGES = 4096
 # size the file keeps its blocks and commits overwrite them; the heartbeat empties it once the
 # ledger is idle (``truncate_wal``).
 WAL_SIZE_LIMIT = 16 * 1024 * 1024
+PROBE_BUSY_S = 0.2  # how long check_path's look at an existing file waits for a writer
 TRUNCATE_BUSY_MS = 10  # longest ``truncate_wal`` keeps new writers waiting for readers to go
 
 _MIGRATIONS: dict[int, str] = {
@@ -258,6 +259,9 @@ class Ledger:
         it appears in no ``instances`` row)."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
+            if _not_a_database(real_path):
+                raise LedgerError(f"{self.path} is not a SQLite database; left untouched "
+                                  "(turnguard opens it again once it is one, or is gone)")
             ensure_private_file(real_path)
             # SQLite makes a new -wal and -shm with the file's mode, and keeps those it finds
             # (left by a process killed, or copied in with the file): they hold its rows too
@@ -1041,7 +1045,58 @@ def check_path(path: str) -> str:
         raise LedgerError(f"{path} cannot be read: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise LedgerError(f"{path} is not a regular file")
+    if _foreign_database(real):
+        raise LedgerError(f"{path} is not a turnguard ledger (a SQLite database of something"
+                          " else); left untouched")
     return real
+
+
+def _probe(path: str) -> sqlite3.Connection | None:
+    """A read-only look at an existing file through SQLite (None: it cannot be opened now).
+    Never a descriptor of our own: closing one would drop every lock SQLite holds on the
+    file in this process."""
+    try:
+        return sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True,
+                               timeout=PROBE_BUSY_S, isolation_level=None)
+    except sqlite3.Error:
+        return None
+
+
+def _foreign_database(path: str) -> bool:
+    """Whether the file at ``path`` is another program's SQLite database: tables, and no
+    schema version of ours (turnguard would add its tables to it). A file that cannot be
+    read now, or is no database at all, is the open's to report."""
+    probe = _probe(path)
+    if probe is None:
+        return False
+    try:
+        return probe.execute("PRAGMA user_version").fetchone()[0] == 0 and probe.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' LIMIT 1").fetchone() is not None
+    except sqlite3.Error:
+        return False
+    finally:
+        probe.close()
+
+
+def _not_a_database(path: str) -> bool:
+    """Whether the non-empty file at ``path`` is no SQLite database at all (a wrong path,
+    say ``/etc/hosts``; or a ledger damaged or replaced by junk, which someone may yet put
+    right): then turnguard neither makes it private nor lets SQLite put files next to it."""
+    try:
+        if os.stat(path).st_size == 0:
+            return False
+    except OSError:
+        return False
+    probe = _probe(path)
+    if probe is None:
+        return False
+    try:
+        probe.execute("PRAGMA user_version")
+        return False
+    except sqlite3.DatabaseError as e:
+        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB
+    finally:
+        probe.close()
 
 
 # An operation whose once-only recovery claim was spent (policy.once_claim_spent): kept for good.

@@ -44,7 +44,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "Path of the SQLite ledger, shared by every turnguard process that uses it (operations "
         "of different upstreams and principals never mix). Refused if it, or the real file a "
         "symlink leads to, is writable by others or in a world-writable folder without the "
-        "sticky bit. Empty: <confdir>/turnguard.sqlite3. Or a PostgreSQL URL "
+        "sticky bit, or if it is another program's SQLite database (a file that is no "
+        "database at all is left untouched: an outage). Empty: <confdir>/turnguard.sqlite3. "
+        "Or a PostgreSQL URL "
         "(postgresql://USER@HOST/DB; credentials also from the PG* environment variables or a "
         "libpq service file; the password is never shown): a ledger shared by several hosts.",
     ),
@@ -175,7 +177,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_events", str, "",
         "Path of a JSON-lines telemetry file (created 0600, never through a symlink; refused "
-        "like the ledger; deleted or rotated while running: opened again at the path); "
+        "like the ledger, and an existing file that is no turnguard events file; deleted "
+        "or rotated while running: opened again at the path); "
         "empty: telemetry goes to the log only.",
     ),
 )

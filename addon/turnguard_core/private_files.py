@@ -8,8 +8,10 @@ One set of rules for both (no clock or proxy here; only the file system):
   user could swap the file, or read what turnguard writes next to it (SQLite's -wal and -shm
   are created next to the real file).
 - ``open_private``: opens without following a symlink at the path (``O_NOFOLLOW``), creates
-  the file 0600, and refuses anything but a regular file owned by this user; the file is then
-  made 0600 whatever the umask.
+  the file 0600, and refuses anything but a regular file owned by this user, and (with
+  ``starts_with``) a non-empty file that does not start as turnguard's files do: a wrong path
+  (``/etc/passwd`` as root) is never written to nor made private. The file is then made 0600
+  whatever the umask.
 
 Refusals raise ``UnsafePath`` (an ``OSError``, so callers that handle a file they cannot open
 handle it too), with a message that says why.
@@ -46,9 +48,12 @@ def check_private_path(path: str) -> str:
     return real
 
 
-def open_private(path: str, flags: int) -> int:
+def open_private(path: str, flags: int, *, starts_with: bytes | None = None,
+                 kind: str = "turnguard file") -> int:
     """Open (creating if needed) ``path`` as a file readable and writable by its owner only
-    (0600); never through a symlink, never a FIFO, device or another user's file."""
+    (0600); never through a symlink, never a FIFO, device or another user's file. With
+    ``starts_with`` (``flags`` must allow reading), an existing non-empty file must start with
+    those bytes: else it is refused, unchanged, as not a ``kind``."""
     try:
         fd = os.open(
             path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600
@@ -63,6 +68,10 @@ def open_private(path: str, flags: int) -> int:
             raise UnsafePath(f"{path} is not a regular file")
         if st.st_uid != os.geteuid():
             raise UnsafePath(f"{path} belongs to another user (uid {st.st_uid})")
+        if starts_with is not None and st.st_size > 0 \
+                and os.pread(fd, len(starts_with), 0) != starts_with:
+            raise UnsafePath(f"{path} is not a {kind} (it does not start with "
+                             f"{starts_with.decode(errors='replace')}); left untouched")
         os.fchmod(fd, 0o600)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:

@@ -67,8 +67,7 @@ class Telemetry:
         self.sink: Callable[[str, dict], None] | None = None
         if self.path:
             check_private_path(self.path)
-            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
-            self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+            self._file = _open_events(self.path)
 
     def emit(self, event: str, **fields: object) -> None:
         self.counts[event] += 1
@@ -107,7 +106,7 @@ class Telemetry:
             pass
         try:
             check_private_path(self.path)
-            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+            file = _open_events(self.path)
         except (OSError, ValueError) as e:
             if str(e) != self._refused:  # said once, not at every check while it lasts
                 self._refused = str(e)
@@ -115,7 +114,7 @@ class Telemetry:
             return
         self._refused = None
         self._file.close()
-        self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+        self._file = file
         logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
                     self.path)
 
@@ -126,3 +125,13 @@ class Telemetry:
 
 
 _EMIT_LINE = Telemetry.emit.__code__.co_firstlineno
+
+# How every line of an events file starts: an existing file that does not is someone
+# else's, never appended to (nor made private).
+EVENTS_FILE_START = b'{"ts":'
+
+
+def _open_events(path: str):
+    fd = open_private(path, os.O_RDWR | os.O_APPEND, starts_with=EVENTS_FILE_START,
+                      kind="turnguard events file")
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
