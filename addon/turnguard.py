@@ -246,6 +246,7 @@ class TurnGuard:
         state = await self.decide(flow, ident, req, flow.request.method, scope)
         match state:
             case machine.Forward():
+                flows.give_body_a_length(flow)
                 if not await self.attacher.dispatch_detached(flow, ident, req, state.dispatch,
                                                              scope):
                     self.inflight.start(flow, ident, state.dispatch, scope)

@@ -429,3 +429,42 @@ def test_an_http2_duplicate_without_a_content_length_attaches_and_gets_the_whole
         assert sse_event_types(first.body)[-1] == "response.completed"
         assert len(up.dispatches()) == 1
         assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.skipif(CURL is None, reason="needs curl with HTTP2 (an upload of unknown length)")
+def test_an_http2_call_without_a_content_length_reaches_an_http1_upstream_with_its_body(
+        tmp_path):
+    """An HTTP/2 request body may come with no Content-Length (``curl -T -``, any client
+    streaming its body). The upstream here speaks HTTP/1.1, and mitmproxy sends it such a
+    request with neither a Content-Length nor a Transfer-Encoding: to the upstream that is a
+    request without a body. A guarded call must reach the upstream whole, once, and its
+    duplicate (with a length) get the same answer."""
+    import hashlib
+
+    scenario = {"sequence": [{"kind": "ok", "events": 6, "gap_ms": 250}],
+                "default": {"kind": "ok"}}
+    raw = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        cmd = [CURL, "-sS", "--http2", "-k", "--noproxy", "*", "--max-time", str(CURL_MAX_S),
+               "-X", "POST", "-T", "-", "-D", str(tmp_path / "original-headers"),
+               "-w", "%{http_version}", "-o", str(tmp_path / "original-body")]
+        for k, v in HEADERS.items():
+            cmd += ["-H", f"{k}: {v}"]
+        cmd.append(f"https://127.0.0.1:{proxy.port}/v1/responses")
+        original = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        out, err = original.communicate(raw, timeout=PROC_WAIT_S)
+        assert original.returncode == 0, err.decode(errors="replace")
+        assert out.decode().strip() == "2", "the client spoke HTTP/2"
+        status, _ = _parse_header_dump((tmp_path / "original-headers").read_text())
+        body = (tmp_path / "original-body").read_bytes()
+        assert status == 200, body[:300]
+        assert sse_event_types(body)[-1] == "response.completed"
+        assert not [r for r in up.records() if r.get("event") == "invalid_body"]
+        (dispatch,) = up.dispatches()
+        assert dispatch["body_sha256"] == hashlib.sha256(raw).hexdigest()
+        dup = h2_post(tmp_path, "dup", proxy).result()
+        assert dup.status == 200 and dup.body == body
+        assert dup.headers.get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())

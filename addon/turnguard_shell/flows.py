@@ -60,6 +60,18 @@ def headers_of(message: http.Message) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
+def give_body_a_length(flow: http.HTTPFlow) -> None:
+    """An HTTP/2 or HTTP/3 request may come with no Content-Length (a client streaming its
+    body), and mitmproxy sends such a request to an HTTP/1.1 upstream with neither a
+    Content-Length nor a Transfer-Encoding: a request without a body to that upstream. A
+    dispatched request's body is whole here, so it goes with its length (valid on any
+    version)."""
+    req = flow.request
+    if ((req.is_http2 or req.is_http3) and req.raw_content
+            and "content-length" not in req.headers and "transfer-encoding" not in req.headers):
+        req.headers["content-length"] = str(len(req.raw_content))
+
+
 def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | identity.Passthrough:
     """What identity needs of the request, or why it cannot be guarded. A body with content
     codings is decoded here when that stays within ``INLINE_MAX_BYTES``; past that it goes on
