@@ -305,18 +305,22 @@ class RawH2:
         self._flush()
         self.ended: dict[int, str] = {}  # stream id -> "ended" | "reset"
         self.status: dict[int, int] = {}
+        self.bodies: dict[int, bytes] = {}
 
     def _flush(self) -> None:
         data = self.conn.data_to_send()
         if data:
             self.sock.sendall(data)
 
-    def post(self, stream_id: int, path: str, body: bytes, headers: dict[str, str]) -> None:
+    def post(self, stream_id: int, path: str, body: bytes, headers: dict[str, str],
+             trailers: dict[str, str] | None = None) -> None:
         hdrs = [(":method", "POST"), (":path", path), (":scheme", "https"),
                 (":authority", f"127.0.0.1:{self.port}"), ("content-length", str(len(body)))]
         hdrs += list(headers.items())
         self.conn.send_headers(stream_id, hdrs)
-        self.conn.send_data(stream_id, body, end_stream=True)
+        self.conn.send_data(stream_id, body, end_stream=not trailers)
+        if trailers:
+            self.conn.send_headers(stream_id, list(trailers.items()), end_stream=True)
         self._flush()
 
     def reset(self, stream_id: int) -> None:
@@ -342,6 +346,7 @@ class RawH2:
                 if isinstance(ev, h2.events.ResponseReceived):
                     self.status[ev.stream_id] = int(dict(ev.headers)[b":status"])
                 elif isinstance(ev, h2.events.DataReceived):
+                    self.bodies[ev.stream_id] = self.bodies.get(ev.stream_id, b"") + ev.data
                     self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                 elif isinstance(ev, h2.events.StreamEnded):
                     self.ended[ev.stream_id] = "ended"
@@ -467,4 +472,34 @@ def test_an_http2_call_without_a_content_length_reaches_an_http1_upstream_with_i
         assert dup.status == 200 and dup.body == body
         assert dup.headers.get("x-turnguard") == "replayed"
         assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package for a raw HTTP/2 client")
+def test_an_http2_duplicate_with_request_trailers_attaches_without_a_traceback(tmp_path):
+    """A duplicate whose HTTP/2 request ends with trailers (HEADERS after its DATA) is
+    attached: turnguard routes it to its relay, which speaks HTTP/1.1 and drops the request's
+    body. The trailers have nowhere to go there (mitmproxy's HTTP/1 client raises on them):
+    the duplicate gets the original's stream and mitmdump prints no traceback."""
+    scenario = {"sequence": [{"kind": "ok", "events": 8, "gap_ms": 250}],
+                "default": {"kind": "ok"}}
+    body = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
+        original, dup = RawH2(proxy.port), RawH2(proxy.port)
+        try:
+            original.post(1, "/v1/responses", body, HEADERS)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            dup.post(1, "/v1/responses", body, {**HEADERS, "te": "trailers"},
+                     trailers={"x-client-checksum": "abc"})
+            original.pump(lambda: 1 in original.ended, timeout=20)
+            dup.pump(lambda: 1 in dup.ended, timeout=20)
+        finally:
+            original.close()
+            dup.close()
+        assert original.ended == dup.ended == {1: "ended"}
+        assert original.status == dup.status == {1: 200}
+        assert dup.bodies[1] == original.bodies[1]
+        assert sse_event_types(dup.bodies[1])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert len(events(tmp_path, "duplicate_attached")) == 1
         assert_no_traceback(proxy.log_text())

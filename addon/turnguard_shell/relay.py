@@ -86,6 +86,9 @@ class Relay:
         meta["relayed_from"] = [req.scheme, req.host, req.port]
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
         req.headers[TOKEN_HEADER] = token
+        if req.trailers:  # an HTTP/2 request's trailers: mitmproxy's HTTP/1.1 client raises
+            meta["relayed_trailers"] = req.trailers  # on them, and the relay drops the body
+            req.trailers = None
 
     def _expire(self, token: str) -> None:
         """mitmproxy never followed the route (its client left first)."""
@@ -103,6 +106,9 @@ class Relay:
         req = flow.request
         req.scheme, req.host, req.port = origin[0], origin[1], int(origin[2])
         req.headers.pop(TOKEN_HEADER, None)
+        trailers = meta.pop("relayed_trailers", None)
+        if trailers is not None:
+            req.trailers = trailers
 
     def close(self) -> None:
         for route in self._routes.values():
