@@ -87,7 +87,9 @@ class Relay:
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
         req.headers[TOKEN_HEADER] = token
         if req.trailers:  # an HTTP/2 request's trailers: mitmproxy's HTTP/1.1 client raises
-            meta["relayed_trailers"] = req.trailers  # on them, and the relay drops the body
+            # on them, and the relay drops the body; kept as plain data (metadata is saved
+            # with the flow: mitmweb, --save-stream-file)
+            meta["relayed_trailers"] = [[k, v] for k, v in req.trailers.fields]
             req.trailers = None
 
     def _expire(self, token: str) -> None:
@@ -108,7 +110,7 @@ class Relay:
         req.headers.pop(TOKEN_HEADER, None)
         trailers = meta.pop("relayed_trailers", None)
         if trailers is not None:
-            req.trailers = trailers
+            req.trailers = http.Headers([(k, v) for k, v in trailers])
 
     def close(self) -> None:
         for route in self._routes.values():
