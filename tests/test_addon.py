@@ -849,3 +849,64 @@ def test_headers_read_once_are_read_again_after_any_change():
     f.response.headers["x-up"] = "1"
     assert flows.response_headers(f) == tuple(f.response.headers.items(multi=True))
     assert flows.response_headers(tflow.tflow()) == ()  # no response yet
+
+
+_HOSTS = st.one_of(
+    st.none(), st.sampled_from(["bench", "api.openai.com:443", "127.0.0.1:8080", "[::1]:9",
+                                ":80", "", "a/v1/responses?", "h#x", "x?y", "[::1", "[]:1",
+                                "UPPER.Example", "h:", "h:99999", "é.example"]),
+    st.text(alphabet="ab:/?#[]. 1\n", max_size=8))
+_PATHS = st.one_of(
+    st.sampled_from(["/v1/responses", "/V1/Responses", "/v1/responses/", "/v1/responses?x=1",
+                     "/v1/responses/x", "/KEY/v1/responses", "/v1/responses\n", "*", "",
+                     "/openai/v1/chat/completions", "/backend-api/codex/responses?",
+                     "v1/responses", "x/v1/responses", "//v1/responses", "/v1/responses#f"]),
+    st.text(alphabet="/v1responsesabc?#\n", max_size=20))
+
+
+@settings(max_examples=examples(1000), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from([b"POST", b"post", b"GET", b"XPOSTX", b"PUT", b"CONNECT"]),
+       scheme=st.sampled_from(["http", "https", "ws", "HTTP", ""]), host=_HOSTS, path=_PATHS,
+       http2=st.booleans(), websocket=st.booleans(), authority_form=st.booleans())
+def test_the_default_filter_decides_every_flow_as_mitmproxys_parsed_filter(
+        method, scheme, host, path, http2, websocket, authority_form):
+    _filters_agree(method, scheme, host, path, http2, websocket, authority_form)
+
+
+@pytest.mark.parametrize("method, scheme, host, path", [
+    (b"POST", "http", "bench", "/v1/responses"), (b"post", "https", None, "/V1/RESPONSES?x"),
+    (b"POST", "http", "bench", "x/v1/responses"),  # no leading "/": the host runs into it
+    (b"POST", "", "bench", "/v1/responses"), (b"POST", "http", ":80", "/v1/responses"),
+    (b"POST", "http", "a/v1/responses?", "/other"), (b"POST", "http", "h#", "/v1/responses"),
+    (b"XPOSTX", "http", "[::1]:9", "/v1/responses\n"), (b"GET", "http", "bench", "/v1/responses"),
+])
+def test_the_default_filter_agrees_on_the_corner_cases(method, scheme, host, path):
+    for http2 in (False, True):
+        for websocket in (False, True):
+            _filters_agree(method, scheme, host, path, http2, websocket, False)
+
+
+def _filters_agree(method, scheme, host, path, http2, websocket, authority_form):
+    from mitmproxy import flowfilter
+
+    from turnguard_core import options
+    from turnguard_shell import config
+
+    fast = config.parse_filter(options.DEFAULT_FILTER)
+    assert isinstance(fast, config.DefaultFilter)
+    parsed = flowfilter.parse(options.DEFAULT_FILTER)
+    f = tflow.twebsocketflow() if websocket else tflow.tflow()
+    req = f.request
+    req.method, req.scheme, req.path = method.decode(), scheme, path
+    if http2:
+        req.http_version = "HTTP/2.0"
+        req.authority = host or ""
+    if host is None:
+        req.headers.pop("host", None)
+    else:
+        req.headers["host"] = host
+    if authority_form:
+        req.data.authority = b"example.com:443"
+        req.path = ""
+    assert fast(f) == parsed(f), (req.pretty_url, f.websocket is not None)

@@ -20,11 +20,9 @@ from .records import record
 
 # POSTs to a known route, anchored at the start of the path: ~u matches the whole URL, so the
 # anchor is the end of "scheme://authority". "/KEY/v1/responses" is not guarded by default.
-DEFAULT_FILTER = (
-    '(~websocket | ~m POST) & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+('
-    + "|".join(KNOWN_ROUTES)
-    + ')/?([?]|$)"'
-)
+DEFAULT_FILTER_ROUTES = "(" + "|".join(KNOWN_ROUTES) + ")/?([?]|$)"  # after the authority
+DEFAULT_FILTER = f'(~websocket | ~m POST) & ~u "^[a-z][a-z0-9+.-]*://[^/?#]+{DEFAULT_FILTER_ROUTES}"'
+
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 9110 token
 
 

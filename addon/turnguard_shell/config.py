@@ -5,22 +5,58 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Callable
 
-from mitmproxy import flowfilter
+from mitmproxy import flowfilter, http
 from mitmproxy import log as mitmproxy_log
 
 from turnguard_core.ledger import LedgerError, check_path
 from turnguard_core.ledger_location import check_postgres_url, display, is_postgres
+from turnguard_core.options import DEFAULT_FILTER, DEFAULT_FILTER_ROUTES
 from turnguard_core.private_files import UnsafePath
 from turnguard_core.telemetry import Telemetry
 
 
 def parse_filter(expression: str) -> flowfilter.TFilter:
     try:
-        return flowfilter.parse(expression)
+        parsed = flowfilter.parse(expression)
     except ValueError as e:
         raise ValueError(f"turnguard_filter={expression!r} is not valid: {e}") from None
+    return DefaultFilter(parsed) if expression == DEFAULT_FILTER else parsed
+
+
+class DefaultFilter:
+    """The default ``turnguard_filter``, deciding every flow as mitmproxy's parsed filter
+    does, without building the request's URL first (``~u`` matches ``pretty_url``: half of
+    the filter's cost, on every request through the proxy).
+
+    The URL is ``scheme://authority`` + path. When the path starts with "/" and the
+    authority (from the Host header, or the host connected to) is plain (no "/", "?" or
+    "#", and not empty), ``~u``'s ``://[^/?#]+`` takes the whole authority, so the route
+    must start the path: the path alone decides. Anything else goes to the parsed filter."""
+
+    def __init__(self, parsed: flowfilter.TFilter):
+        self.parsed = parsed
+        flags = flowfilter.maybe_ignore_case  # mitmproxy's: case-blind unless told otherwise
+        self._post = re.compile(b"POST", flags)
+        self._route = re.compile(DEFAULT_FILTER_ROUTES, flags)
+
+    def __call__(self, flow) -> bool:
+        if not isinstance(flow, http.HTTPFlow):
+            return self.parsed(flow)
+        req = flow.request
+        if req.first_line_format == "authority" or req.scheme not in ("http", "https") \
+                or not req.path.startswith("/") \
+                or _PLAIN_AUTHORITY.fullmatch(req.host_header or req.host) is None:
+            return self.parsed(flow)
+        if flow.websocket is None and self._post.search(req.data.method) is None:
+            return False
+        return self._route.match(req.path) is not None
+
+
+# an authority whose host part is not empty and that holds no "/", "?" or "#"
+_PLAIN_AUTHORITY = re.compile(r"(?:[A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]*)?")
 
 
 # A log handler that does not make a telemetry line worth formatting: mitmproxy's bridge to
