@@ -17,8 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import (ADDON, REPO, MockUpstream, assert_no_traceback, guarded, ledger_query,
-                     parse_sse, sse_post, turnguard_events, wait_until)
+from harness import (ADDON, REPO, Mitmdump, MockUpstream, assert_no_traceback, guarded,
+                     ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 from test_at_most_once import reloadable, reloaded, touch_to_reload
@@ -985,3 +985,143 @@ def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_
         assert wait_until(lambda: not ledger_query(
             ledger, "SELECT 1 FROM operations WHERE state='in_flight'"), 10, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+class DeflateUpstream:
+    """A small Responses-over-WebSocket upstream of its own (the mock caps an event at 1 MiB
+    and negotiates no extension): it accepts permessage-deflate when the socket offers it and
+    answers each call, after ``delay_s``, with ``response.created``, a small delta, one delta
+    of ``big_bytes`` (a few kB on the wire, deflated), ``output_item.done`` and
+    ``response.completed``. ``dispatches`` counts the calls."""
+
+    def __init__(self, *, big_bytes: int, delay_s: float = 0.8):
+        self.big_bytes, self.delay_s, self.dispatches = big_bytes, delay_s, 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader, writer) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
+        from wsproto.extensions import PerMessageDeflate
+        conn, parts = WSConnection(ConnectionType.SERVER), []
+
+        async def send(*events) -> None:
+            for event in events:
+                writer.write(conn.send(event))
+                await writer.drain()
+
+        try:
+            for _ in range(1000):  # bounded: each pass reads
+                data = await asyncio.wait_for(reader.read(65536), 30)
+                conn.receive_data(data or None)
+                for event in conn.events():
+                    if isinstance(event, Request):
+                        await send(AcceptConnection(extensions=[PerMessageDeflate()]))
+                    elif isinstance(event, CloseConnection):
+                        return await send(event.response())
+                    elif isinstance(event, TextMessage):
+                        parts.append(event.data)
+                        if event.message_finished:
+                            await self._answer(send, json.loads("".join(parts)))
+                            parts = []
+                if not data:
+                    return
+        except (OSError, TimeoutError, ValueError):
+            return
+        finally:
+            writer.close()
+
+    async def _answer(self, send, frame: dict) -> None:
+        from wsproto.events import TextMessage
+        self.dispatches += 1
+        rid = f"resp_{self.dispatches}"
+        await asyncio.sleep(self.delay_s)
+        item = {"type": "message", "id": f"msg_{rid}", "role": "assistant",
+                "content": [{"type": "output_text", "text": "hi"}]}
+        frames = [{"type": "response.created", "response": {"id": rid}},
+                  {"type": "response.output_text.delta", "delta": "h"},
+                  {"type": "response.output_text.delta", "delta": "a" * self.big_bytes},
+                  {"type": "response.output_item.done", "item": item},
+                  {"type": "response.completed", "response": {"id": rid}}]
+        for i, f in enumerate(frames):
+            await send(TextMessage(json.dumps(f)))
+            await asyncio.sleep(0.3 if i < 2 else 0)  # the duplicate attaches meanwhile
+
+    def __enter__(self) -> "DeflateUpstream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class DeflateClient(WsClient):
+    """``WsClient`` offering permessage-deflate (as Codex does)."""
+
+    @classmethod
+    async def open(cls, url: str, path: str, headers: dict[str, str]) -> "WsClient":
+        from urllib.parse import urlsplit
+
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import AcceptConnection, Request
+        from wsproto.extensions import PerMessageDeflate
+        parts = urlsplit(url)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(parts.hostname, parts.port), 15)
+        conn = WSConnection(ConnectionType.CLIENT)
+        writer.write(conn.send(Request(
+            host=parts.netloc, target=path, extensions=[PerMessageDeflate()],
+            extra_headers=[(k.encode(), v.encode()) for k, v in headers.items()])))
+        client = cls(reader, writer, conn)
+        event = await client._next_event()
+        assert isinstance(event, AcceptConnection) and event.extensions, event
+        return client
+
+
+def test_an_event_too_large_to_read_reaches_every_duplicate_or_none_is_answered_without_it(
+        tmp_path):
+    """An upstream event past what turnguard reads (8 MiB; a few kB deflated): the original's
+    client gets it; a duplicate attached live gets it too, and no replay leaves it out (the
+    response cannot be recorded without it: a later retry is forwarded)."""
+    big = 9 * 1024 * 1024
+    with DeflateUpstream(big_bytes=big) as up, Mitmdump(tmp_path, up.url, options={
+            "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / "mitmdump-events.jsonl")}) as p:
+        async def on(client, seed):
+            async with client.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("big")], seed=seed))
+                return await c.response(30)
+
+        async def run():
+            first = asyncio.create_task(on(DeflateClient, 1))
+            await asyncio.sleep(0.4)  # held, then attached at the first delta
+            second = await on(WsClient, 2)
+            first = await first
+            return first, second, await on(DeflateClient, 3)
+
+        first, attached, later = asyncio.run(run())
+        assert types(first) == ["response.created", "response.output_text.delta",
+                                "response.output_text.delta", "response.output_item.done",
+                                "response.completed"]
+        assert len(first[2]["delta"]) == big
+        def digest(got):  # (a failure does not print 9 MiB)
+            return [hashlib.sha256(json.dumps(e).encode()).hexdigest()[:12] for e in got]
+
+        assert digest(attached) == digest(first)
+        assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
+        assert types(later) == types(first) and len(later[2]["delta"]) == big
+        assert events(tmp_path, "duplicate_replayed") == [] and up.dispatches == 2
+        assert_no_traceback(p.log_text())

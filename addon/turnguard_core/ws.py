@@ -183,7 +183,8 @@ class SocketRecord:
 
 class ResponseEvents:
     """One response's events, read as they pass (see the module's contract). Never raises:
-    a frame that is not a JSON event is passed over (``unreadable`` counts it)."""
+    a frame that is not a JSON event is passed over (``unreadable`` counts it), and the
+    response is no longer kept (``over_cap``: one event past what is read is too large)."""
 
     def __init__(self, keep_max_bytes: int = 0, max_event_bytes: int = 8 * 1024 * 1024):
         self.events_seen = 0  # every event
@@ -219,6 +220,8 @@ class ResponseEvents:
             event = _parse_event(text, self._max_event)
         if event is None:
             self.unreadable += 1
+            if self._kept is not None:  # a recording without it would not be this response
+                self._kept, self.over_cap = None, True
             return None
         kind = event["type"]
         self.events_seen += 1

@@ -392,9 +392,8 @@ class WebSockets:
                                                 sock.ended_responses)):
                 return  # another response's event (a stray one of one that ended)
             output_before = current.events.output_seen
-            if current.events.feed(message.text, event) is None:
-                return
-            if current.attempt_key is not None:
+            current.events.feed(message.text, event)
+            if current.attempt_key is not None:  # (one too large to read reaches them too)
                 self._guard.inflight.ws_event(
                     current.attempt_key, output_before == 0 < current.events.output_seen,
                     message.text)
