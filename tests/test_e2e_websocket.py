@@ -1125,3 +1125,29 @@ def test_an_event_too_large_to_read_reaches_every_duplicate_or_none_is_answered_
         assert types(later) == types(first) and len(later[2]["delta"]) == big
         assert events(tmp_path, "duplicate_replayed") == [] and up.dispatches == 2
         assert_no_traceback(p.log_text())
+
+
+def test_a_frame_of_millions_of_tiny_objects_does_not_hold_the_proxy(tmp_path):
+    """A client frame of 3 M empty JSON objects (9 MB; a few kB deflated) takes seconds to
+    read: it is read off the event loop, so a call sent on another socket meanwhile is
+    decided and sent upstream before it is read, and both are answered."""
+    hostile = call([user("hostile"), *([{}] * 3_000_000)], turn="turn-h")
+    hostile = json.dumps(hostile, separators=(",", ":"))[:-1] + ',"type":"response.create"}'
+    with DeflateUpstream(big_bytes=0, delay_s=0) as up, Mitmdump(tmp_path, up.url, options={
+            "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / "mitmdump-events.jsonl")}) as p:
+        async def run():
+            async with DeflateClient.connect(p.url, headers=HEADERS) as big, \
+                    WsClient.connect(p.url, headers=HEADERS) as other:
+                await big.send(hostile)  # duplicate keys: no call, it goes on once read
+                await asyncio.sleep(0.5)
+                await other.send(call([user("meanwhile")], turn="turn-m"))
+                return await other.response(60), await big.response(60)
+
+        meanwhile, answered = asyncio.run(run())
+        assert types(meanwhile)[-1] == "response.completed"
+        assert types(answered)[-1] == "response.completed"
+        assert [(e["event"], e.get("reason")) for e in events(tmp_path)
+                if e["event"] in ("dispatch", "passthrough")] == [
+            ("dispatch", None), ("passthrough", "duplicate keys in JSON frame")]
+        assert_no_traceback(p.log_text())

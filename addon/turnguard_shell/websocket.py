@@ -46,7 +46,7 @@ from mitmproxy.proxy.layers import websocket as websocket_layer
 from turnguard_core import answers, circuit, identity, machine, negotiation, proxy_internals, ws
 from turnguard_core.ending import EndFacts
 from turnguard_core.live import Listener
-from turnguard_core.offload import WorkerStopped
+from turnguard_core.offload import INLINE_MAX_BYTES, WorkerStopped
 
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
@@ -273,7 +273,9 @@ class WebSockets:
         inject(sock.flow, content, to_client=False, is_text=is_text)
 
     async def _frame(self, sock: Socket, content: bytes, is_text: bool) -> None:
-        frame = ws.parse_client_frame(content, is_text)
+        frame = await _parsed(content, is_text)
+        if self._guard is None or not sock.guarded:  # unloaded, or let go, while it was read
+            return self._forward(sock, content, is_text)
         match frame:
             case ws.NotACall(reason=reason):
                 self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
@@ -538,6 +540,15 @@ class WebSockets:
                              f"events of operation {ident.op_id} ({len(frames)} frames) after "
                              f"{r.held_ms} ms; nothing was sent upstream")
         return True
+
+
+async def _parsed(content: bytes, is_text: bool) -> ws.Call | ws.Prewarm | ws.NotACall:
+    """What a client frame is (``ws.parse_client_frame``); a large one is read on a thread:
+    a frame of millions of tiny JSON objects (a few kB deflated) takes seconds to read, and
+    the event loop serves every other flow meanwhile."""
+    if len(content) <= INLINE_MAX_BYTES:
+        return ws.parse_client_frame(content, is_text)
+    return await asyncio.to_thread(ws.parse_client_frame, content, is_text)
 
 
 def _stray(events: ws.ResponseEvents, event: dict, rid: str, ended) -> bool:
