@@ -1015,6 +1015,7 @@ class DeflateUpstream:
         from wsproto import ConnectionType, WSConnection
         from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
         from wsproto.extensions import PerMessageDeflate
+        from wsproto.utilities import LocalProtocolError
         conn, parts = WSConnection(ConnectionType.SERVER), []
 
         async def send(*events) -> None:
@@ -1023,8 +1024,8 @@ class DeflateUpstream:
                 await writer.drain()
 
         try:
-            for _ in range(1000):  # bounded: each pass reads
-                data = await asyncio.wait_for(reader.read(65536), 30)
+            for _ in range(100_000):  # bounded: each pass reads
+                data = await asyncio.wait_for(reader.read(65536), 120)
                 conn.receive_data(data or None)
                 for event in conn.events():
                     if isinstance(event, Request):
@@ -1034,11 +1035,13 @@ class DeflateUpstream:
                     elif isinstance(event, TextMessage):
                         parts.append(event.data)
                         if event.message_finished:
-                            await self._answer(send, json.loads("".join(parts)))
+                            text = "".join(parts)  # (a large one is answered unread)
+                            await self._answer(send, json.loads(text) if len(text) < 1 << 20
+                                               else {})
                             parts = []
                 if not data:
                     return
-        except (OSError, TimeoutError, ValueError):
+        except (OSError, TimeoutError, ValueError, LocalProtocolError):  # the client left
             return
         finally:
             writer.close()
@@ -1128,10 +1131,10 @@ def test_an_event_too_large_to_read_reaches_every_duplicate_or_none_is_answered_
 
 
 def test_a_frame_of_millions_of_tiny_objects_does_not_hold_the_proxy(tmp_path):
-    """A client frame of 3 M empty JSON objects (9 MB; a few kB deflated) takes seconds to
-    read: it is read off the event loop, so a call sent on another socket meanwhile is
-    decided and sent upstream before it is read, and both are answered."""
-    hostile = call([user("hostile"), *([{}] * 3_000_000)], turn="turn-h")
+    """A client frame of 400,000 small JSON objects (20 MB; a few kB deflated) takes a second
+    or more to read: it is read off the event loop, so a call sent on another socket meanwhile
+    is decided and sent upstream before it is read, and both are answered."""
+    hostile = call([user("hostile"), *([{k: 0 for k in "abcdefgh"}] * 400_000)], turn="turn-h")
     hostile = json.dumps(hostile, separators=(",", ":"))[:-1] + ',"type":"response.create"}'
     with DeflateUpstream(big_bytes=0, delay_s=0) as up, Mitmdump(tmp_path, up.url, options={
             "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
@@ -1140,7 +1143,7 @@ def test_a_frame_of_millions_of_tiny_objects_does_not_hold_the_proxy(tmp_path):
             async with DeflateClient.connect(p.url, headers=HEADERS) as big, \
                     WsClient.connect(p.url, headers=HEADERS) as other:
                 await big.send(hostile)  # duplicate keys: no call, it goes on once read
-                await asyncio.sleep(0.5)
+                await asyncio.to_thread(p.wait_for_log, "-> WebSocket text message ->", 60)
                 await other.send(call([user("meanwhile")], turn="turn-m"))
                 return await other.response(60), await big.response(60)
 
@@ -1150,4 +1153,34 @@ def test_a_frame_of_millions_of_tiny_objects_does_not_hold_the_proxy(tmp_path):
         assert [(e["event"], e.get("reason")) for e in events(tmp_path)
                 if e["event"] in ("dispatch", "passthrough")] == [
             ("dispatch", None), ("passthrough", "duplicate keys in JSON frame")]
+        assert_no_traceback(p.log_text())
+
+
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_frame_that_inflates_to_millions_of_objects_passes_without_being_read(tmp_path):
+    """A call frame of 5 M empty JSON objects: 15 MB (a frame may have 64 MiB), about 15 kB
+    deflated. Read, it would take about 700 MB of mitmdump's memory (3 GB at 64 MiB) and
+    seconds: it passes untouched, unread, and the socket goes on."""
+    hostile = call([user("hostile"), *([{}] * 5_000_000)], turn="turn-h")
+    with DeflateUpstream(big_bytes=0, delay_s=0) as up, Mitmdump(tmp_path, up.url, options={
+            "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / "mitmdump-events.jsonl")}) as p:
+        async def run():
+            async with DeflateClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(json.dumps(hostile, separators=(",", ":")))
+                first = await c.response(120)
+                await c.send(call([user("after")], turn="turn-a"))
+                return first, await c.response(60)
+
+        peak_before = _peak_rss_kb(p.pid)
+        answered, after = asyncio.run(run())
+        assert types(answered)[-1] == types(after)[-1] == "response.completed"
+        assert up.dispatches == 2
+        assert _peak_rss_kb(p.pid) - peak_before < 256 * 1024  # its 15 MB, a few times
+        assert [e["reason"] for e in events(tmp_path, "passthrough")] == [
+            "frame holds more than 1000000 JSON objects and arrays"]
         assert_no_traceback(p.log_text())

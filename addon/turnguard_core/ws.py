@@ -12,7 +12,8 @@ Contract
 * ``parse_client_frame(content, is_text)`` says what a client frame is: a ``Call`` (a
   ``response.create`` that asks for generation), a ``Prewarm`` (``generate: false``: it warms
   the socket and is never an operation) or ``NotACall`` with the reason (binary, not UTF-8, not
-  a JSON object, duplicate keys, too deep or too large, another ``type``). Never raises.
+  a JSON object, duplicate keys, too deep or too large, more than ``MAX_FRAME_CONTAINERS``
+  objects and arrays, another ``type``). Never raises.
 * ``SocketRecord`` is one client socket's memory: the responses it carried (their full input
   and their output items, the last ``MAX_REMEMBERED`` of them) and which of them the upstream
   socket knows (it produced them; a replayed one it never saw). ``full_request(body)`` rebuilds
@@ -62,6 +63,10 @@ __all__ = [
 ]
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# JSON objects and arrays a client frame may hold (counted as ``{`` and ``[`` bytes, strings
+# too: an upper bound): each costs ~100 bytes once read, so a frame of 64 MiB of ``{},``
+# (a few kB deflated) would take about 3 GB and half a minute. A Codex turn holds far fewer.
+MAX_FRAME_CONTAINERS = 1_000_000
 MAX_REMEMBERED = 8  # responses a socket record keeps for delta frames
 # Events that say a response exists but carry none of its output.
 _BOOKKEEPING = frozenset({"response.created", "response.in_progress", "response.queued"})
@@ -99,6 +104,9 @@ def parse_client_frame(content: bytes, is_text: bool, *,
     """What a client frame is (see the module's contract). Never raises."""
     if not is_text:
         return NotACall("binary frame")
+    if len(content) > MAX_FRAME_CONTAINERS and \
+            content.count(b"{") + content.count(b"[") > MAX_FRAME_CONTAINERS:
+        return NotACall(f"frame holds more than {MAX_FRAME_CONTAINERS} JSON objects and arrays")
     parsed = parse_json_object(content, max_bytes)
     if isinstance(parsed, Passthrough):
         return NotACall(parsed.reason.replace("body", "frame"))
