@@ -224,3 +224,14 @@ def test_histogram_buckets_are_cumulative_and_end_with_the_count():
     s = samples(metrics)
     assert metric(s, "turnguard_attempt_duration_seconds_count", outcome="completed") == 4
     assert metric(s, "turnguard_attempt_duration_seconds_sum") == pytest.approx(702.15)
+
+
+def test_every_reason_a_websocket_frame_is_no_call_has_its_label():
+    from turnguard_core import ws
+
+    frames = [(b"\x00", False), (b"\xff", True), (b"[]", True), (b"nope", True),
+              (b'{"type":"session.update"}', True),
+              (b"[" * (ws.MAX_FRAME_CONTAINERS + 1), True)]
+    for content, is_text in frames:
+        reason = ws.parse_client_frame(content, is_text).reason
+        assert m.passthrough_label(reason) != m.OTHER, reason

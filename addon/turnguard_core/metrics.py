@@ -110,6 +110,7 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("response content-encoding", "response_encoded"),
     # a WebSocket frame (ws.parse_client_frame says "frame" where a body's reason says "body")
     ("frame too large", "body_too_large"),
+    ("frame holds more than ", "body_too_large"),  # too many objects and arrays to read
     ("frame could not be decoded", "body_undecodable"),
     ("frame is not UTF-8", "body_not_utf8"),
     ("frame is not a JSON object", "body_not_object"),
