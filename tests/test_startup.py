@@ -112,12 +112,16 @@ def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp
             "a FIFO": "not a regular file"}[case] in line
 
 
-def test_a_ledger_path_naming_another_programs_database_is_refused_and_left_untouched(tmp_path):
-    """turnguard would add its tables to it."""
+@pytest.mark.parametrize("user_version", [0, 3])
+def test_a_ledger_path_naming_another_programs_database_is_refused_and_left_untouched(
+        tmp_path, user_version):
+    """turnguard would add its tables to it (or make it 0600 and WAL before its migration
+    failed): many programs set a schema version of their own."""
     path = tmp_path / "notes.db"
     db = sqlite3.connect(path)
     db.execute("CREATE TABLE notes (body TEXT)")
     db.execute("INSERT INTO notes VALUES ('keep me')")
+    db.execute(f"PRAGMA user_version={user_version}")
     db.commit()
     db.close()
     path.chmod(0o644)
@@ -144,6 +148,27 @@ def test_a_ledger_path_naming_a_file_that_is_no_database_leaves_it_untouched(tmp
     assert_no_traceback(text)
     assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o644
     assert not (tmp_path / "hosts-wal").exists() and not (tmp_path / "hosts-shm").exists()
+
+
+def test_a_ledger_path_naming_a_database_of_a_newer_schema_leaves_it_untouched(tmp_path):
+    """Another program's database with a high schema version of its own, or a newer
+    turnguard's ledger: an outage (as a future schema always was), never made 0600 nor
+    switched to WAL before the version is read."""
+    path = tmp_path / "notes.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE notes (body TEXT)")
+    db.execute("PRAGMA user_version=42")
+    db.commit()
+    db.close()
+    path.chmod(0o644)
+    before = path.read_bytes()
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", options={"turnguard_ledger": str(path)}) \
+            as proxy:
+        text = proxy.wait_for_log("is newer than this turnguard")
+        proxy.wait_for_log("turnguard: running")
+    assert_no_traceback(text)
+    assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not (tmp_path / "notes.db-wal").exists() and not (tmp_path / "notes.db-shm").exists()
 
 
 def test_an_events_path_naming_a_file_that_is_no_events_file_is_refused_and_left_untouched(

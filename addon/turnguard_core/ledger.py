@@ -262,6 +262,10 @@ class Ledger:
             if _not_a_database(real_path):
                 raise LedgerError(f"{self.path} is not a SQLite database; left untouched "
                                   "(turnguard opens it again once it is one, or is gone)")
+            newer = _newer_schema(real_path)
+            if newer is not None:
+                raise LedgerError(f"ledger schema version {newer} is newer than this turnguard "
+                                  f"({SCHEMA_VERSION}); left untouched")
             ensure_private_file(real_path)
             # SQLite makes a new -wal and -shm with the file's mode, and keeps those it finds
             # (left by a process killed, or copied in with the file): they hold its rows too
@@ -1062,20 +1066,47 @@ def _probe(path: str) -> sqlite3.Connection | None:
         return None
 
 
+# The tables every turnguard ledger has had since its first schema version.
+_FIRST_TABLES = frozenset({"instances", "operations", "attempts"})
+
+
 def _foreign_database(path: str) -> bool:
     """Whether the file at ``path`` is another program's SQLite database: tables, and no
-    schema version of ours (turnguard would add its tables to it). A file that cannot be
-    read now, or is no database at all, is the open's to report."""
+    schema version of ours (turnguard would add its tables to it), or a schema version
+    this turnguard knows without turnguard's first tables (many programs set ``user_version``
+    too: turnguard would make the file 0600 and WAL before its migration failed). A newer
+    schema (``_newer_schema``), a file that cannot be read now, or no database at all, is the
+    open's to report."""
     probe = _probe(path)
     if probe is None:
         return False
     try:
-        return probe.execute("PRAGMA user_version").fetchone()[0] == 0 and probe.execute(
-            "SELECT 1 FROM sqlite_master WHERE type='table' LIMIT 1").fetchone() is not None
+        tables = {row[0] for row in probe.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            return False
+        version = probe.execute("PRAGMA user_version").fetchone()[0]
+        return version == 0 or (version <= SCHEMA_VERSION and not _FIRST_TABLES <= tables)
     except sqlite3.Error:
         return False
     finally:
         probe.close()
+
+
+def _newer_schema(path: str) -> int | None:
+    """The schema version of the file at ``path`` if it is newer than this turnguard's (a
+    newer turnguard's ledger, or another program's database): then it is left untouched (no
+    chmod, no WAL), an outage until it is put right. None: not newer, or not readable now."""
+    probe = _probe(path)
+    if probe is None:
+        return None
+    try:
+        version = probe.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.Error:
+        return None
+    finally:
+        probe.close()
+    return version if version > SCHEMA_VERSION else None
 
 
 def _not_a_database(path: str) -> bool:
