@@ -319,3 +319,18 @@ def test_a_metrics_address_that_cannot_be_bound_stops_mitmdump_with_one_line(tmp
     assert "in use" in line
     _assert_refused(_mitmdump_once(tmp_path, "turnguard_metrics=9464"), "turnguard_metrics",
                     "HOST:PORT")
+
+
+@pytest.mark.parametrize("option", ["turnguard_ledger", "turnguard_events"])
+def test_a_refused_path_with_a_newline_or_a_terminal_escape_is_one_line_and_writes_no_escape(
+        tmp_path, option):
+    """A name is whatever bytes a user or a script put in it: the refusal must stay the one
+    line a user reads, and must not send an escape sequence to the terminal."""
+    folder = tmp_path / "ev\x1b[2J"
+    folder.mkdir()
+    path = folder / "fi\nfo"
+    os.mkfifo(path, 0o600)  # refused by both: not a regular file
+    r = _mitmdump_once(tmp_path, f"{option}={path}")
+    line = _assert_refused(r, option, "not a regular file")
+    assert "\x1b" not in r.stdout + r.stderr, line
+    assert stat.S_ISFIFO(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600

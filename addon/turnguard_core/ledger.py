@@ -24,7 +24,7 @@ from typing import Iterable, Literal
 
 from . import circuit, liveness, policy
 from .identity import Identity
-from .private_files import UnsafePath, check_private_path, ensure_private_file
+from .private_files import UnsafePath, check_private_path, ensure_private_file, shown
 from .records import record
 
 SCHEMA_VERSION = 6
@@ -260,7 +260,7 @@ class Ledger:
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
             if _not_a_database(real_path):
-                raise LedgerError(f"{self.path} is not a SQLite database; left untouched "
+                raise LedgerError(f"{shown(self.path)} is not a SQLite database; left untouched "
                                   "(turnguard opens it again once it is one, or is gone)")
             newer = _newer_schema(real_path)
             if newer is not None:
@@ -312,9 +312,9 @@ class Ledger:
         migration runs and no instance row is written. Raises ``LedgerError`` when the file is
         missing or its schema version is not this turnguard's."""
         if self.path == ":memory:" or not os.path.exists(self.path):
-            raise LedgerError(f"ledger file {self.path} does not exist")
+            raise LedgerError(f"ledger file {shown(self.path)} does not exist")
         if not os.path.isfile(self.path):
-            raise LedgerError(f"ledger {self.path} is not a file")
+            raise LedgerError(f"ledger {shown(self.path)} is not a file")
         uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
         db = sqlite3.connect(
             uri, uri=True, isolation_level=None, timeout=self._busy_timeout_ms / 1000
@@ -326,8 +326,8 @@ class Ledger:
             if version != SCHEMA_VERSION:
                 hint = " (not a turnguard ledger, or never opened by it)" if version == 0 else ""
                 raise LedgerError(
-                    f"ledger {self.path} has schema version {version}; this turnguard reads "
-                    f"version {SCHEMA_VERSION}{hint}"
+                    f"ledger {shown(self.path)} has schema version {version}; this turnguard "
+                    f"reads version {SCHEMA_VERSION}{hint}"
                 )
             self._db = db
         except BaseException:
@@ -431,11 +431,11 @@ class Ledger:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            return f"ledger file {self.path} was deleted"
+            return f"ledger file {shown(self.path)} was deleted"
         except OSError as e:
-            return f"ledger file {self.path} cannot be checked: {e.strerror}"
+            return f"ledger file {shown(self.path)} cannot be checked: {e.strerror}"
         if (st.st_dev, st.st_ino) != self._file_id:
-            return f"ledger file {self.path} was replaced by another file"
+            return f"ledger file {shown(self.path)} was replaced by another file"
         return None
 
     def _conn(self) -> sqlite3.Connection:
@@ -1046,11 +1046,11 @@ def check_path(path: str) -> str:
     except FileNotFoundError:
         return real
     except OSError as e:
-        raise LedgerError(f"{path} cannot be read: {e.strerror}") from None
+        raise LedgerError(f"{shown(path)} cannot be read: {e.strerror}") from None
     if not stat.S_ISREG(mode):
-        raise LedgerError(f"{path} is not a regular file")
+        raise LedgerError(f"{shown(path)} is not a regular file")
     if _foreign_database(real):
-        raise LedgerError(f"{path} is not a turnguard ledger (a SQLite database of something"
+        raise LedgerError(f"{shown(path)} is not a turnguard ledger (a SQLite database of something"
                           " else); left untouched")
     return real
 

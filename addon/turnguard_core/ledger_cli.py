@@ -37,7 +37,7 @@ from .ledger import LedgerError
 from .ledger_admin import LedgerAdmin
 from .ledger_location import is_postgres
 from .options import DEFAULTS
-from .private_files import UnsafePath
+from .private_files import UnsafePath, shown
 from .telemetry import Telemetry
 
 DEFAULT_LEDGER = "~/.mitmproxy/turnguard.sqlite3"
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     try:
         if not is_postgres(location) and not os.path.exists(path):
             raise CliError(
-                f"no ledger at {path}: start the proxy first (scripts/proxy), or point at"
+                f"no ledger at {shown(path)}: start the proxy first (scripts/proxy), or point at"
                 " another file with --ledger PATH or TURNGUARD_LEDGER"
             )
         try:
@@ -680,12 +680,12 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         err.write(f"{name}: error: {e}\n")
         return 1
     except LedgerError as e:
-        err.write(f"{name}: error: reading {path} failed: {e}\n")
+        err.write(f"{name}: error: reading {shown(path)} failed: {e}\n")
         return 1
     except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as e:
         # a row this tool cannot read (a value of the wrong type, a junk JSON text): written
         # by hand or by something else than turnguard; say so instead of a traceback
-        err.write(f"{name}: error: {path} holds a row turnguard did not write "
+        err.write(f"{name}: error: {shown(path)} holds a row turnguard did not write "
                   f"(edited by hand or by another program: {type(e).__name__}: "
                   f"{_escape(str(e))})\n")
         return 1

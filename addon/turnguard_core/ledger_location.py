@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import urllib.parse
 
+from . import private_files
+
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 # libpq's parameters that carry a secret (names percent-decoded, as libpq reads them)
@@ -25,9 +27,10 @@ def is_postgres(location: str) -> bool:
 def display(location: str) -> str:
     """``location`` as it may be shown: a URL's password (in the authority, or as a
     ``password`` or ``sslpassword`` parameter however its name is percent-encoded) replaced
-    by ``***``; an SQLite path as it is."""
+    by ``***``; an SQLite path as it is (quoted, its control characters escaped, if it has
+    any: ``private_files.shown``)."""
     if not is_postgres(location):
-        return location
+        return private_files.shown(location)
     scheme, _, rest = location.strip().partition("://")
     userinfo, after = _credentials(rest)
     shown = "" if userinfo is None else (

@@ -14,7 +14,7 @@ One set of rules for both (no clock or proxy here; only the file system):
   whatever the umask.
 
 Refusals raise ``UnsafePath`` (an ``OSError``, so callers that handle a file they cannot open
-handle it too), with a message that says why.
+handle it too), with a message that says why: one line, a path in it as ``shown`` makes it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ import fcntl
 import os
 import stat
 
-__all__ = ["UnsafePath", "check_private_path", "ensure_private_file", "open_private"]
+__all__ = ["UnsafePath", "check_private_path", "ensure_private_file", "open_private", "shown"]
 
 
 class UnsafePath(OSError):
     """The path is one another user could write to or redirect."""
+
+
+def shown(path: str) -> str:
+    """``path`` as a message may show it: as it is when every character of it prints; else
+    quoted with its control characters escaped, so that a newline or a terminal's escape
+    sequence in a name neither splits the message's line nor reaches the terminal."""
+    return path if path.isprintable() else repr(path)
 
 
 def check_private_path(path: str) -> str:
@@ -38,13 +45,13 @@ def check_private_path(path: str) -> str:
     real = os.path.realpath(given)
     for folder in dict.fromkeys((os.path.dirname(given), os.path.dirname(real))):
         if not os.path.isdir(folder):
-            raise UnsafePath(f"folder {folder} does not exist")
+            raise UnsafePath(f"folder {shown(folder)} does not exist")
         mode = os.stat(folder).st_mode
         if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-            raise UnsafePath(f"folder {folder} is world-writable (and not sticky)")
+            raise UnsafePath(f"folder {shown(folder)} is world-writable (and not sticky)")
     if os.path.exists(real) and os.stat(real).st_mode & (stat.S_IWOTH | stat.S_IWGRP):
-        shown = real if real == given else f"{given} (-> {real})"
-        raise UnsafePath(f"file {shown} is writable by others")
+        named = shown(real) if real == given else f"{shown(given)} (-> {shown(real)})"
+        raise UnsafePath(f"file {named} is writable by others")
     return real
 
 
@@ -60,17 +67,17 @@ def open_private(path: str, flags: int, *, starts_with: bytes | None = None,
         )
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UnsafePath(f"{path} is a symbolic link") from None
+            raise UnsafePath(f"{shown(path)} is a symbolic link") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePath(f"{path} is not a regular file")
+            raise UnsafePath(f"{shown(path)} is not a regular file")
         if st.st_uid != os.geteuid():
-            raise UnsafePath(f"{path} belongs to another user (uid {st.st_uid})")
+            raise UnsafePath(f"{shown(path)} belongs to another user (uid {st.st_uid})")
         if starts_with is not None and st.st_size > 0 \
                 and os.pread(fd, len(starts_with), 0) != starts_with:
-            raise UnsafePath(f"{path} is not a {kind} (it does not start with "
+            raise UnsafePath(f"{shown(path)} is not a {kind} (it does not start with "
                              f"{starts_with.decode(errors='replace')}); left untouched")
         os.fchmod(fd, 0o600)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -93,10 +100,10 @@ def ensure_private_file(path: str, *, create: bool = True) -> None:
             os.close(open_private(path, os.O_RDWR))
         return
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePath(f"{path} is a symbolic link")
+        raise UnsafePath(f"{shown(path)} is a symbolic link")
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePath(f"{path} is not a regular file")
+        raise UnsafePath(f"{shown(path)} is not a regular file")
     if st.st_uid != os.geteuid():
-        raise UnsafePath(f"{path} belongs to another user (uid {st.st_uid})")
+        raise UnsafePath(f"{shown(path)} belongs to another user (uid {st.st_uid})")
     if stat.S_IMODE(st.st_mode) != 0o600:
         os.chmod(path, 0o600, follow_symlinks=False)

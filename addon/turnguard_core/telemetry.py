@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from typing import Callable
 
-from .private_files import check_private_path, open_private
+from .private_files import check_private_path, open_private, shown
 
 logger = logging.getLogger("turnguard")
 
@@ -83,7 +83,7 @@ class Telemetry:
             try:
                 self._file.write(line + "\n")
             except OSError as e:  # a full disk must not break traffic
-                logger.warning("turnguard: cannot write telemetry to %s: %s", self.path, e)
+                logger.warning("turnguard: cannot write telemetry to %s: %s", shown(self.path), e)
         if to_log:
             # what logger.log(level, "turnguard %s", line) makes and handles, without its
             # walk of the stack for the caller (this method, always): a fifth of the line's cost
@@ -110,13 +110,14 @@ class Telemetry:
         except (OSError, ValueError) as e:
             if str(e) != self._refused:  # said once, not at every check while it lasts
                 self._refused = str(e)
-                logger.warning("turnguard: events file %s moved; not reopened (%s)", self.path, e)
+                logger.warning("turnguard: events file %s moved; not reopened (%s)",
+                               shown(self.path), e)
             return
         self._refused = None
         self._file.close()
         self._file = file
         logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
-                    self.path)
+                    shown(self.path))
 
     def close(self) -> None:
         if self._file is not None:

@@ -122,5 +122,5 @@ def ledger_path(option: str, confdir: str) -> str:
     try:
         check_path(path)
     except LedgerError as e:
-        raise ValueError(f"turnguard_ledger={path} is refused: {e}") from None
+        raise ValueError(f"turnguard_ledger={display(path)} is refused: {e}") from None
     return path
