@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from harness import REPO, Mitmdump, MockUpstream, sse_post
 
@@ -181,3 +183,43 @@ def test_a_file_that_is_no_flow_file_gets_one_clear_line(tmp_path):
                               timeout=120, stdin=subprocess.DEVNULL, cwd=REPO)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "not a mitmproxy flow file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _one_flow_file(path) -> None:
+    from mitmproxy import io
+    from mitmproxy.test import tflow, tutils
+
+    request = tutils.treq(method=b"POST", path=b"/v1/responses",
+                          content=json.dumps(body("A")).encode())
+    with open(path, "wb") as f:
+        io.FlowWriter(f).add(tflow.tflow(req=request, resp=tutils.tresp()))
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "symlink"])
+def test_an_output_that_is_no_regular_file_is_refused_and_left_untouched(tmp_path, kind):
+    """-o naming a device (/dev/null as root: made 0600, nobody else could use it), a FIFO
+    (blocked for ever) or a symlink (written through, its target made 0600): refused, one
+    line, nothing changed."""
+    flows = tmp_path / "c.flows"
+    _one_flow_file(flows)
+    out = tmp_path / "out"
+    target = tmp_path / "victim.txt"
+    if kind == "device":
+        os.mknod(out, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a copy of /dev/null
+        os.chmod(out, 0o666)
+    elif kind == "fifo":
+        os.mkfifo(out, 0o644)
+    else:
+        target.write_text("keep me\n")
+        target.chmod(0o644)
+        out.symlink_to(target)
+    before = os.lstat(out)
+    proc = subprocess.run([str(REPRODUCE), "from-capture", str(flows), "-o", str(out)],
+                          capture_output=True, text=True, timeout=30,
+                          stdin=subprocess.DEVNULL, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    assert os.lstat(out).st_mode == before.st_mode
+    if kind == "symlink":
+        assert target.read_text() == "keep me\n" and stat.S_IMODE(target.stat().st_mode) == 0o644

@@ -142,13 +142,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reproduce from-capture: {a.flows} is not a mitmproxy flow file "
                   f"({type(e).__name__}: {e})", file=sys.stderr)
             return 2
-        try:  # private: it may describe what the capture held
-            fd = os.open(a.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+        from turnguard_core.private_files import UnsafePath, open_private, shown
+
+        try:  # private: it may describe what the capture held. Never through a symlink, never
+            # a device or FIFO (-o /dev/null as root would make it 0600): open_private's rules
+            fd = open_private(a.output, os.O_WRONLY, kind="file")
+            os.ftruncate(fd, 0)  # a regular file that was there: replaced, and made 0600
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 out.write(json.dumps(scen, indent=2) + "\n")
+        except UnsafePath as e:
+            print(f"reproduce from-capture: refused: {e}", file=sys.stderr)
+            return 2
         except OSError as e:
-            print(f"reproduce from-capture: cannot write {a.output}: {e.strerror}",
+            print(f"reproduce from-capture: cannot write {shown(a.output)}: {e.strerror}",
                   file=sys.stderr)
             return 2
         print(summary)
