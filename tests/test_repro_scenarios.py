@@ -127,3 +127,27 @@ def test_crossing_scenarios(name, check):
     data = json.loads(reproduce(name, "--json", "--columns", "plain,default").stdout)
     metrics = {k: v["metrics"] for k, v in data["columns"].items()}
     assert check(metrics), json.dumps(metrics, indent=1)
+
+
+@pytest.mark.parametrize("kind", ["missing folder", "fifo", "symlink"])
+def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, kind):
+    """--timeline was written with Path.write_text after the whole run: a missing folder
+    lost the run's results to a traceback, a FIFO blocked for ever, a symlink was written
+    through. Now one line before anything runs, and nothing is changed."""
+    svg = tmp_path / "t.svg"
+    target = tmp_path / "victim.txt"
+    if kind == "missing folder":
+        svg = tmp_path / "nowhere" / "t.svg"
+    elif kind == "fifo":
+        os.mkfifo(svg, 0o644)
+    else:
+        target.write_text("keep me\n")
+        svg.symlink_to(target)
+    proc = reproduce("duplicate-storm", "--columns", "plain", "--timeline", str(svg),
+                     check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    assert "--timeline" in proc.stderr and proc.stdout == ""
+    if kind == "symlink":
+        assert target.read_text() == "keep me\n"

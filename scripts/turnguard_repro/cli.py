@@ -203,6 +203,19 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"unknown columns {bad} (known: {', '.join(scenarios.COLUMNS)})")
     extra = _parse_sets(a.set)
+    svg = None
+    if a.timeline:  # opened before the run: a path it cannot write stops it, not its end
+        from turnguard_core.private_files import UnsafePath, open_private, shown
+
+        try:  # never through a symlink, never a device or FIFO (see from-capture's -o)
+            svg = open_private(a.timeline, os.O_WRONLY, kind="file")
+        except UnsafePath as e:
+            print(f"reproduce: --timeline refused: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"reproduce: --timeline: cannot write {shown(a.timeline)}: {e.strerror}",
+                  file=sys.stderr)
+            return 2
     tmp = None
     if a.keep:
         workdir = Path(a.keep)
@@ -223,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # every process it started was stopped on the way out
             print("reproduce: stopped", file=sys.stderr)
             return 128 + (signal.SIGTERM if stopped else signal.SIGINT)
-        if a.timeline:
-            Path(a.timeline).write_text(timeline.render_svg(scen, results), encoding="utf-8")
+        if svg is not None:
+            os.ftruncate(svg, 0)
+            with os.fdopen(svg, "w", encoding="utf-8") as out:
+                svg = None
+                out.write(timeline.render_svg(scen, results))
         if a.json:
             print(json.dumps(runner.to_json(scen, results, extra), indent=2))
         else:
@@ -237,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.keep:
                 print(f"  logs, ledgers and events files: {workdir}")
     finally:
+        if svg is not None:  # the run stopped before the timeline was written
+            os.close(svg)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
