@@ -259,13 +259,15 @@ class Ledger:
         it appears in no ``instances`` row)."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
         if self.path != ":memory:":
-            if _not_a_database(real_path):
+            # a file that is no ledger of this turnguard's yet may be put right: an outage,
+            # and neither made private nor given SQLite's files beside it meanwhile
+            found = _look(real_path) if os.path.exists(real_path) else None
+            if found is not None and found.not_a_database:
                 raise LedgerError(f"{shown(self.path)} is not a SQLite database; left untouched "
                                   "(turnguard opens it again once it is one, or is gone)")
-            newer = _newer_schema(real_path)
-            if newer is not None:
-                raise LedgerError(f"ledger schema version {newer} is newer than this turnguard "
-                                  f"({SCHEMA_VERSION}); left untouched")
+            if found is not None and found.version > SCHEMA_VERSION:
+                raise LedgerError(f"ledger schema version {found.version} is newer than this "
+                                  f"turnguard ({SCHEMA_VERSION}); left untouched")
             ensure_private_file(real_path)
             # SQLite makes a new -wal and -shm with the file's mode, and keeps those it finds
             # (left by a process killed, or copied in with the file): they hold its rows too
@@ -1049,83 +1051,54 @@ def check_path(path: str) -> str:
         raise LedgerError(f"{shown(path)} cannot be read: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise LedgerError(f"{shown(path)} is not a regular file")
-    if _foreign_database(real):
+    found = _look(real)
+    if found is not None and found.foreign:
         raise LedgerError(f"{shown(path)} is not a turnguard ledger (a SQLite database of something"
                           " else); left untouched")
     return real
 
 
-def _probe(path: str) -> sqlite3.Connection | None:
-    """A read-only look at an existing file through SQLite (None: it cannot be opened now).
-    Never a descriptor of our own: closing one would drop every lock SQLite holds on the
-    file in this process."""
-    try:
-        return sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True,
-                               timeout=PROBE_BUSY_S, isolation_level=None)
-    except sqlite3.Error:
-        return None
+@record
+class _Found:
+    """What a read-only look at an existing file found (``_look``)."""
+
+    not_a_database: bool  # no SQLite database at all (a wrong path, junk)
+    version: int  # its user_version (0: none set)
+    tables: frozenset[str]
+
+    @property
+    def foreign(self) -> bool:
+        """Another program's database: tables, and no schema version of ours; or a version
+        this turnguard knows without turnguard's first tables (many programs set
+        ``user_version`` too). A newer version is not called foreign: it may be a newer
+        turnguard's ledger."""
+        return bool(self.tables) and (self.version == 0 or (
+            self.version <= SCHEMA_VERSION and not _FIRST_TABLES <= self.tables))
 
 
 # The tables every turnguard ledger has had since its first schema version.
 _FIRST_TABLES = frozenset({"instances", "operations", "attempts"})
 
 
-def _foreign_database(path: str) -> bool:
-    """Whether the file at ``path`` is another program's SQLite database: tables, and no
-    schema version of ours (turnguard would add its tables to it), or a schema version
-    this turnguard knows without turnguard's first tables (many programs set ``user_version``
-    too: turnguard would make the file 0600 and WAL before its migration failed). A newer
-    schema (``_newer_schema``), a file that cannot be read now, or no database at all, is the
-    open's to report."""
-    probe = _probe(path)
-    if probe is None:
-        return False
+def _look(path: str) -> _Found | None:
+    """A read-only look at the existing file at ``path`` through SQLite (None: it cannot be
+    read now, which the open reports). Never a descriptor of our own: closing one would drop
+    every lock SQLite holds on the file in this process."""
     try:
-        tables = {row[0] for row in probe.execute(
-            "SELECT name FROM sqlite_master WHERE type='table'")}
-        if not tables:
-            return False
-        version = probe.execute("PRAGMA user_version").fetchone()[0]
-        return version == 0 or (version <= SCHEMA_VERSION and not _FIRST_TABLES <= tables)
-    except sqlite3.Error:
-        return False
-    finally:
-        probe.close()
-
-
-def _newer_schema(path: str) -> int | None:
-    """The schema version of the file at ``path`` if it is newer than this turnguard's (a
-    newer turnguard's ledger, or another program's database): then it is left untouched (no
-    chmod, no WAL), an outage until it is put right. None: not newer, or not readable now."""
-    probe = _probe(path)
-    if probe is None:
-        return None
-    try:
-        version = probe.execute("PRAGMA user_version").fetchone()[0]
+        probe = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True,
+                                timeout=PROBE_BUSY_S, isolation_level=None)
     except sqlite3.Error:
         return None
-    finally:
-        probe.close()
-    return version if version > SCHEMA_VERSION else None
-
-
-def _not_a_database(path: str) -> bool:
-    """Whether the non-empty file at ``path`` is no SQLite database at all (a wrong path,
-    say ``/etc/hosts``; or a ledger damaged or replaced by junk, which someone may yet put
-    right): then turnguard neither makes it private nor lets SQLite put files next to it."""
     try:
-        if os.stat(path).st_size == 0:
-            return False
-    except OSError:
-        return False
-    probe = _probe(path)
-    if probe is None:
-        return False
-    try:
-        probe.execute("PRAGMA user_version")
-        return False
+        tables = frozenset(row[0] for row in probe.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'"))
+        return _Found(False, probe.execute("PRAGMA user_version").fetchone()[0], tables)
     except sqlite3.DatabaseError as e:
-        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
+            return _Found(True, 0, frozenset())
+        return None
+    except sqlite3.Error:
+        return None
     finally:
         probe.close()
 
