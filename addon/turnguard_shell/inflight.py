@@ -315,6 +315,10 @@ class InFlight:
     @staticmethod
     def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool) -> EndFacts:
         tee = attempt.tee
+        if tee is not None and body_complete and not tee.ended:
+            # the response hook comes once the whole body passed; mitmproxy never calls the
+            # stream with its closing b"" for an empty body (Content-Length: 0)
+            tee(b"")
         if tee is None and body_complete and flow.response is not None:
             # No streaming happened (e.g. another addon answered): read the whole body.
             tee = ResponseTee(counts_events=False, keep_max_bytes=0)
