@@ -820,6 +820,18 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _worker_started(pid: int) -> bool:
+    """Whether ``pid``'s identity worker runs its own program (it was exec'd). A child
+    stopped between its fork and its exec would hold mitmproxy's event loop, which waits in
+    the spawn for the exec, and with it the script's reload."""
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return True
+    return False
+
+
 @contextlib.contextmanager
 def _paused_children(pid: int):
     """Every process ``pid`` starts is kept stopped (SIGSTOP, every 10 ms, a new one too)
@@ -862,7 +874,7 @@ def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_
             guarded(tmp_path, up, "b", **opts) as b:
         with ThreadPoolExecutor(max_workers=1) as pool:
             original = pool.submit(asyncio.run, one_call(a.url, call(items, seed=1)))
-            wait_until(lambda: _children(a.pid), 20, what="the identity worker")
+            wait_until(lambda: _worker_started(a.pid), 20, what="the identity worker")
             with _paused_children(a.pid):  # the worker cannot answer before the reload
                 reloaded(a, touch_to_reload(a, script))
             a.wait_for_log("was identified; the addon loaded now decides it", 20)
