@@ -325,9 +325,13 @@ def test_keep_alive_and_chunked_request_body(up):
 
 
 def test_sigterm_exits_cleanly(tmp_path):
-    up = MockUpstream(tmp_path)
-    assert up.stop() == 0
-    assert "Traceback" not in up.output_text()
+    """Also a SIGTERM sent as soon as the listening line is seen (a test that starts and
+    stops at once): the handler is in place before the line is printed (it was not: about
+    one start in four ended by the default action, -15)."""
+    for i in range(10):
+        up = MockUpstream(tmp_path, name=f"mock-{i}")
+        assert up.stop() == 0
+        assert "Traceback" not in up.output_text()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,8 +227,7 @@ async def serve(port: int) -> None:
     state = State()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Server(state), HOST, port, backlog=4096)
-    print(f"bench upstream listening at http://{HOST}:{server.sockets[0].getsockname()[1]}",
-          flush=True)
+    port = server.sockets[0].getsockname()[1]
 
     async def hold_bound() -> None:
         """Release everything once the oldest held request waited HOLD_MAX_S (no hang)."""
@@ -239,7 +238,8 @@ async def serve(port: int) -> None:
 
     tasks = [asyncio.create_task(hold_bound())]
     try:
-        await until_stopped()
+        await until_stopped(lambda: print(f"bench upstream listening at http://{HOST}:{port}",
+                                          flush=True))
     finally:
         for t in tasks:
             t.cancel()

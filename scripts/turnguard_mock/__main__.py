@@ -72,9 +72,9 @@ async def serve(args: argparse.Namespace, scenario: dict[str, Any]) -> int:
     mock = MockUpstream(scenario, args.log)
     server = Server(mock.route)
     await server.start(args.host, args.port)
-    print(f"mock upstream listening at http://{args.host}:{server.port}", flush=True)
     try:
-        await until_stopped()
+        await until_stopped(lambda: print(
+            f"mock upstream listening at http://{args.host}:{server.port}", flush=True))
     finally:
         await server.close()
         mock.close()

@@ -483,15 +483,19 @@ class ServerThread:
                 self.loop.close()
 
 
-async def until_stopped() -> None:
+async def until_stopped(ready: Callable[[], None] | None = None) -> None:
     """Return when SIGTERM or SIGINT arrives. Both are ignored from then on: a second signal
     during shutdown (a process group and a trap both sending one) must not reach the closing
-    loop's wakeup fd."""
+    loop's wakeup fd. ``ready`` (the listening line) runs once the handlers are in place: a
+    signal sent as soon as the line is seen then stops the server cleanly (exit status 0),
+    never by the default action."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     sigs = (signal.SIGTERM, signal.SIGINT)
     for sig in sigs:
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready()
     try:
         await stop.wait()
     finally:

@@ -98,9 +98,9 @@ async def serve(args) -> int:
     gw = GatewayServer(args.upstream, args.hedge_after_ms, args.max_parallel, args.log)
     server = Server(gw.answer, max_requests_per_connection=1000)
     await server.start("127.0.0.1", args.port)
-    print(f"gateway listening at http://127.0.0.1:{server.port}", flush=True)
     try:
-        await until_stopped()
+        await until_stopped(lambda: print(
+            f"gateway listening at http://127.0.0.1:{server.port}", flush=True))
     finally:
         await server.close()
     return 0
