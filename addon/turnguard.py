@@ -294,8 +294,9 @@ class TurnGuard:
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
                     woke = await self._wait(flow, ident, req.flow_id, state)
-                    state, effects = machine.on_woke(req, state, woke, now(),
-                                                     gone=self.clients.gone(flow))
+                    gone = (await self.clients.settled_gone(flow)
+                            if isinstance(state, machine.WaitCooldown) else self.clients.gone(flow))
+                    state, effects = machine.on_woke(req, state, woke, now(), gone=gone)
                 case machine.FetchRecording():
                     recording, readable = await self.store.recording(
                         ident, state.attempt_id, window_s=self._replay_window_s(ident),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -502,4 +503,55 @@ def test_an_http2_duplicate_with_request_trailers_attaches_without_a_traceback(t
         assert sse_event_types(dup.bodies[1])[-1] == "response.completed"
         assert len(up.dispatches()) == 1
         assert len(events(tmp_path, "duplicate_attached")) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# The cooldown storm over one HTTP/2 connection
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package")
+def test_http2_streams_reset_while_the_proxy_is_paused_never_win_the_one_recovery(tmp_path):
+    """Once mode: six streams of one HTTP/2 connection hold the anchored turn through its
+    cooldown; the process is paused (SIGSTOP) across the cooldown's end and the client resets
+    every stream meanwhile. Resumed, turnguard must let them all go (their resets are read
+    only once mitmproxy's connection task has run): no recovery dispatch for clients that
+    left, so the turn's next retry still gets its one recovery."""
+    cooldown_ms = 3000
+    storm = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+             "default": {"kind": "ok", "events": 4}}
+    anchored = {**HEADERS, "x-codex-turn-state": "ts_h2_storm"}
+    body = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path, storm) as up, guarded(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_response_created_timeout_ms=600, turnguard_cooldown_ms=cooldown_ms,
+    ) as proxy:
+        for _ in range(2):  # two eventless failures of the turn: its circuit opens
+            h2_post(tmp_path, f"failure-{_}", proxy, headers=anchored).proc.wait(PROC_WAIT_S)
+        wait_until(lambda: events(tmp_path, "circuit_opened"), 10, what="the circuit opened")
+        client = RawH2(proxy.port)
+        streams = [1, 3, 5, 7, 9, 11]
+        try:
+            for sid in streams:
+                client.post(sid, "/v1/responses", body, anchored)
+            wait_until(lambda: len(events(tmp_path, "wait_operation_fenced_cooldown")) == 6,
+                       10, what="six streams held through the cooldown")
+            proxy.proc.send_signal(signal.SIGSTOP)
+            try:
+                for sid in streams:
+                    client.reset(sid)
+                time.sleep(cooldown_ms / 1000 + 1)  # past the cooldown's end
+            finally:
+                proxy.proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: len(events(tmp_path, "hold_abandoned")) == 6
+                       or events(tmp_path, "recovery_claimed"), 15,
+                       what="every reset stream let go, or one recovering")
+        finally:
+            client.close()
+        assert not events(tmp_path, "recovery_claimed")
+        assert len(up.dispatches()) == 2  # the two failures; nothing for the streams that left
+        retry = h2_post(tmp_path, "retry", proxy, headers=anchored).result()
+        assert retry.status == 200 and sse_event_types(retry.body)[-1] == "response.completed"
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert len(up.dispatches()) == 3
         assert_no_traceback(proxy.log_text())

@@ -7,6 +7,7 @@ replays), and explains it in mitmweb (a mark and a comment).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import weakref
@@ -195,8 +196,26 @@ def proxyserver():
         return None
 
 
+# Loop steps a request woken from a cooldown lets run before it is judged (``settled_gone``):
+# one for the loop to read the sockets, one for mitmproxy's connection task to pass what it
+# read to its layers (an HTTP/2 stream reset), one spare.
+SETTLE_STEPS = 3
+
+
 class ClientWatch:
     """Tells whether the client of a held flow still wants an answer."""
+
+    async def settled_gone(self, flow: http.HTTPFlow) -> str | None:
+        """``gone``, once the event loop has read what the clients sent meanwhile. After a
+        pause (SIGSTOP, a stall) the loop's first steps run the timers that ended the waits
+        before it reads any socket, and an HTTP/2 client's reset is known only once
+        mitmproxy's connection task has handled it: judged at once, a client that left
+        while the process stood still could win the one recovery dispatch."""
+        for _ in range(SETTLE_STEPS):
+            if (reason := self.gone(flow)) is not None:
+                return reason
+            await asyncio.sleep(0)
+        return self.gone(flow)
 
     def __init__(self) -> None:
         # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
