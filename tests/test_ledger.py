@@ -279,6 +279,50 @@ def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_p
         a.heartbeat(1001.0)
 
 
+def test_a_read_only_look_at_a_closed_ledger_makes_no_file_and_knows_when_a_writer_came(tmp_path):
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    admit(a, ident({"n": 1}))
+    a.close()
+    ro = LedgerAdmin(str(path), "cli")
+    ro.open_readonly()
+    assert ro.counts() == {"in_flight": 1} and ro.read_was_stable()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.sqlite3"]
+    b = open_ledger(path, "b")  # a writer opens it meanwhile: the look is to be taken again
+    admit(b, ident({"n": 2}))
+    assert not ro.read_was_stable()
+    ro.close()
+    ro.open_readonly()  # through its -wal now
+    assert ro.counts() == {"in_flight": 2} and ro.read_was_stable()
+    ro.close()
+    b.close()
+
+
+def test_a_read_only_look_at_a_ledger_with_a_wal_and_no_shm_makes_the_shm_private(tmp_path):
+    """A -wal copied in without its -shm: SQLite cannot read its rows without one, so the
+    look makes it, 0600 (SQLite would give it the ledger's mode); one of another user or a
+    symbolic link is refused."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    a._conn().execute("PRAGMA wal_autocheckpoint=0")
+    admit(a, ident({"n": 1}))
+    copy = tmp_path / "c.sqlite3"
+    for suffix in ("", "-wal"):
+        Path(f"{copy}{suffix}").write_bytes(Path(f"{path}{suffix}").read_bytes())
+    a.close()
+    os.chmod(copy, 0o644)
+    ro = LedgerAdmin(str(copy), "cli")
+    ro.open_readonly()
+    assert ro.counts() == {"in_flight": 1}
+    ro.close()
+    assert stat.S_IMODE(os.stat(f"{copy}-shm").st_mode) == 0o600
+    os.unlink(f"{copy}-shm")
+    os.symlink(tmp_path / "elsewhere", f"{copy}-shm")
+    with pytest.raises(LedgerError, match="is a symbolic link"):
+        ro.open_readonly()
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_an_older_copy_of_the_ledger_put_back_in_its_place_is_another_generation(tmp_path):
     """A restored backup carries the same made-with id, not the rows since (its attempt ids
     come again): it must not be taken for the file a process wrote to."""

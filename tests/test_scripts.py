@@ -512,6 +512,39 @@ def test_ledger_cli_reads_without_writing(direct_ledger: DirectLedger):
         db.close()
 
 
+def test_inspection_of_a_closed_ledger_makes_no_file_beside_it(direct_ledger: DirectLedger):
+    """No process has the ledger open (no -wal): every inspection command reads it without
+    SQLite's -wal and -shm appearing next to it (they would take the ledger's mode, here 0644),
+    and leaves the file as it was."""
+    led = direct_ledger.path
+    os.chmod(led, 0o644)
+    before = led.stat()
+    for args in (["status"], ["status", "--json"], ["list"], ["stats"], ["audit"],
+                 ["circuit", "list"], ["show", direct_ledger.completed[:10]]):
+        r = _ledger_cli("--ledger", str(led), *args)
+        assert r.returncode == 0, (args, r.stderr)
+        assert sorted(p.name for p in led.parent.iterdir()) == [led.name], args
+    after = led.stat()
+    assert (after.st_mode, after.st_size, after.st_mtime_ns) == \
+        (before.st_mode, before.st_size, before.st_mtime_ns)
+    with contextlib.closing(sqlite3.connect(f"file:{led}?immutable=1", uri=True)) as db:
+        [(ops,)] = db.execute("SELECT count(*) FROM operations").fetchall()
+    assert re.search(rf"operations:\s+{ops} ", _ledger_cli("--ledger", str(led), "status").stdout)
+
+
+def test_inspection_next_to_a_running_writer_sees_its_latest_rows(direct_ledger: DirectLedger):
+    """With a connection open (its -wal holds rows not yet in the file), inspection reads
+    through the -wal and -shm and sees them."""
+    led = direct_ledger.path
+    with contextlib.closing(sqlite3.connect(led, isolation_level=None)) as other:
+        other.execute("PRAGMA wal_autocheckpoint=0")
+        other.execute("UPDATE operations SET state='unknown' WHERE state='completed'")
+        assert Path(f"{led}-wal").stat().st_size > 0
+        r = _ledger_cli("--ledger", str(led), "stats", "--json")
+        assert r.returncode == 0, r.stderr
+        assert "completed" not in json.loads(r.stdout)["by_state"]
+
+
 def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp_path):
     """SIGTERM to scripts/reproduce mid-run stops it as ^C does: every column's mitmdump and
     mock upstream goes with it (they kept running before, orphaned)."""

@@ -24,7 +24,14 @@ from typing import Iterable, Literal
 
 from . import circuit, liveness, policy
 from .identity import Identity
-from .private_files import UnsafePath, check_private_path, ensure_private_file, shown
+from .private_files import (
+    UnsafePath,
+    check_private_file,
+    check_private_path,
+    create_private_file,
+    ensure_private_file,
+    shown,
+)
 from .records import record
 
 SCHEMA_VERSION = 6
@@ -248,6 +255,7 @@ class Ledger:
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
+        self._stamp: tuple[int, ...] | None = None  # the file read immutable (open_readonly)
         self.generation = ""  # this ledger file: a random id made with it, and its identity
         self.incarnation = 0  # this instance's registration; goes up when it re-registers
 
@@ -317,7 +325,21 @@ class Ledger:
             raise LedgerError(f"ledger file {shown(self.path)} does not exist")
         if not os.path.isfile(self.path):
             raise LedgerError(f"ledger {shown(self.path)} is not a file")
-        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        real = os.path.realpath(self.path)  # where SQLite looks for the -wal and the -shm
+        uri = "file:" + urllib.parse.quote(real) + "?mode=ro"
+        self._stamp = None
+        made_shm = False
+        try:
+            if check_private_file(real + "-wal", owner=os.stat(real).st_uid) is None:
+                # no -wal: no connection has the file open and every row is in it. Read as
+                # immutable, SQLite makes no -wal and -shm beside it (a plain read-only open
+                # would, with the file's mode); read_was_stable says if a writer came meanwhile
+                uri += "&immutable=1"
+                self._stamp = _stamp(real)
+            else:  # rows in the -wal: SQLite reads them through a -shm, made 0600 if missing
+                made_shm = create_private_file(real + "-shm", owner=os.stat(real).st_uid)
+        except UnsafePath as e:
+            raise LedgerError(str(e)) from None
         db = sqlite3.connect(
             uri, uri=True, isolation_level=None, timeout=self._busy_timeout_ms / 1000
         )
@@ -325,6 +347,8 @@ class Ledger:
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             db.execute("PRAGMA query_only=ON")
             version = db.execute("PRAGMA user_version").fetchone()[0]
+            if made_shm:  # SQLite gave it the file's mode as it opened it
+                os.chmod(real + "-shm", 0o600, follow_symlinks=False)
             if version != SCHEMA_VERSION:
                 hint = " (not a turnguard ledger, or never opened by it)" if version == 0 else ""
                 raise LedgerError(
@@ -336,6 +360,18 @@ class Ledger:
             db.close()
             self._db = None
             raise
+
+    def read_was_stable(self) -> bool:
+        """Whether what an ``open_readonly`` connection read was the file as one writer left
+        it: a writer that opened the file since an immutable read (its -wal appeared, or it
+        wrote the file) may have changed pages under it; read again then."""
+        if self._stamp is None:
+            return True
+        real = os.path.realpath(self.path)
+        try:
+            return not os.path.lexists(real + "-wal") and _stamp(real) == self._stamp
+        except OSError:
+            return False
 
     @_wrap
     def set_busy_timeout(self, ms: int | None) -> None:
@@ -1031,6 +1067,11 @@ class _Transaction:
             self.db.execute("COMMIT")
         elif self.db.in_transaction:
             self.db.execute("ROLLBACK")
+
+
+def _stamp(path: str) -> tuple[int, ...]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def check_path(path: str) -> str:

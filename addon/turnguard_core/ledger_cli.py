@@ -11,7 +11,8 @@
 
 ``scripts/turnguard`` runs it with the set-up done (``scripts/ledger`` too: the same program,
 kept for the inspection commands). Inspection opens the ledger with ``Ledger.open_readonly``:
-nothing is written, so it is safe next to running proxies. The control commands (``circuit
+nothing is written, so it is safe next to running proxies, and no file is made beside the ledger
+(but a -shm, 0600, for a -wal found without one: SQLite needs it to read the -wal's rows). The control commands (``circuit
 clear``, ``session release``) write through the ledger module's fenced transactions, the same
 the addon uses, record who did what in the ledger's audit table and, with ``--events`` (or
 $TURNGUARD_EVENTS), append a telemetry line. The ledger holds no secret (credentials,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import getpass
+import io
 import json
 import os
 import re
@@ -72,7 +74,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="turnguard's status and control, on its ledger: works with any mitmdump "
-        "(or none) that uses the ledger. Inspection is read only; circuit clear and session "
+        "(or none) that uses the ledger. Inspection is read only and makes no file beside the "
+        "ledger (but a -shm, 0600, for a -wal found without one: SQLite reads the -wal through "
+        "it); circuit clear and session "
         "release write through the ledger's fenced transactions and are audited.",
         epilog="The ledger defaults to $TURNGUARD_LEDGER, else " + DEFAULT_LEDGER
         + " (the proxy's default with confdir ~/.mitmproxy). Exit status: 0 ok; 1 error (no"
@@ -666,12 +670,12 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
                 ledger.open_readonly()
         except LedgerError as e:
             raise CliError(f"cannot open the ledger: {e}") from e
-        try:
-            return COMMANDS[args.command](ledger, args, _Printable(out))
-        except LedgerError as e:
-            if writes:
+        if writes:
+            try:
+                return COMMANDS[args.command](ledger, args, _Printable(out))
+            except LedgerError as e:
                 raise CliError(str(e)) from e
-            raise
+        return _inspect(ledger, args, out)
     except UsageError as e:
         parser.print_usage(err)
         err.write(f"{name}: error: {e}\n")
@@ -691,6 +695,29 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         return 1
     finally:
         ledger.close()
+
+
+# reads of a ledger no process had open that a writer overlapped, before the last is kept
+INSPECTION_READS = 3
+
+
+def _inspect(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
+    """Runs an inspection command; what it printed is kept only if the read was stable (no
+    writer opened the ledger meanwhile: ``Ledger.read_was_stable``), else it reads again."""
+    for read in range(INSPECTION_READS):
+        buffer = io.StringIO()
+        try:
+            status = COMMANDS[args.command](ledger, args, _Printable(buffer))
+        except LedgerError:
+            if read + 1 == INSPECTION_READS or ledger.read_was_stable():
+                raise
+            status = None
+        if read + 1 == INSPECTION_READS or (status is not None and ledger.read_was_stable()):
+            break
+        ledger.close()
+        ledger.open_readonly()
+    out.write(buffer.getvalue())
+    return status
 
 
 def _utf8(text: str) -> bool:

@@ -428,6 +428,10 @@ class PgLedger:
                     "INSERT INTO meta (key, value) VALUES ('schema_version', %s) ON CONFLICT (key)"
                     " DO UPDATE SET value = excluded.value", (str(version + 1),))
 
+    def read_was_stable(self) -> bool:
+        """Always: PostgreSQL's reads need no second look (see ``Ledger.read_was_stable``)."""
+        return True
+
     def set_busy_timeout(self, ms: int | None) -> None:
         """How long the next call's statements may wait for a lock (None: the ledger's own);
         applied with the call's transaction, no round trip of its own."""

@@ -24,7 +24,8 @@ import fcntl
 import os
 import stat
 
-__all__ = ["UnsafePath", "check_private_path", "ensure_private_file", "open_private", "shown"]
+__all__ = ["UnsafePath", "check_private_file", "check_private_path", "create_private_file",
+           "ensure_private_file", "open_private", "shown"]
 
 
 class UnsafePath(OSError):
@@ -93,17 +94,50 @@ def ensure_private_file(path: str, *, create: bool = True) -> None:
     file that SQLite may already hold open in this process (a second connection, a script
     reload): closing any descriptor of a file drops every POSIX lock this process holds on it,
     including SQLite's, so an existing file is checked by its path, never opened."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = check_private_file(path)
+    if st is None:
         if create:
             os.close(open_private(path, os.O_RDWR))
         return
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        os.chmod(path, 0o600, follow_symlinks=False)
+
+
+def check_private_file(path: str, *, owner: int | None = None) -> os.stat_result | None:
+    """Refuse ``path`` unless it is missing (None) or a regular file (not a symbolic link)
+    of ``owner`` (default: this user); return its ``lstat``. Looks by the path: opens
+    nothing, changes nothing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(f"{shown(path)} is a symbolic link")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafePath(f"{shown(path)} is not a regular file")
-    if st.st_uid != os.geteuid():
+    if st.st_uid != (os.geteuid() if owner is None else owner):
         raise UnsafePath(f"{shown(path)} belongs to another user (uid {st.st_uid})")
-    if stat.S_IMODE(st.st_mode) != 0o600:
-        os.chmod(path, 0o600, follow_symlinks=False)
+    return st
+
+
+def create_private_file(path: str, *, owner: int | None = None) -> bool:
+    """Make ``path`` a new empty file, 0600, unless it exists (then checked as
+    ``check_private_file`` checks it); whether it made it. SQLite gives an empty file it
+    opens beside a database the database's mode: make it 0600 again once SQLite opened it. ``O_EXCL|O_NOFOLLOW``: a file or a symbolic link
+    another user puts there first is refused, never opened; one that exists is never opened
+    either (closing a descriptor of a file SQLite holds in this process drops its locks).
+    ``owner`` (running as root): the new file is given to that user, as SQLite does with the
+    files it makes beside a database."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_NONBLOCK, 0o600)
+    except FileExistsError:
+        check_private_file(path, owner=owner)
+        return False
+    try:
+        os.fchmod(fd, 0o600)
+        if owner is not None and owner != os.geteuid() and os.geteuid() == 0:
+            os.fchown(fd, owner, -1)
+    finally:
+        os.close(fd)
+    return True
