@@ -323,6 +323,55 @@ def test_a_read_only_look_at_a_ledger_with_a_wal_and_no_shm_makes_the_shm_privat
     assert not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user (needs root)")
+def test_a_wal_or_shm_another_user_makes_as_sqlite_opens_the_ledger_is_never_used(
+        tmp_path, monkeypatch):
+    """In a sticky world-writable folder another user may make the ledger's -wal or -shm
+    between turnguard's checks and SQLite's open, which takes a file it finds there (and, as
+    root, gives it to the ledger's owner; the other user's descriptor stays open): SQLite never
+    opens one, the ledger is refused. One found (a process killed left it) that is another
+    user's or a symbolic link is refused too; its own are made 0600."""
+    path = tmp_path / "l.sqlite3"
+    open_ledger(path).close()  # its -wal and -shm go with its last connection
+    real_connect = sqlite3.connect
+    made = []
+
+    def racing(database, *args, **kwargs):  # the other user, just before SQLite opens
+        for suffix in ("-wal", "-shm"):
+            try:
+                fd = os.open(f"{path}{suffix}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+            except FileExistsError:
+                continue
+            os.fchown(fd, 4242, 4242)
+            os.close(fd)
+            made.append(suffix)
+        return real_connect(database, *args, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", racing)
+    with pytest.raises(LedgerError, match=r"belongs to another user \(uid 4242\)"):
+        open_ledger(path, "b")
+    monkeypatch.undo()
+    assert made == ["-wal", "-shm"]
+    for suffix in made:  # untouched: SQLite never opened them
+        st = os.stat(f"{path}{suffix}")
+        assert (st.st_uid, st.st_size) == (4242, 0), suffix
+    for suffix in ("-wal", "-shm"):
+        os.unlink(f"{path}{suffix}")
+        os.symlink(tmp_path / "elsewhere", f"{path}{suffix}")
+        with pytest.raises(LedgerError, match="is a symbolic link"):
+            open_ledger(path, "c")
+        os.unlink(f"{path}{suffix}")
+        with open(f"{path}{suffix}", "wb"):
+            pass
+    assert not (tmp_path / "elsewhere").exists()
+    led = open_ledger(path, "d")
+    admit(led, ident({"n": 1}))
+    for suffix in ("-wal", "-shm"):
+        st = os.stat(f"{path}{suffix}")
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o600), suffix
+    led.close()
+
+
 def test_an_older_copy_of_the_ledger_put_back_in_its_place_is_another_generation(tmp_path):
     """A restored backup carries the same made-with id, not the rows since (its attempt ids
     come again): it must not be taken for the file a process wrote to."""

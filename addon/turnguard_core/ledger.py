@@ -277,10 +277,13 @@ class Ledger:
                 raise LedgerError(f"ledger schema version {found.version} is newer than this "
                                   f"turnguard ({SCHEMA_VERSION}); left untouched")
             ensure_private_file(real_path)
-            # SQLite makes a new -wal and -shm with the file's mode, and keeps those it finds
-            # (left by a process killed, or copied in with the file): they hold its rows too
+            # SQLite keeps the -wal and -shm it finds (left by a process killed, or copied in
+            # with the file: they hold its rows too, made 0600 here) and makes missing ones
+            # with O_CREAT: made here first, O_EXCL|O_NOFOLLOW, so that one another user puts
+            # there meanwhile (a shared folder) is refused, never SQLite's
             for suffix in ("-wal", "-shm"):
-                ensure_private_file(real_path + suffix, create=False)
+                if not create_private_file(real_path + suffix):
+                    ensure_private_file(real_path + suffix, create=False)
         # check_same_thread=False: the addon hands the connection between the event loop and
         # a thread of its own, never using it from both at once (see ledger_runner)
         db = sqlite3.connect(
@@ -1092,6 +1095,11 @@ def check_path(path: str) -> str:
         raise LedgerError(f"{shown(path)} cannot be read: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise LedgerError(f"{shown(path)} is not a regular file")
+    try:  # SQLite would take them as they are, the look below included
+        for suffix in ("-wal", "-shm"):
+            check_private_file(real + suffix)
+    except UnsafePath as e:
+        raise LedgerError(str(e)) from None
     found = _look(real)
     if found is not None and found.foreign:
         raise LedgerError(f"{shown(path)} is not a turnguard ledger (a SQLite database of something"
@@ -1124,11 +1132,18 @@ _FIRST_TABLES = frozenset({"instances", "operations", "attempts"})
 def _look(path: str) -> _Found | None:
     """A read-only look at the existing file at ``path`` through SQLite (None: it cannot be
     read now, which the open reports). Never a descriptor of our own: closing one would drop
-    every lock SQLite holds on the file in this process."""
+    every lock SQLite holds on the file in this process. Without a -wal (no connection has the
+    file open) it is read as immutable: SQLite makes no -wal and -shm beside it (it would with
+    O_CREAT, taking one another user put there first); with one (checked by ``check_path``),
+    a missing -shm is made 0600, O_EXCL."""
+    uri = f"file:{urllib.parse.quote(path)}?mode=ro"
     try:
-        probe = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True,
-                                timeout=PROBE_BUSY_S, isolation_level=None)
-    except sqlite3.Error:
+        if os.path.lexists(path + "-wal"):
+            create_private_file(path + "-shm")
+        else:
+            uri += "&immutable=1"
+        probe = sqlite3.connect(uri, uri=True, timeout=PROBE_BUSY_S, isolation_level=None)
+    except (sqlite3.Error, OSError):
         return None
     try:
         tables = frozenset(row[0] for row in probe.execute(
