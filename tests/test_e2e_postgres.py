@@ -6,6 +6,7 @@ hosts by lease, and a database restart while requests are held and a cooldown is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -27,6 +28,7 @@ from harness import (
     turnguard_events,
     wait_until,
 )
+from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
 SECRET = "sk-pg-test-0123456789"
 HEADERS = {"authorization": f"Bearer {SECRET}", "session-id": "sess-pg"}
@@ -459,4 +461,33 @@ def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable
         log = a.log_text() + b.log_text()
     assert headers.get("x-turnguard") == "replayed"
     assert len(up.dispatches()) == 4  # the warm-ups, the one in the outage, the turn once
+    assert_no_traceback(log)
+
+
+def test_a_nul_in_a_previous_response_id_is_stored_and_keeps_the_ledger_in_use(tmp_path, pg_url):
+    """A call whose ``previous_response_id`` holds a NUL (which PostgreSQL refuses in text), on
+    a WebSocket and over HTTP: its claim is written (the NUL stored as U+FFFD), never taken for
+    an outage of the ledger that would leave every call after it decided in memory."""
+    from test_e2e_websocket import HEADERS as WS_HEADERS, call, user
+
+    prev = "resp_\u0000x"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a:
+        async def on_socket():
+            async with WsClient.connect(a.url, headers=WS_HEADERS) as c:
+                await c.send(json.dumps(call([user("nul")], seed=1, previous_response_id=prev)))
+                hostile = await c.response()
+                await c.send(json.dumps(call([user("plain")], seed=2)))
+                return hostile, await c.response()
+
+        hostile, plain = asyncio.run(on_socket())
+        http = post(a.url, body={**BODY, "input": "nul over http", "previous_response_id": prev})
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM attempts WHERE outcome <> 'in_flight'")
+                   == [(3,)], 10, what="the three calls' ends in the ledger")
+        log = a.log_text()
+    assert hostile and types(plain)[-1] == "response.completed" and http[0] == 200
+    assert events(tmp_path, "a", "ledger_unavailable") == []
+    assert [d["ledger"] for d in events(tmp_path, "a", "dispatch")] == [True] * 3
+    assert sorted(r[0] for r in rows(pg_url, "SELECT previous_response_id FROM operations"
+                                             " WHERE previous_response_id IS NOT NULL")) == [
+        "resp_\ufffdx"] * 2
     assert_no_traceback(log)

@@ -524,8 +524,8 @@ class PgLedger:
             (identity.op_key, kind, self.instance_id, _text(flow_id), now, _text(transport),
              identity.op_key, identity.scope, identity.session, _text(method), _text(path),
              identity.idempotency_key, identity.fingerprint, identity.turn_state,
-             identity.previous_response_id, 1 if kind == "recovery" else 0, circuit_scope,
-             now, now),
+             _text(identity.previous_response_id), 1 if kind == "recovery" else 0,
+             circuit_scope, now, now),
         ).fetchone()[0]
         tx.claimed.append((attempt_id, identity.op_key))
         return attempt_id
@@ -555,7 +555,7 @@ class PgLedger:
             " created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,'new',%s,%s,%s)",
             (identity.op_key, identity.scope, identity.session, _text(method), _text(path),
              identity.idempotency_key, identity.fingerprint, identity.turn_state,
-             identity.previous_response_id, circuit_scope, now, now),
+             _text(identity.previous_response_id), circuit_scope, now, now),
         )
 
     def _claim(self, tx: _Transaction, identity: Identity, kind: str, flow_id: str | None,
@@ -571,7 +571,7 @@ class PgLedger:
             " WHERE op_key=%s AND state<>'in_flight' RETURNING a.attempt_id",
             (identity.op_key, kind, self.instance_id, _text(flow_id), now, _text(transport),
              1 if kind == "recovery" else 0, identity.fingerprint, identity.turn_state,
-             identity.previous_response_id, now, identity.op_key),
+             _text(identity.previous_response_id), now, identity.op_key),
         ).fetchone()
         if claimed is None:  # cannot happen under the operation's lock; refuse rather than double
             raise psycopg.IntegrityError("operation was claimed concurrently")
@@ -1152,7 +1152,8 @@ _NOTIFY = (f"pg_notify('{NOTIFY_CHANNEL}', op_key || ' ' || current_attempt::tex
 
 def _text(value: str | None) -> str | None:
     """Text as PostgreSQL can store it: a NUL (which SQLite keeps and PostgreSQL refuses, so a
-    write carrying one would be kept and retried for ever) becomes U+FFFD."""
+    write carrying one would be kept and retried for ever, and a claim carrying one, from a
+    client's ``previous_response_id``, taken for an outage) becomes U+FFFD."""
     return None if value is None else value.replace("\x00", "\ufffd")
 
 
