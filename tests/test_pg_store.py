@@ -328,6 +328,23 @@ async def test_no_error_or_status_line_shows_the_password():
     store.close()
 
 
+@pytest.mark.parametrize("url", [
+    "postgresql://tg@127.0.0.1:1/ledger?password=pa+ss%wo-rd",
+    "postgresql://tg@127.0.0.1:1/ledger?sslmode=disable&sslpassword=pa+ss%wo-rd",
+])
+async def test_a_password_parameter_with_a_plus_that_libpq_echoes_is_never_shown(url):
+    """libpq reads a "+" in a parameter as a "+" (never a space) and echoes a value whose
+    percent-encoding it cannot read: the error says neither the password nor any part of it."""
+    led = PgLedger(url, "a")
+    with pytest.raises(LedgerError) as refused:
+        led.open(1000.0)
+    assert "ss%wo" not in str(refused.value) and "***" in str(refused.value), refused.value
+    store = _failover([])
+    assert not store.open(url)  # an outage, said without the password
+    assert "ss%wo" not in (store.error or "")
+    store.close()
+
+
 async def test_a_database_made_again_under_a_running_process_gets_its_attempts_in_flight(
         pg_url, monkeypatch):
     """The heartbeat finds another generation: an outage, never an empty ledger. The process

@@ -61,8 +61,9 @@ def _secrets_of(location: str) -> list[str]:
     scheme, _, rest = location.strip().partition("://")
     userinfo, after = _credentials(rest)
     query = urllib.parse.urlsplit(f"{scheme}://{after}").query
-    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
-        if key.strip().lower() in _SECRET_PARAMS and value:
+    for param in query.split("&"):  # as libpq reads it: a "+" is a "+", never a space
+        key, _, value = param.partition("=")
+        if urllib.parse.unquote(key).strip().lower() in _SECRET_PARAMS and value:
             found.append(value)
     if userinfo is not None and ":" in userinfo and userinfo.split(":", 1)[1]:
         found.append(userinfo.split(":", 1)[1])
