@@ -107,13 +107,14 @@ class ProxyRun:
     stop_s: float
 
 
-def _start_proxy(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], Path, int]:
+def _start_proxy(tmp: Path, name: str, ledger: str | None = None
+                 ) -> tuple[subprocess.Popen[bytes], Path, int]:
     port = _free_port()
     out_path = tmp / f"{name}.out"
     cmd = [
         str(PROXY), "--port", str(port), "--",
         "--set", f"confdir={tmp / 'confdir'}",
-        "--set", f"turnguard_ledger={tmp / 'l.sqlite3'}",
+        "--set", f"turnguard_ledger={ledger or tmp / 'l.sqlite3'}",
     ]  # fmt: skip
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
@@ -297,6 +298,23 @@ def _proxy_to_exit(tmp_path: Path, *args: str) -> tuple[int, str]:
             _kill_group(proc, signal.SIGKILL)
             proc.wait(10)
     return rc, (tmp_path / "out").read_text(errors="replace")
+
+
+def test_proxy_never_prints_the_password_of_a_postgres_ledger(tmp_path):
+    """The banner names the ledger and the status command for it: a PostgreSQL URL's password
+    is shown as ***, like everywhere turnguard shows the ledger (nothing listens on port 1:
+    the ledger is down, the proxy runs and prints its banner all the same)."""
+    url = "postgresql://tg:s3cret-pw@127.0.0.1:1/ledger?sslmode=disable&sslpassword=k3y-pw"
+    proc, out_path, port = _start_proxy(tmp_path, "proxy", ledger=url)
+    try:
+        _wait_listening(proc, out_path, port)
+        out = wait_until(lambda: "(status: " in (t := out_path.read_text(errors="replace"))
+                         and t, START_TIMEOUT_S, 0.05, "the banner")
+    finally:
+        _stop(proc, signal.SIGTERM, group=True)
+    assert "s3cret" not in out and "k3y" not in out, out
+    assert "turnguard: ledger postgresql://tg:***@127.0.0.1:1/ledger?sslmode=disable" \
+           "&sslpassword=***" in out, out
 
 
 def test_proxy_on_a_port_in_use_says_to_use_port_and_stops_the_mock(tmp_path):
