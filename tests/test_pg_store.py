@@ -310,6 +310,18 @@ def test_scripts_turnguard_works_on_a_postgres_ledger_and_never_prints_the_passw
     led.close()
 
 
+@pytest.mark.parametrize("url", ["postgresql://tg:s3cret-pw@[127.0.0.1:1/ledger",
+                                 "postgresql://tg:s3cret-pw@127.0.0.1:1/ledger#part"])
+def test_scripts_turnguard_refuses_a_url_libpq_cannot_read_as_such(url):
+    """A malformed URL is said to be one (as the addon says it), never taken for a row of the
+    ledger that turnguard did not write; the password is not shown."""
+    err = io.StringIO()
+    assert ledger_cli.main(["--ledger", url, "status"], io.StringIO(), err) == 1
+    said = err.getvalue()
+    assert "not a valid PostgreSQL URL" in said and "did not write" not in said, said
+    assert "s3cret" not in said and "tg:***@" in said, said
+
+
 async def test_no_error_or_status_line_shows_the_password():
     """libpq echoes what it cannot parse; the ledger's errors and the status line never show
     the password."""

@@ -37,7 +37,7 @@ from typing import Any, TextIO
 from . import liveness
 from .ledger import LedgerError
 from .ledger_admin import LedgerAdmin
-from .ledger_location import is_postgres
+from .ledger_location import check_postgres_url, display, is_postgres
 from .options import DEFAULTS
 from .private_files import UnsafePath, shown
 from .telemetry import Telemetry
@@ -658,7 +658,12 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     writes = WRITES.get(args.command, lambda a: False)(args)
     name = os.path.basename(PROG_NAME)
     try:
-        if not is_postgres(location) and not os.path.exists(path):
+        if is_postgres(location):  # refused as the addon refuses it (never read as a bad row)
+            try:
+                check_postgres_url(location)
+            except ValueError as e:
+                raise CliError(f"{display(location)} is refused: {e}") from None
+        elif not os.path.exists(path):
             raise CliError(
                 f"no ledger at {shown(path)}: start the proxy first (scripts/proxy), or point at"
                 " another file with --ledger PATH or TURNGUARD_LEDGER"
