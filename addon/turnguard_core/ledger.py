@@ -329,20 +329,12 @@ class Ledger:
         if not os.path.isfile(self.path):
             raise LedgerError(f"ledger {shown(self.path)} is not a file")
         real = os.path.realpath(self.path)  # where SQLite looks for the -wal and the -shm
-        uri = "file:" + urllib.parse.quote(real) + "?mode=ro"
-        self._stamp = None
-        made_shm = False
         try:
-            if check_private_file(real + "-wal", owner=os.stat(real).st_uid) is None:
-                # no -wal: no connection has the file open and every row is in it. Read as
-                # immutable, SQLite makes no -wal and -shm beside it (a plain read-only open
-                # would, with the file's mode); read_was_stable says if a writer came meanwhile
-                uri += "&immutable=1"
-                self._stamp = _stamp(real)
-            else:  # rows in the -wal: SQLite reads them through a -shm, made 0600 if missing
-                made_shm = create_private_file(real + "-shm", owner=os.stat(real).st_uid)
+            uri, made_shm = _readonly_uri(real, owner=os.stat(real).st_uid)
         except UnsafePath as e:
             raise LedgerError(str(e)) from None
+        # read as immutable: read_was_stable says if a writer came meanwhile
+        self._stamp = _stamp(real) if uri.endswith("&immutable=1") else None
         db = sqlite3.connect(
             uri, uri=True, isolation_level=None, timeout=self._busy_timeout_ms / 1000
         )
@@ -1129,19 +1121,25 @@ class _Found:
 _FIRST_TABLES = frozenset({"instances", "operations", "attempts"})
 
 
+def _readonly_uri(real: str, owner: int | None = None) -> tuple[str, bool]:
+    """The URI of a read-only open of the ledger at ``real`` that makes nothing beside it,
+    and whether a -shm was made for it. Without a -wal no connection has the file open and
+    every row is in it: read as immutable, SQLite makes no -wal and -shm (a plain read-only
+    open would, with O_CREAT and the file's mode, taking one another user put there first).
+    With a -wal (``owner``'s regular file, else ``UnsafePath``) SQLite reads its rows through
+    a -shm: a missing one is made 0600, O_EXCL."""
+    uri = f"file:{urllib.parse.quote(real)}?mode=ro"
+    if check_private_file(real + "-wal", owner=owner) is None:
+        return uri + "&immutable=1", False
+    return uri, create_private_file(real + "-shm", owner=owner)
+
+
 def _look(path: str) -> _Found | None:
     """A read-only look at the existing file at ``path`` through SQLite (None: it cannot be
     read now, which the open reports). Never a descriptor of our own: closing one would drop
-    every lock SQLite holds on the file in this process. Without a -wal (no connection has the
-    file open) it is read as immutable: SQLite makes no -wal and -shm beside it (it would with
-    O_CREAT, taking one another user put there first); with one (checked by ``check_path``),
-    a missing -shm is made 0600, O_EXCL."""
-    uri = f"file:{urllib.parse.quote(path)}?mode=ro"
+    every lock SQLite holds on the file in this process. Read as ``_readonly_uri`` says."""
     try:
-        if os.path.lexists(path + "-wal"):
-            create_private_file(path + "-shm")
-        else:
-            uri += "&immutable=1"
+        uri, _ = _readonly_uri(path)
         probe = sqlite3.connect(uri, uri=True, timeout=PROBE_BUSY_S, isolation_level=None)
     except (sqlite3.Error, OSError):
         return None

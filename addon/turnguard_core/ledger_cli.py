@@ -709,16 +709,17 @@ INSPECTION_READS = 3
 def _inspect(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> int:
     """Runs an inspection command; what it printed is kept only if the read was stable (no
     writer opened the ledger meanwhile: ``Ledger.read_was_stable``), else it reads again."""
-    for read in range(INSPECTION_READS):
+    for read in range(1, INSPECTION_READS + 1):
+        last = read == INSPECTION_READS
         buffer = io.StringIO()
         try:
             status = COMMANDS[args.command](ledger, args, _Printable(buffer))
         except LedgerError:
-            if read + 1 == INSPECTION_READS or ledger.read_was_stable():
+            if last or ledger.read_was_stable():
                 raise
-            status = None
-        if read + 1 == INSPECTION_READS or (status is not None and ledger.read_was_stable()):
-            break
+        else:
+            if last or ledger.read_was_stable():
+                break
         ledger.close()
         ledger.open_readonly()
     out.write(buffer.getvalue())

@@ -205,6 +205,10 @@ SETTLE_STEPS = 3
 class ClientWatch:
     """Tells whether the client of a held flow still wants an answer."""
 
+    def __init__(self) -> None:
+        # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
+        self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
     async def settled_gone(self, flow: http.HTTPFlow) -> str | None:
         """``gone``, once the event loop has read what the clients sent meanwhile. After a
         pause (SIGSTOP, a stall) the loop's first steps run the timers that ended the waits
@@ -216,10 +220,6 @@ class ClientWatch:
                 return reason
             await asyncio.sleep(0)
         return self.gone(flow)
-
-    def __init__(self) -> None:
-        # client connection id -> its HttpLayer (found once), to tell a reset HTTP/2 stream
-        self._http_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def gone(self, flow: http.HTTPFlow) -> str | None:
         """Why the client no longer wants an answer (None: it still does)."""
