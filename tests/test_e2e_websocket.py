@@ -479,9 +479,11 @@ def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_pa
             db.close()
         assert types(got)[-1] == "response.completed"
         assert [d["ledger"] for d in events(tmp_path, "dispatch")] == [True, False]
+        # the attempt is registered as the lock goes, and its end written after that
         rows = wait_until(lambda: (r := ledger_query(
-            ledger, "SELECT transport, outcome FROM attempts ORDER BY attempt_id"))[1:] and r,
-            timeout=20, what="the attempt recorded after the lock")
+            ledger, "SELECT transport, outcome FROM attempts ORDER BY attempt_id"))[1:]
+            and r[-1][1] != "in_flight" and r,
+            timeout=20, what="the attempt recorded, and ended, after the lock")
         assert rows == [("ws", "completed"), ("ws", "completed")]
         assert len(up.dispatches()) == 2
 
