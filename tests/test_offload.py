@@ -63,3 +63,27 @@ async def test_the_event_loop_runs_while_the_worker_parses(worker):
     finally:
         task.cancel()
     assert ticks > 5  # the loop kept turning while a body of 200,000 objects was parsed
+
+
+async def test_a_worker_slow_to_start_does_not_count_against_the_identity_bound(
+        worker, tmp_path, monkeypatch):
+    """Starting the worker is a new interpreter: seconds on a loaded machine. The first large
+    body waits for it within the start-up bound, and only its identity has ``timeout_s``
+    (before, the start counted too: the first large body after a start or a reload was passed
+    through unguarded on a busy machine)."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned interpreter starts slowly
+    body = json.dumps({"model": "m", "input": "z" * (INLINE_MAX_BYTES + 1)}).encode()
+    out = await worker.identify(view(body), timeout_s=1.0, start_timeout_s=60)
+    assert out == identity.identify(view(body))
+
+
+async def test_a_worker_that_does_not_start_in_time_passes_the_request_through(
+        worker, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    body = json.dumps({"model": "m", "input": "z" * (INLINE_MAX_BYTES + 1)}).encode()
+    out = await worker.identify(view(body), timeout_s=30, start_timeout_s=0.5)
+    assert out == identity.Passthrough("identity worker did not start within 0.5 s")
+    monkeypatch.delenv("PYTHONPATH")  # the next call starts another worker, which runs
+    assert await worker.identify(view(body), timeout_s=30) == identity.identify(view(body))

@@ -6,6 +6,9 @@ hold the proxy's event loop, and every other flow with it, for seconds. A thread
 (the JSON parser never lets go of the GIL). So bodies above ``INLINE_MAX_BYTES`` go to a worker
 process: the event loop only waits for the answer, and a body that takes longer than the
 caller's bound is passed through (the worker is then replaced, so it stops burning a CPU).
+Starting the worker (a new interpreter: a few hundred milliseconds, seconds on a loaded machine)
+has a bound of its own: a busy machine must not turn a request's guard off only because the
+worker was started for it.
 
 The worker runs the very function the proxy runs inline (``identity.identify``): the same
 request gets the same identity whichever path computed it.
@@ -18,12 +21,14 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
+import os
 
 from . import identity
 
 logger = logging.getLogger("turnguard")
 
 INLINE_MAX_BYTES = 256 * 1024  # a hostile body this size parses in ~25 ms at worst
+START_TIMEOUT_S = 30.0  # a worker not running by then: the machine is far past its capacity
 
 
 class WorkerStopped(Exception):
@@ -31,50 +36,87 @@ class WorkerStopped(Exception):
     while it identified the request: nothing was decided; the addon that runs now decides."""
 
 
+class _NotStarted(Exception):
+    """The worker did not answer its first call within the start-up bound."""
+
+
 class IdentityWorker:
     """One lazily started worker process (spawned: never a fork of the running proxy)."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._started: asyncio.Future | None = None  # the pool's first call (os.getpid)
         self._unloaded = False
 
     async def identify(
-        self, view: identity.RequestView, *, timeout_s: float, **kwargs
+        self, view: identity.RequestView, *, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S,
+        **kwargs,
     ) -> identity.Identity | identity.Passthrough:
-        """``identity.identify(view, **kwargs)`` in the worker, within ``timeout_s``; a
-        ``Passthrough`` naming why when it takes longer or the worker fails. Raises
+        """``identity.identify(view, **kwargs)`` in the worker, within ``timeout_s`` once the
+        worker runs (starting it, when it does not run yet, within ``start_timeout_s``); a
+        ``Passthrough`` naming why when either takes longer or the worker fails. Raises
         ``WorkerStopped`` when the addon was unloaded meanwhile."""
         loop = asyncio.get_running_loop()
+        pool = None
         try:
             if self._unloaded:
                 raise WorkerStopped
-            pool = self._get_pool()
+            pool, started = self._get_pool()
+            await self._wait_started(started, start_timeout_s)
             future = loop.run_in_executor(pool, functools.partial(identity.identify, view, **kwargs))
             return await asyncio.wait_for(future, max(0.001, timeout_s))
         except WorkerStopped:
             raise
+        except _NotStarted:
+            self._replace(pool)
+            return identity.Passthrough(
+                f"identity worker did not start within {start_timeout_s:.1f} s")
         except TimeoutError:
-            self.close()  # the worker may spin for a long time more: replace it
+            self._replace(pool)  # the worker may spin for a long time more: replace it
             return identity.Passthrough(f"identity of a large body took longer than {timeout_s:.1f} s")
         except Exception as e:  # a broken or unstartable worker must not break the request
             if self._unloaded:
                 raise WorkerStopped from e
             logger.warning("turnguard: identity worker failed: %r", e)
-            self.close()
+            self._replace(pool)
             return identity.Passthrough(f"identity worker failed ({type(e).__name__})")
 
-    def _get_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+    def _get_pool(self) -> tuple[concurrent.futures.ProcessPoolExecutor, asyncio.Future]:
+        """The pool and its first call (a trivial one: it ends once the worker runs), both
+        made now when there is no pool."""
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn")
             )
-        return self._pool
+            self._started = asyncio.get_running_loop().run_in_executor(self._pool, os.getpid)
+            # its failure is raised to the calls that wait for it; marked seen for the case
+            # none does (asyncio would log it as never retrieved)
+            self._started.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._pool, self._started
+
+    async def _wait_started(self, started: asyncio.Future, start_timeout_s: float) -> None:
+        """Once the worker runs; ``_NotStarted`` past ``start_timeout_s``, the first call's
+        failure when it failed."""
+        if not started.done():  # (asyncio.wait: a timeout here does not cancel it for others)
+            await asyncio.wait({started}, timeout=max(0.001, start_timeout_s))
+        if not started.done():
+            raise _NotStarted
+        if started.cancelled():  # the pool was shut down meanwhile
+            raise WorkerStopped if self._unloaded else RuntimeError("identity worker stopped")
+        started.result()
+
+    def _replace(self, pool: concurrent.futures.ProcessPoolExecutor | None) -> None:
+        """Stop ``pool`` if it is still the current one (another call may have replaced it
+        already: the new one is left alone); the next call starts another."""
+        if pool is not None and pool is self._pool:
+            self.close()
 
     def close(self, *, unloaded: bool = False) -> None:
         """Stop the worker now (a running computation is abandoned). ``unloaded``: for good,
         the addon is gone; a request it was identifying gets ``WorkerStopped``."""
         self._unloaded = self._unloaded or unloaded
         pool, self._pool = self._pool, None
+        self._started = None
         if pool is None:
             return
         processes = list((getattr(pool, "_processes", None) or {}).values())

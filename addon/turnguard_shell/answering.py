@@ -14,12 +14,12 @@ from turnguard_core.identity_memo import IdentityMemo
 from turnguard_core.ledger import Recording
 from turnguard_core.codec import BoundedCodec
 from turnguard_core.failover import FailoverStore
-from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker
+from turnguard_core.offload import INLINE_MAX_BYTES, START_TIMEOUT_S, IdentityWorker
 
 from . import flows
 
 MAX_GUARDED_BODY = 64 * 1024 * 1024
-IDENTITY_TIMEOUT_S = 5.0  # a large body not identified by then is passed through
+IDENTITY_TIMEOUT_S = 5.0  # a large body not identified by then (once the worker runs): passed through
 MAX_RECODED_BODY = 64 * 1024 * 1024  # a replay decoded for a client larger than this: forwarded
 
 
@@ -47,7 +47,8 @@ class Identifier:
         if view.body is None or len(view.body) <= INLINE_MAX_BYTES and not view.body_codings:
             return self._memo.identify(view, **kwargs)
         return await self._worker.identify(
-            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S), **kwargs)
+            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S),
+            start_timeout_s=min(timeout_s, START_TIMEOUT_S), **kwargs)
 
     def close(self) -> None:
         """Unloaded: the worker stops; a request it was identifying raises ``WorkerStopped``
