@@ -51,6 +51,27 @@ TIERS = {
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 # Modules outside the fast tiers that each other supported Python runs too (quick ones).
 EVERY_PYTHON_MODULES = {"test_repro_models"}
+# Modules whose module-scoped fixture is costly, or not safe to make twice at once (the Codex
+# CLI's install): with --dist loadgroup (scripts/test) each of them runs whole on one worker;
+# every other test goes to whichever worker is free (pytest_xdist_make_scheduler below).
+ONE_WORKER_MODULES = {"test_bench", "test_hostile", "test_isolation", "test_repro_real_clients",
+                      "test_scripts", "test_security"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, grouped by ONE_WORKER_MODULES rather than by xdist_group marks
+    (pytest-xdist 3.8 marks a group by renaming the node id, which pytest 9.2 no longer reads:
+    its loadgroup spreads a group over every worker)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.partition("::")[0]
+            return module if Path(module).stem in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
