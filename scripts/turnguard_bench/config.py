@@ -42,26 +42,29 @@ class Config:
 
 
 def quick() -> Config:
+    """A smoke test (CI runs it, checking counts, never timings): every phase and variant
+    once more than nothing, at counts that keep it near a minute on 2 cores."""
     return Config(
         mode="quick",
         repeats=2,
-        warmup=30,
-        per_request={1: 60, 8: 150, 32: 250, 128: 400},
-        stream={1000: 3, 10000: 2},
-        replay={0: 60, 1 * KiB: 30, 100 * KiB: 15, 5 * MiB: 3},
+        warmup=20,
+        per_request={1: 30, 8: 80, 32: 128, 128: 256},
+        stream={1000: 2, 10000: 1},
+        replay={0: 30, 1 * KiB: 15, 100 * KiB: 8, 5 * MiB: 2},
         replay_concurrency=4,
         holds_ops=5,
         holds_dups_per_op=40,
         hold_s=2.0,
         holds_repeats=1,
-        ledger_claims_1=2000,
-        ledger_claims_4=500,
+        ledger_claims_1=1000,
+        ledger_claims_4=250,
         exactly_once_n=200,
-        ledger_scale_points=[1000, 10000],
+        ledger_scale_points=[1000, 5000],
         wake_trials=20,
         hooks={"replay": 200, "dispatch": 200},
+        relay={1: 30, 8: 80},
         ws={1: 40, 8: 120},
-        soak_checkpoints=[200, 2000],
+        soak_checkpoints=[200, 1000],
         soak_concurrency=16,
         soak_baseline=False,
         micro_scale=1,
