@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from turnguard_core import circuit, identity, ledger_cli, liveness, policy
+from turnguard_core.ending import AttemptEnding
 from turnguard_core.failover import FailoverStore
 from turnguard_core.knowledge import MemoryStore
 from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
@@ -393,5 +394,59 @@ async def test_a_database_made_again_under_a_running_process_gets_its_attempts_i
                           flow_id="g")
         assert held == policy.Hold(attempts[0].attempt_id, "me")
         peer.close()
+    finally:
+        store.close()
+
+
+async def test_a_late_claim_stays_the_row_of_its_attempt_when_the_catch_up_adopts_it_meanwhile(
+        pg_url):
+    """The claim waits on the ledger's thread past its request's wait: the request is decided
+    in memory and dispatched, and the catch-up queues the adoption of that attempt behind the
+    claim. The claim lands first (the adoption then finds the operation in flight: None); it is
+    the attempt's row, not overwritten by the adoption's None, so the attempt's end ends it
+    (written whole without an attempt id, it was refused and the claim stayed in flight)."""
+    events: list[tuple[str, dict]] = []
+    attempts: list[StoreAttempt] = []
+    store = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(),
+        emit=lambda event, **fields: events.append((event, fields)),
+        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: attempts,
+        on_reregistered=lambda n: None)
+    assert store.open(pg_url)
+    runner = store._store._runner
+    gate = threading.Event()
+    admit = runner.ledger.admit
+
+    def slow_admit(*args, **kwargs):  # started in time, answers after its request gave up
+        gate.wait(10)
+        return admit(*args, **kwargs)
+
+    runner.ledger.admit = slow_admit
+    try:
+        i = ident(13)
+        decided = await store.admit(
+            i, method="POST", route="/v1/responses", flow_id="f", circuit_scope="route:x",
+            recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+            window_s=300, threshold=2, deadline=time.monotonic() + 0.1)
+        assert decided == policy.Dispatch("original")  # decided in memory
+        attempt = StoreAttempt(i, None, "")
+        attempts.append(attempt)  # dispatched without a row
+        recovering = asyncio.ensure_future(store.recover(time.monotonic() + 10))
+        await _until(lambda: runner._handed - runner._finished == 2)  # adoption queued
+        gate.set()
+        assert await recovering
+        await _until(lambda: any(f.get("reason") == "its claim answered late"
+                                 for _, f in events))
+        claimed = sql(pg_url, "SELECT state, current_attempt FROM operations WHERE op_key=%s",
+                      (i.op_key,))
+        assert claimed[0][0] == "in_flight"
+        assert (attempt.attempt_id, attempt.generation) == (claimed[0][1], store.generation)
+
+        ending = AttemptEnding("completed", None, None, False, None, None)
+        await store.finish(attempt, ending, AttemptEnd("completed", 200, 3, None), now=time.time(),
+                           circuit_cfg=circuit.CircuitConfig(), base={})
+        assert not [e for e, _ in events if e == "outcome_fenced_out"]
+        assert sql(pg_url, "SELECT state FROM operations WHERE op_key=%s",
+                   (i.op_key,)) == [("completed",)]
     finally:
         store.close()

@@ -485,12 +485,19 @@ class FailoverStore:
         return True
 
     async def _adopt(self, store: Store, attempt: AttemptInFlight, deadline: float | None) -> None:
-        attempt.attempt_id = await store.adopt_attempt(
+        adopted = await store.adopt_attempt(
             attempt.ident, method=attempt.method, route=attempt.route, kind=attempt.kind,
             flow_id=attempt.flow_id, now=time.time(), circuit_scope=attempt.circuit_scope,
             deadline=deadline, transport=attempt.transport,
         )
-        attempt.generation = store.generation
+        if attempt.attempt_id is not None and attempt.generation == store.generation:
+            # its claim answered late meanwhile (``_late_claim``): that claim is its row (the
+            # adoption, queued behind it, found the operation in flight)
+            if adopted is not None and adopted != attempt.attempt_id:
+                self.give_back(policy.Dispatch(attempt.kind, adopted), attempt.ident.op_key,
+                               store.generation)
+            return
+        attempt.attempt_id, attempt.generation = adopted, store.generation
         self._emit("attempt_adopted", op=attempt.ident.op_id, flow=attempt.flow_id,
                    attempt=attempt.attempt_id, ledger_generation=attempt.generation)
 
