@@ -152,6 +152,37 @@ def test_claim_hold_finish_replay_cycle(ledger_backend):
     assert not a.finish(d.attempt_id, AttemptEnd("unknown", None, 0), now=1003.0).applied
 
 
+def test_an_end_recorded_whole_ends_this_instances_claim_in_flight_not_another_ones(
+        ledger_backend):
+    """An attempt dispatched without a row (its request stopped waiting for its claim) ended
+    before its claim answered: its end, recorded whole, finds the operation in flight under
+    that claim. It is recorded on the claim (refused, the claim was given back as rejected:
+    the completed turn's recording lost, and a retry through another process ran it again).
+    In flight under another instance's attempt, it is still refused."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    i = ident({"input": "its claim answers late"})
+    late = admit(a, i)
+    rec = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
+
+    def whole(led, op, now):
+        return led.record_offline_attempt(
+            op, method="POST", path="/v1/responses", kind="original", flow_id="f",
+            circuit_scope=None, end=AttemptEnd("completed", 200, 3, None, rec), now=now)
+
+    assert whole(a, i, 1001.0).applied
+    assert admit(b, i, now=1002.0) == policy.Replay(late.attempt_id)
+    assert b.recording(late.attempt_id) == rec
+    # the claim's give-back, written after it, comes too late
+    assert not a.finish(late.attempt_id, AttemptEnd("rejected", None, 0), now=1003.0).applied
+    assert admit(b, i, now=1004.0) == policy.Replay(late.attempt_id)
+
+    theirs = ident({"input": "another instance runs it"})
+    running = admit(b, theirs)
+    assert not whole(a, theirs, 1005.0).applied
+    assert admit(a, theirs, now=1006.0) == policy.Hold(running.attempt_id, "b")
+
+
 def test_stale_attempts_of_an_instance_are_ended_and_the_ones_it_runs_kept(ledger_backend):
     """``end_stale_attempts``: this instance's attempts in flight for operations it no longer
     runs end (``partial`` after an event, ``unknown`` before); the ones it runs, and another

@@ -450,3 +450,54 @@ async def test_a_late_claim_stays_the_row_of_its_attempt_when_the_catch_up_adopt
                    (i.op_key,)) == [("completed",)]
     finally:
         store.close()
+
+
+async def test_an_attempt_that_ended_before_its_late_claim_answered_is_that_claims_end(pg_url):
+    """The attempt decided in memory ends (completed, recorded) while its claim still waits
+    on the ledger's thread; its end, recorded whole, is written after the claim. It is the
+    claim's end: the turn is completed in the ledger and replayed to another process, never
+    given back as rejected (then run again there)."""
+    events: list[tuple[str, dict]] = []
+    store = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(),
+        emit=lambda event, **fields: events.append((event, fields)),
+        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: [],
+        on_reregistered=lambda n: None)
+    assert store.open(pg_url)
+    runner = store._store._runner
+    gate = threading.Event()
+    admit = runner.ledger.admit
+
+    def slow_admit(*args, **kwargs):  # started in time, answers after its request gave up
+        gate.wait(10)
+        return admit(*args, **kwargs)
+
+    runner.ledger.admit = slow_admit
+    try:
+        i = ident(14)
+        decided = await store.admit(
+            i, method="POST", route="/v1/responses", flow_id="f", circuit_scope="route:x",
+            recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+            window_s=300, threshold=2, deadline=time.monotonic() + 0.1)
+        assert decided == policy.Dispatch("original")  # decided in memory, and it ends
+        rec = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
+        store.finish(StoreAttempt(i, None, ""), AttemptEnding("completed", rec, None, False,
+                                                              None, None),
+                     AttemptEnd("completed", 200, 3, None, rec), now=time.time(),
+                     circuit_cfg=circuit.CircuitConfig(), base={})
+        gate.set()
+        await _until(lambda: runner._handed == runner._finished)  # the claim answered
+        assert await store.recover(time.monotonic() + 5)
+        await _until(lambda: runner._handed == runner._finished and not store.kept_writes)
+        assert not [e for e, _ in events if e == "outcome_fenced_out"]
+        peer = PgLedger(pg_url, "peer")
+        peer.open(time.time())
+        try:
+            replay = peer.admit(i, method="POST", path="/v1/responses", now=time.time(),
+                                guard=GUARD, flow_id="g")
+            assert isinstance(replay, policy.Replay)
+            assert peer.recording(replay.attempt_id) == rec
+        finally:
+            peer.close()
+    finally:
+        store.close()

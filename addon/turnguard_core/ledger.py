@@ -681,12 +681,19 @@ class Ledger:
     ) -> FinishResult:
         """Record an attempt this instance dispatched and ended while the ledger could not be
         written (it has no row): its operation, the attempt and its end, as ``finish`` would
-        have, so that other processes replay it rather than run it again. Nothing is recorded
-        (``applied`` False) when the operation is in flight meanwhile (another process's)."""
+        have, so that other processes replay it rather than run it again. When the operation
+        is in flight under an attempt of this instance, that attempt is this one's claim (it
+        answered after its request was decided without the ledger, or its commit was in doubt:
+        this instance runs no other attempt of an operation it ran without a row): the end is
+        recorded on it. Nothing is recorded (``applied`` False) when the operation is in
+        flight meanwhile under another instance's attempt."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                return FinishResult(False)
+                if snapshot.owner_instance != self.instance_id or snapshot.current_attempt is None:
+                    return FinishResult(False)
+                return self._finish(db, snapshot.current_attempt, end, now, circuit_cfg,
+                                    eventless_failure, identity.op_key)
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
             attempt_id = self._claim(db, identity, kind, flow_id, now, transport)

@@ -632,7 +632,10 @@ class PgLedger:
         with self._tx(lock_key("op", identity.op_key)) as tx:
             snapshot = self._snapshot(tx.db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                return FinishResult(False)
+                if snapshot.owner_instance != self.instance_id or snapshot.current_attempt is None:
+                    return FinishResult(False)
+                return self._finish(tx, snapshot.current_attempt, end, now, circuit_cfg,
+                                    eventless_failure, identity.op_key)
             if snapshot is None:
                 self._insert_operation(tx.db, identity, method, path, circuit_scope, now)
             attempt_id = self._claim(tx, identity, kind, flow_id, now, transport)
