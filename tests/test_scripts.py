@@ -604,6 +604,52 @@ def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp
     assert "Traceback" not in (tmp_path / "reproduce.out").read_text(errors="replace")
 
 
+def test_reproduce_interrupted_twice_mid_start_stops_every_process_it_started(tmp_path):
+    """^C, then ^C again at once (or SIGTERM twice), the first as soon as one column's mock
+    upstream listens and its mitmdump is starting (the other column still starting): every
+    process a column started is stopped by the time asyncio.run returns. A column's stop was a
+    task the second interrupt's teardown cancelled before it ever ran, which left that
+    column's mock upstream running, orphaned."""
+    import asyncio
+    import threading
+
+    from turnguard_repro import runner, scenarios
+
+    assert threading.current_thread() is threading.main_thread()
+    scen = scenarios.validate(scenarios.builtin("duplicate-storm"))
+    work = tmp_path / "work"
+    cols = ["plain", "once"]
+    interrupts: list[str] = []
+
+    def second_interrupt() -> None:
+        interrupts.append("second")
+        signal.raise_signal(signal.SIGINT)  # the Runner's handler raises KeyboardInterrupt here
+
+    def watch() -> None:
+        if any((work / c / "mitmdump.log").exists() for c in cols):  # its mock listens
+            interrupts.append("first")
+            signal.raise_signal(signal.SIGINT)  # the Runner's handler cancels the main task
+            loop.call_soon(second_interrupt)  # after the columns have taken the cancellation
+            return
+        loop.call_later(0.005, watch)
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in scripts/reproduce
+    try:
+        with asyncio.Runner() as run:  # what asyncio.run does
+            loop = run.get_loop()
+            loop.call_soon(watch)
+            with pytest.raises(KeyboardInterrupt):
+                run.run(runner.run_scenario(scen, work, columns=cols))
+        assert interrupts == ["first", "second"]
+        assert any((work / c / "mitmdump.log").exists() for c in cols)
+        assert _processes_mentioning(str(work)) == {}
+    finally:
+        signal.signal(signal.SIGINT, old)
+        for pid in _processes_mentioning(str(work)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_scripts_reproduce_refuses_a_bad_turnguard_option_before_it_starts_anything():
     for option, message in [("turnguard_hold_timeout_ms=abc", "is not an integer"),
                             ("turnguard_hold_timeot_ms=5", "did you mean turnguard_hold_timeout_ms")]:

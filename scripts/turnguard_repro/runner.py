@@ -93,14 +93,19 @@ async def run_column(
                 break
             await asyncio.sleep(0.05)
     finally:
-        # Stop both in a thread (a blocking wait here would stall the other columns' clients),
-        # shielded so that a cancelled run (^C) still stops them; asyncio.run waits for it.
+        # Stop both in a thread (a blocking wait here would stall the other columns' clients).
+        # Handed to the executor here, before any await: a task for it (asyncio.to_thread) could
+        # be cancelled before its first step by asyncio.run's teardown, which cancels every task
+        # still running once the main task ends (a second ^C, or the first column done), and
+        # then nothing stopped them. The executor's future is no task: the teardown leaves it
+        # alone and waits for the executor, so both are stopped however often this column is
+        # cancelled; shielded so that a cancelled await does not cancel the stop.
         def stop_both() -> None:
             for proc in (mitm, mock):
                 if proc is not None:
                     proc.stop()
 
-        await asyncio.shield(asyncio.to_thread(stop_both))
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, stop_both))
     recs = read_jsonl(mock_log)
     ends = {r["n"]: r for r in recs if r.get("event") == "dispatch_end"}
     dispatches = []
