@@ -398,15 +398,11 @@ async def test_a_database_made_again_under_a_running_process_gets_its_attempts_i
         store.close()
 
 
-async def test_a_late_claim_stays_the_row_of_its_attempt_when_the_catch_up_adopts_it_meanwhile(
-        pg_url):
-    """The claim waits on the ledger's thread past its request's wait: the request is decided
-    in memory and dispatched, and the catch-up queues the adoption of that attempt behind the
-    claim. The claim lands first (the adoption then finds the operation in flight: None); it is
-    the attempt's row, not overwritten by the adoption's None, so the attempt's end ends it
-    (written whole without an attempt id, it was refused and the claim stayed in flight)."""
+def _store_with_a_gated_claim(pg_url, attempts: list[StoreAttempt]):
+    """A FailoverStore on ``pg_url`` whose claims wait on the ledger's thread until the gate
+    is set (started in time, they answer after their request gave up): (store, its ledger
+    runner, the gate, the events it emitted)."""
     events: list[tuple[str, dict]] = []
-    attempts: list[StoreAttempt] = []
     store = FailoverStore(
         instance_id="me", identity=liveness.read_process_identity(),
         emit=lambda event, **fields: events.append((event, fields)),
@@ -417,11 +413,23 @@ async def test_a_late_claim_stays_the_row_of_its_attempt_when_the_catch_up_adopt
     gate = threading.Event()
     admit = runner.ledger.admit
 
-    def slow_admit(*args, **kwargs):  # started in time, answers after its request gave up
+    def slow_admit(*args, **kwargs):
         gate.wait(10)
         return admit(*args, **kwargs)
 
     runner.ledger.admit = slow_admit
+    return store, runner, gate, events
+
+
+async def test_a_late_claim_stays_the_row_of_its_attempt_when_the_catch_up_adopts_it_meanwhile(
+        pg_url):
+    """The claim waits on the ledger's thread past its request's wait: the request is decided
+    in memory and dispatched, and the catch-up queues the adoption of that attempt behind the
+    claim. The claim lands first (the adoption then finds the operation in flight: None); it is
+    the attempt's row, not overwritten by the adoption's None, so the attempt's end ends it
+    (written whole without an attempt id, it was refused and the claim stayed in flight)."""
+    attempts: list[StoreAttempt] = []
+    store, runner, gate, events = _store_with_a_gated_claim(pg_url, attempts)
     try:
         i = ident(13)
         decided = await store.admit(
@@ -457,22 +465,7 @@ async def test_an_attempt_that_ended_before_its_late_claim_answered_is_that_clai
     on the ledger's thread; its end, recorded whole, is written after the claim. It is the
     claim's end: the turn is completed in the ledger and replayed to another process, never
     given back as rejected (then run again there)."""
-    events: list[tuple[str, dict]] = []
-    store = FailoverStore(
-        instance_id="me", identity=liveness.read_process_identity(),
-        emit=lambda event, **fields: events.append((event, fields)),
-        memory=MemoryStore(), kept=collections.deque(), attempts=lambda: [],
-        on_reregistered=lambda n: None)
-    assert store.open(pg_url)
-    runner = store._store._runner
-    gate = threading.Event()
-    admit = runner.ledger.admit
-
-    def slow_admit(*args, **kwargs):  # started in time, answers after its request gave up
-        gate.wait(10)
-        return admit(*args, **kwargs)
-
-    runner.ledger.admit = slow_admit
+    store, runner, gate, events = _store_with_a_gated_claim(pg_url, [])
     try:
         i = ident(14)
         decided = await store.admit(
