@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(buffered and streaming) on one loopback upstream; a table plus JSON.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="small counts (CI smoke test, about a minute); default: the full mode "
+                   help="small counts (CI smoke test, about 1.5 minutes); default: the full mode "
                         "(about 15 minutes on 2 cores)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
     p.add_argument("--phases", metavar="LIST",
