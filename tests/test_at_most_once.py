@@ -722,6 +722,29 @@ def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fa
 # -- 7. nothing a client sends holds the event loop ---------------------------------------------
 
 
+def test_large_bodies_queued_behind_a_hostile_one_are_still_identified(tmp_path):
+    """Large bodies that wait in the worker behind one that takes past its bound to identify:
+    the worker is replaced under them (it was not their fault), and they are identified on the
+    next one: guarded, each dispatched once, none passed through, no traceback. (Before, the
+    replacement failed them: passed through as "identity worker failed", or a CancelledError
+    out of the request hook.)"""
+    hostile = ('{"model":"m","stream":true,"input":['
+               + ",".join('{"a":1,"b":[2]}' for _ in range(1_000_000)) + "]}").encode()
+    large = [body_of(f"queued {i} " + "q" * 300_000) for i in range(4)]
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        assert post(a.url, SESSION, body_of("warm " + "w" * 300_000), 60)[0] == 200  # worker runs
+        big = in_background(post, a.url, SESSION, hostile, 120)
+        wait_until(lambda: a.log_text().count("client connect") >= 2, 10, what="the hostile request")
+        time.sleep(1.0)  # its upload; then the worker parses it for far longer than 5 s
+        queued = [in_background(post, a.url, SESSION, body, 90) for body in large]
+        assert [q.result(90)[0] for q in queued] == [200] * 4
+        assert big.result(120)[0] == 200
+        passed = [e["reason"] for e in events(tmp_path, "a", "passthrough")]
+        assert len(passed) <= 1 and all("took longer" in r for r in passed), passed
+        assert len(up.dispatches()) == 1 + 1 + 4  # each once: the warm-up, the hostile, the queued
+        assert_no_traceback(a.log_text())
+
+
 def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
     """A 20 MB body of millions of tiny JSON objects (seconds to parse) is identified in the
     worker process and, past its bound, passed through; meanwhile other requests are answered

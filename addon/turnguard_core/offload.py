@@ -40,6 +40,13 @@ class _NotStarted(Exception):
     """The worker did not answer its first call within the start-up bound."""
 
 
+class _Replaced:
+    """An attempt that failed because another call replaced the worker it waited on."""
+
+
+_ATTEMPTS = 3  # a call's worker replaced by others: tried again on the next, this many times
+
+
 class IdentityWorker:
     """One lazily started worker process (spawned: never a fork of the running proxy)."""
 
@@ -56,19 +63,45 @@ class IdentityWorker:
         worker runs (starting it, when it does not run yet, within ``start_timeout_s``); a
         ``Passthrough`` naming why when either takes longer or the worker fails. Raises
         ``WorkerStopped`` when the addon was unloaded meanwhile."""
+        start_deadline = asyncio.get_running_loop().time() + start_timeout_s  # every attempt's
+        for attempt in range(_ATTEMPTS):
+            out = await self._identify_once(view, timeout_s, start_timeout_s, start_deadline, kwargs,
+                                            retry=attempt > 0, last=attempt == _ATTEMPTS - 1)
+            if not isinstance(out, _Replaced):
+                return out
+        raise AssertionError("unreachable: the last attempt answers")
+
+    async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, kwargs, *,
+                             retry: bool, last: bool):
+        """One attempt on the current worker (its start awaited until ``start_deadline``);
+        ``_Replaced`` when it failed only because another call replaced that worker meanwhile
+        (the request is not to blame: it is tried again on the next worker, unless ``last``).
+        A ``retry`` that runs out of start time leaves the worker to those that have not."""
         loop = asyncio.get_running_loop()
         pool = None
         try:
             if self._unloaded:
                 raise WorkerStopped
             pool, started = self._get_pool()
-            await self._wait_started(started, start_timeout_s)
+            await self._wait_started(started, start_deadline - loop.time())
             future = loop.run_in_executor(pool, functools.partial(identity.identify, view, **kwargs))
-            return await asyncio.wait_for(future, max(0.001, timeout_s))
+            # (asyncio.wait: a call cancelled by the pool's shutdown must not raise
+            # CancelledError out of the request's hook)
+            try:
+                await asyncio.wait({future}, timeout=max(0.001, timeout_s))
+            finally:
+                timed_out = not future.done()
+                future.cancel()  # (a no-op once it is done)
+            if timed_out:
+                raise TimeoutError
+            if future.cancelled():
+                raise RuntimeError("identity worker stopped")
+            return future.result()
         except WorkerStopped:
             raise
         except _NotStarted:
-            self._replace(pool)
+            if not retry:  # (a retry waited less than the bound on this worker)
+                self._replace(pool)
             return identity.Passthrough(
                 f"identity worker did not start within {start_timeout_s:.1f} s")
         except TimeoutError:
@@ -77,6 +110,8 @@ class IdentityWorker:
         except Exception as e:  # a broken or unstartable worker must not break the request
             if self._unloaded:
                 raise WorkerStopped from e
+            if pool is not None and pool is not self._pool and not last:
+                return _Replaced()  # another call replaced the worker this one waited on
             logger.warning("turnguard: identity worker failed: %r", e)
             self._replace(pool)
             return identity.Passthrough(f"identity worker failed ({type(e).__name__})")
