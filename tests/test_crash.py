@@ -7,7 +7,9 @@ Every wait is bounded; every process is stopped in a ``with`` block or a ``final
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -560,3 +562,59 @@ def test_survivor_takes_a_session_over_only_after_the_dead_owners_lease(tmp_path
     report("two processes, session owner A killed while holding through a cooldown: B "
            f"{'failed closed within the lease, then ' if early else ''}took the session over "
            "(epoch 2) after it and recovered once")
+
+
+def _identity_workers(pid: int) -> list[int]:
+    """The identity worker processes ``pid`` started (spawned: ``spawn_main`` in their
+    command line), alive or not yet reaped."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as f:
+            for child in (int(c) for c in f.read().split()):
+                with contextlib.suppress(OSError), open(f"/proc/{child}/cmdline", "rb") as c:
+                    if b"spawn_main" in c.read():
+                        found.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill9_does_not_leave_the_identity_worker_running(tmp_path):
+    """A large body starts the identity worker (a process of its own). mitmdump killed
+    (kill -9: its `done` hook never runs) takes the worker with it, idle or busy with a body
+    (before, the worker waited for work for good, an orphan of every crash)."""
+    large = {**BODY, "input": "l" * 300_000}
+    hostile = ('{"model":"m","stream":true,"input":['
+               + ",".join('{"a":1,"b":[2]}' for _ in range(1_000_000)) + "]}").encode()
+    left = []
+    with MockUpstream(tmp_path) as up:
+        for busy in (False, True):
+            a = guarded(tmp_path, up, "a")
+            try:
+                assert post(a.url, body=large)[0] == 200
+                workers = _identity_workers(a.pid)
+                assert len(workers) == 1
+                if busy:  # the worker parses a body for far longer than the test waits
+                    connects = a.log_text().count("client connect")
+                    threading.Thread(target=post, args=(a.url, HEADERS, hostile, 30),
+                                     daemon=True).start()
+                    wait_until(lambda: a.log_text().count("client connect") > connects, 10,
+                               what="the hostile request")
+                    time.sleep(1.0)  # its upload; then the worker parses it for seconds
+                a.kill9()
+            finally:
+                a.stop()
+            try:
+                wait_until(lambda: not any(map(_running, workers)), 10, what="the worker gone")
+            except Exception:
+                left += [w for w in workers if _running(w)]
+                for w in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w, signal.SIGKILL)  # (not left to the machine)
+    assert not left

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import logging
 import multiprocessing
 import os
+import signal
 
 from . import identity
 
@@ -38,6 +40,20 @@ class WorkerStopped(Exception):
 
 class _NotStarted(Exception):
     """The worker did not answer its first call within the start-up bound."""
+
+
+def _die_with_parent(parent: int) -> None:
+    """(Run in the worker as it starts.) The worker is killed when the proxy dies, even by
+    SIGKILL (its ``done`` hook, which stops the worker, never runs then): otherwise it goes
+    on waiting for work, for good. Linux only (``PR_SET_PDEATHSIG``); elsewhere a crashed
+    proxy's worker stays."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(0)
 
 
 class _Replaced:
@@ -121,7 +137,8 @@ class IdentityWorker:
         made now when there is no pool."""
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_die_with_parent, initargs=(os.getpid(),),
             )
             self._started = asyncio.get_running_loop().run_in_executor(self._pool, os.getpid)
             # its failure is raised to the calls that wait for it; marked seen for the case
