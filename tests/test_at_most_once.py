@@ -461,6 +461,37 @@ def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path
            "dispatches=1 per turn")
 
 
+def test_an_earlier_attempts_offline_end_is_not_recorded_on_the_retry_running_now(
+        tmp_path, report):
+    """Behind a lock, A's turn fails without events (dispatched and ended without a row: its
+    end is kept, to be recorded whole) and its retry is dispatched from memory. As the lock
+    goes, the retry is registered first; the failed attempt's end must not then be recorded
+    on the retry's row (the operation would end while the retry runs, and a duplicate through
+    B would run the turn again): the duplicate is held on the retry and replayed."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        body = body_of("failed behind a lock, retried")
+        with write_lock(ledger):
+            assert post(a.url, {**SESSION, **behaviour(kind="reset")}, body)[0] in (0, 502)
+            retry = in_background(
+                post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
+            wait_until(lambda: len(up.dispatches()) == 3, 10,
+                       what="the retry dispatched from memory")
+        wait_until(lambda: events(tmp_path, "a", "ledger_recovered"), 10,
+                   what="the retry registered and the failed attempt's end sent")
+        duplicate = post(b.url, SESSION, body)
+        assert retry.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 3, "the retry's turn ran twice upstream"
+        assert not in_flight(ledger)
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a turn failed behind a lock and was retried from memory: as the lock went, the "
+           "failed attempt's end was not recorded on the retry; a duplicate through another "
+           "process was held on it; upstream dispatches=2 for the turn")
+
+
 def test_once_mode_never_dispatches_a_spent_operation_while_the_ledger_is_locked(tmp_path):
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500)

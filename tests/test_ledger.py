@@ -158,17 +158,19 @@ def test_an_end_recorded_whole_ends_this_instances_claim_in_flight_not_another_o
     before its claim answered: its end, recorded whole, finds the operation in flight under
     that claim. It is recorded on the claim (refused, the claim was given back as rejected:
     the completed turn's recording lost, and a retry through another process ran it again).
-    In flight under another instance's attempt, it is still refused."""
+    In flight under another instance's attempt, or under one this instance still runs, it is
+    still refused."""
     a = ledger_backend.open("a")
     b = ledger_backend.open("b")
     i = ident({"input": "its claim answers late"})
     late = admit(a, i)
     rec = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
 
-    def whole(led, op, now):
+    def whole(led, op, now, running=()):
         return led.record_offline_attempt(
             op, method="POST", path="/v1/responses", kind="original", flow_id="f",
-            circuit_scope=None, end=AttemptEnd("completed", 200, 3, None, rec), now=now)
+            circuit_scope=None, end=AttemptEnd("completed", 200, 3, None, rec), now=now,
+            running=running)
 
     assert whole(a, i, 1001.0).applied
     assert admit(b, i, now=1002.0) == policy.Replay(late.attempt_id)
@@ -181,6 +183,13 @@ def test_an_end_recorded_whole_ends_this_instances_claim_in_flight_not_another_o
     running = admit(b, theirs)
     assert not whole(a, theirs, 1005.0).applied
     assert admit(a, theirs, now=1006.0) == policy.Hold(running.attempt_id, "b")
+
+    # in flight under an attempt this instance still runs (a retry dispatched after the
+    # attempt ended, registered since: ``running``), it is refused too
+    retried = ident({"input": "a retry of it runs here"})
+    retry = admit(a, retried)
+    assert not whole(a, retried, 1007.0, running=(retry.attempt_id,)).applied
+    assert admit(b, retried, now=1008.0) == policy.Hold(retry.attempt_id, "a")
 
 
 def test_stale_attempts_of_an_instance_are_ended_and_the_ones_it_runs_kept(ledger_backend):

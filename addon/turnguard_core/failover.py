@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -357,7 +358,7 @@ class FailoverStore:
             write = kept.for_ledger(store.generation)
             if write is not None:
                 try:
-                    store.write_sync(write, timeout=max(0.0, deadline - time.monotonic()))
+                    store.write_sync(self._as_sent(write, store.generation), timeout=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     break
                 except LedgerError as e:  # locked: the busy timeout waited; try until the end
@@ -470,7 +471,8 @@ class FailoverStore:
                     self._kept.popleft()
                     dropped += 1
                     continue
-                result = await store.write(write, deadline=deadline)
+                result = await store.write(self._as_sent(write, store.generation),
+                                           deadline=deadline)
                 self._kept.popleft()
                 if kept.landed is not None:
                     kept.landed(result, True)
@@ -668,7 +670,7 @@ class FailoverStore:
             if kept is not None:
                 kept()
             return None
-        future = self._store.send(write)
+        future = self._store.send(self._as_sent(write, self.generation))
         self._sent[future] = entry
 
         def done(f: asyncio.Future) -> None:
@@ -685,6 +687,18 @@ class FailoverStore:
 
         future.add_done_callback(done)
         return future
+
+    def _as_sent(self, write: Write, generation: str) -> Write:
+        """``write`` as it is sent to the ledger file of ``generation`` now: an attempt's end
+        recorded whole names the rows there of this process's attempts of its operation that
+        still run (a retry dispatched after it ended, registered since), so that it is never
+        recorded on one of them."""
+        if not isinstance(write, OfflineEndWrite):
+            return write
+        running = tuple(a.attempt_id for a in self._attempts()
+                        if a.attempt_id is not None and a.generation == generation
+                        and a.ident.op_key == write.ident.op_key)
+        return dataclasses.replace(write, running=running) if running else write
 
     def first_event(self, attempt: AttemptInFlight) -> None:
         if attempt.attempt_id is not None:

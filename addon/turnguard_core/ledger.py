@@ -677,7 +677,7 @@ class Ledger:
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         circuit_scope: str | None, end: AttemptEnd, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
-        transport: str = "http",
+        transport: str = "http", running: tuple[int, ...] = (),
     ) -> FinishResult:
         """Record an attempt this instance dispatched and ended while the ledger could not be
         written (it has no row): its operation, the attempt and its end, as ``finish`` would
@@ -685,12 +685,16 @@ class Ledger:
         is in flight under an attempt of this instance, that attempt is this one's claim (it
         answered after its request was decided without the ledger, or its commit was in doubt:
         this instance runs no other attempt of an operation it ran without a row): the end is
-        recorded on it. Nothing is recorded (``applied`` False) when the operation is in
-        flight meanwhile under another instance's attempt."""
+        recorded on it, unless it is one of ``running`` (the rows of this instance's attempts
+        of the operation that still run: a retry dispatched after this attempt ended, and
+        registered since). Nothing is recorded (``applied`` False) when the operation is in
+        flight meanwhile under another instance's attempt, or under one of ``running``."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                if snapshot.owner_instance != self.instance_id or snapshot.current_attempt is None:
+                if (snapshot.owner_instance != self.instance_id
+                        or snapshot.current_attempt is None
+                        or snapshot.current_attempt in running):
                     return FinishResult(False)
                 return self._finish(db, snapshot.current_attempt, end, now, circuit_cfg,
                                     eventless_failure, identity.op_key)

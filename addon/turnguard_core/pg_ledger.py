@@ -626,13 +626,15 @@ class PgLedger:
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         circuit_scope: str | None, end: AttemptEnd, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
-        transport: str = "http",
+        transport: str = "http", running: tuple[int, ...] = (),
     ) -> FinishResult:
         """See ``Ledger.record_offline_attempt``."""
         with self._tx(lock_key("op", identity.op_key)) as tx:
             snapshot = self._snapshot(tx.db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                if snapshot.owner_instance != self.instance_id or snapshot.current_attempt is None:
+                if (snapshot.owner_instance != self.instance_id
+                        or snapshot.current_attempt is None
+                        or snapshot.current_attempt in running):
                     return FinishResult(False)
                 return self._finish(tx, snapshot.current_attempt, end, now, circuit_cfg,
                                     eventless_failure, identity.op_key)

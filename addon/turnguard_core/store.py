@@ -50,6 +50,9 @@ class OfflineEndWrite:
     circuit_cfg: circuit.CircuitConfig | None = None
     eventless_failure: bool = False
     transport: str = "http"
+    # the ids of this process's attempts of the operation in flight as it is sent: rows of
+    # attempts that still run, never this end's (see ``FailoverStore._as_sent``)
+    running: tuple[int, ...] = ()
 
 
 @record
@@ -175,7 +178,8 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
                 write.ident, method=write.method, path=write.route, kind=write.kind,
                 flow_id=write.flow_id, circuit_scope=write.circuit_scope, end=write.end,
                 now=write.now, circuit_cfg=write.circuit_cfg,
-                eventless_failure=write.eventless_failure, transport=write.transport)
+                eventless_failure=write.eventless_failure, transport=write.transport,
+                running=write.running)
         case FirstEventWrite():
             ledger.first_event(write.attempt_id, write.op_key)
             return None
