@@ -492,6 +492,41 @@ def test_an_earlier_attempts_offline_end_is_not_recorded_on_the_retry_running_no
            "process was held on it; upstream dispatches=2 for the turn")
 
 
+def test_a_retry_dispatched_while_a_failed_attempts_end_is_owed_is_registered(tmp_path, report):
+    """A's turn (with its row) fails while another connection holds the ledger's write lock:
+    its end is kept, and a retry is dispatched from memory. As the lock goes, the catch-up
+    registers the retry while the operation is still in flight under the failed attempt's
+    row: the retry must get a row of its own (before, it got none, the failed attempt's end
+    ended the operation while the retry ran, and a duplicate through B ran it again)."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        body = body_of("failed behind a lock with its row, retried")
+        failing = in_background(
+            post, a.url, {**SESSION, **behaviour(kind="stall_before_headers", ms=1500)}, body)
+        wait_until(lambda: in_flight(ledger), 10, what="the first attempt's row")
+        with write_lock(ledger):
+            assert failing.result(30)[0] in (0, 502)
+            wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
+                       what="its end kept")
+            retry = in_background(
+                post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
+            wait_until(lambda: len(up.dispatches()) == 3, 10,
+                       what="the retry dispatched from memory")
+        wait_until(lambda: events(tmp_path, "a", "ledger_recovered"), 10,
+                   what="the retry registered and the failed attempt's end written")
+        duplicate = post(b.url, SESSION, body)
+        assert retry.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 3, "the retry's turn ran twice upstream"
+        assert not in_flight(ledger)
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a turn with its row failed behind a lock and was retried from memory: as the lock "
+           "went, the retry was registered with a row of its own; a duplicate through another "
+           "process was held on it; upstream dispatches=2 for the turn")
+
+
 def test_once_mode_never_dispatches_a_spent_operation_while_the_ledger_is_locked(tmp_path):
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500)

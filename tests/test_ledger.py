@@ -192,6 +192,32 @@ def test_an_end_recorded_whole_ends_this_instances_claim_in_flight_not_another_o
     assert admit(b, retried, now=1008.0) == policy.Hold(retry.attempt_id, "a")
 
 
+def test_adopting_a_retry_ends_the_attempt_of_this_instance_whose_end_is_owed(ledger_backend):
+    """``adopt_attempt`` for a retry this instance dispatched without a row, while its
+    operation is still in flight under this instance's earlier attempt whose end is owed
+    (``ended``): that attempt is ended (``unknown``) and the retry claimed, so that the owed
+    end, written after, is fenced out and the retry stays in flight. An attempt of this
+    instance not named, or another instance's, still makes it None."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+
+    def adopt(led, op, ended=()):
+        return led.adopt_attempt(op, method="POST", path="/v1/responses", kind="retry",
+                                 flow_id="f2", now=1002.0, ended=ended)
+
+    i = ident({"input": "failed, its end owed, retried"})
+    first = admit(a, i)
+    assert adopt(a, i) is None
+    assert adopt(b, i, ended=(first.attempt_id,)) is None
+    retry = adopt(a, i, ended=(first.attempt_id,))
+    assert retry is not None and retry != first.attempt_id
+    assert not a.finish(first.attempt_id, AttemptEnd("failed", 502, 0), now=1003.0).applied
+    assert admit(b, i, now=1004.0) == policy.Hold(retry, "a")
+    op = a.find_operation(i.op_key)
+    assert [(r["outcome"], r["late_outcome"]) for r in op["attempt_rows"]] == [
+        ("unknown", "failed"), ("in_flight", None)]
+
+
 def test_stale_attempts_of_an_instance_are_ended_and_the_ones_it_runs_kept(ledger_backend):
     """``end_stale_attempts``: this instance's attempts in flight for operations it no longer
     runs end (``partial`` after an event, ``unknown`` before); the ones it runs, and another

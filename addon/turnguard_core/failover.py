@@ -487,10 +487,17 @@ class FailoverStore:
         return True
 
     async def _adopt(self, store: Store, attempt: AttemptInFlight, deadline: float | None) -> None:
+        # the attempts of its operation whose end (or give-back) is owed to this file: ended
+        # here (a retry dispatched after one of them failed must not be left without a row)
+        ended = tuple(
+            kept.write.attempt_id for kept in self._kept
+            if isinstance(kept.write, (FinishWrite, GiveBackWrite))
+            and kept.generation == store.generation
+            and kept.write.op_key == attempt.ident.op_key)
         adopted = await store.adopt_attempt(
             attempt.ident, method=attempt.method, route=attempt.route, kind=attempt.kind,
             flow_id=attempt.flow_id, now=time.time(), circuit_scope=attempt.circuit_scope,
-            deadline=deadline, transport=attempt.transport,
+            deadline=deadline, transport=attempt.transport, ended=ended,
         )
         if attempt.attempt_id is not None and attempt.generation == store.generation:
             # its claim answered late meanwhile (``_late_claim``): that claim is its row (the

@@ -564,15 +564,25 @@ class Ledger:
     def adopt_attempt(
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         now: float, circuit_scope: str | None = None, transport: str = "http",
+        ended: tuple[int, ...] = (),
     ) -> int | None:
         """Register an attempt this instance has in flight in a ledger that does not know it
         (its file was deleted or replaced under the running process), so that other processes
         hold the operation's duplicates. Returns the new attempt id; None when the operation
-        is in flight here already (another process claimed it meanwhile)."""
+        is in flight here already (another process claimed it meanwhile).
+
+        ``ended``: this instance's attempts of the operation that ended while their end could
+        not be written (it is owed): one still in flight here is ended now (``unknown``, or
+        ``partial`` after an event; its owed end comes too late) and the new attempt claimed,
+        so the attempt that runs has a row and the owed end cannot end its operation."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                return None
+                if snapshot.owner_instance != self.instance_id \
+                        or snapshot.current_attempt not in ended:
+                    return None
+                self._finish(db, snapshot.current_attempt, _superseded(snapshot), now, None,
+                             False, identity.op_key)
             if snapshot is None:
                 self._insert_operation(db, identity, method, path, circuit_scope, now)
             return self._claim(db, identity, kind, flow_id, now, transport)
@@ -1073,6 +1083,14 @@ class _Transaction:
             self.db.execute("COMMIT")
         elif self.db.in_transaction:
             self.db.execute("ROLLBACK")
+
+
+def _superseded(snapshot: policy.OperationSnapshot) -> AttemptEnd:
+    """The end of an attempt whose owed end a later attempt of its instance overtook
+    (``adopt_attempt``)."""
+    return AttemptEnd("partial" if snapshot.events_seen else "unknown", None,
+                      snapshot.events_seen, "superseded: a later attempt of this instance was "
+                      "registered before its end could be written")
 
 
 def _stamp(path: str) -> tuple[int, ...]:

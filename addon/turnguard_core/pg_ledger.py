@@ -51,6 +51,7 @@ from .identity import Identity
 from .ledger import (
     SPOOL_CHUNK,
     _SPENT,
+    _superseded,
     AttemptEnd,
     FinishResult,
     HeartbeatResult,
@@ -534,12 +535,17 @@ class PgLedger:
     def adopt_attempt(
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         now: float, circuit_scope: str | None = None, transport: str = "http",
+        ended: tuple[int, ...] = (),
     ) -> int | None:
         """See ``Ledger.adopt_attempt``."""
         with self._tx(lock_key("op", identity.op_key)) as tx:
             snapshot = self._snapshot(tx.db, identity.op_key)
             if snapshot is not None and snapshot.state == "in_flight":
-                return None
+                if snapshot.owner_instance != self.instance_id \
+                        or snapshot.current_attempt not in ended:
+                    return None
+                self._finish(tx, snapshot.current_attempt, _superseded(snapshot), now, None,
+                             False, identity.op_key)
             if snapshot is None:
                 self._insert_operation(tx.db, identity, method, path, circuit_scope, now)
             return self._claim(tx, identity, kind, flow_id, now, transport)

@@ -114,6 +114,7 @@ class Store(Protocol):
     async def adopt_attempt(
         self, ident: Identity, *, method: str, route: str, kind: str, flow_id: str | None,
         now: float, circuit_scope: str | None, deadline: float | None, transport: str = "http",
+        ended: tuple[int, ...] = (),
     ) -> int | None: ...
 
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
@@ -253,10 +254,10 @@ class LedgerStore:
         return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
 
     async def adopt_attempt(self, ident, *, method, route, kind, flow_id, now, circuit_scope,
-                            deadline, transport="http"):
+                            deadline, transport="http", ended=()):
         return await self._runner.call(lambda led: led.adopt_attempt(
             ident, method=method, path=route, kind=kind, flow_id=flow_id, now=now,
-            circuit_scope=circuit_scope, transport=transport,
+            circuit_scope=circuit_scope, transport=transport, ended=ended,
         ), deadline=deadline)
 
     async def peers_with_attempts_in_flight(self):
