@@ -358,7 +358,8 @@ class FailoverStore:
             write = kept.for_ledger(store.generation)
             if write is not None:
                 try:
-                    store.write_sync(self._as_sent(write, store.generation), timeout=max(0.0, deadline - time.monotonic()))
+                    store.write_sync(self._as_sent(write, store.generation),
+                                     timeout=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     break
                 except LedgerError as e:  # locked: the busy timeout waited; try until the end
