@@ -461,6 +461,20 @@ def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path
            "dispatches=1 per turn")
 
 
+def _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry) -> None:
+    """Once A's ledger is back (its retry registered, its failed attempt's end written), a
+    duplicate through B is held on the retry and gets its answer: the turn's third dispatch
+    (a warm-up, the failed attempt, the retry) is its last, and nothing stays in flight."""
+    wait_until(lambda: events(tmp_path, "a", "ledger_recovered"), 10,
+               what="the retry registered and the failed attempt's end written")
+    duplicate = post(b.url, SESSION, body)
+    assert retry.result(30)[0] == duplicate[0] == 200
+    assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+    assert len(up.dispatches()) == 3, "the retry's turn ran twice upstream"
+    assert not in_flight(tmp_path / "ledger.sqlite3")
+    assert_no_traceback(a.log_text() + b.log_text())
+
+
 def test_an_earlier_attempts_offline_end_is_not_recorded_on_the_retry_running_now(
         tmp_path, report):
     """Behind a lock, A's turn fails without events (dispatched and ended without a row: its
@@ -479,14 +493,7 @@ def test_an_earlier_attempts_offline_end_is_not_recorded_on_the_retry_running_no
                 post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
             wait_until(lambda: len(up.dispatches()) == 3, 10,
                        what="the retry dispatched from memory")
-        wait_until(lambda: events(tmp_path, "a", "ledger_recovered"), 10,
-                   what="the retry registered and the failed attempt's end sent")
-        duplicate = post(b.url, SESSION, body)
-        assert retry.result(30)[0] == duplicate[0] == 200
-        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
-        assert len(up.dispatches()) == 3, "the retry's turn ran twice upstream"
-        assert not in_flight(ledger)
-        assert_no_traceback(a.log_text() + b.log_text())
+        _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry)
     report("a turn failed behind a lock and was retried from memory: as the lock went, the "
            "failed attempt's end was not recorded on the retry; a duplicate through another "
            "process was held on it; upstream dispatches=2 for the turn")
@@ -514,14 +521,7 @@ def test_a_retry_dispatched_while_a_failed_attempts_end_is_owed_is_registered(tm
                 post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
             wait_until(lambda: len(up.dispatches()) == 3, 10,
                        what="the retry dispatched from memory")
-        wait_until(lambda: events(tmp_path, "a", "ledger_recovered"), 10,
-                   what="the retry registered and the failed attempt's end written")
-        duplicate = post(b.url, SESSION, body)
-        assert retry.result(30)[0] == duplicate[0] == 200
-        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
-        assert len(up.dispatches()) == 3, "the retry's turn ran twice upstream"
-        assert not in_flight(ledger)
-        assert_no_traceback(a.log_text() + b.log_text())
+        _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry)
     report("a turn with its row failed behind a lock and was retried from memory: as the lock "
            "went, the retry was registered with a row of its own; a duplicate through another "
            "process was held on it; upstream dispatches=2 for the turn")
