@@ -39,7 +39,7 @@ from harness import (
     turnguard_events,
     wait_until,
 )
-from test_ledger_faults import fill, tiny_tmpfs, unfill
+from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
 ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
@@ -123,26 +123,6 @@ def its_end_kept_behind_a_lock(tmp_path: Path, proxy: Mitmdump, name: str, text:
         wait_until(lambda: events(tmp_path, name, "ledger_unavailable"), 10,
                    what="its end kept")
         yield
-
-
-@contextlib.contextmanager
-def wal_at_its_end(ledger: Path):
-    """Until the block ends, every write to the ledger must grow its WAL file, so that a full
-    disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
-    from its start, into space the file already has: a full disk would not be noticed.) A
-    reader holds a snapshot, so the WAL cannot start again, and a scratch write takes it past
-    the space it had."""
-    reader = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-    reader.execute("BEGIN")
-    reader.execute("SELECT COUNT(*) FROM operations").fetchone()
-    try:
-        with contextlib.closing(sqlite3.connect(ledger, timeout=10, isolation_level=None)) as w:
-            w.execute("CREATE TABLE IF NOT EXISTS test_scratch (b BLOB)")
-            w.execute("INSERT INTO test_scratch VALUES (zeroblob(512 * 1024))")
-        yield
-    finally:
-        reader.execute("ROLLBACK")
-        reader.close()
 
 
 def duplicate_of_a_live_original_is_replayed(tmp_path: Path, up: MockUpstream, a: Mitmdump,

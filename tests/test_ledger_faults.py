@@ -104,6 +104,36 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+@contextlib.contextmanager
+def wal_at_its_end(ledger: Path):
+    """Until the block ends, every write to the ledger must grow its WAL file, so that a full
+    disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
+    from its start, into space the file already has: a full disk would not be noticed.) A
+    scratch write larger than the WAL file takes it past the space it had (a reader holding a
+    snapshot first keeps it from starting again under that write), and a second reader, whose
+    snapshot holds the scratch write, keeps the WAL from starting again before its end."""
+    wal = Path(f"{ledger}-wal")
+    readers = []
+    try:
+        for scratch in (True, False):
+            reader = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+            readers.append(reader)
+            reader.execute("BEGIN")
+            reader.execute("SELECT COUNT(*) FROM operations").fetchone()
+            if scratch:
+                size = max(512 * 1024, wal.stat().st_size + 64 * 1024)
+                with contextlib.closing(sqlite3.connect(ledger, timeout=10,
+                                                        isolation_level=None)) as w:
+                    w.execute("CREATE TABLE IF NOT EXISTS test_scratch (b BLOB)")
+                    w.execute("DELETE FROM test_scratch")
+                    w.execute("INSERT INTO test_scratch VALUES (zeroblob(?))", (size,))
+        yield
+    finally:
+        for reader in readers:
+            reader.execute("ROLLBACK")
+            reader.close()
+
+
 def unfill(folder: Path) -> None:
     for name in ("filler", "filler-tail"):
         with contextlib.suppress(FileNotFoundError):
@@ -173,7 +203,7 @@ def wait_ledger_used_again(tmp_path: Path, url: str, timeout: float = 20) -> Non
 
 def test_disk_full_keeps_proxying_fails_closed_and_recovers(tmp_path, report):
     folder = tmp_path / "ledger-fs"
-    with tiny_tmpfs(folder, "2m"):
+    with tiny_tmpfs(folder, "8m"):  # (room for the scratch writes of wal_at_its_end)
         ledger = folder / "ledger.sqlite3"
         # indefinite mode: once mode fails a session's requests closed while the ledger is
         # down (see test_at_most_once.py)
@@ -184,27 +214,28 @@ def test_disk_full_keeps_proxying_fails_closed_and_recovers(tmp_path, report):
             # one eventless failure of the anchored turn while the ledger works: the session is
             # claimed (owner proof in hand), the circuit has one failure
             assert post(p.url, ANCHORED, TURN, {"kind": "reset"})[0] in (0, 502)
-            fill(folder)
-            try:
-                assert post(p.url, HEADERS, body_of("plain"))[0] == 200  # keeps proxying
-                unavailable = events(tmp_path, "ledger_unavailable")
-                assert unavailable and "full" in unavailable[0]["error"]
-                assert_duplicates_coalesced(p.url, up, "duplicates while full")
-                # the second eventless failure opens the cooldown (kept in memory) ...
-                assert post(p.url, ANCHORED, TURN, {"kind": "reset"})[0] in (0, 502)
-                assert events(tmp_path, "circuit_opened")
-                # ... the next request is held through it, and its recovery claim needs the
-                # ledger: it fails closed, nothing dispatched
-                status, _, body = post(p.url, {**ANCHORED, "accept": "application/json"}, TURN,
-                                       {"kind": "ok"})
-                assert status == 503
-                assert json.loads(body)["error"]["code"] == "upstream_request_timeout"
-                assert "ledger" in json.loads(body)["error"]["message"]
-                assert [e["reason"] for e in events(tmp_path, "fail_closed")] == [
-                    "ledger_unavailable"]
-                assert dispatches_of(up, TURN) == 2
-            finally:
-                unfill(folder)
+            with wal_at_its_end(ledger):  # (every write must grow the WAL: fails, full)
+                fill(folder)
+                try:
+                    assert post(p.url, HEADERS, body_of("plain"))[0] == 200  # keeps proxying
+                    unavailable = events(tmp_path, "ledger_unavailable")
+                    assert unavailable and "full" in unavailable[0]["error"]
+                    assert_duplicates_coalesced(p.url, up, "duplicates while full")
+                    # the second eventless failure opens the cooldown (kept in memory) ...
+                    assert post(p.url, ANCHORED, TURN, {"kind": "reset"})[0] in (0, 502)
+                    assert events(tmp_path, "circuit_opened")
+                    # ... the next request is held through it, and its recovery claim needs the
+                    # ledger: it fails closed, nothing dispatched
+                    status, _, body = post(p.url, {**ANCHORED, "accept": "application/json"}, TURN,
+                                           {"kind": "ok"})
+                    assert status == 503
+                    assert json.loads(body)["error"]["code"] == "upstream_request_timeout"
+                    assert "ledger" in json.loads(body)["error"]["message"]
+                    assert [e["reason"] for e in events(tmp_path, "fail_closed")] == [
+                        "ledger_unavailable"]
+                    assert dispatches_of(up, TURN) == 2
+                finally:
+                    unfill(folder)
             wait_ledger_used_again(tmp_path, p.url)
         assert ledger_integrity(ledger) == "ok"
         assert_no_traceback(p.log_text())
@@ -386,15 +417,16 @@ def test_recovery_decision_without_a_ledger_fails_closed_as_ledger_unavailable(t
 
 def test_each_ledger_outage_is_logged(tmp_path):
     folder = tmp_path / "ledger-fs"
-    with tiny_tmpfs(folder, "2m"):
+    with tiny_tmpfs(folder, "8m"):  # (room for the scratch writes of wal_at_its_end)
         ledger = folder / "ledger.sqlite3"
         with MockUpstream(tmp_path) as up, proxy(tmp_path, up, ledger) as p:
             for outage in range(2):
-                fill(folder)
-                try:
-                    assert post(p.url, HEADERS, body_of(f"outage {outage}"))[0] == 200
-                finally:
-                    unfill(folder)
+                with wal_at_its_end(ledger):  # (every write must grow the WAL: fails, full)
+                    fill(folder)
+                    try:
+                        assert post(p.url, HEADERS, body_of(f"outage {outage}"))[0] == 200
+                    finally:
+                        unfill(folder)
                 wait_ledger_used_again(tmp_path, p.url)
             log = p.log_text()
             assert_no_traceback(log)
