@@ -72,8 +72,8 @@ class IdentityWorker:
         self._unloaded = False
 
     async def identify(
-        self, view: identity.RequestView, *, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S,
-        **kwargs,
+        self, view: identity.RequestView, *, timeout_s: float,
+        start_timeout_s: float = START_TIMEOUT_S, **kwargs,
     ) -> identity.Identity | identity.Passthrough:
         """``identity.identify(view, **kwargs)`` in the worker, within ``timeout_s`` once the
         worker runs (starting it, when it does not run yet, within ``start_timeout_s``); a
@@ -81,8 +81,9 @@ class IdentityWorker:
         ``WorkerStopped`` when the addon was unloaded meanwhile."""
         start_deadline = asyncio.get_running_loop().time() + start_timeout_s  # every attempt's
         for attempt in range(_ATTEMPTS):
-            out = await self._identify_once(view, timeout_s, start_timeout_s, start_deadline, kwargs,
-                                            retry=attempt > 0, last=attempt == _ATTEMPTS - 1)
+            out = await self._identify_once(view, timeout_s, start_timeout_s, start_deadline,
+                                            kwargs, retry=attempt > 0,
+                                            last=attempt == _ATTEMPTS - 1)
             if not isinstance(out, _Replaced):
                 return out
         raise AssertionError("unreachable: the last attempt answers")
