@@ -23,7 +23,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ class Process:
 
     ``env`` is added to this process's environment (``PYTHONUNBUFFERED=1`` always is);
     ``new_session`` starts it in a process group of its own, which ``stop`` and ``kill`` then
-    signal as a whole (for a process that starts children)."""
+    signal as a whole (for a process that starts children). ``popen`` starts it: a callable
+    with ``subprocess.Popen``'s signature and result (the tests fork their mitmdumps)."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class Process:
         env: Mapping[str, str] | None = None,
         cwd: Path = REPO,
         new_session: bool = False,
+        popen: Callable[..., Any] = subprocess.Popen,
     ):
         self.cmd = list(cmd)
         self.out_path = Path(out_path)
@@ -59,7 +61,7 @@ class Process:
         self.offset = self.out_path.stat().st_size if self.out_path.exists() else 0
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.out_path, "ab") as out:
-            self.popen = subprocess.Popen(
+            self.popen = popen(
                 self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 cwd=cwd, env=full_env, start_new_session=new_session,
             )

@@ -1,9 +1,10 @@
 """Helpers for turnguard's end-to-end tests: real subprocesses on loopback.
 
 ``MockUpstream`` runs ``scripts/mock_upstream.py``; ``Mitmdump`` runs mitmdump in reverse-proxy
-mode (with or without ``addon/turnguard.py``), ``guarded`` with turnguard's ledger and events in
-``tmp_path``; ``sse_post`` / ``asse_post`` / ``post_turn`` send one request on a fresh
-connection each. Every process is a ``turnguard_procs.Process`` (output in a file in
+mode (with or without ``addon/turnguard.py``; forked from a process that imported mitmproxy
+once, which runs it as exec would: ``mitmdump_forks.py``), ``guarded`` with turnguard's ledger
+and events in ``tmp_path``; ``sse_post`` / ``asse_post`` / ``post_turn`` send one request on a
+fresh connection each. Every process is a ``turnguard_procs.Process`` (output in a file in
 ``tmp_path``, never a pipe that can fill; one SIGTERM, then SIGKILL), every wait is bounded, and
 every port is chosen by the OS (port 0). SSE bodies are read with ``turnguard_sse``, which
 shares no code with the addon's parser.
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+
+import mitmdump_forks
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "scripts") not in sys.path:  # the tools' helpers, which the tests share
@@ -202,7 +205,7 @@ class Mitmdump(_ServerProcess):
         self.cmd = cmd
         # with a prefix (unshare --fork), mitmdump is the prefix's child: a process group of
         # their own lets stop() and kill9() reach it too, or it would outlive the test
-        self.process = Process(cmd, self.log_path, env=env, new_session=bool(prefix))
+        self.process = Process(cmd, self.log_path, env=env, new_session=bool(prefix), popen=mitmdump_forks.popen)
         self.log_offset = self.process.offset
         every_listener = re.compile(r"(?:.*?" + MITMDUMP_LINE.pattern + r"){%d}" % len(modes), re.S)
         self.process.wait_for_line(every_listener, MITMDUMP_START_TIMEOUT_S, f"mitmdump ({name})")

@@ -1,0 +1,319 @@
+"""mitmdump processes forked from one that already imported mitmproxy, for the tests.
+
+Each mitmdump a test starts spends about 1 s of CPU importing mitmproxy before it runs anything
+of turnguard's; the suite starts hundreds. This module keeps, per test process, one server that
+has imported mitmproxy (``mitmproxy.tools.main`` and ``mitmproxy.tools.dump``, which imports its
+addons) and nothing of turnguard's. Asked for a mitmdump, it forks: the child takes the test's
+standard streams, working directory, environment and arguments, and runs the ``mitmdump``
+script of the virtual environment as ``__main__``, as ``exec`` would have; turnguard's addon is
+loaded by that mitmdump as always (``-s``). The server reaps the child and tells the test its
+exit status, so that ``ForkedPopen`` answers ``poll``, ``wait``, ``send_signal`` and ``kill``
+as ``subprocess.Popen`` does. A start then costs about 0.3 s of CPU instead of 1.3.
+
+``popen(cmd, **popen_kwargs)`` is what ``turnguard_procs.Process`` calls. It forks only what
+exec and a fork run alike: the venv's ``mitmdump``, in the caller's process group, with an
+environment that differs from the server's only in ``TURNGUARD_*`` variables (mitmproxy reads
+some variables when imported, e.g. ``SSLKEYLOGFILE``, and Python reads ``PYTHON*`` ones when it
+starts). Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
+``subprocess.Popen``.
+
+Run as a script, this module is the server: ``python -u mitmdump_forks.py SOCKET``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+START_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 30.0
+_PASSED_THROUGH = ("TURNGUARD_", "PYTEST_")  # read by turnguard as it loads, or by nothing
+_IGNORED = {"PYTHONUNBUFFERED"}  # the server runs with -u
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
+    if len(head) != 4 or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a request is a 4-byte length with three descriptors")
+    size = int.from_bytes(head, "big")
+    data = b""
+    while len(data) < size:  # bounded by size and the socket's timeout
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the request ended early")
+        data += chunk
+    return json.loads(data), fds
+
+
+def _become_mitmdump(request: dict, fds: list[int], owned: list, mask: set) -> None:
+    """In the forked child: take back SIGTERM (blocked across the fork, so that a SIGTERM sent
+    at once ends the child as it would an exec'd one), drop the server's descriptors, take the
+    request's streams, directory, environment and arguments, and run the mitmdump script as
+    ``__main__``. Its ``SystemExit`` (or exception) ends this process as it would end an exec'd
+    mitmdump."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    for thing in owned:
+        thing.close()
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(request["argv"][0])
+    import runpy
+
+    runpy.run_path(request["argv"][0], run_name="__main__")
+
+
+def serve(path: str) -> None:
+    """Listen on the Unix socket ``path``; fork a mitmdump per request; report each exit."""
+    import selectors
+
+    sys.path[0] = str(MITMDUMP.parent)  # as for the mitmdump script, not this file's folder
+    import mitmproxy.tools.dump  # noqa: F401  (the import every child saves)
+    import mitmproxy.tools.main  # noqa: F401
+
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its requester)
+
+    def stop(_sig: int, _frame: object) -> None:
+        for pid, _conn in children.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    while True:  # until SIGTERM or the end of the test process that started us
+        if os.getppid() != parent:
+            stop(signal.SIGTERM, None)
+        for key, _events in sel.select(1.0):
+            if key.data is not None:  # a child exited
+                pid, conn = children.pop(key.fd)
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                _, status = os.waitpid(pid, 0)
+                _tell(conn, returncode=os.waitstatus_to_exitcode(status))
+                conn.close()
+                continue
+            conn, _ = listener.accept()
+            conn.settimeout(REPLY_TIMEOUT_S)
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError) as e:
+                print(f"bad request: {e!r}", flush=True)
+                conn.close()
+                continue
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            pid = os.fork()
+            if pid == 0:
+                owned = [sel, listener, conn, *(c for _, c in children.values())]
+                for pidfd in children:
+                    os.close(pidfd)
+                _become_mitmdump(request, fds, owned, mask)
+                sys.exit(0)  # not reached: the script ends with sys.exit
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for fd in set(fds):
+                os.close(fd)
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = (pid, conn)
+            sel.register(pidfd, selectors.EVENT_READ, pid)
+            _tell(conn, pid=pid)
+
+
+def _tell(conn: socket.socket, **message: int) -> None:
+    """One JSON line to a requester, which may have gone (its test ended)."""
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+
+
+# ---- the client -------------------------------------------------------------------------------
+
+class ForkedPopen:
+    """The ``subprocess.Popen`` calls ``turnguard_procs.Process`` and the tests make, for a
+    mitmdump forked by the server."""
+
+    def __init__(self, server: _Server, args: list[str], fds: list[int], cwd: str,
+                 env: dict[str, str], new_session: bool):
+        self.args = args
+        self.returncode: int | None = None
+        self._buffer = b""
+        self._lock = threading.Lock()  # one reader of the server's answers at a time
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.settimeout(REPLY_TIMEOUT_S)
+        try:
+            self._conn.connect(server.path)
+            request = {"argv": args, "env": env, "cwd": cwd, "new_session": new_session}
+            payload = json.dumps(request).encode()
+            socket.send_fds(self._conn, [len(payload).to_bytes(4, "big")], fds)
+            self._conn.sendall(payload)
+            self.pid: int = self._read_message(REPLY_TIMEOUT_S)["pid"]
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _read_message(self, timeout: float | None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:  # bounded by the deadline
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._conn], [], [], remaining)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            chunk = self._conn.recv(4096)
+            if not chunk:  # the server is gone, and it kills its children when it goes
+                return {"returncode": -signal.SIGKILL}
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            try:
+                self._take_returncode(timeout)
+            finally:
+                self._lock.release()
+        return self.returncode  # type: ignore[return-value]
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._lock.acquire(blocking=False):
+            try:
+                self._take_returncode(0)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                self._lock.release()
+        return self.returncode
+
+    def _take_returncode(self, timeout: float | None) -> None:  # with self._lock
+        if self.returncode is None:
+            self.returncode = self._read_message(timeout)["returncode"]
+            self._conn.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """This test process's server, started on first use and stopped at exit."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tg-forks-")
+        self.path = os.path.join(self.dir, "socket")
+        self.env = dict(os.environ)
+        self.log = open(os.path.join(self.dir, "server.out"), "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-u", __file__, self.path], stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir, env=self.env)
+        atexit.register(self.close)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while b"ready" not in Path(self.dir, "server.out").read_bytes():  # bounded by the deadline
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the mitmdump fork server did not start: "
+                                   + Path(self.dir, "server.out").read_text(errors="replace"))
+            time.sleep(0.02)
+
+    def forks_alike(self, env: dict[str, str]) -> bool:
+        """True if an exec'd mitmdump would see what a fork of the server sees."""
+        keys = (set(env) | set(self.env)) - _IGNORED
+        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(_PASSED_THROUGH))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
+        for name in ("socket", "server.out"):
+            try:
+                os.unlink(os.path.join(self.dir, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+_server: _Server | None = None
+_server_failed = False
+_lock = threading.Lock()
+
+
+def _the_server() -> _Server | None:
+    global _server, _server_failed
+    with _lock:
+        if _server is None and not _server_failed:
+            try:
+                _server = _Server()
+            except (OSError, RuntimeError) as e:
+                _server_failed = True
+                print(f"mitmdump_forks: every mitmdump is exec'd: {e}", file=sys.stderr)
+        return _server
+
+
+def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, cwd=None, env=None,
+          start_new_session: bool = False):
+    """``subprocess.Popen(cmd, ...)``, or the same mitmdump forked (see the module's doc). Forks
+    only for the streams ``turnguard_procs.Process`` gives: stdin from /dev/null, stdout to a
+    file, stderr to stdout."""
+    kwargs = dict(stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env,
+                  start_new_session=start_new_session)
+    full_env = dict(os.environ if env is None else env)
+    if (os.environ.get("TURNGUARD_TEST_EXEC_MITMDUMP") == "1" or list(cmd[:1]) != [str(MITMDUMP)]
+            or not hasattr(os, "pidfd_open") or stdin != subprocess.DEVNULL
+            or not hasattr(stdout, "fileno") or stderr != subprocess.STDOUT):
+        return subprocess.Popen(cmd, **kwargs)
+    server = _the_server()
+    if server is None or not server.forks_alike(full_env):
+        return subprocess.Popen(cmd, **kwargs)
+    with open(os.devnull, "rb") as devnull:
+        fds = [devnull.fileno(), stdout.fileno(), stdout.fileno()]
+        return ForkedPopen(server, list(cmd), fds, str(cwd or os.getcwd()), full_env,
+                           start_new_session)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

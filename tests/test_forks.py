@@ -1,0 +1,153 @@
+"""The tests' forked mitmdumps (tests/mitmdump_forks.py) run as exec'd ones do.
+
+Every end-to-end test relies on this: a mitmdump forked from the server that imported mitmproxy
+must see the same arguments, environment, directory, streams, ``__main__`` and signal
+dispositions as one started with exec, end with the same statuses, and be signalled the same
+way. Each test starts one of each and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import mitmdump_forks
+from harness import Mitmdump, MockUpstream, assert_no_traceback, sse_post, wait_until
+
+# An addon that writes what the process it runs in looks like, once loaded.
+_PROBE = '''
+import json, os, signal, sys
+import __main__
+
+def _disposition(sig):
+    handler = signal.getsignal(sig)
+    return handler if isinstance(handler, int) else "python"
+
+def load(loader):
+    facts = {
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "env": os.environ.get("TURNGUARD_PROBE"),
+        "main": getattr(__main__, "__file__", None),
+        "path0": sys.path[0],
+        "stdin": os.path.realpath(f"/proc/self/fd/0"),
+        "stdout_is_stderr": os.path.samestat(os.fstat(1), os.fstat(2)),
+        "signals": {s.name: _disposition(s)
+                    for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGTERM, signal.SIGCHLD)},
+        "sid_is_own": os.getsid(0) == os.getpid(),
+        "turnguard_loaded": "turnguard_core" in sys.modules,
+    }
+    with open(os.environ["TURNGUARD_PROBE_OUT"], "w") as f:
+        json.dump(facts, f)
+'''
+
+
+def _both(tmp_path: Path, monkeypatch, **kwargs):
+    """A forked and an exec'd mitmdump with the same arguments; yields each with its name."""
+    for how in ("fork", "exec"):
+        monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "1" if how == "exec" else "0")
+        yield how, Mitmdump(tmp_path, "http://127.0.0.1:9", name=how, **kwargs)
+
+
+def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PROBE)
+    facts = {}
+    for how, proxy in _both(tmp_path, monkeypatch, addon=probe,
+                            env={"TURNGUARD_PROBE": "x",
+                                 "TURNGUARD_PROBE_OUT": str(tmp_path / "facts")}):
+        with proxy:
+            assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork")
+            facts[how] = json.loads((tmp_path / "facts").read_text())
+            (tmp_path / "facts").unlink()
+            assert proxy.stop() == 0, proxy.log_text()
+        assert_no_traceback(proxy.log_text())
+    for how in facts:  # what differs by design: the confdir and the name in the arguments
+        facts[how]["argv"] = [a.replace(f"{how}-confdir", "-confdir") for a in facts[how]["argv"]]
+    assert facts["fork"] == facts["exec"]
+    assert facts["fork"]["env"] == "x" and facts["fork"]["stdin"] == "/dev/null"
+    assert facts["fork"]["main"] == str(mitmdump_forks.MITMDUMP)
+    assert not facts["fork"]["turnguard_loaded"], "the server must not have imported turnguard"
+
+
+def test_a_forked_mitmdump_ends_and_is_signalled_as_an_execd_one(tmp_path, monkeypatch):
+    statuses = {}
+    for how, proxy in _both(tmp_path, monkeypatch, addon=False):
+        with proxy:
+            proxy.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.3)
+            assert proxy.proc.poll() is None  # stopped is not ended
+            proxy.proc.send_signal(signal.SIGCONT)
+            sigterm = proxy.stop()
+        killed = Mitmdump(tmp_path, "http://127.0.0.1:9", name=f"{how}-k", addon=False)
+        statuses[how] = (sigterm, killed.kill9(), killed.proc.poll(), killed.proc.wait(1))
+    killed = -signal.SIGKILL
+    assert statuses["fork"] == statuses["exec"] == (0, killed, killed, killed)
+
+
+def test_a_forked_mitmdump_that_fails_to_start_reports_as_an_execd_one(tmp_path, monkeypatch):
+    outcomes = {}
+    for how in ("fork", "exec"):
+        monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "1" if how == "exec" else "0")
+        out = tmp_path / f"{how}.out"
+        with open(out, "ab") as f:
+            p = mitmdump_forks.popen(
+                [str(mitmdump_forks.MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", "0",
+                 "--mode", "no-such-mode"],
+                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+        assert isinstance(p, mitmdump_forks.ForkedPopen) == (how == "fork")
+        rc = p.wait(60)
+        outcomes[how] = (rc, "no-such-mode" in out.read_text())
+    assert outcomes["fork"] == outcomes["exec"] and outcomes["fork"][0] != 0 and outcomes["fork"][1]
+
+
+def test_what_an_import_or_the_interpreter_would_read_is_execd(tmp_path, monkeypatch):
+    """mitmproxy reads SSLKEYLOGFILE when imported, Python PYTHON* as it starts: a fork of a
+    server that started without them would not see them."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    for extra in ({"SSLKEYLOGFILE": str(tmp_path / "keys")}, {"PYTHONHASHSEED": "1"}):
+        with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False, env=extra) as proxy:
+            assert isinstance(proxy.proc, subprocess.Popen)
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False, env={"TURNGUARD_X": "1"}) as proxy:
+        assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
+
+
+def test_a_forked_guarded_mitmdump_proxies_and_its_identity_worker_ends_with_it(tmp_path,
+                                                                                 monkeypatch):
+    """The whole addon, including its spawned identity worker (whose spawn names the mitmdump
+    script as ``__main__``), in a forked mitmdump."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    with MockUpstream(tmp_path) as up, Mitmdump(tmp_path, up.url, options={
+            "turnguard_ledger": str(tmp_path / "ledger.sqlite3")}) as proxy:
+        assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
+        items = [{"role": "user", "content": "x" * 100} for _ in range(3000)]  # over 256 KiB
+        big = {"model": "m", "input": items, "stream": True}
+        status, _, _ = sse_post(proxy.url, body=big)
+        assert status == 200 and len(up.dispatches()) == 1
+        workers = wait_until(lambda: _children(proxy.pid), 30, what="the identity worker")
+        proxy.kill9()
+        for pid in workers:
+            wait_until(lambda: _zombie(pid), 30, what="the worker's end")
+        assert_no_traceback(proxy.log_text())
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _zombie(pid: int) -> bool:
+    """Ended: gone, or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
