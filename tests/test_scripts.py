@@ -577,9 +577,12 @@ def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
         env=_env(), start_new_session=True)
     try:
-        wait_until(lambda: any("mitmdump" in args for args in
-                               _processes_mentioning(str(work)).values()), 120, 0.2,
-                   "a column's mitmdump")
+        # (its log, not ps: one ps of every process once took seconds on a loaded machine,
+        # and the run had ended before the SIGTERM)
+        wait_until(lambda: any("listening at" in log.read_text(errors="replace")
+                               for log in work.glob("*/mitmdump.log")), 120, 0.1,
+                   "a column's mitmdump listening")
+        assert proc.poll() is None, "the run ended before it could be stopped"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
         left: dict[int, str] = {}
