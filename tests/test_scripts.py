@@ -567,15 +567,23 @@ def test_inspection_next_to_a_running_writer_sees_its_latest_rows(direct_ledger:
         assert "completed" not in json.loads(r.stdout)["by_state"]
 
 
-def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp_path):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp_path, sigint):
     """SIGTERM to scripts/reproduce mid-run stops it as ^C does: every column's mitmdump and
-    mock upstream goes with it (they kept running before, orphaned)."""
+    mock upstream goes with it (they kept running before, orphaned). Also as a shell's
+    background job, which ignores SIGINT: SIGTERM was turned into a SIGINT, and then it did
+    nothing (the run went on to its end and exited 0)."""
     work = tmp_path / "work"
     log = (tmp_path / "reproduce.out").open("wb")
     proc = subprocess.Popen(
         [str(REPO / "scripts" / "reproduce"), "duplicate-storm", "--keep", str(work)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-        env=_env(), start_new_session=True)
+        env=_env(), start_new_session=True,
+        preexec_fn=_ignore_sigint if sigint == "ignored" else None)
     try:
         # (its log, not ps: one ps of every process once took seconds on a loaded machine,
         # and the run had ended before the SIGTERM)

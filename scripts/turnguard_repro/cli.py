@@ -101,17 +101,38 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _stop_on_sigterm() -> list[bool]:
-    """SIGTERM stops a run as ^C does (asyncio cancels it, so that every column stops the
-    mitmdump and mock it started, and the work folder goes): without this, Python would end
-    at once and leave them running. Returns a flag set once SIGTERM came."""
+    """SIGTERM stops a run as ^C does: without this, Python would end at once and leave every
+    mitmdump and mock it started running. Before and after the event loop runs, it raises
+    ``KeyboardInterrupt``; while it runs, ``_stoppable`` cancels the run instead, as
+    ``asyncio.run`` does on ^C (every column then stops what it started, and the work folder
+    goes). Never through SIGINT: a shell's background job ignores SIGINT, and then SIGTERM
+    did nothing at all. Returns a flag set once SIGTERM came."""
     came: list[bool] = []
 
     def on_sigterm(signum, frame) -> None:
         came.append(True)
-        signal.raise_signal(signal.SIGINT)
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
     return came
+
+
+async def _stoppable(run, stopped: list[bool]):
+    """Await ``run`` with SIGTERM cancelling it (see ``_stop_on_sigterm``)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    before = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm() -> None:
+        stopped.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await run
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reproduce: WARNING: {w}", file=sys.stderr)
         stopped = _stop_on_sigterm()
         try:
-            results = asyncio.run(runner.run_scenario(
+            results = asyncio.run(_stoppable(runner.run_scenario(
                 scen, workdir, columns=columns,
                 save_flows=Path(a.save_flows).resolve() if a.save_flows else None,
                 extra_options=extra, serial=a.serial,
-            ))
-        except KeyboardInterrupt:  # every process it started was stopped on the way out
+            ), stopped))
+        except (KeyboardInterrupt, asyncio.CancelledError):  # every process it started was
+            # stopped on the way out (CancelledError: by SIGTERM, see _stoppable)
             print("reproduce: stopped", file=sys.stderr)
             return 128 + (signal.SIGTERM if stopped else signal.SIGINT)
         if svg is not None:
