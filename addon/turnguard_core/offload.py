@@ -56,8 +56,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-class _Replaced:
-    """An attempt that failed because another call replaced the worker it waited on."""
+class _Replaced(Exception):
+    """An attempt failed because another call replaced the worker it waited on."""
 
 
 _ATTEMPTS = 3  # a call's worker replaced by others: tried again on the next, this many times
@@ -80,20 +80,22 @@ class IdentityWorker:
         ``Passthrough`` naming why when either takes longer or the worker fails. Raises
         ``WorkerStopped`` when the addon was unloaded meanwhile."""
         start_deadline = asyncio.get_running_loop().time() + start_timeout_s  # every attempt's
-        for attempt in range(_ATTEMPTS):
-            out = await self._identify_once(view, timeout_s, start_timeout_s, start_deadline,
-                                            kwargs, retry=attempt > 0,
-                                            last=attempt == _ATTEMPTS - 1)
-            if not isinstance(out, _Replaced):
-                return out
-        raise AssertionError("unreachable: the last attempt answers")
+        attempt = 0
+        while True:  # at most _ATTEMPTS times: the last one never raises _Replaced
+            try:
+                return await self._identify_once(view, timeout_s, start_timeout_s,
+                                                 start_deadline, kwargs, retry=attempt > 0,
+                                                 last=attempt == _ATTEMPTS - 1)
+            except _Replaced:
+                attempt += 1
 
     async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, kwargs, *,
                              retry: bool, last: bool):
         """One attempt on the current worker (its start awaited until ``start_deadline``);
-        ``_Replaced`` when it failed only because another call replaced that worker meanwhile
-        (the request is not to blame: it is tried again on the next worker, unless ``last``).
-        A ``retry`` that runs out of start time leaves the worker to those that have not."""
+        raises ``_Replaced`` when it failed only because another call replaced that worker
+        meanwhile (the request is not to blame: it is tried again on the next worker, unless
+        ``last``). A ``retry`` that runs out of start time leaves the worker to those that
+        have not."""
         loop = asyncio.get_running_loop()
         pool = None
         try:
@@ -128,7 +130,7 @@ class IdentityWorker:
             if self._unloaded:
                 raise WorkerStopped from e
             if pool is not None and pool is not self._pool and not last:
-                return _Replaced()  # another call replaced the worker this one waited on
+                raise _Replaced from e  # another call replaced the worker this one waited on
             logger.warning("turnguard: identity worker failed: %r", e)
             self._replace(pool)
             return identity.Passthrough(f"identity worker failed ({type(e).__name__})")
