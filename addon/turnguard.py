@@ -159,6 +159,9 @@ class TurnGuard:
                 self.store.open(location)
         except ValueError as e:
             self._refuse(str(e))
+            return
+        if self._running:
+            self.attacher.start_relay_early()
 
     def _check_ledger_change(self, location: str) -> None:
         """Another ledger while this process runs turns or holds duplicates registered in the
@@ -189,6 +192,7 @@ class TurnGuard:
     def running(self) -> None:
         self._running = True
         if not self.refused:
+            self.attacher.start_relay_early()
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 

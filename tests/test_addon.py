@@ -910,3 +910,26 @@ def _filters_agree(method, scheme, host, path, http2, websocket, authority_form)
         req.data.authority = b"example.com:443"
         req.path = ""
     assert fast(f) == parsed(f), (req.pretty_url, f.websocket is not None)
+
+
+@pytest.mark.parametrize("options", [{"turnguard_detach_ms": 5000},
+                                     {"turnguard_recovery_mode": "server_anchored_replay_once"}],
+                         ids=["detach", "once"])
+async def test_the_relay_listens_once_running_when_a_dispatch_may_be_detached(tmp_path, options):
+    """Started with the addon, not at the first detached dispatch: awaiting its start there
+    would come between the decision to dispatch and the attempt's registration in flight,
+    where a late ledger claim finds no attempt and gives the operation back while the turn
+    runs. Off by default (no listening socket for nothing); on once an option asks for it."""
+    for folder in ("off", "on"):
+        (tmp_path / folder).mkdir()
+    async with make_guard(tmp_path / "off") as g:
+        await asyncio.sleep(0.05)
+        assert g.tg._process.relay is None
+        g.tctx.options.update(**options)
+        relay = await until(lambda: g.tg._process.relay is not None and g.tg._process.relay.port
+                            and g.tg._process.relay, "the relay started by the option")
+    async with make_guard(tmp_path / "on", **options) as g:
+        relay = await until(lambda: g.tg._process.relay is not None and g.tg._process.relay.port
+                            and g.tg._process.relay, "the relay started with the addon")
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.close()

@@ -8,6 +8,7 @@ it *can* take the live response as it is, and does it. A WebSocket's calls attac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable
 
@@ -33,6 +34,26 @@ class Attacher:
         self._inflight = inflight
         self._detacher = detacher
         self._settings = settings
+        self._relay_start: asyncio.Future | None = None
+
+    def start_relay_early(self) -> None:
+        """Start the relay now when the options may detach a dispatch (``turnguard_detach_ms``
+        above 0, or a once-only recovery mode), rather than at the first such dispatch. Its
+        start awaited there would come between the decision to dispatch and the attempt's
+        registration in flight: a late ledger claim answering then would find no attempt and
+        give the operation back while the turn runs. A relay that cannot start is logged; a
+        dispatch then goes as it is, as before."""
+        settings = self._settings()
+        if settings.detach_s <= 0 and not policy.recovery_is_once(settings.recovery_mode):
+            return
+        if self._relay_start is not None and not self._relay_start.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (the addon loaded outside mitmproxy's)
+            return
+        self._relay_start = loop.create_task(self._relay())
+        self._relay_start.add_done_callback(_log_relay_failure)
 
     def can_attach(self, flow: http.HTTPFlow, live: LiveResponse) -> bool:
         """Whether ``flow`` (a request, or a WebSocket whose call it is) can take ``live`` as
@@ -116,6 +137,12 @@ class Attacher:
             relay = self._process.relay = Relay()
         await relay.ensure_started()
         return relay
+
+
+def _log_relay_failure(started: asyncio.Future) -> None:
+    if not started.cancelled() and started.exception() is not None:
+        logger.warning("turnguard: relay unavailable (%s); detached dispatches go as they are "
+                       "until it starts", started.exception())
 
 
 def _plain_sse(head) -> bool:
