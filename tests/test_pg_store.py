@@ -23,7 +23,7 @@ from turnguard_core.knowledge import MemoryStore
 from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
 from turnguard_core.ledger_location import display, is_postgres
 from turnguard_core.pg_ledger import SCHEMA_VERSION as PG_SCHEMA_VERSION
-from turnguard_core.pg_ledger import PgLedger, PgLedgerAdmin
+from turnguard_core.pg_ledger import NOTIFY_CHANNEL, AttemptEndListener, PgLedger, PgLedgerAdmin
 from turnguard_shell import config
 
 from store_attempt import StoreAttempt
@@ -266,6 +266,30 @@ async def test_other_processes_attempt_ends_are_notified_and_the_fallback_is_pol
         peer.close()
     finally:
         store.close()
+
+
+def test_the_listener_is_not_ended_by_an_idle_session_timeout(pg_url):
+    """A server (or database) with ``idle_session_timeout`` ended the listener's connection,
+    which idles by design, once per timeout: each time a warning that notifications were lost,
+    polling, and another that they resumed. The listener turns the timeout off for its own
+    session."""
+    database = sql(pg_url, "SELECT current_database()")[0][0]
+    sql(pg_url, f"ALTER DATABASE {database} SET idle_session_timeout = '300ms'")
+    lives: list[bool] = []
+    ends: list = []
+    listener = AttemptEndListener(pg_url, on_end=lambda *end: ends.append(end),
+                                  on_live=lives.append, retry_s=0.1, poll_s=0.05)
+    listener.start()
+    try:
+        time.sleep(1.5)  # five timeouts
+        sql(pg_url, f"SELECT pg_notify('{NOTIFY_CHANNEL}', 'op 7 completed')")
+        deadline = time.monotonic() + 10
+        while not ends and time.monotonic() < deadline:  # bounded
+            time.sleep(0.02)
+        assert ends == [("op", 7, "completed")]
+        assert lives == [True], "the listener's connection was ended while it idled"
+    finally:
+        listener.stop()
 
 
 async def test_a_held_duplicate_is_woken_by_the_notification_even_if_it_came_first():
