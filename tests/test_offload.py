@@ -87,3 +87,28 @@ async def test_a_worker_that_does_not_start_in_time_passes_the_request_through(
     assert out == identity.Passthrough("identity worker did not start within 0.5 s")
     monkeypatch.delenv("PYTHONPATH")  # the next call starts another worker, which runs
     assert await worker.identify(view(body), timeout_s=30) == identity.identify(view(body))
+
+
+async def test_the_start_and_the_identity_together_stay_within_the_request_budget(
+        tmp_path, monkeypatch):
+    """The request's budget bounds its whole wait in turnguard. The worker's start and the
+    identity each had a bound within it, but their sum did not: a large body waited for a
+    slow start, then up to the budget again for its identity (1 + 4 s against 4)."""
+    from turnguard_shell.answering import Identifier
+
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(1.0)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the spawned interpreter starts slowly
+    identifier = Identifier()
+    try:
+        body = ('{"input":[' + ",".join('{"a":1,"b":[2]}' for _ in range(3_000_000)) + "]}")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        out = await identifier.identify_view(view(body.encode()), 4.0, ())
+        waited = loop.time() - started
+        assert isinstance(out, identity.Passthrough)
+        assert out.reason in (  # (the first when the machine is too busy to start it by then)
+            "identity worker did not start within 4.0 s",
+            "identity of a large body did not end within the request budget (4.0 s)")
+        assert waited < 4.0 + 1.0, f"waited {waited:.1f} s on a budget of 4.0 s"
+    finally:
+        identifier.close()

@@ -21,6 +21,7 @@ import concurrent.futures
 import ctypes
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -73,41 +74,49 @@ class IdentityWorker:
 
     async def identify(
         self, view: identity.RequestView, *, timeout_s: float,
-        start_timeout_s: float = START_TIMEOUT_S, **kwargs,
+        start_timeout_s: float = START_TIMEOUT_S, within_s: float | None = None, **kwargs,
     ) -> identity.Identity | identity.Passthrough:
         """``identity.identify(view, **kwargs)`` in the worker, within ``timeout_s`` once the
-        worker runs (starting it, when it does not run yet, within ``start_timeout_s``); a
-        ``Passthrough`` naming why when either takes longer or the worker fails. Raises
-        ``WorkerStopped`` when the addon was unloaded meanwhile."""
-        start_deadline = asyncio.get_running_loop().time() + start_timeout_s  # every attempt's
+        worker runs (starting it, when it does not run yet, within ``start_timeout_s``), and the
+        whole call within ``within_s`` (the request's budget) when given; a ``Passthrough``
+        naming why when any of them runs out or the worker fails. Raises ``WorkerStopped``
+        when the addon was unloaded meanwhile."""
+        within_s = math.inf if within_s is None else within_s
+        start_timeout_s = min(start_timeout_s, within_s)
+        now = asyncio.get_running_loop().time()
+        start_deadline, deadline = now + start_timeout_s, now + within_s  # every attempt's
         attempt = 0
         while True:  # at most _ATTEMPTS times: the last one never raises _Replaced
             try:
                 return await self._identify_once(view, timeout_s, start_timeout_s,
-                                                 start_deadline, kwargs, retry=attempt > 0,
+                                                 start_deadline, (within_s, deadline),
+                                                 kwargs, retry=attempt > 0,
                                                  last=attempt == _ATTEMPTS - 1)
             except _Replaced:
                 attempt += 1
 
-    async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, kwargs, *,
-                             retry: bool, last: bool):
-        """One attempt on the current worker (its start awaited until ``start_deadline``);
+    async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, budget,
+                             kwargs, *, retry: bool, last: bool):
+        """One attempt on the current worker (its start awaited until ``start_deadline``, the
+        whole call bounded by ``budget``: the request's budget and its deadline);
         raises ``_Replaced`` when it failed only because another call replaced that worker
         meanwhile (the request is not to blame: it is tried again on the next worker, unless
         ``last``). A ``retry`` that runs out of start time leaves the worker to those that
         have not."""
         loop = asyncio.get_running_loop()
         pool = None
+        bound_s = timeout_s
         try:
             if self._unloaded:
                 raise WorkerStopped
             pool, started = self._get_pool()
             await self._wait_started(started, start_deadline - loop.time())
             future = loop.run_in_executor(pool, functools.partial(identity.identify, view, **kwargs))
+            bound_s = min(timeout_s, budget[1] - loop.time())
             # (asyncio.wait: a call cancelled by the pool's shutdown must not raise
             # CancelledError out of the request's hook)
             try:
-                await asyncio.wait({future}, timeout=max(0.001, timeout_s))
+                await asyncio.wait({future}, timeout=max(0.001, bound_s))
             finally:
                 timed_out = not future.done()
                 future.cancel()  # (a no-op once it is done)
@@ -125,6 +134,9 @@ class IdentityWorker:
                 f"identity worker did not start within {start_timeout_s:.1f} s")
         except TimeoutError:
             self._replace(pool)  # the worker may spin for a long time more: replace it
+            if bound_s < timeout_s:  # the request's budget ran out first
+                return identity.Passthrough("identity of a large body did not end within the "
+                                            f"request budget ({budget[0]:.1f} s)")
             return identity.Passthrough(f"identity of a large body took longer than {timeout_s:.1f} s")
         except Exception as e:  # a broken or unstartable worker must not break the request
             if self._unloaded:

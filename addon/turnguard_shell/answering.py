@@ -46,9 +46,9 @@ class Identifier:
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY, credential_headers=credential_headers)
         if view.body is None or len(view.body) <= INLINE_MAX_BYTES and not view.body_codings:
             return self._memo.identify(view, **kwargs)
-        return await self._worker.identify(
-            view, timeout_s=min(timeout_s, IDENTITY_TIMEOUT_S),
-            start_timeout_s=min(timeout_s, START_TIMEOUT_S), **kwargs)
+        return await self._worker.identify(view, timeout_s=IDENTITY_TIMEOUT_S,
+                                           start_timeout_s=START_TIMEOUT_S, within_s=timeout_s,
+                                           **kwargs)
 
     def close(self) -> None:
         """Unloaded: the worker stops; a request it was identifying raises ``WorkerStopped``
