@@ -3,20 +3,20 @@
 Every end-to-end test relies on this: a mitmdump forked from the server that imported mitmproxy
 must see the same arguments, environment, directory, streams, ``__main__`` and signal
 dispositions as one started with exec, end with the same statuses, and be signalled the same
-way. Each test starts one of each and compares.
+way. Each test starts one of each and compares. (The identity worker a forked mitmdump spawns,
+with the mitmdump script as its ``__main__``, and its end with that mitmdump:
+``test_crash.py::test_kill9_does_not_leave_the_identity_worker_running``.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import mitmdump_forks
-from harness import Mitmdump, MockUpstream, assert_no_traceback, sse_post, wait_until
+from harness import Mitmdump, assert_no_traceback
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
@@ -114,40 +114,3 @@ def test_what_an_import_or_the_interpreter_would_read_is_execd(tmp_path, monkeyp
             assert isinstance(proxy.proc, subprocess.Popen)
     with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False, env={"TURNGUARD_X": "1"}) as proxy:
         assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
-
-
-def test_a_forked_guarded_mitmdump_proxies_and_its_identity_worker_ends_with_it(tmp_path,
-                                                                                 monkeypatch):
-    """The whole addon, including its spawned identity worker (whose spawn names the mitmdump
-    script as ``__main__``), in a forked mitmdump."""
-    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
-    with MockUpstream(tmp_path) as up, Mitmdump(tmp_path, up.url, options={
-            "turnguard_ledger": str(tmp_path / "ledger.sqlite3")}) as proxy:
-        assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
-        items = [{"role": "user", "content": "x" * 100} for _ in range(3000)]  # over 256 KiB
-        big = {"model": "m", "input": items, "stream": True}
-        status, _, _ = sse_post(proxy.url, body=big)
-        assert status == 200 and len(up.dispatches()) == 1
-        workers = wait_until(lambda: _children(proxy.pid), 30, what="the identity worker")
-        proxy.kill9()
-        for pid in workers:
-            wait_until(lambda: _zombie(pid), 30, what="the worker's end")
-        assert_no_traceback(proxy.log_text())
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
-    return found
-
-
-def _zombie(pid: int) -> bool:
-    """Ended: gone, or a zombie not yet reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
