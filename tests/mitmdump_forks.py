@@ -11,10 +11,10 @@ exit status, so that ``ForkedPopen`` answers ``poll``, ``wait``, ``send_signal``
 as ``subprocess.Popen`` does. A start then costs about 0.3 s of CPU instead of 1.3.
 
 ``popen(cmd, **popen_kwargs)`` is what ``turnguard_procs.Process`` calls. It forks only what
-exec and a fork run alike: the venv's ``mitmdump``, in the caller's process group, with an
-environment that differs from the server's only in ``TURNGUARD_*`` variables (mitmproxy reads
-some variables when imported, e.g. ``SSLKEYLOGFILE``, and Python reads ``PYTHON*`` ones when it
-starts). Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
+exec and a fork run alike: the venv's ``mitmdump`` itself (no prefix such as ``unshare``),
+with an environment that differs from the server's only in ``TURNGUARD_*`` and ``PYTEST_*``
+variables (mitmproxy reads some variables when imported, e.g. ``SSLKEYLOGFILE``, and Python
+reads ``PYTHON*`` ones when it starts). Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
 ``subprocess.Popen``.
 
 Run as a script, this module is the server: ``python -u mitmdump_forks.py SOCKET``.
