@@ -14,7 +14,10 @@ as ``subprocess.Popen`` does. A start then costs about 0.3 s of CPU instead of 1
 exec and a fork run alike: the venv's ``mitmdump`` itself (no prefix such as ``unshare``),
 with an environment that differs from the server's only in ``TURNGUARD_*`` and ``PYTEST_*``
 variables (mitmproxy reads some variables when imported, e.g. ``SSLKEYLOGFILE``, and Python
-reads ``PYTHON*`` ones when it starts). Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
+reads ``PYTHON*`` ones when it starts), and while the test process's resource limits, ignored
+signals and the calling thread's blocked ones (which an exec'd process inherits as they are when
+it starts, a fork as they were when the server started) are the server's; the umask goes with
+the request. Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
 ``subprocess.Popen``.
 
 Run as a script, this module is the server: ``python -u mitmdump_forks.py SOCKET``.
@@ -77,6 +80,7 @@ def _become_mitmdump(request: dict, fds: list[int], owned: list, mask: set) -> N
     for fd in set(fds):
         os.close(fd)
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
@@ -159,6 +163,27 @@ def _tell(conn: socket.socket, **message: int) -> None:
 
 # ---- the client -------------------------------------------------------------------------------
 
+def _status(field: str) -> str:
+    with open("/proc/self/status") as f:
+        return next(line.split()[1] for line in f if line.startswith(field + ":"))
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for a moment, for
+    every thread)."""
+    return int(_status("Umask"), 8)
+
+
+def _inherited() -> tuple:
+    """What a process started now from this thread inherits, besides its umask, environment and
+    directory: resource limits, ignored signals, blocked signals."""
+    import resource
+
+    limits = tuple(resource.getrlimit(getattr(resource, name))
+                   for name in sorted(dir(resource)) if name.startswith("RLIMIT_"))
+    return (limits, _status("SigIgn"), frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, ())))
+
+
 class ForkedPopen:
     """The ``subprocess.Popen`` calls ``turnguard_procs.Process`` and the tests make, for a
     mitmdump forked by the server."""
@@ -173,7 +198,8 @@ class ForkedPopen:
         self._conn.settimeout(REPLY_TIMEOUT_S)
         try:
             self._conn.connect(server.path)
-            request = {"argv": args, "env": env, "cwd": cwd, "new_session": new_session}
+            request = {"argv": args, "env": env, "cwd": cwd, "umask": _umask(),
+                       "new_session": new_session}
             payload = json.dumps(request).encode()
             socket.send_fds(self._conn, [len(payload).to_bytes(4, "big")], fds)
             self._conn.sendall(payload)
@@ -239,6 +265,7 @@ class _Server:
         self.dir = tempfile.mkdtemp(prefix="tg-forks-")
         self.path = os.path.join(self.dir, "socket")
         self.env = dict(os.environ)
+        self.inherited = _inherited()
         self.log = open(os.path.join(self.dir, "server.out"), "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-u", __file__, self.path], stdin=subprocess.DEVNULL,
@@ -254,6 +281,8 @@ class _Server:
 
     def forks_alike(self, env: dict[str, str]) -> bool:
         """True if an exec'd mitmdump would see what a fork of the server sees."""
+        if _inherited() != self.inherited:
+            return False
         keys = (set(env) | set(self.env)) - _IGNORED
         return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(_PASSED_THROUGH))
 

@@ -1,7 +1,7 @@
 """The tests' forked mitmdumps (tests/mitmdump_forks.py) run as exec'd ones do.
 
 Every end-to-end test relies on this: a mitmdump forked from the server that imported mitmproxy
-must see the same arguments, environment, directory, streams, ``__main__`` and signal
+must see the same arguments, environment, directory, umask, streams, ``__main__`` and signal
 dispositions as one started with exec, end with the same statuses, and be signalled the same
 way. Each test starts one of each and compares. (The identity worker a forked mitmdump spawns,
 with the mitmdump script as its ``__main__``, and its end with that mitmdump:
@@ -10,7 +10,10 @@ with the mitmdump script as its ``__main__``, and its end with that mitmdump:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import resource
 import signal
 import subprocess
 import time
@@ -20,8 +23,12 @@ from harness import Mitmdump, assert_no_traceback
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
-import json, os, signal, sys
+import json, os, resource, signal, sys
 import __main__
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        return next(line.split()[1] for line in f if line.startswith(field + ":"))
 
 def _disposition(sig):
     handler = signal.getsignal(sig)
@@ -40,6 +47,10 @@ def load(loader):
                     for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGTERM, signal.SIGCHLD)},
         "sid_is_own": os.getsid(0) == os.getpid(),
         "turnguard_loaded": "turnguard_core" in sys.modules,
+        "umask": _status("Umask"),
+        "ignored": _status("SigIgn"),
+        "blocked": _status("SigBlk"),
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
     }
     with open(os.environ["TURNGUARD_PROBE_OUT"], "w") as f:
         json.dump(facts, f)
@@ -53,7 +64,9 @@ def _both(tmp_path: Path, monkeypatch, **kwargs):
         yield how, Mitmdump(tmp_path, "http://127.0.0.1:9", name=how, **kwargs)
 
 
-def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
+def _probe_both(tmp_path: Path, monkeypatch, forked: bool = True) -> dict:
+    """What the probe saw in a mitmdump started as a fork (or, when ``forked`` is false, one the
+    fork module ran with exec on its own) and in an exec'd one."""
     probe = tmp_path / "probe.py"
     probe.write_text(_PROBE)
     facts = {}
@@ -61,17 +74,50 @@ def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
                             env={"TURNGUARD_PROBE": "x",
                                  "TURNGUARD_PROBE_OUT": str(tmp_path / "facts")}):
         with proxy:
-            assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork")
+            assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork" and forked)
             facts[how] = json.loads((tmp_path / "facts").read_text())
             (tmp_path / "facts").unlink()
             assert proxy.stop() == 0, proxy.log_text()
         assert_no_traceback(proxy.log_text())
     for how in facts:  # what differs by design: the confdir and the name in the arguments
         facts[how]["argv"] = [a.replace(f"{how}-confdir", "-confdir") for a in facts[how]["argv"]]
+    return facts
+
+
+def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
+    facts = _probe_both(tmp_path, monkeypatch)
     assert facts["fork"] == facts["exec"]
     assert facts["fork"]["env"] == "x" and facts["fork"]["stdin"] == "/dev/null"
     assert facts["fork"]["main"] == str(mitmdump_forks.MITMDUMP)
     assert not facts["fork"]["turnguard_loaded"], "the server must not have imported turnguard"
+
+
+def test_a_forked_mitmdump_inherits_what_the_test_process_has_when_it_starts(tmp_path,
+                                                                             monkeypatch):
+    """An exec'd mitmdump inherits the test process's umask, resource limits, ignored and
+    blocked signals as they are when it starts (test_security.py starts one under umask 0), not
+    as they were when the server started."""
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", name="first", addon=False):
+        pass  # the server runs, started with the test process's usual state
+    old_umask = os.umask(0o007)
+    try:  # a umask a fork can take
+        facts = _probe_both(tmp_path, monkeypatch)
+    finally:
+        os.umask(old_umask)
+    assert facts["exec"]["umask"] == "0007"
+    assert facts["fork"] == facts["exec"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.ExitStack() as undo:  # what a fork could not always take: exec'd
+        for what, change in [(lambda h: signal.signal(signal.SIGHUP, h),
+                              signal.signal(signal.SIGHUP, signal.SIG_IGN)),
+                             (lambda m: signal.pthread_sigmask(signal.SIG_SETMASK, m),
+                              signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}))]:
+            undo.callback(what, change)
+        undo.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+        facts = _probe_both(tmp_path, monkeypatch, forked=False)
+    assert facts["exec"]["nofile"][0] == min(soft, 512) and facts["exec"]["blocked"] != "0" * 16
+    assert facts["fork"] == facts["exec"]
 
 
 def test_a_forked_mitmdump_ends_and_is_signalled_as_an_execd_one(tmp_path, monkeypatch):
