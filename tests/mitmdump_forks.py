@@ -117,7 +117,16 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGTERM, stop)
     print("ready", flush=True)
     while True:  # until SIGTERM or the end of the test process that started us
-        if os.getppid() != parent:
+        if os.getppid() != parent:  # killed (its atexit never ran): what it would have removed
+            for name in ("socket", "server.out"):
+                try:
+                    os.unlink(os.path.join(os.path.dirname(path), name))
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass
             stop(signal.SIGTERM, None)
         for key, _events in sel.select(1.0):
             if key.data is not None:  # a child exited

@@ -16,10 +16,11 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 
 import mitmdump_forks
-from harness import Mitmdump, assert_no_traceback
+from harness import REPO, Mitmdump, assert_no_traceback
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
@@ -160,3 +161,47 @@ def test_what_an_import_or_the_interpreter_would_read_is_execd(tmp_path, monkeyp
             assert isinstance(proxy.proc, subprocess.Popen)
     with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False, env={"TURNGUARD_X": "1"}) as proxy:
         assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
+
+
+# A test process that starts a forked mitmdump, says what runs, and waits to be killed.
+_KILLED_TEST = '''
+import json, os, sys, time
+sys.path[:0] = [os.path.join(sys.argv[1], "tests"), os.path.join(sys.argv[1], "scripts")]
+import mitmdump_forks
+from harness import Mitmdump
+from pathlib import Path
+proxy = Mitmdump(Path(sys.argv[2]), "http://127.0.0.1:9", addon=False)
+server = mitmdump_forks._server
+print(json.dumps({"forked": isinstance(proxy.proc, mitmdump_forks.ForkedPopen),
+                  "server": server.process.pid, "mitmdump": proxy.proc.pid, "dir": server.dir}),
+      flush=True)
+time.sleep(60)
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_test_process_killed_takes_the_server_and_its_mitmdumps_with_it(tmp_path, monkeypatch):
+    """kill -9 of a test process (a worker that crashed or timed out): the server sees it gone,
+    kills its mitmdumps, ends, and leaves no socket or directory behind."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    test = subprocess.Popen([sys.executable, "-c", _KILLED_TEST, str(REPO), str(tmp_path)],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        started = json.loads(test.stdout.readline())
+    finally:
+        test.kill()
+        test.wait(10)
+        test.stdout.close()
+    assert started["forked"]
+    deadline = time.monotonic() + 15
+    while any(_running(started[p]) for p in ("server", "mitmdump")):  # bounded by the deadline
+        assert time.monotonic() < deadline, f"still running: {started}"
+        time.sleep(0.05)
+    assert not os.path.exists(started["dir"]), os.listdir(started["dir"])
