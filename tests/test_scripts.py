@@ -711,3 +711,60 @@ def test_ledger_cli_on_junk_rows_says_so_in_one_line_and_exits_1(direct_ledger: 
             assert len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr, (args, r.stderr)
     helped = _ledger_cli("--help").stdout
     assert "Exit status" in helped and "2 usage error" in helped
+
+
+# Two tests that say which processes run them (the pytest worker and its controller) and wait.
+_WAITING_TESTS = '''
+import os, pathlib, sys, time, pytest
+
+@pytest.mark.unit
+@pytest.mark.parametrize("i", range(2))
+def test_waits(i):
+    pids = pathlib.Path(__file__).with_name("pids")
+    (pids / str(os.getpid())).write_text(f"{os.getppid()} {sys.version_info[1]}")
+    time.sleep(120)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
+    """SIGTERM or SIGINT to scripts/test alone (not its group), during the whole-suite run:
+    the main run's pytest and its workers stop with the other Pythons' run. The main run was
+    a foreground command the script did not stop: SIGTERM left it running, orphaned, and SIGINT
+    did nothing until it ended. (The whole suite is two waiting tests here, PYTEST_ADDOPTS.)"""
+    (tmp_path / "test_waiting.py").write_text(_WAITING_TESTS)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = _env(PYTEST_ADDOPTS=f"{tmp_path / 'test_waiting.py'} -p no:randomly -p no:cacheprovider",
+               TURNGUARD_TEST_PG="postgresql://turnguard@127.0.0.1:9/none")  # none started
+    out = tmp_path / "out"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([str(REPO / "scripts" / "test")], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                start_new_session=True)
+    started: set[int] = set()
+
+    def running() -> set[int]:
+        for f in pids.iterdir():
+            started.update({int(f.name), int(f.read_text().split()[0])})
+        return {p for p in started if _alive(p)}
+
+    def main_run_waits() -> bool:  # (beside it, the other Pythons' run may have begun too)
+        return sum(f.read_text().split()[1] == str(sys.version_info[1])
+                   for f in pids.iterdir()) >= 2
+
+    try:
+        wait_until(main_run_waits, 120, 0.1, "the main run's tests")
+        proc.send_signal(sig)
+        assert proc.wait(30) in (128 + sig, -sig), out.read_text(errors="replace")
+        try:
+            wait_until(lambda: not running(), 15, 0.1, "every pytest it started stopped")
+        except AssertionError:
+            raise AssertionError(f"left running: {running()}") from None
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait(10)
+        for pid in running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
