@@ -26,6 +26,7 @@ Run as a script, this module is the server: ``python -u mitmdump_forks.py SOCKET
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import select
@@ -47,6 +48,9 @@ _IGNORED = {"PYTHONUNBUFFERED"}  # the server runs with -u
 
 # ---- the server -------------------------------------------------------------------------------
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     head, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
     if len(head) != 4 or len(fds) != 3:
@@ -63,12 +67,15 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-def _become_mitmdump(request: dict, fds: list[int], owned: list, mask: set) -> None:
-    """In the forked child: take back SIGTERM (blocked across the fork, so that a SIGTERM sent
-    at once ends the child as it would an exec'd one), drop the server's descriptors, take the
-    request's streams, directory, environment and arguments, and run the mitmdump script as
-    ``__main__``. Its ``SystemExit`` (or exception) ends this process as it would end an exec'd
-    mitmdump."""
+def _become_mitmdump(request: dict, fds: list[int], owned: list, mask: set, server: int) -> None:
+    """In the forked child: be killed with the server (killed itself, it could not kill its
+    children, and the tests would take them for ended), take back SIGTERM (blocked across the
+    fork, so that a SIGTERM sent at once ends the child as it would an exec'd one), drop the
+    server's descriptors, take the request's streams, directory, environment and arguments, and
+    run the mitmdump script as ``__main__``. Its ``SystemExit`` (or exception) ends this process
+    as it would end an exec'd mitmdump."""
+    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != server:
+        os._exit(1)  # the server is already gone
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for thing in owned:
@@ -98,7 +105,7 @@ def serve(path: str) -> None:
     import mitmproxy.tools.dump  # noqa: F401  (the import every child saves)
     import mitmproxy.tools.main  # noqa: F401
 
-    parent = os.getppid()
+    parent, server = os.getppid(), os.getpid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -151,7 +158,7 @@ def serve(path: str) -> None:
                 owned = [sel, listener, conn, *(c for _, c in children.values())]
                 for pidfd in children:
                     os.close(pidfd)
-                _become_mitmdump(request, fds, owned, mask)
+                _become_mitmdump(request, fds, owned, mask, server)
                 sys.exit(0)  # not reached: the script ends with sys.exit
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for fd in set(fds):

@@ -205,3 +205,26 @@ def test_a_test_process_killed_takes_the_server_and_its_mitmdumps_with_it(tmp_pa
         assert time.monotonic() < deadline, f"still running: {started}"
         time.sleep(0.05)
     assert not os.path.exists(started["dir"]), os.listdir(started["dir"])
+
+
+def test_a_server_killed_takes_its_mitmdumps_with_it(tmp_path, monkeypatch):
+    """kill -9 of the server (the OOM killer's pick): its mitmdumps go with it, so that what
+    ForkedPopen then answers (killed) is true and Process.stop leaves nothing running."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False) as proxy:
+        assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen)
+        server = mitmdump_forks._server
+        pid = proxy.proc.pid
+        try:
+            server.process.kill()
+            server.process.wait(10)
+            assert proxy.proc.wait(10) == -signal.SIGKILL
+            deadline = time.monotonic() + 10
+            while _running(pid):  # bounded by the deadline
+                assert time.monotonic() < deadline, "the mitmdump outlived its server"
+                time.sleep(0.05)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            server.close()
+            mitmdump_forks._server = None  # the next mitmdump starts a new one
