@@ -265,7 +265,10 @@ class ForkedPopen:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # as Popen: never signal a pid that may have been reused
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # as Popen: it ended and was reaped, not yet told
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

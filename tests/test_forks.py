@@ -228,3 +228,23 @@ def test_a_server_killed_takes_its_mitmdumps_with_it(tmp_path, monkeypatch):
                 os.kill(pid, signal.SIGKILL)
             server.close()
             mitmdump_forks._server = None  # the next mitmdump starts a new one
+
+
+def test_signalling_a_forked_mitmdump_that_just_ended_is_harmless_as_with_popen(tmp_path,
+                                                                                monkeypatch):
+    """While one thread waits for a mitmdump (and holds its lock), another signals it just
+    after it ended and was reaped: Popen.send_signal ignores the ProcessLookupError, and so must
+    ForkedPopen."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False) as proxy:
+        proc = proxy.proc
+        assert isinstance(proc, mitmdump_forks.ForkedPopen)
+        with proc._lock:  # as a wait() in another thread does
+            os.kill(proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{proc.pid}"):  # reaped by the server; bounded
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            proc.terminate()
+        assert proc.wait(10) == -signal.SIGKILL
