@@ -20,6 +20,11 @@ it starts, a fork as they were when the server started) are the server's; the um
 the request. Anything else, ``TURNGUARD_TEST_EXEC_MITMDUMP=1``, or a server that cannot start, gets
 ``subprocess.Popen``.
 
+One difference stays: the forks of one server share its string hash seed (an exec'd mitmdump
+draws its own), so two mitmdumps of one test hash and order sets of strings alike; a test of
+something that must not depend on that order runs its mitmdumps with
+``TURNGUARD_TEST_EXEC_MITMDUMP=1``.
+
 Run as a script, this module is the server: ``python -u mitmdump_forks.py SOCKET``.
 """
 
