@@ -227,19 +227,21 @@ class TurnGuard:
             self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}",
                        transport="http")
 
-    async def _guard(self, flow: http.HTTPFlow) -> None:
-        """What happens to a guarded request: identify it, run the machine, do what it ends in."""
+    async def _guard(self, flow: http.HTTPFlow, budget_deadline: float | None = None) -> None:
+        """What happens to a guarded request: identify it, run the machine, do what it ends in.
+        ``budget_deadline``: the end of its budget, when it began in an instance unloaded since."""
         cfg = self.settings
-        budget_deadline = time.monotonic() + cfg.request_budget_s
+        if budget_deadline is None:
+            budget_deadline = time.monotonic() + cfg.request_budget_s
         try:
-            ident = await self.identifier.identify(flow, cfg.request_budget_s,
-                                                   cfg.credential_headers)
+            ident = await self.identifier.identify(
+                flow, max(0.0, budget_deadline - time.monotonic()), cfg.credential_headers)
         except WorkerStopped:  # a script reload while its body was identified off the loop
             successor = self._process.guard
             if successor is not None and successor is not self and not successor.refused:
                 logger.info("turnguard: reloaded while %s was identified; the addon loaded "
                             "now decides it", flow.id)
-                return await successor._guard(flow)
+                return await successor._guard(flow, budget_deadline)  # what is left of it
             ident = identity.Passthrough("turnguard unloaded while identifying the request")
         if isinstance(ident, identity.Passthrough):
             self._emit("passthrough", flow=flow.id, reason=ident.reason, transport="http")

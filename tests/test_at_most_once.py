@@ -791,6 +791,47 @@ def test_large_bodies_queued_behind_a_hostile_one_are_still_identified(tmp_path)
         assert_no_traceback(a.log_text())
 
 
+def slow_workers(tmp_path: Path, monkeypatch, start_s: float) -> Path:
+    """Identity workers of the mitmdump started next start slowly: the first one not at all
+    (until it is stopped), each later one after ``start_s`` (a ``sitecustomize`` that only
+    the worker, a ``spawn_main`` interpreter, acts on). Returns the file the first one makes."""
+    first = tmp_path / "first-worker"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys, time\n"
+        "if 'spawn_main' in ' '.join(getattr(sys, 'orig_argv', [])):\n"
+        "    try:\n"
+        f"        os.close(os.open({str(first)!r}, os.O_CREAT | os.O_EXCL))\n"
+        "        time.sleep(30)\n"
+        "    except FileExistsError:\n"
+        f"        time.sleep({start_s})\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return first
+
+
+def test_a_reload_while_a_large_body_is_identified_leaves_it_only_the_rest_of_its_budget(
+        tmp_path, monkeypatch):
+    """A script reload while a large body waits for the worker: the instance loaded now
+    identifies it, within what is left of the request's budget, not a whole budget again
+    (before, a request waited ~4 s for the first instance, then up to its 8 s budget again
+    for the next one's worker, which starts in 5 s: it waited ~9.5 s against 8). It passes
+    through, forwarded once."""
+    first = slow_workers(tmp_path, monkeypatch, 5)
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script,
+                                               turnguard_request_budget_ms=8000) as a:
+        big = in_background(post, a.url, SESSION, body_of("big " + "b" * 300_000), 60)
+        wait_until(first.exists, 20, what="the first identity worker")
+        time.sleep(3)  # it never starts: the reload comes ~4-5 s into the budget
+        reloaded(a, touch_to_reload(a, script))
+        a.wait_for_log("was identified; the addon loaded now decides it", 20)
+        assert big.result(60)[0] == 200
+        passed = [e["reason"] for e in events(tmp_path, "a", "passthrough")]
+        assert len(passed) == 1 and ("did not start within" in passed[0]
+                                     or "request budget" in passed[0]), passed
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text())
+
+
 def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
     """A 20 MB body of millions of tiny JSON objects (seconds to parse) is identified in the
     worker process and, past its bound, passed through; meanwhile other requests are answered

@@ -21,7 +21,7 @@ from harness import (ADDON, REPO, Mitmdump, MockUpstream, assert_no_traceback, g
                      ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
-from test_at_most_once import reloadable, reloaded, touch_to_reload
+from test_at_most_once import reloadable, reloaded, slow_workers, touch_to_reload
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
@@ -891,6 +891,30 @@ def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_
     report("script reloaded while a 20,000-item call was identified in the worker: the new "
            "instance decided it; its retry through another process got the same response; "
            "upstream dispatches=1")
+
+
+def test_a_reload_while_a_large_call_is_identified_leaves_it_only_the_rest_of_its_budget(
+        tmp_path, monkeypatch):
+    """As over HTTP: the instance loaded now identifies the call within what is left of its
+    budget (before, a whole budget again: the next worker, which starts in 5 s, was waited for
+    past the 8 s budget). The call passes through, sent upstream once, and is answered."""
+    first = slow_workers(tmp_path, monkeypatch, 5)
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script,
+                                               turnguard_request_budget_ms=8000) as a:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            original = pool.submit(asyncio.run, one_call(a.url, call([user("b" * 300_000)])))
+            wait_until(first.exists, 20, what="the first identity worker")
+            time.sleep(3)  # it never starts: the reload comes ~4-5 s into the budget
+            reloaded(a, touch_to_reload(a, script))
+            a.wait_for_log("was identified; the addon loaded now decides it", 20)
+            answered = original.result(60)
+        assert types(answered)[-1] == "response.completed"
+        passed = [e["reason"] for e in turnguard_events(tmp_path, "a", "passthrough")]
+        assert len(passed) == 1 and ("did not start within" in passed[0]
+                                     or "request budget" in passed[0]), passed
+        assert len(ws_dispatches(up)) == 1
+        assert_no_traceback(a.log_text())
 
 
 # -- what turnguard sends itself on a socket: whole, in order, every character intact ------------

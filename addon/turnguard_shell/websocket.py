@@ -301,8 +301,8 @@ class WebSockets:
         view = flows.ws_call_view(flow, full.encoded())
         while True:
             try:
-                ident = await guard.identifier.identify_view(view, cfg.request_budget_s,
-                                                             cfg.credential_headers)
+                ident = await guard.identifier.identify_view(  # (after a reload: what is left)
+                    view, max(0.0, budget_deadline - time.monotonic()), cfg.credential_headers)
                 break
             except WorkerStopped:  # a script reload while the frame was identified off the
                 successor = self._guard  # loop: the instance that runs now decides
