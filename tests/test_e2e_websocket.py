@@ -1194,6 +1194,33 @@ def test_a_frame_of_millions_of_tiny_objects_does_not_hold_the_proxy(tmp_path):
         assert_no_traceback(p.log_text())
 
 
+def test_a_frame_of_millions_of_numbers_passes_without_being_read(tmp_path):
+    """A call frame of 20 M numbers in one array: 38 MB, about 40 kB deflated, and only one
+    JSON array. Read, the parser holds the interpreter (and mitmproxy's event loop with it,
+    though it runs on a thread) for seconds in one go, and its canonical form takes seconds
+    more on the event loop, whatever the request budget: it passes untouched, unread, and a
+    call on another socket is answered as usual."""
+    hostile = json.dumps(call([user("hostile")], turn="turn-h"), separators=(",", ":"))
+    hostile = hostile[:-1] + ',"tools":[' + "0," * 20_000_000 + '0]}'
+    with DeflateUpstream(big_bytes=0, delay_s=0) as up, Mitmdump(tmp_path, up.url, options={
+            "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
+            "turnguard_request_budget_ms": 2000}) as p:
+        async def run():
+            async with DeflateClient.connect(p.url, headers=HEADERS) as big, \
+                    WsClient.connect(p.url, headers=HEADERS) as other:
+                await big.send(hostile)
+                await other.send(call([user("meanwhile")], turn="turn-m"))
+                return await other.response(60), await big.response(120)
+
+        meanwhile, answered = asyncio.run(run())
+        assert types(meanwhile)[-1] == types(answered)[-1] == "response.completed"
+        assert up.dispatches == 2
+        assert [e["reason"] for e in events(tmp_path, "passthrough")] == [
+            "frame holds more than 4000000 JSON values"]
+        assert_no_traceback(p.log_text())
+
+
 def _peak_rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

@@ -13,7 +13,7 @@ Contract
   ``response.create`` that asks for generation), a ``Prewarm`` (``generate: false``: it warms
   the socket and is never an operation) or ``NotACall`` with the reason (binary, not UTF-8, not
   a JSON object, duplicate keys, too deep or too large, more than ``MAX_FRAME_CONTAINERS``
-  objects and arrays, another ``type``). Never raises.
+  objects and arrays or ``MAX_FRAME_VALUES`` values, another ``type``). Never raises.
 * ``SocketRecord`` is one client socket's memory: the responses it carried (their full input
   and their output items, the last ``MAX_REMEMBERED`` of them) and which of them the upstream
   socket knows (it produced them; a replayed one it never saw). ``full_request(body)`` rebuilds
@@ -67,6 +67,12 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 # too: an upper bound): each costs ~100 bytes once read, so a frame of 64 MiB of ``{},``
 # (a few kB deflated) would take about 3 GB and half a minute. A Codex turn holds far fewer.
 MAX_FRAME_CONTAINERS = 1_000_000
+# JSON values a client frame may hold (counted as ``,`` bytes, strings too: an upper bound).
+# One long array of numbers is read in one go, the interpreter held throughout (mitmproxy's
+# event loop too, though it is read on a thread): 20 M of them (38 MB, 40 kB deflated) held it
+# for ~3 s, and their canonical form took ~2.5 s more on the event loop. 4 M: a fraction of a
+# second each; a Codex turn holds far fewer.
+MAX_FRAME_VALUES = 4_000_000
 MAX_REMEMBERED = 8  # responses a socket record keeps for delta frames
 # Events that say a response exists but carry none of its output.
 _BOOKKEEPING = frozenset({"response.created", "response.in_progress", "response.queued"})
@@ -107,6 +113,8 @@ def parse_client_frame(content: bytes, is_text: bool, *,
     if len(content) > MAX_FRAME_CONTAINERS and \
             content.count(b"{") + content.count(b"[") > MAX_FRAME_CONTAINERS:
         return NotACall(f"frame holds more than {MAX_FRAME_CONTAINERS} JSON objects and arrays")
+    if len(content) > MAX_FRAME_VALUES and content.count(b",") > MAX_FRAME_VALUES:
+        return NotACall(f"frame holds more than {MAX_FRAME_VALUES} JSON values")
     parsed = parse_json_object(content, max_bytes)
     if isinstance(parsed, Passthrough):
         return NotACall(parsed.reason.replace("body", "frame"))
