@@ -832,6 +832,31 @@ def test_a_reload_while_a_large_body_is_identified_leaves_it_only_the_rest_of_it
         assert_no_traceback(a.log_text())
 
 
+def test_a_budget_shorter_than_the_workers_start_does_not_keep_it_from_starting(
+        tmp_path, monkeypatch):
+    """A request budget (1 s) shorter than the identity worker's start (2.5 s here): the first
+    large body passes through once its budget is spent, but the worker goes on starting, and a
+    large body sent once it runs is guarded (before, the request whose budget ran out stopped
+    the worker it waited for: every large body started another and stopped it, and none was
+    ever guarded)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "if 'spawn_main' in ' '.join(getattr(sys, 'orig_argv', [])):\n"
+        "    time.sleep(2.5)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # (only the worker starts slowly)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a",
+                                               turnguard_request_budget_ms=1000) as a:
+        assert post(a.url, SESSION, body_of("first " + "f" * 300_000), 30)[0] == 200
+        assert [e["reason"] for e in events(tmp_path, "a", "passthrough")] == [
+            "identity worker did not start within 1.0 s"]
+        time.sleep(4)  # the worker runs by now
+        assert post(a.url, SESSION, body_of("second " + "s" * 300_000), 30)[0] == 200
+        assert len(events(tmp_path, "a", "passthrough")) == 1
+        assert [d["kind"] for d in events(tmp_path, "a", "dispatch")] == ["original"]
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text())
+
+
 def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
     """A 20 MB body of millions of tiny JSON objects (seconds to parse) is identified in the
     worker process and, past its bound, passed through; meanwhile other requests are answered

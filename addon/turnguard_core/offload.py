@@ -70,6 +70,7 @@ class IdentityWorker:
     def __init__(self) -> None:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._started: asyncio.Future | None = None  # the pool's first call (os.getpid)
+        self._started_at = 0.0  # (the event loop's time) when the pool was made
         self._unloaded = False
 
     async def identify(
@@ -82,7 +83,7 @@ class IdentityWorker:
         naming why when any of them runs out or the worker fails. Raises ``WorkerStopped``
         when the addon was unloaded meanwhile."""
         within_s = math.inf if within_s is None else within_s
-        start_timeout_s = min(start_timeout_s, within_s)
+        start_bound_s, start_timeout_s = start_timeout_s, min(start_timeout_s, within_s)
         now = asyncio.get_running_loop().time()
         start_deadline, deadline = now + start_timeout_s, now + within_s  # every attempt's
         attempt = 0
@@ -90,19 +91,20 @@ class IdentityWorker:
             try:
                 return await self._identify_once(view, timeout_s, start_timeout_s,
                                                  start_deadline, (within_s, deadline),
-                                                 kwargs, retry=attempt > 0,
+                                                 kwargs, start_bound_s=start_bound_s,
                                                  last=attempt == _ATTEMPTS - 1)
             except _Replaced:
                 attempt += 1
 
     async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, budget,
-                             kwargs, *, retry: bool, last: bool):
+                             kwargs, *, start_bound_s: float, last: bool):
         """One attempt on the current worker (its start awaited until ``start_deadline``, the
         whole call bounded by ``budget``: the request's budget and its deadline);
         raises ``_Replaced`` when it failed only because another call replaced that worker
         meanwhile (the request is not to blame: it is tried again on the next worker, unless
-        ``last``). A ``retry`` that runs out of start time leaves the worker to those that
-        have not."""
+        ``last``). A call that runs out of start time replaces the worker only when it has
+        been starting for ``start_bound_s``: one that ran out of its budget first, or a retry
+        (it waited less than the bound on this worker), leaves it starting for the next."""
         loop = asyncio.get_running_loop()
         pool = None
         bound_s = timeout_s
@@ -128,7 +130,7 @@ class IdentityWorker:
         except WorkerStopped:
             raise
         except _NotStarted:
-            if not retry:  # (a retry waited less than the bound on this worker)
+            if loop.time() - self._started_at >= start_bound_s:
                 self._replace(pool)
             return identity.Passthrough(
                 f"identity worker did not start within {start_timeout_s:.1f} s")
@@ -156,6 +158,7 @@ class IdentityWorker:
                 initializer=_die_with_parent, initargs=(os.getpid(),),
             )
             self._started = asyncio.get_running_loop().run_in_executor(self._pool, os.getpid)
+            self._started_at = asyncio.get_running_loop().time()
             # its failure is raised to the calls that wait for it; marked seen for the case
             # none does (asyncio would log it as never retrieved)
             self._started.add_done_callback(lambda f: f.cancelled() or f.exception())
