@@ -933,3 +933,30 @@ async def test_the_relay_listens_once_running_when_a_dispatch_may_be_detached(tm
                             and g.tg._process.relay, "the relay started with the addon")
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         writer.close()
+
+
+async def test_a_relay_that_could_not_start_is_started_by_the_next_call():
+    """Its failed start was kept and raised again to every later call: once the relay could
+    not listen (out of descriptors), no duplicate ever attached and no dispatch was detached
+    for the rest of the process. A real failure: the lowest free descriptor number made the
+    limit, so the relay's socket cannot be made."""
+    import resource
+
+    from turnguard_shell.relay import Relay
+
+    relay = Relay()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)  # (a new descriptor takes the lowest free)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        with pytest.raises(OSError):
+            await relay.ensure_started()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        port = await relay.ensure_started()
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+    finally:
+        relay.close()

@@ -58,13 +58,20 @@ class Relay:
         self._connections: set[asyncio.Task] = set()
 
     async def ensure_started(self) -> int:
-        """Listen on a free loopback port (once); returns it."""
+        """Listen on a free loopback port (once); returns it. A start that failed raises to
+        the calls that waited for it, and the next call starts it again."""
         if self.port is not None:
             return self.port
         if self._starting is None:
             self._starting = asyncio.ensure_future(
                 asyncio.start_server(self._serve, "127.0.0.1", 0, limit=MAX_HEAD_BYTES))
-        server = await asyncio.shield(self._starting)
+        starting = self._starting
+        try:
+            server = await asyncio.shield(starting)
+        except OSError:
+            if self._starting is starting:  # the next call tries again (out of descriptors...)
+                self._starting = None
+            raise
         if self._server is None:
             self._server = server
             self.port = server.sockets[0].getsockname()[1]
