@@ -248,6 +248,15 @@ def upstream_of(url: str):
     return Upstream(scheme, host, int(port))
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (gone, or a zombie not yet reaped: it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def rss_kb(pid: int) -> int:
     """Resident memory of a process (e.g. a mitmdump), in KiB."""
     return rss_bytes(pid) // 1024

@@ -30,6 +30,7 @@ from harness import (
     ledger_integrity,
     ledger_query,
     post_turn,
+    running,
     sse_event_types,
     turnguard_events,
     upstream_of,
@@ -577,14 +578,6 @@ def _identity_workers(pid: int) -> list[int]:
     return found
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_kill9_does_not_leave_the_identity_worker_running(tmp_path):
     """A large body starts the identity worker (a process of its own). mitmdump killed
     (kill -9: its `done` hook never runs) takes the worker with it, idle or busy with a body
@@ -611,9 +604,9 @@ def test_kill9_does_not_leave_the_identity_worker_running(tmp_path):
             finally:
                 a.stop()
             try:
-                wait_until(lambda: not any(map(_running, workers)), 10, what="the worker gone")
+                wait_until(lambda: not any(map(running, workers)), 10, what="the worker gone")
             except Exception:
-                left += [w for w in workers if _running(w)]
+                left += [w for w in workers if running(w)]
                 for w in left:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(w, signal.SIGKILL)  # (not left to the machine)

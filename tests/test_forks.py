@@ -20,7 +20,7 @@ import sys
 import time
 
 import mitmdump_forks
-from harness import REPO, Mitmdump, assert_no_traceback
+from harness import REPO, Mitmdump, assert_no_traceback, running
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
@@ -179,14 +179,6 @@ time.sleep(60)
 '''
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_test_process_killed_takes_the_server_and_its_mitmdumps_with_it(tmp_path, monkeypatch):
     """kill -9 of a test process (a worker that crashed or timed out): the server sees it gone,
     kills its mitmdumps, ends, and leaves no socket or directory behind."""
@@ -201,7 +193,7 @@ def test_a_test_process_killed_takes_the_server_and_its_mitmdumps_with_it(tmp_pa
         test.stdout.close()
     assert started["forked"]
     deadline = time.monotonic() + 15
-    while any(_running(started[p]) for p in ("server", "mitmdump")):  # bounded by the deadline
+    while any(running(started[p]) for p in ("server", "mitmdump")):  # bounded by the deadline
         assert time.monotonic() < deadline, f"still running: {started}"
         time.sleep(0.05)
     assert not os.path.exists(started["dir"]), os.listdir(started["dir"])
@@ -220,7 +212,7 @@ def test_a_server_killed_takes_its_mitmdumps_with_it(tmp_path, monkeypatch):
             server.process.wait(10)
             assert proxy.proc.wait(10) == -signal.SIGKILL
             deadline = time.monotonic() + 10
-            while _running(pid):  # bounded by the deadline
+            while running(pid):  # bounded by the deadline
                 assert time.monotonic() < deadline, "the mitmdump outlived its server"
                 time.sleep(0.05)
         finally:
