@@ -571,6 +571,10 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sigint", ["default", "ignored"])
 def test_scripts_reproduce_stopped_by_sigterm_stops_every_process_it_started(tmp_path, sigint):
     """SIGTERM to scripts/reproduce mid-run stops it as ^C does: every column's mitmdump and
@@ -739,9 +743,11 @@ def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
                TURNGUARD_TEST_PG="postgresql://turnguard@127.0.0.1:9/none")  # none started
     out = tmp_path / "out"
     with open(out, "wb") as log:
+        # (SIGINT as a terminal's ^C finds it, whatever this run inherited: a shell's
+        # background job ignores SIGINT, and a shell cannot trap what it started ignoring)
         proc = subprocess.Popen([str(REPO / "scripts" / "test")], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
     started: set[int] = set()
 
     def running() -> set[int]:

@@ -68,6 +68,9 @@ class Relay:
         starting = self._starting
         try:
             server = await asyncio.shield(starting)
+            if not server.sockets:  # (Python 3.12 skips a socket it cannot make: no error)
+                server.close()
+                raise OSError("the relay could not listen on 127.0.0.1")
         except OSError:
             if self._starting is starting:  # the next call tries again (out of descriptors...)
                 self._starting = None
