@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import os
 import signal
+from dataclasses import dataclass
 
 from . import identity
 
@@ -57,6 +58,18 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+@dataclass(frozen=True)
+class _Bounds:
+    """One call's bounds, shared by its attempts (times on the event loop's clock)."""
+
+    identity_s: float  # the identity itself, once the worker runs
+    start_bound_s: float  # a worker starting longer than this is replaced
+    start_s: float  # this call's wait for the start: the start bound, at most the budget
+    start_deadline: float
+    budget_s: float  # the whole call (math.inf: none)
+    deadline: float
+
+
 class _Replaced(Exception):
     """An attempt failed because another call replaced the worker it waited on."""
 
@@ -82,39 +95,37 @@ class IdentityWorker:
         whole call within ``within_s`` (the request's budget) when given; a ``Passthrough``
         naming why when any of them runs out or the worker fails. Raises ``WorkerStopped``
         when the addon was unloaded meanwhile."""
-        within_s = math.inf if within_s is None else within_s
-        start_bound_s, start_timeout_s = start_timeout_s, min(start_timeout_s, within_s)
+        budget_s = math.inf if within_s is None else within_s
+        start_s = min(start_timeout_s, budget_s)
         now = asyncio.get_running_loop().time()
-        start_deadline, deadline = now + start_timeout_s, now + within_s  # every attempt's
+        bounds = _Bounds(timeout_s, start_timeout_s, start_s, now + start_s, budget_s,
+                         now + budget_s)
         attempt = 0
         while True:  # at most _ATTEMPTS times: the last one never raises _Replaced
             try:
-                return await self._identify_once(view, timeout_s, start_timeout_s,
-                                                 start_deadline, (within_s, deadline),
-                                                 kwargs, start_bound_s=start_bound_s,
+                return await self._identify_once(view, bounds, kwargs,
                                                  last=attempt == _ATTEMPTS - 1)
             except _Replaced:
                 attempt += 1
 
-    async def _identify_once(self, view, timeout_s, start_timeout_s, start_deadline, budget,
-                             kwargs, *, start_bound_s: float, last: bool):
-        """One attempt on the current worker (its start awaited until ``start_deadline``, the
-        whole call bounded by ``budget``: the request's budget and its deadline);
-        raises ``_Replaced`` when it failed only because another call replaced that worker
-        meanwhile (the request is not to blame: it is tried again on the next worker, unless
-        ``last``). A call that runs out of start time replaces the worker only when it has
-        been starting for ``start_bound_s``: one that ran out of its budget first, or a retry
-        (it waited less than the bound on this worker), leaves it starting for the next."""
+    async def _identify_once(self, view, bounds: _Bounds, kwargs, *, last: bool):
+        """One attempt on the current worker (its start awaited until its start deadline, the
+        whole call bounded by the budget's); raises ``_Replaced`` when it failed only because
+        another call replaced that worker meanwhile (the request is not to blame: it is tried
+        again on the next worker, unless ``last``). A call that runs out of start time replaces
+        the worker only when it has been starting for the start bound: one that ran out of its
+        budget first, or a retry (it waited less than the bound on this worker), leaves it
+        starting for the next."""
         loop = asyncio.get_running_loop()
         pool = None
-        bound_s = timeout_s
+        bound_s = bounds.identity_s
         try:
             if self._unloaded:
                 raise WorkerStopped
             pool, started = self._get_pool()
-            await self._wait_started(started, start_deadline - loop.time())
+            await self._wait_started(started, bounds.start_deadline - loop.time())
             future = loop.run_in_executor(pool, functools.partial(identity.identify, view, **kwargs))
-            bound_s = min(timeout_s, budget[1] - loop.time())
+            bound_s = min(bounds.identity_s, bounds.deadline - loop.time())
             # (asyncio.wait: a call cancelled by the pool's shutdown must not raise
             # CancelledError out of the request's hook)
             try:
@@ -130,16 +141,17 @@ class IdentityWorker:
         except WorkerStopped:
             raise
         except _NotStarted:
-            if loop.time() - self._started_at >= start_bound_s:
+            if loop.time() - self._started_at >= bounds.start_bound_s:
                 self._replace(pool)
             return identity.Passthrough(
-                f"identity worker did not start within {start_timeout_s:.1f} s")
+                f"identity worker did not start within {bounds.start_s:.1f} s")
         except TimeoutError:
             self._replace(pool)  # the worker may spin for a long time more: replace it
-            if bound_s < timeout_s:  # the request's budget ran out first
+            if bound_s < bounds.identity_s:  # the request's budget ran out first
                 return identity.Passthrough("identity of a large body did not end within the "
-                                            f"request budget ({budget[0]:.1f} s)")
-            return identity.Passthrough(f"identity of a large body took longer than {timeout_s:.1f} s")
+                                            f"request budget ({bounds.budget_s:.1f} s)")
+            return identity.Passthrough(
+                f"identity of a large body took longer than {bounds.identity_s:.1f} s")
         except Exception as e:  # a broken or unstartable worker must not break the request
             if self._unloaded:
                 raise WorkerStopped from e
