@@ -47,6 +47,9 @@ from pathlib import Path
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 START_TIMEOUT_S = 60.0
 REPLY_TIMEOUT_S = 30.0
+# The server's environment: this test process's as it was before any test changed it (a server
+# started by a test that had set, say, PYTHONPATH would exec every later mitmdump of the process)
+_ENVIRONMENT = dict(os.environ)
 _PASSED_THROUGH = ("TURNGUARD_", "PYTEST_")  # read by turnguard as it loads, or by nothing
 _IGNORED = {"PYTHONUNBUFFERED"}  # the server runs with -u
 
@@ -288,7 +291,7 @@ class _Server:
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="tg-forks-")
         self.path = os.path.join(self.dir, "socket")
-        self.env = dict(os.environ)
+        self.env = dict(_ENVIRONMENT)
         self.inherited = _inherited()
         self.log = open(os.path.join(self.dir, "server.out"), "wb")
         self.process = subprocess.Popen(

@@ -152,6 +152,26 @@ def test_a_forked_mitmdump_that_fails_to_start_reports_as_an_execd_one(tmp_path,
     assert outcomes["fork"] == outcomes["exec"] and outcomes["fork"][0] != 0 and outcomes["fork"][1]
 
 
+def test_the_server_keeps_the_environment_the_test_process_began_with(tmp_path, monkeypatch):
+    """A server started while a test had changed the environment forks for the tests after it
+    (before, it took that test's environment, and every later mitmdump of the process was
+    exec'd: in CI, a test setting PYTHONPATH made the fork tests of its worker fail)."""
+    monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "0")
+    monkeypatch.setattr(mitmdump_forks, "_server", None)  # this test's own, started below
+    kinds = []
+    try:
+        for during_test in (True, False):
+            with monkeypatch.context() as m:
+                if during_test:
+                    m.setenv("PYTHONPATH", str(tmp_path))
+                with Mitmdump(tmp_path, "http://127.0.0.1:9", addon=False) as proxy:
+                    kinds.append(type(proxy.proc).__name__)
+    finally:
+        if mitmdump_forks._server is not None:
+            mitmdump_forks._server.close()
+    assert kinds == ["Popen", "ForkedPopen"]
+
+
 def test_what_an_import_or_the_interpreter_would_read_is_execd(tmp_path, monkeypatch):
     """mitmproxy reads SSLKEYLOGFILE when imported, Python PYTHON* as it starts: a fork of a
     server that started without them would not see them."""

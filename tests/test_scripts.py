@@ -84,6 +84,13 @@ def _alive(pid: int) -> bool:
     return bool(stat) and not stat.startswith("Z")
 
 
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
 def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -760,13 +767,15 @@ def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
                    for f in pids.iterdir()) >= 2
 
     try:
-        wait_until(main_run_waits, 120, 0.1, "the main run's tests")
+        # (seven interpreters importing pytest: 3 s alone, more than 80 s beside the whole suite)
+        wait_until(main_run_waits, 300, 0.1, "the main run's tests")
         proc.send_signal(sig)
         assert proc.wait(30) in (128 + sig, -sig), out.read_text(errors="replace")
         try:
             wait_until(lambda: not running(), 15, 0.1, "every pytest it started stopped")
         except AssertionError:
-            raise AssertionError(f"left running: {running()}") from None
+            left = {pid: _command_line(pid) for pid in running()}
+            raise AssertionError(f"left running: {left}\n{out.read_text(errors='replace')}") from None
     finally:
         if proc.poll() is None:
             _kill_group(proc, signal.SIGKILL)
