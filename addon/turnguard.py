@@ -329,7 +329,7 @@ class TurnGuard:
         if local is not None:
             self.detacher.wanted(local.flow_id)
         if local is not None and local.live is not None and local.live.started \
-                and self.attacher.can_attach(flow, local.live):
+                and await self.attacher.ready_to_attach(flow, local.live):
             return machine.Attachable(local.live)
         foreign = None if local is not None else (state.attempt_id or 0)
         while True:  # bounded by the hold's deadline
@@ -337,7 +337,7 @@ class TurnGuard:
                                                 state.deadline - time.monotonic(),
                                                 self.store.generation)
             if not isinstance(woke, machine.Attachable) \
-                    or self.attacher.can_attach(flow, woke.live):
+                    or await self.attacher.ready_to_attach(flow, woke.live):
                 return woke
             if woke.live.end is not None or not self.inflight.is_local(ident.op_key):
                 return machine.Ended("unknown")  # it ended meanwhile: admitted again

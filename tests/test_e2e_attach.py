@@ -472,3 +472,55 @@ def test_a_detached_call_whose_body_is_chunked_answers_its_client(tmp_path):
         assert sse_event_types(r["body"])[-1] == "response.completed"
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
+
+
+def _lowest_free_descriptors(pid: int, n: int) -> list[int]:
+    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    free, fd = [], 0
+    while len(free) < n:
+        if fd not in used:
+            free.append(fd)
+        fd += 1
+    return free
+
+
+def test_a_duplicate_that_the_relay_cannot_take_gets_the_recording_at_the_end(tmp_path):
+    """The relay cannot start as a duplicate would attach (mitmdump's descriptor limit lowered,
+    as the original streams, to leave one descriptor: the duplicate's connection's): the
+    duplicate waits for the original's end and is answered with its recording; one upstream
+    dispatch. Before, the relay's error escaped to the request hook: a traceback, and the
+    duplicate forwarded unguarded, a second execution of the turn."""
+    import resource
+
+    slow = {"kind": "ok", "events": 10, "gap_ms": 300}
+
+    async def run(proxy):
+        original = asyncio.create_task(stream_post(proxy.url, behaviour=slow))
+        await asyncio.to_thread(wait_until, lambda: len(up.dispatches()) == 1, 20,
+                                what="the original upstream")
+        await asyncio.sleep(0.5)  # its first events are through: it streams
+        pid = proxy.proc.pid
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_descriptors(pid, 2)[1], hard))
+        try:
+            duplicate = await stream_post(proxy.url)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        return await original, duplicate
+
+    # (lazy: a reverse proxy connects upstream as its client connects, by default)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_hold_timeout_ms=20000,
+                                               connection_strategy="lazy") as proxy:
+        original, duplicate = asyncio.run(run(proxy))
+        assert (original["status"], duplicate["status"]) == (200, 200)
+        assert original["error"] is None and duplicate["error"] is None
+        assert duplicate["body"] == original["body"]
+        assert sse_event_types(original["body"])[-1] == "response.completed"
+        assert duplicate["headers"].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert not turnguard_events(tmp_path, kind="passthrough")
+        log = proxy.log_text()
+        assert "relay unavailable" in log and "request hook failed" not in log
+        # (asyncio's accept loop logs its own EMFILE tracebacks meanwhile: none of turnguard's)
+        assert not [line for line in log.splitlines() if line.strip().startswith("File ")
+                    and "/addon/" in line]

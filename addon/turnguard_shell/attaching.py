@@ -73,11 +73,29 @@ class Attacher:
         return isinstance(negotiation.plan(head.headers, head.vary_key,
                                            flows.request_headers(flow)), negotiation.AsRecorded)
 
+    async def ready_to_attach(self, flow: http.HTTPFlow, live: LiveResponse) -> bool:
+        """``can_attach``, and what attaching needs is there: over HTTP, a response still
+        streaming is relayed, so the relay must listen (started here if it is not). A relay
+        that cannot start (out of descriptors...) is logged, and the duplicate waits on for
+        the attempt's end, to be answered with its recording, rather than attaching."""
+        if not self.can_attach(flow, live):
+            return False
+        if flow.websocket is not None or live.whole() is not None:
+            return True
+        try:
+            await self._relay()
+        except OSError as e:
+            logger.warning("turnguard: relay unavailable (%s); %s waits for the end of the "
+                           "attempt in flight instead of attaching to it", e, flow.id)
+            return False
+        return True
+
     async def attach(self, flow: http.HTTPFlow, ident: identity.Identity,
                      state: machine.Attach) -> None:
-        """Answer ``flow`` live from the attempt it attached to, through the relay; or, when
-        that response is complete already (a burst of duplicates woken as it streamed), with
-        its bytes at once, as a replay is (no relay connection)."""
+        """Answer ``flow`` live from the attempt it attached to, through the relay (started
+        by ``ready_to_attach``); or, when that response is complete already (a burst of
+        duplicates woken as it streamed), with its bytes at once, as a replay is (no relay
+        connection)."""
         live = state.live
         body = live.whole()
         if body is not None:
