@@ -138,12 +138,32 @@ class PgBackend:
 
     def __init__(self, url: str):
         self.location = url
+        self._db = None  # the test's own connection (a state machine's invariants read rows
+        # after every step: a connection each was most of their time)
+
+    def _conn(self):
+        if self._db is None or self._db.closed:
+            self._db = _admin(self.location)
+        return self._db
+
+    def _run(self, sql: str):
+        import psycopg
+
+        try:
+            return self._conn().execute(sql)
+        except psycopg.OperationalError:  # (a server restarted under it): once more, anew
+            self._db = None
+            return self._conn().execute(sql)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
     def fresh(self) -> None:
-        with _admin(self.location) as db:
-            if db.execute("SELECT to_regclass('operations')").fetchone()[0] is not None:
-                db.execute("TRUNCATE operations, attempts, spool, instances, circuits, sessions,"
-                           " control_audit RESTART IDENTITY CASCADE")
+        if self._run("SELECT to_regclass('operations')").fetchone()[0] is not None:
+            self._run("TRUNCATE operations, attempts, spool, instances, circuits, sessions,"
+                      " control_audit RESTART IDENTITY CASCADE")
 
     def open(self, instance: str, now: float = 1000.0, *, busy_timeout_ms: int = 5000):
         from turnguard_core.pg_ledger import PgLedgerAdmin
@@ -153,16 +173,19 @@ class PgBackend:
         return led
 
     def rows(self, sql: str) -> list[tuple]:
-        with _admin(self.location) as db:
-            return db.execute(sql).fetchall()
+        return self._run(sql).fetchall()
 
     def execute(self, sql: str) -> None:
-        with _admin(self.location) as db:
-            db.execute(sql)
+        self._run(sql)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def ledger_backend(request, tmp_path):
     if request.param == "sqlite":
-        return SqliteBackend(tmp_path)
-    return PgBackend(request.getfixturevalue("pg_url"))
+        yield SqliteBackend(tmp_path)
+        return
+    backend = PgBackend(request.getfixturevalue("pg_url"))
+    try:
+        yield backend
+    finally:
+        backend.close()  # before pg_url drops its database
