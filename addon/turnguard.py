@@ -50,6 +50,19 @@ def _shutting_down() -> bool:
     return should_exit is None or should_exit.is_set()
 
 
+UNLOADED = "turnguard unloaded"
+
+
+class _HandedOver(Exception):
+    """A held request's instance was unloaded by a script reload: the instance loaded since
+    (``successor``) decides it again from ``resume``, within what was left of its budget
+    (``budget_deadline``)."""
+
+    def __init__(self, successor: "TurnGuard", budget_deadline: float, resume: machine.Admit):
+        super().__init__()
+        self.successor, self.budget_deadline, self.resume = successor, budget_deadline, resume
+
+
 def _ledger_deadline(budget_deadline: float) -> float:
     """How long a request may wait for the ledger now: never past its budget."""
     return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
@@ -197,14 +210,15 @@ class TurnGuard:
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 
     def done(self) -> None:
-        """Unloaded (shutdown, or mitmproxy reloading the script): held flows are let go at
-        once (killed, so their clients retry against the new instance) instead of waiting
-        out their bound on an addon that no longer gets events. Attempts in flight, writes
-        owed to the ledger and what is known of it stay with the process: at shutdown the
-        owed writes are tried as the ledger closes; on a reload the instance loaded next
-        writes them (the event loop is not held for them)."""
+        """Unloaded (shutdown, or mitmproxy reloading the script): held flows wake at once
+        rather than wait out their bound on an addon that no longer gets events. On a reload
+        a held HTTP request is decided again by the instance loaded next (``_HandedOver``);
+        at shutdown, or with no instance to take it, it is let go (killed: its client
+        retries). Attempts in flight, writes owed to the ledger and what is known of it stay
+        with the process: at shutdown the owed writes are tried as the ledger closes; on a
+        reload the instance loaded next writes them (the event loop is not held for them)."""
         self._unloaded = True
-        self.waiters.release_all("turnguard unloaded")
+        self.waiters.release_all(UNLOADED)
         self.metrics_endpoint.close()
         self.store.close(write_owed=_shutting_down())
         self.identifier.close()
@@ -227,9 +241,11 @@ class TurnGuard:
             self._emit("passthrough", flow=flow.id, reason=f"internal error: {e!r}",
                        transport="http")
 
-    async def _guard(self, flow: http.HTTPFlow, budget_deadline: float | None = None) -> None:
+    async def _guard(self, flow: http.HTTPFlow, budget_deadline: float | None = None,
+                     resume: machine.Admit | None = None) -> None:
         """What happens to a guarded request: identify it, run the machine, do what it ends in.
-        ``budget_deadline``: the end of its budget, when it began in an instance unloaded since."""
+        When it began in an instance unloaded since: ``budget_deadline``, the end of its
+        budget; ``resume``, the machine's state to go on from (a hold it was in)."""
         cfg = self.settings
         if budget_deadline is None:
             budget_deadline = time.monotonic() + cfg.request_budget_s
@@ -249,7 +265,12 @@ class TurnGuard:
         req = await self.request_facts(ident, flow.id, budget_deadline,
                                        accepts_sse=flows.accepts_sse(flow))
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
-        state = await self.decide(flow, ident, req, flow.request.method, scope)
+        try:
+            state = await self.decide(flow, ident, req, flow.request.method, scope, resume)
+        except _HandedOver as handed:
+            logger.info("turnguard: reloaded while %s was held; the addon loaded now decides "
+                        "it", flow.id)
+            return await handed.successor._guard(flow, handed.budget_deadline, handed.resume)
         match state:
             case machine.Forward():
                 flows.give_body_a_length(flow)
@@ -286,11 +307,13 @@ class TurnGuard:
             cfg.hold_timeout_s, cfg.recovery_mode, cfg.circuit.threshold, owner, transport)
 
     async def decide(self, flow: http.HTTPFlow, ident: identity.Identity,
-                     req: machine.RequestFacts, method: str, scope: str) -> machine.Terminal:
+                     req: machine.RequestFacts, method: str, scope: str,
+                     resume: machine.Admit | None = None) -> machine.Terminal:
         """The request loop: do what each state asks, feed the result to the machine, show
         its effects, until a state the transport acts on (exactly one of: dispatch, replay,
-        answer, abandon, pass through)."""
-        state: machine.State = machine.start()
+        answer, abandon, pass through). ``resume``: the state to begin from (a hold handed
+        over by a script reload), else the machine's start."""
+        state: machine.State = machine.start() if resume is None else resume
         while True:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
             match state:
@@ -300,6 +323,7 @@ class TurnGuard:
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
                     woke = await self._wait(flow, ident, req.flow_id, state)
+                    self._hand_over_if_reloaded(flow, req, state, woke)
                     gone = (await self.clients.settled_gone(flow)
                             if isinstance(state, machine.WaitCooldown) else self.clients.gone(flow))
                     state, effects = machine.on_woke(req, state, woke, now(), gone=gone)
@@ -317,6 +341,24 @@ class TurnGuard:
                 case _:
                     assert_never(state)
             self._apply(flow, effects)
+
+    def _hand_over_if_reloaded(self, flow: http.HTTPFlow, req: machine.RequestFacts,
+                               state: machine.HoldDuplicate | machine.WaitCooldown,
+                               woke: machine.Woke) -> None:
+        """Raise ``_HandedOver`` when this instance's unload woke a held HTTP request and a
+        script reload has loaded the instance that takes it. It keeps what was left of its
+        budget, and a held duplicate its hold (admitted again, as when the attempt it waited
+        for ends without a recording), so a reload never lengthens a wait; a request held
+        through a cooldown is admitted anew (the cooldown left is the circuit's)."""
+        if not (isinstance(woke, machine.Gone) and woke.reason == UNLOADED) \
+                or flow.websocket is not None:
+            return
+        successor = self._process.guard
+        if successor is None or successor is self or successor.refused:
+            return
+        resume = machine.start() if isinstance(state, machine.WaitCooldown) else \
+            machine.Admit(state.recovery, state.held_since, state.deadline)
+        raise _HandedOver(successor, req.budget_deadline, resume)
 
     async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,
                     state: machine.HoldDuplicate | machine.WaitCooldown) -> machine.Woke:

@@ -220,6 +220,35 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
            "the retry was replayed; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("where", ["same process", "other process"])
+def test_a_duplicate_held_through_a_script_reload_is_answered_by_the_new_instance(tmp_path,
+                                                                                  where):
+    """A duplicate held when mitmproxy reloads the script (the original in flight on this
+    process or another) is decided again by the instance loaded next, within what is left of
+    its hold, and gets the original's answer: one upstream dispatch (before, the unload let
+    it go: its connection was cut, and its client had to retry)."""
+    script = reloadable(tmp_path)
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", addon=script, **opts) as b:
+        holder = a if where == "same process" else b
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=6000)},
+                                 body_of("held through a reload"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, holder.url, SESSION, body_of("held through a reload"))
+        wait_until(lambda: events(tmp_path, holder.name, "duplicate_held"), 10,
+                   what="the duplicate held")
+        reloaded(holder, touch_to_reload(holder, script))
+        first, second = original.result(30), duplicate.result(30)
+        assert first[0] == second[0] == 200 and first[2] == second[2]
+        assert len(up.dispatches()) == 1
+        assert holder.log_text().count("was held; the addon loaded now decides it") == 1
+        # one hold, carried over: neither let go nor begun again (no second bound)
+        assert not events(tmp_path, holder.name, "hold_abandoned")
+        assert len(events(tmp_path, holder.name, "duplicate_held")) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
     """A's instance row is gone (as a peer's reap leaves it). A's next attempt must not look
     dead for want of a row: its heartbeat registers it again, and B holds its duplicate."""

@@ -155,6 +155,34 @@ def test_once_mode_holds_one_request_through_the_cooldown_and_the_turn_completes
            "0 during the cooldown")
 
 
+def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_reload(tmp_path):
+    """mitmproxy reloads the script while a request is held through the cooldown: the
+    instance loaded next holds it for what is left of the cooldown (nothing dispatched
+    meanwhile) and recovers it once (before, the unload let it go: its connection was cut)."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, addon=script, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_cooldown_ms=LONG_COOLDOWN_MS,
+    ) as p:
+        open_circuit(p.url)
+        opened_at = time.time()
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(post, p.url, timeout=60)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+            reloaded(p, touch_to_reload(p, script))
+            status, _, body = held.result()
+        assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+        times = dispatch_times(up)
+        assert len(times) == 3 and times[2] >= opened_at + LONG_COOLDOWN_MS / 1000 - 0.5
+        assert p.log_text().count("was held; the addon loaded now decides it") == 1
+        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 2
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert not events(tmp_path, "hold_abandoned") and not events(tmp_path, "cooldown_rejected")
+        assert_no_traceback(p.log_text())
+
+
 def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_path, report):
     with MockUpstream(tmp_path, STORM) as up, proxy(
         tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"

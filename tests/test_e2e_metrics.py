@@ -275,9 +275,10 @@ def test_a_websocket_client_that_leaves_during_a_cooldown_hold_is_one_abandoned_
     assert metric(s, "turnguard_cooldown_wait_seconds_count", reason="gone") == 1
 
 
-def test_holds_a_script_reload_lets_go_are_in_the_events_file_and_the_metrics(tmp_path):
-    """A script reload lets held duplicates go (killed: their clients retry): each hold's end
-    is a decision, so it must reach the events file and the metrics, not only the log."""
+def test_holds_a_script_reload_hands_over_are_counted_once(tmp_path):
+    """A script reload hands held duplicates to the instance loaded next, which answers them:
+    in the events file and the metrics each is one hold, none let go, and none is still held
+    once answered (the gauge is the new instance's)."""
     from test_at_most_once import reloadable, reloaded, touch_to_reload
 
     script = reloadable(tmp_path)
@@ -295,15 +296,17 @@ def test_holds_a_script_reload_lets_go_are_in_the_events_file_and_the_metrics(tm
             reloaded(p, touch_to_reload(p, script))
             statuses = [first.result()] + [d.result() for d in dups]
         url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
-        wait_until(lambda: p.log_text().count('"event":"hold_abandoned"') == 3, 10,
-                   what="the 3 holds let go in the log")
-        s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == 1,
-                         "the original's end counted")
-        abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+        s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == 1
+                         and metric(s, "turnguard_duplicates_total", action="replayed")
+                         + metric(s, "turnguard_duplicates_total", action="attached") == 3,
+                         "the original's end and its 3 duplicates' answers counted")
+        assert p.log_text().count("was held; the addon loaded now decides it") == 3
         assert_no_traceback(p.log_text())
-    assert statuses[0] == 200 and len(up.dispatches()) == 1
-    assert len(abandoned) == 3
-    assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 3
+    assert statuses == [200] * 4 and len(up.dispatches()) == 1
+    assert len(turnguard_events(tmp_path, "mitmdump", "duplicate_held")) == 3
+    assert not turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+    assert metric(s, "turnguard_duplicates_total", action="held") == 3
+    assert metric(s, "turnguard_holds_abandoned_total") == 0
     assert metric(s, "turnguard_flows_held") == 0
 
 
