@@ -34,7 +34,7 @@ from turnguard_shell.maintenance import Maintenance  # noqa: E402
 from turnguard_shell.metrics_endpoint import MetricsEndpoint  # noqa: E402
 from turnguard_shell.process import ProcessState  # noqa: E402
 from turnguard_shell.sessions import Sessions  # noqa: E402
-from turnguard_shell.waiters import Waiters  # noqa: E402
+from turnguard_shell.waiters import UNLOADED, HandedOver, Waiters  # noqa: E402
 from turnguard_shell.websocket import WebSockets  # noqa: E402
 
 logger = logging.getLogger("turnguard")
@@ -48,19 +48,6 @@ def _shutting_down() -> bool:
     before the ``done`` hooks run. True when that cannot be told (no master)."""
     should_exit = getattr(getattr(ctx, "master", None), "should_exit", None)
     return should_exit is None or should_exit.is_set()
-
-
-UNLOADED = "turnguard unloaded"
-
-
-class _HandedOver(Exception):
-    """A held request's instance was unloaded by a script reload: the instance loaded since
-    (``successor``) decides it again from ``resume``, within what was left of its budget
-    (``budget_deadline``)."""
-
-    def __init__(self, successor: "TurnGuard", budget_deadline: float, resume: machine.Admit):
-        super().__init__()
-        self.successor, self.budget_deadline, self.resume = successor, budget_deadline, resume
 
 
 def _ledger_deadline(budget_deadline: float) -> float:
@@ -212,8 +199,8 @@ class TurnGuard:
     def done(self) -> None:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows wake at once
         rather than wait out their bound on an addon that no longer gets events. On a reload
-        a held HTTP request is decided again by the instance loaded next (``_HandedOver``);
-        at shutdown, or with no instance to take it, it is let go (killed: its client
+        a held request (HTTP, or a WebSocket's call) is decided again by the instance loaded
+        next (``HandedOver``); at shutdown, or with no instance to take it, it is let go (killed: its client
         retries). Attempts in flight, writes owed to the ledger and what is known of it stay
         with the process: at shutdown the owed writes are tried as the ledger closes; on a
         reload the instance loaded next writes them (the event loop is not held for them)."""
@@ -267,7 +254,7 @@ class TurnGuard:
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
         try:
             state = await self.decide(flow, ident, req, flow.request.method, scope, resume)
-        except _HandedOver as handed:
+        except HandedOver as handed:
             logger.info("turnguard: reloaded while %s was held; the addon loaded now decides "
                         "it", flow.id)
             return await handed.successor._guard(flow, handed.budget_deadline, handed.resume)
@@ -345,20 +332,19 @@ class TurnGuard:
     def _hand_over_if_reloaded(self, flow: http.HTTPFlow, req: machine.RequestFacts,
                                state: machine.HoldDuplicate | machine.WaitCooldown,
                                woke: machine.Woke) -> None:
-        """Raise ``_HandedOver`` when this instance's unload woke a held HTTP request and a
-        script reload has loaded the instance that takes it. It keeps what was left of its
+        """Raise ``HandedOver`` when this instance's unload woke a held request (over HTTP, or
+        a call on a WebSocket) and a script reload has loaded the instance that takes it. It keeps what was left of its
         budget, and a held duplicate its hold (admitted again, as when the attempt it waited
         for ends without a recording), so a reload never lengthens a wait; a request held
         through a cooldown is admitted anew (the cooldown left is the circuit's)."""
-        if not (isinstance(woke, machine.Gone) and woke.reason == UNLOADED) \
-                or flow.websocket is not None:
+        if not (isinstance(woke, machine.Gone) and woke.reason == UNLOADED):
             return
         successor = self._process.guard
         if successor is None or successor is self or successor.refused:
             return
         resume = machine.start() if isinstance(state, machine.WaitCooldown) else \
             machine.Admit(state.recovery, state.held_since, state.deadline)
-        raise _HandedOver(successor, req.budget_deadline, resume)
+        raise HandedOver(successor, req.budget_deadline, resume)
 
     async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,
                     state: machine.HoldDuplicate | machine.WaitCooldown) -> machine.Woke:

@@ -713,6 +713,31 @@ def test_a_script_reload_mid_call_hands_the_socket_and_its_attempt_over(tmp_path
         assert_no_traceback(p.log_text())
 
 
+def test_a_call_held_through_a_script_reload_is_answered_by_the_new_instance(tmp_path):
+    """A duplicate call held on one socket when mitmproxy reloads the script (its original in
+    flight on another) is decided again by the instance loaded next and gets the original's
+    events: one upstream dispatch (before, the unload let it go: a 503 error event)."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 5000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, addon=script) as p:
+        async def held_through_a_reload():
+            original = asyncio.create_task(one_call(p.url, call([user("held")], seed=1)))
+            await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+            held = asyncio.create_task(one_call(p.url, call([user("held")], seed=2)))
+            await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held"), 10,
+                                    what="the duplicate call held")
+            await asyncio.to_thread(reloaded, p, touch_to_reload(p, script))
+            return await original, await held
+
+        original, held = asyncio.run(held_through_a_reload())
+        assert types(original)[-1] == "response.completed" and held == original
+        assert len(ws_dispatches(up)) == 1
+        assert p.log_text().count("was held; the addon loaded now decides it") == 1
+        assert len(events(tmp_path, "duplicate_held")) == 1
+        assert not events(tmp_path, "hold_abandoned")
+        assert_no_traceback(p.log_text())
+
+
 def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path):
     """A socket's handshake carries the call's principal and session: the same call sent with
     another key, another credential header or another session is another operation."""

@@ -51,6 +51,7 @@ from turnguard_core.offload import INLINE_MAX_BYTES, WorkerStopped
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
 from .detached import why_not_detached
+from .waiters import HandedOver
 
 if TYPE_CHECKING:
     from .inflight import Attempt
@@ -316,10 +317,20 @@ class WebSockets:
         if isinstance(ident, identity.Passthrough):
             guard._emit("passthrough", flow=key, transport="ws", reason=ident.reason)
             return self._forward(sock, content, True, Response(full.body, self._events(), None))
-        req = await guard.request_facts(ident, key, budget_deadline, accepts_sse=False,
-                                        turn_anchor=frame.turn_id is not None, transport="ws")
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
-        state = await guard.decide(flow, ident, req, "POST", scope)
+        resume: machine.Admit | None = None
+        while True:  # once more per script reload while the call is held
+            req = await guard.request_facts(ident, key, budget_deadline, accepts_sse=False,
+                                            turn_anchor=frame.turn_id is not None, transport="ws")
+            try:
+                state = await guard.decide(flow, ident, req, "POST", scope, resume)
+                break
+            except HandedOver as handed:
+                logger.info("turnguard: reloaded while call %s was held; the addon loaded now "
+                            "decides it", key)
+                guard, resume, budget_deadline = \
+                    handed.successor, handed.resume, handed.budget_deadline
+                cfg = guard.settings
         if sock.closed or not sock.guarded:
             # the client left while it was decided (nothing to send, nowhere), or the socket
             # was let go meanwhile (the frame goes on untouched, as every frame now does): a
