@@ -200,10 +200,11 @@ class TurnGuard:
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows wake at once
         rather than wait out their bound on an addon that no longer gets events. On a reload
         a held request (HTTP, or a WebSocket's call) is decided again by the instance loaded
-        next (``HandedOver``); at shutdown, or with no instance to take it, it is let go (killed: its client
-        retries). Attempts in flight, writes owed to the ledger and what is known of it stay
-        with the process: at shutdown the owed writes are tried as the ledger closes; on a
-        reload the instance loaded next writes them (the event loop is not held for them)."""
+        next (``HandedOver``); at shutdown, or with no instance to take it, it is let go
+        (killed: its client retries). Attempts in flight, writes owed to the ledger and what
+        is known of it stay with the process: at shutdown the owed writes are tried as the
+        ledger closes; on a reload the instance loaded next writes them (the event loop is
+        not held for them)."""
         self._unloaded = True
         self.waiters.release_all(UNLOADED)
         self.metrics_endpoint.close()
@@ -333,10 +334,11 @@ class TurnGuard:
                                state: machine.HoldDuplicate | machine.WaitCooldown,
                                woke: machine.Woke) -> None:
         """Raise ``HandedOver`` when this instance's unload woke a held request (over HTTP, or
-        a call on a WebSocket) and a script reload has loaded the instance that takes it. It keeps what was left of its
-        budget, and a held duplicate its hold (admitted again, as when the attempt it waited
-        for ends without a recording), so a reload never lengthens a wait; a request held
-        through a cooldown is admitted anew (the cooldown left is the circuit's)."""
+        a call on a WebSocket) and a script reload has loaded the instance that takes it. It
+        keeps what was left of its budget, and a held duplicate its hold (admitted again, as
+        when the attempt it waited for ends without a recording), so a reload never lengthens
+        a wait; a request held through a cooldown is admitted anew (the cooldown left is the
+        circuit's)."""
         if not (isinstance(woke, machine.Gone) and woke.reason == UNLOADED):
             return
         successor = self._process.guard
