@@ -949,10 +949,18 @@ async def test_a_relay_that_could_not_start_is_started_by_the_next_call():
     lowest_free = os.open(os.devnull, os.O_RDONLY)  # (a new descriptor takes the lowest free)
     os.close(lowest_free)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    fillers = []
     try:
+        # every number below the limit taken: one another thread of this test process frees
+        # meanwhile (a pytest worker's) would let the relay's socket be made
+        with contextlib.suppress(OSError):
+            while True:  # bounded by the limit
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
         with pytest.raises(OSError):
             await relay.ensure_started()
     finally:
+        for fd in fillers:
+            os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     try:
         port = await relay.ensure_started()

