@@ -116,7 +116,7 @@ class MockUpstream(_ServerProcess):
             scenario_path = self.tmp_path / f"{stem}-scenario.json"
             scenario_path.write_text(json.dumps(scenario))
             cmd += ["--scenario", str(scenario_path)]
-        self.process = Process(cmd, self.out_path)
+        self.process = Process(cmd, self.out_path, popen=mitmdump_forks.popen)
         m = self.process.wait_for_line(MOCK_LINE, MOCK_START_TIMEOUT_S, "mock upstream")
         self.url: str = m.group(1)
         self.port: int = int(m.group(2))

@@ -20,7 +20,7 @@ import sys
 import time
 
 import mitmdump_forks
-from harness import REPO, Mitmdump, assert_no_traceback, running
+from harness import REPO, Mitmdump, MockUpstream, assert_no_traceback, running, sse_post
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
@@ -91,6 +91,59 @@ def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
     assert facts["fork"]["env"] == "x" and facts["fork"]["stdin"] == "/dev/null"
     assert facts["fork"]["main"] == str(mitmdump_forks.MITMDUMP)
     assert not facts["fork"]["turnguard_loaded"], "the server must not have imported turnguard"
+
+
+_AT_EXIT_ADDON = '''
+import atexit, os, threading, time
+
+OUT = os.environ["TURNGUARD_PROBE_OUT"]
+atexit.register(lambda: open(OUT + ".atexit", "w").close())
+
+
+def done():
+    def late():
+        time.sleep(0.5)
+        open(OUT + ".thread", "w").close()
+    threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it
+'''
+
+
+def test_a_forked_mitmdump_ends_as_an_execd_one_waiting_for_threads_and_exit_handlers(
+        tmp_path, monkeypatch):
+    """A forked child skips only the teardown of its objects: it waits for its non-daemon
+    threads and runs its exit handlers before it ends, with the same status."""
+    addon = tmp_path / "at_exit.py"
+    addon.write_text(_AT_EXIT_ADDON)
+    seen = {}
+    for how, proxy in _both(tmp_path, monkeypatch, addon=addon,
+                            env={"TURNGUARD_PROBE_OUT": str(tmp_path / "out")}):
+        with proxy:
+            status = proxy.stop()
+        files = sorted(p.name for p in tmp_path.glob("out.*"))
+        for p in tmp_path.glob("out.*"):
+            p.unlink()
+        seen[how] = (status, files)
+    assert seen["fork"] == seen["exec"] == (0, ["out.atexit", "out.thread"])
+
+
+def test_a_forked_mock_upstream_answers_logs_and_stops_as_an_execd_one(tmp_path, monkeypatch):
+    """The mock upstream is forked too: it answers, logs (its log file 0600) and ends on
+    SIGTERM with status 0 as the exec'd one does."""
+    seen = {}
+    for how in ("fork", "exec"):
+        monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "1" if how == "exec" else "0")
+        with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 3}}, name=how) as up:
+            assert isinstance(up.process.popen, mitmdump_forks.ForkedPopen) == (how == "fork")
+            status, _, body = sse_post(up.url, body={"model": "m", "input": how, "stream": True},
+                                       timeout=10)
+            dispatches = up.dispatches()
+            seen[how] = (status, body.count(b"event: "), len(dispatches),
+                         dispatches[0]["path"], up.log_path.stat().st_mode & 0o777,
+                         up.stop())
+    status, events, dispatched, path, mode, stopped = seen["fork"]
+    assert seen["fork"] == seen["exec"]
+    assert (status, dispatched, path, mode, stopped) == (200, 1, "/v1/responses", 0o600, 0)
+    assert events > 0
 
 
 def test_a_forked_mitmdump_inherits_what_the_test_process_has_when_it_starts(tmp_path,
