@@ -193,6 +193,7 @@ class TurnGuard:
         self._running = True
         if not self.refused:
             self.attacher.start_relay_early()
+            self.inflight.end_those_ended_unseen()  # while a reload left no instance loaded
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 

@@ -249,6 +249,35 @@ def test_a_duplicate_held_through_a_script_reload_is_answered_by_the_new_instanc
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+def test_a_turn_that_ends_while_a_reload_failed_is_recorded_once_the_script_loads(tmp_path):
+    """mitmproxy reloads the script to a copy that does not load (a syntax error): no addon
+    instance gets the hooks until it is fixed. A turn in flight that completes meanwhile
+    must still end in the ledger once the fixed script loads: its retry is replayed (before,
+    its response hook had reached no one: the operation stayed in flight for as long as the
+    process ran, and every retry was held, then answered 409)."""
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script,
+                                               turnguard_hold_timeout_ms=3000) as a:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=6000)},
+                                 body_of("ends while no script is loaded"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        first = original.result(30)
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)
+        script.write_text(good)
+        reloaded(a, started)
+        retry = post(a.url, SESSION, body_of("ends while no script is loaded"))
+        assert first[0] == retry[0] == 200 and retry[2] == first[2]
+        assert retry[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert [e["outcome"] for e in events(tmp_path, "a", "outcome")] == ["completed"]
+        assert not in_flight(tmp_path / "ledger.sqlite3")
+
+
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
     """A's instance row is gone (as a peer's reap leaves it). A's next attempt must not look
     dead for want of a row: its heartbeat registers it again, and B holds its duplicate."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from mitmproxy import http
@@ -68,6 +68,7 @@ class Attempt:
     timer: asyncio.TimerHandle | None = None  # response_created timeout
     live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
     first_event_timer: asyncio.TimerHandle | None = None  # records the first event, if still on
+    flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -133,7 +134,8 @@ class InFlight:
         attempt = Attempt(key, ident, dispatch.attempt_id, generation, dispatch.kind,
                           time.monotonic(), circuit_scope, "POST" if ws_events else
                           flow.request.method, ident.route,
-                          transport="ws" if ws_events else "http", ws_events=ws_events)
+                          transport="ws" if ws_events else "http", ws_events=ws_events,
+                          flow=flow)
         settings = self._settings()
         if ws_events is not None and settings.attach and settings.guard.replay:
             attempt.live = LiveResponse("ws", max_bytes=settings.replay_max_bytes)
@@ -258,6 +260,25 @@ class InFlight:
             attempt.live.feed(text)
         if first_output:
             self._first_event(attempt)
+
+    def end_those_ended_unseen(self) -> None:
+        """End the HTTP attempts whose flow ended while no addon instance was loaded (a script
+        reload that failed, until it is fixed): their response or error hook reached no one,
+        and their operation would stay in flight for as long as the process runs (every retry
+        held, then answered 409). Their response went through its tee all the same, or is read
+        whole now when its responseheaders hook went by too."""
+        for attempt in list(self._process.attempts.values()):
+            flow = attempt.flow
+            if attempt.transport != "http" or flow is None:
+                continue
+            if flow.error is not None:
+                self.end(flow, body_complete=False)
+            elif flow.response is not None and flow.response.timestamp_end is not None:
+                if attempt.tee is None:  # its responseheaders hook went by too: the whole
+                    self.tee_response(flow)  # body is read now, as its tee would have
+                    if attempt.tee is not None:
+                        attempt.tee(flow.response.raw_content or b"")
+                self.end(flow, body_complete=True)
 
     def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         """The attempt's response ended (or failed): record it and wake its duplicates.
