@@ -50,6 +50,12 @@ def _shutting_down() -> bool:
     return should_exit is None or should_exit.is_set()
 
 
+# the states whose step the addon instance does (a wait, a ledger call): after a reload, the
+# instance loaded then does them
+_ASKS = (machine.Admit, machine.HoldDuplicate, machine.WaitCooldown, machine.FetchRecording,
+         machine.FailClosed)
+
+
 def _ledger_deadline(budget_deadline: float) -> float:
     """How long a request may wait for the ledger now: never past its budget."""
     return min(budget_deadline, time.monotonic() + LEDGER_WAIT_S)
@@ -231,10 +237,10 @@ class TurnGuard:
                        transport="http")
 
     async def _guard(self, flow: http.HTTPFlow, budget_deadline: float | None = None,
-                     resume: machine.Admit | None = None) -> None:
+                     resume: machine.State | None = None) -> None:
         """What happens to a guarded request: identify it, run the machine, do what it ends in.
         When it began in an instance unloaded since: ``budget_deadline``, the end of its
-        budget; ``resume``, the machine's state to go on from (a hold it was in)."""
+        budget; ``resume``, the machine's state to go on from."""
         cfg = self.settings
         if budget_deadline is None:
             budget_deadline = time.monotonic() + cfg.request_budget_s
@@ -297,14 +303,16 @@ class TurnGuard:
 
     async def decide(self, flow: http.HTTPFlow, ident: identity.Identity,
                      req: machine.RequestFacts, method: str, scope: str,
-                     resume: machine.Admit | None = None) -> machine.Terminal:
+                     resume: machine.State | None = None) -> machine.Terminal:
         """The request loop: do what each state asks, feed the result to the machine, show
         its effects, until a state the transport acts on (exactly one of: dispatch, replay,
-        answer, abandon, pass through). ``resume``: the state to begin from (a hold handed
+        answer, abandon, pass through). ``resume``: the state to begin from (a request handed
         over by a script reload), else the machine's start."""
         state: machine.State = machine.start() if resume is None else resume
         while True:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
+            if isinstance(state, _ASKS):  # (a reload while it was decided)
+                self._hand_over_if_reloaded(req, state)
             match state:
                 case machine.Admit():
                     admission = await self._admit(method, ident, req, scope, state, deadline)
@@ -312,7 +320,8 @@ class TurnGuard:
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
                     woke = await self._wait(flow, ident, req.flow_id, state)
-                    self._hand_over_if_reloaded(flow, req, state, woke)
+                    if isinstance(woke, machine.Gone) and woke.reason == UNLOADED:
+                        self._hand_over_if_reloaded(req, state)
                     gone = (await self.clients.settled_gone(flow)
                             if isinstance(state, machine.WaitCooldown) else self.clients.gone(flow))
                     state, effects = machine.on_woke(req, state, woke, now(), gone=gone)
@@ -331,22 +340,26 @@ class TurnGuard:
                     assert_never(state)
             self._apply(flow, effects)
 
-    def _hand_over_if_reloaded(self, flow: http.HTTPFlow, req: machine.RequestFacts,
-                               state: machine.HoldDuplicate | machine.WaitCooldown,
-                               woke: machine.Woke) -> None:
-        """Raise ``HandedOver`` when this instance's unload woke a held request (over HTTP, or
-        a call on a WebSocket) and a script reload has loaded the instance that takes it. It
-        keeps what was left of its budget, and a held duplicate its hold (admitted again, as
-        when the attempt it waited for ends without a recording), so a reload never lengthens
-        a wait; a request held through a cooldown is admitted anew (the cooldown left is the
-        circuit's)."""
-        if not (isinstance(woke, machine.Gone) and woke.reason == UNLOADED):
+    def _hand_over_if_reloaded(self, req: machine.RequestFacts, state: machine.State) -> None:
+        """Raise ``HandedOver`` when this instance was unloaded while it decided a request
+        (over HTTP, or a call on a WebSocket) and a script reload has loaded the instance
+        that takes it: its unload woke it from a hold, or a wait ended (or the ledger
+        answered) in the turn of the event loop that reloaded the script. This instance's
+        ledger is closed and nothing wakes its holds any more: the new one goes on from
+        ``state``, within what was left of the budget. A held duplicate keeps its hold
+        (admitted again, as when the attempt it waited for ends without a recording), so a
+        reload never lengthens a wait; a request held through a cooldown is admitted anew
+        (the cooldown left is the circuit's)."""
+        if not self._unloaded:
             return
         successor = self._process.guard
         if successor is None or successor is self or successor.refused:
             return
-        resume = machine.start() if isinstance(state, machine.WaitCooldown) else \
-            machine.Admit(state.recovery, state.held_since, state.deadline)
+        resume = state
+        if isinstance(state, machine.WaitCooldown):
+            resume = machine.start()
+        elif isinstance(state, machine.HoldDuplicate):
+            resume = machine.Admit(state.recovery, state.held_since, state.deadline)
         raise HandedOver(successor, req.budget_deadline, resume)
 
     async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,

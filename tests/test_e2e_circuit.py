@@ -183,6 +183,40 @@ def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_r
         assert_no_traceback(p.log_text())
 
 
+def test_once_mode_requests_woken_by_the_cooldowns_end_as_the_script_reloads_are_recovered_once(
+        tmp_path):
+    """Requests held through the cooldown; the process is paused across the cooldown's end and
+    the script is touched meanwhile: resumed, their waits end (the cooldown is over) in the same
+    turn of the event loop as mitmproxy reloads the script. They must be decided by the
+    instance loaded now: one recovery dispatch, the others held on it and answered from it
+    (before, they went on in the instance unloaded, whose ledger was closed and whose holds
+    nothing woke any more: they waited out their bound, then got 409)."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, addon=script, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_hold_timeout_ms=8000,
+    ) as p, ThreadPoolExecutor(3) as pool:
+        open_circuit(p.url)
+        held = [pool.submit(post, p.url, timeout=60) for _ in range(3)]
+        wait_events(tmp_path, "wait_operation_fenced_cooldown", 3)
+        p.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = touch_to_reload(p, script)
+            time.sleep(COOLDOWN_MS / 1000 + 0.5)  # past the cooldown's end and a reload check
+        finally:
+            p.proc.send_signal(signal.SIGCONT)
+        reloaded(p, started)
+        results = [h.result() for h in held]
+        assert [r[0] for r in results] == [200] * 3
+        assert len({r[2] for r in results}) == 1
+        assert len(up.dispatches()) == 3  # the two failures, and the recovery once
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert not events(tmp_path, "duplicate_rejected")
+        assert_no_traceback(p.log_text())
+
+
 def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_path, report):
     with MockUpstream(tmp_path, STORM) as up, proxy(
         tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 from mitmproxy import http
 
 from turnguard_core import identity
-from turnguard_core.machine import Admit, Attachable, Ended, Gone, OwnershipLost, TimedOut, Woke
+from turnguard_core.machine import Attachable, Ended, Gone, OwnershipLost, State, TimedOut, Woke
 
 UNLOADED = "turnguard unloaded"  # the Gone of every wait the addon's unload wakes
 
@@ -30,7 +30,7 @@ class HandedOver(Exception):
     (``successor``, a ``TurnGuard``) decides it again from ``resume``, within what was left of
     its budget (``budget_deadline``)."""
 
-    def __init__(self, successor, budget_deadline: float, resume: Admit):
+    def __init__(self, successor, budget_deadline: float, resume: State):
         super().__init__()
         self.successor, self.budget_deadline, self.resume = successor, budget_deadline, resume
 

@@ -318,7 +318,7 @@ class WebSockets:
             guard._emit("passthrough", flow=key, transport="ws", reason=ident.reason)
             return self._forward(sock, content, True, Response(full.body, self._events(), None))
         scope = circuit.circuit_scope(ident.session, ident.scope, ident.route)
-        resume: machine.Admit | None = None
+        resume: machine.State | None = None
         while True:  # once more per script reload while the call is held
             req = await guard.request_facts(ident, key, budget_deadline, accepts_sse=False,
                                             turn_anchor=frame.turn_id is not None, transport="ws")
