@@ -121,6 +121,11 @@ class TurnGuard:
             if now is not None and now is not self:
                 now._emit(event, **fields)
                 return
+            if now is None and not _shutting_down():
+                # no instance loaded (a reload to a script that fails to load): the events
+                # file and the metrics are closed; the next instance that loads writes it
+                self._process.unwritten.append((event, {"ts": round(time.time(), 6), **fields}))
+                return
         self.telemetry.emit(event, **fields)
 
     # -- options ---------------------------------------------------------------------------------
@@ -199,7 +204,10 @@ class TurnGuard:
         self._running = True
         if not self.refused:
             self.attacher.start_relay_early()
-            self.inflight.end_those_ended_unseen()  # while a reload left no instance loaded
+            while self._process.unwritten:  # made while a reload left no instance loaded
+                event, fields = self._process.unwritten.popleft()
+                self._emit(event, **fields)  # (with the time it was made)
+            self.inflight.end_those_ended_unseen()
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 

@@ -310,6 +310,43 @@ def test_holds_a_script_reload_hands_over_are_counted_once(tmp_path):
     assert metric(s, "turnguard_flows_held") == 0
 
 
+def test_holds_let_go_by_a_reload_that_failed_reach_the_events_file_and_the_metrics(tmp_path):
+    """A script reload to a copy that does not load lets held duplicates go (no instance takes
+    them: killed, their clients retry). Each hold's end is a decision: once the script loads
+    again, it is in the events file and the metrics, not only in the log (before, the unloaded
+    instance's events file and metrics were closed: the records were lost)."""
+    from test_at_most_once import reloadable, reloaded
+
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(
+        tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
+    ) as p:
+        url = metrics_url(p)
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            first = pool.submit(post, p.url)
+            time.sleep(0.5)
+            dups = [pool.submit(post, p.url) for _ in range(2)]
+            scrape_until(url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 2,
+                         "2 held flows in the gauge")
+            time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+            script.write_text(good + "this is not python(\n")
+            statuses = [d.result() for d in dups]
+            started = p.log_text().count("turnguard: running")
+            time.sleep(1.1)
+            script.write_text(good)
+            reloaded(p, started)
+            statuses.append(first.result())
+        url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
+        s = scrape_until(url, lambda s: metric(s, "turnguard_holds_abandoned_total") == 2,
+                         "the 2 holds let go counted")
+    assert statuses == [0, 0, 200] and len(up.dispatches()) == 1
+    abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+    assert [e["reason"] for e in abandoned] == ["turnguard unloaded"] * 2
+    assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 2
+
+
 def test_websocket_frames_passed_through_are_counted_by_their_reason_not_as_other(tmp_path):
     """A binary frame, a text frame that is not JSON and a JSON frame that is no call pass a
     guarded socket untouched; each passthrough is counted under a reason of its own."""

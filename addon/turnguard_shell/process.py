@@ -18,6 +18,8 @@ from typing import Any
 from turnguard_core import liveness
 from turnguard_core.knowledge import MemoryStore
 
+UNWRITTEN_MAX = 10_000  # records kept while no instance is loaded (the oldest go first)
+
 
 @dataclass
 class ProcessState:
@@ -33,6 +35,10 @@ class ProcessState:
     # addon runs when a dispatch may be detached: Attacher.start_relay_early)
     detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
     metrics: Any = None  # metrics.Metrics: the counters go on across reloads (same instance)
+    # telemetry records made while no instance was loaded (a reload to a script that failed
+    # to load): (event, fields with their ts), written by the next instance that loads
+    unwritten: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=UNWRITTEN_MAX))
 
     @classmethod
     def new(cls) -> "ProcessState":
