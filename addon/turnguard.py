@@ -319,7 +319,7 @@ class TurnGuard:
         state: machine.State = machine.start() if resume is None else resume
         while True:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
-            if isinstance(state, _ASKS):  # (a reload while it was decided)
+            if self._unloaded and isinstance(state, _ASKS):  # (a reload while it was decided)
                 self._hand_over_if_reloaded(req, state)
             match state:
                 case machine.Admit():
