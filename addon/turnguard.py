@@ -356,16 +356,17 @@ class TurnGuard:
         ledger is closed and nothing wakes its holds any more: the new one goes on from
         ``state``, within what was left of the budget. A held duplicate keeps its hold
         (admitted again, as when the attempt it waited for ends without a recording), so a
-        reload never lengthens a wait; a request held through a cooldown is admitted anew
-        (the cooldown left is the circuit's)."""
+        reload never lengthens a wait; a request held through a cooldown goes on waiting
+        for what was left of it (one wait, one ``wait_finished``)."""
         if not self._unloaded:
             return
         successor = self._process.guard
         if successor is None or successor is self or successor.refused:
             return
         resume = state
-        if isinstance(state, machine.WaitCooldown):
-            resume = machine.start()
+        if isinstance(state, machine.WaitCooldown):  # the same wait, for what is left of it
+            left_s = max(0.0, state.since + state.wait_s - time.monotonic())
+            resume = machine.WaitCooldown(left_s, state.epoch, state.since)
         elif isinstance(state, machine.HoldDuplicate):
             resume = machine.Admit(state.recovery, state.held_since, state.deadline)
         raise HandedOver(successor, req.budget_deadline, resume)

@@ -177,7 +177,10 @@ def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_r
         times = dispatch_times(up)
         assert len(times) == 3 and times[2] >= opened_at + LONG_COOLDOWN_MS / 1000 - 0.5
         assert p.log_text().count("was held; the addon loaded now decides it") == 1
-        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 2
+        # one wait, carried over: not begun again, ended once, as long as the cooldown
+        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 1
+        [finished] = events(tmp_path, "wait_finished")
+        assert finished["reason"] == "cooldown_elapsed"
         assert len(events(tmp_path, "recovery_claimed")) == 1
         assert not events(tmp_path, "hold_abandoned") and not events(tmp_path, "cooldown_rejected")
         assert_no_traceback(p.log_text())
