@@ -732,7 +732,9 @@ import os, pathlib, sys, time, pytest
 @pytest.mark.parametrize("i", range(2))
 def test_waits(i):
     pids = pathlib.Path(__file__).with_name("pids")
-    (pids / str(os.getpid())).write_text(f"{os.getppid()} {sys.version_info[1]}")
+    part = pids / f".{os.getpid()}"  # renamed whole: the test never reads it half written
+    part.write_text(f"{os.getppid()} {sys.version_info[1]}")
+    part.rename(pids / str(os.getpid()))
     time.sleep(120)
 '''
 
@@ -757,14 +759,17 @@ def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
                                 start_new_session=True, preexec_fn=_default_sigint)
     started: set[int] = set()
 
+    def written() -> list[Path]:
+        return [f for f in pids.iterdir() if not f.name.startswith(".")]
+
     def running() -> set[int]:
-        for f in pids.iterdir():
+        for f in written():
             started.update({int(f.name), int(f.read_text().split()[0])})
         return {p for p in started if _alive(p)}
 
     def main_run_waits() -> bool:  # (beside it, the other Pythons' run may have begun too)
         return sum(f.read_text().split()[1] == str(sys.version_info[1])
-                   for f in pids.iterdir()) >= 2
+                   for f in written()) >= 2
 
     try:
         # (seven interpreters importing pytest: 3 s alone, more than 80 s beside the whole suite)
