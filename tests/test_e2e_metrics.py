@@ -275,6 +275,21 @@ def test_a_websocket_client_that_leaves_during_a_cooldown_hold_is_one_abandoned_
     assert metric(s, "turnguard_cooldown_wait_seconds_count", reason="gone") == 1
 
 
+SLOW_ORIGINAL = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
+
+
+def _an_original_and_held_duplicates(pool: ThreadPoolExecutor, p, n: int):
+    """A POST through ``p`` (slow, with SLOW_ORIGINAL upstream) and ``n`` duplicates of it,
+    returned once the gauge shows the duplicates held."""
+    first = pool.submit(post, p.url)
+    time.sleep(0.5)
+    dups = [pool.submit(post, p.url) for _ in range(n)]
+    scrape_until(metrics_url(p),
+                 lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == n,
+                 f"{n} held flows in the gauge")
+    return first, dups
+
+
 def test_holds_a_script_reload_hands_over_are_counted_once(tmp_path):
     """A script reload hands held duplicates to the instance loaded next, which answers them:
     in the events file and the metrics each is one hold, none let go, and none is still held
@@ -282,17 +297,11 @@ def test_holds_a_script_reload_hands_over_are_counted_once(tmp_path):
     from test_at_most_once import reloadable, reloaded, touch_to_reload
 
     script = reloadable(tmp_path)
-    scenario = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(
+    with MockUpstream(tmp_path, SLOW_ORIGINAL) as up, proxy(
         tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
     ) as p:
-        url = metrics_url(p)
         with ThreadPoolExecutor(max_workers=4) as pool:
-            first = pool.submit(post, p.url)
-            time.sleep(0.5)
-            dups = [pool.submit(post, p.url) for _ in range(3)]
-            scrape_until(url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 3,
-                         "3 held flows in the gauge")
+            first, dups = _an_original_and_held_duplicates(pool, p, 3)
             reloaded(p, touch_to_reload(p, script))
             statuses = [first.result()] + [d.result() for d in dups]
         url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
@@ -319,17 +328,11 @@ def test_holds_let_go_by_a_reload_that_failed_reach_the_events_file_and_the_metr
 
     script = reloadable(tmp_path)
     good = script.read_text()
-    scenario = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(
+    with MockUpstream(tmp_path, SLOW_ORIGINAL) as up, proxy(
         tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
     ) as p:
-        url = metrics_url(p)
         with ThreadPoolExecutor(max_workers=3) as pool:
-            first = pool.submit(post, p.url)
-            time.sleep(0.5)
-            dups = [pool.submit(post, p.url) for _ in range(2)]
-            scrape_until(url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 2,
-                         "2 held flows in the gauge")
+            first, dups = _an_original_and_held_duplicates(pool, p, 2)
             time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
             script.write_text(good + "this is not python(\n")
             statuses = [d.result() for d in dups]
