@@ -40,6 +40,7 @@ from turnguard_shell.websocket import WebSockets  # noqa: E402
 logger = logging.getLogger("turnguard")
 
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
+SHUTDOWN_LET_GO_S = 2.0  # longest shutdown waits for the requests it let go to record their end
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
 
 
@@ -69,6 +70,8 @@ class TurnGuard:
         self._undo_log_filter: Callable[[], object] = lambda: None
         self._running = False  # set by the running hook: start-up is over
         self._unloaded = False  # set by done: the process's next instance writes telemetry
+        self._holding = 0  # requests held now, until their wake-up is decided and applied
+        self._none_holding: asyncio.Event | None = None  # set by done at shutdown
         self.refused: list[str] = []  # bad options found at start-up: turnguard stays off
         self.identifier = Identifier()
         self._build(ProcessState.new())
@@ -211,17 +214,45 @@ class TurnGuard:
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 
-    def done(self) -> None:
+    def done(self) -> "asyncio.Future | None":
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows wake at once
         rather than wait out their bound on an addon that no longer gets events. On a reload
         a held request (HTTP, or a WebSocket's call) is decided again by the instance loaded
         next (``HandedOver``); at shutdown, or with no instance to take it, it is let go
-        (killed: its client retries). Attempts in flight, writes owed to the ledger and what
-        is known of it stay with the process: at shutdown the owed writes are tried as the
-        ledger closes; on a reload the instance loaded next writes them (the event loop is
-        not held for them)."""
+        (killed: its client retries). At shutdown the events file and the metrics close once
+        the requests let go have recorded their end (a wait of at most ``SHUTDOWN_LET_GO_S``:
+        the task returned, which mitmproxy awaits). Attempts in flight, writes owed to the
+        ledger and what is known of it stay with the process: at shutdown the owed writes
+        are tried as the ledger closes; on a reload the instance loaded next writes them (the
+        event loop is not held for them)."""
         self._unloaded = True
         self.waiters.release_all(UNLOADED)
+        if self._holding and _shutting_down():
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # (no loop: nothing can run them)
+                pass
+            else:
+                # the holds woken above end on the loop's next turns: their ends are recorded
+                # (events file, metrics) before these close. mitmproxy awaits what its done
+                # hook returns at shutdown (a task: it also runs if it is not awaited)
+                self._none_holding = asyncio.Event()
+                return asyncio.ensure_future(self._close_once_let_go(self._none_holding))
+        self._close()
+
+    async def _close_once_let_go(self, none_holding: asyncio.Event) -> None:
+        """At shutdown: wait (bounded) for the held requests, which the unload let go, to
+        record their end, then close."""
+        try:
+            await asyncio.wait_for(none_holding.wait(), SHUTDOWN_LET_GO_S)
+        except TimeoutError:
+            pass
+        except Exception:
+            logger.exception("turnguard: waiting for held requests to be let go failed")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self.metrics_endpoint.close()
         self.store.close(write_owed=_shutting_down())
         self.identifier.close()
@@ -327,12 +358,21 @@ class TurnGuard:
                     state, effects = machine.on_admission(req, state, admission, now(),
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
-                    woke = await self._wait(flow, ident, req.flow_id, state)
-                    if isinstance(woke, machine.Gone) and woke.reason == UNLOADED:
-                        self._hand_over_if_reloaded(req, state)
-                    gone = (await self.clients.settled_gone(flow)
-                            if isinstance(state, machine.WaitCooldown) else self.clients.gone(flow))
-                    state, effects = machine.on_woke(req, state, woke, now(), gone=gone)
+                    self._holding += 1
+                    try:
+                        woke = await self._wait(flow, ident, req.flow_id, state)
+                        if isinstance(woke, machine.Gone) and woke.reason == UNLOADED:
+                            self._hand_over_if_reloaded(req, state)
+                        gone = (await self.clients.settled_gone(flow)
+                                if isinstance(state, machine.WaitCooldown)
+                                else self.clients.gone(flow))
+                        state, effects = machine.on_woke(req, state, woke, now(), gone=gone)
+                        self._apply(flow, effects)  # (a shutdown waits for what it records)
+                        continue
+                    finally:
+                        self._holding -= 1
+                        if not self._holding and self._none_holding is not None:
+                            self._none_holding.set()
                 case machine.FetchRecording():
                     recording, readable = await self.store.recording(
                         ident, state.attempt_id, window_s=self._replay_window_s(ident),

@@ -220,6 +220,27 @@ def test_once_mode_requests_woken_by_the_cooldowns_end_as_the_script_reloads_are
         assert_no_traceback(p.log_text())
 
 
+def test_once_mode_a_request_held_through_the_cooldown_at_shutdown_is_in_the_events_file(
+        tmp_path):
+    """mitmdump stopped (SIGTERM) while a request is held through the cooldown: it is let go
+    (nothing dispatched for it), and its wait's end and the hold's are in the events file
+    (before, the events file closed before the woken hold ran: neither was written)."""
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_cooldown_ms=LONG_COOLDOWN_MS,
+    ) as p, ThreadPoolExecutor(1) as pool:
+        open_circuit(p.url)
+        held = pool.submit(post, p.url, timeout=60)
+        wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(20) == 0
+        assert held.result()[0] != 200
+        assert_no_traceback(p.log_text())
+    assert len(up.dispatches()) == 2  # the two failures only
+    assert [e["reason"] for e in events(tmp_path, "wait_finished")] == ["gone"]
+    assert [e["reason"] for e in events(tmp_path, "hold_abandoned")] == ["turnguard unloaded"]
+
+
 def test_once_mode_ten_concurrent_held_requests_give_one_recovery_dispatch(tmp_path, report):
     with MockUpstream(tmp_path, STORM) as up, proxy(
         tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from harness import (
     REPO,
@@ -348,6 +351,27 @@ def test_holds_let_go_by_a_reload_that_failed_reach_the_events_file_and_the_metr
     abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
     assert [e["reason"] for e in abandoned] == ["turnguard unloaded"] * 2
     assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_holds_let_go_at_shutdown_reach_the_events_file(tmp_path, sig):
+    """mitmdump stopped (Ctrl-C, or SIGTERM) while a duplicate is held behind a slow original:
+    the hold is let go (its client retries), and its end is in the events file, where
+    operators look for what happened to held requests (before, the unload closed the events
+    file before the woken hold ran: its ``hold_abandoned`` reached only the log)."""
+    with MockUpstream(tmp_path, SLOW_ORIGINAL) as up, proxy(
+        tmp_path, up, turnguard_response_created_timeout_ms=60000
+    ) as p:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first, dups = _an_original_and_held_duplicates(pool, p, 1)
+            p.proc.send_signal(sig)
+            assert p.proc.wait(20) == 0
+            first.result(), dups[0].result()
+        assert_no_traceback(p.log_text())
+    assert len(up.dispatches()) == 1
+    assert len(turnguard_events(tmp_path, "mitmdump", "duplicate_held")) == 1
+    abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+    assert [e["reason"] for e in abandoned] == ["turnguard unloaded"], abandoned
 
 
 def test_websocket_frames_passed_through_are_counted_by_their_reason_not_as_other(tmp_path):
