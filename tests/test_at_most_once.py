@@ -97,11 +97,11 @@ def in_flight(ledger: Path) -> list[tuple]:
 
 
 @contextlib.contextmanager
-def write_lock(ledger: Path):
-    """Another process's connection holding the ledger's write lock (``BEGIN EXCLUSIVE``)
-    until the block ends."""
+def write_lock(ledger: Path, begin: str = "BEGIN EXCLUSIVE"):
+    """Another process's connection holding the ledger's write lock (``begin``) until the
+    block ends."""
     db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-    db.execute("BEGIN EXCLUSIVE")
+    db.execute(begin)
     try:
         yield
     finally:
@@ -244,6 +244,47 @@ def test_a_duplicate_held_through_a_script_reload_is_answered_by_the_new_instanc
         assert len(up.dispatches()) == 1
         assert holder.log_text().count("was held; the addon loaded now decides it") == 1
         # one hold, carried over: neither let go nor begun again (no second bound)
+        assert not events(tmp_path, holder.name, "hold_abandoned")
+        assert len(events(tmp_path, holder.name, "duplicate_held")) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("until", ["before the original ends", "past the original's end"])
+@pytest.mark.parametrize("where", ["same process", "other process"])
+def test_a_duplicate_held_through_a_reload_while_the_ledger_is_write_locked_is_answered_once(
+        tmp_path, where, until):
+    """Another process holds the ledger's write lock (``BEGIN IMMEDIATE``) while mitmproxy
+    reloads the script of the process holding a duplicate: the new instance takes the hold
+    without the ledger's say (its own attempt in flight, or another process's it goes on
+    polling), and once the lock goes (before the original ends, or after it, its end kept
+    meanwhile) the duplicate gets the original's answer: one upstream dispatch, the hold
+    neither let go nor begun again, nothing escaping a hook."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    delay_ms = 6000 if until == "before the original ends" else 4000
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", addon=script, **opts) as b:
+        holder = a if where == "same process" else b
+        text = f"held through a reload, ledger locked ({where}, {until})"
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=delay_ms)},
+                                 body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, holder.url, SESSION, body_of(text))
+        wait_until(lambda: events(tmp_path, holder.name, "duplicate_held"), 10,
+                   what="the duplicate held")
+        with write_lock(ledger, "BEGIN IMMEDIATE"):
+            reloaded(holder, touch_to_reload(holder, script))
+            time.sleep(1)  # the new instance decides the duplicate again, the ledger locked
+            assert not duplicate.done()  # still held
+            if until == "past the original's end":
+                assert original.result(30)[0] == 200
+                assert in_flight(ledger)  # its end kept until the lock goes
+        first, second = original.result(30), duplicate.result(30)
+        assert first[0] == second[0] == 200 and first[2] == second[2]
+        assert len(up.dispatches()) == 1
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn ended in the ledger")
+        assert holder.log_text().count("was held; the addon loaded now decides it") == 1
         assert not events(tmp_path, holder.name, "hold_abandoned")
         assert len(events(tmp_path, holder.name, "duplicate_held")) == 1
         assert_no_traceback(a.log_text() + b.log_text())

@@ -186,6 +186,59 @@ def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_r
         assert_no_traceback(p.log_text())
 
 
+@pytest.mark.parametrize("until", ["before the cooldown ends", "past the cooldown's end"])
+def test_once_mode_a_cooldown_hold_across_a_reload_while_the_ledger_is_write_locked(
+        tmp_path, until):
+    """Another process holds the ledger's write lock (``BEGIN IMMEDIATE``) while mitmproxy
+    reloads the script with a request held through the cooldown: the new instance keeps it
+    for what is left of the cooldown without the ledger. Lock gone before the cooldown ends:
+    it is recovered once. Lock held past the cooldown's end: the recovery claim cannot be
+    written, so it fails closed (503, nothing dispatched), and the client's retry once the
+    lock goes is the one recovery; either way one wait, one end, nothing escaping a hook."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload, write_lock
+
+    cooldown_ms = 6000
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+        tmp_path, up, addon=script, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_cooldown_ms=cooldown_ms,
+    ) as p:
+        open_circuit(p.url)
+        opened_at = time.time()
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(post, p.url, timeout=60)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+            with write_lock(tmp_path / "ledger.sqlite3", "BEGIN IMMEDIATE"):
+                reloaded(p, touch_to_reload(p, script))
+                time.sleep(1)  # the new instance holds it on, the ledger locked
+                assert not held.done()
+                if until == "past the cooldown's end":
+                    status, _, body = held.result()
+            if until == "before the cooldown ends":
+                status, _, body = held.result()
+        times = dispatch_times(up)
+        assert p.log_text().count("was held; the addon loaded now decides it") == 1
+        assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 1
+        [finished] = events(tmp_path, "wait_finished")
+        assert finished["reason"] == "cooldown_elapsed"
+        assert not events(tmp_path, "hold_abandoned") and not events(tmp_path, "cooldown_rejected")
+        if until == "before the cooldown ends":
+            assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+            assert len(times) == 3 and times[2] >= opened_at + cooldown_ms / 1000 - 0.5
+            assert len(events(tmp_path, "recovery_claimed")) == 1
+        else:
+            assert status == 503, body
+            assert len(times) == 2
+            assert not events(tmp_path, "recovery_claimed")
+            # the lock gone, the client's retry is the one recovery
+            wait_events(tmp_path, "ledger_recovered", 1)
+            status, _, body = post(p.url)
+            assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+            assert len(dispatch_times(up)) == 3
+            assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_once_mode_requests_woken_by_the_cooldowns_end_as_the_script_reloads_are_recovered_once(
         tmp_path):
     """Requests held through the cooldown; the process is paused across the cooldown's end and
