@@ -211,6 +211,7 @@ class TurnGuard:
                 event, fields = self._process.unwritten.popleft()
                 self._emit(event, **fields)  # (with the time it was made)
             self.inflight.end_those_ended_unseen()
+            self.websockets.catch_up()  # the same, for the guarded WebSockets
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
 

@@ -735,6 +735,113 @@ def test_a_call_held_through_a_script_reload_is_answered_by_the_new_instance(tmp
         assert_no_traceback(p.log_text())
 
 
+def break_script(proxy: Mitmdump, script) -> str:
+    """Write a syntax error into the reloadable copy of the script: mitmproxy reloads it and
+    fails, and no turnguard instance gets the hooks until ``restore_script``. Its good text."""
+    good = script.read_text()
+    time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+    script.write_text(good + "this is not python(\n")
+    wait_until(lambda: "SyntaxError" in proxy.log_text(), 15, what="the reload that failed")
+    return good
+
+
+def restore_script(proxy: Mitmdump, script, good: str) -> int:
+    """Put the good text back and wait for it to load; where the log was then (what came
+    after it has no traceback of the failed load)."""
+    log = proxy.log_text()
+    time.sleep(1.1)
+    script.write_text(good)
+    reloaded(proxy, log.count("turnguard: running"))
+    return len(log)
+
+
+def test_a_call_that_ends_with_its_socket_while_a_reload_failed_is_replayed_on_a_new_one(
+        tmp_path):
+    """A call in flight completes, and its socket closes, while a reload to a script that does
+    not load leaves no instance: the next instance that loads reads the events it missed and
+    records the call completed, so its retry on a new socket is replayed (before, the call
+    stayed in flight in the process: the retry was held, then answered with a 409 event)."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 6000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, addon=script, turnguard_hold_timeout_ms=3000) as p:
+        async def ends_while_unloaded():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("ends unseen")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                good = await asyncio.to_thread(break_script, p, script)
+                return await c.response(), good
+
+        first, good = asyncio.run(ends_while_unloaded())
+        assert types(first)[-1] == "response.completed"
+        restored = restore_script(p, script, good)
+        again = asyncio.run(one_call(p.url, call([user("ends unseen")], seed=2)))
+        assert again == first, types(again)
+        assert len(ws_dispatches(up)) == 1
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert [e["transport"] for e in events(tmp_path, "duplicate_replayed")] == ["ws"]
+        wait_until(lambda: not ledger_query(tmp_path / "ledger.sqlite3", "SELECT op_key FROM "
+                                            "operations WHERE state='in_flight'"), 10,
+                   what="nothing in flight")
+        assert_no_traceback(p.log_text()[restored:])
+
+
+def test_a_call_that_ends_while_a_reload_failed_is_replayed_on_its_open_socket(tmp_path):
+    """The same, the socket still open when the next instance loads: the call it missed the
+    end of is recorded completed, and the socket's next frame (the same call again) is
+    replayed, not held behind a response turnguard still thought in flight."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 6000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, addon=script, turnguard_hold_timeout_ms=3000,
+                  turnguard_request_budget_ms=8000) as p:
+        async def ends_while_unloaded():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("ends unseen")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                good = await asyncio.to_thread(break_script, p, script)
+                first = await c.response()
+                restored = await asyncio.to_thread(restore_script, p, script, good)
+                await c.send(call([user("ends unseen")], seed=2))
+                return first, await c.response(), restored
+
+        first, again, restored = asyncio.run(ends_while_unloaded())
+        assert types(first)[-1] == "response.completed"
+        assert again == first, types(again)
+        assert len(ws_dispatches(up)) == 1
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert [e["transport"] for e in events(tmp_path, "duplicate_replayed")] == ["ws"]
+        assert_no_traceback(p.log_text()[restored:])
+
+
+def test_a_socket_whose_client_frame_went_by_while_a_reload_failed_is_let_go(tmp_path):
+    """While no instance is loaded the client sends its next call on the socket: it goes
+    upstream unguarded. The next instance that loads records the call that ended before it
+    (its retry elsewhere is replayed) and lets the socket go, saying why."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 6000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, addon=script) as p:
+        async def a_call_unseen():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("ends unseen")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                good = await asyncio.to_thread(break_script, p, script)
+                first = await c.response()
+                await c.send(call([user("sent unseen")], seed=2))
+                assert types(await c.response())[-1] == "response.completed"
+                restored = await asyncio.to_thread(restore_script, p, script, good)
+                return first, restored
+
+        first, restored = asyncio.run(a_call_unseen())
+        wait_until(lambda: events(tmp_path, "passthrough"), 10, what="the socket let go")
+        assert ["reload that failed" in e["reason"] for e in events(tmp_path, "passthrough")] \
+            == [True]
+        again = asyncio.run(one_call(p.url, call([user("ends unseen")], seed=3)))
+        assert again == first and len(ws_dispatches(up)) == 2
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert_no_traceback(p.log_text()[restored:])
+
+
 def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path):
     """A socket's handshake carries the call's principal and session: the same call sent with
     another key, another credential header or another session is another operation."""

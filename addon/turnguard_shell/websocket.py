@@ -79,6 +79,7 @@ class Socket:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no response in flight
     current: Response | None = None
     calls: int = 0
+    seen: int = 0  # how many of the flow's messages turnguard's hooks saw (``catch_up``)
     closed: bool = False
     guarded: bool = True
     task: asyncio.Task | None = None
@@ -156,6 +157,7 @@ class WebSockets:
         if sock is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
+        sock.seen = len(flow.websocket.messages)
         if message.injected:
             return  # ours, on its way
         if not message.from_client:
@@ -211,6 +213,41 @@ class WebSockets:
                                  client_gone=by_client)
         self._guard.waiters.gone(flow.id, "websocket closed")
         sock.idle.set()
+
+    def catch_up(self) -> None:
+        """Bring the sockets up to date with what passed while no addon instance was loaded (a
+        script reload that failed, until it is fixed): their hooks reached no one. The
+        upstream's events each missed are read now, as they came, so a call that ended
+        meanwhile is recorded as it ended (its retry is replayed); a client frame that went
+        upstream unseen went unguarded: the socket is let go there. A socket that ended
+        meanwhile ends now."""
+        for sock in list(self._sockets.values()):
+            try:
+                self._catch_up(sock)
+            except Exception:  # the other sockets still matter
+                logger.exception("turnguard: bringing %s up to date failed", sock.flow.id)
+
+    def _catch_up(self, sock: Socket) -> None:
+        flow, data = sock.flow, sock.flow.websocket
+        if data is None:
+            return
+        ended = data.timestamp_end is not None or not flow.live
+        if ended:
+            sock.closed = True  # (nothing is sent to it now)
+        messages = data.messages
+        while sock.seen < len(messages) and sock.guarded:
+            message = messages[sock.seen]
+            sock.seen += 1
+            if message.injected:
+                continue
+            if not message.from_client:
+                self._upstream_frame(sock, message)
+            else:
+                self._let_go(sock, "a client frame went upstream unguarded while no turnguard "
+                                   "script was loaded (a reload that failed)")
+        sock.seen = len(messages)
+        if ended:
+            self.end(flow)
 
     # -- the client's frames, in order -----------------------------------------------------------
     async def _serve(self, sock: Socket) -> None:
