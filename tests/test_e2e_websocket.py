@@ -842,6 +842,33 @@ def test_a_socket_whose_client_frame_went_by_while_a_reload_failed_is_let_go(tmp
         assert_no_traceback(p.log_text()[restored:])
 
 
+def test_a_call_whose_events_come_while_a_reload_failed_is_not_cut_as_silent(tmp_path):
+    """The response's first events come while no instance is loaded (no hook reads them):
+    the response-created timeout must not take that for a silent upstream and cut the
+    socket; the client gets the whole response and the call is recorded completed."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 3000, "events": 12, "gap_ms": 300}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, addon=script, turnguard_response_created_timeout_ms=4500) as p:
+        async def created_while_unloaded():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("created unseen")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                good = await asyncio.to_thread(break_script, p, script)
+                first = await c.response()
+                restored = await asyncio.to_thread(restore_script, p, script, good)
+                return first, restored
+
+        first, restored = asyncio.run(created_while_unloaded())
+        assert types(first)[-1] == "response.completed", types(first)
+        assert not events(tmp_path, "upstream_cut")
+        again = asyncio.run(one_call(p.url, call([user("created unseen")], seed=2)))
+        assert again == first and len(ws_dispatches(up)) == 1
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert_no_traceback(p.log_text()[restored:])
+
+
 def test_calls_of_another_credential_or_session_never_share_a_recording(tmp_path):
     """A socket's handshake carries the call's principal and session: the same call sent with
     another key, another credential header or another session is another operation."""
