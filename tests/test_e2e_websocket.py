@@ -842,6 +842,43 @@ def test_a_socket_whose_client_frame_went_by_while_a_reload_failed_is_let_go(tmp
         assert_no_traceback(p.log_text()[restored:])
 
 
+def test_a_queued_frame_sent_past_the_budget_while_a_reload_failed_lets_the_socket_go(
+        tmp_path):
+    """The client's next call waits behind a slow one on the socket; a reload to a script
+    that does not load leaves no instance, and the wait for the slow call's end passes the
+    request budget meanwhile: the socket's task sends the waiting call upstream itself,
+    unguarded. The next instance that loads records the slow call (its retry is replayed)
+    and lets the socket go, saying why (before, nothing told: the call went upstream with no
+    attempt and no passthrough event)."""
+    script = reloadable(tmp_path)
+    scenario = {"sequence": [{"kind": "ok", "delay_ms": 7000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, addon=script, turnguard_request_budget_ms=4000) as p:
+        async def queued_while_unloaded():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                breaking = asyncio.create_task(asyncio.to_thread(break_script, p, script))
+                await c.send(call([user("slow")], seed=1))
+                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+                await c.send(call([user("queued")], seed=2))
+                good = await breaking
+                assert not events(tmp_path, "passthrough")  # (broken before the budget passed)
+                first, second = await c.response(), await c.response()
+                restored = await asyncio.to_thread(restore_script, p, script, good)
+                return first, second, restored
+
+        first, second, restored = asyncio.run(queued_while_unloaded())
+        assert types(first)[-1] == types(second)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 2
+        wait_until(lambda: events(tmp_path, "passthrough"), 10, what="the socket let go")
+        assert ["upstream unguarded" in e["reason"] and "no turnguard script was loaded"
+                in e["reason"] for e in events(tmp_path, "passthrough")] == [True]
+        again = asyncio.run(one_call(p.url, call([user("slow")], seed=3)))
+        assert again == first and len(ws_dispatches(up)) == 2
+        assert [e["outcome"] for e in events(tmp_path, "outcome")] == ["completed"]
+        assert [e["transport"] for e in events(tmp_path, "duplicate_replayed")] == ["ws"]
+        assert_no_traceback(p.log_text()[restored:])
+
+
 def test_a_call_whose_events_come_while_a_reload_failed_is_not_cut_as_silent(tmp_path):
     """The response's first events come while no instance is loaded (no hook reads them):
     the response-created timeout must not take that for a silent upstream and cut the

@@ -95,6 +95,9 @@ class Socket:
     # let go while frames waited: they are injected, so every later frame is too, behind
     # them (one that went on as it came could pass an injected one still on its way)
     queue_rest: bool = False
+    # a queued frame went upstream while no addon instance was loaded (a reload that
+    # failed), unguarded: the next instance lets the socket go (``catch_up``)
+    sent_unguarded: bool = False
     # the ids of the responses that ended on it lately: a late event of one is not the next's
     ended_responses: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=16))
@@ -219,8 +222,9 @@ class WebSockets:
         script reload that failed, until it is fixed): their hooks reached no one. The
         upstream's events each missed are read now, as they came, so a call that ended
         meanwhile is recorded as it ended (its retry is replayed); a client frame that went
-        upstream unseen went unguarded: the socket is let go there. A socket that ended
-        meanwhile ends now."""
+        upstream unseen went unguarded: the socket is let go there, as one whose task sent a
+        queued frame upstream meanwhile (``sent_unguarded``) is once its events are read. A
+        socket that ended meanwhile ends now."""
         for sock in list(self._sockets.values()):
             try:
                 self._catch_up(sock)
@@ -246,6 +250,12 @@ class WebSockets:
                 self._let_go(sock, "a client frame went upstream unguarded while no turnguard "
                                    "script was loaded (a reload that failed)")
         sock.seen = len(messages)
+        if sock.sent_unguarded and sock.guarded:
+            # the socket's task sent a frame it had queued (its wait for the response before
+            # it ended, or passed the budget, with no instance to decide it): the events read
+            # above were the response in flight's, and what came after is no call's guarded
+            self._let_go(sock, "a queued client frame went upstream unguarded while no "
+                               "turnguard script was loaded (a reload that failed)")
         if ended:
             self.end(flow)
 
@@ -299,6 +309,8 @@ class WebSockets:
                  response: Response | None = None) -> None:
         if sock.closed:
             return
+        if self._guard is None and response is None:  # no instance loaded, nothing to read
+            sock.sent_unguarded = True  # its answer: the next one is told (``catch_up``)
         if response is not None:
             sock.begin(response)
         if sock.inline is not None:  # decided in the frame's own hook: it goes on from there
