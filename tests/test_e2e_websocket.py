@@ -1086,6 +1086,33 @@ def test_a_script_reload_while_a_large_call_is_identified_leaves_it_guarded(tmp_
            "upstream dispatches=1")
 
 
+def test_a_large_call_identified_as_a_reload_fails_passes_through_without_a_fault(tmp_path):
+    """A call frame past 256 KiB is identified in a worker process; a reload to a script that
+    does not load stops the worker and leaves no instance to decide it: the call passes
+    through (said so), its response is read by the next instance that loads, and nothing
+    fails on the instance that is missing (before, reading its settings raised, logged as a
+    failure to guard the frame)."""
+    script = reloadable(tmp_path)
+    items = [{"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "t"}] * 20_000}]
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 500}}) as up, \
+            guarded(tmp_path, up, "a", addon=script) as a:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            original = pool.submit(asyncio.run, one_call(a.url, call(items, seed=1)))
+            wait_until(lambda: _worker_started(a.pid), 20, what="the identity worker")
+            with _paused_children(a.pid):  # the worker cannot answer before the reload
+                good = break_script(a, script)
+            first = original.result(60)
+        restore_script(a, script, good)
+        assert types(first)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 1
+        passthrough = wait_until(lambda: turnguard_events(tmp_path, "a", "passthrough"), 10,
+                                 what="the passthrough recorded")
+        assert [e["reason"] for e in passthrough] == [
+            "turnguard unloaded while identifying the call"]
+        assert "guarding a frame" not in a.log_text()
+
+
 def test_a_reload_while_a_large_call_is_identified_leaves_it_only_the_rest_of_its_budget(
         tmp_path, monkeypatch):
     """As over HTTP: the instance loaded now identifies the call within what is left of its

@@ -337,8 +337,9 @@ class WebSockets:
                 await self._call(sock, frame, content)
 
     def _events(self, keep: bool = False) -> ws.ResponseEvents:
-        settings = self._guard.settings
-        keep_max = settings.replay_max_bytes if keep and settings.guard.replay else 0
+        settings = self._guard.settings if self._guard is not None else None  # (unloaded)
+        keep_max = settings.replay_max_bytes if keep and settings and settings.guard.replay \
+            else 0
         return ws.ResponseEvents(keep_max_bytes=keep_max)
 
     async def _call(self, sock: Socket, frame: ws.Call, content: bytes) -> None:
