@@ -336,8 +336,11 @@ class WebSockets:
             case ws.Call():
                 await self._call(sock, frame, content)
 
-    def _events(self, keep: bool = False) -> ws.ResponseEvents:
-        settings = self._guard.settings if self._guard is not None else None  # (unloaded)
+    def _events(self, keep: bool = False, guard=None) -> ws.ResponseEvents:
+        """A response's events reader; ``keep``: kept for a replay, as the settings of
+        ``guard`` (the instance that decided the call, else the one loaded now) say."""
+        guard = guard if guard is not None else self._guard
+        settings = guard.settings if guard is not None else None  # (none loaded)
         keep_max = settings.replay_max_bytes if keep and settings and settings.guard.replay \
             else 0
         return ws.ResponseEvents(keep_max_bytes=keep_max)
@@ -400,14 +403,16 @@ class WebSockets:
                     and why_not_detached(flow) is None:
                 self._dispatch_detached(sock, key, full, ident, dispatch, scope, req.base)
             case machine.Forward(dispatch=dispatch):
-                events = self._events(keep=True)
+                events = self._events(keep=True, guard=guard)
                 guard.inflight.start(flow, ident, dispatch, scope, key=key, ws_events=events)
-                self._dispatch(sock, key, frame, full, content, events, ident, attempt_key=key)
+                self._dispatch(guard, sock, key, frame, full, content, events, ident,
+                               attempt_key=key)
             case machine.PassThrough():
-                self._dispatch(sock, key, frame, full, content, self._events(), ident)
+                self._dispatch(guard, sock, key, frame, full, content, self._events(), ident)
             case machine.Replay():
                 if not await self._replay(sock, key, ident, full, state):
-                    self._dispatch(sock, key, frame, full, content, self._events(), ident)
+                    self._dispatch(guard, sock, key, frame, full, content, self._events(),
+                                   ident)
             case machine.Attach(live=live):
                 self._attach(sock, full, live)
             case machine.Respond(answer=answer):
@@ -420,20 +425,21 @@ class WebSockets:
             case _:
                 raise AssertionError(f"unexpected terminal state {state!r}")
 
-    def _dispatch(self, sock: Socket, key: str, frame: ws.Call, full: ws.FullRequest,
+    def _dispatch(self, guard, sock: Socket, key: str, frame: ws.Call, full: ws.FullRequest,
                   content: bytes, events: ws.ResponseEvents, ident: identity.Identity,
                   *, attempt_key: str | None = None) -> None:
         """Send the call upstream: as the client sent it, or rebuilt to its full input when
         the upstream cannot know the response it continues (it was replayed, or answered
-        on another socket)."""
+        on another socket). ``guard``: the instance that decided it (its records are kept
+        for the next one if a reload that failed unloaded it meanwhile)."""
         outbound = sock.record.outbound(frame.body, full)
         if outbound is not None:
             content = identity.canonical_json(outbound)
-            self._guard._emit("ws_full_input_sent", op=ident.op_id, flow=key, transport="ws",
+            guard._emit("ws_full_input_sent", op=ident.op_id, flow=key, transport="ws",
                               session=ident.session, reason="upstream does not know "
                               "previous_response_id")
         if full.unresolved is not None:
-            self._guard._emit("ws_unknown_previous_response", op=ident.op_id, flow=key,
+            guard._emit("ws_unknown_previous_response", op=ident.op_id, flow=key,
                               transport="ws", session=ident.session)
         self._forward(sock, content, True, Response(full.body, events, attempt_key))
 
