@@ -1,6 +1,7 @@
 """End to end: eventless failures, the retry circuit, the cooldown fence and recovery claims,
 through real mitmdump subprocesses in front of the real mock upstream."""
 
+import contextlib
 import json
 import signal
 import socket
@@ -155,24 +156,35 @@ def test_once_mode_holds_one_request_through_the_cooldown_and_the_turn_completes
            "0 during the cooldown")
 
 
-def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_reload(tmp_path):
-    """mitmproxy reloads the script while a request is held through the cooldown: the
-    instance loaded next holds it for what is left of the cooldown (nothing dispatched
-    meanwhile) and recovers it once (before, the unload let it go: its connection was cut)."""
-    from test_at_most_once import reloadable, reloaded, touch_to_reload
+@contextlib.contextmanager
+def _held_through_the_cooldown(tmp_path, cooldown_ms: int):
+    """Once mode behind a reloadable copy of the script: the circuit opened, one request
+    held through its cooldown. Yields (upstream, proxy, script, the request's future, when
+    the circuit opened)."""
+    from test_at_most_once import reloadable
 
     script = reloadable(tmp_path)
     with MockUpstream(tmp_path, STORM) as up, proxy(
         tmp_path, up, addon=script, turnguard_recovery_mode="server_anchored_replay_once",
-        turnguard_cooldown_ms=LONG_COOLDOWN_MS,
-    ) as p:
+        turnguard_cooldown_ms=cooldown_ms,
+    ) as p, ThreadPoolExecutor(1) as pool:
         open_circuit(p.url)
         opened_at = time.time()
-        with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(post, p.url, timeout=60)
-            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
-            reloaded(p, touch_to_reload(p, script))
-            status, _, body = held.result()
+        held = pool.submit(post, p.url, timeout=60)
+        wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+        yield up, p, script, held, opened_at
+
+
+def test_once_mode_a_request_held_through_the_cooldown_is_kept_across_a_script_reload(tmp_path):
+    """mitmproxy reloads the script while a request is held through the cooldown: the
+    instance loaded next holds it for what is left of the cooldown (nothing dispatched
+    meanwhile) and recovers it once (before, the unload let it go: its connection was cut)."""
+    from test_at_most_once import reloaded, touch_to_reload
+
+    with _held_through_the_cooldown(tmp_path, LONG_COOLDOWN_MS) as (up, p, script, held,
+                                                                   opened_at):
+        reloaded(p, touch_to_reload(p, script))
+        status, _, body = held.result()
         assert status == 200 and sse_event_types(body)[-1] == "response.completed"
         times = dispatch_times(up)
         assert len(times) == 3 and times[2] >= opened_at + LONG_COOLDOWN_MS / 1000 - 0.5
@@ -195,27 +207,18 @@ def test_once_mode_a_cooldown_hold_across_a_reload_while_the_ledger_is_write_loc
     it is recovered once. Lock held past the cooldown's end: the recovery claim cannot be
     written, so it fails closed (503, nothing dispatched), and the client's retry once the
     lock goes is the one recovery; either way one wait, one end, nothing escaping a hook."""
-    from test_at_most_once import reloadable, reloaded, touch_to_reload, write_lock
+    from test_at_most_once import reloaded, touch_to_reload, write_lock
 
     cooldown_ms = 6000
-    script = reloadable(tmp_path)
-    with MockUpstream(tmp_path, STORM) as up, proxy(
-        tmp_path, up, addon=script, turnguard_recovery_mode="server_anchored_replay_once",
-        turnguard_cooldown_ms=cooldown_ms,
-    ) as p:
-        open_circuit(p.url)
-        opened_at = time.time()
-        with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(post, p.url, timeout=60)
-            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
-            with write_lock(tmp_path / "ledger.sqlite3", "BEGIN IMMEDIATE"):
-                reloaded(p, touch_to_reload(p, script))
-                time.sleep(1)  # the new instance holds it on, the ledger locked
-                assert not held.done()
-                if until == "past the cooldown's end":
-                    status, _, body = held.result()
-            if until == "before the cooldown ends":
+    with _held_through_the_cooldown(tmp_path, cooldown_ms) as (up, p, script, held, opened_at):
+        with write_lock(tmp_path / "ledger.sqlite3", "BEGIN IMMEDIATE"):
+            reloaded(p, touch_to_reload(p, script))
+            time.sleep(1)  # the new instance holds it on, the ledger locked
+            assert not held.done()
+            if until == "past the cooldown's end":
                 status, _, body = held.result()
+        if until == "before the cooldown ends":
+            status, _, body = held.result()
         times = dispatch_times(up)
         assert p.log_text().count("was held; the addon loaded now decides it") == 1
         assert len(events(tmp_path, "wait_operation_fenced_cooldown")) == 1

@@ -745,6 +745,15 @@ def break_script(proxy: Mitmdump, script) -> str:
     return good
 
 
+async def sent_then_unloaded(c: WsClient, up: MockUpstream, proxy: Mitmdump, script,
+                             text: str) -> str:
+    """Send a call (seed 1) on ``c``, wait for its dispatch upstream, then ``break_script``
+    (off the loop): the call goes on with no turnguard instance loaded. The good text."""
+    await c.send(call([user(text)], seed=1))
+    await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
+    return await asyncio.to_thread(break_script, proxy, script)
+
+
 def restore_script(proxy: Mitmdump, script, good: str) -> int:
     """Put the good text back and wait for it to load; where the log was then (what came
     after it has no traceback of the failed load)."""
@@ -767,9 +776,7 @@ def test_a_call_that_ends_with_its_socket_while_a_reload_failed_is_replayed_on_a
             proxy(tmp_path, up, addon=script, turnguard_hold_timeout_ms=3000) as p:
         async def ends_while_unloaded():
             async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("ends unseen")], seed=1))
-                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
-                good = await asyncio.to_thread(break_script, p, script)
+                good = await sent_then_unloaded(c, up, p, script, "ends unseen")
                 return await c.response(), good
 
         first, good = asyncio.run(ends_while_unloaded())
@@ -797,9 +804,7 @@ def test_a_call_that_ends_while_a_reload_failed_is_replayed_on_its_open_socket(t
                   turnguard_request_budget_ms=8000) as p:
         async def ends_while_unloaded():
             async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("ends unseen")], seed=1))
-                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
-                good = await asyncio.to_thread(break_script, p, script)
+                good = await sent_then_unloaded(c, up, p, script, "ends unseen")
                 first = await c.response()
                 restored = await asyncio.to_thread(restore_script, p, script, good)
                 await c.send(call([user("ends unseen")], seed=2))
@@ -823,9 +828,7 @@ def test_a_socket_whose_client_frame_went_by_while_a_reload_failed_is_let_go(tmp
     with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, addon=script) as p:
         async def a_call_unseen():
             async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("ends unseen")], seed=1))
-                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
-                good = await asyncio.to_thread(break_script, p, script)
+                good = await sent_then_unloaded(c, up, p, script, "ends unseen")
                 first = await c.response()
                 await c.send(call([user("sent unseen")], seed=2))
                 assert types(await c.response())[-1] == "response.completed"
@@ -890,9 +893,7 @@ def test_a_call_whose_events_come_while_a_reload_failed_is_not_cut_as_silent(tmp
             proxy(tmp_path, up, addon=script, turnguard_response_created_timeout_ms=4500) as p:
         async def created_while_unloaded():
             async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("created unseen")], seed=1))
-                await asyncio.to_thread(up.wait_for_record, lambda r: r.get("event") == "dispatch")
-                good = await asyncio.to_thread(break_script, p, script)
+                good = await sent_then_unloaded(c, up, p, script, "created unseen")
                 first = await c.response()
                 restored = await asyncio.to_thread(restore_script, p, script, good)
                 return first, restored
