@@ -21,7 +21,7 @@ SCRIPTS = REPO / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
-from turnguard_bench import profiling, upstream  # noqa: E402
+from turnguard_bench import instructions_phase, profiling, upstream  # noqa: E402
 
 BENCH_TIMEOUT_S = 600  # about 70 CPU s alone; a loaded CI machine took more than 400 s at twice the counts
 # turnguard_baseline: turnguard as committed at HEAD (--baseline-rev), beside the working tree's
@@ -251,6 +251,33 @@ def test_every_target_is_reported_and_micro_figures_exist(quick_run):
         assert word in names
     assert all(isinstance(t["met"], bool) for t in data["targets"])
     assert all(_num(v) and v > 0 for v in data["micro"].values())
+
+
+@pytest.mark.slow
+def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
+    """``scripts/bench --quick --phases instructions``: plain_stream and turnguard each run
+    under callgrind, every request answered, a count of instructions a request for each (the
+    window with N requests counted more than the one with N/2) and their ratio reported. The
+    counts themselves are not checked: a smoke test, like the rest of quick mode."""
+    why_not = instructions_phase.missing_tools()
+    if why_not is not None:
+        pytest.skip(why_not)
+    out_json = tmp_path / "instructions.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "addon")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "turnguard_bench", "--quick", "--phases", "instructions",
+         "--json", str(out_json)],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=BENCH_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    data = json.loads(out_json.read_text())["instructions"]
+    assert set(data["variants"]) == {"plain_stream", "turnguard"}
+    for counted in data["variants"].values():
+        assert counted["window_with_n"] > counted["window_with_half"] > 0
+        assert _num(counted["per_request"]) and counted["per_request"] > 0
+    assert _num(data["turnguard_vs"]["plain_stream"])
+    assert data["checks"] == {"all_200": True}
+    assert "instructions a request" in run.stdout
 
 
 # -- pure parts of the suite -----------------------------------------------------------------

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turnguard_bench import (config, hooks_phase, ledger_bench, micro, phases, procs,
-                             profiling, relay_phase, report, ws_phase)
+from turnguard_bench import (config, hooks_phase, instructions_phase, ledger_bench, micro,
+                             phases, procs, profiling, relay_phase, report, ws_phase)
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -108,6 +108,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
         if "micro" in cfg.phases:
             phases.log("micro-benchmarks of the core")
             res["micro"] = await asyncio.to_thread(micro.run, workdir, cfg)
+        if "instructions" in cfg.phases:
+            phases.log("instructions per request, counted under callgrind")
+            res["instructions"] = await instructions_phase.instructions(cfg, workdir, up)
     finally:
         up.stop()
     res["duration_s"] = time.monotonic() - t0
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(about 15 minutes on 2 cores)")
     p.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
     p.add_argument("--phases", metavar="LIST",
-                   help=f"comma-separated subset of {','.join(config.PHASES)} (default: all)")
+                   help=f"comma-separated subset of {','.join(config.PHASES)} (default: all "
+                        "but instructions, which counts each variant's instructions per request "
+                        "under valgrind: minutes of CPU, the same counts on a busy machine)")
     p.add_argument("--repeats", type=int, help="override the number of repeats")
     p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="a mitmproxy/turnguard option for every mitmdump variant alike, e.g. "

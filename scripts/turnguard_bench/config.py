@@ -8,7 +8,9 @@ KiB = 1024
 MiB = 1024 * 1024
 
 PHASES = ("per_request", "streaming", "holds", "replay", "hooks", "ws", "relay", "ledger",
-          "soak", "micro")
+          "soak", "micro", "instructions")
+# instructions runs each variant under valgrind (minutes of CPU): only when asked for
+DEFAULT_PHASES = tuple(p for p in PHASES if p != "instructions")
 
 
 @dataclass
@@ -36,9 +38,11 @@ class Config:
     hooks: dict[str, int] = field(default_factory=lambda: {"replay": 3200, "dispatch": 3200})
     ws: dict[int, int] = field(default_factory=lambda: {1: 600, 8: 2000})  # sockets -> calls
     wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
+    instructions: int = 200  # requests counted under callgrind, per variant
+    instructions_variants: tuple[str, ...] = ("plain_stream", "floor", "ledger_floor", "turnguard")
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
-    phases: tuple[str, ...] = field(default=PHASES)
+    phases: tuple[str, ...] = field(default=DEFAULT_PHASES)
 
 
 def quick() -> Config:
@@ -65,6 +69,8 @@ def quick() -> Config:
         hooks={"replay": 100, "dispatch": 100},
         relay={1: 15, 8: 40},
         ws={1: 20, 8: 48},
+        instructions=20,
+        instructions_variants=("plain_stream", "turnguard"),
         soak_checkpoints=[100, 400],
         soak_concurrency=16,
         soak_baseline=False,

@@ -201,17 +201,19 @@ def start_mock_upstream(workdir: Path, name: str = "mock-upstream") -> Proc:
 
 def start_mitmdumps(
     workdir: Path, upstream_url: str, specs: dict[str, tuple[str, dict[str, object]]],
-    *, hook_timer: bool = False,
+    *, hook_timer: bool = False, prefix: list[str] | None = None,
+    start_timeout: float = START_TIMEOUT_S,
 ) -> dict[str, Proc]:
     """Start several mitmdump processes at once. ``specs``: name -> (variant, extra options).
-    ``hook_timer``: each also loads ``hook_timer_addon.py`` after its addon."""
+    ``hook_timer``: each also loads ``hook_timer_addon.py`` after its addon. ``prefix``: the
+    command each runs under (e.g. valgrind), given ``start_timeout`` to listen."""
     procs: dict[str, Proc] = {}
     try:
         for name, (variant, options) in specs.items():
             confdir = workdir / f"{name}-confdir"
             confdir.mkdir(mode=0o700, exist_ok=True)
             cmd = [
-                str(MITMDUMP), "--mode", f"reverse:{upstream_url}",
+                *(prefix or ()), str(MITMDUMP), "--mode", f"reverse:{upstream_url}",
                 "--listen-host", HOST, "--listen-port", "0", "--set", f"confdir={confdir}",
             ]  # fmt: skip
             opts: dict[str, object] = dict(COMMON_OPTIONS)
@@ -242,7 +244,7 @@ def start_mitmdumps(
                                  {"variant": variant, "options": opts, "cmd": cmd,
                                   "confdir": str(confdir)})
         for p in procs.values():
-            wait_listening(p)
+            wait_listening(p, start_timeout)
     except BaseException:
         for p in procs.values():
             p.stop()

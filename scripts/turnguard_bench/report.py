@@ -412,6 +412,22 @@ def render(res: dict) -> str:
         rows = [[k, _f(v, ",.1f")] for k, v in mi.items()]
         o.append(table(rows, ["measure", "value"]))
 
+    ins = res.get("instructions")
+    if ins:
+        o.append(_section("instructions per request, counted (callgrind; one client, in turn)"))
+        if "skipped" in ins:
+            o.append(f"skipped: {ins['skipped']}")
+        else:
+            vs, added = ins.get("turnguard_vs", {}), ins.get("turnguard_added_per_request", {})
+            rows = [[v, f"{d['per_request']:,.0f}", _x(vs.get(v)),
+                     f"{added[v]:+,.0f}" if v in added else ""]
+                    for v, d in ins["variants"].items()]
+            o.append(table(rows, ["variant", "instructions a request", "variant / turnguard",
+                                  "turnguard's added"]))
+            o.append(f"({ins['requests']} requests a variant; user-space instructions only: "
+                     "system calls and cache misses are not in these counts)")
+            o.append(f"checks: {ins['checks']}")
+
     tg = res.get("targets")
     if tg:
         o.append(_section("targets (issues 5 and 14)"))

@@ -1,0 +1,128 @@
+"""Instructions per request, counted rather than timed: each mitmdump variant runs under
+valgrind's callgrind, which counts every instruction the process executes in user space (all
+its threads). A count does not move with the machine's load, so the ratios of this phase are
+the same from run to run, where CPU-time ratios move by 10-60 % on a busy 2-core machine.
+
+Per variant (one at a time, one client sending one request after the other): a warm-up, then
+two windows of the same length, counted from zeroed counters to a dump: one with N requests,
+one with N/2, each followed by nothing until the window ends. What the process runs on its own
+(timers, turnguard's heartbeat and checkpoints) takes the same in both, so the difference of
+the two counts over N/2 is what a request costs, with nothing estimated.
+
+What a count leaves out: the kernel's work (system calls, the copies they make), and how fast
+the instructions run (cache misses, the other processes on the machine). So the ratios here
+are not the throughput ratios: where the two differ, the difference is in what a count leaves
+out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from turnguard_bench import client, procs
+from turnguard_bench.phases import log, model_request
+from turnguard_bench.stats import ratio
+
+START_TIMEOUT_S = 300.0  # a mitmdump under callgrind starts some 30 times slower
+CONTROL_TIMEOUT_S = 120.0
+SETTLE_S = 2.0  # after the last request of a window: its tail (a checkpoint) is in the window
+_TOTALS = re.compile(r"^totals:\s*(\d+)", re.M)  # the last line of a whole dump
+
+
+def missing_tools() -> str | None:
+    """Why the phase cannot run here, or None."""
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (Debian: apt-get install valgrind)"
+    return None
+
+
+async def instructions(cfg, workdir: Path, up: procs.Proc) -> dict:
+    why_not = missing_tools()
+    if why_not is not None:
+        log(f"instructions: skipped, {why_not}")
+        return {"skipped": why_not}
+    out: dict = {"requests": cfg.instructions, "variants": {}}
+    statuses: set[int] = set()
+    for variant in cfg.instructions_variants:
+        counted = await _count(workdir, up, variant, cfg.instructions, statuses)
+        out["variants"][variant] = counted
+        log(f"instructions {variant:<13}: {counted['per_request']:,.0f} a request "
+            f"(windows of {counted['window_s']:.1f} s)")
+    per = {v: d["per_request"] for v, d in out["variants"].items()}
+    if "turnguard" in per:
+        out["turnguard_vs"] = {v: ratio(per[v], per["turnguard"]) for v in per
+                               if v != "turnguard"}
+        out["turnguard_added_per_request"] = {v: per["turnguard"] - per[v] for v in per
+                                              if v != "turnguard"}
+    out["checks"] = {"all_200": statuses == {200}}
+    return out
+
+
+async def _count(workdir: Path, up: procs.Proc, variant: str, n: int,
+                 statuses: set[int]) -> dict:
+    dumps = workdir / f"callgrind-{variant}"
+    dumps.mkdir()
+    # instrumented only from the warm-up on: mitmproxy's start-up runs at valgrind's plain
+    # speed, several times faster than counted
+    prefix = ["valgrind", "--tool=callgrind", "--dump-instr=no", "--instr-atstart=no",
+              f"--callgrind-out-file={dumps}/out"]
+    name = f"instr-{variant}"
+    p = procs.start_mitmdumps(workdir, up.url, {name: (variant, {})}, prefix=prefix,
+                              start_timeout=START_TIMEOUT_S)[name]
+    try:
+        nonce = f"instr-{variant}-{uuid.uuid4().hex[:8]}"
+        _control(p, "--instr=on")
+        await _sequential(p, nonce, 0, max(3, n // 10), statuses)
+        await asyncio.sleep(SETTLE_S)
+        half = n // 2
+        _control(p, "--zero")
+        t0 = time.monotonic()
+        await _sequential(p, nonce, 1000, n, statuses)
+        window_s = time.monotonic() - t0 + SETTLE_S
+        await asyncio.sleep(max(0.0, t0 + window_s - time.monotonic()))
+        whole = _dump(p, dumps)
+        _control(p, "--zero")
+        t0 = time.monotonic()
+        await _sequential(p, nonce, 1000 + n, half, statuses)
+        await asyncio.sleep(max(0.0, t0 + window_s - time.monotonic()))
+        halved = _dump(p, dumps)
+    finally:
+        p.stop()
+    return {"per_request": (whole - halved) / (n - half), "window_s": window_s,
+            "window_with_n": whole, "window_with_half": halved}
+
+
+async def _sequential(p: procs.Proc, nonce: str, first: int, n: int, statuses: set[int]) -> None:
+    conn = await client.connect(p.port)
+    try:
+        for i in range(first, first + n):
+            res = await conn.request(model_request(nonce, i), timeout=60.0)
+            statuses.add(res.status)
+    finally:
+        conn.close()
+
+
+def _control(p: procs.Proc, action: str) -> None:
+    subprocess.run(["callgrind_control", action, str(p.pid)], capture_output=True,
+                   timeout=CONTROL_TIMEOUT_S, check=True)
+
+
+def _dump(p: procs.Proc, dumps: Path) -> int:
+    """Dump the counts since the last zeroing; their total."""
+    before = set(dumps.iterdir())
+    _control(p, "--dump")
+    deadline = time.monotonic() + CONTROL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for f in set(dumps.iterdir()) - before:
+            m = _TOTALS.search(f.read_text(errors="replace"))
+            if m is not None:
+                return int(m.group(1))
+        time.sleep(0.1)
+    raise RuntimeError(f"callgrind wrote no dump for {p.name} in {CONTROL_TIMEOUT_S:.0f} s")
