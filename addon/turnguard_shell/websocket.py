@@ -436,11 +436,11 @@ class WebSockets:
         if outbound is not None:
             content = identity.canonical_json(outbound)
             guard._emit("ws_full_input_sent", op=ident.op_id, flow=key, transport="ws",
-                              session=ident.session, reason="upstream does not know "
-                              "previous_response_id")
+                        session=ident.session, reason="upstream does not know "
+                        "previous_response_id")
         if full.unresolved is not None:
             guard._emit("ws_unknown_previous_response", op=ident.op_id, flow=key,
-                              transport="ws", session=ident.session)
+                        transport="ws", session=ident.session)
         self._forward(sock, content, True, Response(full.body, events, attempt_key))
 
     # -- the upstream's events -------------------------------------------------------------------
