@@ -55,10 +55,9 @@ def rows(url: str, sql: str, args=()) -> list[tuple]:
         return cur.fetchall() if cur.description is not None else []
 
 
-def lock_waiters(url: str, query_like: str) -> int:
-    """How many of the server's sessions running a query like ``query_like`` wait for a lock."""
-    return rows(url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                     " AND query LIKE %s", (query_like,))[0][0]
+# how many of the server's sessions running a query LIKE the argument wait for a lock
+LOCK_WAITERS_SQL = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE %s")
 
 
 def post(url: str, headers=HEADERS, body=BODY, timeout: float = 60):
@@ -128,6 +127,7 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
         circuits = psycopg.connect(pg_url, autocommit=True)
         tables = psycopg.connect(pg_url, autocommit=True)
+        watch = psycopg.connect(pg_url, autocommit=True)
         # Each of the claim's two statements waits within its own bound (what is left of the
         # request's 0.5 s wait for the ledger when the claim starts over on the ledger's
         # thread: about 0.47 s), and together longer than the request waits for its claim
@@ -139,8 +139,10 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
             tables.execute("BEGIN")
             tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
             original = pool.submit(post, a.url, slow, body)
-            wait_until(lambda: lock_waiters(pg_url, ADMISSION_SQL), 10,
-                       what="the claim's read waiting for the circuits")
+            # the claim's read waits at most about 0.47 s: watched on a connection of its own
+            # (a new connection a poll took longer than that on a loaded machine)
+            wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
+                       10, interval=0.005, what="the claim's read waiting for the circuits")
             time.sleep(0.38)
             circuits.execute("COMMIT")
             time.sleep(0.42)
@@ -148,6 +150,7 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
         finally:
             circuits.close()
             tables.close()
+            watch.close()
         wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
                             if e.get("reason") == "its claim answered late"], 10,
                    what="the late claim taken as the attempt's row")
