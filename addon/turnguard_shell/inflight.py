@@ -169,8 +169,8 @@ class InFlight:
                 and asyncio.get_running_loop().time() - due > STALL_LATE_S:
             self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
             return
-        if attempt.transport == "ws" and self._process.guard is None \
-                and _answered_unseen(self._process, flow):
+        sock = self._process.sockets.get(flow.id) if attempt.transport == "ws" else None
+        if sock is not None and self._process.guard is None and sock.unread_upstream():
             return  # no instance loaded to read its events: the next one does (not silent)
         attempt.cut_reason = MISSING_RESPONSE_CREATED
         reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
@@ -364,15 +364,6 @@ class InFlight:
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
         )
-
-
-def _answered_unseen(process: ProcessState, flow: http.HTTPFlow) -> bool:
-    """Whether the upstream sent messages on the guarded WebSocket ``flow`` that no hook read
-    (while a script reload that failed left no addon instance)."""
-    sock, data = process.sockets.get(flow.id), flow.websocket
-    if sock is None or data is None:
-        return False
-    return any(not m.from_client and not m.injected for m in data.messages[sock.seen:])
 
 
 def _client_gone(flow: http.HTTPFlow) -> bool:

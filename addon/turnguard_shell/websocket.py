@@ -109,6 +109,13 @@ class Socket:
         self.current = response
         self.idle.clear()
 
+    def unread_upstream(self) -> bool:
+        """Whether the upstream sent messages that no hook read (while a script reload that
+        failed left no addon instance)."""
+        data = self.flow.websocket
+        return data is not None and any(not m.from_client and not m.injected
+                                        for m in data.messages[self.seen:])
+
     def finish(self) -> Response | None:
         current, self.current = self.current, None
         self.idle.set()
@@ -338,11 +345,10 @@ class WebSockets:
 
     def _events(self, keep: bool = False, guard=None) -> ws.ResponseEvents:
         """A response's events reader; ``keep``: kept for a replay, as the settings of
-        ``guard`` (the instance that decided the call, else the one loaded now) say."""
-        guard = guard if guard is not None else self._guard
-        settings = guard.settings if guard is not None else None  # (none loaded)
-        keep_max = settings.replay_max_bytes if keep and settings and settings.guard.replay \
-            else 0
+        ``guard`` (the instance that decided the call, else the one loaded now, if any) say."""
+        instance = guard if guard is not None else self._guard
+        settings = instance.settings if keep and instance is not None else None
+        keep_max = settings.replay_max_bytes if settings and settings.guard.replay else 0
         return ws.ResponseEvents(keep_max_bytes=keep_max)
 
     async def _call(self, sock: Socket, frame: ws.Call, content: bytes) -> None:
