@@ -255,10 +255,12 @@ def test_every_target_is_reported_and_micro_figures_exist(quick_run):
 
 @pytest.mark.slow
 def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
-    """``scripts/bench --quick --phases instructions``: plain_stream and turnguard each run
-    under callgrind, every request answered, a count of instructions a request for each (the
-    window with N requests counted more than the one with N/2) and their ratio reported. The
-    counts themselves are not checked: a smoke test, like the rest of quick mode."""
+    """``scripts/bench --quick --phases instructions --instructions-sim``: plain_stream and
+    turnguard each run under callgrind with its cache and branch simulation, every request
+    answered, a count of instructions a request for each (the window with N requests counted
+    more than the one with N/2), the simulated misses and the cycles estimated from them, and
+    their ratios reported. The counts themselves are not checked: a smoke test, like the rest
+    of quick mode."""
     why_not = instructions_phase.missing_tools()
     if why_not is not None:
         pytest.skip(why_not)
@@ -266,7 +268,7 @@ def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "addon")])}
     run = subprocess.run(
         [sys.executable, "-m", "turnguard_bench", "--quick", "--phases", "instructions",
-         "--json", str(out_json)],
+         "--instructions-sim", "--json", str(out_json)],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=BENCH_TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -278,6 +280,14 @@ def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
     assert _num(data["turnguard_vs"]["plain_stream"])
     assert data["checks"] == {"all_200": True}
     assert "instructions a request" in run.stdout
+    for counted in data["variants"].values():
+        sim = counted["simulated_per_request"]
+        assert sim["Ir"] == counted["per_request"]
+        assert {"I1mr", "D1mr", "Bc", "Bcm", "Bi", "Bim"} <= set(sim)
+        assert sim["Bc"] > sim["Bcm"] > 0  # some conditional branches, not all, mispredicted
+        assert counted["estimated_cycles_per_request"] > counted["per_request"]
+    assert _num(data["turnguard_vs_by_estimated_cycles"]["plain_stream"])
+    assert "cycles estimated" in run.stdout
 
 
 # -- pure parts of the suite -----------------------------------------------------------------

@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                         "but instructions, which counts each variant's instructions per request "
                         "under valgrind: minutes of CPU, the same counts on a busy machine)")
     p.add_argument("--repeats", type=int, help="override the number of repeats")
+    p.add_argument("--instructions-sim", action="store_true",
+                   help="with the instructions phase: also simulate the caches and the branch "
+                        "predictor under callgrind (misses and mispredictions a request, and "
+                        "cycles estimated from them; about twice the phase's time)")
     p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="a mitmproxy/turnguard option for every mitmdump variant alike, e.g. "
                         "--set connection_strategy=lazy (repeatable; recorded in the JSON)")
@@ -179,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown phases {sorted(unknown)}; known: {','.join(config.PHASES)}")
         cfg.phases = wanted
+    if args.instructions_sim and "instructions" not in cfg.phases:
+        p.error("--instructions-sim goes with --phases instructions")
+    cfg.instructions_sim = args.instructions_sim
     if args.repeats:
         cfg.repeats = args.repeats
         cfg.holds_repeats = args.repeats

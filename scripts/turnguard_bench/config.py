@@ -40,6 +40,7 @@ class Config:
     wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
     instructions: int = 200  # requests counted under callgrind, per variant
     instructions_variants: tuple[str, ...] = ("plain_stream", "floor", "ledger_floor", "turnguard")
+    instructions_sim: bool = False  # also simulate caches and branch prediction (about 2x slower)
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
     phases: tuple[str, ...] = field(default=DEFAULT_PHASES)

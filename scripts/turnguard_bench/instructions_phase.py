@@ -12,7 +12,11 @@ the two counts over N/2 is what a request costs, with nothing estimated.
 What a count leaves out: the kernel's work (system calls, the copies they make), and how fast
 the instructions run (cache misses, the other processes on the machine). So the ratios here
 are not the throughput ratios: where the two differ, the difference is in what a count leaves
-out.
+out. ``--instructions-sim`` (``cfg.instructions_sim``) has callgrind simulate the caches (first
+level and last level, shaped as the host's) and the branch predictor as well: misses and
+mispredictions a request, and the cycles valgrind's documentation estimates from them
+(``Ir + 10 Bm + 10 L1m + 100 LLm``). A simulation, not the hardware: it shows whether the
+instructions turnguard adds run into more misses than plain mitmdump's, not what they cost.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from turnguard_bench.stats import ratio
 START_TIMEOUT_S = 300.0  # a mitmdump under callgrind starts some 30 times slower
 CONTROL_TIMEOUT_S = 120.0
 SETTLE_S = 2.0  # after the last request of a window: its tail (a checkpoint) is in the window
-_TOTALS = re.compile(r"^totals:\s*(\d+)", re.M)  # the last line of a whole dump
+_TOTALS = re.compile(r"^totals:[ \t]*([\d \t]+)$", re.M)  # the last line of a whole dump
+_EVENTS = re.compile(r"^events:[ \t]*(.+)$", re.M)  # the names of its columns
+SIM_FLAGS = ("--cache-sim=yes", "--branch-sim=yes")
 
 
 def missing_tools() -> str | None:
@@ -48,10 +54,11 @@ async def instructions(cfg, workdir: Path, up: procs.Proc) -> dict:
     if why_not is not None:
         log(f"instructions: skipped, {why_not}")
         return {"skipped": why_not}
-    out: dict = {"requests": cfg.instructions, "variants": {}}
+    out: dict = {"requests": cfg.instructions, "simulated": cfg.instructions_sim, "variants": {}}
     statuses: set[int] = set()
     for variant in cfg.instructions_variants:
-        counted = await _count(workdir, up, variant, cfg.instructions, statuses)
+        counted = await _count(workdir, up, variant, cfg.instructions, statuses,
+                               simulate=cfg.instructions_sim)
         out["variants"][variant] = counted
         log(f"instructions {variant:<13}: {counted['per_request']:,.0f} a request "
             f"(windows of {counted['window_s']:.1f} s)")
@@ -61,18 +68,22 @@ async def instructions(cfg, workdir: Path, up: procs.Proc) -> dict:
                                if v != "turnguard"}
         out["turnguard_added_per_request"] = {v: per["turnguard"] - per[v] for v in per
                                               if v != "turnguard"}
+        if cfg.instructions_sim:
+            est = {v: d["estimated_cycles_per_request"] for v, d in out["variants"].items()}
+            out["turnguard_vs_by_estimated_cycles"] = {
+                v: ratio(est[v], est["turnguard"]) for v in est if v != "turnguard"}
     out["checks"] = {"all_200": statuses == {200}}
     return out
 
 
 async def _count(workdir: Path, up: procs.Proc, variant: str, n: int,
-                 statuses: set[int]) -> dict:
+                 statuses: set[int], *, simulate: bool = False) -> dict:
     dumps = workdir / f"callgrind-{variant}"
     dumps.mkdir()
     # instrumented only from the warm-up on: mitmproxy's start-up runs at valgrind's plain
     # speed, several times faster than counted
-    prefix = ["valgrind", "--tool=callgrind", "--dump-instr=no", "--instr-atstart=no",
-              f"--callgrind-out-file={dumps}/out"]
+    prefix = ["valgrind", "--tool=callgrind", *(SIM_FLAGS if simulate else ()),
+              "--dump-instr=no", "--instr-atstart=no", f"--callgrind-out-file={dumps}/out"]
     name = f"instr-{variant}"
     p = procs.start_mitmdumps(workdir, up.url, {name: (variant, {})}, prefix=prefix,
                               start_timeout=START_TIMEOUT_S)[name]
@@ -95,8 +106,34 @@ async def _count(workdir: Path, up: procs.Proc, variant: str, n: int,
         halved = _dump(p, dumps)
     finally:
         p.stop()
-    return {"per_request": (whole - halved) / (n - half), "window_s": window_s,
-            "window_with_n": whole, "window_with_half": halved}
+    per_event = {e: (whole[e] - halved.get(e, 0)) / (n - half) for e in whole}
+    counted = {"per_request": per_event["Ir"], "window_s": window_s,
+               "window_with_n": whole["Ir"], "window_with_half": halved["Ir"]}
+    if simulate:
+        counted["simulated_per_request"] = per_event
+        counted["estimated_cycles_per_request"] = estimated_cycles(per_event)
+    return counted
+
+
+def estimated_cycles(events: dict[str, float]) -> float:
+    """valgrind's estimate of the cycles of simulated ``events`` (callgrind's names): each
+    instruction one cycle, a first-level miss or a mispredicted branch 10, a last-level miss
+    100. Events that were not simulated count nothing."""
+    g = lambda name: events.get(name, 0.0)  # noqa: E731
+    return (g("Ir") + 10 * (g("I1mr") + g("D1mr") + g("D1mw") + g("Bcm") + g("Bim"))
+            + 100 * (g("ILmr") + g("DLmr") + g("DLmw")))
+
+
+def parse_totals(dump: str) -> dict[str, int] | None:
+    """A whole callgrind dump's totals by event name (``{"Ir": ...}``, and the simulated
+    events when there are some), or None before it is written out to its last line."""
+    totals, events = _TOTALS.search(dump), _EVENTS.search(dump)
+    if totals is None or events is None:
+        return None
+    names, counts = events.group(1).split(), totals.group(1).split()
+    if len(names) != len(counts):
+        return None
+    return dict(zip(names, map(int, counts)))
 
 
 async def _sequential(p: procs.Proc, nonce: str, first: int, n: int, statuses: set[int]) -> None:
@@ -114,15 +151,15 @@ def _control(p: procs.Proc, action: str) -> None:
                    timeout=CONTROL_TIMEOUT_S, check=True)
 
 
-def _dump(p: procs.Proc, dumps: Path) -> int:
-    """Dump the counts since the last zeroing; their total."""
+def _dump(p: procs.Proc, dumps: Path) -> dict[str, int]:
+    """Dump the counts since the last zeroing; their totals by event."""
     before = set(dumps.iterdir())
     _control(p, "--dump")
     deadline = time.monotonic() + CONTROL_TIMEOUT_S
     while time.monotonic() < deadline:
         for f in set(dumps.iterdir()) - before:
-            m = _TOTALS.search(f.read_text(errors="replace"))
-            if m is not None:
-                return int(m.group(1))
+            totals = parse_totals(f.read_text(errors="replace"))
+            if totals is not None:
+                return totals
         time.sleep(0.1)
     raise RuntimeError(f"callgrind wrote no dump for {p.name} in {CONTROL_TIMEOUT_S:.0f} s")

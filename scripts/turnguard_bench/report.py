@@ -192,6 +192,9 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
+SIM_SHOWN = ("I1mr", "D1mr", "D1mw", "DLmr", "DLmw", "Bcm", "Bim")
+
+
 def render(res: dict) -> str:
     o: list[str] = []
     env = res.get("environment", {})
@@ -426,6 +429,16 @@ def render(res: dict) -> str:
                                   "turnguard's added"]))
             o.append(f"({ins['requests']} requests a variant; user-space instructions only: "
                      "system calls and cache misses are not in these counts)")
+            if ins.get("simulated"):
+                by_est = ins.get("turnguard_vs_by_estimated_cycles", {})
+                sim = [[v, *(f"{d['simulated_per_request'].get(e, 0):,.0f}" for e in SIM_SHOWN),
+                        f"{d['estimated_cycles_per_request']:,.0f}", _x(by_est.get(v))]
+                       for v, d in ins["variants"].items()]
+                o.append(table(sim, ["variant (a request)", *SIM_SHOWN, "cycles estimated",
+                                     "variant / turnguard"]))
+                o.append("(simulated by callgrind: I1mr/D1mr/D1mw first-level misses, "
+                         "DLmr/DLmw last-level data misses, Bcm/Bim mispredicted conditional/"
+                         "indirect branches; cycles = Ir + 10 Bm + 10 L1m + 100 LLm)")
             o.append(f"checks: {ins['checks']}")
 
     tg = res.get("targets")
