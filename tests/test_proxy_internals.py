@@ -13,6 +13,7 @@ from turnguard_core.proxy_internals import (
     client_stream_closed,
     client_transport_ended,
     cut_upstream,
+    release_killed_intercepted,
 )
 
 
@@ -50,6 +51,28 @@ async def test_client_transport_ended_reads_the_connections_stream_reader():
     reset.set_exception(ConnectionResetError())
     assert client_transport_ended(proxyserver_with(reset), conn) is True
     assert client_transport_ended(type("P", (), {"connections": {}})(), conn) is None
+
+
+async def test_a_flow_killed_while_intercepted_is_released_to_its_kill():
+    """mitmproxy issue 8045: ``kill()`` of an intercepted flow leaves ``wait_for_resume``
+    waiting for ever; ``release_killed_intercepted`` ends that wait (if mitmproxy fixes it,
+    the wait ends by itself and the release finds nothing to do)."""
+    from mitmproxy.test import tflow
+
+    f = tflow.tflow()
+    f.intercept()
+    waiting = asyncio.ensure_future(f.wait_for_resume())
+    await asyncio.sleep(0)
+    f.kill()
+    await asyncio.sleep(0)
+    released = release_killed_intercepted(f)
+    await asyncio.wait_for(waiting, 5)
+    assert released or f._resume_event is None or f._resume_event.is_set()
+    assert not release_killed_intercepted(f)  # once only
+    g = tflow.tflow()  # never intercepted, or intercepted now: left alone
+    assert not release_killed_intercepted(g)
+    g.intercept()
+    assert not release_killed_intercepted(g)
 
 
 def test_the_internals_the_http2_stream_check_walks_still_exist():

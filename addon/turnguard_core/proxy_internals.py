@@ -52,6 +52,13 @@ Two mends of mitmproxy's WebSocket layer (``mend_websocket_layer``, given the mo
   with that part before it, and the client's message loses it. An injected message is now
   relayed with the buffer set aside and put back after.
 
+A flow killed while intercepted (mitmweb's Kill, the ``flow.kill`` command): ``Flow.kill()``
+clears ``intercepted`` but never sets the event the proxy awaits after the flow's hooks
+(``Flow.wait_for_resume``; mitmproxy issue 8045), so the flow waits for ever: its client hangs,
+and ``flow.resume`` no longer reaches it (it is not intercepted any more).
+``release_killed_intercepted`` sets that event, ``Flow._resume_event``: the proxy then goes on as
+for any flow killed in a hook (the ``error`` hook fires, the client's connection is closed).
+
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
 ``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
@@ -95,6 +102,18 @@ def cut_handler_upstream(handler, server_conn, reason: str) -> str | None:
         return "server connection already closed"
     task.cancel(reason)
     return None
+
+
+def release_killed_intercepted(flow) -> bool:
+    """Let a flow that was killed while intercepted go on to its kill (see the module's
+    docstring: mitmproxy leaves it waiting for a resume that never comes). True when it was
+    waiting so; the caller checks that the flow was killed."""
+    event = getattr(flow, "_resume_event", None)
+    if getattr(flow, "intercepted", True) or event is None or not hasattr(event, "is_set") \
+            or event.is_set():
+        return False
+    event.set()
+    return True
 
 
 def command_body(addon, method_name: str):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mitmproxy import http
+from mitmproxy.flow import Error
 
 from turnguard_core import identity, negotiation, options, policy
 from turnguard_core.ending import EndFacts, classify_end, end_telemetry
@@ -24,7 +25,7 @@ from turnguard_core.failover import FailoverStore
 from turnguard_core.ledger import AttemptEnd
 from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
-from turnguard_core.proxy_internals import cut_upstream
+from turnguard_core.proxy_internals import cut_upstream, release_killed_intercepted
 from turnguard_core.tee import ResponseTee
 from turnguard_core.ws import ResponseEvents
 
@@ -188,6 +189,22 @@ class InFlight:
         else:
             self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
                                  f" ms ({MISSING_RESPONSE_CREATED}); cut the upstream connection")
+
+    def release_killed(self) -> None:
+        """Attempts whose flow was killed while intercepted (mitmweb's intercept runs after
+        turnguard's request hook, so a flow it intercepts is already this process's attempt):
+        mitmproxy never lets such a flow go on (``release_killed_intercepted``), so it would
+        never go upstream, never reach the error hook, and keep its operation in flight for
+        as long as the process lives (every retry held, then answered 409). Let it go on to
+        its kill: its error hook ends the attempt, and its client's connection is closed."""
+        for attempt in list(self._process.attempts.values()):
+            flow = attempt.flow
+            if attempt.transport != "http" or flow is None or flow.error is None \
+                    or flow.error.msg != Error.KILLED_MESSAGE:
+                continue
+            if release_killed_intercepted(flow):
+                logger.info("turnguard: %s was killed while intercepted; it goes on to its "
+                            "kill (nothing was sent upstream)", flow.id)
 
     def tee_response(self, flow: http.HTTPFlow) -> None:
         """The response headers of an attempt arrived: stream its body through a tee."""

@@ -1,6 +1,7 @@
 """The ticker: one task for the whole addon, a sub-addon of ``TurnGuard``.
 
-It wakes held flows that were killed or whose client left, brings a ledger that failed back
+It wakes held flows that were killed or whose client left, lets attempts killed while
+intercepted go on to their kill (``InFlight.release_killed``), brings a ledger that failed back
 (or opens it again), reaps dead peers' attempts, polls the attempts of other processes that
 duplicates here wait on (only while their ends cannot be notified: on PostgreSQL they are, see
 ``FailoverStore.attempt_ends_notified``; then it re-checks them once when notifications
@@ -67,6 +68,7 @@ class Maintenance:
                 await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
             try:
                 g.waiters.wake_gone(g.clients.gone)
+                g.inflight.release_killed()
                 g.telemetry.reopen_if_moved()
                 await self._maintain_ledger(time.time())
                 foreign = g.waiters.foreign()

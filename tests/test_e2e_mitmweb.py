@@ -1,0 +1,131 @@
+"""End to end: what a mitmproxy user does to guarded flows in mitmweb, through its own REST API
+(the routes its web app calls: kill, resume, replay) on a real ``mitmweb`` process with
+turnguard loaded, in front of the mock upstream. mitmweb's buttons call these routes; they do
+not always go through mitmproxy's commands (its Kill sets the flow's error and refreshes the
+view, without the ``update`` hook the ``flow.kill`` command fires)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from harness import (
+    ADDON,
+    MockUpstream,
+    assert_no_traceback,
+    post_turn,
+    turnguard_events,
+    wait_until,
+)
+from turnguard_procs import Process
+
+MITMWEB = Path(sys.executable).with_name("mitmweb")
+XSRF = "0123456789abcdef0123456789abcdef"  # tornado compares the cookie with the header
+START_TIMEOUT_S = 30.0
+
+
+def _free_port() -> int:
+    """A port the OS picked on 127.0.0.1 (mitmweb prints 0 for ``--web-port 0``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MitmWeb:
+    """mitmweb in reverse mode in front of ``up``, with turnguard (its ledger and events in
+    ``tmp_path``, as ``harness.guarded``), and a client of its REST API."""
+
+    def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "mitmweb",
+                 **options: object):
+        self.tmp_path = Path(tmp_path)
+        self.token = f"token-{name}"
+        opts: dict[str, object] = {
+            "turnguard_ledger": str(self.tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(self.tmp_path / f"{name}-events.jsonl"),
+            **options,
+        }
+        for attempt in range(3):  # the web port is picked before mitmweb binds it
+            web_port = _free_port()
+            cmd = [str(MITMWEB), "--mode", f"reverse:{up.url}", "--listen-host", "127.0.0.1",
+                   "--listen-port", "0", "--web-host", "127.0.0.1", "--web-port", str(web_port),
+                   "--no-web-open-browser", "--set", f"confdir={self.tmp_path / (name + '-confdir')}",
+                   "--set", f"web_password={self.token}", "-s", str(ADDON)]
+            for key, value in opts.items():
+                cmd += ["--set", f"{key}={value}"]
+            self.process = Process(cmd, self.tmp_path / f"{name}.log")
+            try:
+                self.process.wait_for_line(re.compile(r"Web server listening at"),
+                                           START_TIMEOUT_S, "mitmweb")
+                break
+            except Exception:
+                self.process.stop()
+                if attempt == 2:
+                    raise
+        m = re.search(r"listening at 127\.0\.0\.1:(\d+)", self.process.output())
+        assert m, self.process.output()
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        self.api = httpx.Client(base_url=f"http://127.0.0.1:{web_port}", trust_env=False,
+                                timeout=20)
+        self.api.cookies.set("_mitmproxy_xsrf", XSRF)
+        self.api.get("/flows", params={"token": self.token}).raise_for_status()  # logs in
+
+    def flows(self) -> list[dict[str, Any]]:
+        r = self.api.get("/flows")
+        r.raise_for_status()
+        return r.json()
+
+    def flow(self, flow_id: str) -> dict[str, Any] | None:
+        return next((f for f in self.flows() if f["id"] == flow_id), None)
+
+    def post(self, path: str) -> None:
+        self.api.post(path, headers={"X-XSRFToken": XSRF}).raise_for_status()
+
+    def kill(self, flow_id: str) -> None:
+        self.post(f"/flows/{flow_id}/kill")  # mitmweb's Kill button
+
+    def replay(self, flow_id: str) -> None:
+        self.post(f"/flows/{flow_id}/replay")  # mitmweb's Replay button: replay.client
+
+    def log_text(self) -> str:
+        return self.process.output()
+
+    def __enter__(self) -> "MitmWeb":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.api.close()
+        self.process.stop()
+
+
+def _events(tmp_path, kind=None):
+    return turnguard_events(tmp_path, "mitmweb", kind)
+
+
+def test_an_intercepted_original_killed_in_mitmweb_leaves_its_operation_free(tmp_path):
+    """mitmweb intercepts a guarded original after turnguard dispatched it (the intercept
+    addon comes after scripts), and Kill on an intercepted flow never resumes it (mitmproxy
+    issue 8045): the request never goes upstream, and its attempt must not stay in flight for
+    as long as the process lives. The killed flow's client gets its answer (the connection
+    closed, as for any killed flow) and a retry of the turn is dispatched, not held and
+    answered 409 for ever."""
+    turn = {"model": "m", "input": "intercepted then killed", "stream": True}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(tmp_path) as up, MitmWeb(
+            tmp_path, up, intercept="~hq x-intercept-me", turnguard_hold_timeout_ms=1500) as web:
+        original = pool.submit(post_turn, web.url, {"x-intercept-me": "1"}, turn, timeout=60)
+        held = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
+                          20, what="the original intercepted in mitmweb")
+        web.kill(held["id"])
+        status, _, _ = original.result(timeout=20)  # answered, not left hanging
+        assert status == 0  # killed: its connection closed
+        retry = post_turn(web.url, {}, turn, timeout=30)  # not intercepted: no header
+        assert retry[0] == 200, retry
+        assert len(up.dispatches()) == 1  # the retry; the killed original never went
+        assert [e["kind"] for e in _events(tmp_path, "dispatch")] == ["original", "retry"]
+        assert_no_traceback(web.log_text())
