@@ -133,6 +133,8 @@ def test_session_claims_renew_take_over_and_fence():
     [
         (dict(cut_reason="missing_response_created_timeout"), "missing_response_created_timeout"),
         (dict(error="Client disconnected."), "client_abort"),
+        (dict(error="Connection killed."), "killed"),
+        (dict(status=200, error="Connection killed."), "killed"),
         (dict(error="Connection refused"), "connection_error"),
         (dict(error="server closed connection"), "upstream_closed_before_headers"),
         (dict(status=200, body_complete=True), "upstream_clean_close"),
@@ -142,4 +144,10 @@ def test_session_claims_renew_take_over_and_fence():
 def test_failure_class(kw, cls):
     args = dict(cut_reason=None, status=None, error=None, body_complete=False) | kw
     assert policy.failure_class(**args) == cls
-    assert policy.counts_for_circuit(cls) == (cls != "client_abort")
+    assert policy.counts_for_circuit(cls) == (cls not in ("client_abort", "killed"))
+
+
+def test_the_killed_message_is_mitmproxys():
+    from mitmproxy import flow
+
+    assert policy.KILLED_MESSAGE == flow.Error.KILLED_MESSAGE

@@ -129,3 +129,36 @@ def test_an_intercepted_original_killed_in_mitmweb_leaves_its_operation_free(tmp
         assert len(up.dispatches()) == 1  # the retry; the killed original never went
         assert [e["kind"] for e in _events(tmp_path, "dispatch")] == ["original", "retry"]
         assert_no_traceback(web.log_text())
+
+
+def test_flows_killed_in_mitmweb_do_not_open_the_retry_circuit(tmp_path):
+    """A user killing guarded dispatches (one intercepted, one waiting for the upstream's
+    headers) says nothing about the upstream's health: like a client that went away, a kill
+    is not an eventless failure of the upstream, and two of them in a session must not open
+    its retry circuit (every request of the session would get 503 for the cooldown)."""
+    session = {"session-id": "sess-killed", "authorization": "Bearer sk-kill"}
+    turn = {"model": "m", "stream": True}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(
+            tmp_path, {"default": {"kind": "slow", "delay_ms": 1500}}) as up, MitmWeb(
+            tmp_path, up, intercept="~hq x-intercept-me") as web:
+        intercepted = pool.submit(post_turn, web.url, {**session, "x-intercept-me": "1"},
+                                  {**turn, "input": "killed while intercepted"}, timeout=60)
+        flow = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
+                          20, what="a flow intercepted in mitmweb")
+        web.kill(flow["id"])
+        assert intercepted.result(timeout=20)[0] == 0
+        in_transit = pool.submit(post_turn, web.url, session,
+                                 {**turn, "input": "killed waiting for the upstream"}, timeout=60)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+        flow = wait_until(lambda: next((f for f in web.flows() if f["id"] != flow["id"]), None),
+                          20, what="the second flow in mitmweb")
+        web.kill(flow["id"])
+        assert in_transit.result(timeout=20)[0] == 0
+        status, _, body = post_turn(web.url, {**session, "accept": "application/json"},
+                                    {**turn, "input": "the next turn"}, timeout=30)
+        assert status == 200, body[:300]
+        failures = _events(tmp_path, "eventless_failure")
+        assert [(f["failure_class"], f["counts_for_circuit"]) for f in failures] \
+            == [("killed", False)] * 2, failures
+        assert not _events(tmp_path, "circuit_opened")
+        assert_no_traceback(web.log_text())

@@ -75,7 +75,7 @@ FAIL_CLOSED_REASONS = (
 RECOVERY_DENIED_REASONS = ("ownership_lost", "output_exists", "claim_exhausted",
                            "ledger_unavailable")
 FAILURE_CLASSES = (
-    "missing_response_created_timeout", "client_abort", "connection_error",
+    "missing_response_created_timeout", "client_abort", "killed", "connection_error",
     "upstream_closed_before_headers", "upstream_clean_close", "upstream_closed_after_headers",
     "upstream_error_event", "upstream_response_failed", "upstream_ws_closed",
 )

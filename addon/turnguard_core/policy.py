@@ -381,9 +381,13 @@ def failure_class(
     ``client_gone``: the client's connection is closed (mitmproxy's HTTP/2 messages do not say
     whose side closed, so the caller checks the connection). On a WebSocket (``transport``
     "ws") a response ends with an event or with the socket: ``failed_event`` is the ``error``
-    or ``response.failed`` event that ended it before any output, if one did."""
+    or ``response.failed`` event that ended it before any output, if one did. ``killed``: a
+    user killed the flow (mitmweb's Kill, the ``flow.kill`` command: mitmproxy's message
+    ``KILLED_MESSAGE``); turnguard never kills a flow it dispatched (it cuts the upstream)."""
     if cut_reason:
         return cut_reason
+    if error == KILLED_MESSAGE:
+        return "killed"
     msg = (error or "").lower()
     if client_gone or any(w in msg for w in ("client disconnected", "reset by client")):
         return "client_abort"
@@ -403,9 +407,14 @@ def failure_class(
     return "upstream_closed_after_headers"
 
 
+# mitmproxy's ``flow.Error.KILLED_MESSAGE``: the error of a flow a user killed
+KILLED_MESSAGE = "Connection killed."
+
+
 def counts_for_circuit(failure: str) -> bool:
-    """A client that went away says nothing about the upstream's health."""
-    return failure != "client_abort"
+    """A client that went away, or a flow a user killed, says nothing about the upstream's
+    health."""
+    return failure not in ("client_abort", "killed")
 
 
 def purge_interval_s(replay_window_s: float) -> float:
