@@ -266,8 +266,10 @@ class TurnGuard:
     async def request(self, flow: http.HTTPFlow) -> None:
         if self.refused or self.filter is None or flow.response is not None or not self.filter(flow):
             return
-        if (flow.metadata.get("turnguard") or {}).get("detached"):
-            return  # turnguard's own upstream call of a detached dispatch
+        if flow.id in self._process.detached:
+            return  # turnguard's own upstream call of a detached dispatch, running now (its
+            # metadata says "detached" for good, and so does its client flow's: a replay of
+            # either in mitmweb, the same flow sent again, is guarded as any request)
         self.maintenance.ensure_running()
         try:
             await self._guard(flow)

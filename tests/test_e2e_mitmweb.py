@@ -162,3 +162,33 @@ def test_flows_killed_in_mitmweb_do_not_open_the_retry_circuit(tmp_path):
             == [("killed", False)] * 2, failures
         assert not _events(tmp_path, "circuit_opened")
         assert_no_traceback(web.log_text())
+
+
+def test_replaying_a_guarded_flow_in_mitmweb_answers_it_from_the_recording(tmp_path):
+    """mitmweb's Replay (``replay.client``) sends a flow's request again through the addons:
+    a guarded flow whose turn completed is a duplicate of it, and is answered from the
+    recording without anything going upstream, also when the flow replayed is turnguard's own
+    upstream call of a detached dispatch (marked :satellite:), whose request is the turn's.
+    That flow's mark says it is turnguard's call only while it runs: replayed, it must not
+    pass unguarded (a second upstream execution of a completed turn)."""
+    turn = {"model": "m", "input": "replay me", "stream": True}
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 3}}) as up, MitmWeb(
+            tmp_path, up, turnguard_detach_ms=5000) as web:
+        status, _, body = post_turn(web.url, {}, turn, timeout=30)
+        assert status == 200
+        wait_until(lambda: _events(tmp_path, "outcome"), 10, what="the turn's outcome")
+        flows = web.flows()
+        own = [f for f in flows if f["is_replay"] == "request"]  # turnguard's detached call
+        client = [f for f in flows if f["is_replay"] is None]
+        assert len(own) == 1 and len(client) == 1, flows
+        for flow in (client[0], own[0]):
+            web.replay(flow["id"])
+            wait_until(lambda: len(up.dispatches()) > 1 or any(
+                e["flow"] == flow["id"] for e in _events(tmp_path, "duplicate_replayed")),
+                20, what="the replay answered")
+            assert len(up.dispatches()) == 1  # nothing went upstream again
+            replayed = wait_until(lambda: (f := web.flow(flow["id"])) and f.get("response")
+                                  and f, 10, what="the replayed flow's response")
+            assert replayed["response"]["status_code"] == 200
+            assert ["x-turnguard", "replayed"] in replayed["response"]["headers"], replayed
+        assert_no_traceback(web.log_text())
