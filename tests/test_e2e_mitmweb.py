@@ -90,6 +90,9 @@ class MitmWeb:
     def kill(self, flow_id: str) -> None:
         self.post(f"/flows/{flow_id}/kill")  # mitmweb's Kill button
 
+    def resume(self, flow_id: str) -> None:
+        self.post(f"/flows/{flow_id}/resume")  # mitmweb's Resume button
+
     def replay(self, flow_id: str) -> None:
         self.post(f"/flows/{flow_id}/replay")  # mitmweb's Replay button: replay.client
 
@@ -192,3 +195,33 @@ def test_replaying_a_guarded_flow_in_mitmweb_answers_it_from_the_recording(tmp_p
             assert replayed["response"]["status_code"] == 200
             assert ["x-turnguard", "replayed"] in replayed["response"]["headers"], replayed
         assert_no_traceback(web.log_text())
+
+
+def test_an_attached_duplicate_kept_intercepted_gets_the_response_it_attached_to(tmp_path):
+    """A duplicate that attaches to a stream in flight is routed to turnguard's relay in its
+    request hook; mitmweb's intercept then holds it (it comes after turnguard). However long
+    the user keeps it (past the relay's ``ROUTE_TTL_S``, the original long done), once resumed
+    it gets the response it attached to, never the relay's 404 for a route it forgot."""
+    from turnguard_shell.relay import ROUTE_TTL_S
+
+    turn = {"model": "m", "input": "attached, then intercepted", "stream": True}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(
+            tmp_path, {"default": {"kind": "ok", "events": 10, "gap_ms": 500}}) as up, MitmWeb(
+            tmp_path, up, intercept="~hq x-intercept-me & ~q") as web:
+        original = pool.submit(post_turn, web.url, {}, turn, timeout=60)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+        duplicate = pool.submit(post_turn, web.url, {"x-intercept-me": "1"}, turn,
+                                timeout=ROUTE_TTL_S + 60)
+        held = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
+                          20, what="the duplicate intercepted in mitmweb")
+        status, _, body = original.result(timeout=30)
+        assert status == 200
+        assert _events(tmp_path, "duplicate_attached"), _events(tmp_path)
+        time.sleep(ROUTE_TTL_S + 2)  # the user looks at it a while
+        web.resume(held["id"])
+        d_status, d_headers, d_body = duplicate.result(timeout=30)
+        assert (d_status, d_headers.get("x-turnguard")) == (200, "attached"), d_body[:300]
+        assert d_body == body
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(web.log_text())
+

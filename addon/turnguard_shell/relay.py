@@ -38,7 +38,8 @@ logger = logging.getLogger("turnguard")
 TOKEN_HEADER = "x-turnguard-attach"
 MAX_HEAD_BYTES = 256 * 1024  # mitmproxy sends the flow's request: its headers
 MAX_REQUEST_BODY = 64 * 1024 * 1024  # the guarded request's body comes along; it is dropped
-ROUTE_TTL_S = 60.0  # a route mitmproxy did not follow by then is forgotten
+ROUTE_TTL_S = 60.0  # a route mitmproxy did not follow by then is forgotten (unless its flow
+# still waits to be sent: intercepted in mitmweb or the console, its client there)
 _REASONS = {200: "OK", 201: "Created", 202: "Accepted", 502: "Bad Gateway", 404: "Not Found"}
 
 
@@ -47,6 +48,7 @@ class Route:
     live: LiveResponse
     on_end: Callable[[End | None, int], None]  # (the end the flow saw, or None: left; bytes)
     handle: asyncio.TimerHandle | None = None
+    flow: http.HTTPFlow | None = None  # the flow routed here, until it comes
 
 
 class Relay:
@@ -87,10 +89,9 @@ class Relay:
         be started). ``on_end`` is called once the flow's answer ended (or its client left)."""
         assert self.port is not None, "route() before ensure_started()"
         token = secrets.token_urlsafe(18)
-        route = Route(live, on_end)
-        route.handle = asyncio.get_running_loop().call_later(
-            ROUTE_TTL_S, lambda: self._expire(token))
+        route = Route(live, on_end, flow=flow)
         self._routes[token] = route
+        self._arm_expiry(token, route)
         req = flow.request
         meta = flow.metadata.setdefault("turnguard", {})
         meta["relayed_from"] = [req.scheme, req.host, req.port]
@@ -102,11 +103,25 @@ class Relay:
             meta["relayed_trailers"] = [[k, v] for k, v in req.trailers.fields]
             req.trailers = None
 
+    def _arm_expiry(self, token: str, route: Route) -> None:
+        route.handle = asyncio.get_running_loop().call_later(
+            ROUTE_TTL_S, lambda: self._expire(token))
+
     def _expire(self, token: str) -> None:
-        """mitmproxy never followed the route (its client left first)."""
-        route = self._routes.pop(token, None)
-        if route is not None:
-            _call_end(route, None, 0)
+        """mitmproxy never followed the route (its client left first). A flow that still
+        waits to be sent (a user keeps it intercepted: mitmweb's intercept comes after
+        turnguard's request hook) keeps its route: forgotten, the relay would answer it
+        404 once it is resumed, instead of the response it attached to."""
+        route = self._routes.get(token)
+        if route is None:
+            return
+        flow = route.flow
+        if flow is not None and flow.live and flow.error is None and flow.response is None \
+                and flow.client_conn.connected:
+            self._arm_expiry(token, route)
+            return
+        del self._routes[token]
+        _call_end(route, None, 0)
 
     @staticmethod
     def restore(flow: http.HTTPFlow) -> None:
@@ -161,6 +176,8 @@ class Relay:
         elif 0 < length <= MAX_REQUEST_BODY:
             await reader.readexactly(length)
         route = self._routes.pop(token, None) if token else None
+        if route is not None:
+            route.flow = None
         if route is None:
             writer.write(_response_head(404, (("content-type", "text/plain"),), length=9)
                          + b"not found")
