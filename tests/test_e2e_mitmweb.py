@@ -225,3 +225,31 @@ def test_an_attached_duplicate_kept_intercepted_gets_the_response_it_attached_to
         assert len(up.dispatches()) == 1
         assert_no_traceback(web.log_text())
 
+
+def test_a_request_held_through_a_cooldown_and_killed_in_mitmweb_spends_nothing(tmp_path):
+    """Once mode: a request held through a cooldown that a user kills with mitmweb's Kill
+    (which fires no hook: turnguard's ticker sees it) is let go, its client answered, nothing
+    dispatched for it; the operation's one recovery is still there for its retry."""
+    scenario = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+                "default": {"kind": "ok"}}
+    anchored = {"authorization": "Bearer sk-held-kill", "session-id": "sess-held-kill",
+                "x-codex-turn-state": "ts_1", "accept": "application/json"}
+    turn = {"model": "m", "input": "held through the cooldown", "stream": True}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(tmp_path, scenario) as up, MitmWeb(
+            tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+            turnguard_response_created_timeout_ms=600, turnguard_cooldown_ms=5000) as web:
+        assert post_turn(web.url, anchored, turn)[0] == 502  # cut: no headers in time
+        assert post_turn(web.url, anchored, turn)[0] in (0, 502)  # reset: the circuit opens
+        held = pool.submit(post_turn, web.url, anchored, turn, timeout=60)
+        wait_until(lambda: _events(tmp_path, "wait_operation_fenced_cooldown"), 20,
+                   what="a request held through the cooldown")
+        flow = next(f for f in web.flows() if not f.get("response") and not f.get("error"))
+        web.kill(flow["id"])
+        assert held.result(timeout=20)[0] == 0  # let go: its connection closed
+        assert [e["reason"] for e in _events(tmp_path, "hold_abandoned")] == ["killed"]
+        assert len(up.dispatches()) == 2 and not _events(tmp_path, "recovery_claimed")
+        status, _, body = post_turn(web.url, anchored, turn, timeout=60)  # its retry
+        assert status == 200, body[:300]  # held through what is left, then recovered once
+        assert len(up.dispatches()) == 3
+        assert len(_events(tmp_path, "recovery_claimed")) == 1
+        assert_no_traceback(web.log_text())
