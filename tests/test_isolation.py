@@ -32,6 +32,8 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
+    guarded,
+    post_turn,
     read_jsonl,
     response_id,
     wait_until,
@@ -255,6 +257,24 @@ def test_one_principal_cannot_fence_another_by_sending_its_session_id(rig):
     before = dispatches(rig, 0)
     resp = send(rig, victim)
     assert resp.status_code == 200 and dispatches(rig, 0) == before + 1
+
+
+def test_a_key_that_modify_headers_injects_is_part_of_the_principal(tmp_path):
+    """mitmproxy's ``modify_headers`` (a gateway injecting each team's key, chosen by a header
+    that is no credential) runs in ``requestheaders``, before turnguard identifies a request
+    in its ``request`` hook: the key injected is the principal's, so one team's identical
+    request is never answered from another's recording. (Addons that change the request in
+    their ``request`` hook, such as ``modify_body`` or ``map_remote``, run after turnguard.)"""
+    rules = ["/~hq x-team:.a/authorization/Bearer sk-team-a",
+             "/~hq x-team:.b/authorization/Bearer sk-team-b"]
+    turn = {"model": "m", "input": "the same prompt", "stream": True}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, modify_headers=rules) as p:
+        answers = [post_turn(p.url, {"x-team": team}, turn) for team in ("a", "b", "b")]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None, "replayed"]
+        assert len(up.dispatches()) == 2
+        assert all(d["authorization_present"] for d in up.dispatches())
+        assert_no_traceback(p.log_text())
 
 
 def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):
