@@ -277,6 +277,27 @@ def test_a_key_that_modify_headers_injects_is_part_of_the_principal(tmp_path):
         assert_no_traceback(p.log_text())
 
 
+def test_requests_map_remote_sends_to_two_upstreams_never_share_a_recording(tmp_path):
+    """mitmproxy's ``map_remote`` sends a request elsewhere in its ``request`` hook, after
+    turnguard's: the upstream of a request's identity is where it will go, so the same body
+    that ``map_remote`` sends to another upstream (here chosen by a header that is no part of
+    the identity) is that upstream's operation, never answered from the first one's
+    recording; a repeat to the same place is still replayed."""
+    turn = {"model": "m", "input": "the same prompt", "stream": True}
+    with MockUpstream(tmp_path, name="ua") as ua, MockUpstream(tmp_path, name="ub") as ub:
+        rule = f"|~hq x-region:.b|127.0.0.1:{ua.port}|127.0.0.1:{ub.port}"
+        with guarded(tmp_path, ua, map_remote=rule) as p:
+            answers = [post_turn(p.url, headers, turn)
+                       for headers in ({}, {"x-region": "b"}, {"x-region": "b"}, {})]
+            assert [a[0] for a in answers] == [200] * 4
+            assert [a[1].get("x-turnguard") for a in answers] \
+                == [None, None, "replayed", "replayed"]
+            assert (len(ua.dispatches()), len(ub.dispatches())) == (1, 1)
+            assert response_id(answers[1][2]) == response_id(answers[2][2]) \
+                != response_id(answers[0][2])
+            assert_no_traceback(p.log_text())
+
+
 def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):
     session = f"shared-{secrets.token_hex(4)}"
     db = rig.ledger

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import weakref
 
@@ -92,7 +93,35 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
             pass  # decoded with its identity, in the worker
         except ValueError:
             body, codings = None, ()
-    return _view(flow, req.method, request_headers(flow), body, codings)
+    return _view(flow, req.method, request_headers(flow), body, codings,
+                 target=_mapped_remote(flow))
+
+
+def _mapped_remote(flow: http.HTTPFlow) -> http.Request | None:
+    """The request as mitmproxy's ``map_remote`` will send it, when it sends it elsewhere
+    (None: it does not). ``map_remote`` changes a request's URL in its ``request`` hook, which
+    runs after the scripts' (turnguard's): the upstream and the path a request's identity
+    names are where it will go, so that two requests ``map_remote`` sends to two upstreams
+    (chosen by a header that is no part of the identity, say) never share an operation or a
+    recording. Its rules are applied as it applies them, to a copy of the flow."""
+    try:
+        specs = getattr(ctx.master.addons.get("mapremote"), "replacements", None)
+    except AttributeError:  # no master (unit tests)
+        return None
+    if not specs:
+        return None
+    probe = flow.copy()
+    for spec in specs:
+        if spec.matches(probe):
+            url = probe.request.pretty_url
+            new_url = re.sub(spec.subject, spec.replacement, url)
+            if url != new_url:
+                probe.request.url = new_url
+    mapped, req = probe.request, flow.request
+    if (mapped.scheme, mapped.host, mapped.port, mapped.path, mapped.host_header) \
+            == (req.scheme, req.host, req.port, req.path, req.host_header):
+        return None
+    return mapped
 
 
 def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | identity.Passthrough:
@@ -104,9 +133,11 @@ def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | ide
 
 
 def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...],
-          body: bytes | None, body_codings: tuple[str, ...] = ()
-          ) -> identity.RequestView | identity.Passthrough:
-    req = flow.request
+          body: bytes | None, body_codings: tuple[str, ...] = (),
+          target: http.Request | None = None) -> identity.RequestView | identity.Passthrough:
+    """``target``: the request as it will go upstream, when an addon that runs after
+    turnguard sends it elsewhere (its URL and upstream are then the identity's)."""
+    req = target or flow.request
     if not req.host:
         return identity.Passthrough("upstream unknown (no host)")
     proxy_auth = flow.metadata.get("proxyauth")  # mitmproxy's proxyauth took the header
