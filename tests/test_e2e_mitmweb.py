@@ -253,3 +253,29 @@ def test_a_request_held_through_a_cooldown_and_killed_in_mitmweb_spends_nothing(
         assert len(up.dispatches()) == 3
         assert len(_events(tmp_path, "recovery_claimed")) == 1
         assert_no_traceback(web.log_text())
+
+
+def test_a_dispatch_kept_intercepted_is_timed_for_a_response_event_once_resumed(tmp_path):
+    """turnguard cuts a dispatch that saw no response event within
+    ``turnguard_response_created_timeout_ms``. A dispatch a user keeps intercepted in mitmweb
+    (after turnguard's request hook) has not gone upstream: its upstream cannot be silent
+    yet, so it is not cut (nor marked so) while intercepted, and once resumed it is timed from
+    then on: an upstream that then says nothing is cut as any (the client gets its 502)."""
+    turn = {"model": "m", "input": "looked at a while", "stream": True}
+    stall = {"x-mock-behaviour": '{"kind": "stall_before_headers", "ms": 60000}'}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(tmp_path) as up, MitmWeb(
+            tmp_path, up, intercept="~hq x-intercept-me & ~q",
+            turnguard_response_created_timeout_ms=1000) as web:
+        original = pool.submit(post_turn, web.url, {"x-intercept-me": "1", **stall}, turn,
+                               timeout=30)
+        held = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
+                          20, what="the dispatch intercepted in mitmweb")
+        time.sleep(3)  # the user looks at it past the response-created timeout
+        assert not _events(tmp_path, "upstream_cut")  # nothing went upstream to be silent
+        web.resume(held["id"])
+        status, _, body = original.result(timeout=25)
+        assert status == 502, body[:300]  # the stalled upstream was cut once it had the request
+        (cut,) = _events(tmp_path, "upstream_cut")
+        assert cut["cut"] and not cut["headers_seen"]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(web.log_text())

@@ -166,6 +166,12 @@ class InFlight:
         if attempt is None or attempt.events_seen > 0:
             return
         attempt.timer = None
+        if attempt.transport == "http" and flow.intercepted:
+            # held by a user (mitmweb's intercept comes after turnguard's request hook): not
+            # sent upstream yet, so no silence of the upstream; timed again from now on
+            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                          STALL_GRACES)
+            return
         if due is not None and graces > 0 \
                 and asyncio.get_running_loop().time() - due > STALL_LATE_S:
             self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
