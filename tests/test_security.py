@@ -438,6 +438,42 @@ def test_live_no_replay_across_api_key_headers(live, header):
 # replay=false keeps no bodies; retention purges
 
 
+def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledger(tmp_path):
+    """``turnguard_replay`` set to false in a running proxy (mitmweb's options, the console's
+    ``:set``) while a turn streams: the turn's end is written after the switch, and what is
+    written then keeps no body, whatever the setting was when the turn began; its retry is
+    forwarded, not replayed."""
+    import httpx
+
+    marker = f"BODY-MARKER-{secrets.token_hex(6)}"
+    live_options = Path(__file__).with_name("live_options.py")
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 8, "gap_ms": 300,
+                                             "text": marker}}) as up, \
+            Mitmdump(tmp_path, up.url, extra_args=["-s", str(live_options)], options={
+                "turnguard_ledger": str(ledger),
+                "turnguard_events": str(tmp_path / "events.jsonl")}) as p:
+        h = {"authorization": "Bearer k"}
+        body = {"model": "m", "input": "switch replay off mid-stream", "stream": True}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(post, p.url, h, body)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            r = httpx.post(p.url + "/__set", json=["turnguard_replay=false"], trust_env=False,
+                           timeout=20)
+            assert r.status_code == 200, r.text
+            assert first.result()[0] == 200
+        assert not [e for e in read_jsonl(tmp_path / "events.jsonl")
+                    if e["event"] == "outcome" and e["outcome"] != "completed"]
+        assert query(ledger, "SELECT COUNT(*) FROM spool") == [(0,)]
+        assert query(ledger, "SELECT COUNT(*) FROM attempts WHERE replayable<>0 OR headers IS NOT"
+                             " NULL OR body_bytes IS NOT NULL") == [(0,)]
+        assert not any(marker.encode() in f.read_bytes() for f in ledger_files(ledger))
+        later = post(p.url, h, body)
+        assert later[0] == 200 and "x-turnguard" not in later[1]  # forwarded
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
+
+
 def test_replay_off_stores_no_response_bodies(tmp_path):
     marker = f"BODY-MARKER-{secrets.token_hex(6)}"
     scenario = {"sequence": [{"kind": "slow", "delay_ms": 1000, "text": marker}],
