@@ -6,6 +6,7 @@ view, without the ``update`` hook the ``flow.kill`` command fires)."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
@@ -89,6 +90,11 @@ class MitmWeb:
 
     def kill(self, flow_id: str) -> None:
         self.post(f"/flows/{flow_id}/kill")  # mitmweb's Kill button
+
+    def edit_request(self, flow_id: str, **fields: object) -> None:
+        """mitmweb's flow editor (``PUT /flows/ID``): e.g. ``content`` of the request."""
+        self.api.put(f"/flows/{flow_id}", json={"request": fields},
+                     headers={"X-XSRFToken": XSRF}).raise_for_status()
 
     def resume(self, flow_id: str) -> None:
         self.post(f"/flows/{flow_id}/resume")  # mitmweb's Resume button
@@ -278,4 +284,31 @@ def test_a_dispatch_kept_intercepted_is_timed_for_a_response_event_once_resumed(
         (cut,) = _events(tmp_path, "upstream_cut")
         assert cut["cut"] and not cut["headers_seen"]
         assert len(up.dispatches()) == 1
+        assert_no_traceback(web.log_text())
+
+
+def test_an_intercepted_dispatch_edited_in_mitmweb_is_not_replayed_for_its_first_body(tmp_path):
+    """Intercept, edit, resume: mitmweb's intercept comes after turnguard identified the
+    request and claimed its operation, so the body the user writes is not the one the
+    operation is of. What the upstream answers to the edited request must never be replayed
+    to a retry of the body the client sent (the upstream never saw that one): that retry is
+    dispatched."""
+    first = {"model": "m", "input": "the client's prompt", "stream": True}
+    edited = {"model": "m", "input": "the prompt as the user edited it", "stream": True}
+    with ThreadPoolExecutor(2) as pool, MockUpstream(tmp_path) as up, MitmWeb(
+            tmp_path, up, intercept="~hq x-intercept-me & ~q") as web:
+        original = pool.submit(post_turn, web.url, {"x-intercept-me": "1"}, first, timeout=60)
+        held = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
+                          20, what="the dispatch intercepted in mitmweb")
+        web.edit_request(held["id"], content=json.dumps(edited))
+        web.resume(held["id"])
+        assert original.result(timeout=30)[0] == 200
+        assert len(up.dispatches()) == 1
+        retry = post_turn(web.url, {}, first, timeout=30)  # the client's body again
+        assert retry[0] == 200
+        assert retry[1].get("x-turnguard") is None, "answered with the edited request's response"
+        assert len(up.dispatches()) == 2
+        again = post_turn(web.url, {}, first, timeout=30)  # and that one is replayed
+        assert again[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 2
         assert_no_traceback(web.log_text())

@@ -37,6 +37,8 @@ class EndFacts:
     client_gone: bool
     transport: str = "http"  # or "ws": a call on a WebSocket
     failed_event: str | None = None  # "error" / "response.failed" that ended it (WebSocket)
+    not_recordable: str | None = None  # why its response must not answer its operation's
+    # duplicates whatever it is (the request sent is not the one identified)
 
 
 @record
@@ -66,8 +68,8 @@ def classify_end(facts: EndFacts, credential_headers: tuple[str, ...] = ()) -> A
         status=facts.status, events_seen=facts.events_seen, terminal=facts.terminal,
         body_complete=facts.body_complete, counts_events=facts.counts_events,
     )
-    recording, not_recorded = None, None
-    if outcome == "completed" and facts.kept_body is not None:
+    recording, not_recorded = None, facts.not_recordable
+    if outcome == "completed" and facts.kept_body is not None and not_recorded is None:
         headers = recordable_headers(facts.response_headers, credential_headers)
         vary = negotiation.vary_names(headers)
         if vary is None:

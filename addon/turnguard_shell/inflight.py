@@ -70,6 +70,8 @@ class Attempt:
     live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
     first_event_timer: asyncio.TimerHandle | None = None  # records the first event, if still on
     flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
+    sent_as: tuple | None = field(default=None, repr=False)  # its request when dispatched
+    edited: bool = False  # a user edited its request after it was identified
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -143,6 +145,7 @@ class InFlight:
         self._process.attempts[key] = attempt
         self._process.by_op[ident.op_key] = key
         if ws_events is None:
+            attempt.sent_as = _request_as_is(flow)
             flow.metadata["turnguard"] = {"role": "dispatch", "op": ident.op_id,
                                           "attempt": dispatch.attempt_id, "kind": dispatch.kind}
         timeout_s = self._settings().response_created_timeout_s
@@ -229,8 +232,11 @@ class InFlight:
         if not counts_events:
             attempt.stop_timer()  # an answer that is not an event stream is its own event
         settings = self._settings()
-        keep = settings.replay_max_bytes if settings.guard.replay and ok else 0
-        shareable = settings.attach and settings.guard.replay and is_sse and ok
+        attempt.edited = _edited_since(flow, attempt.sent_as)
+        keep = settings.replay_max_bytes if settings.guard.replay and ok \
+            and not attempt.edited else 0
+        shareable = settings.attach and settings.guard.replay and is_sse and ok \
+            and not attempt.edited
         if attempt.live is not None:  # a detached call: its client is attached already
             head = _head(flow)
             attempt.live.shareable = shareable and head is not None
@@ -386,7 +392,31 @@ class InFlight:
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
+            not_recordable="request edited after it was identified" if attempt.edited
+            or _edited_since(flow, attempt.sent_as) else None,
         )
+
+
+def _request_as_is(flow: http.HTTPFlow) -> tuple:
+    """What a request is now, to tell later whether it changed: its body and headers by
+    identity (mitmproxy replaces the object on every change), the rest by value."""
+    req = flow.request
+    return (req.data.content, req.headers.fields, req.method, req.scheme, req.host, req.port,
+            req.path)
+
+
+def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
+    """Whether a user edited the request after turnguard identified it: mitmweb's intercept
+    comes after turnguard's request hook, and its editor (or the console's) saves a backup
+    of the flow first (``Flow.modified``). A change by an addon that runs after turnguard
+    (``map_remote``, ``modify_body``: the same for every retry) leaves no backup and is no
+    edit. Its response then answers that edited request only: it is neither recorded for
+    the operation nor attached to."""
+    if sent_as is None or flow.request is None:
+        return False
+    if all(a is b or a == b for a, b in zip(sent_as, _request_as_is(flow))):
+        return False
+    return flow.modified()
 
 
 def _client_gone(flow: http.HTTPFlow) -> bool:
