@@ -41,7 +41,9 @@ TIERS = {
     "e2e": {
         "test_at_most_once", "test_crash", "test_e2e_circuit", "test_e2e_control",
         "test_e2e_guard", "test_e2e_http2", "test_e2e_metrics", "test_e2e_postgres",
-        "test_e2e_attach", "test_e2e_mitmweb", "test_e2e_websocket", "test_forks", "test_hostile", "test_isolation", "test_ledger_faults", "test_load", "test_security", "test_startup",
+        "test_e2e_attach", "test_e2e_mitmweb", "test_e2e_websocket", "test_e2e_ws_faults",
+        "test_forks", "test_hostile", "test_isolation", "test_ledger_faults", "test_load",
+        "test_security", "test_startup",
     },
     "tools": {
         "test_bench", "test_mock_upstream", "test_repro_capture", "test_repro_models",

@@ -120,6 +120,13 @@ class Unread:
 UNREAD = Unread()
 
 
+@dataclass(frozen=True)
+class _Carried:
+    """An admission decided from what an earlier ledger file said (``MemoryStore.carried``)."""
+
+    decision: policy.Admission | policy.ReplayFromMemory
+
+
 class Listener(Protocol):
     """What the store needs of a notification listener (``pg_ledger.AttemptEndListener``)."""
 
@@ -515,7 +522,35 @@ class FailoverStore:
                     deadline: float | None = None, on_late=None) -> Any:
         """``call(store)`` within ``deadline``: its result, or ``UNREAD`` (noted) when the
         ledger cannot answer. A call still queued at the deadline never runs; one that
-        answers after its caller stopped waiting goes to ``on_late``."""
+        answers after its caller stopped waiting goes to ``on_late(task, generation)``, with
+        the generation of the ledger it ran on. A call (of a request: ``deadline``) that fails
+        because the ledger file was deleted or replaced begins the outage at once, as the
+        heartbeat would (``_file_gone``), and goes again, within its deadline, on the file now
+        at the path, once this process's attempts in flight are registered there: deciding
+        blind until the heartbeat noticed would dispatch a call no other process can see."""
+        for _ in range(2):  # bounded: a second go only after the file was found gone
+            store = self._store
+            answer = await self._call_once(during, call, deadline=deadline, on_late=on_late)
+            if answer is not UNREAD or deadline is None or not self._found_gone(store):
+                return answer
+        return UNREAD
+
+    def _found_gone(self, store: Store | None) -> bool:
+        """After a call on ``store`` could not be answered: whether its file was deleted or
+        replaced (then the outage is begun, ``_file_gone``, or was by another call meanwhile),
+        so that the file now at the path is opened at once."""
+        if store is None:
+            return False
+        if store is not self._store:
+            return self._store is None or self._store.generation != store.generation
+        why = store.file_replaced()
+        if why is None:
+            return False
+        self._file_gone(why)
+        return True
+
+    async def _call_once(self, during: str, call: Callable[[Store], Any], *,
+                         deadline: float | None = None, on_late=None) -> Any:
         if self._store is None and self.path and deadline is not None \
                 and time.monotonic() >= self._reopen_at:
             # the file was found gone (or could not be opened a while ago): this request
@@ -532,6 +567,7 @@ class FailoverStore:
         try:
             if deadline is None:
                 return await call(self._store)
+            generation = self._store.generation
             task = asyncio.ensure_future(call(self._store))
             if task.done():  # answered at once (an eager task on the ledger's fast path)
                 return task.result()
@@ -540,7 +576,8 @@ class FailoverStore:
             if not done:
                 # the call goes on without its caller: its error (the ledger's thread gives
                 # up, or the database fails later) is nobody's, never an unhandled one
-                task.add_done_callback(on_late if on_late is not None else _settle)
+                task.add_done_callback(
+                    _settle if on_late is None else lambda t: on_late(t, generation))
                 raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({during})")
             return task.result()
         except LedgerError as e:
@@ -565,19 +602,33 @@ class FailoverStore:
                                        generation=self.generation)
             if known is not None:
                 return known
-        if self.memory.carrying:
-            carried = self.memory.carried(
+        def carried() -> policy.Admission | policy.ReplayFromMemory | None:
+            if not self.memory.carrying:
+                return None
+            return self.memory.carried(
                 ident, circuit_scope=circuit_scope, once_mode=once_mode,
                 recovering=recovery is not None, now=now, window_s=window_s,
                 generation=self.generation)
-            if carried is not None:
-                return carried
-        generation = self.generation
-        admission = await self._call("admit", lambda store: store.admit(
-            ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
-            circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
-            deadline=deadline, transport=transport,
-        ), deadline=deadline, on_late=lambda task: self._late_claim(task, ident, generation))
+
+        async def decide(store: Store):
+            # asked again on the ledger's second go (``_call``): a file found gone just now
+            # was opened anew, and what the old one said decides first there too
+            known = carried()
+            if known is not None:
+                return _Carried(known)
+            return await store.admit(
+                ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
+                circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
+                deadline=deadline, transport=transport)
+
+        known = carried()
+        if known is not None:
+            return known
+        admission = await self._call(
+            "admit", decide, deadline=deadline,
+            on_late=lambda task, generation: self._late_claim(task, ident, generation))
+        if isinstance(admission, _Carried):
+            return admission.decision
         if isinstance(admission, Unread):
             return self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,

@@ -87,6 +87,11 @@ Write = FinishWrite | OfflineEndWrite | FirstEventWrite | GiveBackWrite | Duplic
 class Store(Protocol):
     generation: str  # this ledger's identity: kept writes name it
 
+    def file_replaced(self) -> str | None:
+        """Why the ledger is no longer the one opened (its file deleted or replaced, the
+        database another one), or None. No query: cheap enough for the event loop."""
+        ...
+
     async def admit(
         self, ident: Identity, *, method: str, route: str, now: float,
         guard: policy.GuardPolicy, flow_id: str | None, circuit_scope: str | None,
@@ -213,6 +218,9 @@ class LedgerStore:
     @property
     def generation(self) -> str:
         return self._runner.ledger.generation
+
+    def file_replaced(self) -> str | None:
+        return self._runner.ledger.file_replaced()
 
     @property
     def incarnation(self) -> int:
