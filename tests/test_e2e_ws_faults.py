@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
@@ -99,4 +100,52 @@ def test_a_call_that_finds_the_ledger_deleted_is_claimed_in_the_new_file(tmp_pat
         assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
         assert len(up.dispatches()) == 3  # the two warm-ups and the call: once
         wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "deleted"])
+def test_a_detached_call_whose_socket_drops_in_a_ledger_fault_is_run_once(tmp_path, kind):
+    """Detached calls (``turnguard_detach_ms``): a call streams through process a, the ledger
+    fails (locked, or its file deleted), and the client drops its socket mid-think. The call
+    runs on as turnguard's own POST; a retry on a new socket through a attaches to it, and one
+    through process b (on a socket, and as the POST fallback), sent once the fault is over
+    while the call still runs, is held and answered from it: one upstream execution, nothing
+    in flight after."""
+    thinking = {"default": {"kind": "ok", "think_ms": 4000, "events": 3}}
+    opts = dict(turnguard_detach_ms=30000, turnguard_response_created_timeout_ms=20000,
+                turnguard_hold_timeout_ms=20000)
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, thinking) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        frame = call([user(f"detached in a fault {kind}")], seed=1)
+
+        async def drop():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(frame)
+                first = json.loads(await c.recv(20))
+                c.abort()
+                await asyncio.sleep(0.5)
+                return first
+
+        text = f"detached in a fault {kind}"
+        if kind == "locked":
+            with write_lock(ledger):
+                first = asyncio.run(drop())
+        else:
+            for suffix in ("", "-wal", "-shm"):
+                os.unlink(f"{ledger}{suffix}")
+            first = asyncio.run(drop())
+        op = turnguard_events(tmp_path, "a", "dispatch")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
+                   what="the call in flight in the ledger once the fault is over")
+        elsewhere_ws = background(ws_call, b.url, call([user(text)], seed=3))
+        elsewhere_http = background(http_call, b.url, frame)
+        here = ws_call(a.url, call([user(text)], seed=2))
+        assert types(here)[-1] == "response.completed" and here[0] == first, here
+        assert elsewhere_ws.result(30) == here
+        status, _, kinds = elsewhere_http.result(30)
+        assert status == 200 and kinds == types(here)
+        assert len(up.dispatches()) == 1
+        assert len(turnguard_events(tmp_path, "b", "duplicate_held")) == 2
+        wait_until(lambda: ledger.exists() and not in_flight(ledger), 20, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())

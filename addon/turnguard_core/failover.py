@@ -551,15 +551,18 @@ class FailoverStore:
 
     async def _call_once(self, during: str, call: Callable[[Store], Any], *,
                          deadline: float | None = None, on_late=None) -> Any:
-        if self._store is None and self.path and deadline is not None \
-                and time.monotonic() >= self._reopen_at:
+        if self._store is None and self.path and deadline is not None:
             # the file was found gone (or could not be opened a while ago): this request
             # opens the file now at the path rather than deciding blind until the next tick
-            # (another process may have registered its attempts there meanwhile)
-            if self._reopening is None or self._reopening.done():
+            # (another process may have registered its attempts there meanwhile); a request
+            # that comes while another one's opening is under way waits for that one
+            opening = self._reopening is not None and not self._reopening.done()
+            if not opening and time.monotonic() >= self._reopen_at:
                 self._reopening = asyncio.get_running_loop().create_task(self.reopen_if_due())
-            await asyncio.wait({self._reopening},
-                               timeout=max(0.0, deadline - time.monotonic()))
+                opening = True
+            if opening:
+                await asyncio.wait({self._reopening},
+                                   timeout=max(0.0, deadline - time.monotonic()))
         if self._store is None or deadline is not None and deadline <= time.monotonic():
             return UNREAD
         if not self.usable and not await self.recover(deadline):
