@@ -8,11 +8,13 @@ import contextlib
 import json
 import os
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (MockUpstream, assert_no_traceback, guarded, ledger_query, parse_sse,
                      sse_post, turnguard_events, wait_until)
+from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
@@ -65,6 +67,105 @@ def http_call(url, frame):
     return status, headers.get("x-turnguard"), [d.get("type") for _, d in parse_sse(body)]
 
 
+@contextlib.contextmanager
+def fault(kind, folder):
+    """The ledger in ``folder`` locked (another connection's ``BEGIN IMMEDIATE``), its file
+    system full, or its file deleted, until the block ends."""
+    ledger = folder / "ledger.sqlite3"
+    if kind == "locked":
+        with write_lock(ledger):
+            yield
+    elif kind == "full":
+        with wal_at_its_end(ledger):
+            fill(folder)
+            try:
+                yield
+            finally:
+                unfill(folder)
+    elif kind == "replaced":  # an older copy (taken at the start) moved into its place
+        replace_with_older_copy(folder)
+        yield
+    else:
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        yield
+
+
+def replace_with_older_copy(folder):
+    """Move the copy ``older_copy`` made into the ledger's place, the old file's ``-wal`` and
+    ``-shm`` moved away first (SQLite would pair them with the copy: the README's warning)."""
+    ledger = folder / "ledger.sqlite3"
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{ledger}{suffix}")
+    os.replace(folder / "older.sqlite3", ledger)
+
+
+def older_copy(folder):
+    """A copy of the ledger as it is now, for ``fault("replaced", ...)``."""
+    src = sqlite3.connect(folder / "ledger.sqlite3")
+    dst = sqlite3.connect(folder / "older.sqlite3")
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    os.chmod(folder / "older.sqlite3", 0o600)
+
+
+def ledger_folder(tmp_path, kind):
+    folder = tmp_path / "ledger-fs"
+    if kind == "full":
+        return tiny_tmpfs(folder, "2m")
+    folder.mkdir(mode=0o700)
+    return contextlib.nullcontext(folder)
+
+
+def original_of(transport):
+    return ws_call if transport == "ws" else lambda url, frame: http_call(url, frame)
+
+
+@pytest.mark.parametrize("kind", ["locked", "full", "deleted", "replaced"])
+@pytest.mark.parametrize("transport", ["ws", "http"])
+def test_a_call_that_ends_in_a_ledger_fault_answers_its_retries_held_in_the_other_process(
+        tmp_path, kind, transport):
+    """A call streams through process a (over a socket, or as its POST fallback); its retries
+    come through process b, on a new socket and as the POST fallback, and are held there (the
+    call is in flight in the ledger). Then the ledger fails (locked, full, deleted) and the call
+    completes in it: its end is kept. When the fault is over, a writes the end and b answers
+    both retries from the recording: one upstream execution, nothing in flight."""
+    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, STREAM) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            older_copy(folder)
+            frame = call([user(f"ends in a fault {kind}")], seed=1)
+            original = background(original_of(transport), a.url, frame)
+            op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch")[1:], 10,
+                            what="a dispatching the call")[0]["op"]
+            wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
+                       what="the call in flight")
+            retry_ws = background(ws_call, b.url, call([user(f"ends in a fault {kind}")], seed=2))
+            retry_http = background(http_call, b.url, frame)
+            wait_until(lambda: len(turnguard_events(tmp_path, "b", "duplicate_held")) == 2, 10,
+                       what="both retries held in b")
+            with fault(kind, folder):
+                got = original.result(30)
+                time.sleep(1)
+            kinds = types(got) if transport == "ws" else got[2]
+            assert kinds[-1] == "response.completed", got
+            again = retry_ws.result(40)
+            assert types(again) == kinds, again
+            status, how, http_kinds = retry_http.result(40)
+            assert status == 200 and http_kinds == kinds, (status, how, http_kinds)
+            assert len(up.dispatches()) == 2  # the warm-up, the call
+            wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
+                       what="nothing in flight")
+            assert_no_traceback(a.log_text() + b.log_text())
+
+
 @pytest.mark.parametrize("retry_via", ["ws", "http"])
 def test_a_call_that_finds_the_ledger_deleted_is_claimed_in_the_new_file(tmp_path, retry_via):
     """The ledger file is deleted just before a call's frame reaches process a (both processes
@@ -100,6 +201,115 @@ def test_a_call_that_finds_the_ledger_deleted_is_claimed_in_the_new_file(tmp_pat
         assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
         assert len(up.dispatches()) == 3  # the two warm-ups and the call: once
         wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("who", ["client", "upstream"])
+def test_a_socket_closed_mid_call_behind_a_lock_leaves_nothing_in_flight(tmp_path, who):
+    """The ledger is locked while a call streams through process a, and its socket is closed
+    mid-stream (the client drops it, or the upstream breaks the stream). Once the lock goes
+    nothing stays in flight, and the retry through process b is dispatched and answered."""
+    ledger = tmp_path / "ledger.sqlite3"
+    scenario = STREAM if who == "client" else {
+        "default": {"kind": "ok", "events": 12, "gap_ms": 150},
+        "sequence": [{"kind": "partial", "events": 4, "gap_ms": 150, "end": "reset"}]}
+    opts = dict(turnguard_hold_timeout_ms=20000)
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        frame = call([user("closed behind a lock")], seed=1)
+
+        async def cut():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(frame)
+                first = json.loads(await c.recv(20))
+                with write_lock(ledger):
+                    if who == "client":
+                        await asyncio.sleep(0.5)
+                        c.abort()
+                        await asyncio.sleep(1.5)
+                        return [first]
+                    got = await c.response(20)
+                    await asyncio.sleep(1)
+                    return [first, *got]
+
+        cut_short = asyncio.run(cut())
+        assert "response.completed" not in types(cut_short)
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight after the lock")
+        again = ws_call(b.url, call([user("closed behind a lock")], seed=2))
+        assert types(again)[-1] == "response.completed", again
+        assert len(up.dispatches()) == 2  # the call cut short, and its retry
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def masked_text_frame(payload: bytes) -> bytes:
+    """A client's whole text frame (FIN, opcode 1, masked) carrying ``payload`` as it is,
+    invalid UTF-8 included (wsproto would refuse to build one)."""
+    key = os.urandom(4)
+    n = len(payload)
+    head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else
+                            bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else
+                            bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+HOSTILE = {
+    "binary": b"\x00\xff binary",
+    "1 MB": json.dumps({"type": "response.create", "model": "gpt-test", "stream": True,
+                        "input": "y" * (1 << 20)}),
+    "unknown previous_response_id": None,  # built in the test: a delta on a response never seen
+    "invalid UTF-8": masked_text_frame(b'{"type": "response.create", "input": "\xff\xfe"}'),
+}
+
+
+@pytest.mark.parametrize("hostile", list(HOSTILE))
+def test_a_hostile_frame_behind_a_call_that_ends_behind_a_lock(tmp_path, hostile):
+    """A call streams through process a; the ledger is locked after its first event, and the
+    client sends a hostile frame right behind it on the same socket. The call is answered in
+    full, with its own events; the hostile frame gets the upstream's own answer (or, invalid
+    UTF-8, the socket is closed with a reason); once the lock goes nothing stays in flight, a
+    retry of the call through process b is replayed (one upstream execution) and no hook
+    raised."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, STREAM) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        frame = call([user(f"hostile behind {hostile}")], seed=1)
+        delta = call([user("and then")], seed=3, previous_response_id="resp_never_seen_here")
+
+        async def go():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(frame)
+                first = json.loads(await c.recv(20))
+                with write_lock(ledger):
+                    raw = HOSTILE[hostile]
+                    if isinstance(raw, bytes) and hostile == "invalid UTF-8":
+                        c._writer.write(raw)
+                        await c._writer.drain()
+                    else:
+                        await c.send(delta if raw is None else raw)
+                    got = [first, *await c.response(30)]
+                    behind = [] if got[-1]["type"] == "closed" else await c.response(30)
+                    await asyncio.sleep(0.5)
+                return got, behind
+
+        got, behind = asyncio.run(go())
+        if hostile == "invalid UTF-8":  # a protocol error: mitmproxy closes the socket
+            assert got[-1] == {"type": "closed", "code": 1007}, got
+            wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight after the lock")
+            again = ws_call(b.url, call([user(f"hostile behind {hostile}")], seed=2))
+            assert types(again)[-1] == "response.completed", again
+            assert len(up.dispatches()) == 2  # the call cut with its socket, and its retry
+            assert_no_traceback(a.log_text() + b.log_text())
+            return
+        assert types(got)[0] == "response.created" and types(got)[-1] == "response.completed"
+        ids = {e["response"]["id"] for e in got if "response" in e}
+        assert len(ids) == 1, ids
+        assert behind and all(e.get("response", {}).get("id") not in ids for e in behind), behind
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight after the lock")
+        again = ws_call(b.url, call([user(f"hostile behind {hostile}")], seed=2))
+        assert again == got
+        # the call once, and the hostile frame (a binary one is answered 400, no dispatch)
+        assert len(up.dispatches()) == (1 if hostile == "binary" else 2)
         assert_no_traceback(a.log_text() + b.log_text())
 
 
@@ -148,4 +358,121 @@ def test_a_detached_call_whose_socket_drops_in_a_ledger_fault_is_run_once(tmp_pa
         assert len(up.dispatches()) == 1
         assert len(turnguard_events(tmp_path, "b", "duplicate_held")) == 2
         wait_until(lambda: ledger.exists() and not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "deleted"])
+def test_a_late_event_in_a_ledger_fault_is_not_lent_to_the_next_call(tmp_path, kind):
+    """The ledger fails (locked, or its file deleted) before two calls on one socket through
+    process a; the upstream sends the first response's terminal event once more, late, while
+    the second call is in flight. Once the fault is over, the retry of the second call through
+    process b is replayed the second call's own events (never the stray one) and nothing stays
+    in flight."""
+    scenario = {"sequence": [{"kind": "ok"}, {"kind": "ok", "after_completed": "repeat_terminal"},
+                             {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        async def two_calls():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(call([user("A")], seed=1))
+                first = await c.response()
+                await c.send(call([user("B")], seed=2))
+                stray = await c.response()
+                return first, stray, await c.response()
+
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the ledger open
+        if kind == "locked":
+            with write_lock(ledger):
+                first, stray, second = asyncio.run(two_calls())
+        else:
+            for suffix in ("", "-wal", "-shm"):
+                os.unlink(f"{ledger}{suffix}")
+            first, stray, second = asyncio.run(two_calls())
+        ids = [{e["response"]["id"] for e in r if "response" in e} for r in (first, second)]
+        assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
+        assert stray == first[-1:]
+        wait_until(lambda: ledger.exists() and not in_flight(ledger) and len(ledger_query(
+                       ledger, "SELECT 1 FROM attempts WHERE outcome='completed'")) >= 2, 20,
+                   what="both calls' ends written")
+        retried = ws_call(b.url, call([user("B")], seed=3))
+        assert retried == [e for e in second if e["response"]["id"] in ids[1]
+                           or "response" not in e]
+        assert len(up.dispatches()) == 3  # the warm-up, A, B
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("transport", ["ws", "http"])
+def test_a_retry_held_elsewhere_when_an_older_copy_replaces_the_ledger_is_answered(
+        tmp_path, transport):
+    """A call streams through process a (over a socket, or as its POST fallback) and its retry
+    is held in process b (on a new socket) on the call's attempt, when an older copy of the
+    ledger is moved into its place. a registers the call in the copy (in flight, or ended whole),
+    where the attempt ids are the copy's own: the id b waits on may be another operation's
+    there. b's retry is still answered with the call's recording once it ends (one upstream
+    execution), and does not wait out its hold bound."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=20000)
+    text = f"an older copy over the ledger ({transport})"
+    with MockUpstream(tmp_path, STREAM) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(a.url, call([user("warm 1")], turn="w1", seed=7))
+        wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+        older_copy(tmp_path)
+        for i in (2, 3):  # attempts the copy does not have
+            ws_call(a.url, call([user(f"warm {i}")], turn=f"w{i}", seed=7 + i))
+        frame = call([user(text)], seed=1)
+        original = background(original_of(transport), a.url, frame)
+        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch")[3:], 10,
+                        what="a dispatching the call")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call in flight")
+        retry = background(ws_call, b.url, call([user(text)], seed=2))
+        wait_until(lambda: turnguard_events(tmp_path, "b", "duplicate_held"), 10,
+                   what="the retry held in b")
+        replace_with_older_copy(tmp_path)
+        got = original.result(30)
+        kinds = types(got) if transport == "ws" else got[2]
+        assert kinds[-1] == "response.completed", got
+        again = retry.result(40)
+        assert types(again) == kinds, again
+        assert len(up.dispatches()) == 4  # three warm-ups, the call
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file(tmp_path):
+    """The ledger file is deleted while a call streams through process a; a registers the call
+    in the new file. Then eight retries of it reach process b at once (sockets and POST
+    fallbacks), b still on the deleted file: the first to find it gone opens the new one, and
+    the others wait for that opening (within their budget) instead of deciding blind while it
+    is under way. All are held on a's call and answered from it: one upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=20000)
+    scenario = {"default": {"kind": "ok", "events": 20, "gap_ms": 250}}
+    text = "eight retries on a deleted ledger"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
+                        what="a dispatching the call")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        for suffix in ("", "-wal", "-shm"):
+            os.unlink(f"{ledger}{suffix}")
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
+                   what="a registering the call in the new file")
+        pool = ThreadPoolExecutor(max_workers=8)
+        try:
+            retries = [pool.submit(ws_call, b.url, call([user(text)], seed=10 + i)) if i % 2
+                       else pool.submit(http_call, b.url, frame) for i in range(8)]
+            got = original.result(30)
+            answers = [r.result(40) for r in retries]
+        finally:
+            pool.shutdown(wait=False)
+        assert types(got)[-1] == "response.completed"
+        assert [types(x) if i % 2 else x[2] for i, x in enumerate(answers)] == [types(got)] * 8
+        assert len(up.dispatches()) == 2  # b's warm-up, and the call once
+        assert not [e for e in turnguard_events(tmp_path, "b", "dispatch") if e["op"] == op]
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())
