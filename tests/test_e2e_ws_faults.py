@@ -476,3 +476,35 @@ def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file
         assert not [e for e in turnguard_events(tmp_path, "b", "dispatch") if e["op"] == op]
         wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "full"])
+def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_retry(
+        tmp_path, kind):
+    """The ledger is locked, or its disk full, when a call's frame reaches process a: the call
+    is decided in memory and dispatched. Once the fault is over, a registers it in the ledger
+    while it still streams, so its retry through process b (a new socket) is held on it and
+    answered from it: one upstream execution, nothing in flight after."""
+    scenario = {"default": {"kind": "ok", "events": 24, "gap_ms": 250}}
+    text = f"claimed in a fault {kind}"
+    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, scenario) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            with fault(kind, folder):
+                original = background(ws_call, a.url, call([user(text)], seed=1))
+                dispatched = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch")[1:],
+                                        10, what="a dispatching the call")
+                assert dispatched[0]["ledger"] is False  # decided without the ledger
+            op = dispatched[0]["op"]
+            wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
+                       what="the call registered once the fault is over")
+            retry = background(ws_call, b.url, call([user(text)], seed=2))
+            got = original.result(30)
+            assert types(got)[-1] == "response.completed"
+            assert retry.result(40) == got
+            assert len(up.dispatches()) == 2  # the warm-up, the call
+            wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+            assert_no_traceback(a.log_text() + b.log_text())
