@@ -494,3 +494,42 @@ def test_a_nul_in_a_previous_response_id_is_stored_and_keeps_the_ledger_in_use(t
                                              " WHERE previous_response_id IS NOT NULL")) == [
         "resp_\ufffdx"] * 2
     assert_no_traceback(log)
+
+
+def test_a_table_locked_under_a_replays_read_does_not_stop_the_ledger_deciding_other_turns(
+        tmp_path, pg_url):
+    """Another session holds ``spool`` in ACCESS EXCLUSIVE mode (``VACUUM FULL spool``, an
+    operator's ``LOCK TABLE``) and keeps its transaction open. B's read of a recording waits
+    for it no longer than its request's bound (it fails closed), and B's ledger goes on
+    deciding: a duplicate through B of a turn A runs meanwhile is held (claims do not read the
+    spool) and replayed once the lock goes, never run a second time."""
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=5, gap_ms=600)}
+    recorded = {**BODY, "input": "recorded before the lock"}
+    turn = {**BODY, "input": "runs while the spool is locked"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        assert post(a.url, sessionless, recorded)[0] == 200
+        locker = psycopg.connect(pg_url, autocommit=True)
+        try:
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE spool IN ACCESS EXCLUSIVE MODE")
+            # its bytes cannot be read now: failed closed, never run again
+            assert post(b.url, sessionless, recorded, timeout=30)[0] == 503
+            original = pool.submit(post, a.url, slow, turn)
+            wait_until(lambda: len(up.dispatches()) == 4, 10, what="the turn's dispatch")
+            duplicate = pool.submit(post, b.url, sessionless, turn)
+            assert original.result(30)[0] == 200  # its end waits for the lock (kept)
+            wait_until(lambda: duplicate.done() or events(tmp_path, "b", "duplicate_held"), 10,
+                       what="the duplicate decided")
+            locker.execute("COMMIT")
+        finally:
+            locker.close()
+        status, headers, _ = duplicate.result(60)
+        log = a.log_text() + b.log_text()
+    assert len(up.dispatches()) == 4  # the warm-ups, the recorded turn, the turn once
+    assert status == 200 and headers.get("x-turnguard") == "replayed"
+    assert_no_traceback(log)
+

@@ -289,6 +289,7 @@ class PgLedger:
         self._readonly = False
         self._replaced: str | None = None
         self._doubtful_claims: list[tuple[int, str]] = []
+        self._session_ms: int | None = None  # the connection's own statement and lock timeout
         self.generation = ""
         self.incarnation = 0
 
@@ -316,6 +317,7 @@ class PgLedger:
         self._drop()
         db = self._connect()
         try:
+            self._bound(db)  # the reads below too: a locked meta never holds the thread
             if self._readonly:
                 db.execute("SET default_transaction_read_only = on")
             generation = _generation(db)
@@ -331,6 +333,24 @@ class PgLedger:
             self._give_back_doubtful(db)
         return db
 
+    def _read(self) -> psycopg.Connection:
+        """The connection for a read outside a transaction, its statements bounded by the
+        call's timeout (``set_busy_timeout``) as a transaction's are (``SET LOCAL``): a table
+        another session holds locked (``LOCK TABLE ... ACCESS EXCLUSIVE``, ``VACUUM FULL``)
+        fails the read within the call's bound, never holding the ledger's thread, and every
+        call queued behind it (other turns' claims), until the lock goes."""
+        db = self._conn()
+        self._bound(db)
+        return db
+
+    def _bound(self, db: psycopg.Connection) -> None:
+        """Make the call's timeout the session's own ``statement_timeout`` and
+        ``lock_timeout`` (one round trip, only when it changed)."""
+        ms = max(1, int(self._timeout_ms))
+        if ms != self._session_ms:
+            db.execute(f"SET statement_timeout = {ms}; SET lock_timeout = {ms}")
+            self._session_ms = ms
+
     def _give_back_doubtful(self, db: psycopg.Connection) -> None:
         """End the claims whose commit was in doubt when the connection broke: their requests
         were decided without them (in memory), so they were never dispatched."""
@@ -342,6 +362,7 @@ class PgLedger:
         del self._doubtful_claims[:len(doubtful)]
 
     def _drop(self) -> None:
+        self._session_ms = None
         if self._db is not None:
             try:
                 self._db.close()
@@ -380,7 +401,8 @@ class PgLedger:
         instance (``register=False``: a control tool, no ``instances`` row)."""
         db = self._connect()
         try:
-            self._db, self._opened = db, True
+            self._db, self._opened, self._session_ms = db, True, None
+            self._bound(db)
             self._migrate(db)
             self.generation = _generation(db)
             if db.execute("SHOW synchronous_commit").fetchone()[0] == "off":
@@ -400,6 +422,8 @@ class PgLedger:
         database holds no turnguard ledger of this schema version."""
         db = self._connect()
         try:
+            self._session_ms = None
+            self._bound(db)
             db.execute("SET default_transaction_read_only = on")
             version = _schema_version(db)
             if version != SCHEMA_VERSION:
@@ -599,7 +623,7 @@ class PgLedger:
     def snapshot(self, op_key: str) -> policy.OperationSnapshot | None:
         """The operation's state now (read only). Also what a process polls for while it
         cannot be notified (see ``AttemptEndListener``)."""
-        return self._snapshot(self._conn(), op_key)
+        return self._snapshot(self._read(), op_key)
 
     # -- attempts ------------------------------------------------------------------------------
     @_wrap
@@ -728,11 +752,11 @@ class PgLedger:
 
     @_wrap
     def circuit_state(self, scope: str) -> circuit.CircuitState:
-        return self._circuit(self._conn(), scope)
+        return self._circuit(self._read(), scope)
 
     @_wrap
     def open_circuits(self, now: float) -> list[tuple[str, circuit.CircuitState]]:
-        rows = self._conn().execute(
+        rows = self._read().execute(
             "SELECT scope, failures, open_until, cooldown_s FROM circuits WHERE open_until>%s",
             (now,)).fetchall()
         return [(r[0], circuit.CircuitState(*r[1:])) for r in rows]
@@ -783,7 +807,7 @@ class PgLedger:
 
     @_wrap
     def session_owned_by(self, session: str, instance_id: str, epoch: int) -> bool:
-        row = self._session(self._conn(), session)
+        row = self._session(self._read(), session)
         return row is not None and (row.owner_instance, row.owner_epoch) == (instance_id, epoch)
 
     @_wrap
@@ -799,7 +823,7 @@ class PgLedger:
     @_wrap
     def recording(self, attempt_id: int, op_key: str | None = None) -> Recording | None:
         """See ``Ledger.recording``."""
-        db = self._conn()
+        db = self._read()
         row = db.execute(
             "SELECT status, headers, vary_key FROM attempts"
             " WHERE attempt_id=%s AND op_key=COALESCE(%s, op_key) AND replayable=1",
@@ -853,7 +877,7 @@ class PgLedger:
     @_wrap
     def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:
         """See ``Ledger.peers_with_attempts_in_flight``."""
-        rows = self._conn().execute(
+        rows = self._read().execute(
             "SELECT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
             " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
             " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM attempts a LEFT JOIN instances i"
@@ -1002,19 +1026,19 @@ class PgLedgerAdmin(PgLedger):
     # -- inspection ----------------------------------------------------------------------------
     @_wrap
     def counts(self) -> dict[str, int]:
-        return {state: n for state, n in self._conn().execute(
+        return {state: n for state, n in self._read().execute(
             "SELECT state, COUNT(*) FROM operations GROUP BY state")}
 
     @_wrap
     def list_operations(self, limit: int = 50) -> list[dict]:
-        return _dicts(self._conn().execute(
+        return _dicts(self._read().execute(
             "SELECT op_key, state, method, path, session, attempts, created_at, updated_at,"
             " (replay_attempt IS NOT NULL)::int AS replayable FROM operations"
             " ORDER BY updated_at DESC LIMIT %s", (limit,)))
 
     @_wrap
     def find_operation(self, op_prefix: str) -> dict | None:
-        db = self._conn()
+        db = self._read()
         ops = _dicts(db.execute("SELECT * FROM operations WHERE starts_with(op_key, %s)"
                                 " ORDER BY op_key LIMIT 2", (op_prefix,)))
         if len(ops) != 1:
@@ -1028,42 +1052,42 @@ class PgLedgerAdmin(PgLedger):
 
     @_wrap
     def duplicate_totals(self) -> dict[str, int]:
-        held, replayed = self._conn().execute(
+        held, replayed = self._read().execute(
             "SELECT COALESCE(SUM(duplicates_held), 0), COALESCE(SUM(duplicates_replayed), 0)"
             " FROM operations").fetchone()
         return {"held": int(held), "replayed": int(replayed)}
 
     @_wrap
     def circuits(self, now: float) -> list[CircuitRow]:
-        rows = self._conn().execute(
+        rows = self._read().execute(
             "SELECT scope, failures, open_until, cooldown_s, updated_at FROM circuits"
             " WHERE failures>0 OR open_until>%s ORDER BY updated_at DESC", (now,)).fetchall()
         return [CircuitRow(r[0], circuit.CircuitState(*r[1:4]), r[4]) for r in rows]
 
     @_wrap
     def sessions(self, limit: int = 100) -> list[SessionRow]:
-        rows = self._conn().execute(
+        rows = self._read().execute(
             "SELECT session, durable_id, owner_instance, owner_epoch, lease_until, updated_at"
             " FROM sessions ORDER BY updated_at DESC LIMIT %s", (limit,)).fetchall()
         return [SessionRow(r[0], policy.SessionOwnership(*r[1:5]), r[5]) for r in rows]
 
     @_wrap
     def instances(self) -> list[liveness.PeerRow]:
-        rows = self._conn().execute(
+        rows = self._read().execute(
             "SELECT instance_id, host, boot_id, pid_ns, pid, start_ticks, heartbeat_at"
             " FROM instances ORDER BY heartbeat_at DESC").fetchall()
         return [liveness.PeerRow(r[0], liveness.ProcessIdentity(*r[1:6]), r[6]) for r in rows]
 
     @_wrap
     def audit_log(self, limit: int = 50) -> list[dict]:
-        return _dicts(self._conn().execute(
+        return _dicts(self._read().execute(
             "SELECT audit_id, at, action, target, actor, before, after FROM control_audit"
             " ORDER BY audit_id DESC LIMIT %s", (limit,)))
 
     @_wrap
     def integrity_check(self) -> str:
         """PostgreSQL checks its own pages; this says whether the ledger's tables answer."""
-        self._conn().execute("SELECT count(*) FROM meta").fetchone()
+        self._read().execute("SELECT count(*) FROM meta").fetchone()
         return "ok"
 
 
