@@ -533,3 +533,44 @@ def test_a_table_locked_under_a_replays_read_does_not_stop_the_ledger_deciding_o
     assert status == 200 and headers.get("x-turnguard") == "replayed"
     assert_no_traceback(log)
 
+
+
+@pytest.mark.parametrize("fault", ["future_schema", "read_only"])
+def test_a_postgres_ledger_unusable_at_start_up_keeps_proxying_and_is_used_once_mended(
+        tmp_path, pg_url, fault):
+    """The database holds a newer turnguard's ledger (schema version 99: left untouched), or
+    is read-only (``default_transaction_read_only``): mitmdump starts, proxies and coalesces
+    in memory; once an operator mends it, turnguard opens and uses it by itself."""
+    name = pg_url.rsplit("/", 1)[1]
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    if fault == "future_schema":
+        rows(pg_url, "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        rows(pg_url, "INSERT INTO meta VALUES ('schema_version', '99'), ('generation', 'new')")
+    else:
+        rows(admin, f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    body = {**BODY, "input": "before the ledger is usable"}
+    slow = {**HEADERS, **harness.mock_behaviour(kind="ok", events=4, gap_ms=500)}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            ThreadPoolExecutor(2) as pool:
+        original = pool.submit(post, a.url, slow, body)
+        wait_until(lambda: up.dispatches(), 10, what="the original's dispatch")
+        duplicate = post(a.url, HEADERS, body)
+        assert original.result(30)[0] == duplicate[0] == 200
+        assert len(up.dispatches()) == 1  # coalesced in memory
+        assert [e["during"] for e in events(tmp_path, "a", "ledger_unavailable")][:1] == ["open"]
+        if fault == "future_schema":  # a newer turnguard's ledger is left as it was
+            assert rows(pg_url, "SELECT key, value FROM meta ORDER BY key") == [
+                ("generation", "new"), ("schema_version", "99")]
+            assert rows(pg_url, "SELECT to_regclass('operations')") == [(None,)]
+            rows(pg_url, "DROP TABLE meta")
+        else:
+            rows(admin, f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        wait_until(lambda: re.search(r"turnguard: ledger \S+ \(instance", a.log_text()), 20,
+                   what="the ledger opened")
+        mended = {**BODY, "input": "once mended"}
+        assert post(a.url, HEADERS, mended)[0] == 200
+        again = post(a.url, HEADERS, mended)
+        log = a.log_text()
+    assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+    assert rows(pg_url, "SELECT COUNT(*) FROM operations WHERE state = 'completed'") >= [(1,)]
+    assert_no_traceback(log)
