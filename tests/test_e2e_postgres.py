@@ -574,3 +574,48 @@ def test_a_postgres_ledger_unusable_at_start_up_keeps_proxying_and_is_used_once_
     assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
     assert rows(pg_url, "SELECT COUNT(*) FROM operations WHERE state = 'completed'") >= [(1,)]
     assert_no_traceback(log)
+
+
+def test_a_turn_dispatched_while_the_tables_are_locked_is_registered_as_soon_as_they_are_not(
+        tmp_path, pg_url):
+    """Another session keeps ``operations`` and ``attempts`` locked (ACCESS EXCLUSIVE) while A
+    gets a turn: A decides it in memory and dispatches it, and owes the ledger its row. Its
+    tries to write it wait for the lock (a lock timeout each); one that gave up is followed by
+    the next at once, as on SQLite, so the row lands as the lock goes: a duplicate sent to B
+    shortly after is held and replayed, never run a second time."""
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=6, gap_ms=600)}
+    turn = {**BODY, "input": "dispatched while the tables are locked"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        locker = psycopg.connect(pg_url, autocommit=True)
+        watch = psycopg.connect(pg_url, autocommit=True)
+
+        def registering() -> int:  # A's try to write the turn's row, waiting for the lock
+            return watch.execute(LOCK_WAITERS_SQL, (SNAPSHOT_SQL,)).fetchone()[0]
+
+        try:
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE operations, attempts IN ACCESS EXCLUSIVE MODE")
+            original = pool.submit(post, a.url, slow, turn)
+            wait_until(lambda: len(up.dispatches()) == 3, 10, what="the turn's dispatch")
+            wait_until(registering, 10, interval=0.005, what="A's try to register it")
+            # released between two tries, if A leaves a pause between them (50 polls in a row
+            # without one), else after 5 s while a try waits (it takes the lock as it goes)
+            quiet, until = 0, time.monotonic() + 5
+            while quiet < 50 and time.monotonic() < until:
+                quiet = 0 if registering() else quiet + 1
+                time.sleep(0.002)
+            locker.execute("COMMIT")
+        finally:
+            locker.close()
+            watch.close()
+        time.sleep(0.3)  # well past "about 0.1 s of the release"
+        status, headers, _ = post(b.url, sessionless, turn)
+        assert original.result(30)[0] == status == 200
+        log = a.log_text() + b.log_text()
+    assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
+    assert headers.get("x-turnguard") in ("replayed", "attached")
+    assert_no_traceback(log)

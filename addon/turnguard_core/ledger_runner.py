@@ -48,9 +48,14 @@ class LedgerTimeout(LedgerError):
 
 
 def contended(error: LedgerError | str) -> bool:
-    """Whether the ledger failed for a lock held by another connection (it may work later)."""
+    """Whether the ledger failed for a lock held by another connection (it may work later):
+    SQLite's "database is locked" (or busy), PostgreSQL's lock timeout, and its statement
+    timeout (a call's ``statement_timeout`` and ``lock_timeout`` are the same bound, so a
+    statement that waits for a lock that long is usually cancelled by the first). Each such
+    error came after a wait of the call's whole bound: trying again at once spins nothing."""
     text = str(error).lower()
-    return "locked" in text or "busy" in text
+    return ("locked" in text or "busy" in text or "lock timeout" in text
+            or "statement timeout" in text)
 
 
 Job = Callable[[Ledger], T]
