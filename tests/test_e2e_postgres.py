@@ -619,3 +619,90 @@ def test_a_turn_dispatched_while_the_tables_are_locked_is_registered_as_soon_as_
     assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
     assert headers.get("x-turnguard") in ("replayed", "attached")
     assert_no_traceback(log)
+
+
+def test_a_hold_whose_listener_is_ended_and_cannot_connect_again_is_woken_by_polling(
+        tmp_path, pg_url):
+    """B holds a duplicate of A's turn; the server ends the LISTEN connections and refuses new
+    ones to the database (``ALLOW_CONNECTIONS false``) until after the turn ended: its
+    notification is lost. B polls over its ledger connection (still open) meanwhile, so the
+    duplicate is replayed well within its hold bound, never 409, never run again; once the
+    database takes connections again B listens again by itself."""
+    name = pg_url.rsplit("/", 1)[1]
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=5, gap_ms=600)}
+    turn = {**BODY, "input": "its end is not notified"}
+    opts = {"turnguard_hold_timeout_ms": 15000}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(2) as pool:
+        original = pool.submit(post, a.url, slow, turn)
+        wait_until(lambda: up.dispatches(), 10, what="the turn's dispatch")
+        duplicate = pool.submit(post, b.url, sessionless, turn)
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holds it")
+        try:
+            rows(admin, f"ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false")
+            assert rows(admin, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))"
+                               " FROM pg_stat_activity WHERE datname = %s"
+                               " AND application_name = 'turnguard-listen'", (name,)) == [(2,)]
+            assert original.result(30)[0] == 200
+            status, headers, body = duplicate.result(30)
+        finally:
+            rows(admin, f"ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true")
+        wait_until(lambda: "notifications from" in b.log_text()
+                   and "resumed" in b.log_text(), 20, what="B listening again")
+        log = a.log_text() + b.log_text()
+    assert status == 200 and headers.get("x-turnguard") == "replayed"
+    assert body == original.result()[2]
+    assert len(up.dispatches()) == 1
+    assert_no_traceback(log)
+
+
+def test_a_recovery_claim_given_back_unused_leaves_the_operation_its_one_recovery(tmp_path, pg_url):
+    """Once mode. A request held through its cooldown makes the recovery claim, which waits on
+    table locks past the request's wait for the ledger: the request fails closed
+    (``ledger_unavailable``: whether the recovery was spent cannot be read) and nothing is
+    dispatched. The claim then lands and is given back (``rejected``: it never went upstream).
+    The operation's one recovery was not used: the client's next retry recovers it, once."""
+    storm = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+             "default": {"kind": "ok", "events": 4}}
+    opts = {"turnguard_recovery_mode": ONCE, "turnguard_response_created_timeout_ms": 600,
+            "turnguard_cooldown_ms": 4000}
+    with MockUpstream(tmp_path, storm) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            ThreadPoolExecutor(1) as pool:
+        assert post(a.url, ANCHORED)[0] == 502  # cut: no response event in time
+        assert post(a.url, ANCHORED)[0] in (0, 502)  # reset: the circuit opens; A owns the session
+        held = pool.submit(post, a.url, ANCHORED)
+        wait_until(lambda: events(tmp_path, "a", "wait_operation_fenced_cooldown"), 10,
+                   what="the request held through the cooldown")
+        open_until = rows(pg_url, "SELECT MAX(open_until) FROM circuits")[0][0]
+        time.sleep(max(0.0, open_until - 0.2 - time.time()))  # just before the claim
+        circuits = psycopg.connect(pg_url, autocommit=True)
+        tables = psycopg.connect(pg_url, autocommit=True)
+        watch = psycopg.connect(pg_url, autocommit=True)
+        try:  # as in test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_memory
+            circuits.execute("BEGIN")
+            circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
+            tables.execute("BEGIN")
+            tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
+            wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
+                       10, interval=0.005, what="the recovery claim waiting for the circuits")
+            time.sleep(0.38)
+            circuits.execute("COMMIT")
+            time.sleep(0.42)
+            tables.execute("COMMIT")
+        finally:
+            circuits.close()
+            tables.close()
+            watch.close()
+        assert held.result(30)[0] == 503
+        assert [e["reason"] for e in events(tmp_path, "a", "fail_closed")] == ["ledger_unavailable"]
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM attempts WHERE kind = 'recovery'"
+                                        " AND outcome = 'rejected'") == [(1,)], 10,
+                   what="the late recovery claim given back")
+        assert len(up.dispatches()) == 2  # nothing went upstream for it
+        retry = post(a.url, ANCHORED)
+        log = a.log_text()
+    assert retry[0] == 200, (retry[0], events(tmp_path, "a", "fail_closed")[-1:])
+    assert len(up.dispatches()) == 3  # the two failures, and the one recovery
+    assert_no_traceback(log)
