@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 import harness
+import pg_server
 from harness import (
     Mitmdump,
     MockUpstream,
@@ -706,3 +707,56 @@ def test_a_recovery_claim_given_back_unused_leaves_the_operation_its_one_recover
     assert retry[0] == 200, (retry[0], events(tmp_path, "a", "fail_closed")[-1:])
     assert len(up.dispatches()) == 3  # the two failures, and the one recovery
     assert_no_traceback(log)
+
+
+
+def _another_host_prefix() -> list[str]:
+    """A command prefix that runs a process in a pid namespace of its own (another host, as
+    far as liveness can tell: reaped only by its lease); skips the test without root."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
+        tmp_path, own_pg, report):
+    """A (another host: reaped only by its lease) runs a turn; B holds duplicates of it. The
+    server is down (an immediate stop, a crash) for longer than the lease: nobody can renew a
+    lease meanwhile, so the silence is the ledger's, not A's. A comes back a few seconds after B
+    (its own role refused connections a little longer: a slower reconnection): B must not
+    reap A's turn and run it again, since A was not silent for a lease while B could see
+    the ledger answer."""
+    prefix = _another_host_prefix()
+    url = own_pg.url
+    rows(url, "CREATE ROLE peer_a LOGIN SUPERUSER")
+    a_url = url.replace(f"{pg_server.DB_USER}@", "peer_a@")
+    opts = {"turnguard_instance_lease_ms": 15000, "turnguard_hold_timeout_ms": 90000}
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 30000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, "b", url, **opts) as b, \
+            guarded(tmp_path, up, "a", a_url, prefix=prefix, **opts) as a, \
+            ThreadPoolExecutor(3) as pool:
+        first = pool.submit(post, a.url)
+        wait_until(lambda: up.dispatches(), 10, what="A's dispatch")
+        dups = [pool.submit(post, b.url) for _ in range(2)]
+        wait_until(lambda: len(events(tmp_path, "b", "duplicate_held")) == 2, 10,
+                   what="2 duplicates held by B")
+        rows(url, "ALTER ROLE peer_a NOLOGIN")  # A's connections made again fail for now
+        own_pg.restart(down_s=17)  # past the lease (15 s)
+        wait_until(lambda: "usable again" in b.log_text(), 30, what="B back on the ledger")
+        time.sleep(3)  # B's maintenance reaps every second or so while it holds duplicates
+        rows(url, "ALTER ROLE peer_a LOGIN")
+        results = [first.result(60)] + [d.result(60) for d in dups]
+        reaped = events(tmp_path, "b", "instance_reaped")
+        log = a.log_text() + b.log_text()
+    assert reaped == []
+    assert [r[0] for r in results] == [200] * 3
+    assert len({r[2] for r in results}) == 1
+    assert len(up.dispatches()) == 1
+    assert_no_traceback(log)
+    report(f"PostgreSQL server down 17 s past a 15 s lease, the peer on 'another host' back "
+           f"3 s after the others: it kept its turn (reaped: {len(reaped)}); upstream "
+           f"dispatches={len(up.dispatches())}")

@@ -175,6 +175,9 @@ class FailoverStore:
         self.polls = 0  # operations read to learn whether another process's attempt ended
         self.path = ""
         self.error: str | None = None  # the fault noted last; None: the ledger works
+        # when the ledger last became usable again after a fault (time.time(); 0: never
+        # failed): a peer's silence before then may be the ledger's, not the peer's
+        self._answering_since = 0.0
         self._reopen_at = 0.0
         # attempts in flight that name another ledger file (a script reload opened the file
         # now at the path): registered in this one before any decision reads it
@@ -437,6 +440,7 @@ class FailoverStore:
         if self.error is not None:
             logger.warning("turnguard: ledger %s usable again", self.location)
             self._emit("ledger_recovered", error_was=self.error)
+            self._answering_since = time.time()
         self.error = None
 
     async def recover(self, deadline: float | None) -> bool:
@@ -856,14 +860,18 @@ class FailoverStore:
     async def reap_dead_peers(self, now: float, *, lease_s: float) -> None:
         """Attempts left in flight by a dead peer become ``unknown`` (or ``partial``). Dead
         means proven gone, or silent for longer than its lease (see ``liveness``): a peer
-        that is only stalled keeps its attempts, so they never run twice."""
+        that is only stalled keeps its attempts, so they never run twice. Silent counts only
+        while the ledger answered this process: after an outage (a database down or
+        restarted: nobody could renew a lease), a peer that cannot be proven gone is taken
+        for gone only once the ledger has answered for a whole lease again, so that a peer
+        that reconnects a little later than this process is not reaped for the outage."""
         peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight())
         if isinstance(peers, Unread):
             return
         for peer in peers:
             verdict = liveness.verdict(peer, me=self._identity, now=now, lease_s=lease_s,
                                        start_ticks_of=liveness.probe_start_ticks)
-            if verdict == "alive":
+            if verdict == "alive" or verdict == "stale" and now - self._answering_since < lease_s:
                 continue
             stale_before = None if verdict == "dead" else now - lease_s
             ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
