@@ -40,6 +40,8 @@ ONCE = "server_anchored_replay_once"
 SNAPSHOT_SQL = "SELECT o.state, o.fingerprint, o.current_attempt%"
 # an admission's read of the operation and its circuit (the first statement of a claim)
 ADMISSION_SQL = "SELECT c.failures, c.open_until, c.cooldown_s, o.op_key IS NOT NULL%"
+# the reaper's read of the peers with attempts in flight (each process's, every few seconds)
+REAPER_SQL = "SELECT a.instance_id, COALESCE(i.host, '')%"
 
 
 def guarded(tmp_path, up, name: str, ledger: str, **options) -> Mitmdump:
@@ -760,3 +762,49 @@ def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
     report(f"PostgreSQL server down 17 s past a 15 s lease, the peer on 'another host' back "
            f"3 s after the others: it kept its turn (reaped: {len(reaped)}); upstream "
            f"dispatches={len(up.dispatches())}")
+
+
+def test_a_lock_on_the_instances_table_alone_leaves_claims_deciding(tmp_path, pg_url):
+    """Another session keeps ``instances`` locked (``VACUUM FULL instances``): heartbeats and
+    the reaper's reads wait for it and give up, but no claim reads that table. A duplicate
+    through B of a turn A runs meanwhile is still held on the ledger and replayed, never run
+    again: a maintenance read that found a lock is no outage of the ledger's decisions."""
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=5, gap_ms=600)}
+    turn = {**BODY, "input": "runs while instances is locked"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
+            guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
+        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
+            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        locker = psycopg.connect(pg_url, autocommit=True)
+        watch = psycopg.connect(pg_url, autocommit=True)
+        reapers: set[int] = set()
+
+        def waiting_reapers() -> set[int]:
+            return {r[0] for r in watch.execute(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE %s", (REAPER_SQL,))}
+
+        def both_reapers_met_it() -> bool:
+            reapers.update(waiting_reapers())
+            return len(reapers) >= 2
+
+        try:
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE instances IN ACCESS EXCLUSIVE MODE")
+            # both processes' reapers (every 5 s) meet the lock and give up
+            wait_until(both_reapers_met_it, 15, interval=0.01,
+                       what="both reapers waiting for the lock")
+            wait_until(lambda: not waiting_reapers(), 10, what="both reapers gave up")
+            original = pool.submit(post, a.url, slow, turn)
+            wait_until(lambda: len(up.dispatches()) == 3, 10, what="the turn's dispatch")
+            status, headers, _ = post(b.url, sessionless, turn)
+            assert original.result(30)[0] == status == 200
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+            watch.close()
+        log = a.log_text() + b.log_text()
+    assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
+    assert headers.get("x-turnguard") in ("replayed", "attached")
+    assert_no_traceback(log)

@@ -523,7 +523,7 @@ class FailoverStore:
                    attempt=attempt.attempt_id, ledger_generation=attempt.generation)
 
     async def _call(self, during: str, call: Callable[[Store], Any], *,
-                    deadline: float | None = None, on_late=None) -> Any:
+                    deadline: float | None = None, on_late=None, background: bool = False) -> Any:
         """``call(store)`` within ``deadline``: its result, or ``UNREAD`` (noted) when the
         ledger cannot answer. A call still queued at the deadline never runs; one that
         answers after its caller stopped waiting goes to ``on_late(task, generation)``, with
@@ -531,10 +531,19 @@ class FailoverStore:
         because the ledger file was deleted or replaced begins the outage at once, as the
         heartbeat would (``_file_gone``), and goes again, within its deadline, on the file now
         at the path, once this process's attempts in flight are registered there: deciding
-        blind until the heartbeat noticed would dispatch a call no other process can see."""
+        blind until the heartbeat noticed would dispatch a call no other process can see.
+
+        ``background``: the maintenance's own calls (reaping, purges, garbage collection,
+        the circuits' refresh), which no decision waits for. One that meets a lock is tried
+        again at the next tick and is no outage: on PostgreSQL a lock holds a table, not the
+        database (a ``VACUUM FULL instances`` must not send every decision to memory, where
+        processes no longer see each other's turns); a decision that meets a lock notes
+        the outage itself. The time it could not answer is no peer's silence (reaping by
+        lease waits a whole lease from then)."""
         for _ in range(2):  # bounded: a second go only after the file was found gone
             store = self._store
-            answer = await self._call_once(during, call, deadline=deadline, on_late=on_late)
+            answer = await self._call_once(during, call, deadline=deadline, on_late=on_late,
+                                           background=background)
             if answer is not UNREAD or deadline is None or not self._found_gone(store):
                 return answer
         return UNREAD
@@ -554,7 +563,8 @@ class FailoverStore:
         return True
 
     async def _call_once(self, during: str, call: Callable[[Store], Any], *,
-                         deadline: float | None = None, on_late=None) -> Any:
+                         deadline: float | None = None, on_late=None,
+                         background: bool = False) -> Any:
         if self._store is None and self.path and deadline is not None:
             # the file was found gone (or could not be opened a while ago): this request
             # opens the file now at the path rather than deciding blind until the next tick
@@ -588,6 +598,11 @@ class FailoverStore:
                 raise LedgerTimeout(f"no answer from the ledger within {wait_s:.2f} s ({during})")
             return task.result()
         except LedgerError as e:
+            if background and contended(e):
+                self._answering_since = time.time()
+                logger.debug("turnguard: ledger %s locked (%s): %s; tried again next tick",
+                             self.location, during, e)
+                return UNREAD
             self._down(e, during)
             return UNREAD
 
@@ -865,7 +880,7 @@ class FailoverStore:
         restarted: nobody could renew a lease), a peer that cannot be proven gone is taken
         for gone only once the ledger has answered for a whole lease again, so that a peer
         that reconnects a little later than this process is not reaped for the outage."""
-        peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight())
+        peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight(), background=True)
         if isinstance(peers, Unread):
             return
         for peer in peers:
@@ -875,7 +890,7 @@ class FailoverStore:
                 continue
             stale_before = None if verdict == "dead" else now - lease_s
             ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
-                peer.instance_id, now=now, stale_before=stale_before))
+                peer.instance_id, now=now, stale_before=stale_before), background=True)
             if isinstance(ops, Unread) or not ops:
                 continue
             for op_key in ops:
@@ -886,18 +901,18 @@ class FailoverStore:
 
     async def collect_garbage(self, now: float, *, retention_s: float, lease_s: float) -> None:
         n = await self._call("gc", lambda store: store.collect_garbage(
-            now=now, retention_s=retention_s, instance_stale_s=lease_s))
+            now=now, retention_s=retention_s, instance_stale_s=lease_s), background=True)
         if not isinstance(n, Unread) and n:
             self._emit("ledger_gc", operations_deleted=n)
 
     async def purge_recordings(self, now: float, *, window_s: float) -> None:
         """Drop the bytes of recordings past the replay window (see ``Ledger.purge_recordings``)."""
-        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s))
+        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s), background=True)
 
     async def refresh_circuits(self, now: float) -> set[str] | None:
         """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns
         another process opened or an operator cleared); returns their scopes (None: unread)."""
-        rows = await self._call("circuits", lambda store: store.cooling_circuits(now))
+        rows = await self._call("circuits", lambda store: store.cooling_circuits(now), background=True)
         if isinstance(rows, Unread):
             return None
         cooling = dict(rows)
