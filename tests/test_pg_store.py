@@ -178,6 +178,39 @@ def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
     led.close()
 
 
+def test_a_claim_in_doubt_whose_give_back_met_a_lock_is_given_back_once_it_can_be(pg_url):
+    """The connection broke at a claim's commit, and when it is made again another session
+    keeps ``attempts`` locked: the give-back cannot be written then (the call fails). It is
+    tried again by the next call, or the claim would stay in flight for good for a live
+    process that never dispatched it (its duplicates held, then 409, for ever)."""
+    led = PgLedger(pg_url, "a", busy_timeout_ms=300)
+    led.open(1000.0)
+    i = ident(1)
+    claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
+    led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
+    sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
+                " application_name='turnguard' AND datname=current_database()"
+                " AND pid<>pg_backend_pid()")
+    deadline = time.monotonic() + 10
+    while sql(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name='turnguard'"
+                      " AND datname=current_database()") != [(0,)]:
+        assert time.monotonic() < deadline, "the connection was not ended"
+        time.sleep(0.02)
+    locker = psycopg.connect(pg_url, autocommit=True)
+    try:
+        locker.execute("BEGIN")
+        locker.execute("LOCK TABLE attempts IN EXCLUSIVE MODE")  # reads pass, writes wait
+        with pytest.raises(LedgerError):
+            led.snapshot(i.op_key)  # made again; the give-back waits for the lock, gives up
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert led.snapshot(i.op_key).state == "rejected"
+    assert sql(pg_url, "SELECT outcome, detail FROM attempts") == [
+        ("rejected", "claim given back: the connection broke at commit")]
+    led.close()
+
+
 def test_a_connection_past_descriptor_1024_is_kept_while_the_server_keeps_it(pg_url):
     """A busy mitmproxy has more than 1,024 descriptors open: the check for a connection the
     server ended must work past select()'s limit, or every call makes its connection again."""
