@@ -723,11 +723,13 @@ def _another_host_prefix() -> list[str]:
     return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
+@pytest.mark.parametrize("stall", ["down", "paused"])
 def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
-        tmp_path, own_pg, report):
+        tmp_path, own_pg, stall, report):
     """A (another host: reaped only by its lease) runs a turn; B holds duplicates of it. The
-    server is down (an immediate stop, a crash) for longer than the lease: nobody can renew a
-    lease meanwhile, so the silence is the ledger's, not A's. A comes back a few seconds after B
+    server is down (an immediate stop, a crash), or hangs (SIGSTOP: a frozen VM, a stalled
+    disk), for longer than the lease: nobody can renew a lease meanwhile, so the silence is
+    the ledger's, not A's. A comes back a few seconds after B
     (its own role refused connections a little longer: a slower reconnection): B must not
     reap A's turn and run it again, since A was not silent for a lease while B could see
     the ledger answer."""
@@ -747,8 +749,18 @@ def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
         wait_until(lambda: len(events(tmp_path, "b", "duplicate_held")) == 2, 10,
                    what="2 duplicates held by B")
         rows(url, "ALTER ROLE peer_a NOLOGIN")  # A's connections made again fail for now
-        own_pg.restart(down_s=17)  # past the lease (15 s)
-        wait_until(lambda: "usable again" in b.log_text(), 30, what="B back on the ledger")
+        if stall == "down":
+            own_pg.restart(down_s=17)  # past the lease (15 s)
+            wait_until(lambda: "usable again" in b.log_text(), 30, what="B back on the ledger")
+        else:
+            _pause_server(own_pg, True)
+            try:  # past the lease (15 s) by more than a heartbeat: a heartbeat that A sent
+                # during the pause lands with the time A sent it
+                time.sleep(24)
+            finally:
+                _pause_server(own_pg, False)
+            rows(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                      " WHERE usename = 'peer_a'")
         time.sleep(3)  # B's maintenance reaps every second or so while it holds duplicates
         rows(url, "ALTER ROLE peer_a LOGIN")
         results = [first.result(60)] + [d.result(60) for d in dups]
@@ -759,7 +771,7 @@ def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
     assert len({r[2] for r in results}) == 1
     assert len(up.dispatches()) == 1
     assert_no_traceback(log)
-    report(f"PostgreSQL server down 17 s past a 15 s lease, the peer on 'another host' back "
+    report(f"PostgreSQL server {stall} past a 15 s lease, the peer on 'another host' back "
            f"3 s after the others: it kept its turn (reaped: {len(reaped)}); upstream "
            f"dispatches={len(up.dispatches())}")
 

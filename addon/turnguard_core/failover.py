@@ -581,6 +581,7 @@ class FailoverStore:
             return UNREAD
         if not self.usable and not await self.recover(deadline):
             return UNREAD
+        started = time.monotonic()
         try:
             if deadline is None:
                 return await call(self._store)
@@ -605,6 +606,11 @@ class FailoverStore:
                 return UNREAD
             self._down(e, during)
             return UNREAD
+        finally:
+            if time.monotonic() - started >= HEARTBEAT_S:
+                # the ledger did not answer for that long (a database paused, a network
+                # stall; a call waits for it): nobody may have renewed a lease meanwhile
+                self._answering_since = time.time()
 
     # -- decisions -----------------------------------------------------------------------------
     async def admit(
@@ -876,10 +882,11 @@ class FailoverStore:
         """Attempts left in flight by a dead peer become ``unknown`` (or ``partial``). Dead
         means proven gone, or silent for longer than its lease (see ``liveness``): a peer
         that is only stalled keeps its attempts, so they never run twice. Silent counts only
-        while the ledger answered this process: after an outage (a database down or
-        restarted: nobody could renew a lease), a peer that cannot be proven gone is taken
-        for gone only once the ledger has answered for a whole lease again, so that a peer
-        that reconnects a little later than this process is not reaped for the outage."""
+        while the ledger answered this process: after an outage (a database down, restarted
+        or paused, a table it reads locked: nobody could renew a lease), a peer that cannot
+        be proven gone is taken for gone only once the ledger has answered for a whole lease
+        again, so that a peer that reconnects a little later than this process is not
+        reaped for the outage."""
         peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight(), background=True)
         if isinstance(peers, Unread):
             return
