@@ -887,7 +887,8 @@ class FailoverStore:
         be proven gone is taken for gone only once the ledger has answered for a whole lease
         again, so that a peer that reconnects a little later than this process is not
         reaped for the outage."""
-        peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight(), background=True)
+        peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight(),
+                                 background=True)
         if isinstance(peers, Unread):
             return
         for peer in peers:
@@ -914,12 +915,14 @@ class FailoverStore:
 
     async def purge_recordings(self, now: float, *, window_s: float) -> None:
         """Drop the bytes of recordings past the replay window (see ``Ledger.purge_recordings``)."""
-        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s), background=True)
+        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s),
+                         background=True)
 
     async def refresh_circuits(self, now: float) -> set[str] | None:
         """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns
         another process opened or an operator cleared); returns their scopes (None: unread)."""
-        rows = await self._call("circuits", lambda store: store.cooling_circuits(now), background=True)
+        rows = await self._call("circuits", lambda store: store.cooling_circuits(now),
+                                background=True)
         if isinstance(rows, Unread):
             return None
         cooling = dict(rows)
