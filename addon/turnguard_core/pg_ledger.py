@@ -1132,13 +1132,17 @@ class AttemptEndListener:
     def _listen(self) -> psycopg.Connection:
         db = psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
                              application_name="turnguard-listen", **_TCP_OPTIONS)
-        # This session idles by design: a server's idle_session_timeout would end it once per
-        # timeout (notifications lost, polling, two warnings each time).
         try:
-            db.execute("SET idle_session_timeout = 0")
-        except pg_errors.UndefinedObject:  # PostgreSQL before 14 has no such timeout
-            pass
-        db.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            # This session idles by design: a server's idle_session_timeout would end it once
+            # per timeout (notifications lost, polling, two warnings each time).
+            try:
+                db.execute("SET idle_session_timeout = 0")
+            except pg_errors.UndefinedObject:  # PostgreSQL before 14 has no such timeout
+                pass
+            db.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except BaseException:  # not listening: closed now, not left to the garbage collector
+            db.close()
+            raise
         return db
 
     def _set_live(self, live: bool) -> None:
