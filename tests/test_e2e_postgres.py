@@ -116,6 +116,38 @@ def test_processes_on_one_postgres_ledger_dispatch_once_and_replay_byte_identica
            f"statuses={[r[0] for r in results]}, distinct bodies=1")
 
 
+def _claim_answers_late(pg_url: str, what: str, start=None):
+    """Make the next claim answer after its request stopped waiting for it, and return what
+    ``start()`` (the request that makes it, if not already on its way) returned. Each of the
+    claim's two statements waits within its own bound (what is left of the request's 0.5 s
+    wait for the ledger when the claim starts over on the ledger's thread: about 0.47 s), and
+    together longer than the request waits for its claim (0.5 s, and 0.25 s of grace for a
+    call that started in time): 0.38 s on the circuits once the claim is seen waiting for
+    them (``what``), then 0.42 s on the tables."""
+    circuits = psycopg.connect(pg_url, autocommit=True)
+    tables = psycopg.connect(pg_url, autocommit=True)
+    watch = psycopg.connect(pg_url, autocommit=True)
+    try:
+        circuits.execute("BEGIN")
+        circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
+        tables.execute("BEGIN")
+        tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
+        started = start() if start is not None else None
+        # the claim's read waits at most about 0.47 s: watched on a connection of its own
+        # (a new connection a poll took longer than that on a loaded machine)
+        wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
+                   10, interval=0.005, what=what)
+        time.sleep(0.38)
+        circuits.execute("COMMIT")
+        time.sleep(0.42)
+        tables.execute("COMMIT")
+    finally:
+        circuits.close()
+        tables.close()
+        watch.close()
+    return started
+
+
 def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_memory(
         tmp_path, pg_url):
     """A's claim waits on table locks past its request's wait for the ledger: A decides in
@@ -128,32 +160,8 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
             assert post(p.url, body={**BODY, "input": warm})[0] == 200
         body = {**BODY, "input": "its claim answers late"}
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
-        circuits = psycopg.connect(pg_url, autocommit=True)
-        tables = psycopg.connect(pg_url, autocommit=True)
-        watch = psycopg.connect(pg_url, autocommit=True)
-        # Each of the claim's two statements waits within its own bound (what is left of the
-        # request's 0.5 s wait for the ledger when the claim starts over on the ledger's
-        # thread: about 0.47 s), and together longer than the request waits for its claim
-        # (0.5 s, and 0.25 s of grace for a call that started in time): 0.38 s on the
-        # circuits once the claim is seen waiting for them, then 0.42 s on the tables.
-        try:
-            circuits.execute("BEGIN")
-            circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
-            tables.execute("BEGIN")
-            tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
-            original = pool.submit(post, a.url, slow, body)
-            # the claim's read waits at most about 0.47 s: watched on a connection of its own
-            # (a new connection a poll took longer than that on a loaded machine)
-            wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
-                       10, interval=0.005, what="the claim's read waiting for the circuits")
-            time.sleep(0.38)
-            circuits.execute("COMMIT")
-            time.sleep(0.42)
-            tables.execute("COMMIT")
-        finally:
-            circuits.close()
-            tables.close()
-            watch.close()
+        original = _claim_answers_late(pg_url, "the claim's read waiting for the circuits",
+                                       start=lambda: pool.submit(post, a.url, slow, body))
         wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
                             if e.get("reason") == "its claim answered late"], 10,
                    what="the late claim taken as the attempt's row")
@@ -680,24 +688,7 @@ def test_a_recovery_claim_given_back_unused_leaves_the_operation_its_one_recover
                    what="the request held through the cooldown")
         open_until = rows(pg_url, "SELECT MAX(open_until) FROM circuits")[0][0]
         time.sleep(max(0.0, open_until - 0.2 - time.time()))  # just before the claim
-        circuits = psycopg.connect(pg_url, autocommit=True)
-        tables = psycopg.connect(pg_url, autocommit=True)
-        watch = psycopg.connect(pg_url, autocommit=True)
-        try:  # as in test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_memory
-            circuits.execute("BEGIN")
-            circuits.execute("LOCK TABLE circuits IN ACCESS EXCLUSIVE MODE")
-            tables.execute("BEGIN")
-            tables.execute("LOCK TABLE operations, attempts IN SHARE MODE")
-            wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
-                       10, interval=0.005, what="the recovery claim waiting for the circuits")
-            time.sleep(0.38)
-            circuits.execute("COMMIT")
-            time.sleep(0.42)
-            tables.execute("COMMIT")
-        finally:
-            circuits.close()
-            tables.close()
-            watch.close()
+        _claim_answers_late(pg_url, "the recovery claim waiting for the circuits")
         assert held.result(30)[0] == 503
         assert [e["reason"] for e in events(tmp_path, "a", "fail_closed")] == ["ledger_unavailable"]
         wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM attempts WHERE kind = 'recovery'"

@@ -153,13 +153,9 @@ def test_a_newer_schema_is_refused(pg_url):
         PgLedger(pg_url, "b").open(1001.0)
 
 
-def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
-    led = PgLedger(pg_url, "a")
-    led.open(1000.0)
-    i = ident(1)
-    claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
-    led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
-    # this test's database only: other tests (other workers) share the server
+def _end_ledger_connections(pg_url: str) -> None:
+    """The server ends turnguard's connections to this test's database (other tests, on other
+    workers, share the server), and they are gone before this returns."""
     sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
                 " application_name='turnguard' AND datname=current_database()"
                 " AND pid<>pg_backend_pid()")
@@ -168,6 +164,15 @@ def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
                       " AND datname=current_database()") != [(0,)]:
         assert time.monotonic() < deadline, "the connection was not ended"
         time.sleep(0.02)
+
+
+def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
+    led = PgLedger(pg_url, "a")
+    led.open(1000.0)
+    i = ident(1)
+    claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
+    led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
+    _end_ledger_connections(pg_url)
     # the connection the server ended is noticed before it is used: made again, and the claim
     # in doubt given back first
     assert led.snapshot(i.op_key).state == "rejected"
@@ -188,14 +193,7 @@ def test_a_claim_in_doubt_whose_give_back_met_a_lock_is_given_back_once_it_can_b
     i = ident(1)
     claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
     led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
-    sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
-                " application_name='turnguard' AND datname=current_database()"
-                " AND pid<>pg_backend_pid()")
-    deadline = time.monotonic() + 10
-    while sql(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name='turnguard'"
-                      " AND datname=current_database()") != [(0,)]:
-        assert time.monotonic() < deadline, "the connection was not ended"
-        time.sleep(0.02)
+    _end_ledger_connections(pg_url)
     locker = psycopg.connect(pg_url, autocommit=True)
     try:
         locker.execute("BEGIN")
