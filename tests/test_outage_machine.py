@@ -120,10 +120,13 @@ class ModelCircuit:
         elif outcome == "unknown":
             self.failures += 1
             if self.failures >= CIRCUIT.threshold:
-                self.open_until = now + min(
+                # a longer cooldown already open stands: an end applied late (kept through an
+                # outage, its ``now`` earlier than the failure that opened the cooldown)
+                # never shortens it
+                self.open_until = max(self.open_until, now + min(
                     CIRCUIT.cooldown_s * 2 ** (self.failures - CIRCUIT.threshold),
                     CIRCUIT.cooldown_max_s,
-                )
+                ))
 
     def is_open(self, now: float) -> bool:
         return now < self.open_until
