@@ -221,7 +221,12 @@ def test_an_absolute_form_target_naming_another_host_is_another_upstream(rig):
 
 
 @pytest.mark.parametrize("header", ["cookie", "proxy-authorization", "x-goog-api-key",
-                                    "anthropic-version-is-not-one", EXTRA_CREDENTIAL])
+                                    "anthropic-version-is-not-one", EXTRA_CREDENTIAL,
+                                    # gateways' own key headers, credentials by default: Kong's
+                                    # key-auth (and Supabase), Cloudflare Access service
+                                    # tokens, Azure Functions' function keys
+                                    "apikey", "cf-access-client-id", "cf-access-client-secret",
+                                    "x-functions-key"])
 def test_requests_that_differ_only_in_a_credential_never_share_a_recording(rig, header):
     body = turn(header)
     alice = Req(0, "reverse", (("authorization", "Bearer shared"), (header, "alice")), body)

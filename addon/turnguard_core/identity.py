@@ -79,7 +79,9 @@ MAX_JSON_DEPTH = 256  # the top-level object is depth 1
 # Proxy-Authorization, Cookie); API keys of Azure OpenAI (api-key), Anthropic and many gateways
 # (x-api-key), Google (x-goog-api-key), Azure API Management (ocp-apim-subscription-key),
 # Cloudflare AI Gateway (cf-aig-authorization), Portkey (x-portkey-api-key,
-# x-portkey-virtual-key), Helicone (helicone-auth), LiteLLM (x-litellm-api-key); the account,
+# x-portkey-virtual-key), Helicone (helicone-auth), LiteLLM (x-litellm-api-key), Kong's
+# key-auth and Supabase (apikey), Cloudflare Access service tokens (cf-access-client-id,
+# cf-access-client-secret), Azure Functions (x-functions-key); the account,
 # organization or project a key acts for (chatgpt-account-id, openai-organization,
 # openai-project, x-goog-user-project); AWS session tokens (x-amz-security-token).
 # More with the turnguard_credential_headers option.
@@ -87,7 +89,8 @@ CREDENTIAL_HEADERS = (
     "authorization", "proxy-authorization", "cookie",
     "api-key", "x-api-key", "x-goog-api-key", "ocp-apim-subscription-key",
     "cf-aig-authorization", "x-portkey-api-key", "x-portkey-virtual-key", "helicone-auth",
-    "x-litellm-api-key",
+    "x-litellm-api-key", "apikey", "cf-access-client-id", "cf-access-client-secret",
+    "x-functions-key",
     "chatgpt-account-id", "openai-organization", "openai-project", "x-goog-user-project",
     "x-amz-security-token",
     "sec-websocket-protocol",  # browsers' clients send their key as a subprotocol
