@@ -572,3 +572,66 @@ def test_any_two_requests_that_differ_never_share_a_recording(rig, dim, data):
     b_first = assert_fresh(rig, b, first)
     assert_replayed(rig, b, b_first)  # b's own recording, not a's
     assert_replayed(rig, a, first)  # and a still gets its own
+
+
+@pytest.mark.parametrize("listener", ["reverse after upstream", "upstream after reverse"])
+def test_a_detached_dispatch_goes_where_its_own_listener_sends_it(tmp_path, listener):
+    """With ``turnguard_detach_ms`` a guarded dispatch runs on turnguard's own flow through
+    mitmproxy's client-replay handler, which takes its upstream proxy from the *first*
+    ``--mode`` only. A request that came in on a reverse listener of a process whose first
+    mode is ``upstream:`` must still go straight to its reverse target, and one that came in
+    on an ``upstream:`` listener after a reverse one must go through its upstream proxy (the
+    upstream its identity names, either way). The upstream proxy here is a port that accepts
+    and closes, counting its connections."""
+    import socket
+    import threading
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    hole.settimeout(0.2)
+    contacted: list[int] = []
+    stop = threading.Event()
+
+    def swallow() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = hole.accept()
+            except OSError:
+                continue
+            contacted.append(1)
+            conn.close()
+
+    thread = threading.Thread(target=swallow, daemon=True)
+    thread.start()
+    turn = {"model": "m", "input": "detached to its own upstream", "stream": True}
+    try:
+        with MockUpstream(tmp_path) as up:
+            upstream_mode = f"upstream:http://127.0.0.1:{hole.getsockname()[1]}"
+            reverse_first = listener == "upstream after reverse"
+            modes = [f"reverse:{up.url}@127.0.0.1:0", f"{upstream_mode}@127.0.0.2:0"] \
+                if reverse_first else \
+                [f"{upstream_mode}@127.0.0.1:0", f"reverse:{up.url}@127.0.0.2:0"]
+            proxy = Mitmdump(tmp_path, None, modes=modes, options={
+                "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+                "turnguard_detach_ms": 60000})
+            try:
+                if reverse_first:  # the second listener is a proxy the client names
+                    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S,
+                                      proxy=proxy.urls[1]) as c:
+                        status = c.post(up.url + "/v1/responses", json=turn).status_code
+                    assert (len(contacted), len(up.dispatches())) == (1, 0), \
+                        f"status {status}: the call did not go through its upstream proxy"
+                else:
+                    status, _, body = post_turn(proxy.urls[1], {}, turn)
+                    assert (status, len(contacted)) == (200, 0), \
+                        f"status {status}, the other listener's upstream proxy contacted " \
+                        f"{len(contacted)} times: {body[:200]!r}"
+                    assert len(up.dispatches()) == 1
+                assert_no_traceback(proxy.log_text())
+            finally:
+                proxy.stop()
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        hole.close()

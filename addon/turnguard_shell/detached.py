@@ -49,6 +49,24 @@ _HANDSHAKE_ONLY = ("upgrade", "connection", "sec-websocket-key", "sec-websocket-
                    "content-type")
 
 
+class _ListenerOptions:
+    """``options`` as the listener ``flow`` came in on sees them: its own mode first.
+    mitmproxy's ``ReplayHandler`` takes the upstream proxy (and upstream mode) from
+    ``options.mode[0]``, the first listener's, so with several ``--mode`` a call of a reverse
+    or regular listener would go through the first one's upstream proxy, and a call of an
+    ``upstream:`` listener after the first straight to the origin: not the upstream its
+    identity names. Every other option is read from ``options``."""
+
+    def __init__(self, options, flow: http.HTTPFlow):
+        self._options = options
+        mode = getattr(flow.client_conn, "proxy_mode", None)
+        spec = getattr(mode, "full_spec", None)
+        self.mode = [spec] if isinstance(spec, str) else options.mode
+
+    def __getattr__(self, name: str):
+        return getattr(self._options, name)
+
+
 @dataclass
 class Detached:
     """One detached upstream call: ``up`` is turnguard's flow that runs it."""
@@ -144,7 +162,7 @@ class Detacher:
         self._explainer.show(up, MARK_DETACHED, "turnguard: the upstream call of flow "
                              f"{d.client_flow_id}, detached from its client (it goes on "
                              "without one for turnguard_detach_ms)")
-        d.handler = ReplayHandler(up, ctx.options)
+        d.handler = ReplayHandler(up, _ListenerOptions(ctx.options, up))
         d.task = asyncio.get_running_loop().create_task(d.handler.replay())
         d.task.add_done_callback(lambda t: _log_failure(t, up.id))
 
