@@ -524,3 +524,34 @@ def test_a_duplicate_that_the_relay_cannot_take_gets_the_recording_at_the_end(tm
         # (asyncio's accept loop logs its own EMFILE tracebacks meanwhile: none of turnguard's)
         assert not [line for line in log.splitlines() if line.strip().startswith("File ")
                     and "/addon/" in line]
+
+
+def test_an_attached_duplicate_keeps_its_host_and_authority_in_the_saved_flow(tmp_path):
+    """A duplicate that attaches is routed to turnguard's relay (its host changed) and put
+    back after (``relay.restore``): what mitmweb shows and a saved flow says must be the
+    request as it came, with its ``Host`` header naming its virtual host (a reverse proxy
+    with ``keep_host_header``), not the address connected to, or a replay of the saved flow
+    goes to another upstream."""
+    from mitmproxy import io as mio
+
+    slow = {"kind": "ok", "events": 8, "gap_ms": 250}
+    saved = tmp_path / "flows.mitm"
+    headers = {**HEADERS, "host": "site-b.example"}
+
+    async def run(url):
+        return await asyncio.gather(
+            stream_post(url, headers=headers, behaviour=slow),
+            stream_post(url, headers=headers, delay_s=0.8))
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, keep_host_header=True,
+                                               save_stream_file=str(saved)) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert [original["status"], dup["status"]] == [200, 200]
+        assert dup["headers"].get("x-turnguard") == "attached"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+    with open(saved, "rb") as f:
+        flows = [fl for fl in mio.FlowReader(f).stream() if hasattr(fl, "request")]
+    assert len(flows) == 2
+    assert [fl.request.host_header for fl in flows] == ["site-b.example"] * 2, \
+        [(fl.request.host_header, fl.request.host, fl.request.port) for fl in flows]

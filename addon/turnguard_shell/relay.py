@@ -94,7 +94,9 @@ class Relay:
         self._arm_expiry(token, route)
         req = flow.request
         meta = flow.metadata.setdefault("turnguard", {})
-        meta["relayed_from"] = [req.scheme, req.host, req.port]
+        # the Host header and the authority as they came: setting the host rewrites both
+        meta["relayed_from"] = [req.scheme, req.host, req.port, req.headers.get("host"),
+                                req.authority]
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
         req.headers[TOKEN_HEADER] = token
         if req.trailers:  # an HTTP/2 request's trailers: mitmproxy's HTTP/1.1 client raises
@@ -125,13 +127,20 @@ class Relay:
 
     @staticmethod
     def restore(flow: http.HTTPFlow) -> None:
-        """Put a relayed flow's destination back (what mitmweb shows, what a saved flow says)."""
+        """Put a relayed flow's destination back (what mitmweb shows, what a saved flow says):
+        its scheme, host and port, and its ``Host`` header and authority as they came (a
+        virtual host's name, not the address connected to)."""
         meta = flow.metadata.get("turnguard") or {}
         origin = meta.pop("relayed_from", None)
         if origin is None:
             return
         req = flow.request
         req.scheme, req.host, req.port = origin[0], origin[1], int(origin[2])
+        if len(origin) >= 5:
+            host_header, authority = origin[3], origin[4]
+            if host_header is not None:
+                req.headers["host"] = host_header
+            req.authority = authority or ""
         req.headers.pop(TOKEN_HEADER, None)
         trailers = meta.pop("relayed_trailers", None)
         if trailers is not None:
