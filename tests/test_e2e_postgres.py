@@ -116,6 +116,13 @@ def test_processes_on_one_postgres_ledger_dispatch_once_and_replay_byte_identica
            f"statuses={[r[0] for r in results]}, distinct bodies=1")
 
 
+def _warm_up(a, b, headers=HEADERS) -> None:
+    """One turn through each of two processes (``headers`` its request's), answered: their
+    ledger connections are made before a test's fault."""
+    for p, warm in ((a, "warm a"), (b, "warm b")):
+        assert post(p.url, headers, {**BODY, "input": warm})[0] == 200
+
+
 def _claim_answers_late(pg_url: str, what: str, start=None):
     """Make the next claim answer after its request stopped waiting for it, and return what
     ``start()`` (the request that makes it, if not already on its way) returned. Each of the
@@ -156,8 +163,7 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
     duplicate through B is held and replayed, never run again."""
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, body={**BODY, "input": warm})[0] == 200
+        _warm_up(a, b)
         body = {**BODY, "input": "its claim answers late"}
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
         original = _claim_answers_late(pg_url, "the claim's read waiting for the circuits",
@@ -367,8 +373,7 @@ def test_a_paused_server_leaves_no_unhandled_error_once_it_answers_again(tmp_pat
     body = {**BODY, "input": "the server hangs at the claim"}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, **opts) as a, \
             guarded(tmp_path, up, "b", url, **opts) as b, ThreadPoolExecutor(3) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, body={**BODY, "input": warm})[0] == 200
+        _warm_up(a, b)
         _pause_server(own_pg, True)
         try:
             original = pool.submit(post, a.url, slow, body)
@@ -456,8 +461,7 @@ def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable
     slow = {**sessionless, **harness.mock_behaviour(kind="ok", events=4, gap_ms=700)}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        _warm_up(a, b, sessionless)
         rows(admin, f"ALTER DATABASE {name} SET default_transaction_read_only = on")
         rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
              (name,))
@@ -520,8 +524,7 @@ def test_a_table_locked_under_a_replays_read_does_not_stop_the_ledger_deciding_o
     turn = {**BODY, "input": "runs while the spool is locked"}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        _warm_up(a, b, sessionless)
         assert post(a.url, sessionless, recorded)[0] == 200
         locker = psycopg.connect(pg_url, autocommit=True)
         try:
@@ -599,8 +602,7 @@ def test_a_turn_dispatched_while_the_tables_are_locked_is_registered_as_soon_as_
     turn = {**BODY, "input": "dispatched while the tables are locked"}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        _warm_up(a, b, sessionless)
         locker = psycopg.connect(pg_url, autocommit=True)
         watch = psycopg.connect(pg_url, autocommit=True)
 
@@ -777,8 +779,7 @@ def test_a_lock_on_the_instances_table_alone_leaves_claims_deciding(tmp_path, pg
     turn = {**BODY, "input": "runs while instances is locked"}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
-        for p, warm in ((a, "warm a"), (b, "warm b")):  # connections made
-            assert post(p.url, sessionless, {**BODY, "input": warm})[0] == 200
+        _warm_up(a, b, sessionless)
         locker = psycopg.connect(pg_url, autocommit=True)
         watch = psycopg.connect(pg_url, autocommit=True)
         reapers: set[int] = set()

@@ -120,7 +120,7 @@ class Unread:
 UNREAD = Unread()
 
 
-@dataclass(frozen=True)
+@record
 class _Carried:
     """An admission decided from what an earlier ledger file said (``MemoryStore.carried``)."""
 
