@@ -733,6 +733,45 @@ def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp
            f"in the new file and got it {headers.get('x-turnguard')}; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("duplicate_through", ["the other process", "both"])
+def test_a_new_duplicate_sent_elsewhere_as_the_ledger_is_deleted_waits_for_the_owner(
+    tmp_path, report, duplicate_through
+):
+    """A's original is in flight when the ledger file is deleted, and a duplicate is sent to
+    B at once (and, in the second case, one to A as well). B finds the file gone and opens
+    the new one, where A has not registered its attempt yet. B knew from the old file that A
+    had attempts in flight: it waits for A to register them in the new file before it
+    decides anything there, then holds the duplicate on A's attempt. One upstream
+    execution; every answer is the original's."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        turn = {**SESSION, **behaviour(kind="ok", delay_ms=6000)}
+        original = in_background(post, a.url, turn, body_of("deleted as a duplicate comes"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        others = [in_background(post, b.url, SESSION, body_of("deleted as a duplicate comes"))]
+        if duplicate_through == "both":
+            others.append(in_background(post, a.url, SESSION,
+                                        body_of("deleted as a duplicate comes")))
+        status, _, first = original.result(30)
+        assert status == 200
+        for other in others:
+            status, headers, body = other.result(40)
+            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 1
+        waited = events(tmp_path, "b", "request_held")
+        assert waited and waited[0].get("reason") == "ledger_peers_registering"
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"ledger deleted as a duplicate reached {duplicate_through}: B waited for A to "
+           f"register its attempt in the new file, then held the duplicate on it; upstream "
+           f"dispatches=1")
+
+
 def test_an_older_copy_written_over_the_ledger_never_gives_one_turn_anothers_answer(
     tmp_path, report
 ):

@@ -989,3 +989,16 @@ def test_emptying_the_wal_gives_up_while_a_reader_needs_it(tmp_path):
     assert _wal_bytes(path) == 0 and led.checkpoint().frames == 0
     assert led.busy_timeout_ms == 5000
     assert led._conn().execute("PRAGMA busy_timeout").fetchone()[0] == 5000  # restored
+
+
+def test_a_process_notes_in_the_new_file_that_its_attempts_in_flight_moved_there(ledger_backend):
+    """``mark_moved``/``moved_peers``: what a process that left a deleted or replaced ledger
+    file waits for from each peer that had attempts in flight there (both stores)."""
+    a = ledger_backend.open("a", 1000.0)
+    b = ledger_backend.open("b", 1000.0)
+    assert b.moved_peers("gen-left") == set()
+    a.mark_moved("gen-left", 1001.0)
+    a.mark_moved("gen-left", 1002.0)  # noted again: still one note
+    b.mark_moved("gen-another", 1001.0)
+    assert b.moved_peers("gen-left") == {"a"}
+    assert a.moved_peers("gen-another") == {"b"}

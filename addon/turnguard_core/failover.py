@@ -60,6 +60,11 @@ LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
+# After the ledger file was deleted or replaced: how long decisions in the new file wait for
+# the processes that had attempts in flight in the old one to register them there (each
+# notices within a second, opens the new file and registers them at its next tick).
+PEERS_REGISTERING_S = 5.0
+PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old file
 MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ticker, at most
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
@@ -184,6 +189,14 @@ class FailoverStore:
         self._adoption_due = False
         self._stale_attempts_due = False
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
+        # the ledger file this process left (deleted or replaced): it notes in the new one,
+        # once its attempts in flight are registered there, that it has (``mark_moved``)
+        self._moved_from = ""
+        # the peers that had attempts in flight in the file left (``_left``), awaited until
+        # ``_peers_until`` (monotonic) to note the same: see ``_peers_registering``
+        self._left = ""
+        self._peers: set[str] = set()
+        self._peers_until = 0.0
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
@@ -321,7 +334,9 @@ class FailoverStore:
         logger.info("turnguard: ledger %s (instance %s)", self.location, self._instance_id)
         generation = opened.store.generation
         self._stale_attempts_due = False
+        left = self.memory.ledger_generation
         if self.memory.ledger_opened(generation, time.time()):
+            self._moved_from = left
             # an older copy put in the old one's place may show attempts of this instance in
             # flight that it ended since: they are ended there before the file decides
             self._stale_attempts_due = True
@@ -331,7 +346,8 @@ class FailoverStore:
         # attempts of another file (this instance, or the one before a script reload, ran
         # them there) are registered in this one first; after a fault, it stays noted until a
         # try applies what is owed (recover)
-        self._adoption_due = self._attempts_elsewhere(generation) or self._stale_attempts_due
+        self._adoption_due = (self._attempts_elsewhere(generation) or self._stale_attempts_due
+                              or bool(self._moved_from))
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
@@ -409,12 +425,55 @@ class FailoverStore:
     def _file_gone(self, why: str) -> None:
         """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
         ledger. The ticker opens the file now at the path and registers this process's
-        attempts in flight in it before deciding from it."""
+        attempts in flight in it before deciding from it. The peers that had attempts in
+        flight in the old file (read from it now) are awaited to do the same
+        (``_peers_registering``)."""
         if self._store is None:
             return
+        self._await_peers_of(self._store)
         self.close(write_owed=False)
         self._down(LedgerError(why), "file check")
         self._reopen_at = 0.0  # open the new file at once
+
+    def _await_peers_of(self, store: Store) -> None:
+        """Read from ``store``, the file being left, which live peers have attempts in flight
+        there. Until each has noted that it registered them in the new file, or
+        ``PEERS_REGISTERING_S`` passed, the new file cannot say that an operation is in flight
+        nowhere: a request it knows nothing of waits (``policy.PEERS_REGISTERING``). When the
+        old file cannot say, every request waits that long."""
+        now = time.time()
+        try:
+            rows = store.peers_with_attempts_in_flight_sync(timeout=PEERS_READ_S)
+        except (LedgerError, TimeoutError) as e:
+            logger.warning("turnguard: cannot read which processes had turns in flight in the "
+                           "ledger file left (%s); new turns wait up to %.0f s for them", e,
+                           PEERS_REGISTERING_S)
+            rows = None
+        if rows is None:
+            peers = {"(unknown)"}
+        else:
+            peers = {peer.instance_id for peer in rows if liveness.verdict(
+                peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S,
+                start_ticks_of=liveness.probe_start_ticks) == "alive"}
+        self._left, self._peers = store.generation, peers
+        self._peers_until = time.monotonic() + PEERS_REGISTERING_S if peers else 0.0
+
+    async def _peers_registering(self, store: Store, deadline: float | None) -> bool:
+        """Peers that had attempts in flight in the ledger file this process left have not
+        all registered them in ``store`` yet (within ``PEERS_REGISTERING_S``): an operation
+        this file knows nothing of may be in flight in one of them."""
+        if not self._peers:
+            return False
+        if time.monotonic() < self._peers_until and store.generation != self._left:
+            self._peers -= await store.moved_peers(self._left, deadline=deadline)
+            if self._peers and time.monotonic() < self._peers_until:
+                return True
+        if self._peers:
+            logger.warning("turnguard: %d process(es) with turns in flight in the ledger file "
+                           "left did not register them in the new one within %.0f s; deciding "
+                           "without them", len(self._peers), PEERS_REGISTERING_S)
+        self._peers = set()
+        return False
 
     def _reregistered(self, incarnation: int) -> None:
         self._emit("instance_reregistered", instance=self._instance_id,
@@ -474,6 +533,9 @@ class FailoverStore:
                 self._stale_attempts_due = False
                 if moved:
                     self._emit("stale_attempts_ended", ops=len(moved))
+            if self._moved_from:
+                await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
+                self._moved_from = ""
             self._adoption_due = False
             probed, dropped = bool(self._kept), 0
             while self._kept:
@@ -644,6 +706,8 @@ class FailoverStore:
             known = carried()
             if known is not None:
                 return _Carried(known)
+            if await self._peers_registering(store, deadline):
+                return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
                 circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,

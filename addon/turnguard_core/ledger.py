@@ -166,6 +166,12 @@ _MIGRATIONS: dict[int, str] = {
 }
 
 
+def moved_key(from_generation: str, instance_id: str) -> str:
+    """The ``meta`` key by which an instance notes that its attempts in flight in the ledger
+    file of ``from_generation`` are registered in this one (both stores)."""
+    return f"moved:{from_generation}:{instance_id}"
+
+
 _INSERT_OPERATION = (
     "INSERT INTO operations (op_key, scope, session, method, path, idempotency_key,"
     " fingerprint, turn_state, previous_response_id, state, circuit_scope,"
@@ -931,6 +937,30 @@ class Ledger:
                 return "renewed"
             self.incarnation = self._register(db, now, keep_incarnation=False)
             return "reregistered"
+
+    @_wrap
+    def mark_moved(self, from_generation: str, now: float) -> None:
+        """Note in this file that this instance has registered here every attempt it had in
+        flight in the ledger file of ``from_generation`` (deleted or replaced since): the
+        processes that shared that file wait for it before they decide here
+        (``moved_peers``)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (moved_key(from_generation, self.instance_id), repr(now)),
+            )
+
+    @_wrap
+    def moved_peers(self, from_generation: str) -> set[str]:
+        """The instances that noted (``mark_moved``) that their attempts in flight in the
+        file of ``from_generation`` are registered in this one."""
+        prefix = moved_key(from_generation, "")
+        rows = self._conn().execute(
+            "SELECT substr(key, ?) FROM meta WHERE substr(key, 1, ?) = ?",
+            (len(prefix) + 1, len(prefix), prefix),
+        ).fetchall()
+        return {r[0] for r in rows}
 
     @_wrap
     def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:

@@ -344,14 +344,23 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
         held_since = now
         deadline = policy.hold_deadline(now, hold_timeout_s=req.hold_timeout_s,
                                         budget_deadline=req.budget_deadline)
-        effects = (
-            Emit("duplicate_held", {**req.base, "attempt": hold.attempt_id,
-                                    "owner": hold.owner_instance,
-                                    "timeout_ms": max(0, round((deadline - now) * 1000))}),
-            CountHeld(req.op_key),
-            Show(MARK_HELD, f"turnguard: held as a duplicate of operation {req.op_id}, waiting "
-                            "for its attempt in flight"),
-        )
+        timeout_ms = max(0, round((deadline - now) * 1000))
+        if hold.reason is None:
+            effects = (
+                Emit("duplicate_held", {**req.base, "attempt": hold.attempt_id,
+                                        "owner": hold.owner_instance, "timeout_ms": timeout_ms}),
+                CountHeld(req.op_key),
+                Show(MARK_HELD, f"turnguard: held as a duplicate of operation {req.op_id}, "
+                                "waiting for its attempt in flight"),
+            )
+        else:  # no duplicate (yet): not counted as one
+            effects = (
+                Emit("request_held", {**req.base, "reason": hold.reason,
+                                      "timeout_ms": timeout_ms}),
+                Show(MARK_HELD, f"turnguard: held ({hold.reason}): the ledger file was "
+                                "replaced, and processes that had attempts in flight in the "
+                                "old one have not registered them in the new one yet"),
+            )
     if now >= deadline:
         return _reject_in_progress(req, held_since, now, effects)
     return HoldDuplicate(hold.attempt_id, held_since, deadline, state.recovery), effects

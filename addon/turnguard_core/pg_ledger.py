@@ -58,6 +58,7 @@ from .ledger import (
     LedgerError,
     Recording,
     WalState,
+    moved_key,
 )
 from .ledger_admin import CircuitRow, SessionRow, _circuit_json, _one_by_prefix, _session_dict
 from .ledger_location import display, scrub
@@ -873,6 +874,24 @@ class PgLedger:
                 return "renewed"
             self.incarnation = self._register(tx, now, keep_incarnation=False)
             return "reregistered"
+
+    @_wrap
+    def mark_moved(self, from_generation: str, now: float) -> None:
+        """See ``Ledger.mark_moved``."""
+        with self._tx() as tx:
+            tx.db.execute(
+                "INSERT INTO meta (key, value) VALUES (%s, %s)"
+                " ON CONFLICT (key) DO UPDATE SET value=excluded.value",
+                (moved_key(from_generation, self.instance_id), repr(now)))
+
+    @_wrap
+    def moved_peers(self, from_generation: str) -> set[str]:
+        """See ``Ledger.moved_peers``."""
+        prefix = moved_key(from_generation, "")
+        rows = self._read().execute(
+            "SELECT substr(key, %s) FROM meta WHERE left(key, %s) = %s",
+            (len(prefix) + 1, len(prefix), prefix)).fetchall()
+        return {r[0] for r in rows}
 
     @_wrap
     def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:

@@ -75,10 +75,19 @@ class Replay:
 
 @record
 class Hold:
-    """Another attempt of the operation is in flight: wait for it to end."""
+    """Another attempt of the operation is in flight: wait for it to end. ``reason`` (None:
+    an attempt in flight) says why else the request waits and is admitted again after:
+    ``PEERS_REGISTERING``."""
 
     attempt_id: int | None
     owner_instance: str | None
+    reason: str | None = None
+
+
+# The ledger file was deleted or replaced, and processes that had attempts in flight in the
+# old one have not registered them in the new one yet: what the new file says of an
+# operation is not known to be all there is until they have.
+PEERS_REGISTERING = "ledger_peers_registering"
 
 
 @record

@@ -124,6 +124,13 @@ class Store(Protocol):
 
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
 
+    def peers_with_attempts_in_flight_sync(self, *, timeout: float) -> list[liveness.PeerRow]: ...
+
+    async def mark_moved(self, from_generation: str, *, now: float,
+                         deadline: float | None) -> None: ...
+
+    async def moved_peers(self, from_generation: str, *, deadline: float | None) -> set[str]: ...
+
     async def end_stale_attempts(
         self, keep_ops: list[str], *, now: float, deadline: float | None,
     ) -> list[str]: ...
@@ -270,6 +277,18 @@ class LedgerStore:
 
     async def peers_with_attempts_in_flight(self):
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
+
+    def peers_with_attempts_in_flight_sync(self, *, timeout):
+        return self._runner.call_sync(lambda led: led.peers_with_attempts_in_flight(),
+                                      timeout=timeout)
+
+    async def mark_moved(self, from_generation, *, now, deadline):
+        return await self._runner.call(lambda led: led.mark_moved(from_generation, now),
+                                       deadline=deadline)
+
+    async def moved_peers(self, from_generation, *, deadline):
+        return await self._runner.call(lambda led: led.moved_peers(from_generation),
+                                       deadline=deadline)
 
     async def end_stale_attempts(self, keep_ops, *, now, deadline):
         return await self._runner.call(

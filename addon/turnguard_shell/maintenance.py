@@ -84,7 +84,8 @@ class Maintenance:
         store, settings = self._guard.store, self._guard.settings
         if not store.is_open:
             await store.reopen_if_due()  # recover by itself once the fault is gone
-            return
+            if not store.is_open:
+                return
         if not store.usable and not await store.recover(None):
             return
         store.write_counts()
