@@ -478,6 +478,41 @@ def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+@pytest.mark.parametrize("kind", ["deleted", "replaced"])
+def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_registered(
+        tmp_path, kind):
+    """A call streams through process a when the ledger file is deleted (or an older copy is
+    moved into its place), and its retries reach process b at once (a new socket and a POST
+    fallback), before a has registered the call in the new file. b read from the file it
+    left that a had an attempt in flight: it waits for a to note that its attempts are
+    registered in the new file, then holds the retries on the call. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=20000)
+    scenario = {"default": {"kind": "ok", "events": 16, "gap_ms": 250}}
+    text = f"retries as the ledger is {kind}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
+        older_copy(tmp_path)
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
+                        what="a dispatching the call")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        with fault(kind, tmp_path):
+            retries = [background(ws_call, b.url, call([user(text)], seed=2)),
+                       background(http_call, b.url, frame)]
+            got = original.result(30)
+            answers = [r.result(40) for r in retries]
+        assert types(got)[-1] == "response.completed"
+        assert types(answers[0]) == types(got) and answers[1][2] == types(got)
+        assert len(up.dispatches()) == 2  # b's warm-up, and the call once
+        assert not [e for e in turnguard_events(tmp_path, "b", "dispatch") if e["op"] == op]
+        held = turnguard_events(tmp_path, "b", "request_held")
+        assert {e["reason"] for e in held} == {"ledger_peers_registering"}
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 @pytest.mark.parametrize("kind", ["locked", "full"])
 def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_retry(
         tmp_path, kind):
