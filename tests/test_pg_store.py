@@ -64,6 +64,10 @@ def sql(url: str, query: str, args=()) -> list[tuple]:
     ("postgresql://h?PassWord=pw&sslpassword=key&a=b",
      "postgresql://h?PassWord=***&sslpassword=***&a=b"),
     ("/var/lib/turnguard/ledger.sqlite3", "/var/lib/turnguard/ledger.sqlite3"),
+    # libpq's key/value form (refused as a ledger, but shown in the refusal)
+    ("host=db user=tg password=pw dbname=l", "host=db user=tg password=*** dbname=l"),
+    ("host = db  password = 'p w\\' x' sslpassword=key", "host = db  password = *** sslpassword=***"),
+    ("/var/lib/x=y/ledger.sqlite3", "/var/lib/x=y/ledger.sqlite3"),
     # libpq ends the credentials at the first "@" before any "/": a raw "?" or "#" in the
     # password is the password's
     ("postgresql://tg:12?34@h/l", "postgresql://tg:***@h/l"),

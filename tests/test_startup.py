@@ -339,3 +339,38 @@ def test_a_refused_path_with_a_newline_or_a_terminal_escape_is_one_line_and_writ
     line = _assert_refused(r, option, "not a regular file")
     assert "\x1b" not in r.stdout + r.stderr, line
     assert stat.S_ISFIFO(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+PG_SECRET = "pg-SECRET-hunter2"
+
+
+def test_a_libpq_key_value_connection_string_is_refused_without_its_password(tmp_path):
+    """``host=... password=...`` (libpq's other form) is no URL: taken for an SQLite path it
+    made a file named after the password in the working folder and logged that name with
+    every start. It is refused, one line, the password as ***, and no file is made; the
+    control tool refuses it the same way."""
+    conninfo = f"host=127.0.0.1 port=1 dbname=ledger user=tg password={PG_SECRET}"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    cmd = [str(MITMDUMP), "--mode", "reverse:http://127.0.0.1:9", "--listen-host",
+           "127.0.0.1", "--listen-port", "0", "--set", f"confdir={tmp_path / 'confdir'}",
+           "-s", str(ADDON), "--set", f"turnguard_ledger={conninfo}"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL, cwd=cwd,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:  # it ran (on an SQLite file): what did it say?
+        r = subprocess.CompletedProcess(cmd, None, _text(e.stdout), _text(e.stderr))
+    made = [p.name for p in cwd.iterdir()]
+    assert PG_SECRET not in r.stdout + r.stderr and not made, (made, r.stdout + r.stderr)
+    _assert_refused(r, "turnguard_ledger=host=127.0.0.1", "password=***", "postgresql://")
+    tool = subprocess.run([str(REPO / "scripts" / "turnguard"), "--ledger", conninfo, "status"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL, cwd=cwd)
+    assert tool.returncode == 1 and PG_SECRET not in tool.stdout + tool.stderr, tool.stderr
+    assert "password=***" in tool.stderr and "postgresql://" in tool.stderr, tool.stderr
+    assert not list(cwd.iterdir())
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""

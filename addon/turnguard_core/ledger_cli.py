@@ -37,7 +37,7 @@ from typing import Any, TextIO
 from . import liveness
 from .ledger import LedgerError
 from .ledger_admin import LedgerAdmin
-from .ledger_location import check_postgres_url, display, is_postgres
+from .ledger_location import CONNINFO_REFUSED, check_postgres_url, display, is_conninfo, is_postgres
 from .options import DEFAULTS
 from .private_files import UnsafePath, shown
 from .telemetry import Telemetry
@@ -658,6 +658,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     writes = WRITES.get(args.command, lambda a: False)(args)
     name = os.path.basename(PROG_NAME)
     try:
+        if is_conninfo(location):  # refused as the addon refuses it: never a path
+            raise CliError(f"{display(location)} is refused: {CONNINFO_REFUSED}")
         if is_postgres(location):  # refused as the addon refuses it (never read as a bad row)
             try:
                 check_postgres_url(location)

@@ -5,6 +5,10 @@ with the credentials in it, in the standard ``PG*`` environment variables or in 
 file, ``?service=NAME``) or anything else: the path of an SQLite file. A URL may carry a
 password, which must never reach a log line, a telemetry record, ``turnguard.status`` or the
 events file: everything that shows the location shows ``display(location)``.
+
+A libpq key/value connection string (``host=db user=u password=...``) is no URL, and no path
+either: ``is_conninfo`` tells it, so that it is refused (never opened as an SQLite file named
+after the password) and shown with its password as ``***``.
 """
 
 from __future__ import annotations
@@ -24,12 +28,90 @@ def is_postgres(location: str) -> bool:
     return location.strip().lower().startswith(POSTGRES_SCHEMES)
 
 
+# libpq's connection keywords (PostgreSQL 17's, and a few older ones): a string made of
+# ``keyword=value`` pairs naming one of these is a connection string, not a file name
+_CONNINFO_KEYWORDS = frozenset({
+    "host", "hostaddr", "port", "dbname", "user", "password", "passfile", "require_auth",
+    "channel_binding", "connect_timeout", "client_encoding", "options", "application_name",
+    "fallback_application_name", "keepalives", "keepalives_idle", "keepalives_interval",
+    "keepalives_count", "tcp_user_timeout", "replication", "gssencmode", "sslmode",
+    "sslnegotiation", "requiressl", "sslcompression", "sslcert", "sslkey", "sslkeylogfile",
+    "sslpassword", "sslcertmode", "sslrootcert", "sslcrl", "sslcrldir", "sslsni",
+    "requirepeer", "ssl_min_protocol_version", "ssl_max_protocol_version", "krbsrvname",
+    "gsslib", "gssdelegation", "service", "target_session_attrs", "load_balance_hosts",
+})
+
+
+def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
+    """``(keyword, start, end)`` of each value of ``text`` read as libpq reads a key/value
+    connection string (``keyword = value``, a value in single quotes or up to the next space,
+    ``\\`` escaping the next character); None when ``text`` is not one."""
+    pairs: list[tuple[str, int, int]] = []
+    i, n = 0, len(text)
+    while True:
+        while i < n and text[i].isspace():
+            i += 1
+        if i == n:
+            return pairs or None
+        start = i
+        while i < n and (text[i].isalnum() or text[i] == "_"):
+            i += 1
+        keyword = text[start:i]
+        while i < n and text[i].isspace():
+            i += 1
+        if not keyword or i == n or text[i] != "=":
+            return None
+        i += 1
+        while i < n and text[i].isspace():
+            i += 1
+        value_start = i
+        quoted = i < n and text[i] == "'"
+        if quoted:
+            i += 1
+        while i < n:
+            if text[i] == "\\":
+                i += 2
+                continue
+            if (text[i] == "'") if quoted else text[i].isspace():
+                break
+            i += 1
+        if quoted:
+            if i >= n:
+                return None  # an unterminated quote: libpq refuses it too
+            i += 1
+        pairs.append((keyword.lower(), value_start, min(i, n)))
+
+
+def is_conninfo(location: str) -> bool:
+    """Whether ``location`` is a libpq key/value connection string (``host=... dbname=...``):
+    ``keyword=value`` pairs, one of them a libpq keyword. A path never is one unless a name
+    in it is such a pair (``./host=db`` is a path)."""
+    pairs = _conninfo_pairs(location)
+    return pairs is not None and any(k in _CONNINFO_KEYWORDS for k, _, _ in pairs)
+
+
+CONNINFO_REFUSED = (
+    "a libpq key/value connection string is not taken; give the database as a URL, "
+    "postgresql://USER@HOST:PORT/DB (the password from PGPASSWORD, ~/.pgpass or a service "
+    "file; a path that looks like one: ./NAME)")
+
+
+def _conninfo_secrets(location: str) -> list[tuple[int, int]]:
+    """The spans of the secret values of a key/value connection string."""
+    pairs = _conninfo_pairs(location) or []
+    return [(start, end) for k, start, end in pairs if k in _SECRET_PARAMS and end > start]
+
+
 def display(location: str) -> str:
     """``location`` as it may be shown: a URL's password (in the authority, or as a
     ``password`` or ``sslpassword`` parameter however its name is percent-encoded) replaced
-    by ``***``; an SQLite path as it is (quoted, its control characters escaped, if it has
+    by ``***``; a key/value connection string with its ``password`` and ``sslpassword`` values
+    as ``***``; an SQLite path as it is (quoted, its control characters escaped, if it has
     any: ``private_files.shown``)."""
     if not is_postgres(location):
+        if is_conninfo(location):
+            for start, end in reversed(_conninfo_secrets(location)):
+                location = f"{location[:start]}***{location[end:]}"
         return private_files.shown(location)
     scheme, _, rest = location.strip().partition("://")
     userinfo, after = _credentials(rest)
@@ -56,7 +138,7 @@ def _secrets_of(location: str) -> list[str]:
     """Every secret a PostgreSQL URL carries (its password, in its authority or as a
     parameter, and an ``sslpassword``)."""
     if not is_postgres(location):
-        return []
+        return [location[start:end] for start, end in _conninfo_secrets(location)]
     found = []
     scheme, _, rest = location.strip().partition("://")
     userinfo, after = _credentials(rest)

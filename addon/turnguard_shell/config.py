@@ -12,7 +12,13 @@ from mitmproxy import flowfilter, http
 from mitmproxy import log as mitmproxy_log
 
 from turnguard_core.ledger import LedgerError, check_path
-from turnguard_core.ledger_location import check_postgres_url, display, is_postgres
+from turnguard_core.ledger_location import (
+    CONNINFO_REFUSED,
+    check_postgres_url,
+    display,
+    is_conninfo,
+    is_postgres,
+)
 from turnguard_core.options import DEFAULT_FILTER, DEFAULT_FILTER_ROUTES
 from turnguard_core.private_files import UnsafePath
 from turnguard_core.telemetry import Telemetry
@@ -103,8 +109,12 @@ def open_events(path: str) -> Telemetry:
 def ledger_path(option: str, confdir: str) -> str:
     """The ledger's location: a PostgreSQL URL (``postgresql://...``, ``postgres://...``) as
     given, if it parses; else an SQLite path (``<confdir>/turnguard.sqlite3`` when the option is
-    empty), checked: a path others could write to or redirect is refused. A refusal never shows
-    a URL's password."""
+    empty), checked: a path others could write to or redirect is refused. A libpq key/value
+    connection string (``host=... password=...``) is refused: it is no URL, and opened as a
+    path it would make an SQLite file named after the password. A refusal never shows a
+    password."""
+    if is_conninfo(option):
+        raise ValueError(f"turnguard_ledger={display(option)} is refused: {CONNINFO_REFUSED}")
     if is_postgres(option):
         try:
             return check_postgres_url(option)
