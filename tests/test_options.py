@@ -59,6 +59,13 @@ def test_readme_documents_every_option_with_its_default():
         ("turnguard_holdtimeout_ms", ["5"],
          "unknown option turnguard_holdtimeout_ms=5 (did you mean turnguard_hold_timeout_ms?)"),
         ("turnguard_zzz", ["1"], "unknown option turnguard_zzz=1"),
+        # a PostgreSQL password is never shown, whatever the problem
+        ("turnguard_ledger", ["postgres://u:pw@h/l", "x"],
+         "turnguard_ledger was set 2 times (postgres://u:***@h/l, x); set it once"),
+        ("turnguard_ledgr", ["postgresql://u:pw@h/l"],
+         "unknown option turnguard_ledgr=postgresql://u:***@h/l (did you mean turnguard_ledger?)"),
+        ("turnguard_ledgr", "postgresql://u:pw@h/l",
+         "unknown option turnguard_ledgr='postgresql://u:***@h/l' (did you mean turnguard_ledger?)"),
     ],
 )
 def test_deferred_problems_name_the_option_and_the_value(name, raw, message):

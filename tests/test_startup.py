@@ -344,6 +344,22 @@ def test_a_refused_path_with_a_newline_or_a_terminal_escape_is_one_line_and_writ
 PG_SECRET = "pg-SECRET-hunter2"
 
 
+@pytest.mark.parametrize("sets", [
+    # a misspelt name: reported as unknown, with its value
+    [f"turnguard_ledgr=postgresql://tg:{PG_SECRET}@127.0.0.1:1/ledger"],
+    # set twice: both values are named
+    [f"turnguard_ledger=postgresql://tg:{PG_SECRET}@127.0.0.1:1/ledger",
+     f"turnguard_ledger=postgresql://tg:{PG_SECRET}-2@127.0.0.1:1/ledger"],
+    [f"turnguard_ledgr=host=127.0.0.1 port=1 dbname=ledger password={PG_SECRET}"],
+], ids=["misspelt", "set twice", "misspelt key-value"])
+def test_a_refused_ledger_option_never_shows_its_password(tmp_path, sets):
+    """An option refused before turnguard reads it (a typo, a value set twice) is named with
+    its value, as any refused option is; a PostgreSQL password in it is still shown as ***."""
+    r = _mitmdump_once(tmp_path, *sets)
+    line = _assert_refused(r, "turnguard_ledg", "***")
+    assert PG_SECRET not in r.stdout + r.stderr, line
+
+
 def test_a_libpq_key_value_connection_string_is_refused_without_its_password(tmp_path):
     """``host=... password=...`` (libpq's other form) is no URL: taken for an SQLite path it
     made a file named after the password in the working folder and logged that name with

@@ -102,6 +102,17 @@ def _conninfo_secrets(location: str) -> list[tuple[int, int]]:
     return [(start, end) for k, start, end in pairs if k in _SECRET_PARAMS and end > start]
 
 
+def shown_value(value: object) -> object:
+    """An option's value as a message may show it: a string that names a PostgreSQL ledger
+    (a URL or a key/value connection string) as ``display`` shows it, a list of strings
+    likewise; anything else as it is."""
+    if isinstance(value, str) and (is_postgres(value) or is_conninfo(value)):
+        return display(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(shown_value(v) for v in value)
+    return value
+
+
 def display(location: str) -> str:
     """``location`` as it may be shown: a URL's password (in the authority, or as a
     ``password`` or ``sslpassword`` parameter however its name is percent-encoded) replaced

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from .circuit import CircuitConfig
 from .identity import KNOWN_ROUTES
+from .ledger_location import shown_value
 from .policy import RECOVERY_MODES, GuardPolicy, RecoveryMode
 from .records import record
 
@@ -288,8 +289,9 @@ _SPECS = {spec.name: spec for spec in OPTIONS}
 def parse_set_value(spec: OptionSpec, values: list[str]) -> Any:
     """The value of ``--set NAME=VALUE`` for one of our options, parsed as mitmproxy parses it
     (``int()`` for ints; ``true``, ``false`` or nothing for bools; the string for strs).
-    Raises ``ValueError`` naming the option and the value."""
-    shown = ", ".join(values) if values else "(no value)"
+    Raises ``ValueError`` naming the option and the value (a PostgreSQL password in it as
+    ``***``: ``ledger_location.shown_value``)."""
+    shown = ", ".join(shown_value(values)) if values else "(no value)"
     if spec.type not in (int, bool, str):  # a list option: one --set per value
         return list(values)
     if len(values) > 1:
@@ -313,16 +315,17 @@ def parse_set_value(spec: OptionSpec, values: list[str]) -> Any:
 
 def check_value_type(spec: OptionSpec, value: Any) -> None:
     """Raise ``ValueError`` when ``value`` (e.g. from mitmproxy's config.yaml) is not of the
-    option's type."""
+    option's type (the message shows it as ``ledger_location.shown_value`` does)."""
+    shown = shown_value(value)
     if spec.type not in (int, bool, str):  # a list option
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
         if not ok:
-            raise ValueError(f"{spec.name}={value!r} is not a list of strings")
+            raise ValueError(f"{spec.name}={shown!r} is not a list of strings")
         return
     ok = isinstance(value, spec.type) and not (spec.type is int and isinstance(value, bool))
     if not ok:
         raise ValueError(
-            f"{spec.name}={value!r} is not {'an integer' if spec.type is int else spec.type.__name__}"
+            f"{spec.name}={shown!r} is not {'an integer' if spec.type is int else spec.type.__name__}"
         )
 
 
@@ -331,14 +334,16 @@ def deferred_problems(deferred: Mapping[str, Any]) -> dict[str, str]:
     registers its options: unknown names (a typo) and values of the wrong type. mitmproxy
     would ignore the first for ever and, for the second, fail to load the script without a
     word. ``deferred`` maps a name to its raw ``--set`` strings (a list) or, from a config
-    file, a value. Returns name -> one-line message naming the option and the value."""
+    file, a value. Returns name -> one-line message naming the option and the value (never
+    a PostgreSQL password: a misspelt ``turnguard_ledger`` is still one)."""
     problems: dict[str, str] = {}
     for name, raw in deferred.items():
         if not name.startswith(PREFIX):
             continue
         spec = _SPECS.get(name)
         if spec is None:
-            shown = ", ".join(map(str, raw)) if isinstance(raw, list) else repr(raw)
+            shown = (", ".join(map(str, shown_value(raw))) if isinstance(raw, list)
+                     else repr(shown_value(raw)))
             close = difflib.get_close_matches(
                 name.removeprefix(PREFIX), [n.removeprefix(PREFIX) for n in _SPECS], n=1
             )
