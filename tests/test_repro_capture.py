@@ -175,6 +175,36 @@ def test_an_error_body_keeps_no_credential_of_the_request():
         assert b["code"] == 401 and "SECRET" not in text and "abc***" not in text, text
 
 
+@pytest.mark.parametrize("path, echoed", [
+    ("/v1/responses?api-key=AZ-SECRET-1234", "Invalid URL (POST /v1/responses?api-key=AZ-SECRET-1234)"),
+    ("/v1/responses?access_token=TOK-SECRET-77&x=1", "token TOK-SECRET-77 expired"),
+    ("/kSECRET4242/v1/responses", "Invalid URL (POST /kSECRET4242/v1/responses)"),
+    ("/v1/responses", "cookie sid=COOKIE-SECRET-9 refused, other OTHER-SECRET-3 too"),
+], ids=["query key", "query token alone", "key in the path", "one cookie of two"])
+def test_an_error_body_that_quotes_a_url_key_or_one_cookie_keeps_neither(tmp_path, path, echoed):
+    """An upstream's 404 quotes the URL it did not know (a key in its query or path with it),
+    a 401 the one cookie it refused: the request's credentials too, which the scenario file
+    ``reproduce from-capture`` writes must not keep (the URL and the Cookie header themselves
+    are replaced)."""
+    from mitmproxy import io
+    from mitmproxy.test import tflow, tutils
+
+    request = tutils.treq(method=b"POST", path=path.encode(),
+                          content=json.dumps(body("A")).encode())
+    request.headers["cookie"] = "sid=COOKIE-SECRET-9; other=OTHER-SECRET-3"
+    response = tutils.tresp(status_code=404 if "URL" in echoed else 401,
+                            content=json.dumps({"error": {"message": echoed}}).encode())
+    flows = tmp_path / "c.flows"
+    with open(flows, "wb") as f:
+        io.FlowWriter(f).add(tflow.tflow(req=request, resp=response))
+    out = tmp_path / "s.json"
+    reproduce("from-capture", str(flows), "-o", str(out))
+    scenario = out.read_text()
+    assert "SECRET" not in scenario, scenario
+    [operation] = json.loads(scenario)["upstream"]["operations"].values()
+    assert operation["sequence"][0]["code"] in (401, 404), scenario  # the error is kept
+
+
 def test_a_file_that_is_no_flow_file_gets_one_clear_line(tmp_path):
     for name, data in [("truncated.flows", b"99999999999:abc"), ("junk.flows", b"not a capture")]:
         bad = tmp_path / name

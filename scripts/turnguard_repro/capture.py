@@ -29,7 +29,10 @@ as ``-`` (``x_api_key``), as turnguard reads them (except ``Idempotency-Key`` an
 ``x-codex-turn-*`` headers, which are not secrets and which turnguard's identity needs). Each
 distinct set of credential values becomes a dummy ``Bearer sk-repro-credential-<n>`` so that
 requests that shared their credentials still share one, and requests that did not still do
-not. By default the
+not. An error body the upstream sent (kept, as the behaviour to replay) loses what it quotes
+of the request's credentials: each credential header's value (a cookie's alone too), what
+the URL carries beside its route (a 404 quotes the URL), and anything shaped like a key.
+By default the
 *content* of request bodies and of output text is replaced as well (``input`` becomes a stable
 placeholder derived from the whole body, so identical bodies stay identical and different ones
 stay different; ``model``, ``stream``, ``previous_response_id`` and ``store`` are kept); pass
@@ -46,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -143,15 +147,48 @@ def _ms(a: float | None, b: float | None) -> int:
 _KEY_LIKE = re.compile(rb"(?<![A-Za-z0-9])(?:sk|rk|pk|sess)-[A-Za-z0-9_\-*.]{4,}")
 
 
+# the words of the known routes: a path segment that is one of them is no key
+_ROUTE_WORDS = frozenset(w for r in KNOWN_ROUTES for w in r.split("/") if w)
+
+
+def _url_secrets(target: str) -> set[str]:
+    """What a request target carries beside its route, as an error body may quote it (an
+    Azure or a gateway 404 quotes the URL): the rest whole, each query value and each path
+    segment of it (raw and percent-decoded), but the route's own words."""
+    from turnguard_core.identity import split_target
+
+    parts = split_target(target)
+    rest = parts.route if parts.route.startswith("sha256:") else ""
+    found = {parts.prefix, parts.suffix} if not rest else {target}
+    path, _, query = (target if rest else parts.prefix + parts.suffix).partition("?")
+    for param in query.split("&"):
+        found.add(param.partition("=")[2])
+    found.update(seg for seg in path.split("/") if seg not in _ROUTE_WORDS)
+    return found | {urllib.parse.unquote_plus(f) for f in found}
+
+
+def _header_secrets(value: str) -> set[str]:
+    """A credential header's value as an error body may quote it: whole, the token after its
+    scheme (``Bearer sk-...``), and each cookie's value (``a=1; b=2``)."""
+    found = {value, value.split(" ", 1)[-1]}
+    for pair in value.split(";"):
+        found.update({pair.strip(), pair.partition("=")[2].strip()})
+    return found
+
+
 def _without_secrets(raw: bytes, request_headers,
-                     credential_headers: frozenset[str] = frozenset()) -> bytes:
-    """An upstream's error body without the request's credential values (whole, or the token
-    after its scheme) and without anything shaped like a key, masked or not."""
+                     credential_headers: frozenset[str] = frozenset(),
+                     target: str = "") -> bytes:
+    """An upstream's error body without the request's credential values (``_header_secrets``
+    of each credential header, ``_url_secrets`` of its ``target``) and without anything shaped
+    like a key, masked or not. The longest go first: a value is never half masked because a
+    shorter one inside it went before."""
+    secrets: set[str] = _url_secrets(target) if target else set()
     for name, value in request_headers.items(multi=True):
         if value and _is_secret(name, credential_headers):
-            for secret in {value, value.split(" ", 1)[-1]}:
-                if len(secret) >= 4:
-                    raw = raw.replace(secret.encode("utf-8", "surrogateescape"), b"***")
+            secrets |= _header_secrets(value)
+    for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
+        raw = raw.replace(secret.encode("utf-8", "surrogateescape"), b"***")
     return _KEY_LIKE.sub(b"sk-repro-redacted", raw)
 
 
@@ -175,7 +212,7 @@ def behaviour_of(flow, keep_bodies: bool,
     if not 200 <= r.status_code < 300:
         b: dict[str, Any] = {"kind": "status", "code": r.status_code, "delay_ms": delay}
         raw = _without_secrets(r.get_content(strict=False) or b"", flow.request.headers,
-                               credential_headers)
+                               credential_headers, flow.request.path)
         try:
             b["body"] = json.loads(raw) if raw else ""
         except ValueError:
