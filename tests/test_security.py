@@ -564,3 +564,29 @@ def test_retention_purges_while_running(tmp_path):
         assert_no_traceback(p.log_text())
     check(purged, f"operations ended {time.time() - ended:.0f} s ago, with a retention of "
                       "1.5 s, are still in the ledger")
+
+
+def test_a_recording_past_the_replay_window_leaves_no_bytes_on_disk_while_running(tmp_path):
+    """Past the replay window (the retention much longer) a recording's bytes are purged
+    from the ledger: from its files too, the -wal included, while the proxy runs (the purge
+    deletes the rows; secure_delete and the idle WAL truncation take the bytes)."""
+    marker = f"WINDOWED-{secrets.token_hex(6)}"
+    opts = dict(turnguard_replay_window_ms=1000)
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "text": marker}}) as up, \
+            guarded(tmp_path, up, **opts) as p:
+        assert post(p.url, {"session-id": "w"}, {"model": "m", "input": "windowed"})[0] == 200
+        ledger = tmp_path / "ledger.sqlite3"
+        wait_until(lambda: any(marker.encode() in f.read_bytes() for f in ledger_files(ledger)),
+                   10, what="the recording on disk")
+        wait_until(lambda: query(ledger, "SELECT COUNT(*) FROM spool") == [(0,)], 15,
+                   what="the purge past the replay window")
+        assert query(ledger, "SELECT COUNT(*) FROM operations") == [(1,)]  # retention: kept
+        gone = False
+        for _ in range(60):  # bounded: 60 x 0.25 s after the purge
+            if not any(marker.encode() in f.read_bytes() for f in ledger_files(ledger)):
+                gone = True
+                break
+            time.sleep(0.25)
+        still = [f.name for f in ledger_files(ledger) if marker.encode() in f.read_bytes()]
+        assert_no_traceback(p.log_text())
+    check(gone, f"a purged recording's bytes are still in {still}")
