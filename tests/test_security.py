@@ -590,3 +590,58 @@ def test_a_recording_past_the_replay_window_leaves_no_bytes_on_disk_while_runnin
         still = [f.name for f in ledger_files(ledger) if marker.encode() in f.read_bytes()]
         assert_no_traceback(p.log_text())
     check(gone, f"a purged recording's bytes are still in {still}")
+
+
+def test_no_secret_of_a_websocket_call_reaches_the_ledger_the_events_or_a_debug_log(tmp_path):
+    """The WebSocket guard's own paths (handshake headers, a key as the subprotocol, a key in
+    the socket's URL, a configured credential header; a call, its duplicate on another
+    socket, a call that fails) keep no credential at rest, in the events or in the log, at
+    DEBUG too. (mitmdump's own flow lines print each URL: flow_detail=0, as the README says.)"""
+    import asyncio
+
+    from turnguard_ws import WsClient, types
+
+    tokens = {name: f"{name}-SECRET-{secrets.token_hex(6)}"
+              for name in ("bearer", "proto", "query", "tenant", "cookie")}
+    headers = {"authorization": f"Bearer {tokens['bearer']}", "session-id": "ws-secrets",
+               "sec-websocket-protocol": f"realtime, openai-insecure-api-key.{tokens['proto']}",
+               "x-tenant-key": tokens["tenant"], "cookie": f"sid={tokens['cookie']}"}
+    path = f"/v1/responses?api-key={tokens['query']}"
+    frame = {"type": "response.create", "model": "gpt-test", "stream": True,
+             "input": [{"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": "keep it"}]}]}
+    scenario = {"sequence": [{"kind": "ok", "think_ms": 800, "headers": {
+        "x-tenant-key": tokens["tenant"], "set-cookie": f"sid={tokens['cookie']}"}},
+        {"kind": "reset"}], "default": {"kind": "ok"}}
+
+    async def calls(url: str) -> list[list[str]]:
+        async def one(f):
+            async with WsClient.connect(url, path=path, headers=headers) as c:
+                await c.send(f)
+                return types(await c.response())
+
+        first = asyncio.ensure_future(one(frame))
+        await asyncio.sleep(0.3)
+        dup = await one(frame)  # held or attached on another socket
+        out = [await first, dup]
+        with contextlib.suppress(Exception):  # the upstream resets this one
+            out.append(await one({**frame, "input": [{"type": "message", "role": "user",
+                                                     "content": "fails"}]}))
+        return out
+
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+            tmp_path, up, turnguard_credential_headers="x-tenant-key",
+            termlog_verbosity="debug", flow_detail=0) as p:
+        answers = asyncio.run(calls(p.url))
+        assert [a[-1] for a in answers[:2]] == ["response.completed"] * 2, answers
+        assert len([d for d in up.dispatches() if d.get("transport") == "ws"]) >= 2
+        log = p.log_text()
+        assert_no_traceback(log)
+    seen = {e["event"] for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")}
+    assert {"duplicate_held", "eventless_failure"} <= seen, seen  # the paths were taken
+    blobs = {str(f): f.read_bytes() for f in ledger_files(tmp_path / "ledger.sqlite3")}
+    blobs["events"] = (tmp_path / "mitmdump-events.jsonl").read_bytes()
+    blobs["log"] = log.encode()
+    found = [(name, where) for where, blob in blobs.items() for name, token in tokens.items()
+             if token.encode() in blob]
+    assert not found, found
