@@ -151,3 +151,24 @@ def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_pa
     assert "--timeline" in proc.stderr and proc.stdout == ""
     if kind == "symlink":
         assert target.read_text() == "keep me\n"
+
+
+def test_under_umask_000_the_work_folders_are_private_and_turnguard_runs(tmp_path):
+    """The work folders ``reproduce`` makes (``--keep DIR`` and each column's, which hold its
+    ledger, events, logs and the scenario's requests) are 0700 whatever the umask. With
+    umask 000 they were 0777: turnguard refused its events file there (a world-writable
+    folder) and every turnguard column reported a lost turn that turnguard never saw."""
+    keep = tmp_path / "kept" / "run"
+    old = os.umask(0)  # the tool inherits it
+    try:
+        data = json.loads(reproduce("duplicate-storm", "--columns", "default", "--json",
+                                    "--keep", str(keep)).stdout)
+    finally:
+        os.umask(old)
+    made = [tmp_path / "kept", keep, keep / "default"]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
+    assert set(modes.values()) == {"0o700"}, modes
+    log = (keep / "default" / "mitmdump.log").read_text()
+    assert "refused" not in log, log
+    m = data["columns"]["default"]["metrics"]
+    assert m["outcomes"] == {"gateway": "completed"} and m["upstream_dispatches"] == 1, m

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     if a.keep:
         workdir = Path(a.keep)
-        workdir.mkdir(parents=True, exist_ok=True)
+        runner.private_folder(workdir)  # 0700 if made here, whatever the umask
     else:
         tmp = tempfile.mkdtemp(prefix="turnguard-repro-")
         workdir = Path(tmp)

@@ -66,11 +66,28 @@ def turnguard_options(scenario: dict[str, Any], column: str, workdir: Path,
     return opts
 
 
+def private_folder(path: Path) -> None:
+    """Make ``path`` and each missing folder above it 0700, whatever the umask: a column's
+    folder holds its ledger, events, logs and the scenario's requests, and turnguard refuses
+    a ledger or events file in a folder others may write to (the umask 000 made it 0777, and
+    every turnguard column then lost its turn). A folder that exists is left as it is."""
+    missing = []
+    while not path.exists() and path != path.parent:  # bounded by the path's depth
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another column: left as it is
+            continue
+        folder.chmod(0o700)  # (mkdir's mode goes through the umask)
+
+
 async def run_column(
     scenario: dict[str, Any], column: str, workdir: Path, *, save_flows: Path | None = None,
     extra_options: dict[str, Any] | None = None,
 ) -> ColumnResult:
-    workdir.mkdir(parents=True, exist_ok=True)
+    private_folder(workdir)
     spec = COLUMNS[column]
     opts = turnguard_options(scenario, column, workdir, extra_options) if spec["addon"] else {}
     flowlog = workdir / "flows.jsonl"
