@@ -171,8 +171,9 @@ class TurnGuard:
                 location = config.ledger_path(o.turnguard_ledger, o.confdir)
                 self._check_ledger_change(location)
                 self.store.open(location)
-        except ValueError as e:
-            self._refuse(str(e))
+        except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
+            self._refuse(ledger_location.scrub_options(
+                str(e), [getattr(o, s.name) for s in options.OPTIONS]))
             return
         if self._running:
             self.attacher.start_relay_early()

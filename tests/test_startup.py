@@ -351,12 +351,17 @@ PG_SECRET = "pg-SECRET-hunter2"
     [f"turnguard_ledger=postgresql://tg:{PG_SECRET}@127.0.0.1:1/ledger",
      f"turnguard_ledger=postgresql://tg:{PG_SECRET}-2@127.0.0.1:1/ledger"],
     [f"turnguard_ledgr=host=127.0.0.1 port=1 dbname=ledger password={PG_SECRET}"],
-], ids=["misspelt", "set twice", "misspelt key-value"])
+    # the ledger's URL put in another option by mistake: refused, quoting it
+    [f"turnguard_events=postgresql://tg:{PG_SECRET}@127.0.0.1:1/ledger"],
+    [f"turnguard_metrics=postgresql://tg:{PG_SECRET}@127.0.0.1:1/ledger"],
+], ids=["misspelt", "set twice", "misspelt key-value", "in turnguard_events",
+        "in turnguard_metrics"])
 def test_a_refused_ledger_option_never_shows_its_password(tmp_path, sets):
-    """An option refused before turnguard reads it (a typo, a value set twice) is named with
-    its value, as any refused option is; a PostgreSQL password in it is still shown as ***."""
+    """An option refused before turnguard reads it (a typo, a value set twice), or one that
+    got the ledger's URL by mistake, is named with its value, as any refused option is; a
+    PostgreSQL password in it is still shown as ***."""
     r = _mitmdump_once(tmp_path, *sets)
-    line = _assert_refused(r, "turnguard_ledg", "***")
+    line = _assert_refused(r, sets[0].split("=", 1)[0], "***")
     assert PG_SECRET not in r.stdout + r.stderr, line
 
 

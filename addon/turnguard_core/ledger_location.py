@@ -172,6 +172,17 @@ def scrub(text: str, location: str) -> str:
     return text
 
 
+def scrub_options(text: str, values) -> str:
+    """``text`` (a refused option's message) without the secrets of any of ``values`` (the
+    options' values) that names a PostgreSQL database, a URL or a key/value string: a
+    ledger URL put in another option by mistake (``turnguard_events``, ``turnguard_metrics``)
+    is quoted in that option's refusal, its password included."""
+    for value in values:
+        if isinstance(value, str) and (is_postgres(value) or is_conninfo(value)):
+            text = scrub(text, value)
+    return text
+
+
 def _credentials(rest: str) -> tuple[str | None, str]:
     """(user[:password] or None, what follows it) of a URL after its ``scheme://``, read as
     libpq reads it: the credentials end at the first ``@`` met before any ``/``, so a raw
