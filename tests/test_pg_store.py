@@ -370,6 +370,20 @@ def test_scripts_turnguard_works_on_a_postgres_ledger_and_never_prints_the_passw
     led.close()
 
 
+def test_a_ledger_url_given_as_events_by_mistake_is_refused_without_its_password(tmp_path):
+    """``scripts/turnguard ... --events URL`` (the ledger's URL in the wrong place) is refused
+    as a path would be, quoting it: with its password as ***."""
+    from turnguard_core.ledger import Ledger
+
+    path = str(tmp_path / "l.sqlite3")
+    Ledger(path, "x").open(time.time())
+    err = io.StringIO()
+    url = "postgresql://tg:s3cret-pw@127.0.0.1:1/ledger"
+    assert ledger_cli.main(["--ledger", path, "circuit", "clear", "--all", "--events", url],
+                           io.StringIO(), err) == 1
+    assert "s3cret" not in err.getvalue() and "tg:***@" in err.getvalue(), err.getvalue()
+
+
 @pytest.mark.parametrize("url", ["postgresql://tg:s3cret-pw@[127.0.0.1:1/ledger",
                                  "postgresql://tg:s3cret-pw@127.0.0.1:1/ledger#part"])
 def test_scripts_turnguard_refuses_a_url_libpq_cannot_read_as_such(url):

@@ -37,7 +37,14 @@ from typing import Any, TextIO
 from . import liveness
 from .ledger import LedgerError
 from .ledger_admin import LedgerAdmin
-from .ledger_location import CONNINFO_REFUSED, check_postgres_url, display, is_conninfo, is_postgres
+from .ledger_location import (
+    CONNINFO_REFUSED,
+    check_postgres_url,
+    display,
+    is_conninfo,
+    is_postgres,
+    scrub_options,
+)
 from .options import DEFAULTS
 from .private_files import UnsafePath, shown
 from .telemetry import Telemetry
@@ -562,10 +569,12 @@ def cmd_session(ledger: LedgerAdmin, args: argparse.Namespace, out: TextIO) -> i
 def _events(args: argparse.Namespace) -> Telemetry:
     try:
         return Telemetry(os.path.abspath(os.path.expanduser(args.events)) if args.events else None)
-    except UnsafePath as e:
-        raise CliError(f"--events {args.events} is refused: {e}") from None
+    except UnsafePath as e:  # (a ledger URL given as --events by mistake: its password ***)
+        raise CliError(scrub_options(f"--events {args.events} is refused: {e}",
+                                     [args.events])) from None
     except OSError as e:
-        raise CliError(f"--events {args.events} cannot be opened: {e.strerror}") from None
+        raise CliError(scrub_options(f"--events {args.events} cannot be opened: {e.strerror}",
+                                     [args.events])) from None
 
 
 def _actor() -> str:
