@@ -464,13 +464,16 @@ class TurnGuard:
                 return policy.Conflict()
             return policy.Hold(local.attempt_id, self.instance_id)
         cfg = self.settings
+        hold_until = state.hold_deadline if state.held_since is not None else \
+            policy.hold_deadline(time.monotonic(), hold_timeout_s=req.hold_timeout_s,
+                                 budget_deadline=req.budget_deadline)
         return await self.store.admit(
             ident, method=method, route=ident.route, flow_id=req.flow_id,
             circuit_scope=scope, recovery=state.recovery,
             once_mode=policy.recovery_is_once(cfg.recovery_mode),
             in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
             window_s=self._replay_window_s(ident), threshold=cfg.circuit.threshold,
-            deadline=deadline, transport=req.transport)
+            deadline=deadline, transport=req.transport, hold_until=hold_until)
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

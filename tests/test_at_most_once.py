@@ -772,6 +772,32 @@ def test_a_new_duplicate_sent_elsewhere_as_the_ledger_is_deleted_waits_for_the_o
            f"dispatches=1")
 
 
+def test_a_request_with_a_short_hold_bound_is_not_held_for_peers_as_the_ledger_goes(
+    tmp_path, report
+):
+    """With a hold bound of 1 s, a request that comes to B as the ledger file is deleted,
+    while A has a turn in flight, is held for A to register its attempts only while its hold
+    has more than half a second left: then it is decided, and never answered 409 for a turn
+    it does not duplicate."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=1000) as b:
+        turn = {**SESSION, **behaviour(kind="ok", delay_ms=4000)}
+        original = in_background(post, a.url, turn, body_of("a turn in flight"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{ledger}{suffix}")
+        status, headers, _ = post(b.url, SESSION, body_of("another turn"))
+        assert status == 200 and headers.get("x-turnguard") is None  # dispatched
+        assert original.result(30)[0] == 200
+        assert not events(tmp_path, "b", "duplicate_rejected")
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("ledger deleted while A's turn was in flight: another turn sent to B (hold bound "
+           "1 s) was dispatched, never answered 409")
+
+
 def test_an_older_copy_written_over_the_ledger_never_gives_one_turn_anothers_answer(
     tmp_path, report
 ):

@@ -65,6 +65,10 @@ HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of
 # notices within a second, opens the new file and registers them at its next tick).
 PEERS_REGISTERING_S = 5.0
 PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old file
+# A request whose hold would end sooner than this is not held for them: past its hold bound a
+# held request gets 409 turn_in_progress, which is a duplicate's answer (re-admissions come
+# every 0.2 s).
+PEERS_HOLD_MARGIN_S = 0.5
 MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ticker, at most
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
@@ -458,11 +462,16 @@ class FailoverStore:
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + PEERS_REGISTERING_S if peers else 0.0
 
-    async def _peers_registering(self, store: Store, deadline: float | None) -> bool:
+    async def _peers_registering(self, store: Store, deadline: float | None,
+                                 hold_until: float | None = None) -> bool:
         """Peers that had attempts in flight in the ledger file this process left have not
         all registered them in ``store`` yet (within ``PEERS_REGISTERING_S``): an operation
-        this file knows nothing of may be in flight in one of them."""
+        this file knows nothing of may be in flight in one of them. A request that could be
+        held only until ``hold_until`` (monotonic), or less than ``PEERS_HOLD_MARGIN_S`` more,
+        is decided without them."""
         if not self._peers:
+            return False
+        if hold_until is not None and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:
             return False
         if time.monotonic() < self._peers_until and store.generation != self._left:
             self._peers -= await store.moved_peers(self._left, deadline=deadline)
@@ -679,7 +688,7 @@ class FailoverStore:
         self, ident: Identity, *, method: str, route: str, flow_id: str, circuit_scope: str,
         recovery: policy.RecoveryClaim | None, once_mode: bool,
         in_flight_here: Callable[[], bool], guard: policy.GuardPolicy, window_s: float | None,
-        threshold: int, deadline: float, transport: str = "http",
+        threshold: int, deadline: float, transport: str = "http", hold_until: float | None = None,
     ) -> policy.Admission | policy.ReplayFromMemory:
         """The ledger's decision for the request (a claim when it dispatches), or, without a
         ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
@@ -706,7 +715,7 @@ class FailoverStore:
             known = carried()
             if known is not None:
                 return _Carried(known)
-            if await self._peers_registering(store, deadline):
+            if await self._peers_registering(store, deadline, hold_until):
                 return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
