@@ -438,6 +438,22 @@ class FailoverStore:
         self.close(write_owed=False)
         self._down(LedgerError(why), "file check")
         self._reopen_at = 0.0  # open the new file at once
+        if _loop_running() and (self._reopening is None or self._reopening.done()):
+            # not at the maintenance's next ticks: other processes hold their new turns until
+            # this one's attempts in flight are registered there (``_peers_registering``)
+            self._reopening = asyncio.get_running_loop().create_task(
+                self._reopen_and_catch_up())
+
+    async def _reopen_and_catch_up(self) -> None:
+        """Open the file now at the path and register this process's attempts in flight in
+        it (``recover``); a fault is noted, and the maintenance tries again."""
+        try:
+            await self.reopen_if_due()
+            if self._store is not None and not self.usable:
+                await self.recover(None)
+        except Exception:
+            logger.exception("turnguard: opening the ledger file now at %s failed",
+                             self.location)
 
     def _await_peers_of(self, store: Store) -> None:
         """Read from ``store``, the file being left, which live peers have attempts in flight
@@ -830,7 +846,8 @@ class FailoverStore:
             if kept is not None:
                 kept()
             return None
-        future = self._store.send(self._as_sent(write, self.generation))
+        store = self._store
+        future = store.send(self._as_sent(write, self.generation))
         self._sent[future] = entry
 
         def done(f: asyncio.Future) -> None:
@@ -840,6 +857,7 @@ class FailoverStore:
             if error is not None:
                 self._kept.append(entry)
                 self._down(error, type(write).__name__)
+                self._found_gone(store)  # then the new file is opened at once
                 if kept is not None:
                     kept()
             elif landed is not None:
