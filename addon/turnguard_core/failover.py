@@ -62,7 +62,7 @@ REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
 # After the ledger file was deleted or replaced: how long decisions in the new file wait for
 # the processes that had attempts in flight in the old one to register them there (each
-# notices within a second, opens the new file and registers them at its next tick).
+# notices within a second, then opens the new file and registers them at once).
 PEERS_REGISTERING_S = 5.0
 PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old file
 # A request whose hold would end sooner than this is not held for them: past its hold bound a
@@ -427,11 +427,11 @@ class FailoverStore:
                            "processes' attempts until they resume", self.location)
 
     def _file_gone(self, why: str) -> None:
-        """The heartbeat found the ledger file deleted or replaced: an outage, never an empty
-        ledger. The ticker opens the file now at the path and registers this process's
-        attempts in flight in it before deciding from it. The peers that had attempts in
-        flight in the old file (read from it now) are awaited to do the same
-        (``_peers_registering``)."""
+        """The ledger file was found deleted or replaced (by the heartbeat, a request's call
+        or a write): an outage, never an empty ledger. A task opens the file now at the path
+        at once and registers this process's attempts in flight in it before anything is
+        decided from it. The peers that had attempts in flight in the old file (read from it
+        now) are awaited to do the same (``_peers_registering``)."""
         if self._store is None:
             return
         self._await_peers_of(self._store)
@@ -470,7 +470,7 @@ class FailoverStore:
                            PEERS_REGISTERING_S)
             rows = None
         if rows is None:
-            peers = {"(unknown)"}
+            peers = {"(unknown)"}  # nobody notes that name: waited for the whole time
         else:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
                 peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S,
@@ -485,8 +485,6 @@ class FailoverStore:
         this file knows nothing of may be in flight in one of them. A request that could be
         held only until ``hold_until`` (monotonic), or less than ``PEERS_HOLD_MARGIN_S`` more,
         is decided without them."""
-        if not self._peers:
-            return False
         if hold_until is not None and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:
             return False
         if time.monotonic() < self._peers_until and store.generation != self._left:
@@ -731,7 +729,7 @@ class FailoverStore:
             known = carried()
             if known is not None:
                 return _Carried(known)
-            if await self._peers_registering(store, deadline, hold_until):
+            if self._peers and await self._peers_registering(store, deadline, hold_until):
                 return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
