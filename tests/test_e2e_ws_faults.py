@@ -508,8 +508,10 @@ def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_regis
         assert types(answers[0]) == types(got) and answers[1][2] == types(got)
         assert len(up.dispatches()) == 2  # b's warm-up, and the call once
         assert not [e for e in turnguard_events(tmp_path, "b", "dispatch") if e["op"] == op]
+        # held for a to register (request_held), or, had a registered first, on its call
         held = turnguard_events(tmp_path, "b", "request_held")
-        assert {e["reason"] for e in held} == {"ledger_peers_registering"}
+        assert {e["reason"] for e in held} <= {"ledger_peers_registering"}
+        assert held or turnguard_events(tmp_path, "b", "duplicate_held")
         assert_no_traceback(a.log_text() + b.log_text())
 
 
