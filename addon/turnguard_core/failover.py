@@ -556,9 +556,6 @@ class FailoverStore:
                 self._stale_attempts_due = False
                 if moved:
                     self._emit("stale_attempts_ended", ops=len(moved))
-            if self._moved_from:
-                await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
-                self._moved_from = ""
             self._adoption_due = False
             probed, dropped = bool(self._kept), 0
             while self._kept:
@@ -576,6 +573,9 @@ class FailoverStore:
             if dropped:
                 self._emit("ledger_writes_dropped", writes=dropped,
                            reason="the ledger file they belong to was replaced")
+            if self._moved_from:  # after the ends owed: a turn that ended meanwhile is there
+                await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
+                self._moved_from = ""
             if not probed and await store.heartbeat(time.time(), deadline=deadline) == "reregistered":
                 self._reregistered(store.incarnation)
         except LedgerError as e:
