@@ -448,7 +448,8 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
     marker = f"BODY-MARKER-{secrets.token_hex(6)}"
     live_options = Path(__file__).with_name("live_options.py")
     ledger = tmp_path / "ledger.sqlite3"
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 8, "gap_ms": 300,
+    # a stream of about 9 s: the switch lands while it streams, on a busy machine too
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 30, "gap_ms": 300,
                                              "text": marker}}) as up, \
             Mitmdump(tmp_path, up.url, extra_args=["-s", str(live_options)], options={
                 "turnguard_ledger": str(ledger),
@@ -461,6 +462,7 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
             r = httpx.post(p.url + "/__set", json=["turnguard_replay=false"], trust_env=False,
                            timeout=20)
             assert r.status_code == 200, r.text
+            assert not first.done(), "the turn ended before the switch: nothing was tested"
             assert first.result()[0] == 200
         assert not [e for e in read_jsonl(tmp_path / "events.jsonl")
                     if e["event"] == "outcome" and e["outcome"] != "completed"]
