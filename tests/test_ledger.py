@@ -325,6 +325,21 @@ def test_a_reap_judged_by_the_lease_does_not_happen_once_the_instance_came_back(
     assert b.reap_instance("a", now=1600.0, stale_before=1400.0) == [i.op_key]
 
 
+def test_a_reap_judged_by_an_unchanged_heartbeat_does_not_happen_once_it_changed(ledger_backend):
+    """``heartbeat_was``: the reap compares the heartbeat with the value seen, never with a
+    clock; any other value (later, or earlier: the peer's clock stepped back) stops it."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    i = ident({"n": 1})
+    admit(a, i)
+    [peer] = b.peers_with_attempts_in_flight()
+    a.heartbeat(peer.heartbeat_at - 3600.0)  # renewed, its clock an hour back
+    assert b.reap_instance("a", now=0.0, heartbeat_was=peer.heartbeat_at) == []
+    assert b.snapshot(i.op_key).state == "in_flight"
+    [peer] = b.peers_with_attempts_in_flight()
+    assert b.reap_instance("a", now=0.0, heartbeat_was=peer.heartbeat_at) == [i.op_key]
+
+
 def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_path):
     path = tmp_path / "l.sqlite3"
     a = open_ledger(path, "a")

@@ -55,3 +55,23 @@ def test_this_process_identity_and_the_probe_agree():
         child.kill()
         child.wait(10)
     assert liveness.probe_start_ticks(child.pid) is None  # reaped: gone
+
+
+def test_silence_is_measured_on_the_judges_monotonic_clock_not_by_comparing_wall_clocks():
+    from turnguard_core.liveness import Silences
+
+    silences = Silences()
+    other = peer(boot_id="boot-2")  # judged by its lease; its heartbeat_at: 1000 (its clock)
+    # however far the judge's wall clock is from the peer's, a peer first seen is not silent
+    assert silences.silent_s(other, 50.0) == 0.0
+    assert verdict(other, me=ME, now=1e9, lease_s=300, start_ticks_of={}.get,
+                   silent_s=silences.silent_s(other, 50.0)) == "alive"
+    assert silences.silent_s(other, 349.0) == 299.0
+    assert verdict(other, me=ME, now=-1e9, lease_s=300, start_ticks_of={}.get,
+                   silent_s=silences.silent_s(other, 351.0)) == "stale"
+    # a heartbeat that changed, even backwards (the peer's clock stepped back), is a sign of life
+    back = PeerRow("peer", other.identity, heartbeat_at=10.0)
+    assert silences.silent_s(back, 400.0) == 0.0
+    assert silences.silent_s(back, 450.0) == 50.0
+    silences.keep_only(set())
+    assert silences.silent_s(back, 460.0) == 0.0  # forgotten: seen anew

@@ -184,9 +184,10 @@ class FailoverStore:
         self.polls = 0  # operations read to learn whether another process's attempt ended
         self.path = ""
         self.error: str | None = None  # the fault noted last; None: the ledger works
-        # when the ledger last became usable again after a fault (time.time(); 0: never
-        # failed): a peer's silence before then may be the ledger's, not the peer's
-        self._answering_since = 0.0
+        # when the ledger last became usable again after a fault (time.monotonic(); -inf:
+        # never failed): a peer's silence before then may be the ledger's, not the peer's
+        self._answering_since = float("-inf")
+        self._silences = liveness.Silences()  # how long each peer was seen silent
         self._reopen_at = 0.0
         # attempts in flight that name another ledger file (a script reload opened the file
         # now at the path): registered in this one before any decision reads it
@@ -522,7 +523,7 @@ class FailoverStore:
         if self.error is not None:
             logger.warning("turnguard: ledger %s usable again", self.location)
             self._emit("ledger_recovered", error_was=self.error)
-            self._answering_since = time.time()
+            self._answering_since = time.monotonic()
         self.error = None
 
     async def recover(self, deadline: float | None) -> bool:
@@ -685,7 +686,7 @@ class FailoverStore:
             return task.result()
         except LedgerError as e:
             if background and contended(e):
-                self._answering_since = time.time()
+                self._answering_since = time.monotonic()
                 logger.debug("turnguard: ledger %s locked (%s): %s; tried again next tick",
                              self.location, during, e)
                 return UNREAD
@@ -695,7 +696,7 @@ class FailoverStore:
             if time.monotonic() - started >= HEARTBEAT_S:
                 # the ledger did not answer for that long (a database paused, a network
                 # stall; a call waits for it): nobody may have renewed a lease meanwhile
-                self._answering_since = time.time()
+                self._answering_since = time.monotonic()
 
     # -- decisions -----------------------------------------------------------------------------
     async def admit(
@@ -975,19 +976,28 @@ class FailoverStore:
         or paused, a table it reads locked: nobody could renew a lease), a peer that cannot
         be proven gone is taken for gone only once the ledger has answered for a whole lease
         again, so that a peer that reconnects a little later than this process is not
-        reaped for the outage."""
+        reaped for the outage.
+
+        Both silences are measured on this process's monotonic clock, never by comparing wall
+        clocks (``liveness.Silences``): a wall clock stepped forward or back here, or another
+        host's clock ahead or behind, neither reaps a live peer nor keeps a dead one's
+        attempts in flight. ``now`` (wall clock) is only what the reap writes as their end."""
         peers = await self._call("reap", lambda store: store.peers_with_attempts_in_flight(),
                                  background=True)
         if isinstance(peers, Unread):
             return
+        mono = time.monotonic()
+        self._silences.keep_only({peer.instance_id for peer in peers})
         for peer in peers:
             verdict = liveness.verdict(peer, me=self._identity, now=now, lease_s=lease_s,
-                                       start_ticks_of=liveness.probe_start_ticks)
-            if verdict == "alive" or verdict == "stale" and now - self._answering_since < lease_s:
+                                       start_ticks_of=liveness.probe_start_ticks,
+                                       silent_s=self._silences.silent_s(peer, mono))
+            if verdict == "alive" or verdict == "stale" and mono - self._answering_since < lease_s:
                 continue
-            stale_before = None if verdict == "dead" else now - lease_s
+            heartbeat_was = None if verdict == "dead" else peer.heartbeat_at
             ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
-                peer.instance_id, now=now, stale_before=stale_before), background=True)
+                peer.instance_id, now=now, stale_before=None, heartbeat_was=heartbeat_was),
+                background=True)
             if isinstance(ops, Unread) or not ops:
                 continue
             for op_key in ops:

@@ -1000,15 +1000,30 @@ class Ledger:
 
     @_wrap
     def reap_instance(
-        self, instance_id: str, *, now: float, stale_before: float | None = None
+        self, instance_id: str, *, now: float, stale_before: float | None = None,
+        heartbeat_was: float | None = None,
     ) -> list[str]:
         """End the in-flight attempts of a dead instance: ``unknown`` when they saw no event,
         ``partial`` otherwise. Returns the keys of the operations that moved.
 
         ``stale_before``: the instance was judged dead by its lease, not by proof; the reap
         happens only if its heartbeat is still older than this inside the transaction (it may
-        have come back since it was judged)."""
+        have come back since it was judged).
+
+        ``heartbeat_was``: the instance was judged dead by its lease, its heartbeat seen at
+        this value (``peers_with_attempts_in_flight``) for a whole lease; the reap happens only
+        if it still is inside the transaction (any other value, later or earlier: it renewed
+        its lease since). Compares no clocks: see ``liveness.Silences``."""
         with self._tx() as db:
+            if heartbeat_was is not None:
+                row = db.execute(
+                    "SELECT COALESCE((SELECT heartbeat_at FROM instances WHERE instance_id=?),"
+                    " (SELECT MAX(started_at) FROM attempts WHERE instance_id=?"
+                    " AND outcome='in_flight'))",
+                    (instance_id, instance_id),
+                ).fetchone()
+                if row[0] != heartbeat_was:
+                    return []
             if stale_before is not None:
                 row = db.execute(
                     "SELECT MAX(COALESCE((SELECT heartbeat_at FROM instances WHERE instance_id=?),"

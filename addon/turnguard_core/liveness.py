@@ -16,7 +16,15 @@ not renewed its lease (a heartbeat, written from a thread of its own, off the ev
 ``lease_s``, a time far longer than any stall turnguard can bound. A stall of the peer itself
 (paused, event loop blocked, ledger locked, reloading) is never proof.
 
-``verdict`` is pure; ``read_process_identity`` and ``probe_start_ticks`` read ``/proc``.
+How long a peer has been silent is measured by the process that judges it, on its own
+monotonic clock, from when it first saw the peer's heartbeat at the value it still has
+(``Silences``): never by comparing the peer's heartbeat time (the peer's wall clock) with the
+judge's wall clock. Wall clocks step (NTP, a VM resumed, a laptop waking) and differ between
+hosts: a judge whose clock ran an hour ahead would take a live peer for an hour silent and run
+its turns again, one whose clock went back would keep a dead peer's turns in flight for an hour.
+
+``verdict`` and ``Silences`` are pure; ``read_process_identity`` and ``probe_start_ticks`` read
+``/proc``.
 """
 
 from __future__ import annotations
@@ -51,14 +59,42 @@ class PeerRow:
     heartbeat_at: float
 
 
+class Silences:
+    """How long each peer has been silent, as this process saw it: the time (``now``, this
+    process's ``time.monotonic()``) since it first read the peer's heartbeat at the value it
+    still has. A heartbeat that changed, forwards or backwards (the peer's clock stepped), is a
+    sign of life. A peer first seen now has been silent for 0 s: a process that starts (or
+    reloads) waits a whole lease before it takes a peer it cannot check for gone."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float]] = {}  # instance -> (heartbeat_at, since)
+
+    def silent_s(self, peer: PeerRow, now: float) -> float:
+        seen = self._seen.get(peer.instance_id)
+        if seen is None or seen[0] != peer.heartbeat_at:
+            self._seen[peer.instance_id] = (peer.heartbeat_at, now)
+            return 0.0
+        return max(0.0, now - seen[1])
+
+    def keep_only(self, instance_ids: set[str]) -> None:
+        """Forget the peers no longer read (reaped, or no attempt in flight any more)."""
+        for gone in self._seen.keys() - instance_ids:
+            del self._seen[gone]
+
+
 def verdict(
     peer: PeerRow, *, me: ProcessIdentity, now: float, lease_s: float,
-    start_ticks_of: Callable[[int], int | None],
+    start_ticks_of: Callable[[int], int | None], silent_s: float | None = None,
 ) -> Verdict:
     """``dead``: proven gone (same kernel and pid namespace, and its pid is gone or reused);
     ``stale``: cannot be proven either way and its lease ran out (``lease_s`` without a
     heartbeat): treat as dead; ``alive`` otherwise. ``start_ticks_of(pid)`` is the start time
-    of a pid in this pid namespace, or None when no such process exists."""
+    of a pid in this pid namespace, or None when no such process exists.
+
+    ``silent_s``: how long this process has seen the peer's heartbeat unchanged
+    (``Silences``); what a process that reaps must give. Without it the silence is
+    ``now - peer.heartbeat_at``, the peer's wall clock against ``now``: good only for a view
+    (``scripts/turnguard status``), never to reap on (see the module docstring)."""
     theirs = peer.identity
     comparable = (
         bool(me.boot_id) and theirs.boot_id == me.boot_id
@@ -67,7 +103,7 @@ def verdict(
     )
     if comparable:
         return "dead" if start_ticks_of(theirs.pid) != theirs.start_ticks else "alive"
-    if now - peer.heartbeat_at > lease_s:
+    if (now - peer.heartbeat_at if silent_s is None else silent_s) > lease_s:
         return "stale"
     return "alive"
 

@@ -163,7 +163,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "How long another turnguard process sharing the ledger may stay silent (no heartbeat) "
         "before its attempts in flight are ended as unknown, when it cannot be proven gone "
         "(it runs on another host or in another pid namespace). A process on this host and in "
-        "this pid namespace is reaped only once its process is gone, however long it stalls.",
+        "this pid namespace is reaped only once its process is gone, however long it stalls. "
+        "The silence is timed on this process's monotonic clock (wall clocks that step or "
+        "differ between hosts do not shorten or lengthen it), from when it first read the "
+        "peer's heartbeat: after a start or a script reload it waits a whole lease.",
         minimum=15000,
     ),
     OptionSpec(

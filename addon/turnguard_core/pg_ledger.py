@@ -921,13 +921,21 @@ class PgLedger:
             return _operations_ended_with(db, ended, now)
 
     @_wrap
-    def reap_instance(self, instance_id: str, *, now: float,
-                      stale_before: float | None = None) -> list[str]:
+    def reap_instance(self, instance_id: str, *, now: float, stale_before: float | None = None,
+                      heartbeat_was: float | None = None) -> list[str]:
         """See ``Ledger.reap_instance``. The instance's row is locked first, so a heartbeat
         that lands meanwhile is seen (a lease reap then does nothing)."""
         with self._tx(lock_key("instance", instance_id)) as tx:
             db = tx.db
             db.execute("SELECT 1 FROM instances WHERE instance_id=%s FOR UPDATE", (instance_id,))
+            if heartbeat_was is not None:
+                row = db.execute(
+                    "SELECT COALESCE((SELECT heartbeat_at FROM instances WHERE instance_id=%s),"
+                    " (SELECT MAX(started_at) FROM attempts WHERE instance_id=%s"
+                    " AND outcome='in_flight'))",
+                    (instance_id, instance_id)).fetchone()
+                if row[0] != heartbeat_was:
+                    return []
             if stale_before is not None:
                 row = db.execute(
                     "SELECT GREATEST(COALESCE((SELECT heartbeat_at FROM instances WHERE"

@@ -1,0 +1,215 @@
+"""Wall clocks that jump (an NTP step, a VM resumed, a laptop waking) or differ between the
+processes that share a ledger.
+
+Each test runs real mitmdump processes in front of the bundled mock upstream; one of them runs
+with its wall clock offset (``time.time`` and ``time.time_ns``, read by turnguard for every
+time it writes to the ledger) by an amount the test changes mid-run (``skewed``): a step of
+the host's clock, seen by that process before the others act on it, or another host's clock.
+``time.monotonic`` is left alone: it never jumps. The upstream's dispatch log counts what ran.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    Mitmdump,
+    MockUpstream,
+    assert_no_traceback,
+    ledger_query,
+    mock_behaviour,
+    post_turn,
+    turnguard_events,
+    wait_until,
+)
+
+SESSION = {"authorization": "Bearer sk-clock-jumps", "session-id": "sess-clock"}
+HOUR_S = 3600.0
+
+_SKEW_SCRIPT = '''\
+"""Offsets this process's wall clock (time.time, time.time_ns) by the seconds written in
+{path!r}, re-read every 50 ms of the monotonic clock (which is left alone)."""
+import time
+
+_path = {path!r}
+_time, _time_ns, _mono = time.time, time.time_ns, time.monotonic
+_state = [0.0, -1.0]
+
+
+def _offset():
+    now = _mono()
+    if now - _state[1] >= 0.05:
+        _state[1] = now
+        try:
+            with open(_path) as f:
+                _state[0] = float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pass
+    return _state[0]
+
+
+def _skewed_time():
+    return _time() + _offset()
+
+
+def _skewed_time_ns():
+    return _time_ns() + int(_offset() * 1e9)
+
+
+time.time, time.time_ns = _skewed_time, _skewed_time_ns
+'''
+
+
+class Skew:
+    """The offset file of one process's wall clock: ``jump(s)`` sets it (seconds, + or -)."""
+
+    def __init__(self, tmp_path: Path, name: str):
+        self.file = tmp_path / f"{name}-clock-offset"
+        self.file.write_text("0")
+        self.script = tmp_path / f"{name}-skewed_clock.py"
+        self.script.write_text(_SKEW_SCRIPT.format(path=str(self.file)))
+
+    def jump(self, seconds: float) -> None:
+        self.file.write_text(repr(float(seconds)))
+
+
+def skewed(tmp_path: Path, up: MockUpstream, name: str, skew: Skew | None, *,
+           prefix: list[str] | None = None, **options: object) -> Mitmdump:
+    """``guarded``, with the wall clock of ``skew`` (loaded before turnguard's script)."""
+    opts: dict[str, object] = {
+        "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+        "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+        **options,
+    }
+    extra = [] if skew is None else ["-s", str(skew.script)]
+    # the skew script first, so that turnguard reads the skewed clock from its start
+    return Mitmdump(tmp_path, up.url, options=opts, name=name, prefix=prefix,
+                    extra_args=extra)
+
+
+def another_host_prefix() -> list[str]:
+    """A pid namespace of its own: a process there cannot be proven gone by its pid, so its
+    peers go by its lease, as they do for a process on another host."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def body_of(text: str) -> dict:
+    return {"model": "gpt-test", "input": text, "stream": True}
+
+
+def post(url: str, headers: dict, body: dict, timeout: float = 90):
+    return post_turn(url, headers, body, timeout=timeout)
+
+
+def in_background(fn, *args):
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
+events = turnguard_events
+
+
+# -- leases: a live peer is never reaped, a dead one always is ----------------------------------
+
+
+def heartbeats_renewed(tmp_path: Path, proxy: Mitmdump, times: int) -> None:
+    """Wait until ``proxy`` has renewed its heartbeat in the ledger ``times`` times more (5 s
+    apart): its peers' reapers ran meanwhile (every second while they hold a duplicate of
+    one of its attempts)."""
+    instance = re.search(r"turnguard: running \(instance (\w+)", proxy.log_text()).group(1)
+    ledger = tmp_path / "ledger.sqlite3"
+
+    def beat() -> float | None:
+        rows = ledger_query(ledger, "SELECT heartbeat_at FROM instances WHERE instance_id=?",
+                            (instance,))
+        return rows[0][0] if rows else None
+
+    seen = [beat()]
+    wait_until(lambda: (b := beat()) != seen[-1] and seen.append(b) is None
+               and len(seen) > times, 10.0 * (times + 1), what=f"{times} heartbeats of {instance}")
+
+
+def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twice(tmp_path,
+                                                                                   report):
+    """A (another pid namespace: judged by its lease) runs a 25 s turn; B holds its
+    duplicate. B's wall clock steps an hour forward (the host's clock stepped, B's reap
+    tick before A's next heartbeat; or B on a host whose clock runs ahead) for two of A's
+    heartbeats, then back. A is alive and renews its heartbeat all along: B must not take an
+    hour of wall clock for an hour of silence, reap A's attempt and dispatch the duplicate
+    again."""
+    prefix = another_host_prefix()
+    skew = Skew(tmp_path, "b")
+    opts = dict(turnguard_hold_timeout_ms=60000)
+    with MockUpstream(tmp_path) as up, \
+            skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
+            skewed(tmp_path, up, "b", skew, **opts) as b:
+        original = in_background(post, a.url,
+                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=25000)},
+                                 body_of("a turn across a clock step"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, b.url, SESSION, body_of("a turn across a clock step"))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
+                   what="the duplicate held on B")
+        skew.jump(HOUR_S)
+        heartbeats_renewed(tmp_path, a, 2)
+        skew.jump(0)
+        first, second = original.result(60), duplicate.result(60)
+        reaped = events(tmp_path, "b", "instance_reaped")
+        dispatches = len(up.dispatches())
+        log = a.log_text() + b.log_text()
+    assert dispatches == 1
+    assert not reaped, reaped
+    assert first[0] == second[0] == 200 and first[2] == second[2]
+    assert_no_traceback(log)
+    report("B's wall clock 1 h ahead for 10 s while A (judged by its lease) ran a turn: "
+           f"A not reaped, duplicate replayed; upstream dispatches={dispatches}")
+
+
+def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path, report):
+    """A (another pid namespace) is killed -9 mid-turn; B holds its duplicate; B's wall
+    clock steps an hour back. A's last heartbeat now looks an hour in B's future: B must
+    still take A for gone once A has been silent for its lease (15 s here), not an hour and
+    a lease later, and answer the duplicate (a dispatch of its own)."""
+    prefix = another_host_prefix()
+    skew = Skew(tmp_path, "b")
+    opts = dict(turnguard_hold_timeout_ms=50000, turnguard_instance_lease_ms=15000)
+    with MockUpstream(tmp_path) as up, \
+            skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
+            skewed(tmp_path, up, "b", skew, **opts) as b:
+        original = in_background(post, a.url,
+                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=60000)},
+                                 body_of("a dead peer's turn across a clock step"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, b.url, SESSION,
+                                  body_of("a dead peer's turn across a clock step"))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
+                   what="the duplicate held on B")
+        skew.jump(-HOUR_S)
+        a.kill9()
+        killed = time.monotonic()
+        second = duplicate.result(100)
+        answered_s = time.monotonic() - killed
+        assert original.result(30)[0] in (0, 502)
+        reaped = events(tmp_path, "b", "instance_reaped")
+        dispatches = len(up.dispatches())
+        log = b.log_text()
+    assert second[0] == 200
+    assert [r["proof"] for r in reaped] == ["lease expired"]
+    assert dispatches == 2
+    assert_no_traceback(log)
+    report("B's wall clock stepped 1 h back, A (judged by its lease, 15 s) killed -9: reaped, "
+           f"duplicate answered {answered_s:.0f} s after the kill; upstream dispatches={dispatches}")
