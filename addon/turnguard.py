@@ -365,6 +365,8 @@ class TurnGuard:
                     self._holding += 1
                     try:
                         woke = await self._wait(flow, ident, req.flow_id, state)
+                        if isinstance(state, machine.HoldDuplicate):
+                            woke = await self._answer_waited_for(ident, req, state, woke)
                         if isinstance(woke, machine.Gone) and woke.reason == UNLOADED:
                             self._hand_over_if_reloaded(req, state)
                         gone = (await self.clients.settled_gone(flow)
@@ -438,6 +440,26 @@ class TurnGuard:
                 return woke
             if woke.live.end is not None or not self.inflight.is_local(ident.op_key):
                 return machine.Ended("unknown")  # it ended meanwhile: admitted again
+
+    async def _answer_waited_for(self, ident: identity.Identity, req: machine.RequestFacts,
+                                 state: machine.HoldDuplicate, woke: machine.Woke
+                                 ) -> machine.Woke:
+        """A duplicate held on another process's attempt that ended ``completed`` gets that
+        attempt's recording (read by its id), as one held on an attempt of this process does:
+        the answer it waited for, whatever the clocks say. Admitted again instead, it would be
+        judged by the replay window, the attempt's end time (the other process's wall clock)
+        against this process's wall clock: a clock stepped forward here, or running ahead of
+        the other host's, would take the end of a moment ago for one past the window and
+        dispatch the operation again. Anything else (not completed, no recording, the ledger
+        unreadable, replay off) is admitted again, as before."""
+        if not (isinstance(woke, machine.Ended) and woke.recording is None
+                and woke.outcome == "completed" and state.attempt_id
+                and self._replay_window_s(ident) is not None):
+            return woke
+        recording, _ = await self.store.recording(
+            ident, state.attempt_id, window_s=self._replay_window_s(ident),
+            deadline=_ledger_deadline(req.budget_deadline))
+        return woke if recording is None else machine.Ended(woke.outcome, recording)
 
     def _apply(self, flow: http.HTTPFlow, effects: tuple[machine.Effect, ...]) -> None:
         for effect in effects:

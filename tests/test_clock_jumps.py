@@ -213,3 +213,35 @@ def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path
     assert_no_traceback(log)
     report("B's wall clock stepped 1 h back, A (judged by its lease, 15 s) killed -9: reaped, "
            f"duplicate answered {answered_s:.0f} s after the kill; upstream dispatches={dispatches}")
+
+
+# -- the replay window: a duplicate held on a turn gets its answer ---------------------------
+
+
+def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(tmp_path, report):
+    """A runs a 10 s turn; B holds its duplicate; B's wall clock steps an hour forward (past
+    the 5 min replay window) and stays there. The turn B waited on ends completed a moment
+    later in real time: its duplicate must get that answer, not be dispatched again because
+    A's end time, on A's clock, looks an hour old on B's."""
+    skew = Skew(tmp_path, "b")
+    opts = dict(turnguard_hold_timeout_ms=60000)
+    with MockUpstream(tmp_path) as up, skewed(tmp_path, up, "a", None, **opts) as a, \
+            skewed(tmp_path, up, "b", skew, **opts) as b:
+        original = in_background(post, a.url,
+                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=10000)},
+                                 body_of("a duplicate held across a clock step"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = in_background(post, b.url, SESSION,
+                                  body_of("a duplicate held across a clock step"))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
+                   what="the duplicate held on B")
+        skew.jump(HOUR_S)
+        first, second = original.result(60), duplicate.result(60)
+        dispatches = len(up.dispatches())
+        log = a.log_text() + b.log_text()
+    assert dispatches == 1
+    assert first[0] == second[0] == 200 and first[2] == second[2]
+    assert second[1].get("x-turnguard") == "replayed"
+    assert_no_traceback(log)
+    report("B's wall clock stepped 1 h forward (past the replay window) while its duplicate "
+           f"was held on A's turn: the duplicate got A's answer; upstream dispatches={dispatches}")
