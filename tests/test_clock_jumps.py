@@ -245,3 +245,40 @@ def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(tmp_
     assert_no_traceback(log)
     report("B's wall clock stepped 1 h forward (past the replay window) while its duplicate "
            f"was held on A's turn: the duplicate got A's answer; upstream dispatches={dispatches}")
+
+
+# -- the purge of recordings and the retention ------------------------------------------------
+
+
+def test_a_clock_stepped_back_does_not_keep_recordings_past_the_window_and_retention(tmp_path,
+                                                                                     report):
+    """The process's wall clock steps an hour back after it started (its first purge and
+    garbage collection ran). Its turns' bytes must still be purged past the replay window
+    (1 s) and their operations collected past the retention (1.5 s), every interval of the
+    maintenance kept on its own: not an hour and a window later."""
+    skew = Skew(tmp_path, "p")
+    opts = dict(turnguard_retention_ms=1500, turnguard_replay_window_ms=1000)
+    with MockUpstream(tmp_path) as up, skewed(tmp_path, up, "p", skew, **opts) as p:
+        ledger = tmp_path / "ledger.sqlite3"
+        empty = "SELECT (SELECT COUNT(*) FROM spool) + (SELECT COUNT(*) FROM operations)"
+        assert post(p.url, {"session-id": "r"}, {"model": "m", "input": "before"})[0] == 200
+        wait_until(lambda: ledger_query(ledger, empty) == [(0,)], 15,
+                   what="a first purge and garbage collection, before the step")
+        skew.jump(-HOUR_S)
+        for i in range(3):
+            assert post(p.url, {"session-id": "r"}, {"model": "m", "input": f"brief {i}"})[0] \
+                == 200
+        assert ledger_query(ledger, "SELECT COUNT(*) FROM operations") == [(3,)]
+        purged = False
+        for _ in range(60):  # bounded: 60 x 0.25 s, many times the window and the retention
+            if ledger_query(ledger, empty) == [(0,)]:
+                purged = True
+                break
+            time.sleep(0.25)
+        left = ledger_query(ledger, "SELECT (SELECT COUNT(*) FROM spool),"
+                                    " (SELECT COUNT(*) FROM operations)")
+        log = p.log_text()
+    assert purged, f"spool rows, operations still in the ledger: {left}"
+    assert_no_traceback(log)
+    report("wall clock stepped 1 h back: recordings purged past the 1 s window and operations "
+           "collected past the 1.5 s retention, as without the step")

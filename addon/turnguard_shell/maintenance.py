@@ -40,8 +40,10 @@ class Maintenance:
     def __init__(self, guard: "TurnGuard"):
         self._guard = guard
         self._task: asyncio.Task | None = None
-        self._last_gc = 0.0
-        self._last_purge = 0.0
+        # when each last ran, on the monotonic clock (-inf: never): a wall clock stepped back
+        # must not put them off for the step (nor one stepped forward run them on every tick)
+        self._last_gc = float("-inf")
+        self._last_purge = float("-inf")
         self._last_reap = 0.0
 
     def running(self) -> None:
@@ -93,11 +95,12 @@ class Maintenance:
             await self._reap(now)
             await self._refresh_circuits(now)
         window_s = settings.guard.replay_window_s
-        if settings.guard.replay and now - self._last_purge >= policy.purge_interval_s(window_s):
-            self._last_purge = now
+        mono = time.monotonic()
+        if settings.guard.replay and mono - self._last_purge >= policy.purge_interval_s(window_s):
+            self._last_purge = mono
             await store.purge_recordings(now, window_s=window_s)
-        if now - self._last_gc >= policy.gc_interval_s(settings.guard.retention_s):
-            self._last_gc = now
+        if mono - self._last_gc >= policy.gc_interval_s(settings.guard.retention_s):
+            self._last_gc = mono
             await store.collect_garbage(now, retention_s=settings.guard.retention_s,
                                         lease_s=settings.instance_lease_s)
 
