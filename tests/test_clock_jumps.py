@@ -282,3 +282,48 @@ def test_a_clock_stepped_back_does_not_keep_recordings_past_the_window_and_reten
     assert_no_traceback(log)
     report("wall clock stepped 1 h back: recordings purged past the 1 s window and operations "
            "collected past the 1.5 s retention, as without the step")
+
+
+# -- cooldowns: once mode's one recovery is counted, not timed --------------------------------
+
+
+def test_once_mode_a_clock_stepped_forward_still_gives_one_recovery_dispatch(tmp_path, report):
+    """Once mode. Two eventless failures through A open the circuit (15 s); A holds the
+    turn's next request through the cooldown. B's wall clock steps an hour forward: for B the
+    cooldown and A's session lease are over, and a retry of the turn through B goes upstream
+    (B takes the session over). That dispatch must be the operation's one recovery (counted
+    in the ledger, fenced by the epoch): A's held request gets an answer, never a second
+    recovery dispatch. (Its answer is the 503 ``ownership_lost``: session leases are
+    wall-clock times, see README, Durable sessions.)"""
+    anchored = {"authorization": "Bearer sk-clock-once", "session-id": "sess-clock-once",
+                "x-codex-turn-state": "ts_clock_1"}
+    turn = {"model": "gpt-test", "input": "a turn recovered across a clock step",
+            "stream": True}
+    storm = {"sequence": [{"kind": "stall_before_headers", "ms": 60000}, {"kind": "reset"}],
+             "default": {"kind": "ok", "events": 4}}
+    opts = {"turnguard_recovery_mode": "server_anchored_replay_once",
+            "turnguard_response_created_timeout_ms": 600, "turnguard_cooldown_ms": 15000}
+    skew = Skew(tmp_path, "b")
+    with MockUpstream(tmp_path, storm) as up, skewed(tmp_path, up, "a", None, **opts) as a, \
+            skewed(tmp_path, up, "b", skew, **opts) as b:
+        assert post_turn(a.url, anchored, turn, cut_is_error=True, timeout=30)[0] == 502
+        assert post_turn(a.url, anchored, turn, cut_is_error=True, timeout=30)[0] in (0, 502)
+        wait_until(lambda: events(tmp_path, "a", "circuit_opened"), 10, what="the circuit open")
+        held = in_background(lambda: post_turn(a.url, anchored, turn, timeout=60))
+        wait_until(lambda: events(tmp_path, "a", "wait_operation_fenced_cooldown"), 10,
+                   what="A holding the turn through the cooldown")
+        skew.jump(HOUR_S)
+        retried = post_turn(b.url, anchored, turn, timeout=30)
+        answer = held.result(60)
+        dispatches = len(up.dispatches())
+        kinds = sorted(e["kind"] for e in events(tmp_path, "a", "dispatch")
+                       + events(tmp_path, "b", "dispatch"))
+        log = a.log_text() + b.log_text()
+    assert dispatches == 3  # the two failures, then the one recovery
+    assert kinds == ["original", "recovery", "retry"]
+    assert retried[0] == 200
+    assert answer[0] == 200 and answer[2] == retried[2] or answer[0] == 503
+    assert_no_traceback(log)
+    report("once mode, B's wall clock stepped 1 h forward during A's 15 s cooldown: B's retry "
+           f"was the one recovery, A's held request answered {answer[0]}; "
+           f"upstream dispatches={dispatches}")
