@@ -126,34 +126,48 @@ events = turnguard_events
 # -- leases: a live peer is never reaped, a dead one always is ----------------------------------
 
 
-def heartbeats_renewed(tmp_path: Path, proxy: Mitmdump, times: int) -> None:
-    """Wait until ``proxy`` has renewed its heartbeat in the ledger ``times`` times more (5 s
-    apart): its peers' reapers ran meanwhile (every second while they hold a duplicate of
-    one of its attempts)."""
+def heartbeats_renewed(tmp_path: Path, proxy: Mitmdump, times: int, ledger: str | None = None
+                       ) -> None:
+    """Wait until ``proxy`` has renewed its heartbeat in the ledger (``tmp_path``'s SQLite
+    file, or the PostgreSQL URL ``ledger``) ``times`` times more (5 s apart): its peers'
+    reapers ran meanwhile (every second while they hold a duplicate of one of its
+    attempts)."""
     instance = re.search(r"turnguard: running \(instance (\w+)", proxy.log_text()).group(1)
-    ledger = tmp_path / "ledger.sqlite3"
 
     def beat() -> float | None:
-        rows = ledger_query(ledger, "SELECT heartbeat_at FROM instances WHERE instance_id=?",
-                            (instance,))
-        return rows[0][0] if rows else None
+        if ledger is None:
+            found = ledger_query(tmp_path / "ledger.sqlite3",
+                                 "SELECT heartbeat_at FROM instances WHERE instance_id=?",
+                                 (instance,))
+        else:
+            import psycopg
+
+            with psycopg.connect(ledger, autocommit=True, connect_timeout=10) as db:
+                found = db.execute("SELECT heartbeat_at FROM instances WHERE instance_id=%s",
+                                   (instance,)).fetchall()
+        return found[0][0] if found else None
 
     seen = [beat()]
     wait_until(lambda: (b := beat()) != seen[-1] and seen.append(b) is None
                and len(seen) > times, 10.0 * (times + 1), what=f"{times} heartbeats of {instance}")
 
 
-def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twice(tmp_path,
-                                                                                   report):
-    """A (another pid namespace: judged by its lease) runs a 25 s turn; B holds its
-    duplicate. B's wall clock steps an hour forward (the host's clock stepped, B's reap
-    tick before A's next heartbeat; or B on a host whose clock runs ahead) for two of A's
-    heartbeats, then back. A is alive and renews its heartbeat all along: B must not take an
-    hour of wall clock for an hour of silence, reap A's attempt and dispatch the duplicate
-    again."""
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twice(
+        tmp_path, request, store, report):
+    """A (another pid namespace: judged by its lease, as a process on another host is) runs a
+    25 s turn; B holds its duplicate. B's wall clock steps an hour forward (the host's clock
+    stepped, B's reap tick before A's next heartbeat; or, on PostgreSQL, B on a host whose
+    clock runs ahead) for two of A's heartbeats, then back. A is alive and renews its
+    heartbeat all along: B must not take an hour of wall clock for an hour of silence, reap
+    A's attempt and dispatch the duplicate again."""
     prefix = another_host_prefix()
     skew = Skew(tmp_path, "b")
-    opts = dict(turnguard_hold_timeout_ms=60000)
+    opts: dict[str, object] = dict(turnguard_hold_timeout_ms=60000)
+    url = None
+    if store == "postgres":
+        url = request.getfixturevalue("pg_url")
+        opts["turnguard_ledger"] = url
     with MockUpstream(tmp_path) as up, \
             skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
             skewed(tmp_path, up, "b", skew, **opts) as b:
@@ -165,7 +179,7 @@ def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twic
         wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
                    what="the duplicate held on B")
         skew.jump(HOUR_S)
-        heartbeats_renewed(tmp_path, a, 2)
+        heartbeats_renewed(tmp_path, a, 2, url)
         skew.jump(0)
         first, second = original.result(60), duplicate.result(60)
         reaped = events(tmp_path, "b", "instance_reaped")
@@ -175,8 +189,8 @@ def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twic
     assert not reaped, reaped
     assert first[0] == second[0] == 200 and first[2] == second[2]
     assert_no_traceback(log)
-    report("B's wall clock 1 h ahead for 10 s while A (judged by its lease) ran a turn: "
-           f"A not reaped, duplicate replayed; upstream dispatches={dispatches}")
+    report(f"{store}: B's wall clock 1 h ahead for 10 s while A (judged by its lease) ran a "
+           f"turn: A not reaped, duplicate replayed; upstream dispatches={dispatches}")
 
 
 def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path, report):
