@@ -232,13 +232,18 @@ def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path
 # -- the replay window: a duplicate held on a turn gets its answer ---------------------------
 
 
-def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(tmp_path, report):
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(
+        tmp_path, request, store, report):
     """A runs a 10 s turn; B holds its duplicate; B's wall clock steps an hour forward (past
-    the 5 min replay window) and stays there. The turn B waited on ends completed a moment
-    later in real time: its duplicate must get that answer, not be dispatched again because
-    A's end time, on A's clock, looks an hour old on B's."""
+    the 5 min replay window) and stays there (on PostgreSQL: B's host an hour ahead). The
+    turn B waited on ends completed a moment later in real time: its duplicate must get that
+    answer (woken by a poll on SQLite, a notification on PostgreSQL), not be dispatched again
+    because A's end time, on A's clock, looks an hour old on B's."""
     skew = Skew(tmp_path, "b")
-    opts = dict(turnguard_hold_timeout_ms=60000)
+    opts: dict[str, object] = dict(turnguard_hold_timeout_ms=60000)
+    if store == "postgres":
+        opts["turnguard_ledger"] = request.getfixturevalue("pg_url")
     with MockUpstream(tmp_path) as up, skewed(tmp_path, up, "a", None, **opts) as a, \
             skewed(tmp_path, up, "b", skew, **opts) as b:
         original = in_background(post, a.url,
@@ -257,8 +262,8 @@ def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(tmp_
     assert first[0] == second[0] == 200 and first[2] == second[2]
     assert second[1].get("x-turnguard") == "replayed"
     assert_no_traceback(log)
-    report("B's wall clock stepped 1 h forward (past the replay window) while its duplicate "
-           f"was held on A's turn: the duplicate got A's answer; upstream dispatches={dispatches}")
+    report(f"{store}: B's wall clock stepped 1 h forward (past the replay window) while its "
+           f"duplicate was held on A's turn: it got A's answer; upstream dispatches={dispatches}")
 
 
 # -- the purge of recordings and the retention ------------------------------------------------
