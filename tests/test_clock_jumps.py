@@ -77,7 +77,10 @@ class Skew:
         self.script.write_text(_SKEW_SCRIPT.format(path=str(self.file)))
 
     def jump(self, seconds: float) -> None:
+        """Set the offset; it is in effect when this returns (the process re-reads it every
+        50 ms: a request sent at once could still see the old clock)."""
         self.file.write_text(repr(float(seconds)))
+        time.sleep(0.2)
 
 
 def skewed(tmp_path: Path, up: MockUpstream, name: str, skew: Skew | None, *,
