@@ -279,18 +279,20 @@ def guarded(
     ledger: Path | str | None = None,
     addon: bool | Path = True,
     prefix: list[str] | None = None,
+    extra_args: list[str] | None = None,
     **options: object,
 ) -> Mitmdump:
     """mitmdump + turnguard in front of ``up``: its ledger ``tmp_path/ledger.sqlite3`` (or a
     path or PostgreSQL URL ``ledger``; processes of one test share it), its events
     ``tmp_path/<name>-events.jsonl`` (``turnguard_events``), and ``options`` (which may
-    override both)."""
+    override both); ``extra_args`` go on its command line (another ``-s`` script)."""
     opts: dict[str, object] = {
         "turnguard_ledger": str(ledger or tmp_path / "ledger.sqlite3"),
         "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
         **options,
     }
-    return Mitmdump(tmp_path, up.url, options=opts, name=name, addon=addon, prefix=prefix)
+    return Mitmdump(tmp_path, up.url, options=opts, name=name, addon=addon, prefix=prefix,
+                    extra_args=extra_args)
 
 
 def turnguard_events(tmp_path: Path, name: str = "mitmdump", kind: str | None = None) -> list[dict[str, Any]]:

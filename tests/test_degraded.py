@@ -65,6 +65,32 @@ def test_knowledge_learns_and_forgets_as_the_ledger_would():
     assert k.facts("spent", in_flight_here=False, fingerprint="f", now=0, window_s=1).exhausted
 
 
+def test_remembered_circuits_are_bounded_and_idle_ones_forgotten():
+    """Of the circuits a process noted, a refresh from the ledger keeps the cooling ones (the
+    ledger's and those carried from a replaced file) and of the rest only those that count
+    failures, the last noted first, at most ``max_counting``: one per session ever served
+    would grow without bound."""
+    m = MemoryStore()
+    m.note_circuit("session:reset", CircuitState(1, None, None))
+    m.note_circuit("session:reset", CircuitState(0, 900.0, None))  # completed: not kept
+    assert "session:reset" not in m.circuits
+    for i in range(50):  # idle: what every completed turn of a session left before
+        m.circuits[f"session:idle{i}"] = CircuitState()
+    for i in range(30):  # one failure each; the first noted again last
+        m.note_circuit(f"session:failed{i}", CircuitState(1, None, None))
+    m.note_circuit("session:failed0", CircuitState(1, None, None))
+    m.note_circuit("session:cooled", CircuitState(3, 900.0, 60.0))  # its cooldown is over
+    m.note_circuit("session:cleared", CircuitState(2, 2000.0, 60.0))  # cleared elsewhere
+    m.carried_circuits["session:carried"] = CircuitState(2, 2000.0, 60.0)
+    cooling = {"session:cooling": CircuitState(2, 2000.0, 60.0)}
+    kept = m.refreshed_circuits(cooling, now=1000.0, max_counting=10)
+    # the last 10 noted that count failures: failed22..29, failed0 (noted again), cooled
+    assert set(kept) == {f"session:failed{i}" for i in range(22, 30)} | {
+        "session:failed0", "session:cooled", "session:cooling", "session:carried"}
+    m.circuits = kept
+    assert m.circuit_state("session:idle3") == CircuitState()
+
+
 def test_knowledge_is_bounded_in_entries_and_bytes():
     k = Knowledge(max_operations=3, max_bytes=25)
     for i in range(5):

@@ -955,7 +955,7 @@ class FailoverStore:
     def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
         if result.circuit_scope is None or result.circuit is None:
             return
-        self.memory.circuits[result.circuit_scope] = result.circuit
+        self.memory.note_circuit(result.circuit_scope, result.circuit)
         if quiet:
             return
         if result.transition == "opened":
@@ -1025,12 +1025,8 @@ class FailoverStore:
         if isinstance(rows, Unread):
             return None
         cooling = dict(rows)
-        circuits = {scope: state for scope, state in self.memory.circuits.items()
-                    if not state.remaining_s(now) or scope in cooling}
-        circuits.update(cooling)
-        circuits.update({scope: state for scope, state in self.memory.carried_circuits.items()
-                         if state.remaining_s(now) and scope not in cooling})
-        self.memory.circuits = circuits  # replaced whole: the metrics thread reads it
+        # replaced whole: the metrics thread reads it
+        self.memory.circuits = self.memory.refreshed_circuits(cooling, now)
         return set(cooling)
 
     def control(self, action: Callable[[Store], T]) -> T:

@@ -33,6 +33,7 @@ from .policy import (
 from .records import record
 
 MAX_OPERATIONS = 10_000
+MAX_COUNTING_CIRCUITS = 10_000  # circuits that count failures but do not cool down, at most
 MAX_RECORDING_BYTES = 64 * 1024 * 1024
 
 
@@ -260,6 +261,34 @@ class MemoryStore:
 
     def circuit_state(self, scope: str) -> CircuitState:
         return self.circuits.get(scope, CircuitState())
+
+    def note_circuit(self, scope: str, state: CircuitState) -> None:
+        """The circuit of ``scope`` is ``state`` now (the last noted comes last). One without
+        failures (a completed turn's, a cleared one's: no cooldown either) is not kept: it is
+        what ``circuit_state`` says of a scope never seen, also during an outage, when no
+        refresh (``refreshed_circuits``) comes to forget it."""
+        self.circuits.pop(scope, None)
+        if state.failures:
+            self.circuits[scope] = state
+
+    def refreshed_circuits(
+        self, cooling: dict[str, CircuitState], now: float,
+        max_counting: int = MAX_COUNTING_CIRCUITS,
+    ) -> dict[str, CircuitState]:
+        """The circuits to remember once the ledger said which cool down now (``cooling``):
+        those, the cooldowns carried over from a replaced file, and of the rest only those
+        that count failures (what a decision in memory needs during an outage), the
+        ``max_counting`` noted last. A circuit this process saw cooling that the ledger says
+        is not was cleared elsewhere; one without failures and without a cooldown is the
+        circuit of a scope never seen (``circuit_state``), so it is not kept: without this,
+        every session a long-running process ever served would stay in memory for good."""
+        counting = [(scope, state) for scope, state in self.circuits.items()
+                    if scope not in cooling and not state.remaining_s(now) and state.failures]
+        circuits = dict(counting[max(0, len(counting) - max_counting):])
+        circuits.update(cooling)
+        circuits.update({scope: state for scope, state in self.carried_circuits.items()
+                         if state.remaining_s(now) and scope not in cooling})
+        return circuits
 
     def learn(
         self, ident: Identity, admission: Admission, *, me: str, circuit_scope: str,

@@ -63,6 +63,7 @@ class Commands:
                     for scope, st in cooldowns
                 ],
                 "owned_sessions": len(g.sessions),
+                "circuits_known": len(g.store.memory.circuits),
                 "ledger_writes_pending": g.store.kept_writes,
                 "events": dict(g.telemetry.counts),
             },

@@ -79,6 +79,7 @@ class Maintenance:
                     await self._poll_foreign(foreign)
                 await g.sessions.keep_held(g.waiters, now=time.time(),
                                            lease_s=g.settings.owner_lease_s)
+                g.sessions.expire(time.time())
             except Exception:
                 logger.exception("turnguard: maintenance tick failed")
 

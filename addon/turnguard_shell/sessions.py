@@ -39,6 +39,13 @@ class Sessions:
         """Another process may have taken any of them (this one was taken for dead)."""
         self._owned.clear()
 
+    def expire(self, now: float) -> None:
+        """Forget the sessions whose lease has ended: this process no longer owns them (any
+        process may take them over), and a request of one claims it again (renewed when it is
+        still this process's). Without this, every session ever served would stay here."""
+        self._owned = {session: owned for session, owned in self._owned.items()
+                       if owned.lease_until > now}
+
     def _fresh(self, owned: policy.SessionOwnership | None, now: float, lease_s: float) -> bool:
         return owned is not None and owned.lease_until - now > lease_s * RENEW_LEFT
 
