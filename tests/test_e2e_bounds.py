@@ -4,12 +4,21 @@ keys (sessions, circuit scopes, ...), read through ``turnguard.status`` of a rea
 
 from __future__ import annotations
 
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
-from harness import MockUpstream, assert_no_traceback, guarded, post_turn, wait_until
+from harness import (
+    MockUpstream,
+    assert_no_traceback,
+    guarded,
+    ledger_query,
+    post_turn,
+    turnguard_events,
+    wait_until,
+)
 
 STATUS_PROBE = Path(__file__).with_name("status_probe.py")
 TURN = {"model": "gpt-test", "input": "a turn of its own session", "stream": True}
@@ -67,4 +76,45 @@ def test_sessions_and_circuits_of_many_distinct_sessions_are_not_kept_forever(tm
         headers = {"authorization": "Bearer sk-bounds", "session-id": "sess-150"}
         assert post_turn(p.url, headers, {**TURN, "input": "again"})[0] == 200
         assert status(p)["owned_sessions"] == 1
+        assert_no_traceback(p.log_text())
+
+
+def test_the_recordings_owed_to_a_locked_ledger_are_bounded_and_every_end_is_written(tmp_path):
+    """The ledger stays locked (another connection holds its write lock) under steady traffic
+    of distinct turns with large answers: each attempt's end is kept for the ledger, and with
+    it its recording. Those bytes must stay bounded (a lock of an hour would otherwise keep
+    every answer of the hour in memory); past the bound a recording is not kept for the
+    ledger (as a response over ``turnguard_replay_max_bytes`` is not), said in a log line and
+    a telemetry event, while the end itself is never dropped: once the lock goes, every
+    turn is in the ledger, completed, nothing left in flight."""
+    n, delta = 60, 128 * 1024  # 60 answers of about 1.5 MiB: 90 MiB owed, the bound is 64
+    ledger = tmp_path / "ledger.sqlite3"
+    behaviour = {"kind": "ok", "events": 4, "delta_bytes": delta}
+    with MockUpstream(tmp_path, {"default": behaviour}) as up, probed(tmp_path, up) as p:
+        assert post_turn(p.url, {"authorization": "Bearer sk-owed"},
+                         {**TURN, "input": "before the lock"})[0] == 200
+        lock = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            def one(i: int) -> int:
+                status, _, body = post_turn(p.url, {"authorization": "Bearer sk-owed"},
+                                            {**TURN, "input": f"owed {i}"}, timeout=60)
+                return status if len(body) > 4 * delta else -status
+
+            with ThreadPoolExecutor(4) as pool:
+                statuses = list(pool.map(one, range(n)))
+            assert statuses == [200] * n, statuses
+            owed = status(p)
+            assert owed["ledger_writes_pending"] >= n, owed
+            assert owed["ledger_writes_pending_bytes"] <= 64 * 1024 * 1024, owed
+            assert turnguard_events(tmp_path, kind="ledger_recording_not_kept"), owed
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        wait_until(lambda: status(p)["ledger_writes_pending"] == 0, timeout=30, interval=0.2,
+                   what="the owed writes written")
+        rows = ledger_query(ledger, "SELECT state, count(*) FROM operations GROUP BY state")
+        assert rows == [("completed", n + 1)], rows
+        assert len(up.dispatches()) == n + 1
+        assert "not kept for the ledger" in p.log_text()
         assert_no_traceback(p.log_text())

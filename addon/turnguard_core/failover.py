@@ -70,9 +70,19 @@ PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old fil
 # every 0.2 s).
 PEERS_HOLD_MARGIN_S = 0.5
 MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ticker, at most
+# recordings carried by the attempts' ends owed to the ledger (kept while it is locked, full or
+# gone), at most: past it an end is kept without its recording (see ``FailoverStore.finish``)
+MAX_OWED_RECORDING_BYTES = 64 * 1024 * 1024
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
 T = TypeVar("T")
+
+
+def _recording_bytes(write: Write) -> int:
+    """The bytes of the recording a write carries (an attempt's end), else 0."""
+    if isinstance(write, (FinishWrite, OfflineEndWrite)) and write.end.recording is not None:
+        return len(write.end.recording.body)
+    return 0
 
 
 def _settle(task: asyncio.Future) -> None:
@@ -172,6 +182,8 @@ class FailoverStore:
         self._emit = emit
         self.memory = memory
         self._kept = kept  # outlives a script reload, with the attempts it concerns
+        self._kept_bytes = sum(_recording_bytes(k.write) for k in kept)  # of their recordings
+        self._recording_not_kept_said = False  # the warning, once until nothing is owed
         self._sent: dict[asyncio.Future, KeptWrite] = {}  # sent, not yet known written
         self._attempts = attempts
         self._on_reregistered = on_reregistered
@@ -261,6 +273,11 @@ class FailoverStore:
     @property
     def kept_writes(self) -> int:
         return len(self._kept)
+
+    @property
+    def kept_recording_bytes(self) -> int:
+        """The bytes of the recordings the writes owed to the ledger carry."""
+        return self._kept_bytes
 
     # -- opening and closing -------------------------------------------------------------------
     def open(self, path: str) -> bool:
@@ -383,6 +400,7 @@ class FailoverStore:
                   if not future.done() or future.cancelled() or future.exception()]
         self._sent.clear()  # (their callbacks, should the loop run them, find them gone)
         self._kept.extendleft(reversed(failed))  # sent before any kept since
+        self._kept_bytes += sum(_recording_bytes(k.write) for k in failed)
         owed, written, error = len(self._kept), 0, "no time left"
         while self._kept and time.monotonic() < deadline:
             kept = self._kept[0]
@@ -399,7 +417,7 @@ class FailoverStore:
                         continue
                     break
                 written += 1
-            self._kept.popleft()
+            self._pop_kept()
         if self._kept:
             logger.warning("turnguard: closing with %d ledger writes owed (%s); a process that "
                            "reaps this one's attempts takes them as unfinished",
@@ -563,12 +581,12 @@ class FailoverStore:
                 kept = self._kept[0]
                 write = kept.for_ledger(store.generation)
                 if write is None:
-                    self._kept.popleft()
+                    self._pop_kept()
                     dropped += 1
                     continue
                 result = await store.write(self._as_sent(write, store.generation),
                                            deadline=deadline)
-                self._kept.popleft()
+                self._pop_kept()
                 if kept.landed is not None:
                     kept.landed(result, True)
             if dropped:
@@ -832,6 +850,37 @@ class FailoverStore:
         return await self._call("poll", lambda store: store.snapshot(op_key))
 
     # -- writes --------------------------------------------------------------------------------
+    def _keep(self, entry: KeptWrite) -> None:
+        self._kept.append(entry)
+        self._kept_bytes += _recording_bytes(entry.write)
+
+    def _pop_kept(self) -> None:
+        entry = self._kept.popleft()
+        self._kept_bytes -= _recording_bytes(entry.write)
+        if not self._kept:
+            self._kept_bytes = 0
+            self._recording_not_kept_said = False
+
+    def _owed_end(self, end: AttemptEnd, base: dict[str, Any]) -> AttemptEnd:
+        """``end`` as it may be owed to the ledger: without its recording once the recordings
+        owed would pass ``MAX_OWED_RECORDING_BYTES`` (said in a ``ledger_recording_not_kept``
+        event, and a warning once until nothing is owed). The end itself is always kept: the
+        turn is completed in the ledger, its recording not replayable there (as a response
+        over ``turnguard_replay_max_bytes``); this process may still replay it from memory."""
+        size = len(end.recording.body) if end.recording is not None else 0
+        if not size or self._kept_bytes + size <= MAX_OWED_RECORDING_BYTES:
+            return end
+        self._emit("ledger_recording_not_kept", **base, bytes=size, owed_bytes=self._kept_bytes,
+                   reason="the recordings owed to the ledger are at their bound")
+        if not self._recording_not_kept_said:
+            self._recording_not_kept_said = True
+            logger.warning(
+                "turnguard: the ledger is down and the recordings owed to it reach %d MiB: "
+                "the next ends are kept without their recording, not kept for the ledger "
+                "(their turns stay completed there; retries through other processes are "
+                "forwarded)", MAX_OWED_RECORDING_BYTES >> 20)
+        return dataclasses.replace(end, recording=None)
+
     def write(self, generation: str, write: Write, *, landed=None, kept=None,
               elsewhere: Callable[[], Write] | None = None) -> asyncio.Future | None:
         """A write that must never be lost: sent now when the ledger is usable, else kept in
@@ -841,7 +890,7 @@ class FailoverStore:
         Returns the write's future when it was sent now."""
         entry = KeptWrite(generation, write, landed, elsewhere)
         if not self.usable or not entry.belongs_to(self.generation):
-            self._kept.append(entry)
+            self._keep(entry)
             if kept is not None:
                 kept()
             return None
@@ -854,7 +903,7 @@ class FailoverStore:
                 return
             error = f.exception()
             if error is not None:
-                self._kept.append(entry)
+                self._keep(entry)
                 self._down(error, type(write).__name__)
                 self._found_gone(store)  # then the new file is opened at once
                 if kept is not None:
@@ -894,35 +943,43 @@ class FailoverStore:
             attempt_id=attempt.attempt_id, generation=attempt.generation,
         )
 
+        # What the callbacks of a write kept while the ledger is down need, taken out of the
+        # attempt and its ending: the kept write must not keep the attempt (its flow, its tee,
+        # its live response) or its ending alive, only the end (and its recording, within
+        # ``MAX_OWED_RECORDING_BYTES``).
+        attempt_id, op_key, scope = attempt.attempt_id, attempt.ident.op_key, attempt.circuit_scope
+        eventless, completed = ending.eventless, ending.outcome == "completed"
+        offline = (attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
+                   scope)
+        transport = attempt.transport
+        if not self.usable:
+            end = self._owed_end(end, base)
+
         def in_memory() -> None:  # no ledger (yet): keep the circuit in memory
-            before = self.memory.circuit_state(attempt.circuit_scope)
+            before = self.memory.circuit_state(scope)
             after, transition = circuit.record_outcome(
-                before, eventless_failure=ending.eventless,
-                completed=ending.outcome == "completed", now=now, cfg=circuit_cfg,
+                before, eventless_failure=eventless, completed=completed, now=now,
+                cfg=circuit_cfg,
             )
-            self._note_circuit(FinishResult(True, attempt.circuit_scope, after, transition))
+            self._note_circuit(FinishResult(True, scope, after, transition))
 
         def landed(result: FinishResult, late: bool) -> None:
             if not result.applied:
-                if attempt.attempt_id is not None:
-                    self.memory.knowledge.superseded(attempt.ident.op_key, attempt.attempt_id)
-                self._emit("outcome_fenced_out", **base, attempt=attempt.attempt_id,
+                if attempt_id is not None:
+                    self.memory.knowledge.superseded(op_key, attempt_id)
+                self._emit("outcome_fenced_out", **base, attempt=attempt_id,
                            reason="the attempt was ended meanwhile (reaped)")
             self._note_circuit(result, quiet=late)  # a late write's effect was told already
 
         def whole() -> Write:  # recorded whole: operation, attempt and end
-            return OfflineEndWrite(
-                attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
-                attempt.circuit_scope, end, now, circuit_cfg, ending.eventless,
-                attempt.transport)
+            return OfflineEndWrite(*offline, end, now, circuit_cfg, eventless, transport)
 
-        if attempt.attempt_id is None:  # dispatched without a ledger
+        if attempt_id is None:  # dispatched without a ledger
             return self.write(ANY_LEDGER, whole(), landed=landed, kept=in_memory)
         # its row's file may be gone before this is written: then it goes into the new one
         return self.write(
             attempt.generation,
-            FinishWrite(attempt.attempt_id, attempt.ident.op_key, end, now, circuit_cfg,
-                        ending.eventless),
+            FinishWrite(attempt_id, op_key, end, now, circuit_cfg, eventless),
             landed=landed, kept=in_memory, elsewhere=whole,
         )
 
