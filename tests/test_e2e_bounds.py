@@ -4,6 +4,8 @@ keys (sessions, circuit scopes, ...), read through ``turnguard.status`` of a rea
 
 from __future__ import annotations
 
+import os
+import resource
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,3 +120,47 @@ def test_the_recordings_owed_to_a_locked_ledger_are_bounded_and_every_end_is_wri
         assert len(up.dispatches()) == n + 1
         assert "not kept for the ledger" in p.log_text()
         assert_no_traceback(p.log_text())
+
+
+def _descriptor_limit_leaving_one_free(pid: int) -> int:
+    """The descriptor limit under which ``pid`` has exactly one descriptor number free (the
+    next client's connection: then the proxy cannot open its upstream connection)."""
+    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    free = [fd for fd in range(max(used) + 3) if fd not in used]
+    return free[1]
+
+
+def test_the_proxys_own_shortage_of_descriptors_does_not_open_the_retry_circuit(tmp_path):
+    """mitmdump runs out of file descriptors for a moment (a burst of clients past its
+    ``ulimit -n``): the client connections it accepted cannot be sent upstream ("Too many open
+    files", mitmproxy answers 502), nothing reached the upstream. That says nothing of the
+    upstream's health: it must not count as an eventless failure of the upstream, or a short
+    burst opens the session's retry circuit (then doubles its cooldown with each further
+    request, up to ``turnguard_cooldown_max_ms``) and the session gets 503 for minutes after
+    the descriptors are back."""
+    headers = {"authorization": "Bearer sk-fd", "session-id": "sess-descriptors"}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, connection_strategy="lazy") as p:
+        assert post_turn(p.url, headers, {**TURN, "input": "before"})[0] == 200
+        p.wait_for_log("server disconnect")  # its connections closed: their descriptors free
+        wait_until(lambda: "client disconnect" in p.log_text(), what="the client gone")
+        soft, hard = resource.prlimit(p.proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(p.proc.pid, resource.RLIMIT_NOFILE,
+                         (_descriptor_limit_leaving_one_free(p.proc.pid), hard))
+        try:
+            during = [post_turn(p.url, headers, {**TURN, "input": f"short {i}"}, timeout=30)[0]
+                      for i in range(3)]
+        finally:
+            resource.prlimit(p.proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        failures = turnguard_events(tmp_path, kind="eventless_failure")
+        assert failures and all("Too many open files" in (f["detail"] or "")
+                                for f in failures), failures
+        assert [f["counts_for_circuit"] for f in failures] == [False] * len(failures), \
+            (during, turnguard_events(tmp_path, kind="circuit_opened"))
+        assert during == [502, 502, 502] and len(failures) == 3, during
+        assert len(up.dispatches()) == 1
+        after = post_turn(p.url, headers, {**TURN, "input": "after"})
+        assert after[0] == 200, after
+        assert not turnguard_events(tmp_path, kind="circuit_opened")
+        # (asyncio's accept loop logs its own EMFILE tracebacks meanwhile: none of turnguard's)
+        assert not [line for line in p.log_text().splitlines()
+                    if line.strip().startswith("File ") and "/addon/" in line]

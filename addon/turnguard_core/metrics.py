@@ -78,6 +78,7 @@ FAILURE_CLASSES = (
     "missing_response_created_timeout", "client_abort", "killed", "connection_error",
     "upstream_closed_before_headers", "upstream_clean_close", "upstream_closed_after_headers",
     "upstream_error_event", "upstream_response_failed", "upstream_ws_closed",
+    "proxy_out_of_resources",
 )
 ABANDON_REASONS = {
     "killed": "killed", "client disconnected": "client_disconnected",

@@ -392,7 +392,10 @@ def failure_class(
     "ws") a response ends with an event or with the socket: ``failed_event`` is the ``error``
     or ``response.failed`` event that ended it before any output, if one did. ``killed``: a
     user killed the flow (mitmweb's Kill, the ``flow.kill`` command: mitmproxy's message
-    ``KILLED_MESSAGE``); turnguard never kills a flow it dispatched (it cuts the upstream)."""
+    ``KILLED_MESSAGE``); turnguard never kills a flow it dispatched (it cuts the upstream).
+    ``proxy_out_of_resources``: the proxy's own host could not make the connection (out of
+    descriptors, memory, buffers or local ports: ``PROXY_SHORTAGES``), so nothing of it
+    reached the upstream."""
     if cut_reason:
         return cut_reason
     if error == KILLED_MESSAGE:
@@ -400,6 +403,8 @@ def failure_class(
     msg = (error or "").lower()
     if client_gone or any(w in msg for w in ("client disconnected", "reset by client")):
         return "client_abort"
+    if any(w in msg for w in PROXY_SHORTAGES):
+        return "proxy_out_of_resources"
     if transport == "ws":
         if failed_event == "error":
             return "upstream_error_event"
@@ -418,12 +423,16 @@ def failure_class(
 
 # mitmproxy's ``flow.Error.KILLED_MESSAGE``: the error of a flow a user killed
 KILLED_MESSAGE = "Connection killed."
+# the OS's messages (strerror) for a resource of the proxy's own host running out: EMFILE,
+# ENFILE ("... in system"), ENOBUFS, ENOMEM, EADDRNOTAVAIL (no local port left to connect from)
+PROXY_SHORTAGES = ("too many open files", "no buffer space available", "cannot allocate memory",
+                   "cannot assign requested address")
 
 
 def counts_for_circuit(failure: str) -> bool:
-    """A client that went away, or a flow a user killed, says nothing about the upstream's
-    health."""
-    return failure not in ("client_abort", "killed")
+    """A client that went away, a flow a user killed, or the proxy's own host out of
+    descriptors (or memory, buffers, local ports) says nothing about the upstream's health."""
+    return failure not in ("client_abort", "killed", "proxy_out_of_resources")
 
 
 def purge_interval_s(replay_window_s: float) -> float:
