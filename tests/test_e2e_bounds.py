@@ -164,3 +164,22 @@ def test_the_proxys_own_shortage_of_descriptors_does_not_open_the_retry_circuit(
         # (asyncio's accept loop logs its own EMFILE tracebacks meanwhile: none of turnguard's)
         assert not [line for line in p.log_text().splitlines()
                     if line.strip().startswith("File ") and "/addon/" in line]
+
+
+def test_identities_remembered_for_retries_are_bounded_in_bytes_headers_included(tmp_path):
+    """The identities of the last requests are remembered, keyed by the whole request (its
+    target, every header, its body), at most 8 MiB of them: a client whose requests carry
+    large headers (a cookie jar, a trace header of a megabyte: mitmproxy sets no bound on a
+    request's head) must not make it keep a megabyte per request, up to 1,024 of them."""
+    mib = 1024 * 1024
+    with MockUpstream(tmp_path) as up, probed(tmp_path, up) as p:
+        answered = [post_turn(p.url, {"authorization": "Bearer sk-memo",
+                                      "x-trace": f"{i}-" + "t" * mib},
+                              {**TURN, "input": f"large head {i}"}, timeout=30)[0]
+                    for i in range(20)]
+        assert 0 not in answered, answered  # each answered (the mock refuses such a head)
+        remembered = status(p)["identities_remembered"]
+        assert 1 <= remembered <= 8, remembered  # 8 MiB hold at most 8 such requests
+        # (the mock's resets opened that principal's retry circuit: another one is served)
+        assert post_turn(p.url, {"authorization": "Bearer sk-memo-2"}, TURN)[0] == 200
+        assert_no_traceback(p.log_text())

@@ -7,7 +7,9 @@ per request, and the larger the body the more).
 one it would compute again. The key is the request's view itself (method, target, every header
 with its value, the decoded body, the upstream, the proxy's credentials), compared whole on a
 hit, never a digest of it; it stays in this process's memory only, as the flow it came from
-does. Bounded by count and by the bodies' bytes; the least recently used go first. Only
+does. Bounded by count and by bytes: each request's body, target and headers (mitmproxy sets
+no bound on a request's head, so a megabyte header must count as a megabyte body does); the
+least recently used go first. Only
 identities are remembered: a request that is passed through unguarded is examined again each
 time.
 """
@@ -19,7 +21,7 @@ from collections import OrderedDict
 from .identity import Identity, Passthrough, RequestView, identify
 
 MAX_ENTRIES = 1024
-MAX_BODY_BYTES = 8 * 1024 * 1024  # of all the remembered requests' bodies together
+MAX_BODY_BYTES = 8 * 1024 * 1024  # of all the remembered requests together (``_size``)
 
 
 class IdentityMemo:
@@ -55,4 +57,7 @@ class IdentityMemo:
 
 
 def _size(view: RequestView) -> int:
-    return len(view.body) if view.body is not None else 0
+    """What a remembered request holds: its body, its target and its headers."""
+    return ((len(view.body) if view.body is not None else 0) + len(view.path)
+            + sum(len(name) + len(value) for name, value in view.headers)
+            + len(view.proxy_auth or ""))

@@ -28,6 +28,11 @@ class Identifier:
         self._worker = IdentityWorker()  # started the first time a large body arrives
         self._memo = IdentityMemo()  # a retry of a request seen last: identified at once
 
+    @property
+    def remembered(self) -> int:
+        """Identities remembered for retries (``identity_memo``), for ``turnguard.status``."""
+        return len(self._memo)
+
     async def identify(
         self, flow: http.HTTPFlow, timeout_s: float, credential_headers: tuple[str, ...]
     ) -> identity.Identity | identity.Passthrough:

@@ -64,6 +64,7 @@ class Commands:
                 ],
                 "owned_sessions": len(g.sessions),
                 "circuits_known": len(g.store.memory.circuits),
+                "identities_remembered": g.identifier.remembered,
                 "ledger_writes_pending": g.store.kept_writes,
                 "ledger_writes_pending_bytes": g.store.kept_recording_bytes,
                 "events": dict(g.telemetry.counts),
