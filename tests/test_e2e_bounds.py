@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -182,4 +183,43 @@ def test_identities_remembered_for_retries_are_bounded_in_bytes_headers_included
         assert 1 <= remembered <= 8, remembered  # 8 MiB hold at most 8 such requests
         # (the mock's resets opened that principal's retry circuit: another one is served)
         assert post_turn(p.url, {"authorization": "Bearer sk-memo-2"}, TURN)[0] == 200
+        assert_no_traceback(p.log_text())
+
+
+def test_idle_connections_to_the_metrics_endpoint_take_a_bounded_number_of_descriptors(tmp_path):
+    """Each connection to ``/metrics`` was served by a thread of its own, waiting up to 10 s
+    for a request that may never come: a client (a misconfigured scraper, anything that can
+    reach the address) keeping hundreds of idle connections open took as many descriptors and
+    threads of mitmdump, whose proxied traffic needs the same descriptors (past its
+    ``ulimit -n`` it can accept no client and open no upstream connection). Past a small
+    bound a connection is closed at once; the proxy and a scrape still work."""
+    import socket
+
+    from harness import metrics_url, scrape
+
+    n = 200
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
+                                               turnguard_metrics="127.0.0.1:0") as p:
+        url = metrics_url(p)
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        pid = p.proc.pid
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        idle = []
+        try:
+            for _ in range(n):
+                idle.append(socket.create_connection((host, int(port)), timeout=5))
+            # the server takes them in (bounded wait), then holds what it holds
+            wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) - before >= 16, timeout=10,
+                       what="the metrics server taking the connections in")
+            time.sleep(1.0)  # (a count, not a timing: it only lets the accept loop drain)
+            held = len(os.listdir(f"/proc/{pid}/fd")) - before
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+            assert held <= 40, (held, threads)
+            assert "metrics connections are open; closing more" in p.log_text()
+            assert post_turn(p.url, {"authorization": "Bearer sk-metrics"}, TURN)[0] == 200
+        finally:
+            for s in idle:
+                s.close()
+        wait_until(lambda: scrape(url) is not None, timeout=15, interval=0.5,
+                   what="a scrape served once the idle connections are gone")
         assert_no_traceback(p.log_text())

@@ -51,6 +51,10 @@ INSTANCE_LABEL = "turnguard_instance"
 OTHER = "other"
 SERVER_POLL_S = 0.05  # how fast close() stops the server thread
 SCRAPE_READ_TIMEOUT_S = 10.0  # a scraper that sends nothing does not keep a thread for ever
+# connections served at once (a thread and a descriptor each, for up to the read timeout);
+# one more is closed at once: idle connections must not take the descriptors the proxied
+# traffic needs
+MAX_SCRAPE_CONNECTIONS = 16
 
 # -- fixed label sets --------------------------------------------------------------------------
 
@@ -546,6 +550,43 @@ class Metrics:
 
         class Server(ThreadingWSGIServer):
             address_family = family
+            _serving = 0  # connections being served now (their threads)
+            _count_lock = threading.Lock()
+            _refused_said = False
+
+            def process_request(self, request, client_address) -> None:
+                """Serve the connection on a thread of its own, unless ``MAX_SCRAPE_CONNECTIONS``
+                are served already: then it is closed at once (said once in the log until
+                the count is back under the bound)."""
+                with self._count_lock:
+                    full = self._serving >= MAX_SCRAPE_CONNECTIONS
+                    if not full:
+                        self._serving += 1
+                if full:
+                    self.shutdown_request(request)
+                    if not self._refused_said:
+                        self._refused_said = True
+                        logger.warning("turnguard: %d metrics connections are open; closing "
+                                       "more (from %s) at once", MAX_SCRAPE_CONNECTIONS,
+                                       client_address[0])
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    self._served()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    self._served()
+
+            def _served(self) -> None:
+                with self._count_lock:
+                    self._serving -= 1
+                    if self._serving < MAX_SCRAPE_CONNECTIONS // 2:
+                        self._refused_said = False
 
             def handle_error(self, request, client_address) -> None:
                 """A scraper that went silent, slow or away (the read timeout, a reset) is no
