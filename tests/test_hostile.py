@@ -391,17 +391,25 @@ def truncated(script: dict) -> bool:
     return script["framing"] in ("length_short", "chunked_cut")
 
 
+def unreadable(script: dict) -> bool:
+    """A 2xx event stream whose content coding cannot be undone (not gzip at all): it
+    completes when it came whole, and is never recorded."""
+    return (script["_encoding"] == "bogus-gzip" and script["_body"] != b""
+            and script["_ctype"].lower().startswith("text/event-stream"))
+
+
 def expected_completion(script: dict) -> tuple[bool, int | None]:
-    """(completed?, events counted) by the rules: a 2xx SSE stream without content-encoding
-    completes on a terminal success event; any other 2xx body completes when it came whole;
+    """(completed?, events counted) by the rules: a 2xx SSE stream completes on a terminal
+    success event (one sent content-coded is read decoded once it came whole); any other 2xx
+    body, or an event stream whose coding cannot be undone, completes when it came whole;
     an error status is rejected. Events are counted with turnguard's own parser over the whole
     body at once, so a difference means the split changed the result."""
     if not 200 <= script["status"] < 300:
         return False, None
-    counts = (script["_ctype"].lower().startswith("text/event-stream")
-              and script["_encoding"] == "identity")
-    if not counts:
+    if not script["_ctype"].lower().startswith("text/event-stream") or unreadable(script):
         return not truncated(script), None
+    if script["_encoding"] != "identity" and truncated(script):
+        return False, None  # a content-coded event stream is read decoded once it came whole
     parser = SseParser()
     evs = parser.feed(script["_body"]) + parser.close()
     terminal = None
@@ -456,7 +464,7 @@ def _check_scripted(rig: Rig, script: dict, tag: str) -> None:
     # transport broke afterwards)
     status2, headers2, raw2 = second
     assert status2 == status and raw2 == raw
-    if completed and (counted is not None or not truncated(script)):
+    if completed and (counted is not None or not truncated(script)) and not unreadable(script):
         assert headers2.get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
         assert headers2.get("content-encoding") == headers.get("content-encoding")
     else:
@@ -523,6 +531,29 @@ def test_encoded_sse_passes_unchanged_and_replays(rig, encoding):
               "_body": body, "_encoded": encoded, "_encoding": encoding,
               "_ctype": "text/event-stream"}
     _check_scripted(rig, script, encoding)
+
+
+@pytest.mark.parametrize("ending", ["response.failed", "error", None],
+                         ids=["response_failed", "error_event", "no_terminal_event"])
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_a_content_coded_event_stream_that_did_not_complete_is_not_replayed(rig, encoding, ending):
+    """A whole 2xx event stream the upstream sent gzip- or zstd-coded that ended with
+    ``response.failed``, an ``error`` event or no terminal event at all did not complete: its
+    retry runs again (a second dispatch), never gets the failure back from a recording."""
+    types = ["response.created", "response.in_progress"] + ([ending] if ending else [])
+    body = b"".join(sse(t, {"type": t, "response": {"id": "resp_coded"}}) for t in types)
+    encoded = gzip.compress(body) if encoding == "gzip" else zstd.compress(body)
+    script = {"status": 200, "framing": "chunked",
+              "headers": [("content-type", "text/event-stream"), ("content-encoding", encoding)],
+              "parts": [encoded], "_body": body, "_encoded": encoded, "_encoding": encoding,
+              "_ctype": "text/event-stream"}
+    (first, second, sid), evs = _send_scripted(rig, script, f"coded {encoding} {ending}")
+    assert first[0] == 200 and first[2] == encoded
+    outcome = [e for e in evs if e["event"] == "outcome"][0]
+    assert outcome["outcome"] == "partial" and outcome["replayable"] is False
+    assert outcome["events_seen"] == len(types)
+    assert second[0] == 200 and second[2] == encoded and "x-turnguard" not in second[1]
+    assert rig.up.hits[sid] == 2
 
 
 # -----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Literal
 
+from .codec import content_codings, decode_content
 from .identity import CREDENTIAL_HEADERS, credential_name
 from .live import LiveResponse
 from .sse import SseKinds
@@ -36,6 +37,25 @@ def recordable_headers(headers: Iterable[tuple[str, str]],
     more = {credential_name(name) for name in credential_headers}
     return tuple((k, v) for k, v in headers
                  if (n := credential_name(k)) not in _NOT_RECORDED and n not in more)
+
+
+def coded_stream_events(
+    body: bytes, content_encoding: str, max_bytes: int,
+) -> tuple[int, Literal["success", "failure"] | None] | None:
+    """The events of a whole event stream the upstream sent content-coded (the tee passes
+    its bytes uncounted): ``(events, kind of the last terminal event or None)`` of ``body``
+    decoded, or None when it cannot be read (an unknown or invalid coding, more codings than
+    ``codec`` undoes, more than ``max_bytes`` decoded). Such a stream completed only when its
+    decoded events end with a terminal success, as an uncoded one; one that cannot be read is
+    never taken for completed bytes to replay."""
+    try:
+        data = decode_content(body, content_codings(content_encoding), max_bytes)
+    except ValueError:
+        return None
+    parser = SseKinds(max_event_bytes=max(1, max_bytes))
+    terminal = parser.take(data) if data else None
+    parser.close()
+    return parser.events_seen, terminal
 
 
 # After the first event, kept chunks are read this many at a time: one loop over them costs

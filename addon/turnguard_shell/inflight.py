@@ -26,7 +26,7 @@ from turnguard_core.ledger import AttemptEnd
 from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
 from turnguard_core.proxy_internals import cut_upstream, release_killed_intercepted
-from turnguard_core.tee import ResponseTee
+from turnguard_core.tee import ResponseTee, coded_stream_events
 from turnguard_core.ws import ResponseEvents
 
 from . import flows
@@ -315,7 +315,8 @@ class InFlight:
     def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         """The attempt's response ended (or failed): record it and wake its duplicates.
         Returns the ledger write's future when it was sent now."""
-        return self.close(flow.id, lambda a: self._end_facts(flow, a, body_complete))
+        max_bytes = self._settings().replay_max_bytes
+        return self.close(flow.id, lambda a: self._end_facts(flow, a, body_complete, max_bytes))
 
     def close(self, key: str, facts_of: Callable[[Attempt], EndFacts]) -> asyncio.Future | None:
         """End the attempt ``key`` with the facts ``facts_of`` it gives: record it and wake
@@ -366,7 +367,12 @@ class InFlight:
         return Ended(ending.outcome, ending.recording), recorded
 
     @staticmethod
-    def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool) -> EndFacts:
+    def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool,
+                   max_bytes: int) -> EndFacts:
+        """What the attempt's flow says of its end. A 2xx event stream the upstream sent
+        content-coded passed uncounted: its kept body is decoded now (at most ``max_bytes``,
+        ``turnguard_replay_max_bytes``) and its events read, so that it completed only with a
+        terminal success event, as an uncoded one; one that cannot be read is not recorded."""
         tee = attempt.tee
         if tee is not None and body_complete and not tee.ended:
             # the response hook comes once the whole body passed; mitmproxy never calls the
@@ -378,22 +384,36 @@ class InFlight:
             tee(flow.response.raw_content or b"")
             tee(b"")
         resp = flow.response
+        kept_body = tee.body if tee else None
+        events_seen = tee.events_seen if tee else 0
+        terminal = tee.terminal if tee else None
+        counts_events = tee.counts_events if tee else False
+        not_read = None
+        coding = resp.headers.get("content-encoding", "") if resp is not None else ""
+        if (kept_body is not None and not counts_events and coding.strip().lower()
+                not in ("", "identity") and 200 <= resp.status_code < 300
+                and resp.headers.get("content-type", "").lower().startswith("text/event-stream")):
+            read = coded_stream_events(kept_body, coding, max_bytes)
+            if read is None:
+                not_read = f"content-coded event stream ({coding}) that cannot be read"
+            else:
+                (events_seen, terminal), counts_events = read, True
+        edited = attempt.edited or _edited_since(flow, attempt.sent_as)
         return EndFacts(
             kind=attempt.kind,
             status=resp.status_code if resp is not None else None,
-            events_seen=tee.events_seen if tee else 0,
-            terminal=tee.terminal if tee else None,
-            counts_events=tee.counts_events if tee else False,
+            events_seen=events_seen,
+            terminal=terminal,
+            counts_events=counts_events,
             body_complete=body_complete and (tee is None or tee.ended),
-            kept_body=tee.body if tee else None,
+            kept_body=kept_body,
             over_cap=bool(tee and tee.over_cap),
             response_headers=flows.response_headers(flow),
             request_headers=flows.request_headers(flow),
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
-            not_recordable="request edited after it was identified" if attempt.edited
-            or _edited_since(flow, attempt.sent_as) else None,
+            not_recordable="request edited after it was identified" if edited else not_read,
         )
 
 
