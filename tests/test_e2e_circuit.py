@@ -106,6 +106,26 @@ def test_missing_response_created_cuts_the_upstream_before_and_after_headers(tmp
         assert_no_traceback(p.log_text())
 
 
+def test_a_content_coded_event_stream_silent_after_its_headers_is_cut(tmp_path):
+    """An event stream the upstream sends gzip-coded (a compressing gateway) whose headers
+    came and then nothing: its events are not counted, but it has no response event either
+    (its first byte would start it). It is cut at turnguard_response_created_timeout_ms, an
+    eventless failure, as an uncoded stream silent after its headers is; before, its timer
+    was stopped at the headers and the stall went on for as long as the upstream's."""
+    coded_stall = {"kind": "stall_after_headers", "ms": 60000,
+                   "headers": {"content-encoding": "gzip"}}
+    with MockUpstream(tmp_path, {"default": coded_stall}) as up, proxy(tmp_path, up) as p:
+        status, _, _ = post(p.url, headers={"session-id": "coded"})
+        assert status == 0  # headers came, then the stream was cut
+        (cut,) = wait_events(tmp_path, "upstream_cut", 1)
+        assert cut["cut"] is True and cut["headers_seen"] is True
+        (failure,) = wait_events(tmp_path, "eventless_failure", 1)
+        assert failure["failure_class"] == "missing_response_created_timeout"
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["unknown"]
+        up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == 0)
+        assert_no_traceback(p.log_text())
+
+
 # For tests that must still be inside the cooldown after many requests or a restart: on a
 # slow, busy machine those alone took more than COOLDOWN_MS.
 LONG_COOLDOWN_MS = 12000

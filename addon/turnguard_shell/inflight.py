@@ -229,8 +229,10 @@ class InFlight:
         if is_sse and encoding not in ("", "identity"):
             self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id, transport="http",
                        reason=f"response content-encoding {encoding}: events not counted")
-        if not counts_events:
+        if not (is_sse and ok):
             attempt.stop_timer()  # an answer that is not an event stream is its own event
+        # (a content-coded event stream's events are not counted: its first byte stops the
+        # timer, and one silent after its headers is cut as an uncoded one is)
         settings = self._settings()
         attempt.edited = _edited_since(flow, attempt.sent_as)
         keep = settings.replay_max_bytes if settings.guard.replay and ok \
@@ -252,7 +254,7 @@ class InFlight:
             live=attempt.live,
             # a content-coded event stream: its events are not counted, its first byte
             # starts it (duplicates with its representation attach from then on)
-            on_first_chunk=(lambda: self._current()._streaming(attempt))
+            on_first_chunk=(lambda: self._current()._coded_started(attempt))
             if is_sse and ok and not counts_events else None,
         )
         resp.stream = attempt.tee
@@ -267,6 +269,12 @@ class InFlight:
         if attempt.attempt_id is not None and attempt.first_event_timer is None:
             attempt.first_event_timer = asyncio.get_running_loop().call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
+
+    def _coded_started(self, attempt: Attempt) -> None:
+        """The first byte of an event stream the upstream sends content-coded: it has
+        started (its events are not counted), so it is no longer silent."""
+        attempt.stop_timer()
+        self._streaming(attempt)
 
     def _streaming(self, attempt: Attempt) -> None:
         """The attempt's response streams: duplicates may attach to it from now on."""
