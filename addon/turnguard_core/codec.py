@@ -42,13 +42,16 @@ def content_codings(header: str | None) -> tuple[str, ...]:
     return tuple("gzip" if c == "x-gzip" else c for c in codings if c not in ("", "identity"))
 
 
-def decode_content(data: bytes, codings: tuple[str, ...], max_bytes: int) -> bytes:
+def decode_content(data: bytes, codings: tuple[str, ...], max_bytes: int, *,
+                   prefix: bool = False) -> bytes:
     """``data`` with ``codings`` (as ``content_codings`` gives them) undone, last applied first,
     each at most ``max_bytes`` decoded; ``ValueError`` (``TooBig`` past the bound) when it
-    cannot be, or when there are more than ``MAX_CONTENT_CODINGS``."""
+    cannot be, or when there are more than ``MAX_CONTENT_CODINGS``. ``prefix``: ``data`` may
+    be the start of a coded body whose end never came (a transport cut): what it decodes to
+    so far, instead of an error for the missing end."""
     if len(codings) > MAX_CONTENT_CODINGS:
         raise ValueError(f"{len(codings)} content codings (at most {MAX_CONTENT_CODINGS} are decoded)")
-    codec = BoundedCodec(max_bytes)
+    codec = BoundedCodec(max_bytes, prefix=prefix)
     for coding in reversed(codings):
         data = codec.decode(data, coding)
     return data
@@ -59,8 +62,9 @@ class BoundedCodec:
     data that is not a complete, valid stream of the coding, or decodes to more than
     ``max_bytes``."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, *, prefix: bool = False):
         self.max_bytes = max_bytes
+        self.prefix = prefix  # data may lack the end of its stream (see ``decode_content``)
 
     def decode(self, data: bytes, coding: str) -> bytes:
         if not data:
@@ -114,6 +118,6 @@ class BoundedCodec:
             raise ValueError(f"invalid data: {e}") from None
         if len(out) > self.max_bytes:
             raise self._too_big()
-        if not whole():
+        if not self.prefix and not whole():
             raise ValueError("incomplete, or followed by other data")
         return out

@@ -40,16 +40,18 @@ def recordable_headers(headers: Iterable[tuple[str, str]],
 
 
 def coded_stream_events(
-    body: bytes, content_encoding: str, max_bytes: int,
+    body: bytes, content_encoding: str, max_bytes: int, *, whole: bool = True,
 ) -> tuple[int, Literal["success", "failure"] | None] | None:
-    """The events of a whole event stream the upstream sent content-coded (the tee passes
-    its bytes uncounted): ``(events, kind of the last terminal event or None)`` of ``body``
+    """The events of an event stream the upstream sent content-coded (the tee passes its
+    bytes uncounted): ``(events, kind of the last terminal event or None)`` of ``body``
     decoded, or None when it cannot be read (an unknown or invalid coding, more codings than
-    ``codec`` undoes, more than ``max_bytes`` decoded). Such a stream completed only when its
-    decoded events end with a terminal success, as an uncoded one; one that cannot be read is
-    never taken for completed bytes to replay."""
+    ``codec`` undoes, more than ``max_bytes`` decoded). ``whole`` False: ``body`` is what came
+    of a stream whose transport broke (the coding's end may be missing). Such a stream
+    completed only when its decoded events end with a terminal success, as an uncoded one;
+    one that cannot be read is never taken for completed bytes to replay."""
     try:
-        data = decode_content(body, content_codings(content_encoding), max_bytes)
+        data = decode_content(body, content_codings(content_encoding), max_bytes,
+                              prefix=not whole)
     except ValueError:
         return None
     parser = SseKinds(max_event_bytes=max(1, max_bytes))
@@ -126,6 +128,12 @@ class ResponseTee:
         transport broke afterwards (before the end of the chunked body, say): its events are
         complete, and its operation completed upstream."""
         if self._chunks is None or not (self.ended or self.terminal == "success"):
+            return None
+        return b"".join(self._chunks)
+
+    def kept_so_far(self) -> bytes | None:
+        """The body kept so far, whether it ended or not (None: not kept)."""
+        if self._chunks is None:
             return None
         return b"".join(self._chunks)
 

@@ -378,9 +378,10 @@ class InFlight:
     def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool,
                    max_bytes: int) -> EndFacts:
         """What the attempt's flow says of its end. A 2xx event stream the upstream sent
-        content-coded passed uncounted: its kept body is decoded now (at most ``max_bytes``,
-        ``turnguard_replay_max_bytes``) and its events read, so that it completed only with a
-        terminal success event, as an uncoded one; one that cannot be read is not recorded."""
+        content-coded passed uncounted: its kept body (whole, or as far as it came when its
+        transport broke) is decoded now (at most ``max_bytes``, ``turnguard_replay_max_bytes``)
+        and its events read, so that it completed exactly when a terminal success event came,
+        as an uncoded one; one that cannot be read is not recorded."""
         tee = attempt.tee
         if tee is not None and body_complete and not tee.ended:
             # the response hook comes once the whole body passed; mitmproxy never calls the
@@ -398,14 +399,17 @@ class InFlight:
         counts_events = tee.counts_events if tee else False
         not_read = None
         coding = resp.headers.get("content-encoding", "") if resp is not None else ""
-        if (kept_body is not None and not counts_events and coding.strip().lower()
+        so_far = kept_body if kept_body is not None or tee is None else tee.kept_so_far()
+        if (so_far is not None and not counts_events and coding.strip().lower()
                 not in ("", "identity") and 200 <= resp.status_code < 300
                 and resp.headers.get("content-type", "").lower().startswith("text/event-stream")):
-            read = coded_stream_events(kept_body, coding, max_bytes)
+            read = coded_stream_events(so_far, coding, max_bytes, whole=kept_body is not None)
             if read is None:
                 not_read = f"content-coded event stream ({coding}) that cannot be read"
             else:
                 (events_seen, terminal), counts_events = read, True
+                if terminal == "success":  # whole, or cut after its terminal success event:
+                    kept_body = so_far     # it completed upstream (as an uncoded stream)
         edited = attempt.edited or _edited_since(flow, attempt.sent_as)
         return EndFacts(
             kind=attempt.kind,
