@@ -43,7 +43,7 @@ except ImportError:  # Python < 3.14
     from backports import zstd  # type: ignore[no-redef]
 
 from turnguard_core import identity
-from turnguard_core.sse import SseParser, terminal_kind
+from turnguard_core.sse import SseParser, after, event_kind
 
 _ids = itertools.count()
 
@@ -414,7 +414,8 @@ def expected_completion(script: dict) -> tuple[bool, int | None]:
     evs = parser.feed(script["_body"]) + parser.close()
     terminal = None
     for ev in evs:
-        terminal = terminal_kind(ev.type) or terminal
+        kind = event_kind(ev)
+        terminal = terminal if kind is None else after(terminal, kind)
     return terminal == "success", len(evs)
 
 
@@ -580,6 +581,54 @@ def test_a_content_coded_stream_cut_after_response_completed_is_replayed_not_run
     assert outcome["outcome"] == "completed" and outcome["replayable"] is True
     assert second[0] == 200 and second[2] == encoded
     assert second[1].get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
+
+
+def _chat_chunks(error: bool = False) -> bytes:
+    """A streamed Chat Completions answer as the API sends it: ``data:`` lines of
+    ``chat.completion.chunk`` objects (no ``type``, no ``event:`` field) ended by
+    ``data: [DONE]``; ``error``: an error object mid-stream instead of the last chunks."""
+    def chunk(delta: dict, finish: str | None = None) -> bytes:
+        obj = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1,
+               "model": "gpt-test", "choices": [{"index": 0, "delta": delta,
+                                                 "finish_reason": finish}]}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    head = chunk({"role": "assistant", "content": ""}) + chunk({"content": "hello"})
+    if error:
+        return head + b'data: {"error": {"message": "The server had an error", ' \
+            b'"type": "server_error", "code": null}}\n\n' + b"data: [DONE]\n\n"
+    return head + chunk({}, "stop") + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("error", [False, True], ids=["done", "error_then_done"])
+def test_a_chat_completions_stream_ended_by_done_completes_and_is_replayed(rig, error):
+    """/v1/chat/completions is guarded, and its stream has no Responses API event: it ends
+    with ``data: [DONE]``. A stream that ended so completed (its retry is answered from the
+    recording: one upstream execution); one that carried an error object did not (its retry
+    runs again)."""
+    body = _chat_chunks(error)
+    script = {"status": 200, "framing": "chunked",
+              "headers": [("content-type", "text/event-stream")],
+              "parts": [body[i:i + 40] for i in range(0, len(body), 40)]}
+    sid = rig.up.add(script)
+    request = json.dumps({"model": "gpt-test", "stream": True, "messages": [
+        {"role": "user", "content": f"chat {sid}"}]}).encode()
+    h = {"content-type": "application/json", "x-script": sid,
+         "authorization": "Bearer sk-hostile-chat"}
+    op = identity.identify(identity.RequestView("POST", "/v1/chat/completions",
+                                                tuple(h.items()), request,
+                                                upstream_of(rig.up.url)))
+    first = raw_post(rig, "/v1/chat/completions", request, h)
+    assert first[0] == 200 and first[2] == body
+    outcome = wait_until(lambda: [e for e in rig.events("outcome") if e.get("op") == op.op_id],
+                         10, what="the outcome event")[0]
+    second = raw_post(rig, "/v1/chat/completions", request, h)
+    assert second[0] == 200 and second[2] == body
+    if error:
+        assert outcome["outcome"] == "partial" and outcome["replayable"] is False
+        assert "x-turnguard" not in second[1] and rig.up.hits[sid] == 2
+    else:
+        assert outcome["outcome"] == "completed" and outcome["replayable"] is True
+        assert second[1].get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
 
 
 # -----------------------------------------------------------------------------------------------

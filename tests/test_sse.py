@@ -16,6 +16,7 @@ from turnguard_core.sse import (
     SseEvent,
     SseKinds,
     SseParser,
+    event_kind,
     terminal_kind,
 )
 
@@ -133,6 +134,10 @@ _typed_data = st.sampled_from([
     '{"type":"response\\u002ecompleted"}', '{"type":"\\u0065rror"}', '{"type":"error"',
     '{"type":"response.output_text.delta","delta":"response.completed"}', '"error"',
     '{"type":["error"]}', '{"type":"response.incomplete"}', '[{"type":"error"}]',
+    # Chat Completions: [DONE] ends the stream, an object with an error member fails it
+    '[DONE]', ' [DONE] ', '[DONE]x', '{"error": {"message": "x"}}', '{"\\u0065rror": 1}',
+    '{"object": "chat.completion.chunk", "choices": [{"delta": {"content": "error"}}]}',
+    '{"type": 5, "error": null}',
 ])
 
 
@@ -158,7 +163,7 @@ def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
     event SseParser gives, also with escaped JSON types and events over the size limit."""
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=30), label="cuts")
     events = parse([raw], max_event_bytes=limit)[1]
-    want = [terminal_kind(e.type) or "other" for e in events]
+    want = [event_kind(e) or "other" for e in events]
     # as an upstream writes: a chunk per event or per few events (the fast path's chunks)
     ends = [i + 2 for i in range(len(raw)) if raw[i:i + 2] == b"\n\n"]
     by_events = split_at(raw, data.draw(st.lists(st.sampled_from(ends), max_size=len(ends)),
@@ -175,6 +180,8 @@ def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
         for chunk, kinds in zip(chunks, per_chunk):
             before = t.events_seen
             terminal = [k for k in kinds if k != "other"]
+            while len(terminal) > 1 and terminal[-1] == "done":  # [DONE] ends nothing more
+                terminal.pop()
             assert t.take(chunk) == (terminal[-1] if terminal else None)
             assert t.events_seen - before == len(kinds)
 

@@ -35,6 +35,7 @@ __all__ = [
     "SseEvent",
     "SseKinds",
     "SseParser",
+    "event_kind",
     "terminal_kind",
 ]
 
@@ -44,7 +45,12 @@ TERMINAL_FAILURE = frozenset({"response.failed", "error"})
 # What the data of an event whose JSON "type" is terminal must contain, as bytes: the name
 # itself, or a ``\\u`` escape (the only JSON escape that can spell a letter, ``.`` or ``_``;
 # a JSON string cannot span a line, so the escape is never split between data lines).
-_TERMINAL_HINTS = tuple(t.encode() for t in TERMINAL_SUCCESS | TERMINAL_FAILURE) + (b"\\u",)
+_TERMINAL_HINTS = tuple(t.encode() for t in TERMINAL_SUCCESS | TERMINAL_FAILURE) + (b"\\u",
+                                                                                    b"[DONE]")
+# A Chat Completions stream has no typed events: ``data:`` lines of chunk objects, an error
+# as an object with an ``error`` member, and ``data: [DONE]`` at its end. ``DONE`` is that end:
+# a success unless a terminal event came before it (see ``event_kind``).
+DONE = "done"
 # The kind of each terminal type, by its bytes (an ``event:`` value that is not valid UTF-8
 # decodes to replacement characters, so it never equals a name: comparing bytes is the same).
 _KIND_OF_NAME = {
@@ -92,6 +98,43 @@ class SseEvent:
         if self.event:
             return self.event
         return _json_type(self.data)
+
+
+def event_kind(event: SseEvent) -> Literal["success", "failure", "done"] | None:
+    """What ``event`` ends, if anything: its ``event:`` name's ``terminal_kind``; else, for a
+    data-only event, ``DONE`` for ``[DONE]`` (the end of a Chat Completions stream), the
+    ``terminal_kind`` of its JSON ``"type"``, or "failure" for a JSON object without a
+    ``"type"`` whose ``"error"`` member is not null (a Chat Completions error)."""
+    if event.event:
+        return terminal_kind(event.event)
+    return _text_kind(event.data)
+
+
+def after(terminal: Literal["success", "failure"] | None,
+          kind: Literal["success", "failure", "done"]) -> Literal["success", "failure"]:
+    """The terminal kind of a stream so far (``terminal``) once an event of ``kind`` came:
+    the last terminal event's, except that ``[DONE]`` after a terminal event changes nothing
+    (a gateway may end any stream with it), and alone is a success."""
+    if kind == DONE:
+        return terminal or "success"
+    return kind
+
+
+def _text_kind(data: str) -> Literal["success", "failure", "done"] | None:
+    if data.strip() == "[DONE]":
+        return DONE  # type: ignore[return-value]
+    if not data.lstrip(" \t\r\n").startswith("{"):
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    t = obj.get("type")
+    if isinstance(t, str):
+        return terminal_kind(t)
+    return "failure" if obj.get("error") is not None else None
 
 
 def terminal_kind(event_type: str | None) -> Literal["success", "failure"] | None:
@@ -298,7 +341,7 @@ class SseParser:
 class SseKinds(SseParser):
     """The parser for a reader that needs only to count events and see the terminal ones
     (the response tee): ``feed(chunk)`` returns, for each event the chunk completed, its
-    ``terminal_kind(event.type)`` or ``"other"`` when that is None: exactly the events
+    ``event_kind(event)`` or ``"other"`` when that is None: exactly the events
     ``SseParser`` would give, for every byte stream and every chunking, without making an
     ``SseEvent``, decoding data that cannot name a terminal type, or parsing its JSON.
     ``last_type`` is not kept (None)."""
@@ -327,9 +370,10 @@ class SseKinds(SseParser):
         self.events_seen += 1
         return kind or "other"
 
-    def take(self, chunk: bytes) -> Literal["success", "failure"] | None:
+    def take(self, chunk: bytes) -> Literal["success", "failure", "done"] | None:
         """``feed`` for a reader that needs only the count (``events_seen``) and the last
-        terminal kind among the events ``chunk`` completed (None: none was terminal). One
+        terminal kind among the events ``chunk`` completed (None: none was terminal; ``DONE``
+        only when no other terminal kind came before it in the chunk: see ``after``). One
         call for a chunk of one event led by its ``event:`` field (nearly every chunk of a
         Responses stream): its kind is its name's, whatever its data says."""
         if self._clean and chunk[-2:] == b"\n\n" and len(chunk) <= self.max_event_bytes:
@@ -340,7 +384,7 @@ class SseKinds(SseParser):
                 return _KIND_OF_NAME.get(lines[0][7:])  # type: ignore[return-value]
         kind = None
         for k in self.feed(chunk):
-            if k != "other":
+            if k != "other" and not (k == DONE and kind is not None):
                 kind = k
         return kind  # type: ignore[return-value]
 
@@ -394,9 +438,9 @@ class SseKinds(SseParser):
         return kinds
 
 
-def _data_kind(data) -> Literal["success", "failure"] | None:
-    """The terminal kind named by an event's data lines (bytes) as the JSON ``"type"``; the
-    JSON is parsed only when its bytes could name a terminal type at all."""
+def _data_kind(data) -> Literal["success", "failure", "done"] | None:
+    """``event_kind`` of a data-only event, from its data lines (bytes); they are decoded
+    and the JSON parsed only when their bytes could name a terminal kind at all."""
     if not any(hint in line for line in data for hint in _TERMINAL_HINTS):
         return None
-    return terminal_kind(_json_type("\n".join(line.decode("utf-8", "replace") for line in data)))
+    return _text_kind("\n".join(line.decode("utf-8", "replace") for line in data))

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Literal
 from .codec import content_codings, decode_content
 from .identity import CREDENTIAL_HEADERS, credential_name
 from .live import LiveResponse
-from .sse import SseKinds
+from .sse import SseKinds, after
 
 logger = logging.getLogger("turnguard")
 
@@ -55,9 +55,9 @@ def coded_stream_events(
     except ValueError:
         return None
     parser = SseKinds(max_event_bytes=max(1, max_bytes))
-    terminal = parser.take(data) if data else None
+    kind = parser.take(data) if data else None
     parser.close()
-    return parser.events_seen, terminal
+    return parser.events_seen, None if kind is None else after(None, kind)
 
 
 # After the first event, kept chunks are read this many at a time: one loop over them costs
@@ -117,7 +117,8 @@ class ResponseTee:
 
     @property
     def terminal(self) -> Literal["success", "failure"] | None:
-        """The kind of the last terminal event so far (None: none yet)."""
+        """The kind of the last terminal event so far (None: none yet); a Chat Completions
+        ``[DONE]`` is a success unless a terminal event came before it (``sse.after``)."""
         self._read_kept()
         return self._terminal
 
@@ -181,7 +182,7 @@ class ResponseTee:
         before = parser.events_seen
         kind = parser.take(data)
         if kind is not None:
-            self._terminal = kind
+            self._terminal = after(self._terminal, kind)
         if not before and parser.events_seen and self._on_first_event is not None:
             self._on_first_event()
 
@@ -195,7 +196,7 @@ class ResponseTee:
         for chunk in unread:
             kind = take(chunk)
             if kind is not None:
-                self._terminal = kind
+                self._terminal = after(self._terminal, kind)
 
     def _drop_kept(self) -> None:
         """Keep no more of the body (it is not replayable), reading what was not read yet."""
