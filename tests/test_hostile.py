@@ -631,6 +631,25 @@ def test_a_chat_completions_stream_ended_by_done_completes_and_is_replayed(rig, 
         assert second[1].get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
 
 
+def test_a_stream_with_an_error_event_after_response_completed_is_replayed_not_run_again(rig):
+    """The upstream sent ``response.completed`` and then an ``error`` event (a gateway
+    reporting its own trouble after the turn ended): the turn completed upstream, as it does
+    when the transport breaks after its terminal event, and as a WebSocket call's first
+    terminal event decides. Its retry is answered from the recording: one execution."""
+    types = ["response.created", "response.output_text.delta", "response.completed", "error"]
+    body = b"".join(sse(t, {"type": t, "response": {"id": "resp_then_error"}}) for t in types)
+    script = {"status": 200, "framing": "chunked",
+              "headers": [("content-type", "text/event-stream")], "parts": [body],
+              "_body": body, "_encoded": body, "_encoding": "identity",
+              "_ctype": "text/event-stream"}
+    (first, second, sid), evs = _send_scripted(rig, script, "completed then error")
+    assert first[0] == 200 and first[2] == body
+    outcome = [e for e in evs if e["event"] == "outcome"][0]
+    assert outcome["outcome"] == "completed" and outcome["replayable"] is True
+    assert second[0] == 200 and second[2] == body
+    assert second[1].get("x-turnguard") == "replayed" and rig.up.hits[sid] == 1
+
+
 # -----------------------------------------------------------------------------------------------
 # Traffic turnguard does not guard: WebSocket upgrades, GET, HEAD
 

@@ -175,14 +175,12 @@ def test_kinds_are_the_terminal_kinds_of_the_events(raw, data, limit):
         p.close()
         assert [k for kinds in per_chunk for k in kinds] == want
         assert p.events_seen == len(events)
-        # take(): per chunk, the count and the last terminal kind among its events
+        # take(): per chunk, the count and the first terminal kind among its events
         t = SseKinds(max_event_bytes=limit)
         for chunk, kinds in zip(chunks, per_chunk):
             before = t.events_seen
             terminal = [k for k in kinds if k != "other"]
-            while len(terminal) > 1 and terminal[-1] == "done":  # [DONE] ends nothing more
-                terminal.pop()
-            assert t.take(chunk) == (terminal[-1] if terminal else None)
+            assert t.take(chunk) == (terminal[0] if terminal else None)  # the first decides
             assert t.events_seen - before == len(kinds)
 
 

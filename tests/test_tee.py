@@ -57,8 +57,8 @@ def _read_when_asked(types, keep, data):
     ref, ref_terminal = SseKinds(), None
     for i, chunk in enumerate(chunks):
         assert tee(chunk) == chunk
-        for kind in ref.feed(chunk):
-            ref_terminal = kind if kind != "other" else ref_terminal
+        for kind in ref.feed(chunk):  # the first terminal event decides
+            ref_terminal = kind if kind != "other" and ref_terminal is None else ref_terminal
         assert len(firsts) == (1 if ref.events_seen else 0)  # at the very chunk, once
         if i in asks:  # either first: each must read what is unread
             if i % 2:

@@ -49,7 +49,7 @@ _TERMINAL_HINTS = tuple(t.encode() for t in TERMINAL_SUCCESS | TERMINAL_FAILURE)
                                                                                     b"[DONE]")
 # A Chat Completions stream has no typed events: ``data:`` lines of chunk objects, an error
 # as an object with an ``error`` member, and ``data: [DONE]`` at its end. ``DONE`` is that end:
-# a success unless a terminal event came before it (see ``event_kind``).
+# a success unless a terminal event came before it (see ``after``).
 DONE = "done"
 # The kind of each terminal type, by its bytes (an ``event:`` value that is not valid UTF-8
 # decodes to replacement characters, so it never equals a name: comparing bytes is the same).
@@ -113,11 +113,12 @@ def event_kind(event: SseEvent) -> Literal["success", "failure", "done"] | None:
 def after(terminal: Literal["success", "failure"] | None,
           kind: Literal["success", "failure", "done"]) -> Literal["success", "failure"]:
     """The terminal kind of a stream so far (``terminal``) once an event of ``kind`` came:
-    the last terminal event's, except that ``[DONE]`` after a terminal event changes nothing
-    (a gateway may end any stream with it), and alone is a success."""
-    if kind == DONE:
-        return terminal or "success"
-    return kind
+    the first terminal event decides, as for a WebSocket call (a response ends once; what a
+    gateway sends after it, an ``error`` or a ``[DONE]``, changes nothing), and ``[DONE]``
+    that came first is a success."""
+    if terminal is not None:
+        return terminal
+    return "success" if kind == DONE else kind  # type: ignore[return-value]
 
 
 def _text_kind(data: str) -> Literal["success", "failure", "done"] | None:
@@ -371,9 +372,9 @@ class SseKinds(SseParser):
         return kind or "other"
 
     def take(self, chunk: bytes) -> Literal["success", "failure", "done"] | None:
-        """``feed`` for a reader that needs only the count (``events_seen``) and the last
-        terminal kind among the events ``chunk`` completed (None: none was terminal; ``DONE``
-        only when no other terminal kind came before it in the chunk: see ``after``). One
+        """``feed`` for a reader that needs only the count (``events_seen``) and the
+        first terminal kind among the events ``chunk`` completed (None: none was terminal;
+        the first decides: see ``after``). One
         call for a chunk of one event led by its ``event:`` field (nearly every chunk of a
         Responses stream): its kind is its name's, whatever its data says."""
         if self._clean and chunk[-2:] == b"\n\n" and len(chunk) <= self.max_event_bytes:
@@ -384,7 +385,7 @@ class SseKinds(SseParser):
                 return _KIND_OF_NAME.get(lines[0][7:])  # type: ignore[return-value]
         kind = None
         for k in self.feed(chunk):
-            if k != "other" and not (k == DONE and kind is not None):
+            if k != "other" and kind is None:
                 kind = k
         return kind  # type: ignore[return-value]
 

@@ -43,7 +43,7 @@ def coded_stream_events(
     body: bytes, content_encoding: str, max_bytes: int, *, whole: bool = True,
 ) -> tuple[int, Literal["success", "failure"] | None] | None:
     """The events of an event stream the upstream sent content-coded (the tee passes its
-    bytes uncounted): ``(events, kind of the last terminal event or None)`` of ``body``
+    bytes uncounted): ``(events, kind of the first terminal event or None)`` of ``body``
     decoded, or None when it cannot be read (an unknown or invalid coding, more codings than
     ``codec`` undoes, more than ``max_bytes`` decoded). ``whole`` False: ``body`` is what came
     of a stream whose transport broke (the coding's end may be missing). Such a stream
@@ -117,8 +117,8 @@ class ResponseTee:
 
     @property
     def terminal(self) -> Literal["success", "failure"] | None:
-        """The kind of the last terminal event so far (None: none yet); a Chat Completions
-        ``[DONE]`` is a success unless a terminal event came before it (``sse.after``)."""
+        """The kind of the first terminal event (None: none yet): what follows it changes
+        nothing; a Chat Completions ``[DONE]`` is a success (``sse.after``)."""
         self._read_kept()
         return self._terminal
 
