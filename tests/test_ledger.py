@@ -318,11 +318,12 @@ def test_a_reap_judged_by_the_lease_does_not_happen_once_the_instance_came_back(
     b = ledger_backend.open("b")
     i = ident({"n": 1})
     admit(a, i)
-    [peer] = b.peers_with_attempts_in_flight()  # judged: heartbeat 1000 is older than 1200
+    [peer] = b.peers_with_attempts_in_flight()  # judged silent at heartbeat 1000
     a.heartbeat(1300.0)  # ...but it resumes before the reap runs
-    assert b.reap_instance("a", now=1301.0, stale_before=1200.0) == []
+    assert b.reap_instance("a", now=1301.0, heartbeat_was=peer.heartbeat_at) == []
     assert b.snapshot(i.op_key).state == "in_flight"
-    assert b.reap_instance("a", now=1600.0, stale_before=1400.0) == [i.op_key]
+    [peer] = b.peers_with_attempts_in_flight()
+    assert b.reap_instance("a", now=1600.0, heartbeat_was=peer.heartbeat_at) == [i.op_key]
 
 
 def test_a_reap_judged_by_an_unchanged_heartbeat_does_not_happen_once_it_changed(ledger_backend):

@@ -620,7 +620,7 @@ class OutageMachine(RuleBasedStateMachine):
                 continue
             moved = p.ledger.reap_instance(
                 peer.instance_id, now=self.now,
-                stale_before=None if verdict == "dead" else self.now - INSTANCE_LEASE_S,
+                heartbeat_was=None if verdict == "dead" else peer.heartbeat_at,
             )
             self._reaped(peer.instance_id, moved)
             for op_key in moved:

@@ -145,7 +145,7 @@ async def test_a_recording_whose_attempt_was_reaped_meanwhile_is_not_replayed(tm
         reaper = Ledger(path, "reaper")
         reaper.open(time.time())
         try:
-            assert reaper.reap_instance("me", now=time.time(), stale_before=None) \
+            assert reaper.reap_instance("me", now=time.time()) \
                 == [turn.op_key]
         finally:
             reaper.close()

@@ -1053,7 +1053,7 @@ class FailoverStore:
                 continue
             heartbeat_was = None if verdict == "dead" else peer.heartbeat_at
             ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
-                peer.instance_id, now=now, stale_before=None, heartbeat_was=heartbeat_was),
+                peer.instance_id, now=now, heartbeat_was=heartbeat_was),
                 background=True)
             if isinstance(ops, Unread) or not ops:
                 continue

@@ -1000,15 +1000,10 @@ class Ledger:
 
     @_wrap
     def reap_instance(
-        self, instance_id: str, *, now: float, stale_before: float | None = None,
-        heartbeat_was: float | None = None,
+        self, instance_id: str, *, now: float, heartbeat_was: float | None = None,
     ) -> list[str]:
         """End the in-flight attempts of a dead instance: ``unknown`` when they saw no event,
         ``partial`` otherwise. Returns the keys of the operations that moved.
-
-        ``stale_before``: the instance was judged dead by its lease, not by proof; the reap
-        happens only if its heartbeat is still older than this inside the transaction (it may
-        have come back since it was judged).
 
         ``heartbeat_was``: the instance was judged dead by its lease, its heartbeat seen at
         this value (``peers_with_attempts_in_flight``) for a whole lease; the reap happens only
@@ -1023,15 +1018,6 @@ class Ledger:
                     (instance_id, instance_id),
                 ).fetchone()
                 if row[0] != heartbeat_was:
-                    return []
-            if stale_before is not None:
-                row = db.execute(
-                    "SELECT MAX(COALESCE((SELECT heartbeat_at FROM instances WHERE instance_id=?),"
-                    " 0), COALESCE((SELECT MAX(started_at) FROM attempts WHERE instance_id=?"
-                    " AND outcome='in_flight'), 0))",
-                    (instance_id, instance_id),
-                ).fetchone()
-                if row[0] >= stale_before:
                     return []
             ended = db.execute(
                 "UPDATE attempts SET ended_at=?, detail='owner process gone',"

@@ -921,7 +921,7 @@ class PgLedger:
             return _operations_ended_with(db, ended, now)
 
     @_wrap
-    def reap_instance(self, instance_id: str, *, now: float, stale_before: float | None = None,
+    def reap_instance(self, instance_id: str, *, now: float,
                       heartbeat_was: float | None = None) -> list[str]:
         """See ``Ledger.reap_instance``. The instance's row is locked first, so a heartbeat
         that lands meanwhile is seen (a lease reap then does nothing)."""
@@ -935,14 +935,6 @@ class PgLedger:
                     " AND outcome='in_flight'))",
                     (instance_id, instance_id)).fetchone()
                 if row[0] != heartbeat_was:
-                    return []
-            if stale_before is not None:
-                row = db.execute(
-                    "SELECT GREATEST(COALESCE((SELECT heartbeat_at FROM instances WHERE"
-                    " instance_id=%s), 0), COALESCE((SELECT MAX(started_at) FROM attempts WHERE"
-                    " instance_id=%s AND outcome='in_flight'), 0))",
-                    (instance_id, instance_id)).fetchone()
-                if row[0] >= stale_before:
                     return []
             ended = db.execute(
                 "UPDATE attempts SET ended_at=%s, detail='owner process gone',"

@@ -64,19 +64,22 @@ _LF, _CR, _COLON = 0x0A, 0x0D, 0x3A
 _NAME_PREFIX = 16
 
 
-def _json_type(data: str) -> str | None:
-    """The str ``"type"`` member of ``data`` parsed as a JSON object, else None."""
+def _json_object(data: str) -> dict | None:
+    """``data`` parsed as a JSON object, else None (not parsed unless it starts like one)."""
     if not data.lstrip(" \t\r\n").startswith("{"):
         return None
     try:
         obj = json.loads(data)
     except (ValueError, RecursionError):
         return None
-    if isinstance(obj, dict):
-        t = obj.get("type")
-        if isinstance(t, str):
-            return t
-    return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _json_type(data: str) -> str | None:
+    """The str ``"type"`` member of ``data`` parsed as a JSON object, else None."""
+    obj = _json_object(data)
+    t = obj.get("type") if obj is not None else None
+    return t if isinstance(t, str) else None
 
 
 @record
@@ -124,13 +127,8 @@ def after(terminal: Literal["success", "failure"] | None,
 def _text_kind(data: str) -> Literal["success", "failure", "done"] | None:
     if data.strip() == "[DONE]":
         return DONE  # type: ignore[return-value]
-    if not data.lstrip(" \t\r\n").startswith("{"):
-        return None
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict):
+    obj = _json_object(data)
+    if obj is None:
         return None
     t = obj.get("type")
     if isinstance(t, str):

@@ -136,8 +136,7 @@ class Store(Protocol):
     ) -> list[str]: ...
 
     async def reap_instance(
-        self, instance_id: str, *, now: float, stale_before: float | None,
-        heartbeat_was: float | None = None,
+        self, instance_id: str, *, now: float, heartbeat_was: float | None = None,
     ) -> list[str]: ...
 
     async def collect_garbage(
@@ -295,10 +294,9 @@ class LedgerStore:
         return await self._runner.call(
             lambda led: led.end_stale_attempts(list(keep_ops), now=now), deadline=deadline)
 
-    async def reap_instance(self, instance_id, *, now, stale_before, heartbeat_was=None):
+    async def reap_instance(self, instance_id, *, now, heartbeat_was=None):
         return await self._runner.call(
-            lambda led: led.reap_instance(instance_id, now=now, stale_before=stale_before,
-                                          heartbeat_was=heartbeat_was))
+            lambda led: led.reap_instance(instance_id, now=now, heartbeat_was=heartbeat_was))
 
     async def collect_garbage(self, *, now, retention_s, instance_stale_s):
         return await self._runner.call(lambda led: led.collect_garbage(
