@@ -104,7 +104,10 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     plain, default = data["columns"]["plain"]["metrics"], data["columns"]["default"]["metrics"]
     assert plain["upstream_dispatches"] == captured  # the replay recreates the capture
     assert plain["max_in_flight_per_operation"] == 2  # A ran twice at once, as captured
-    assert default["upstream_dispatches"] == captured - 1  # turnguard held A's duplicate
+    # turnguard held A's duplicate (the dispatches and the telemetry counts say what else
+    # happened, should this fail)
+    assert default["upstream_dispatches"] == captured - 1, (
+        data["columns"]["default"]["dispatches"], default["turnguard"])
     # A's duplicate got A's response: attached to it live, or replayed after its end
     assert default["turnguard"]["replayed"] + default["turnguard"]["attached"] == 1
     dispatched = data["columns"]["plain"]["dispatches"]
