@@ -52,14 +52,21 @@ class WsClient:
 
     @classmethod
     def connect(cls, url: str, *, path: str = "/v1/responses",
-                headers: dict[str, str] | None = None) -> "_Connecting":
-        return _Connecting(url, path, {**CODEX_HEADERS, **(headers or {})})
+                headers: dict[str, str] | None = None, ssl=None,
+                server_hostname: str | None = None) -> "_Connecting":
+        """``ssl``: an ``ssl.SSLContext`` to speak TLS (wss) with, ``server_hostname`` the
+        name to send as SNI and check the certificate against (default: the URL's host)."""
+        return _Connecting(url, path, {**CODEX_HEADERS, **(headers or {})}, ssl,
+                           server_hostname)
 
     @classmethod
-    async def open(cls, url: str, path: str, headers: dict[str, str]) -> "WsClient":
+    async def open(cls, url: str, path: str, headers: dict[str, str], ssl=None,
+                   server_hostname: str | None = None) -> "WsClient":
         parts = urlsplit(url)
+        tls = {} if ssl is None else {"ssl": ssl,
+                                      "server_hostname": server_hostname or parts.hostname}
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(parts.hostname, parts.port), TIMEOUT_S)
+            asyncio.open_connection(parts.hostname, parts.port, **tls), TIMEOUT_S)
         path = parts.path.rstrip("/") + path
         ws = WSConnection(ConnectionType.CLIENT)
         extra = [(k.encode(), v.encode()) for k, v in headers.items()]
@@ -156,8 +163,9 @@ class WsClient:
 
 
 class _Connecting:
-    def __init__(self, url: str, path: str, headers: dict[str, str]):
-        self._args = (url, path, headers)
+    def __init__(self, url: str, path: str, headers: dict[str, str], ssl=None,
+                 server_hostname: str | None = None):
+        self._args = (url, path, headers, ssl, server_hostname)
         self._client: WsClient | None = None
 
     def __await__(self):

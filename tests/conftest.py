@@ -42,7 +42,7 @@ TIERS = {
         "test_at_most_once", "test_clock_jumps", "test_crash", "test_e2e_bounds",
         "test_e2e_circuit", "test_e2e_control", "test_e2e_guard", "test_e2e_http2",
         "test_e2e_metrics", "test_e2e_postgres",
-        "test_e2e_attach", "test_e2e_mitmweb", "test_e2e_websocket", "test_e2e_ws_faults",
+        "test_e2e_attach", "test_e2e_tls", "test_e2e_mitmweb", "test_e2e_websocket", "test_e2e_ws_faults",
         "test_forks", "test_hostile", "test_isolation", "test_ledger_faults", "test_load",
         "test_security", "test_startup",
     },

@@ -1,0 +1,372 @@
+"""End to end through TLS: turnguard in front of an ``https://`` upstream (the mock behind a TLS
+front with a throwaway certificate, ``tls_front.py``), reached the ways real clients reach it:
+regular mode (``CONNECT``, then TLS intercepted with mitmproxy's CA, which the client trusts),
+reverse mode to ``https://``, several listeners. The Guarantees hold as over plain HTTP: one
+upstream execution for duplicates, identical bytes, detached calls reach the same upstream the
+same way (TLS, SNI), no traceback.
+
+Assertions count what the upstream saw (dispatches, TLS connections and their SNI) and compare
+what each client got; never timings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import ssl
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import (
+    PYTHON,
+    REPO,
+    MockUpstream,
+    Mitmdump,
+    _ServerProcess,
+    assert_no_traceback,
+    mock_behaviour,
+    sse_event_types,
+    turnguard_events,
+    wait_until,
+)
+from turnguard_procs import Process, read_jsonl
+
+import mitmdump_forks
+import tls_front
+
+HEADERS = {"authorization": "Bearer sk-test-tls", "session-id": "sess-tls"}
+BODY = {"model": "gpt-test", "input": "over TLS", "stream": True}
+
+
+class TlsFront(_ServerProcess):
+    """``tls_front.py`` in front of ``up``: ``url`` is ``https://127.0.0.1:PORT``; ``cert``
+    is the certificate it shows (for ``ssl_verify_upstream_trusted_ca``)."""
+
+    def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "front",
+                 h2: bool = False):
+        self.cert, key = tls_front.make_cert(tmp_path, name)
+        self.log_path = tmp_path / f"{name}.jsonl"
+        self.process = Process(
+            [PYTHON, "-u", str(REPO / "tests" / "tls_front.py"), "--target", str(up.port),
+             "--cert", str(self.cert), "--key", str(key), "--log", str(self.log_path),
+             *(["--h2"] if h2 else [])],
+            tmp_path / f"{name}.out", popen=mitmdump_forks.popen)
+        m = self.process.wait_for_line(__import__("re").compile(tls_front.LINE), 20, "tls front")
+        self.url, self.port = m.group(1), int(m.group(2))
+
+    def connections(self) -> list[dict]:
+        return [r for r in read_jsonl(self.log_path) if r["event"] == "connection"]
+
+
+def tls_proxy(tmp_path: Path, front: TlsFront, modes: list[str], name: str = "mitmdump",
+              **options) -> Mitmdump:
+    opts = {"turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / f"{name}-events.jsonl"),
+            "ssl_verify_upstream_trusted_ca": str(front.cert), **options}
+    return Mitmdump(tmp_path, None, modes=modes, options=opts, name=name)
+
+
+def ca_of(proxy: Mitmdump) -> str:
+    return str(proxy.confdir / "mitmproxy-ca-cert.pem")
+
+
+async def stream_post(proxy_url: str | None, target: str, ca: str, *, headers=HEADERS,
+                      body=BODY, behaviour: dict | None = None, delay_s: float = 0.0,
+                      timeout: float = 30, http2: bool = False) -> dict:
+    """POST ``target`` (an ``https://`` URL) through the proxy at ``proxy_url`` (regular
+    mode; None: ``target`` is the proxy itself), trusting only ``ca``; read it as it comes."""
+    await asyncio.sleep(delay_s)
+    h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
+         **(mock_behaviour(**behaviour) if behaviour else {})}
+    out: dict = {"error": None, "body": b""}
+    async with httpx.AsyncClient(proxy=proxy_url, verify=ssl.create_default_context(cafile=ca), trust_env=False, timeout=timeout,
+                                 http2=http2) as c:
+        try:
+            async with c.stream("POST", target, headers=h, json=body) as r:
+                out["status"], out["headers"] = r.status_code, dict(r.headers)
+                async for chunk in r.aiter_raw():
+                    out["body"] += chunk
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+    return out
+
+
+def dispatches(up: MockUpstream) -> int:
+    return len(up.dispatches())
+
+
+SLOW = {"kind": "ok", "events": 8, "gap_ms": 250}
+
+
+def test_regular_mode_connect_duplicates_attach_and_replay_over_tls(tmp_path):
+    """A client of a regular-mode proxy (``CONNECT``, TLS intercepted) sends a streamed turn;
+    a duplicate while it streams attaches (the relay), one after it is replayed: one upstream
+    execution, identical bytes, every upstream connection TLS with the target's SNI."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["regular"]) as proxy:
+        target = f"https://localhost:{front.port}/v1/responses"
+
+        async def run():
+            first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
+                                                    behaviour=SLOW))
+            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+            await asyncio.to_thread(wait_until, lambda: turnguard_events(tmp_path), 20)
+            dup = await stream_post(proxy.url, target, ca_of(proxy), delay_s=0.6)
+            return await first, dup
+        first, dup = asyncio.run(run())
+        later = asyncio.run(stream_post(proxy.url, target, ca_of(proxy)))
+        assert first["error"] is None and first["status"] == 200, first
+        assert sse_event_types(first["body"])[-1] == "response.completed"
+        assert dup["error"] is None and dup["status"] == 200, dup
+        assert dup["headers"].get("x-turnguard") == "attached", dup["headers"]
+        assert dup["body"] == first["body"]
+        assert later["headers"].get("x-turnguard") == "replayed"
+        assert later["body"] == first["body"]
+        assert dispatches(up) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}
+        assert_no_traceback(proxy.log_text())
+
+
+def test_regular_mode_a_detached_call_whose_client_left_goes_to_the_https_upstream(tmp_path):
+    """With ``turnguard_detach_ms``, a regular-mode client (CONNECT, TLS intercepted) that
+    gives up mid-stream leaves its call running on turnguard's own flow: it reaches the
+    https upstream over TLS with the target's SNI, and the client's retry gets its answer
+    without a second execution."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["regular"], turnguard_detach_ms=20000) as proxy:
+        target = f"https://localhost:{front.port}/v1/responses"
+        gone = asyncio.run(stream_post(proxy.url, target, ca_of(proxy), timeout=1.0,
+                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
+        assert gone["error"] is not None, gone
+        retry = asyncio.run(stream_post(proxy.url, target, ca_of(proxy)))
+        assert retry["error"] is None and retry["status"] == 200, (retry, proxy.log_text())
+        assert retry["headers"].get("x-turnguard") in ("attached", "replayed"), retry["headers"]
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert dispatches(up) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}
+        assert_no_traceback(proxy.log_text())
+
+
+def test_reverse_mode_to_https_detached_call_reaches_the_upstream_as_the_direct_one(tmp_path):
+    """Reverse mode to ``https://localhost:PORT``: a direct call and a detached one both
+    reach the upstream over TLS with SNI ``localhost``; a duplicate is answered once."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_detach_ms=20000) as proxy:
+        gone = asyncio.run(stream_post(None, proxy.url + "/v1/responses", ca_of(proxy),
+                                       timeout=1.0,
+                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
+        assert gone["error"] is not None, gone
+        retry = asyncio.run(stream_post(None, proxy.url + "/v1/responses", ca_of(proxy)))
+        assert retry["status"] == 200 and retry["error"] is None, retry
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert dispatches(up) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+        assert_no_traceback(proxy.log_text())
+
+
+def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_upstream(tmp_path):
+    """Codex over ``wss://`` to a reverse proxy in front of an https upstream: two sockets
+    sending the same call make one dispatch; a socket dropped mid-call leaves its call
+    running (detached, as turnguard's own POST over TLS, SNI the upstream's name) and the
+    retry on a new socket attaches to it: one upstream execution per call."""
+    from test_e2e_websocket import HEADERS as WS_HEADERS, call, user
+    from turnguard_ws import WsClient, types
+
+    thinking = {"default": {"kind": "ok", "think_ms": 3000, "events": 3}}
+    with MockUpstream(tmp_path, thinking) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_detach_ms=30000,
+                      turnguard_response_created_timeout_ms=20000) as proxy:
+        tls = ssl.create_default_context(cafile=ca_of(proxy))
+        wss = f"https://127.0.0.1:{proxy.port}"
+
+        def connect():
+            return WsClient.connect(wss, headers=WS_HEADERS, ssl=tls,
+                                    server_hostname="localhost")
+
+        async def drop_then_retry():
+            async with connect() as a:
+                await a.send(call([user("think over TLS")], seed=1))
+                first = json.loads(await a.recv())
+                a.abort()
+            await asyncio.sleep(0.3)
+            async with connect() as b:
+                await b.send(call([user("think over TLS")], seed=2))
+                return first, await b.response()
+
+        first, retried = asyncio.run(drop_then_retry())
+        assert first["type"] == "response.created"
+        assert types(retried)[-1] == "response.completed", retried
+        assert retried[0] == first
+        assert len(up.dispatches()) == 1
+        detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"),
+                              what="upstream_detached")
+        assert detached[0]["outcome"] == "completed"
+        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.parametrize("mode", ["reverse", "regular"])
+def test_an_http2_upstream_over_alpn_gets_one_execution_per_turn(tmp_path, mode):
+    """The https upstream speaks only HTTP/2 (ALPN ``h2``), and so does the client (mitmproxy
+    offers the upstream ``h2`` only when its client negotiated it). A
+    duplicate while the turn streams attaches, a client that leaves leaves its call
+    detached, its retry gets it: one execution each, identical bytes, every request to the
+    upstream over HTTP/2 with its SNI."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"
+                                        if mode == "reverse" else "regular"],
+                      turnguard_detach_ms=20000) as proxy:
+        if mode == "reverse":
+            via, url = None, f"https://127.0.0.1:{proxy.port}/v1/responses"
+        else:
+            via, url = proxy.url, f"https://localhost:{front.port}/v1/responses"
+
+        async def run():
+            first = asyncio.create_task(stream_post(via, url, ca_of(proxy), behaviour=SLOW,
+                                                    http2=True))
+            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+            dup = await stream_post(via, url, ca_of(proxy), delay_s=0.6, http2=True)
+            return await first, dup
+        first, dup = asyncio.run(run())
+        assert first["status"] == 200 and first["error"] is None, (first, proxy.log_text())
+        assert dup["status"] == 200 and dup["error"] is None, (dup, proxy.log_text())
+        assert dup["headers"].get("x-turnguard") == "attached", dup["headers"]
+        assert dup["body"] == first["body"]
+        assert len(up.dispatches()) == 1
+        body2 = {**BODY, "input": "left"}
+        gone = asyncio.run(stream_post(via, url, ca_of(proxy), body=body2, timeout=1.0,
+                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500},
+                                       http2=True))
+        assert gone["error"] is not None, gone
+        retry = asyncio.run(stream_post(via, url, ca_of(proxy), body=body2,
+                                        http2=True))
+        assert retry["status"] == 200 and retry["error"] is None, (retry, proxy.log_text())
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 2
+        conns = front.connections()
+        assert {(c["sni"], c["alpn"]) for c in conns} == {("localhost", "h2")}, conns
+        assert len([r for r in read_jsonl(front.log_path) if r["event"] == "h2_request"]) == 2
+        assert_no_traceback(proxy.log_text())
+
+
+def curl(args: list[str], out: Path, body: dict = BODY, headers=HEADERS,
+         behaviour: dict | None = None) -> subprocess.Popen:
+    """curl POSTing ``body`` with ``args`` (its proxy, CA, URL); ``-i`` output to ``out``."""
+    h = {**headers, "content-type": "application/json", "accept": "text/event-stream",
+         **(mock_behaviour(**behaviour) if behaviour else {})}
+    cmd = ["curl", "-sS", "-i", "-N", "--max-time", "30", "--noproxy", "", "-o", str(out),
+           "--data-binary", json.dumps(body)]
+    for k, v in h.items():
+        cmd += ["-H", f"{k}: {v}"]
+    return subprocess.Popen([*cmd, *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={"PATH": os.environ["PATH"]})
+
+
+def split_answer(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_socks5_mode_duplicates_attach_and_reach_the_https_upstream_once(tmp_path):
+    """A client of a ``socks5`` listener (curl ``--socks5-hostname``, TLS intercepted with
+    mitmproxy's CA): a duplicate while the turn streams attaches (the relay), a later one is
+    replayed: one upstream execution, identical bytes, SNI the target's name."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["socks5"]) as proxy:
+        args = ["--socks5-hostname", f"127.0.0.1:{proxy.port}", "--cacert", ca_of(proxy),
+                f"https://localhost:{front.port}/v1/responses"]
+        outs = [tmp_path / f"curl-{i}.out" for i in range(3)]
+        first = curl(args, outs[0], behaviour=SLOW)
+        wait_until(lambda: up.dispatches(), 20, what="the first dispatch")
+        wait_until(lambda: outs[0].exists() and b"response.created" in outs[0].read_bytes(),
+                   20, what="the first event")
+        dup = curl(args, outs[1])
+        assert dup.wait(60) == 0 and first.wait(60) == 0, (dup.stderr.read(), proxy.log_text())
+        assert curl(args, outs[2]).wait(60) == 0
+        (s0, h0, b0), (s1, h1, b1), (s2, h2, b2) = (split_answer(o.read_bytes()) for o in outs)
+        assert (s0, s1, s2) == (200, 200, 200)
+        assert h1.get("x-turnguard") == "attached", h1
+        assert h2.get("x-turnguard") == "replayed", h2
+        assert b1 == b0 and b2 == b0
+        assert sse_event_types(b0)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}
+        assert_no_traceback(proxy.log_text())
+
+
+def test_upstream_mode_behind_a_proxy_duplicates_are_held_and_replayed_over_tls(tmp_path):
+    """``upstream:`` mode in front of a corporate proxy (a plain mitmdump in regular mode) to
+    an https upstream: a duplicate while the turn streams is held (the relay cannot stand in
+    for the upstream proxy), then answered with the same bytes; the upstream ran it once,
+    and every upstream connection went through the corporate proxy (its CONNECT)."""
+    seen = tmp_path / "seen.py"
+    seen.write_text("import logging\n"
+                    "def http_connect(flow):\n"
+                    "    logging.warning('corp CONNECT %s', flow.request.authority)\n")
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            Mitmdump(tmp_path, None, modes=["regular"], addon=seen, name="corp",
+                     options={"ssl_verify_upstream_trusted_ca": str(front.cert)}) as corp, \
+            tls_proxy(tmp_path, front, [f"upstream:{corp.url}"],
+                      ssl_verify_upstream_trusted_ca=str(corp.confdir / "mitmproxy-ca-cert.pem"),
+                      turnguard_detach_ms=20000) as proxy:
+        target = f"https://localhost:{front.port}/v1/responses"
+
+        async def run():
+            first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
+                                                    behaviour=SLOW))
+            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+            dup = await stream_post(proxy.url, target, ca_of(proxy), delay_s=0.6)
+            return await first, dup
+        first, dup = asyncio.run(run())
+        assert first["status"] == 200 and first["error"] is None, first
+        assert dup["status"] == 200 and dup["error"] is None, dup
+        assert dup["headers"].get("x-turnguard") == "replayed", dup["headers"]
+        assert dup["body"] == first["body"]
+        assert len(up.dispatches()) == 1
+        assert corp.log_text().count("corp CONNECT localhost:") >= 1
+        assert len(front.connections()) == corp.log_text().count("corp CONNECT localhost:")
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_regular_mode_a_kept_alive_connection_after_an_attach_reaches_the_upstream(tmp_path,
+                                                                                   http2):
+    """One client connection through a CONNECT tunnel (kept alive) first gets a duplicate
+    answered through the relay, then sends a new turn and a retry of the first: the new
+    turn goes to the https upstream (over TLS, SNI the target's), the retry is replayed."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=http2) as front, \
+            tls_proxy(tmp_path, front, ["regular"]) as proxy:
+        target = f"https://localhost:{front.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
+                                                    behaviour=SLOW, http2=http2))
+            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+            async with httpx.AsyncClient(proxy=proxy.url, trust_env=False, timeout=30,
+                                         http2=http2,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                await asyncio.sleep(0.6)
+                dup = await c.post(target, headers=h, json=BODY)
+                new = await c.post(target, headers=h, json={**BODY, "input": "next turn"})
+                again = await c.post(target, headers=h, json=BODY)
+            return await first, dup, new, again
+        first, dup, new, again = asyncio.run(run())
+        assert dup.headers.get("x-turnguard") == "attached", dup.headers
+        assert dup.content == first["body"]
+        assert new.status_code == 200 and new.headers.get("x-turnguard") is None, new.headers
+        assert sse_event_types(new.content)[-1] == "response.completed"
+        assert again.headers.get("x-turnguard") == "replayed" and again.content == first["body"]
+        assert len(up.dispatches()) == 2
+        assert {c["sni"] for c in front.connections()} == {"localhost"}
+        assert_no_traceback(proxy.log_text())
+
