@@ -370,3 +370,22 @@ def test_regular_mode_a_kept_alive_connection_after_an_attach_reaches_the_upstre
         assert {c["sni"] for c in front.connections()} == {"localhost"}
         assert_no_traceback(proxy.log_text())
 
+
+def test_regular_mode_a_detached_call_keeps_the_tunnels_sni_when_the_host_names_another(
+        tmp_path):
+    """A client tunnels to ``localhost:PORT`` (CONNECT, SNI ``localhost``) and names a
+    virtual host in ``Host`` (a gateway that routes by it, behind a certificate of its own
+    name). The detached call must reach the upstream as the direct call would: over the
+    same TLS, SNI ``localhost``. It sent the ``Host`` header's name as SNI instead, which
+    the upstream's certificate does not cover: the call failed where the direct one works."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["regular"], turnguard_detach_ms=20000) as proxy:
+        target = f"https://localhost:{front.port}/v1/responses"
+        vhost = {**HEADERS, "host": "gateway.test"}
+        got = asyncio.run(stream_post(proxy.url, target, ca_of(proxy), headers=vhost))
+        assert got["error"] is None and got["status"] == 200, (got, proxy.log_text())
+        assert sse_event_types(got["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+        assert_no_traceback(proxy.log_text())
+

@@ -141,6 +141,26 @@ def test_the_replay_handler_detached_dispatches_run_on_still_exists():
     assert "transports" in inspect.getsource(ConnectionHandler.__init__)
 
 
+def test_a_replay_handlers_server_name_is_its_layer_contexts_servers():
+    """A detached call sends the server name of the flow's own connection: set on the server
+    ``ReplayHandler`` puts in its layer's context, the one its connection is made for."""
+    from mitmproxy.addons.clientplayback import ReplayHandler
+    from mitmproxy.options import Options
+    from mitmproxy.test import tflow
+
+    from turnguard_core.proxy_internals import set_replay_server_name
+
+    flow = tflow.tflow()
+    flow.request.scheme, flow.request.host, flow.request.port = "https", "localhost", 8443
+    flow.request.headers["host"] = "virtual.example"
+    handler = ReplayHandler(flow, Options())
+    assert handler.layer.context.server.sni == "virtual.example"  # the Host header's
+    assert handler.layer.context.server.address == ("localhost", 8443)
+    assert set_replay_server_name(handler, "localhost") is None
+    assert handler.layer.context.server.sni == "localhost"
+    assert "internals changed" in set_replay_server_name(object(), "x")
+
+
 def test_a_response_made_without_its_type_checks_is_what_response_make_makes():
     """flows.make_response relies on a response's state being its ``data`` (a ``ResponseData``
     whose attributes are its fields) and on Response.make being that state's constructor plus

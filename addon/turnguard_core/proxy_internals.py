@@ -21,7 +21,10 @@ of these, ``cut_upstream`` returns a reason instead of raising, and
 Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
 client is a stand-in, so the upstream call outlives the real client's connection;
-``cut_handler_upstream`` cuts it as above.
+``cut_handler_upstream`` cuts it as above. Its upstream connection is made for the server it
+puts in its layer's context (``handler.layer.context.server``), with the ``Host`` header's host
+as its TLS server name; ``set_replay_server_name`` gives it the name the flow's own connection
+has instead.
 
 Injecting WebSocket messages. mitmproxy's ``inject.websocket`` command checks its arguments
 against the method's signature on every call (``inspect.signature``: about 0.1 ms a message
@@ -84,6 +87,17 @@ def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> 
     if handler is None:
         return "client connection is gone"
     return cut_handler_upstream(handler, server_conn, reason)
+
+
+def set_replay_server_name(handler, sni: str) -> str | None:
+    """Make the ``ReplayHandler`` ``handler`` send ``sni`` as its upstream connection's TLS
+    server name (mitmproxy's ``HttpLayer.get_connection`` takes its context's server's name
+    for a connection to that server's address). None when set, else why not."""
+    server = getattr(getattr(getattr(handler, "layer", None), "context", None), "server", None)
+    if server is None or not hasattr(server, "sni"):
+        return "replay handler has no layer context server (mitmproxy internals changed?)"
+    server.sni = sni
+    return None
 
 
 def cut_handler_upstream(handler, server_conn, reason: str) -> str | None:

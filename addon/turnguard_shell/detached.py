@@ -4,7 +4,8 @@ a connection turnguard owns, so that it outlives its client.
 mitmproxy closes a flow's server connection with its client's connection. For a detached
 dispatch the request is copied into a flow of turnguard's own (its metadata says
 ``detached``), which mitmproxy's own client-replay handler runs (``ReplayHandler``: the same
-upstream, TLS settings, HTTP/2 and addons as any flow; mitmweb shows it as a replay). That
+upstream, TLS settings, HTTP/2 and addons as any flow, and the TLS server name the client's
+flow would send, ``server_name``; mitmweb shows it as a replay). That
 flow is the attempt; the client's flow attaches to its live response through the relay, as a
 duplicate does, from its first byte. When every client has left before the end, the call goes
 on without one for ``turnguard_detach_ms``, so that a retry attaches to it (or, once it
@@ -17,8 +18,9 @@ once-mode recovery dispatch runs detached whatever ``turnguard_detach_ms`` says 
 it was used (a retry came for it meanwhile: it attached, or waited for its end to replay it)
 and how it ended.
 
-The mitmproxy internals used (``ReplayHandler``, cutting its server connection) are named
-here and in ``turnguard_core.proxy_internals``, and checked by ``tests/test_proxy_internals``.
+The mitmproxy internals used (``ReplayHandler``, the server name its context's server gets,
+cutting its server connection) are named here and in ``turnguard_core.proxy_internals``, and
+checked by ``tests/test_proxy_internals``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from mitmproxy import ctx, http
 from mitmproxy.addons.clientplayback import ReplayHandler
 
 from turnguard_core.live import LiveResponse
-from turnguard_core.proxy_internals import cut_handler_upstream
+from turnguard_core.proxy_internals import cut_handler_upstream, set_replay_server_name
 
 from .inflight import STALL_GRACE_S, STALL_GRACES, STALL_LATE_S
 
@@ -85,6 +87,22 @@ class Detached:
     window_s: float = 0.0  # how long it goes on without a client
     cut_reason: str | None = None
     timer: asyncio.TimerHandle | None = None
+
+
+def server_name(flow: http.HTTPFlow) -> str:
+    """The TLS server name (SNI) mitmproxy gives ``flow``'s own upstream connection, which its
+    detached call must send too (mitmproxy's ``HttpLayer.get_connection``): when the request
+    goes where the flow's connection goes (a ``CONNECT`` tunnel's target, a reverse or
+    transparent mode's upstream), that connection's name (the client's SNI, a reverse mode's
+    host), else the client's SNI, else the host connected to; a request sent elsewhere, the
+    host connected to. ``ReplayHandler`` names the ``Host`` header's host instead: a request
+    naming a virtual host (``Host`` other than the tunnel's target) went out with another SNI,
+    which the upstream's certificate need not cover (the call failed where the flow's own
+    would work), or which selects another site."""
+    req, server = flow.request, flow.server_conn
+    if server.address is not None and tuple(server.address) == (req.host, req.port):
+        return server.sni or flow.client_conn.sni or req.host
+    return req.host
 
 
 def why_not_detached(flow: http.HTTPFlow) -> str | None:
@@ -163,6 +181,11 @@ class Detacher:
                              f"{d.client_flow_id}, detached from its client (it goes on "
                              "without one for turnguard_detach_ms)")
         d.handler = ReplayHandler(up, _ListenerOptions(ctx.options, up))
+        if up.request.scheme == "https":
+            why_not = set_replay_server_name(d.handler, server_name(up))
+            if why_not is not None:
+                logger.warning("turnguard: the detached call of %s goes with mitmproxy's "
+                               "server name (%s)", d.client_flow_id, why_not)
         d.task = asyncio.get_running_loop().create_task(d.handler.replay())
         d.task.add_done_callback(lambda t: _log_failure(t, up.id))
 
