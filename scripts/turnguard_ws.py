@@ -53,20 +53,37 @@ class WsClient:
     @classmethod
     def connect(cls, url: str, *, path: str = "/v1/responses",
                 headers: dict[str, str] | None = None, ssl=None,
-                server_hostname: str | None = None) -> "_Connecting":
+                server_hostname: str | None = None,
+                proxy: str | None = None) -> "_Connecting":
         """``ssl``: an ``ssl.SSLContext`` to speak TLS (wss) with, ``server_hostname`` the
-        name to send as SNI and check the certificate against (default: the URL's host)."""
+        name to send as SNI and check the certificate against (default: the URL's host).
+        ``proxy``: an HTTP proxy's ``http://HOST:PORT``, through which the socket is tunnelled
+        (``CONNECT`` to the URL's host and port, then TLS if ``ssl``)."""
         return _Connecting(url, path, {**CODEX_HEADERS, **(headers or {})}, ssl,
-                           server_hostname)
+                           server_hostname, proxy)
 
     @classmethod
     async def open(cls, url: str, path: str, headers: dict[str, str], ssl=None,
-                   server_hostname: str | None = None) -> "WsClient":
+                   server_hostname: str | None = None,
+                   proxy: str | None = None) -> "WsClient":
         parts = urlsplit(url)
-        tls = {} if ssl is None else {"ssl": ssl,
-                                      "server_hostname": server_hostname or parts.hostname}
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(parts.hostname, parts.port, **tls), TIMEOUT_S)
+        name = server_hostname or parts.hostname
+        if proxy is None:
+            tls = {} if ssl is None else {"ssl": ssl, "server_hostname": name}
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port, **tls), TIMEOUT_S)
+        else:
+            p = urlsplit(proxy)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(p.hostname, p.port), TIMEOUT_S)
+            writer.write(f"CONNECT {parts.hostname}:{parts.port} HTTP/1.1\r\n"
+                         f"Host: {parts.hostname}:{parts.port}\r\n\r\n".encode())
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
+            if answer.split(b" ", 2)[1:2] != [b"200"]:
+                writer.close()
+                raise UpgradeRejected(int(answer.split(b" ", 2)[1]))
+            if ssl is not None:
+                await asyncio.wait_for(writer.start_tls(ssl, server_hostname=name), TIMEOUT_S)
         path = parts.path.rstrip("/") + path
         ws = WSConnection(ConnectionType.CLIENT)
         extra = [(k.encode(), v.encode()) for k, v in headers.items()]
@@ -164,8 +181,8 @@ class WsClient:
 
 class _Connecting:
     def __init__(self, url: str, path: str, headers: dict[str, str], ssl=None,
-                 server_hostname: str | None = None):
-        self._args = (url, path, headers, ssl, server_hostname)
+                 server_hostname: str | None = None, proxy: str | None = None):
+        self._args = (url, path, headers, ssl, server_hostname, proxy)
         self._client: WsClient | None = None
 
     def __await__(self):

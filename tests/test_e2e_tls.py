@@ -389,3 +389,91 @@ def test_regular_mode_a_detached_call_keeps_the_tunnels_sni_when_the_host_names_
         assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
         assert_no_traceback(proxy.log_text())
 
+
+
+def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry(tmp_path):
+    """Codex over ``wss://`` through a regular-mode proxy (CONNECT, TLS intercepted): two
+    sockets sending the same call make one dispatch; a socket dropped mid-call leaves its
+    call detached (turnguard's own POST through the tunnel's upstream, over TLS, SNI the
+    target's) and the retry on a new socket attaches to it."""
+    from test_e2e_websocket import HEADERS as WS_HEADERS, call, user
+    from turnguard_ws import WsClient, types
+
+    thinking = {"default": {"kind": "ok", "think_ms": 2000, "events": 3}}
+    with MockUpstream(tmp_path, thinking) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["regular"], turnguard_detach_ms=30000,
+                      turnguard_response_created_timeout_ms=20000) as proxy:
+        tls = ssl.create_default_context(cafile=ca_of(proxy))
+        wss = f"https://localhost:{front.port}"
+
+        def connect():
+            return WsClient.connect(wss, headers=WS_HEADERS, ssl=tls, proxy=proxy.url)
+
+        async def two_then_drop_then_retry():
+            async def one(seed: int, delay: float):
+                await asyncio.sleep(delay)
+                async with connect() as c:
+                    await c.send(call([user("same call")], seed=seed))
+                    return await c.response()
+            both = await asyncio.gather(one(1, 0), one(2, 0.5))
+            async with connect() as a:
+                await a.send(call([user("think over the tunnel")], seed=1))
+                first = json.loads(await a.recv())
+                a.abort()
+            await asyncio.sleep(0.3)
+            async with connect() as b:
+                await b.send(call([user("think over the tunnel")], seed=2))
+                return both, first, await b.response()
+
+        (one_a, one_b), first, retried = asyncio.run(two_then_drop_then_retry())
+        assert one_a == one_b and types(one_a)[-1] == "response.completed", (one_a, one_b)
+        assert types(retried)[-1] == "response.completed", retried
+        assert retried[0] == first
+        assert len(up.dispatches()) == 2
+        detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"),
+                              what="upstream_detached")
+        assert detached[0]["outcome"] == "completed"
+        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+        assert_no_traceback(proxy.log_text())
+
+
+def test_two_listeners_a_detached_call_of_the_second_goes_its_own_way_over_tls(tmp_path):
+    """``--mode upstream:CORP@A --mode regular@B``: a client of B (CONNECT to the https
+    upstream) that leaves leaves a detached call that goes straight to the upstream as B's
+    flows do (never through A's corporate proxy), over TLS with the target's SNI; its retry
+    gets it. The same turn through A goes through the proxy: another upstream, no replay."""
+    seen = tmp_path / "seen.py"
+    seen.write_text("import logging\n"
+                    "def http_connect(flow):\n"
+                    "    logging.warning('corp CONNECT %s', flow.request.authority)\n")
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            Mitmdump(tmp_path, None, modes=["regular"], addon=seen, name="corp",
+                     options={"ssl_verify_upstream_trusted_ca": str(front.cert)}) as corp:
+        # the upstream's certificate, and the CA of the corporate proxy (which intercepts)
+        trusted = tmp_path / "trusted.pem"
+        trusted.write_bytes(front.cert.read_bytes()
+                            + (corp.confdir / "mitmproxy-ca-cert.pem").read_bytes())
+        with tls_proxy(tmp_path, front, [f"upstream:{corp.url}@127.0.0.1:0",
+                                         "regular@127.0.0.2:0"],
+                       ssl_verify_upstream_trusted_ca=str(trusted),
+                       turnguard_detach_ms=20000) as proxy:
+            two_listeners_over_tls(tmp_path, up, front, corp, proxy)
+
+
+def two_listeners_over_tls(tmp_path, up, front, corp, proxy) -> None:
+    target = f"https://localhost:{front.port}/v1/responses"
+    gone = asyncio.run(stream_post(proxy.urls[1], target, ca_of(proxy), timeout=1.0,
+                                   behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
+    assert gone["error"] is not None, gone
+    retry = asyncio.run(stream_post(proxy.urls[1], target, ca_of(proxy)))
+    assert retry["status"] == 200 and retry["error"] is None, (retry, proxy.log_text())
+    assert retry["headers"].get("x-turnguard") in ("attached", "replayed")
+    assert sse_event_types(retry["body"])[-1] == "response.completed"
+    assert len(up.dispatches()) == 1
+    assert "corp CONNECT" not in corp.log_text()
+    assert {c["sni"] for c in front.connections()} == {"localhost"}
+    through = asyncio.run(stream_post(proxy.urls[0], target, ca_of(proxy)))
+    assert through["status"] == 200 and through["headers"].get("x-turnguard") is None
+    assert len(up.dispatches()) == 2
+    assert corp.log_text().count("corp CONNECT localhost:") == 1
+    assert_no_traceback(proxy.log_text())
