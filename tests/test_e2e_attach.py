@@ -555,3 +555,39 @@ def test_an_attached_duplicate_keeps_its_host_and_authority_in_the_saved_flow(tm
     assert len(flows) == 2
     assert [fl.request.host_header for fl in flows] == ["site-b.example"] * 2, \
         [(fl.request.host_header, fl.request.host, fl.request.port) for fl in flows]
+
+
+def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(tmp_path):
+    """``turnguard_detach_max=1``: call A's client leaves, its retry attaches to A (A has a
+    client again); then call B's client leaves. Only B runs without a client: it must go on
+    (one call, the cap), not be cut at once as a second one; its retry gets it from the one
+    execution. B was cut ("turnguard_detach_max"): A still counted as clientless."""
+    a_body, b_body = {**BODY, "input": "call A"}, {**BODY, "input": "call B"}
+    h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=60000, turnguard_detach_max=1,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        async def run():
+            slow_a = mock_behaviour(kind="ok", delay_ms=1500, events=10, gap_ms=400)
+            async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
+                with pytest.raises(httpx.HTTPError):
+                    await c.post(proxy.url + "/v1/responses", json=a_body, headers={**h, **slow_a})
+            retry_a = asyncio.create_task(stream_post(proxy.url, body=a_body))
+            await asyncio.to_thread(lambda: wait_until(
+                lambda: turnguard_events(tmp_path, kind="duplicate_attached"), 20,
+                what="A's retry attached"))
+            slow_b = mock_behaviour(kind="ok", delay_ms=1500, events=3, gap_ms=100)
+            async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
+                with pytest.raises(httpx.HTTPError):
+                    await c.post(proxy.url + "/v1/responses", json=b_body, headers={**h, **slow_b})
+            done = await asyncio.to_thread(lambda: wait_until(
+                lambda: (e := turnguard_events(tmp_path, kind="upstream_detached"))
+                and len(e) == 2 and e, 30, what="both detached calls ended"))
+            retry_b = await stream_post(proxy.url, body=b_body)
+            return await retry_a, done, retry_b
+        retry_a, done, retry_b = asyncio.run(run())
+        assert [(e["cut"], e["outcome"]) for e in done] == [(None, "completed")] * 2, done
+        assert retry_a["status"] == 200 and sse_event_types(retry_a["body"])[-1] == "response.completed"
+        assert retry_b["status"] == 200 and sse_event_types(retry_b["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(proxy.log_text())

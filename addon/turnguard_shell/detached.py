@@ -131,8 +131,23 @@ class Detacher:
         return len(self._calls)
 
     def without_client(self) -> int:
-        """Detached calls running without any client now."""
+        """Detached calls running without any client now (one a retry attached to since its
+        client left has one again: it ends its time without one first)."""
+        for d in self._calls.values():
+            self._refresh(d)
         return sum(1 for d in self._calls.values() if d.orphan_since is not None)
+
+    def _refresh(self, d: Detached) -> None:
+        """A call without a client that a retry attached to since has a client again: its
+        time without one ends and its window is dropped (the retry's leaving, which
+        ``listener_left`` hears, starts another). Not so for a retry held waiting for it:
+        one that never attaches is not heard leaving, so that call keeps its window (which
+        counts such a retry as its client when it ends)."""
+        if d.orphan_since is not None and d.live.end is None and d.live.listeners > 0:
+            if d.timer is not None:
+                d.timer.cancel()
+                d.timer = None
+            self._back(d)
 
     def prepare(self, flow: http.HTTPFlow, base: dict, *, recovery: bool = False
                 ) -> tuple[http.HTTPFlow, LiveResponse]:
