@@ -477,3 +477,47 @@ def two_listeners_over_tls(tmp_path, up, front, corp, proxy) -> None:
     assert len(up.dispatches()) == 2
     assert corp.log_text().count("corp CONNECT localhost:") == 1
     assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.xfail(strict=True, reason="known defect, not fixed: the response-created "
+                   "timeout cancels the whole upstream connection (proxy_internals."
+                   "cut_upstream), which an HTTP/2 upstream shares between the client's streams")
+def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connection(tmp_path):
+    """An HTTP/2 client multiplexes two turns on one connection to an HTTP/2 upstream, which
+    mitmproxy carries on one upstream connection: one turn streams, the other is silent.
+    Cutting the silent one at ``turnguard_response_created_timeout_ms`` must not cut the one
+    that streams: it completes, once. It is reset with it (the whole connection is cut), its
+    client sees a broken stream, and its retry runs the turn again."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_response_created_timeout_ms=1500) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, behaviour):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={
+                                **h, **mock_behaviour(**behaviour)}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                streams = asyncio.create_task(one({**BODY, "input": "streams"},
+                                                  {"kind": "ok", "events": 12, "gap_ms": 300}))
+                await asyncio.sleep(0.3)
+                silent = await one({**BODY, "input": "silent"},
+                                   {"kind": "ok", "delay_ms": 8000})
+                return await streams, silent
+        streams, silent = asyncio.run(run())
+        assert silent["error"] is not None or silent.get("status") == 502, silent
+        assert streams["error"] is None, (streams, proxy.log_text())
+        assert sse_event_types(streams["body"])[-1] == "response.completed", streams
+        assert len(front.connections()) >= 1
+        assert_no_traceback(proxy.log_text())
