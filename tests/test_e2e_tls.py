@@ -521,3 +521,22 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
         assert sse_event_types(streams["body"])[-1] == "response.completed", streams
         assert len(front.connections()) >= 1
         assert_no_traceback(proxy.log_text())
+
+
+def test_reverse_mode_keeping_the_host_header_a_detached_call_keeps_the_modes_sni(tmp_path):
+    """Reverse mode to ``https://localhost:PORT`` with ``keep_host_header``: the client's
+    ``Host`` names the proxy (127.0.0.1:P). Its flow's upstream connection sends SNI
+    ``localhost``; its detached call must too, not the proxy's address from ``Host``."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      keep_host_header=True, turnguard_detach_ms=20000) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        gone = asyncio.run(stream_post(None, url, ca_of(proxy), timeout=1.0,
+                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
+        assert gone["error"] is not None, gone
+        retry = asyncio.run(stream_post(None, url, ca_of(proxy)))
+        assert retry["status"] == 200 and retry["error"] is None, retry
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+        assert_no_traceback(proxy.log_text())
