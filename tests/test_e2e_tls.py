@@ -540,3 +540,23 @@ def test_reverse_mode_keeping_the_host_header_a_detached_call_keeps_the_modes_sn
         assert len(up.dispatches()) == 1
         assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
         assert_no_traceback(proxy.log_text())
+
+
+def test_socks5_mode_a_detached_call_whose_client_left_reaches_the_https_upstream(tmp_path):
+    """A ``socks5`` client that gives up mid-turn leaves its call detached (its listener's
+    mode: straight to the upstream, over TLS with the target's SNI); its retry gets it."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["socks5"], turnguard_detach_ms=20000) as proxy:
+        args = ["--socks5-hostname", f"127.0.0.1:{proxy.port}", "--cacert", ca_of(proxy),
+                f"https://localhost:{front.port}/v1/responses"]
+        gone = curl(["--max-time", "1", *args], tmp_path / "gone.out",
+                    behaviour={"kind": "ok", "events": 4, "gap_ms": 1500})
+        assert gone.wait(60) != 0  # curl gave up (its time limit)
+        out = tmp_path / "retry.out"
+        assert curl(args, out).wait(60) == 0
+        status, headers, body = split_answer(out.read_bytes())
+        assert status == 200 and headers.get("x-turnguard") in ("attached", "replayed")
+        assert sse_event_types(body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        assert {c["sni"] for c in front.connections()} == {"localhost"}
+        assert_no_traceback(proxy.log_text())
