@@ -571,7 +571,8 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
             slow_a = mock_behaviour(kind="ok", delay_ms=1500, events=10, gap_ms=400)
             async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
                 with pytest.raises(httpx.HTTPError):
-                    await c.post(proxy.url + "/v1/responses", json=a_body, headers={**h, **slow_a})
+                    await c.post(proxy.url + "/v1/responses", json=a_body,
+                                 headers={**h, **slow_a})
             retry_a = asyncio.create_task(stream_post(proxy.url, body=a_body))
             await asyncio.to_thread(lambda: wait_until(
                 lambda: turnguard_events(tmp_path, kind="duplicate_attached"), 20,
@@ -579,7 +580,8 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
             slow_b = mock_behaviour(kind="ok", delay_ms=1500, events=3, gap_ms=100)
             async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
                 with pytest.raises(httpx.HTTPError):
-                    await c.post(proxy.url + "/v1/responses", json=b_body, headers={**h, **slow_b})
+                    await c.post(proxy.url + "/v1/responses", json=b_body,
+                                 headers={**h, **slow_b})
             done = await asyncio.to_thread(lambda: wait_until(
                 lambda: (e := turnguard_events(tmp_path, kind="upstream_detached"))
                 and len(e) == 2 and e, 30, what="both detached calls ended"))

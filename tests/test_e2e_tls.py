@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
+import re
 import ssl
-import time
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -55,7 +55,7 @@ class TlsFront(_ServerProcess):
              "--cert", str(self.cert), "--key", str(key), "--log", str(self.log_path),
              *(["--h2"] if h2 else [])],
             tmp_path / f"{name}.out", popen=mitmdump_forks.popen)
-        m = self.process.wait_for_line(__import__("re").compile(tls_front.LINE), 20, "tls front")
+        m = self.process.wait_for_line(re.compile(tls_front.LINE), 20, "tls front")
         self.url, self.port = m.group(1), int(m.group(2))
 
     def connections(self) -> list[dict]:
@@ -83,8 +83,9 @@ async def stream_post(proxy_url: str | None, target: str, ca: str, *, headers=HE
     h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
          **(mock_behaviour(**behaviour) if behaviour else {})}
     out: dict = {"error": None, "body": b""}
-    async with httpx.AsyncClient(proxy=proxy_url, verify=ssl.create_default_context(cafile=ca), trust_env=False, timeout=timeout,
-                                 http2=http2) as c:
+    tls = ssl.create_default_context(cafile=ca)
+    async with httpx.AsyncClient(proxy=proxy_url, verify=tls, trust_env=False,
+                                 timeout=timeout, http2=http2) as c:
         try:
             async with c.stream("POST", target, headers=h, json=body) as r:
                 out["status"], out["headers"] = r.status_code, dict(r.headers)
