@@ -172,6 +172,31 @@ def test_a_completed_call_is_replayed_on_a_new_socket_and_to_its_post_fallback(t
         assert [r["transport"] for r in replayed] == ["ws", "http"]
 
 
+def test_a_call_without_stream_is_never_replayed_as_events_to_a_post_that_asked_for_json(
+        tmp_path):
+    """A call on a socket is answered with events whatever its ``stream`` says (events are all
+    that transport has): it is the POST that asks for an event stream. The same body POSTed
+    without ``"stream": true`` asks for one JSON response object: another answer, so another
+    operation, never the socket's events replayed."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")], seed=1)
+        del frame["stream"]
+        first = asyncio.run(one_call(p.url, frame))
+        assert types(first)[-1] == "response.completed"
+        status, headers, body = sse_post(p.url, body=post_fallback(frame),
+                                         headers={**HEADERS, "accept": "application/json"})
+        assert status == 200 and headers.get("x-turnguard") != "replayed"
+        assert headers.get("content-type", "").startswith("application/json")
+        assert json.loads(body)["status"] == "completed"
+        assert len(up.dispatches()) == 2
+        # the POST that does ask for events is the socket's call: replayed, not run again
+        status, headers, body = sse_post(p.url, body={**post_fallback(frame), "stream": True},
+                                         headers={**HEADERS, "accept": "text/event-stream"})
+        assert status == 200 and headers.get("x-turnguard") == "replayed"
+        assert [data for _, data in parse_sse(body)] == first
+        assert len(up.dispatches()) == 2
+
+
 def test_a_call_answered_over_http_is_replayed_on_a_socket(tmp_path):
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
         frame = call([user("hi")], seed=3)

@@ -40,7 +40,9 @@ tuple, so no two different tuples share an encoding.
 * ``fingerprint`` = sha256 hex of ``canonical_json(operation_body(body))``: stable under key
   order and whitespace, and blind to the fields only a transport adds (``operation_body``), so
   a Responses call sent as a WebSocket ``response.create`` frame, its retries and its HTTP
-  POST fallback have one fingerprint.
+  POST fallback have one fingerprint. A frame is identified as the POST it stands for
+  (``socket_call_body``: with ``"stream": true``, since a socket answers with events whatever
+  the frame says), never as a POST that asks for one JSON object.
 * ``op_key`` = hash(scope, session or "", METHOD, route, "idem:"+idempotency_key or
   "body:"+fingerprint). The same Idempotency-Key with another body has the same op_key and a
   different fingerprint (the caller answers 422).
@@ -70,6 +72,7 @@ __all__ = [
     "identify",
     "operation_body",
     "parse_json_object",
+    "socket_call_body",
     "split_target",
 ]
 
@@ -239,6 +242,18 @@ def operation_body(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(meta, dict) and any(_ws_only_metadata(k) for k in meta):
         out = {**out, "client_metadata": {k: v for k, v in meta.items()
                                           if not _ws_only_metadata(k)}}
+    return out
+
+
+def socket_call_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A call sent as a WebSocket ``response.create`` frame as the HTTP POST it stands for:
+    ``operation_body(body)`` with ``"stream": true``. Its answer is a stream of events whatever
+    the frame says of ``stream`` (events are all that transport carries), which over HTTP is
+    what a POST asking ``"stream": true`` gets; a POST without it asks for one JSON response
+    object, another answer, so another operation. ``body`` is never changed."""
+    out = operation_body(body)
+    if out.get("stream") is not True:
+        out = {**out, "stream": True}
     return out
 
 

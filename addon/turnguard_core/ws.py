@@ -42,7 +42,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .identity import WS_FRAME_TYPE, Passthrough, canonical_json, parse_json_object
+from .identity import (WS_FRAME_TYPE, Passthrough, canonical_json, parse_json_object,
+                       socket_call_body)
 from .records import record
 from .sse import SseParser, terminal_kind
 
@@ -139,7 +140,10 @@ class FullRequest:
     unresolved: str | None = None
 
     def encoded(self) -> bytes:
-        return canonical_json(self.body)
+        """The call as the HTTP POST it stands for (``identity.socket_call_body``: without
+        its WebSocket-only fields, with ``"stream": true``), canonical JSON: what it is
+        identified as, and what goes upstream when it is sent as a POST (detached)."""
+        return canonical_json(socket_call_body(self.body))
 
 
 @dataclass(slots=True)

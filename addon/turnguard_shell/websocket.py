@@ -528,7 +528,7 @@ class WebSockets:
         HTTP POST Codex falls back to, on turnguard's own flow, whose events the socket gets
         as frames; a socket that drops leaves it running for its retry to attach to."""
         guard = self._guard
-        body = identity.canonical_json(identity.operation_body(full.body))
+        body = full.encoded()  # (with "stream": true: the socket's client wants events)
         up, live = guard.detacher.prepare_call(sock.flow, key, body, base)
         attempt = guard.inflight.start(up, ident, dispatch, scope)
         attempt.live = live
