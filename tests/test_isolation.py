@@ -33,6 +33,7 @@ from harness import (
     MockUpstream,
     assert_no_traceback,
     guarded,
+    parse_sse,
     post_turn,
     read_jsonl,
     response_id,
@@ -301,6 +302,28 @@ def test_requests_map_remote_sends_to_two_upstreams_never_share_a_recording(tmp_
             assert response_id(answers[1][2]) == response_id(answers[2][2]) \
                 != response_id(answers[0][2])
             assert_no_traceback(p.log_text())
+
+
+def test_a_body_modify_body_rewrites_is_identified_as_it_goes_upstream(tmp_path):
+    """mitmproxy's ``modify_body`` rewrites a request's body in its ``request`` hook, after
+    turnguard's, by a rule whose filter may read what is no part of the identity (here a
+    header): the body a request is identified by is the one that goes upstream, so the same
+    body rewritten to ask for another model is that model's operation, never answered from
+    the other's recording; a repeat of either is still replayed."""
+    turn = {"model": "m-small", "input": "the same prompt", "stream": True}
+    rule = "/~q & ~hq x-tier:.pro/m-small/m-big"  # (~q: the request only)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, modify_body=[rule]) as p:
+        answers = [post_turn(p.url, headers, turn)
+                   for headers in ({}, {"x-tier": "pro"}, {"x-tier": "pro"}, {})]
+        assert [a[0] for a in answers] == [200] * 4
+        models = [[d["response"].get("model") for _, d in parse_sse(a[2])
+                   if isinstance(d, dict) and isinstance(d.get("response"), dict)][-1]
+                  for a in answers]
+        assert models == ["m-small", "m-big", "m-big", "m-small"]
+        assert [a[1].get("x-turnguard") for a in answers] \
+            == [None, None, "replayed", "replayed"]
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
 
 
 def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):

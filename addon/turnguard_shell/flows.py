@@ -75,13 +75,15 @@ def give_body_a_length(flow: http.HTTPFlow) -> None:
 
 
 def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | identity.Passthrough:
-    """What identity needs of the request, or why it cannot be guarded. A body with content
+    """What identity needs of the request (as it will be sent: ``_as_sent``), or why it
+    cannot be guarded. A body with content
     codings is decoded here when that stays within ``INLINE_MAX_BYTES``; past that it goes on
     encoded (``body_codings``), to be decoded with its identity off the event loop (a body of a
     few kilobytes can decode to the whole bound, and each coding to as much again)."""
-    req = flow.request
-    if req.raw_content is None:
+    if flow.request.raw_content is None:
         return identity.Passthrough("request body is streamed")
+    sent = _as_sent(flow)  # (the body, URL and upstream it will go with)
+    req = sent or flow.request
     if len(req.raw_content) > max_body:
         return identity.Passthrough(f"body too large ({len(req.raw_content)} bytes > limit {max_body})")
     body: bytes | None = req.raw_content
@@ -93,35 +95,46 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
             pass  # decoded with its identity, in the worker
         except ValueError:
             body, codings = None, ()
-    return _view(flow, req.method, request_headers(flow), body, codings,
-                 target=_mapped_remote(flow))
+    return _view(flow, req.method, request_headers(flow), body, codings, target=sent)
 
 
-def _mapped_remote(flow: http.HTTPFlow) -> http.Request | None:
-    """The request as mitmproxy's ``map_remote`` will send it, when it sends it elsewhere
-    (None: it does not). ``map_remote`` changes a request's URL in its ``request`` hook, which
-    runs after the scripts' (turnguard's): the upstream and the path a request's identity
-    names are where it will go, so that two requests ``map_remote`` sends to two upstreams
-    (chosen by a header that is no part of the identity, say) never share an operation or a
-    recording. Its rules are applied as it applies them, to a copy of the flow."""
+def _as_sent(flow: http.HTTPFlow) -> http.Request | None:
+    """The request as mitmproxy's ``map_remote`` and ``modify_body`` will send it, when they
+    change it (None: they do not). Both change a request in their ``request`` hook, which runs
+    after the scripts' (turnguard's), by rules whose filters may read what is no part of the
+    identity (a header, say): the upstream, the path and the body a request's identity names
+    are those it will go with, so that two requests ``map_remote`` sends to two upstreams, or
+    whose bodies ``modify_body`` makes two (another model asked for), never share an operation
+    or a recording. Their rules are applied as they apply them (``map_remote`` first), to a copy
+    of the flow."""
     try:
-        specs = getattr(ctx.master.addons.get("mapremote"), "replacements", None)
+        addons = ctx.master.addons
+        remote = getattr(addons.get("mapremote"), "replacements", None)
+        body = getattr(addons.get("modifybody"), "replacements", None)
     except AttributeError:  # no master (unit tests)
         return None
-    if not specs:
+    if not remote and not body:
         return None
     probe = flow.copy()
-    for spec in specs:
+    for spec in remote or ():
         if spec.matches(probe):
             url = probe.request.pretty_url
             new_url = re.sub(spec.subject, spec.replacement, url)
             if url != new_url:
                 probe.request.url = new_url
-    mapped, req = probe.request, flow.request
-    if (mapped.scheme, mapped.host, mapped.port, mapped.path, mapped.host_header) \
-            == (req.scheme, req.host, req.port, req.path, req.host_header):
+    for spec in body or ():
+        if spec.matches(probe):
+            try:
+                replacement = spec.read_replacement()
+                probe.request.content = re.sub(spec.subject, lambda _: replacement,
+                                               probe.request.content, flags=re.DOTALL)
+            except (OSError, ValueError):  # as modify_body itself, it changes nothing then
+                continue  # (a body that cannot be decoded: identified as it is, undecodable)
+    sent, req = probe.request, flow.request
+    if (sent.scheme, sent.host, sent.port, sent.path, sent.host_header, sent.raw_content) \
+            == (req.scheme, req.host, req.port, req.path, req.host_header, req.raw_content):
         return None
-    return mapped
+    return sent
 
 
 def ws_call_view(flow: http.HTTPFlow, body: bytes) -> identity.RequestView | identity.Passthrough:

@@ -441,8 +441,8 @@ def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
     """Whether a user edited the request after turnguard identified it: mitmweb's intercept
     comes after turnguard's request hook, and its editor (or the console's) saves a backup
     of the flow first (``Flow.modified``). A change by an addon that runs after turnguard
-    (``map_remote``, ``modify_body``: the same for every retry) leaves no backup and is no
-    edit. Its response then answers that edited request only: it is neither recorded for
+    (``map_remote``, ``modify_body``: the request was identified as they send it,
+    ``flows._as_sent``) leaves no backup and is no edit. Its response then answers that edited request only: it is neither recorded for
     the operation nor attached to."""
     if sent_as is None or flow.request is None:
         return False
