@@ -326,6 +326,27 @@ def test_a_body_modify_body_rewrites_is_identified_as_it_goes_upstream(tmp_path)
         assert_no_traceback(p.log_text())
 
 
+def test_a_key_that_stickyauth_adds_is_part_of_the_principal(tmp_path):
+    """mitmproxy's ``stickyauth`` gives a request without ``Authorization`` the last one seen
+    for its host, in its ``request`` hook, after turnguard's: the principal is the key the
+    request goes upstream with. A request sent on another key than the one its recording was
+    made with is never answered from it; one sent on the same key is."""
+    turn = {"model": "m", "input": "the same prompt", "stream": True}
+    key = lambda k: {"authorization": f"Bearer sk-{k}"}  # noqa: E731
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, stickyauth="~q") as p:
+        answers = [post_turn(p.url, h, b) for h, b in (
+            (key("a"), turn),  # the key stickyauth keeps: a
+            ({}, turn),  # goes upstream on key a: a's request
+            (key("b"), {**turn, "input": "another prompt"}),  # the key it keeps: b
+            ({}, turn),  # goes upstream on key b: b's request, not a's
+        )]
+        assert [a[0] for a in answers] == [200] * 4
+        assert [a[1].get("x-turnguard") for a in answers] == [None, "replayed", None, None]
+        assert len(up.dispatches()) == 3
+        assert all(d["authorization_present"] for d in up.dispatches())
+        assert_no_traceback(p.log_text())
+
+
 def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):
     session = f"shared-{secrets.token_hex(4)}"
     db = rig.ledger

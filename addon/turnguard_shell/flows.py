@@ -95,25 +95,34 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
             pass  # decoded with its identity, in the worker
         except ValueError:
             body, codings = None, ()
-    return _view(flow, req.method, request_headers(flow), body, codings, target=sent)
+    headers = request_headers(flow) if sent is None else headers_of(sent)
+    return _view(flow, req.method, headers, body, codings, target=sent)
+
+
+# mitmproxy's addons that add credentials to a request in their ``request`` hook (after
+# turnguard's) when their filter is set: ``stickyauth`` (the last Authorization seen for the
+# host, to a request without one) and ``stickycookie`` (its cookie jar's cookies).
+_STICKY = ("stickyauth", "stickycookie")
 
 
 def _as_sent(flow: http.HTTPFlow) -> http.Request | None:
-    """The request as mitmproxy's ``map_remote`` and ``modify_body`` will send it, when they
-    change it (None: they do not). Both change a request in their ``request`` hook, which runs
-    after the scripts' (turnguard's), by rules whose filters may read what is no part of the
-    identity (a header, say): the upstream, the path and the body a request's identity names
-    are those it will go with, so that two requests ``map_remote`` sends to two upstreams, or
-    whose bodies ``modify_body`` makes two (another model asked for), never share an operation
-    or a recording. Their rules are applied as they apply them (``map_remote`` first), to a copy
-    of the flow."""
+    """The request as mitmproxy's ``map_remote``, ``modify_body``, ``stickyauth`` and
+    ``stickycookie`` will send it, when they change it (None: they do not). They change a
+    request in their ``request`` hook, which runs after the scripts' (turnguard's), by rules
+    whose filters may read what is no part of the identity (a header, say), or from what
+    other requests left (the sticky ones): the upstream, the path, the body and the
+    credentials a request's identity names are those it will go with, so that two requests
+    ``map_remote`` sends to two upstreams, whose bodies ``modify_body`` makes two (another
+    model asked for) or that go on two keys never share an operation or a recording. They are
+    applied as they apply themselves, in mitmproxy's order, to a copy of the flow."""
     try:
         addons = ctx.master.addons
         remote = getattr(addons.get("mapremote"), "replacements", None)
         body = getattr(addons.get("modifybody"), "replacements", None)
+        sticky = [a for a in map(addons.get, _STICKY) if getattr(a, "flt", None) is not None]
     except AttributeError:  # no master (unit tests)
         return None
-    if not remote and not body:
+    if not remote and not body and not sticky:
         return None
     probe = flow.copy()
     for spec in remote or ():
@@ -130,9 +139,12 @@ def _as_sent(flow: http.HTTPFlow) -> http.Request | None:
                                                probe.request.content, flags=re.DOTALL)
             except (OSError, ValueError):  # as modify_body itself, it changes nothing then
                 continue  # (a body that cannot be decoded: identified as it is, undecodable)
+    for addon in sticky:  # (they change nothing but the flow they are given, and stickyauth
+        addon.request(probe)  # learns a key as it will from the request itself)
     sent, req = probe.request, flow.request
-    if (sent.scheme, sent.host, sent.port, sent.path, sent.host_header, sent.raw_content) \
-            == (req.scheme, req.host, req.port, req.path, req.host_header, req.raw_content):
+    if (sent.scheme, sent.host, sent.port, sent.path, sent.host_header, sent.raw_content,
+            sent.headers.fields) == (req.scheme, req.host, req.port, req.path,
+                                     req.host_header, req.raw_content, req.headers.fields):
         return None
     return sent
 
