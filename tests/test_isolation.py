@@ -347,6 +347,28 @@ def test_a_key_that_stickyauth_adds_is_part_of_the_principal(tmp_path):
         assert_no_traceback(p.log_text())
 
 
+def test_an_answer_map_local_gives_is_never_a_recording(tmp_path):
+    """mitmproxy's ``map_local`` answers a request from a local file in its ``request`` hook,
+    after turnguard's (here chosen by a header that is no part of the identity): that answer
+    never went upstream and is no answer of the operation's, so it is never recorded nor
+    replayed to a request that goes upstream."""
+    turn = {"model": "m", "input": "the same prompt", "stream": False}
+    canned = tmp_path / "canned.json"
+    canned.write_text('{"object": "response", "id": "resp_canned", "status": "completed"}')
+    rule = f"|~q & ~hq x-canned:.1|/v1/responses|{canned}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, map_local=[rule]) as p:
+        answers = [post_turn(p.url, h, turn) for h in ({"x-canned": "1"}, {}, {})]
+        assert [a[0] for a in answers] == [200] * 3
+        assert [response_id(a[2]) == "resp_canned" for a in answers] == [True, False, False]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None, "replayed"]
+        assert len(up.dispatches()) == 1
+        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+                if e["event"] == "outcome"]
+        assert ends[0]["replayable"] is False
+        assert ends[0]["not_replayable_reason"] == "answered by an addon, not by the upstream"
+        assert_no_traceback(p.log_text())
+
+
 def test_the_same_session_id_of_two_principals_is_two_durable_sessions(rig):
     session = f"shared-{secrets.token_hex(4)}"
     db = rig.ledger

@@ -72,6 +72,7 @@ class Attempt:
     flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
     sent_as: tuple | None = field(default=None, repr=False)  # its request when dispatched
     edited: bool = False  # a user edited its request after it was identified
+    answered_here: bool = False  # an addon answered it: nothing went upstream
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -222,6 +223,15 @@ class InFlight:
             return
         resp = flow.response
         attempt.status = resp.status_code
+        if resp.raw_content is not None:
+            # Its body is here with its headers: an addon that runs after turnguard made it in
+            # its ``request`` hook (``map_local``, ``server_replay``, a script; mitmproxy then
+            # calls this hook itself) and nothing went upstream. It answers this request only:
+            # no tee, so it is never recorded, attached to or replayed (its end reads it whole,
+            # keeping nothing).
+            attempt.stop_timer()
+            attempt.answered_here = True
+            return
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         is_sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
         ok = 200 <= resp.status_code < 300
@@ -425,7 +435,9 @@ class InFlight:
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
-            not_recordable="request edited after it was identified" if edited else not_read,
+            not_recordable="request edited after it was identified" if edited
+            else "answered by an addon, not by the upstream" if attempt.answered_here
+            else not_read,
         )
 
 
