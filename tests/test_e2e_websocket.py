@@ -1013,6 +1013,19 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
            f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")
 
 
+def test_a_detached_call_without_stream_gets_its_events(tmp_path):
+    """A call detached from its socket goes upstream as the HTTP POST it stands for, one that
+    asks for an event stream whatever the frame said of ``stream`` (a POST without it would be
+    answered with one JSON object, no events for the socket)."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, turnguard_detach_ms=30000) as p:
+        frame = call([user("no stream key")], seed=1)
+        del frame["stream"]
+        got = asyncio.run(one_call(p.url, frame))
+        assert types(got)[0] == "response.created" and types(got)[-1] == "response.completed"
+        assert [d["transport"] for d in up.dispatches()] == ["http"]
+        assert_no_traceback(p.log_text())
+
+
 def test_a_socket_whose_key_is_its_subprotocol_is_not_detached_without_it(tmp_path):
     """A browser's client sends its key as ``Sec-WebSocket-Protocol``, the one header a POST
     cannot carry: with ``turnguard_detach_ms`` such a socket's call goes upstream on the
