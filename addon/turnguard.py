@@ -8,6 +8,7 @@ the loop of ``TurnGuard._guard`` over the states of ``turnguard_core.machine``.
 """
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -489,12 +490,18 @@ class TurnGuard:
         hold_until = state.hold_deadline if state.held_since is not None else \
             policy.hold_deadline(time.monotonic(), hold_timeout_s=req.hold_timeout_s,
                                  budget_deadline=req.budget_deadline)
+        guard, window_s = cfg.guard, self._replay_window_s(ident)
+        if ident.conversation and ident.idempotency_key is None and state.held_since is None:
+            # a completed turn of a conversation is no answer to the same body sent after it:
+            # that is the conversation's next turn (identity's ``conversation``). One held on
+            # its attempt while it ran (admitted again now) came before: its duplicate.
+            guard, window_s = dataclasses.replace(guard, replay=False), None
         return await self.store.admit(
             ident, method=method, route=ident.route, flow_id=req.flow_id,
             circuit_scope=scope, recovery=state.recovery,
             once_mode=policy.recovery_is_once(cfg.recovery_mode),
-            in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=cfg.guard,
-            window_s=self._replay_window_s(ident), threshold=cfg.circuit.threshold,
+            in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=guard,
+            window_s=window_s, threshold=cfg.circuit.threshold,
             deadline=deadline, transport=req.transport, hold_until=hold_until)
 
     # -- the original's response -----------------------------------------------------------------

@@ -328,3 +328,39 @@ def test_a_compressed_body_is_guarded_and_a_decompression_bomb_passes_untouched(
         assert reasons == ["body could not be decoded"] * 3
         assert _peak_rss_kb(proxy.pid) - peak_before < 32 * 1024  # never decoded here
         assert_no_traceback(proxy.log_text())
+
+
+def test_a_turn_of_a_conversation_sent_again_after_it_completed_goes_upstream(tmp_path):
+    """A Responses request that names a ``conversation`` is answered from the conversation's
+    state upstream, which its own turn changed once it completed: the same body sent again
+    afterwards is the conversation's next turn (a user who says "yes" twice), never answered
+    from the first one's recording. A duplicate of it sent while it runs is still held and
+    answered from it, and a repeat with its ``Idempotency-Key`` is still replayed."""
+    turn = {"model": "m", "conversation": "conv_1", "input": "yes", "stream": True}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as p:
+        answers = [sse_post(p.url, body=turn, headers=HEADERS) for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None]
+        assert response_id(answers[0][2]) != response_id(answers[1][2])
+        assert len(up.dispatches()) == 2
+        keyed = {**HEADERS, "idempotency-key": "turn-7"}
+        again = [sse_post(p.url, body={**turn, "input": "no"}, headers=keyed) for _ in range(2)]
+        assert [a[1].get("x-turnguard") for a in again] == [None, "replayed"]
+        assert len(up.dispatches()) == 3
+
+        async def while_it_runs():
+            slow = {**HEADERS, "x-mock-behaviour": json.dumps({"kind": "slow", "delay_ms": 4000})}
+            first = asyncio.create_task(asse_post(p.url, body={**turn, "input": "hold"},
+                                                  headers=slow))
+            for _ in range(500):  # until it runs upstream
+                if len(up.dispatches()) == 4:
+                    break
+                await asyncio.sleep(0.02)
+            duplicate = await asse_post(p.url, body={**turn, "input": "hold"}, headers=HEADERS)
+            return await first, duplicate
+
+        first, duplicate = asyncio.run(while_it_runs())
+        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+        assert response_id(duplicate[2]) == response_id(first[2])
+        assert len(up.dispatches()) == 4
+        assert_no_traceback(p.log_text())

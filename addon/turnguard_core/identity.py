@@ -46,6 +46,10 @@ tuple, so no two different tuples share an encoding.
 * ``op_key`` = hash(scope, session or "", METHOD, route, "idem:"+idempotency_key or
   "body:"+fingerprint). The same Idempotency-Key with another body has the same op_key and a
   different fingerprint (the caller answers 422).
+* ``conversation``: the body names a Responses ``conversation`` (a non-empty value). The
+  upstream answers such a request from the conversation's items, to which its own turn is
+  added once it completes: the same body sent again afterwards is the conversation's next
+  turn, not this one (the caller replays a completed one only with an Idempotency-Key).
 """
 
 from __future__ import annotations
@@ -187,6 +191,9 @@ class Identity:
     idempotency_key: str | None
     fingerprint: str
     op_key: str
+    # the body names a ``conversation``: the upstream answers it from state its own turn
+    # changes, so a completed one answers only the duplicates that came while it ran
+    conversation: bool = False
 
     @property
     def op_id(self) -> str:
@@ -336,6 +343,7 @@ def _identify(
         idempotency_key=idempotency_key,
         fingerprint=fingerprint,
         op_key=op_key,
+        conversation=body.get("conversation") not in (None, "", {}),
     )
 
 
