@@ -448,8 +448,7 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
     marker = f"BODY-MARKER-{secrets.token_hex(6)}"
     live_options = Path(__file__).with_name("live_options.py")
     ledger = tmp_path / "ledger.sqlite3"
-    # a stream of about 9 s: the switch lands while it streams, on a busy machine too
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 30, "gap_ms": 300,
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 12, "gap_ms": 300,
                                              "text": marker}}) as up, \
             Mitmdump(tmp_path, up.url, extra_args=["-s", str(live_options)], options={
                 "turnguard_ledger": str(ledger),
@@ -459,6 +458,9 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
         with ThreadPoolExecutor(max_workers=1) as pool:
             first = pool.submit(post, p.url, h, body)
             up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            # the response is streaming (its headers, and a first event, passed the tee)
+            wait_until(lambda: query(ledger, "SELECT MAX(events_seen) FROM attempts") == [(1,)],
+                       20, what="the turn's first event")
             r = httpx.post(p.url + "/__set", json=["turnguard_replay=false"], trust_env=False,
                            timeout=20)
             assert r.status_code == 200, r.text

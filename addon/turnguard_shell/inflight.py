@@ -11,6 +11,7 @@ flow and by operation) lives in ``ProcessState``, so a script reload hands it ov
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -371,7 +372,13 @@ class InFlight:
     def _record_end(
         self, attempt: Attempt, facts: EndFacts
     ) -> tuple[Ended, asyncio.Future | None]:
-        ending = classify_end(facts, self._settings().credential_headers)
+        settings = self._settings()
+        if not settings.guard.replay and facts.kept_body is not None \
+                and facts.not_recordable is None:
+            # turnguard_replay switched off while it streamed (its tee kept the body as the
+            # setting was then): no body is kept from now on, this one's included
+            facts = dataclasses.replace(facts, not_recordable="replay off")
+        ending = classify_end(facts, settings.credential_headers)
         duration_ms = round((time.monotonic() - attempt.started) * 1000)
         first_event_ms = (None if attempt.first_event_at is None
                           else round((attempt.first_event_at - attempt.started) * 1000, 1))
