@@ -181,8 +181,13 @@ def test_configured_credential_headers_separate_principals_and_nothing_else_does
     named = ("X-Tenant-Key",)
     x, y = ident(headers=a, credential_headers=named), ident(headers=b, credential_headers=named)
     assert x.principal != y.principal and x.op_key != y.op_key
-    # naming a header changes nothing for requests without it
-    assert ident(headers=[], credential_headers=named) == ident(headers=[])
+    # the names are part of every principal: a request without the header identified before
+    # it was named (when a request carrying it was the same principal) is another one after
+    assert ident(headers=[], credential_headers=named).principal != ident(headers=[]).principal
+    assert ident(headers=[], credential_headers=named).op_key != ident(headers=a).op_key
+    # in any case, any order, repeated, or one of the built-in names: the same names
+    assert ident(headers=a, credential_headers=("x_tenant_key", "X-TENANT-KEY", "cookie")) == x
+    assert ident(headers=a, credential_headers=("authorization",)) == ident(headers=a)
 
 
 def test_every_value_of_a_repeated_credential_header_counts_in_order():

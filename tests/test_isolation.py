@@ -701,3 +701,31 @@ def test_a_detached_dispatch_goes_where_its_own_listener_sends_it(tmp_path, list
         stop.set()
         thread.join(timeout=5)
         hole.close()
+
+
+LIVE_OPTIONS = Path(__file__).with_name("live_options.py")
+
+
+def test_a_recording_made_before_a_header_is_named_a_credential_never_reaches_another_principal(
+        tmp_path):
+    """``turnguard_credential_headers`` changed in a running proxy (mitmweb's options, the
+    console's ``:set``): a header named now (``x-tenant``) makes a request that carries it
+    another principal than one that does not. A turn recorded before the change, for a request
+    that carried ``x-tenant: alice``, must never be replayed after it to a request without the
+    header (or with another value): under the names in force they are two principals."""
+    turn = {"model": "m", "input": "a credential named while running", "stream": True}
+    auth = {"authorization": "Bearer sk-shared-gateway-key"}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        alice = post_turn(p.url, {**auth, "x-tenant": "alice"}, turn)
+        assert alice[0] == 200 and alice[1].get("x-turnguard") is None
+        r = httpx.post(p.url + "/__set", json=["turnguard_credential_headers=x-tenant"],
+                       trust_env=False, timeout=20)
+        assert r.status_code == 200, r.text
+        answers = [post_turn(p.url, headers, turn)
+                   for headers in (auth, {**auth, "x-tenant": "bob"}, auth)]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None, "replayed"]
+        assert response_id(alice[2]) not in {response_id(a[2]) for a in answers}
+        assert len(up.dispatches()) == 3
+        assert_no_traceback(p.log_text())

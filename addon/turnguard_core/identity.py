@@ -22,7 +22,10 @@ tuple, so no two different tuples share an encoding.
   headers to CGI-style names read ``x_api_key`` as ``x-api-key``; every non-empty value of a
   repeated header, in order: an empty one is no credential), the URL rest, and the proxy's
   own authentication (``proxy_auth``: mitmproxy's proxyauth consumes ``Proxy-Authorization``
-  before turnguard sees it).
+  before turnguard sees it); and, when the caller names any beyond ``CREDENTIAL_HEADERS``,
+  those names (``named_beyond_builtin``): a principal computed under other names is another
+  principal, so what was identified before ``turnguard_credential_headers`` changed (a request
+  whose credential in a header named since was not counted) is never shared after it.
 * **Upstream** = hash of where the proxy sends the request: scheme, host and port it connects
   to, the Host header it sends when that names another host or port (virtual hosting), the
   authority of an absolute-form request target when that names another (a reverse proxy
@@ -358,6 +361,9 @@ def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...
     parts = ["headers", str(len(values))]
     for name in sorted(values):
         parts += [name, str(len(values[name])), *values[name]]
+    named = named_beyond_builtin(tuple(extra_names))
+    if named:  # (none named: the hash stays what it always was)
+        parts += ["named", str(len(named)), *named]
     parts += ["url", target.prefix, target.suffix]
     parts += ["proxy-auth", "" if request.proxy_auth is None else "=" + request.proxy_auth]
     return _tuple_hash("principal", *parts)
@@ -380,6 +386,14 @@ def _scope_hash(principal: str, upstream: str) -> str:
 @functools.lru_cache(maxsize=64)
 def _credential_names(extra_names: tuple[str, ...]) -> frozenset[str]:
     return frozenset(CREDENTIAL_HEADERS) | {credential_name(name) for name in extra_names}
+
+
+@functools.lru_cache(maxsize=64)
+def named_beyond_builtin(extra_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The credential-bearing header names configured beyond ``CREDENTIAL_HEADERS``, as
+    credential names, sorted, each once: a principal counts a header only under these names,
+    so they are part of it."""
+    return tuple(sorted({credential_name(name) for name in extra_names} - set(CREDENTIAL_HEADERS)))
 
 
 def credential_name(name: str) -> str:
