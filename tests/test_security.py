@@ -137,6 +137,41 @@ def test_a_configured_credential_header_echoed_by_the_upstream_is_not_kept(tmp_p
     check(not found, f"the echoed configured credential is stored in {found}")
 
 
+def test_a_credential_header_unnamed_while_its_turn_streams_is_not_kept(tmp_path):
+    """``turnguard_credential_headers`` changed in a running proxy (mitmweb's options, the
+    console's ``:set``) while a turn that was identified under it streams: the header the turn
+    was identified as carrying a credential in stays one for that turn, so the upstream's echo
+    of it is not kept in its recording, whatever the option says when the turn ends (as
+    ``turnguard_replay`` switched off mid-stream, the stricter of the two holds)."""
+    import httpx
+
+    token = f"tenant-SECRET-{secrets.token_hex(8)}"
+    # a stream of about 9 s: the change lands while it streams, on a busy machine too
+    scenario = {"default": {"kind": "ok", "events": 30, "gap_ms": 300,
+                            "headers": {"x-tenant-key": token}}}
+    headers = {"x-tenant-key": token, "session-id": "tenant"}
+    body = {"model": "m", "input": "unname my tenant key mid-stream", "stream": True}
+    live_options = Path(__file__).with_name("live_options.py")
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(live_options)],
+            turnguard_credential_headers="x-tenant-key") as p:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(post, p.url, headers, body)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            r = httpx.post(p.url + "/__set", json=["turnguard_credential_headers"],
+                           trust_env=False, timeout=20)
+            assert r.status_code == 200, r.text
+            assert not first.done(), "the turn ended before the change: nothing was tested"
+            assert first.result()[0] == 200
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
+    assert [e["outcome"] for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+            if e["event"] == "outcome"] == ["completed"]
+    found = [str(f) for f in ledger_files(tmp_path / "ledger.sqlite3")
+             if token.encode() in f.read_bytes()]
+    check(not found, f"the echoed credential is stored in {found}")
+
+
 # -----------------------------------------------------------------------------------------------
 # Private files, unsafe paths refused
 

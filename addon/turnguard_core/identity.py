@@ -197,6 +197,10 @@ class Identity:
     # the body names a ``conversation``: the upstream answers it from state its own turn
     # changes, so a completed one answers only the duplicates that came while it ran
     conversation: bool = False
+    # the header names it was identified under beyond CREDENTIAL_HEADERS (names, no value):
+    # its attempt's recording keeps none of them, whatever turnguard_credential_headers says
+    # when it ends
+    credential_names: tuple[str, ...] = ()
 
     @property
     def op_id(self) -> str:
@@ -313,6 +317,7 @@ def _identify(
     target = split_target(request.path)
 
     principal = _principal(request, target, credential_headers)
+    named = named_beyond_builtin(tuple(credential_headers))
     upstream = _upstream_hash(request.upstream)
     scope = _scope_hash(principal, upstream)
 
@@ -347,6 +352,7 @@ def _identify(
         fingerprint=fingerprint,
         op_key=op_key,
         conversation=body.get("conversation") not in (None, "", {}),
+        credential_names=named,
     )
 
 

@@ -378,7 +378,10 @@ class InFlight:
             # turnguard_replay switched off while it streamed (its tee kept the body as the
             # setting was then): no body is kept from now on, this one's included
             facts = dataclasses.replace(facts, not_recordable="replay off")
-        ending = classify_end(facts, settings.credential_headers)
+        # the names the attempt was identified under, and those in force now (the option may
+        # have changed while it ran): a header either counts as a credential is not kept
+        ending = classify_end(facts, (*attempt.ident.credential_names,
+                                      *settings.credential_headers))
         duration_ms = round((time.monotonic() - attempt.started) * 1000)
         first_event_ms = (None if attempt.first_event_at is None
                           else round((attempt.first_event_at - attempt.started) * 1000, 1))
