@@ -145,11 +145,31 @@ class TurnGuard:
         # --set values of not-yet-registered options wait in `deferred`; mitmproxy applies ours
         # right after this hook. A typo there would be ignored for ever, and a value of the
         # wrong type would make mitmproxy drop the script without a word: check them first.
+        # On a script reload such values come from a config file loaded while running (they
+        # were said then, or the ticker has not seen them yet): said and dropped, the guard
+        # goes on, as for a value refused later.
         deferred = getattr(loader.master.options, "deferred", {})
+        if self._process.ran:
+            self.drop_deferred_problems(deferred)
+            return
         problems = options.deferred_problems({k: getattr(v, "val", v) for k, v in deferred.items()})
         for name, message in problems.items():
             deferred.pop(name, None)
             self._refuse(message)
+
+    @staticmethod
+    def drop_deferred_problems(deferred: dict) -> None:
+        """A config file loaded into the running proxy (the console's ``options.load``)
+        whose ``turnguard_*`` name is unknown (a typo) or whose value has the wrong type:
+        mitmproxy keeps it aside in ``deferred`` without a word (it never applies it, and
+        would hand it to the next script reload). Each is said in one error line naming it
+        and dropped; the value in force is kept. (The ticker calls this every second.)"""
+        if not any(name.startswith(options.PREFIX) for name in deferred):
+            return
+        problems = options.deferred_problems({k: getattr(v, "val", v) for k, v in deferred.items()})
+        for name, message in problems.items():
+            deferred.pop(name, None)
+            logger.error("turnguard: %s; ignored, the value in force is kept", message)
 
     def configure(self, updated: set[str]) -> None:
         if self.refused:
@@ -208,6 +228,7 @@ class TurnGuard:
     def running(self) -> None:
         self._running = True
         if not self.refused:
+            self._process.ran = True
             self.attacher.start_relay_early()
             while self._process.unwritten:  # made while a reload left no instance loaded
                 event, fields = self._process.unwritten.popleft()

@@ -220,6 +220,38 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
            "the retry was replayed; upstream dispatches=1")
 
 
+def test_a_misspelt_option_in_a_config_file_loaded_while_running_is_said_and_no_reload_drops_the_guard(
+        tmp_path):
+    """A config file loaded into a running proxy (the console's ``:options.load
+    ~/.mitmproxy/config.yaml``) with a misspelt turnguard option: mitmproxy keeps a name it
+    does not know aside (``deferred``) without a word, so the value is ignored; turnguard
+    says so in one error line naming it, and drops it. A script reload after that (a changed
+    turnguard.py) keeps the guard running: a turn and its duplicate make one dispatch."""
+    import httpx
+
+    script = reloadable(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text("turnguard_hold_timout_ms: 5000\n")  # (hold, misspelt)
+    live_options = Path(__file__).with_name("live_options.py")
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, "a", addon=script, extra_args=["-s", str(live_options)]) as a:
+        r = httpx.post(a.url + "/__load", content=str(config), trust_env=False, timeout=20)
+        assert r.status_code in (200, 400), r.text
+        line = a.wait_for_log("turnguard_hold_timout_ms", timeout=10)
+        assert "did you mean turnguard_hold_timeout_ms?" in line, line
+        started = touch_to_reload(a, script)
+        wait_until(lambda: a.log_text().count("turnguard: running") > started
+                   or "turnguard is not running" in a.log_text(), 15, what="the reload")
+        assert "turnguard is not running" not in a.log_text()
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=3000)},
+                                 body_of("after the reload"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        duplicate = post(a.url, SESSION, body_of("after the reload"))
+        assert original.result(30)[0] == 200 and duplicate[0] == 200
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text())
+
+
 @pytest.mark.parametrize("where", ["same process", "other process"])
 def test_a_duplicate_held_through_a_script_reload_is_answered_by_the_new_instance(tmp_path,
                                                                                   where):

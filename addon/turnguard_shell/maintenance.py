@@ -18,6 +18,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from mitmproxy import ctx
+
 from turnguard_core import policy
 from turnguard_core.failover import Unread
 from turnguard_core.machine import Ended
@@ -72,6 +74,7 @@ class Maintenance:
                 g.waiters.wake_gone(g.clients.gone)
                 g.inflight.release_killed()
                 g.telemetry.reopen_if_moved()
+                g.drop_deferred_problems(getattr(ctx.options, "deferred", {}))
                 await self._maintain_ledger(time.time())
                 foreign = g.waiters.foreign()
                 recheck, g.store.recheck_foreign = g.store.recheck_foreign, False

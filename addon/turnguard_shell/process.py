@@ -31,6 +31,7 @@ class ProcessState:
     kept_writes: collections.deque = field(default_factory=collections.deque)
     memory: MemoryStore = field(default_factory=MemoryStore)
     guard: Any = None  # the addon instance that gets the hooks now
+    ran: bool = False  # an instance ran (start-up is over: a later load is a script reload)
     relay: Any = None  # relay.Relay: attached flows' streams (made on first use, or as the
     # addon runs when a dispatch may be detached: Attacher.start_relay_early)
     detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
