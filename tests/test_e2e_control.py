@@ -20,8 +20,10 @@ from harness import (
     Mitmdump,
     assert_no_traceback,
     guarded,
+    mock_behaviour,
     post_turn,
     read_jsonl,
+    response_id,
     turnguard_events,
     wait_until,
 )
@@ -305,3 +307,37 @@ def test_changing_the_ledger_while_a_turn_streams_never_wedges_its_duplicates(tm
         assert status == 200, (status, body[:300])
         assert len(up.dispatches()) == 1
         assert "Traceback" not in a.log_text() + b.log_text()
+
+
+def test_options_changed_while_a_duplicate_is_held_bind_only_the_requests_after_the_change(
+        tmp_path):
+    """``turnguard_hold_timeout_ms`` and ``turnguard_filter`` changed in a running proxy
+    (mitmweb's options, the console's ``:set``) while a duplicate is held: the held one keeps
+    the bounds it came with and gets the original's answer (neither a 409 from the new bound
+    nor a wait for ever because it is outside the new filter); a duplicate that comes after
+    the first change is held by the new bound (0: a 409 at once), and one after the second is
+    not guarded (forwarded untouched)."""
+    headers = {"authorization": "Bearer sk-held-change", "session-id": "sess-held-change"}
+    turn = {**TURN, "input": "options changed while a duplicate is held"}
+    slow = {**headers, **mock_behaviour(kind="ok", delay_ms=10000)}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)],
+            turnguard_hold_timeout_ms=60000) as p:
+        with ThreadPoolExecutor(2) as pool:
+            original = pool.submit(post_turn, p.url, slow, turn)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            held = pool.submit(post_turn, p.url, headers, turn)
+            wait_until(lambda: events(tmp_path, "duplicate_held"), 20, what="the duplicate held")
+            assert set_live(p, "turnguard_hold_timeout_ms=0") == (200, "ok")
+            after = post(p.url, headers, 30, turn)
+            assert after[0] == 409 and b"turn_in_progress" in after[1], after
+            assert set_live(p, 'turnguard_filter=~u "/nothing-guarded$"') == (200, "ok")
+            unguarded = post_turn(p.url, headers, turn)
+            assert unguarded[0] == 200 and "x-turnguard" not in unguarded[1]
+            assert not original.done(), "the original ended before the changes: nothing tested"
+            first, second = original.result(60), held.result(60)
+        assert first[0] == second[0] == 200
+        assert second[1].get("x-turnguard") in ("attached", "replayed"), second[1]
+        assert response_id(second[2]) == response_id(first[2])
+        assert len(up.dispatches()) == 2  # the original and the unguarded one
+        assert_no_traceback(p.log_text())
