@@ -218,8 +218,11 @@ class TurnGuard:
     def _refuse(self, message: str) -> None:
         """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off
         and mitmproxy exits (an error logged during start-up stops it). Later (an option changed
-        in mitmweb or the console): ``OptionsError``, so mitmproxy keeps the previous value."""
+        in mitmweb or the console, a config file loaded): ``OptionsError``, so mitmproxy keeps
+        the previous value, and a warning line: whoever set it sees mitmproxy's error, but
+        nothing else says it in the log (mitmdump has no other place to show it)."""
         if self._running:
+            logger.warning("turnguard: %s; refused, the value in force is kept", message)
             raise exceptions.OptionsError(message)
         self.refused.append(message)
         logger.error("turnguard: %s; turnguard is not running", message)

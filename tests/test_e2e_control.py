@@ -341,3 +341,23 @@ def test_options_changed_while_a_duplicate_is_held_bind_only_the_requests_after_
         assert response_id(second[2]) == response_id(first[2])
         assert len(up.dispatches()) == 2  # the original and the unguarded one
         assert_no_traceback(p.log_text())
+
+
+def test_a_value_refused_while_running_is_said_in_the_log(tmp_path):
+    """A turnguard value refused in a running proxy (mitmweb's options, the console's ``:set``,
+    ``options.load`` of a config file) keeps the value in force; the one who set it sees
+    mitmproxy's error, and the proxy's log says it too (in mitmdump, or a config file loaded
+    by a command, it is the only place that does), without a password the value held."""
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        status, text = set_live(p, "turnguard_hold_timeout_ms=-5")
+        assert status == 400 and "turnguard_hold_timeout_ms" in text, text
+        line = p.wait_for_log("turnguard_hold_timeout_ms must be >= 0, not -5", timeout=10)
+        assert "kept" in line.split("not -5", 1)[1].splitlines()[0], line
+        status, text = set_live(p, "turnguard_ledger=host=127.0.0.1 password=hunter2")
+        assert status == 400 and "turnguard_ledger" in text and "hunter2" not in text, text
+        p.wait_for_log("turnguard: turnguard_ledger=", timeout=10)
+        assert "hunter2" not in p.log_text()
+        assert post_turn(p.url, {"authorization": "Bearer k"}, TURN)[0] == 200  # still guarded
+        assert len(events(tmp_path, "dispatch")) == 1
+        assert_no_traceback(p.log_text())
