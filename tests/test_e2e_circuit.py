@@ -8,7 +8,9 @@ import socket
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import pytest
 
 from harness import (
@@ -566,3 +568,44 @@ def test_circuit_survives_a_restart_and_an_elapsed_cooldown_starts_no_new_one(tm
             assert status == 200  # the cooldown elapsed while down: the request goes through
         assert not events(tmp_path, "circuit_opened", "late")
         assert len(up.dispatches()) == 3
+
+
+@pytest.mark.parametrize("switch", ["once to fail_closed", "fail_closed to once"])
+def test_the_recovery_mode_switched_during_a_cooldown_gives_one_recovery_dispatch(tmp_path,
+                                                                                 switch):
+    """``turnguard_recovery_mode`` changed in a running proxy (mitmweb's options, the
+    console's ``:set``) while the circuit cools down. Once mode switched off with a request
+    held through the cooldown: that request keeps its hold and gets the one recovery dispatch
+    at its end; a retry sent after the switch is answered 503 as the default mode says.
+    Switched on after a retry was answered 503: a retry sent after the switch is held and
+    recovered once. Either way nothing is dispatched during the cooldown, and only once
+    after it."""
+    once = "server_anchored_replay_once"
+    first, then = (once, "fail_closed") if switch.startswith("once") else ("fail_closed", once)
+    live_options = Path(__file__).with_name("live_options.py")
+    with MockUpstream(tmp_path, STORM) as up, proxy(
+            tmp_path, up, extra_args=["-s", str(live_options)], turnguard_recovery_mode=first,
+            turnguard_cooldown_ms=8000) as p, ThreadPoolExecutor(1) as pool:
+        open_circuit(p.url)
+        opened_at = time.time()
+        if first == once:
+            held = pool.submit(post, p.url, timeout=60)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+        else:
+            assert post(p.url)[0] == 503
+        r = httpx.post(p.url + "/__set", json=[f"turnguard_recovery_mode={then}"],
+                       trust_env=False, timeout=20)
+        assert r.status_code == 200, r.text
+        if then == once:
+            held = pool.submit(post, p.url, timeout=60)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
+        else:
+            assert post(p.url)[0] == 503
+        assert len(up.dispatches()) == 2, "the cooldown ended before the switch: nothing tested"
+        status, _, body = held.result(60)
+        assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+        times = dispatch_times(up)
+        assert len(times) == 3 and times[2] >= opened_at + 8 - 0.5
+        assert len(events(tmp_path, "recovery_claimed")) == 1
+        assert len(events(tmp_path, "cooldown_rejected")) == 1
+        assert_no_traceback(p.log_text())
