@@ -24,6 +24,7 @@ from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
 
 from turnguard_core import circuit, identity, ledger_location, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
+from turnguard_core.ledger import LedgerError  # noqa: E402
 from turnguard_core.offload import WorkerStopped  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
@@ -191,13 +192,28 @@ class TurnGuard:
                 # ledger tried again later
                 location = config.ledger_path(o.turnguard_ledger, o.confdir)
                 self._check_ledger_change(location)
-                self.store.open(location)
+                if self._running and self.store.path and location != self.store.path:
+                    self._switch_ledger(location)
+                else:
+                    self.store.open(location)
         except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
             self._refuse(ledger_location.scrub_options(
                 str(e), [getattr(o, s.name) for s in options.OPTIONS]))
             return
         if self._running:
             self.attacher.start_relay_early()
+
+    def _switch_ledger(self, location: str) -> None:
+        """Another ledger while running: one that cannot be opened (but for a lock) is
+        refused, the one in use kept. (At start-up such a ledger is an outage, tried again
+        every few seconds: the proxy starts; here a wrong path would swap a working ledger
+        for decisions in memory only.)"""
+        try:
+            self.store.switch(location)
+        except (LedgerError, OSError) as e:
+            raise ValueError(f"turnguard_ledger={ledger_location.display(location)} is refused: "
+                             f"it cannot be opened ({e}); the ledger in use"
+                             f" ({self.store.location}) is kept") from None
 
     def _check_ledger_change(self, location: str) -> None:
         """Another ledger while this process runs turns or holds duplicates registered in the

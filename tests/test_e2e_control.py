@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -361,3 +362,32 @@ def test_a_value_refused_while_running_is_said_in_the_log(tmp_path):
         assert post_turn(p.url, {"authorization": "Bearer k"}, TURN)[0] == 200  # still guarded
         assert len(events(tmp_path, "dispatch")) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_a_ledger_that_cannot_be_opened_is_refused_while_running_and_the_one_in_use_kept(
+        tmp_path):
+    """``turnguard_ledger`` changed in a running proxy to a file that is no ledger (a wrong
+    path: a file of another kind) is refused, as a folder is: the ledger in use is kept (no
+    outage, no decisions in memory only), its recording still answers a retry, and a
+    turn after the refusal is recorded in it. Set back to a good file, the change is made."""
+    ledger, junk, other = (tmp_path / "ledger.sqlite3", tmp_path / "notes.txt",
+                           tmp_path / "other.sqlite3")
+    junk.write_bytes(b"these are my notes, not a database\n" * 50)
+    junk.chmod(0o600)
+    headers = {"authorization": "Bearer sk-ledger-switch"}
+    turn = {**TURN, "input": "switch to a file that is no ledger"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        assert post_turn(p.url, headers, turn)[0] == 200
+        status, text = set_live(p, f"turnguard_ledger={junk}")
+        assert status == 400 and "turnguard_ledger" in text, text
+        again = post_turn(p.url, headers, turn)
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+        assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
+        assert set_live(p, f"turnguard_ledger={other}") == (200, "ok")
+        assert not events(tmp_path, "ledger_unavailable")
+        assert_no_traceback(p.log_text())
+    assert junk.read_bytes() == b"these are my notes, not a database\n" * 50
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("SELECT COUNT(*) FROM attempts").fetchone() == (2,)
+    assert len(up.dispatches()) == 2

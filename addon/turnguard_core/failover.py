@@ -293,6 +293,24 @@ class FailoverStore:
         self._use(connected)
         return True
 
+    def switch(self, path: str) -> None:
+        """Use the ledger at ``path`` instead of the one in use (an option changed while
+        running): the new one is opened first, and the one in use let go only once it is.
+        One that cannot be opened for another reason than a lock held elsewhere (a file that
+        is no ledger, a newer schema, a read-only file, a server that does not answer) raises
+        ``LedgerError`` or ``OSError`` and leaves the one in use as it was; a lock is noted
+        and tried again later, as at start-up (``open``)."""
+        try:
+            connected = self._connect(path, _loop())
+        except (LedgerError, OSError) as e:
+            if not contended(e):
+                raise
+            self.open(path)
+            return
+        self.close()
+        self.path = path
+        self._use(connected)
+
     async def reopen_if_due(self) -> None:
         """The ticker: try to open a ledger that could not be opened (or whose file is gone)."""
         if self._store is not None or not self.path or time.monotonic() < self._reopen_at:
