@@ -194,8 +194,11 @@ class TurnGuard:
                 self._check_ledger_change(location)
                 if self._running and self.store.path and location != self.store.path:
                     self._switch_ledger(location)
-                else:
+                elif not (self._running and self.store.is_open and location == self.store.path):
                     self.store.open(location)
+                # (else the ledger in use, set again: mitmproxy's roll-back of a refused
+                # change configures the old value again; closing and opening it would cost
+                # the event loop the owed writes' wait, and fail behind another's lock)
         except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
             self._refuse(ledger_location.scrub_options(
                 str(e), [getattr(o, s.name) for s in options.OPTIONS]))

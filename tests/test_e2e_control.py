@@ -391,3 +391,33 @@ def test_a_ledger_that_cannot_be_opened_is_refused_while_running_and_the_one_in_
     with sqlite3.connect(ledger) as db:
         assert db.execute("SELECT COUNT(*) FROM attempts").fetchone() == (2,)
     assert len(up.dispatches()) == 2
+
+
+def test_a_ledger_change_refused_while_a_turn_runs_leaves_the_ledger_in_use_alone(tmp_path):
+    """A ledger change refused because a turn is in flight (its end belongs to the ledger in
+    use) must leave that ledger as it was: mitmproxy rolls the option back and configures
+    turnguard again with the old value, which is no reason to close and open the ledger in
+    use. Opened again while another process holds its write lock (a backup, a peer's long
+    transaction), it would fail: an outage, decisions in memory only, for a change that was
+    refused."""
+    from test_at_most_once import write_lock
+
+    ledger, other = tmp_path / "ledger.sqlite3", tmp_path / "other.sqlite3"
+    headers = {"authorization": "Bearer sk-refused-switch"}
+    turn = {**TURN, "input": "a turn in flight while the ledger change is refused"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        with ThreadPoolExecutor(1) as pool:
+            original = pool.submit(post_turn, p.url,
+                                   {**headers, **mock_behaviour(kind="ok", delay_ms=4000)}, turn)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            with write_lock(ledger):
+                status, text = set_live(p, f"turnguard_ledger={other}")
+            assert status == 400 and "in flight" in text, text
+            assert not original.done(), "the turn ended before the change: nothing was tested"
+            assert original.result(60)[0] == 200
+        assert not events(tmp_path, "ledger_unavailable")
+        assert p.log_text().count("turnguard: ledger ") == 1  # opened once, at start-up
+        assert post_turn(p.url, headers, turn)[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
