@@ -729,3 +729,55 @@ def test_a_recording_made_before_a_header_is_named_a_credential_never_reaches_an
         assert response_id(alice[2]) not in {response_id(a[2]) for a in answers}
         assert len(up.dispatches()) == 3
         assert_no_traceback(p.log_text())
+
+
+def test_a_request_modify_body_rewrites_is_identified_as_it_is_sent(tmp_path):
+    """mitmproxy's ``modify_body`` rewrites a request body in its ``request`` hook, after
+    turnguard's; its rules can change while the proxy runs (mitmweb's options, ``:set``), and
+    a rule's ``@file`` replacement is read again for each request. The same client body sent
+    after the rule changed goes upstream as another body: it must be its own operation,
+    never answered from the recording of what the old rule sent; sent again under the same
+    rule, it is replayed."""
+    turn = {"model": "m", "input": "SYSTEM-PROMPT: what is 2+2?", "stream": True}
+    headers = {"authorization": "Bearer sk-modify-body"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)],
+            modify_body=["/~q/SYSTEM-PROMPT/answer in English"]) as p:
+        first = post_turn(p.url, headers, turn)
+        r = httpx.post(p.url + "/__set",
+                       json=["modify_body=/~q/SYSTEM-PROMPT/answer in French"],
+                       trust_env=False, timeout=20)
+        assert r.status_code == 200, r.text
+        after, again = post_turn(p.url, headers, turn), post_turn(p.url, headers, turn)
+        assert [a[0] for a in (first, after, again)] == [200, 200, 200]
+        assert [a[1].get("x-turnguard") for a in (first, after, again)] \
+            == [None, None, "replayed"]
+        assert response_id(after[2]) != response_id(first[2])
+        sent = [d["body_sha256"] for d in up.dispatches()]
+        assert len(sent) == 2 and sent[0] != sent[1]
+        assert_no_traceback(p.log_text())
+
+
+def test_an_answer_map_local_gives_is_never_replayed_empty_nor_after_the_rule_is_gone(tmp_path):
+    """mitmproxy's ``map_local`` answers a request from a local file in its ``request`` hook,
+    after turnguard's (mitmproxy then emulates the ``responseheaders`` hook, with the whole
+    body set already): no upstream ran it. A retry must get that file's bytes, never a 200
+    with an empty body; and once the rule is gone (mitmweb's options, ``:set``), the same
+    request goes to the upstream, never answered from what the local file said."""
+    answer = tmp_path / "answer.json"
+    answer.write_text(json.dumps({"id": "resp_local", "object": "response",
+                                  "status": "completed", "output": []}))
+    turn = {"model": "m", "input": "answered by a local file", "stream": False}
+    headers = {"authorization": "Bearer sk-map-local", "accept": "application/json"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)],
+            map_local=[f"|/v1/responses|{answer}"]) as p:
+        first, retry = post_turn(p.url, headers, turn), post_turn(p.url, headers, turn)
+        assert [first[0], retry[0]] == [200, 200]
+        assert response_id(first[2]) == response_id(retry[2]) == "resp_local", retry
+        r = httpx.post(p.url + "/__set", json=["map_local"], trust_env=False, timeout=20)
+        assert r.status_code == 200, r.text
+        after = post_turn(p.url, headers, turn)
+        assert after[0] == 200 and response_id(after[2]) not in (None, "resp_local"), after
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())

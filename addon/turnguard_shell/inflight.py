@@ -217,14 +217,16 @@ class InFlight:
                 logger.info("turnguard: %s was killed while intercepted; it goes on to its "
                             "kill (nothing was sent upstream)", flow.id)
 
-    def tee_response(self, flow: http.HTTPFlow) -> None:
-        """The response headers of an attempt arrived: stream its body through a tee."""
+    def tee_response(self, flow: http.HTTPFlow, *, read_later: bool = False) -> None:
+        """The response headers of an attempt arrived: stream its body through a tee.
+        ``read_later``: the upstream's response, whole, whose hooks went by while no addon
+        instance was loaded (``end_those_ended_unseen``): its body is read by the caller."""
         attempt = self._process.attempts.get(flow.id)
         if attempt is None or flow.response is None:
             return
         resp = flow.response
         attempt.status = resp.status_code
-        if resp.raw_content is not None:
+        if resp.raw_content is not None and not read_later:
             # Its body is here with its headers: an addon that runs after turnguard made it in
             # its ``request`` hook (``map_local``, ``server_replay``, a script; mitmproxy then
             # calls this hook itself) and nothing went upstream. It answers this request only:
@@ -326,7 +328,8 @@ class InFlight:
                 self.end(flow, body_complete=False)
             elif flow.response is not None and flow.response.timestamp_end is not None:
                 if attempt.tee is None:  # its responseheaders hook went by too: the whole
-                    self.tee_response(flow)  # body is read now, as its tee would have
+                    # body is read now, as its tee would have
+                    self.tee_response(flow, read_later=True)
                     if attempt.tee is not None:
                         attempt.tee(flow.response.raw_content or b"")
                 self.end(flow, body_complete=True)
