@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sqlite3
 import sys
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+import pytest
 
 import mitmdump_forks
 
@@ -454,3 +457,15 @@ def metrics_url(proxy: "Mitmdump", timeout: float = 10.0) -> str:
     m = _METRICS_LINE.search(proxy.wait_for_log("turnguard: metrics at", timeout))
     assert m, proxy.log_text()
     return m.group(1)
+
+
+def another_host_prefix() -> list[str]:
+    """A command prefix that runs a process in a pid namespace of its own: another host, as
+    far as liveness can tell (it cannot be proven gone by its pid, only by its lease). Skips
+    the test where that cannot be made (``unshare --pid`` needs root)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]

@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import sqlite3
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ from harness import (
     ADDON,
     Mitmdump,
     MockUpstream,
+    another_host_prefix,
     assert_no_traceback,
     guarded,
     ledger_query,
@@ -181,12 +181,7 @@ def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report)
 def test_a_process_in_another_pid_namespace_is_not_judged_dead(tmp_path, report):
     """Two containers on one host: B's pid namespace cannot see A's pid. B must not take that
     for A's death (it waits for A's lease instead)."""
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30) if unshare else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
-    prefix = [unshare, "--pid", "--fork", "--mount-proc"]
+    prefix = another_host_prefix()
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
             guarded(tmp_path, up, "b", prefix=prefix) as b:
         duplicate_of_a_live_original_is_replayed(tmp_path, up, a, b, "two namespaces")

@@ -11,10 +11,7 @@ the host's clock, seen by that process before the others act on it, or another h
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ import pytest
 from harness import (
     Mitmdump,
     MockUpstream,
+    another_host_prefix,
     assert_no_traceback,
     ledger_query,
     mock_behaviour,
@@ -29,6 +27,7 @@ from harness import (
     turnguard_events,
     wait_until,
 )
+from test_at_most_once import in_background, post
 
 SESSION = {"authorization": "Bearer sk-clock-jumps", "session-id": "sess-clock"}
 HOUR_S = 3600.0
@@ -97,30 +96,8 @@ def skewed(tmp_path: Path, up: MockUpstream, name: str, skew: Skew | None, *,
                     extra_args=extra)
 
 
-def another_host_prefix() -> list[str]:
-    """A pid namespace of its own: a process there cannot be proven gone by its pid, so its
-    peers go by its lease, as they do for a process on another host."""
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30) if unshare else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
-    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
-
-
 def body_of(text: str) -> dict:
     return {"model": "gpt-test", "input": text, "stream": True}
-
-
-def post(url: str, headers: dict, body: dict, timeout: float = 90):
-    return post_turn(url, headers, body, timeout=timeout)
-
-
-def in_background(fn, *args):
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(fn, *args)
-    pool.shutdown(wait=False)
-    return future
 
 
 events = turnguard_events

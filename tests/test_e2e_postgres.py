@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -278,12 +277,7 @@ def test_owner_killed_mid_stream_on_the_same_kernel_is_reaped_by_proof(tmp_path,
 def test_owner_killed_on_another_host_is_reaped_by_its_lease(tmp_path, pg_url, report):
     """Another pid namespace stands for another host: its pid means nothing here, so the
     survivor may only go by the lease (turnguard_instance_lease_ms, short here)."""
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30) if unshare else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
-    prefix = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+    prefix = harness.another_host_prefix()
     reaped, reap_s = _kill_owner_mid_stream(tmp_path, pg_url, prefix=prefix,
                                             turnguard_instance_lease_ms=15000,  # the shortest
                                             turnguard_hold_timeout_ms=90000)
@@ -705,17 +699,6 @@ def test_a_recovery_claim_given_back_unused_leaves_the_operation_its_one_recover
 
 
 
-def _another_host_prefix() -> list[str]:
-    """A command prefix that runs a process in a pid namespace of its own (another host, as
-    far as liveness can tell: reaped only by its lease); skips the test without root."""
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30) if unshare else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
-    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
-
-
 @pytest.mark.parametrize("stall", ["down", "paused"])
 def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
         tmp_path, own_pg, stall, report):
@@ -726,7 +709,7 @@ def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
     (its own role refused connections a little longer: a slower reconnection): B must not
     reap A's turn and run it again, since A was not silent for a lease while B could see
     the ledger answer."""
-    prefix = _another_host_prefix()
+    prefix = harness.another_host_prefix()
     url = own_pg.url
     rows(url, "CREATE ROLE peer_a LOGIN SUPERUSER")
     a_url = url.replace(f"{pg_server.DB_USER}@", "peer_a@")
