@@ -469,3 +469,10 @@ def another_host_prefix() -> list[str]:
     if probe is None or probe.returncode != 0:
         pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
     return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def delete_ledger(ledger: Path) -> None:
+    """Delete a SQLite ledger file and its ``-wal`` and ``-shm`` under running processes (as
+    an operator's ``rm`` would): whichever of them exist."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)

@@ -30,6 +30,7 @@ from harness import (
     MockUpstream,
     another_host_prefix,
     assert_no_traceback,
+    delete_ledger,
     guarded,
     ledger_query,
     mock_behaviour,
@@ -716,9 +717,7 @@ def test_deleting_the_ledger_under_a_running_process_is_an_outage_not_an_empty_l
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=6000)},
                                  body_of("deleted ledger"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         wait_until(lambda: events(tmp_path, "a", "attempt_adopted"), 10,
                    what="A registering its attempt in the new file")
         unavailable = events(tmp_path, "a", "ledger_unavailable")
@@ -748,9 +747,7 @@ def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
         duplicate = in_background(post, b.url, SESSION, body_of("deleted under a held duplicate"))
         wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holding")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         assert original.result(30)[0] == 200
         status, headers, _ = duplicate.result(40)
         assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
@@ -777,9 +774,7 @@ def test_a_new_duplicate_sent_elsewhere_as_the_ledger_is_deleted_waits_for_the_o
         turn = {**SESSION, **behaviour(kind="ok", delay_ms=6000)}
         original = in_background(post, a.url, turn, body_of("deleted as a duplicate comes"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         others = [in_background(post, b.url, SESSION, body_of("deleted as a duplicate comes"))]
         if duplicate_through == "both":
             others.append(in_background(post, a.url, SESSION,
@@ -814,9 +809,7 @@ def test_a_request_with_a_short_hold_bound_is_not_held_for_peers_as_the_ledger_g
         turn = {**SESSION, **behaviour(kind="ok", delay_ms=4000)}
         original = in_background(post, a.url, turn, body_of("a turn in flight"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         status, headers, _ = post(b.url, SESSION, body_of("another turn"))
         assert status == 200 and headers.get("x-turnguard") is None  # dispatched
         assert original.result(30)[0] == 200
@@ -898,9 +891,7 @@ def test_a_turn_in_flight_when_the_ledger_is_deleted_is_registered_after_a_reloa
         time.sleep(1.1)  # past mitmproxy's look at the script's mtime
         original = in_background(post, a.url, turn, body)
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         os.utime(script)
         reloaded(a, started)
         wait_until(lambda: events(tmp_path, "a", "attempt_adopted"), 10,
@@ -944,9 +935,7 @@ def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fa
             assert query(ledger, "SELECT recovery_dispatches FROM operations") == [(1,)]
             time.sleep(2)  # past the cooldown
         dispatched = len(up.dispatches())
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         a.wait_for_log("is another file now", 15)
         if reload:
             reloaded(a, touch_to_reload(a, script))

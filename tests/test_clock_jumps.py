@@ -132,6 +132,20 @@ def heartbeats_renewed(tmp_path: Path, proxy: Mitmdump, times: int, ledger: str 
                and len(seen) > times, 10.0 * (times + 1), what=f"{times} heartbeats of {instance}")
 
 
+def held_on_b(tmp_path: Path, up: MockUpstream, a: Mitmdump, b: Mitmdump, text: str, *,
+              turn_ms: int):
+    """A turn of ``turn_ms`` sent to A (dispatched), and its duplicate sent to B, held there:
+    both requests' futures."""
+    original = in_background(post, a.url,
+                             {**SESSION, **mock_behaviour(kind="ok", delay_ms=turn_ms)},
+                             body_of(text))
+    up.wait_for_record(lambda r: r.get("event") == "dispatch")
+    duplicate = in_background(post, b.url, SESSION, body_of(text))
+    wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
+               what="the duplicate held on B")
+    return original, duplicate
+
+
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twice(
         tmp_path, request, store, report):
@@ -151,13 +165,8 @@ def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twic
     with MockUpstream(tmp_path) as up, \
             skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
             skewed(tmp_path, up, "b", skew, **opts) as b:
-        original = in_background(post, a.url,
-                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=25000)},
-                                 body_of("a turn across a clock step"))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        duplicate = in_background(post, b.url, SESSION, body_of("a turn across a clock step"))
-        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
-                   what="the duplicate held on B")
+        original, duplicate = held_on_b(
+            tmp_path, up, a, b, "a turn across a clock step", turn_ms=25000)
         skew.jump(HOUR_S)
         heartbeats_renewed(tmp_path, a, 2, url)
         skew.jump(0)
@@ -184,14 +193,8 @@ def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path
     with MockUpstream(tmp_path) as up, \
             skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
             skewed(tmp_path, up, "b", skew, **opts) as b:
-        original = in_background(post, a.url,
-                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=60000)},
-                                 body_of("a dead peer's turn across a clock step"))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        duplicate = in_background(post, b.url, SESSION,
-                                  body_of("a dead peer's turn across a clock step"))
-        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
-                   what="the duplicate held on B")
+        original, duplicate = held_on_b(
+            tmp_path, up, a, b, "a dead peer's turn across a clock step", turn_ms=60000)
         skew.jump(-HOUR_S)
         a.kill9()
         killed = time.monotonic()
@@ -226,14 +229,8 @@ def test_a_duplicate_held_across_a_clock_step_gets_the_answer_it_waited_for(
         opts["turnguard_ledger"] = request.getfixturevalue("pg_url")
     with MockUpstream(tmp_path) as up, skewed(tmp_path, up, "a", None, **opts) as a, \
             skewed(tmp_path, up, "b", skew, **opts) as b:
-        original = in_background(post, a.url,
-                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=10000)},
-                                 body_of("a duplicate held across a clock step"))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        duplicate = in_background(post, b.url, SESSION,
-                                  body_of("a duplicate held across a clock step"))
-        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10,
-                   what="the duplicate held on B")
+        original, duplicate = held_on_b(
+            tmp_path, up, a, b, "a duplicate held across a clock step", turn_ms=10000)
         skew.jump(HOUR_S)
         first, second = original.result(60), duplicate.result(60)
         dispatches = len(up.dispatches())

@@ -12,8 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import (MockUpstream, assert_no_traceback, guarded, ledger_query, parse_sse,
-                     sse_post, turnguard_events, wait_until)
+from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
+                     parse_sse, sse_post, turnguard_events, wait_until)
 from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
@@ -86,9 +86,7 @@ def fault(kind, folder):
         replace_with_older_copy(folder)
         yield
     else:
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{ledger}{suffix}")
+        delete_ledger(ledger)
         yield
 
 

@@ -14,6 +14,7 @@ import collections
 import json
 import time
 
+from harness import delete_ledger
 from turnguard_core import circuit, identity, liveness, policy
 from turnguard_core.ending import AttemptEnding
 from turnguard_core.failover import FailoverStore
@@ -161,14 +162,6 @@ async def test_a_recording_whose_attempt_was_reaped_meanwhile_is_not_replayed(tm
 # -- a ledger file replaced under the store --------------------------------------------------------
 
 
-def _delete(path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        try:
-            (path.parent / f"{path.name}{suffix}").unlink()
-        except FileNotFoundError:
-            pass
-
-
 async def test_an_end_owed_to_a_deleted_ledger_file_is_recorded_whole_in_the_new_one(tmp_path):
     """An attempt's end that is written after its ledger file was deleted names a row that
     file had: it goes into the new file whole (operation, attempt, end), so other processes
@@ -180,7 +173,7 @@ async def test_an_end_owed_to_a_deleted_ledger_file_is_recorded_whole_in_the_new
         turn = ident("ended after the delete")
         claim = await traced.admit(turn)
         old = store.generation
-        _delete(path)
+        delete_ledger(path)
         store._file_gone("ledger file deleted")  # as the heartbeat finds it
         assert store.open(str(path)) and store.generation != old and store.memory.carrying
         recording = Recording(200, (("content-type", "text/event-stream"),), b"data: end\n\n")
@@ -215,7 +208,7 @@ async def test_a_store_made_after_a_reload_registers_attempts_of_another_file_fi
     claim = await traced.admit(turn)
     attempt = StoreAttempt(turn, claim.attempt_id, traced.store.generation, circuit_scope=SCOPE)
     traced.store.close()
-    _delete(path)
+    delete_ledger(path)
     reloaded = FailoverStore(
         instance_id="me", identity=liveness.read_process_identity(), emit=lambda e, **f: None,
         memory=traced.store.memory, kept=collections.deque(), attempts=lambda: [attempt],
