@@ -550,6 +550,9 @@ class Metrics:
 
         class Server(ThreadingWSGIServer):
             address_family = family
+            # socketserver's listen backlog of 5 made connections past the first few wait
+            # for SYN retransmits (1 s, 3 s, ...) while a flood was closed at once
+            request_queue_size = 128
             _serving = 0  # connections being served now (their threads)
             _count_lock = threading.Lock()
             _refused_said = False
