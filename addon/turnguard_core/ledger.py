@@ -228,13 +228,22 @@ class WalState:
     version: int
 
 
+def _described(error: BaseException) -> str:
+    """An error as its log line shows it: SQLite's extended code where it says more than the
+    message (a "disk I/O error" may be SQLITE_IOERR_SHMSIZE, SQLITE_IOERR_FSYNC, ...)."""
+    code = getattr(error, "sqlite_errorname", None)
+    if code and code not in ("SQLITE_ERROR", "SQLITE_OK"):
+        return f"{type(error).__name__} ({code}): {error}"
+    return f"{type(error).__name__}: {error}"
+
+
 def _wrap(fn):
     def wrapper(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
         except (sqlite3.Error, OSError) as e:  # OSError: creating the file, read-only folders
             self._rollback()
-            raise LedgerError(f"{type(e).__name__}: {e}") from e
+            raise LedgerError(_described(e)) from e
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
@@ -453,7 +462,7 @@ class Ledger:
                     self._batch = None
         except (sqlite3.Error, OSError) as e:
             self._rollback()
-            raise LedgerError(f"{type(e).__name__}: {e}") from e
+            raise LedgerError(_described(e)) from e
 
     def _check_file(self) -> None:
         why = self.file_replaced()
