@@ -43,8 +43,9 @@ class MitmWeb:
     """mitmweb in reverse mode in front of ``up``, with turnguard (its ledger and events in
     ``tmp_path``, as ``harness.guarded``), and a client of its REST API."""
 
-    def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "mitmweb",
-                 **options: object):
+    def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "mitmweb", *,
+                 scripts: tuple[Path, ...] = (), **options: object):
+        """``scripts``: more ``-s`` scripts, loaded after turnguard's."""
         self.tmp_path = Path(tmp_path)
         self.token = f"token-{name}"
         opts: dict[str, object] = {
@@ -58,6 +59,8 @@ class MitmWeb:
                    "--listen-port", "0", "--web-host", "127.0.0.1", "--web-port", str(web_port),
                    "--no-web-open-browser", "--set", f"confdir={self.tmp_path / (name + '-confdir')}",
                    "--set", f"web_password={self.token}", "-s", str(ADDON)]
+            for script in scripts:
+                cmd += ["-s", str(script)]
             for key, value in opts.items():
                 cmd += ["--set", f"{key}={value}"]
             self.process = Process(cmd, self.tmp_path / f"{name}.log")
@@ -208,22 +211,28 @@ def test_an_attached_duplicate_kept_intercepted_gets_the_response_it_attached_to
     request hook; mitmweb's intercept then holds it (it comes after turnguard). However long
     the user keeps it (past the relay's ``ROUTE_TTL_S``, the original long done), once resumed
     it gets the response it attached to, never the relay's 404 for a route it forgot."""
-    from turnguard_shell.relay import ROUTE_TTL_S
-
+    # the relay's route TTL (a minute) made 2 s in that mitmweb: loaded after turnguard, a
+    # script sets the module's constant, read each time a route is armed
+    ttl_s = 2.0
+    short_ttl = tmp_path / "short_route_ttl.py"
+    short_ttl.write_text("import logging, sys\n"
+                         "relay = sys.modules['turnguard_shell.relay']\n"
+                         f"relay.ROUTE_TTL_S = {ttl_s!r}\n"
+                         "logging.warning('route TTL now %s s', relay.ROUTE_TTL_S)\n")
     turn = {"model": "m", "input": "attached, then intercepted", "stream": True}
     with ThreadPoolExecutor(2) as pool, MockUpstream(
             tmp_path, {"default": {"kind": "ok", "events": 10, "gap_ms": 500}}) as up, MitmWeb(
-            tmp_path, up, intercept="~hq x-intercept-me & ~q") as web:
+            tmp_path, up, scripts=(short_ttl,), intercept="~hq x-intercept-me & ~q") as web:
+        assert f"route TTL now {ttl_s} s" in web.log_text()
         original = pool.submit(post_turn, web.url, {}, turn, timeout=60)
         up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
-        duplicate = pool.submit(post_turn, web.url, {"x-intercept-me": "1"}, turn,
-                                timeout=ROUTE_TTL_S + 60)
+        duplicate = pool.submit(post_turn, web.url, {"x-intercept-me": "1"}, turn, timeout=60)
         held = wait_until(lambda: next((f for f in web.flows() if f["intercepted"]), None),
                           20, what="the duplicate intercepted in mitmweb")
         status, _, body = original.result(timeout=30)
         assert status == 200
         assert _events(tmp_path, "duplicate_attached"), _events(tmp_path)
-        time.sleep(ROUTE_TTL_S + 2)  # the user looks at it a while
+        time.sleep(2 * ttl_s + 1)  # the user looks at it a while (past the TTL, twice)
         web.resume(held["id"])
         d_status, d_headers, d_body = duplicate.result(timeout=30)
         assert (d_status, d_headers.get("x-turnguard")) == (200, "attached"), d_body[:300]
