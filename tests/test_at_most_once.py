@@ -146,9 +146,10 @@ def duplicate_of_a_live_original_is_replayed(tmp_path: Path, up: MockUpstream, a
 
 @pytest.mark.slow
 def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report):
-    """A is paused 36 s (longer than the old 30 s heartbeat limit) with its original in
-    flight; B holds the duplicate the whole time instead of reaping A and dispatching it."""
-    opts = dict(turnguard_hold_timeout_ms=60000)
+    """A is paused past its lease (15 s, the shortest; and past the old 30 s heartbeat limit
+    of the lease's default) with its original in flight; B, which sees A's process is there,
+    holds the duplicate the whole time instead of reaping A and dispatching it."""
+    opts = dict(turnguard_hold_timeout_ms=60000, turnguard_instance_lease_ms=15000)
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=2000)},
@@ -158,7 +159,7 @@ def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report)
         try:
             duplicate = in_background(post, b.url, SESSION, body_of("paused turn"))
             wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holds it")
-            time.sleep(36)
+            time.sleep(19)  # (its heartbeat's silence is timed from when B read it last)
             assert not events(tmp_path, "b", "instance_reaped"), "a paused process was reaped"
             assert len(up.dispatches()) == 1
         finally:
@@ -175,7 +176,8 @@ def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report)
         assert len(up.dispatches()) == 2
         assert not in_flight(tmp_path / "ledger.sqlite3")
         assert_no_traceback(a.log_text() + b.log_text())
-    report("process paused 36 s with its original in flight: not reaped; the duplicate on "
+    report("process paused 19 s (past its 15 s lease) with its original in flight: not reaped; "
+           "the duplicate on "
            "another process was held and replayed; upstream dispatches=2 for 2 turns")
 
 
