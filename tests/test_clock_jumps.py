@@ -146,6 +146,7 @@ def held_on_b(tmp_path: Path, up: MockUpstream, a: Mitmdump, b: Mitmdump, text: 
     return original, duplicate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twice(
         tmp_path, request, store, report):
@@ -182,6 +183,7 @@ def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twic
            f"turn: A not reaped, duplicate replayed; upstream dispatches={dispatches}")
 
 
+@pytest.mark.slow
 def test_a_clock_stepped_back_does_not_keep_a_dead_peers_turn_in_flight(tmp_path, report):
     """A (another pid namespace) is killed -9 mid-turn; B holds its duplicate; B's wall
     clock steps an hour back. A's last heartbeat now looks an hour in B's future: B must

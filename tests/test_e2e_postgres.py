@@ -274,6 +274,7 @@ def test_owner_killed_mid_stream_on_the_same_kernel_is_reaped_by_proof(tmp_path,
            f"proof after {reap_s:.1f} s and served the 3 held duplicates; upstream dispatches=2")
 
 
+@pytest.mark.slow
 def test_owner_killed_on_another_host_is_reaped_by_its_lease(tmp_path, pg_url, report):
     """Another pid namespace stands for another host: its pid means nothing here, so the
     survivor may only go by the lease (turnguard_instance_lease_ms, short here)."""
@@ -443,6 +444,7 @@ def test_a_duplicate_replayed_from_another_process_is_not_failed_closed_by_an_en
     assert_no_traceback(log)
 
 
+@pytest.mark.slow
 def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable(
         tmp_path, pg_url):
     """The database is made read-only (``default_transaction_read_only``: maintenance, a
@@ -699,6 +701,7 @@ def test_a_recovery_claim_given_back_unused_leaves_the_operation_its_one_recover
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stall", ["down", "paused"])
 def test_a_server_down_past_a_peers_lease_is_no_proof_that_the_peer_is_gone(
         tmp_path, own_pg, stall, report):
