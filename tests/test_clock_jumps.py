@@ -21,9 +21,11 @@ from harness import (
     MockUpstream,
     another_host_prefix,
     assert_no_traceback,
+    delete_ledger,
     ledger_query,
     mock_behaviour,
     post_turn,
+    response_id,
     turnguard_events,
     wait_until,
 )
@@ -181,6 +183,41 @@ def test_a_clock_stepped_forward_does_not_reap_a_live_peer_and_run_its_turn_twic
     assert_no_traceback(log)
     report(f"{store}: B's wall clock 1 h ahead for 10 s while A (judged by its lease) ran a "
            f"turn: A not reaped, duplicate replayed; upstream dispatches={dispatches}")
+
+
+def test_a_clock_ahead_as_the_ledger_is_deleted_still_waits_for_a_live_peer_to_register(
+        tmp_path, report):
+    """A (another pid namespace: judged by its heartbeat, as a process on another host is)
+    has a turn in flight when the ledger file is deleted, and B's wall clock runs an hour
+    ahead. B finds the file gone and reads in the old one which peers had turns in flight
+    there, to wait for them to register those in the new file. A's last heartbeat is an hour
+    old only by B's clock: B must still wait for A, and hold a duplicate sent to it on A's
+    attempt, not decide it in a new file that knows nothing of it yet and run it again."""
+    prefix = another_host_prefix()
+    skew = Skew(tmp_path, "b")
+    opts: dict[str, object] = dict(turnguard_hold_timeout_ms=30000)
+    text = "a turn in flight as the ledger goes, B's clock ahead"
+    with MockUpstream(tmp_path) as up, \
+            skewed(tmp_path, up, "a", None, prefix=prefix, **opts) as a, \
+            skewed(tmp_path, up, "b", skew, **opts) as b:
+        original = in_background(post, a.url,
+                                 {**SESSION, **mock_behaviour(kind="ok", delay_ms=6000)},
+                                 body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        skew.jump(HOUR_S)
+        delete_ledger(tmp_path / "ledger.sqlite3")
+        duplicate = in_background(post, b.url, SESSION, body_of(text))
+        first, second = original.result(30), duplicate.result(40)
+        dispatches = len(up.dispatches())
+        log = a.log_text() + b.log_text()
+    assert dispatches == 1
+    assert first[0] == second[0] == 200
+    assert second[1].get("x-turnguard") in ("replayed", "attached"), second[1]
+    assert response_id(second[2]) == response_id(first[2])
+    assert_no_traceback(log)
+    report("ledger deleted while A (judged by its heartbeat) ran a turn and B's wall clock ran "
+           f"1 h ahead: B waited for A to register it, the duplicate was "
+           f"{second[1].get('x-turnguard')}; upstream dispatches={dispatches}")
 
 
 @pytest.mark.slow

@@ -497,7 +497,10 @@ class FailoverStore:
         there. Until each has noted that it registered them in the new file, or
         ``PEERS_REGISTERING_S`` passed, the new file cannot say that an operation is in flight
         nowhere: a request it knows nothing of waits (``policy.PEERS_REGISTERING``). When the
-        old file cannot say, every request waits that long."""
+        old file cannot say, every request waits that long. Every peer not proven gone is
+        waited for: how long a peer's heartbeat has been silent is no proof here (only its
+        wall clock against this one's, which step and differ between hosts: a live peer's
+        heartbeat an hour old by a clock an hour ahead); a dead one costs that wait once."""
         now = time.time()
         try:
             rows = store.peers_with_attempts_in_flight_sync(timeout=PEERS_READ_S)
@@ -510,7 +513,7 @@ class FailoverStore:
             peers = {"(unknown)"}  # nobody notes that name: waited for the whole time
         else:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
-                peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S,
+                peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S, silent_s=0.0,
                 start_ticks_of=liveness.probe_start_ticks) == "alive"}
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + PEERS_REGISTERING_S if peers else 0.0
