@@ -1049,8 +1049,9 @@ def _children(pid: int) -> list[int]:
     """The processes ``pid`` started (its identity worker, and what multiprocessing adds)."""
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
     return found
 
 
