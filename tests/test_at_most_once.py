@@ -759,6 +759,36 @@ def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp
            f"in the new file and got it {headers.get('x-turnguard')}; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("deleted_s", [0.2, 1.2, 1.55])
+def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_process(
+    tmp_path, report, deleted_s
+):
+    """A's turn streams for 1.6 s; the ledger file is deleted at some point of it (just after
+    its first event, mid-stream, just before its last), both processes having it open. A
+    duplicate sent to B as soon as the turn ended must get the turn's recording: A writes
+    the end it owed the old file whole into the new one, and B, finding the file gone, waits
+    for A to have registered what it had in flight there before it decides anything."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"ends as the ledger is deleted ({deleted_s} s in)"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        turn = {**SESSION, **behaviour(kind="ok", events=5, gap_ms=400)}
+        original = in_background(post, a.url, turn, body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        time.sleep(deleted_s)  # (any point of the stream must do: this only varies it)
+        delete_ledger(ledger)
+        status, _, first = original.result(30)
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        again = post(b.url, SESSION, body_of(text))
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed", again[1]
+        assert response_id(again[2]) == response_id(first)
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"ledger deleted {deleted_s} s into a 1.6 s turn: a duplicate sent to another "
+           "process once it ended was replayed; upstream dispatches=1")
+
+
 @pytest.mark.parametrize("duplicate_through", ["the other process", "both"])
 def test_a_new_duplicate_sent_elsewhere_as_the_ledger_is_deleted_waits_for_the_owner(
     tmp_path, report, duplicate_through
