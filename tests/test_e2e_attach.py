@@ -462,6 +462,51 @@ def test_a_duplicate_whose_body_is_chunked_attaches_and_gets_the_whole_stream(tm
         assert_no_traceback(proxy.log_text())
 
 
+def _http10_post(port: int, body: dict, headers: dict, timeout: float = 30) -> bytes:
+    """POST as an HTTP/1.0 client on a raw socket; read until the proxy closes (an HTTP/1.0
+    body without a length ends there). Bounded in time and size."""
+    import socket
+
+    raw = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request = (f"POST /v1/responses HTTP/1.0\r\nhost: 127.0.0.1:{port}\r\n{head}"
+               f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n"
+               ).encode() + raw
+    out = b""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        while time.monotonic() < deadline and len(out) < 1 << 20:
+            data = s.recv(65536)
+            if not data:
+                break
+            out += data
+    return out
+
+
+def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
+    """An HTTP/1.0 client knows no chunked coding: its attached answer must come as the
+    original's bytes, delimited by the close, never with chunk sizes in its body."""
+    slow = {"kind": "ok", "events": 8, "gap_ms": 300}
+
+    async def run(url, port):
+        original = asyncio.ensure_future(stream_post(url, behaviour=slow))
+        await asyncio.sleep(0.7)
+        dup = await asyncio.to_thread(_http10_post, port, BODY, HEADERS)
+        return await original, dup
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        original, dup = asyncio.run(run(proxy.url, proxy.port))
+        assert len(up.dispatches()) == 1
+        head, _, body = dup.partition(b"\r\n\r\n")
+        assert b"x-turnguard: attached" in head.lower(), head
+        assert b"transfer-encoding" not in head.lower(), head
+        assert original["error"] is None
+        assert body == original["body"]
+        assert sse_event_types(body)[-1] == "response.completed"
+        assert_no_traceback(proxy.log_text())
+
+
 def test_a_detached_call_whose_body_is_chunked_answers_its_client(tmp_path):
     """With ``turnguard_detach_ms`` a client whose request body is chunked is answered by its
     detached call (through the relay) as a direct call would answer it, not with a 502."""

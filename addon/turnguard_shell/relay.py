@@ -13,6 +13,10 @@ flow's destination back for mitmweb and saved flows). The relay answers with the
   flow's client as the attempt's own client was cut (the same failure);
 - failed before any head: a 502 JSON answer saying so.
 
+The body is chunked, except to a request mitmproxy sends as HTTP/1.0 (its client spoke
+HTTP/1.0, which knows no chunked coding): that body ends where the connection does, so its
+client gets the bytes as they are, and a cut ends it as a close would (as HTTP/1.0 can only).
+
 Only mitmproxy, on loopback, ever connects here; a request without a known token gets 404.
 The request's body is read and dropped, whatever its framing (a Content-Length, chunked, or
 none: an HTTP/2 request without a length comes as HTTP/1.1 without one); a relay connection
@@ -180,6 +184,7 @@ class Relay:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")  # at most MAX_HEAD_BYTES (the limit)
         token, length, chunked = _token_and_length(head)
+        http10 = head.split(b"\r\n", 1)[0].rstrip().upper().endswith(b"HTTP/1.0")
         if chunked:  # mitmproxy sends a chunked request's body chunked: read it to its end,
             await _skip_chunked(reader)  # or its bytes would read as the peer leaving
         elif 0 < length <= MAX_REQUEST_BODY:
@@ -195,10 +200,12 @@ class Relay:
             return
         if route.handle is not None:
             route.handle.cancel()
-        await self._stream(route, reader, writer)
+        await self._stream(route, reader, writer, chunked_body=not http10)
 
     async def _stream(self, route: Route, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
+                      writer: asyncio.StreamWriter, *, chunked_body: bool = True) -> None:
+        """Answer from ``route.live``: chunked (``chunked_body``), else delimited by the
+        connection's close (an HTTP/1.0 request)."""
         queue: asyncio.Queue = asyncio.Queue()
         listener = Listener(
             on_head=lambda h: queue.put_nowait(("head", h)),
@@ -222,16 +229,19 @@ class Relay:
                 item = await queue.get()
                 match item:
                     case ("head", h):
-                        writer.write(_response_head(h.status, _attached_headers(h)))
+                        writer.write(_response_head(h.status, _attached_headers(h, chunked_body)))
                         sent_head = True
                     case ("piece", piece):
                         data = piece if isinstance(piece, bytes) else piece.encode()
-                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked_body
+                                     else data)
                         sent += len(data)
                     case ("end", "complete", _):
                         end = "complete"
-                        writer.write(b"0\r\n\r\n" if sent_head else
-                                     _failed(502, "the attempt ended without a response"))
+                        if not sent_head:
+                            writer.write(_failed(502, "the attempt ended without a response"))
+                        elif chunked_body:  # (else the close below ends the body)
+                            writer.write(b"0\r\n\r\n")
                         await _flushed(writer)
                         writer.close()
                         return
@@ -310,9 +320,9 @@ def _token_and_length(head: bytes) -> tuple[str | None, int, bool]:
     return token, length, chunked
 
 
-def _attached_headers(head: Head) -> tuple[tuple[str, str], ...]:
-    return (*recordable_headers(head.headers), ("x-turnguard", "attached"),
-            ("transfer-encoding", "chunked"))
+def _attached_headers(head: Head, chunked: bool = True) -> tuple[tuple[str, str], ...]:
+    framing = (("transfer-encoding", "chunked"),) if chunked else ()
+    return (*recordable_headers(head.headers), ("x-turnguard", "attached"), *framing)
 
 
 def _response_head(status: int, headers, *, length: int | None = None) -> bytes:
