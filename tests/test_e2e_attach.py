@@ -507,6 +507,88 @@ def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
         assert_no_traceback(proxy.log_text())
 
 
+def _pipelined_posts(port: int, bodies: list[dict], headers: dict, timeout: float = 30):
+    """Send every POST at once on one HTTP/1.1 connection (pipelined), then read the answers
+    in order with h11 until all came or the proxy closed. Returns [(status, headers, body)]:
+    fewer than sent when the connection ended first. Bounded in time and size."""
+    import socket
+
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    data = b""
+    for body in bodies:
+        raw = json.dumps(body).encode()
+        data += conn.send(h11.Request(method="POST", target="/v1/responses", headers=[
+            ("host", f"127.0.0.1:{port}"), ("content-type", "application/json"),
+            ("content-length", str(len(raw))), *headers.items()]))
+        data += conn.send(h11.Data(data=raw)) + conn.send(h11.EndOfMessage())
+        conn = h11.Connection(h11.CLIENT)  # (h11 sends one request at a time)
+    reader = h11.Connection(h11.CLIENT)
+    answers: list = []
+    deadline = time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        current = None
+        while len(answers) < len(bodies) and time.monotonic() < deadline:
+            # h11 parses one response per request it sent: make it believe it sent each
+            if reader.our_state is h11.IDLE:
+                reader.send(h11.Request(method="POST", target="/", headers=[
+                    ("host", "x"), ("content-length", "0")]))
+                reader.send(h11.EndOfMessage())
+            event = reader.next_event()
+            if event is h11.NEED_DATA:
+                chunk = s.recv(65536)
+                reader.receive_data(chunk)
+                if not chunk:
+                    break
+            elif isinstance(event, h11.Response):
+                current = [event.status_code, {k.decode().lower(): v.decode()
+                                               for k, v in event.headers}, b""]
+            elif isinstance(event, h11.Data):
+                current[2] += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                answers.append(tuple(current))
+                if reader.our_state is h11.MUST_CLOSE or reader.their_state is h11.MUST_CLOSE:
+                    break
+                reader.start_next_cycle()
+            elif isinstance(event, h11.ConnectionClosed):
+                break
+    return answers
+
+
+@pytest.mark.parametrize("how", ["attached", "detached"])
+def test_a_request_pipelined_behind_one_answered_through_the_relay_is_answered(tmp_path, how):
+    """The relay closes its connection after each response and says so (``Connection:
+    close``); that is its own connection's business, not the client's: passed on, the
+    client's kept-alive connection was closed after an attached (or detached) answer, and a
+    request the client had pipelined behind it was never answered nor dispatched."""
+    slow = {"kind": "ok", "events": 6, "gap_ms": 250}
+    other = {"model": "gpt-test", "input": "the next turn"}
+    options = {"turnguard_detach_ms": 20000} if how == "detached" else {}
+
+    async def run(url, port):
+        original = None
+        if how == "attached":
+            original = asyncio.ensure_future(stream_post(url, behaviour=slow))
+            await asyncio.sleep(0.7)
+        answers = await asyncio.to_thread(_pipelined_posts, port, [BODY, other], HEADERS)
+        return (await original if original is not None else None), answers
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, **options) as proxy:
+        original, answers = asyncio.run(run(proxy.url, proxy.port))
+        assert len(answers) == 2, f"answers on the connection: {[a[:2] for a in answers]}"
+        (status, headers, body), (status2, _, body2) = answers
+        assert status == 200 and headers.get("x-turnguard") == "attached", headers
+        assert "connection" not in headers, headers
+        assert sse_event_types(body)[-1] == "response.completed"
+        if original is not None:
+            assert body == original["body"]
+        assert status2 == 200 and json.loads(body2)["status"] == "completed"
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(proxy.log_text())
+
+
 def test_a_detached_call_whose_body_is_chunked_answers_its_client(tmp_path):
     """With ``turnguard_detach_ms`` a client whose request body is chunked is answered by its
     detached call (through the relay) as a direct call would answer it, not with a 502."""

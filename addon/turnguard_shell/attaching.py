@@ -136,9 +136,17 @@ class Attacher:
     @staticmethod
     def responseheaders(flow: http.HTTPFlow) -> bool:
         """An attached flow's response (the relay's) starts: stream it live to the client and
-        put the flow's destination back. False: not an attached flow."""
+        put the flow's destination back. False: not an attached flow.
+
+        The relay's ``Connection: close`` is about the relay's own connection (one response
+        each), not the client's: passed on, it would close a kept-alive client connection
+        after every attached (or detached) answer, and lose a request the client pipelined
+        behind it. It is dropped (an attached head never has the original's: it is
+        hop-by-hop, not recorded); the relay still closes its connection after the response,
+        and a body delimited by that close (an HTTP/1.0 client's) still closes the client's."""
         if (flow.metadata.get("turnguard") or {}).get("role") != "attached":
             return False
+        flow.response.headers.pop("connection", None)
         flow.response.stream = True
         Relay.restore(flow)
         return True
