@@ -17,6 +17,7 @@ import socket
 import ssl
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,10 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
+    mock_behaviour,
     read_jsonl,
     sse_event_types,
+    sse_post,
     wait_until,
 )
 
@@ -554,4 +557,65 @@ def test_http2_streams_reset_while_the_proxy_is_paused_never_win_the_one_recover
         assert retry.status == 200 and sse_event_types(retry.body)[-1] == "response.completed"
         assert len(events(tmp_path, "recovery_claimed")) == 1
         assert len(up.dispatches()) == 3
+        assert_no_traceback(proxy.log_text())
+
+
+def _close_wait_sockets(pid: int) -> int:
+    """How many of process ``pid``'s TCP sockets are in CLOSE-WAIT (the peer closed, the
+    process never did): /proc/net/tcp's state 08, matched by inode to its descriptors."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "08" and fields[9] in inodes:
+                count += 1
+    return count
+
+
+@pytest.mark.skipif(not HAS_H2 or not Path("/proc/net/tcp").exists(),
+                    reason="needs the h2 package and Linux's /proc")
+def test_http2_duplicates_attached_at_once_leave_no_connection_open(tmp_path):
+    """Several HTTP/2 streams of one connection attached to a stream in flight: each is
+    answered through a relay connection of its own, and none of those is left open once
+    answered. (mitmproxy 12 kept the socket of most of them in CLOSE-WAIT for as long as it
+    ran, a descriptor each, when the relay closed them first.)"""
+    slow = {"kind": "ok", "events": 10, "gap_ms": 200}
+    body = json.dumps(BODY).encode()
+    streams = [1, 3, 5, 7, 9]
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            original = pool.submit(sse_post, proxy.url, body=BODY,
+                                   headers={**HEADERS, **mock_behaviour(**slow)})
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            client = RawH2(proxy.port)
+            try:
+                for stream_id in streams:
+                    client.post(stream_id, "/v1/responses", body, HEADERS)
+                client.pump(lambda: all(s in client.ended for s in streams), timeout=30)
+                status, _, first = original.result(timeout=30)
+                assert status == 200
+                assert {client.status.get(s) for s in streams} == {200}
+                assert all(client.bodies[s] == first for s in streams)
+                assert len(events(tmp_path, "duplicate_attached")) == len(streams)
+            finally:
+                client.close()
+        assert len(up.dispatches()) == 1
+        try:
+            wait_until(lambda: _close_wait_sockets(proxy.pid) == 0, 10,
+                       what="no socket of mitmdump left in CLOSE-WAIT")
+        except AssertionError:
+            raise AssertionError(f"{_close_wait_sockets(proxy.pid)} sockets of mitmdump left "
+                                 "in CLOSE-WAIT") from None
         assert_no_traceback(proxy.log_text())

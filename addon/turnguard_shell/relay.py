@@ -44,6 +44,7 @@ MAX_HEAD_BYTES = 256 * 1024  # mitmproxy sends the flow's request: its headers
 MAX_REQUEST_BODY = 64 * 1024 * 1024  # the guarded request's body comes along; it is dropped
 ROUTE_TTL_S = 60.0  # a route mitmproxy did not follow by then is forgotten (unless its flow
 # still waits to be sent: intercepted in mitmweb or the console, its client there)
+PEER_CLOSE_S = 5.0  # how long an answered HTTP/2 flow's connection waits for mitmproxy to close it
 _REASONS = {200: "OK", 201: "Created", 202: "Accepted", 502: "Bad Gateway", 404: "Not Found"}
 
 
@@ -53,6 +54,9 @@ class Route:
     on_end: Callable[[End | None, int], None]  # (the end the flow saw, or None: left; bytes)
     handle: asyncio.TimerHandle | None = None
     flow: http.HTTPFlow | None = None  # the flow routed here, until it comes
+    # mitmproxy closes the connection itself once the response is done (the flow's client
+    # speaks HTTP/2 or 3: mitmproxy sends such a flow on an HTTP/1 connection of its own)
+    peer_closes: bool = False
 
 
 class Relay:
@@ -93,7 +97,8 @@ class Relay:
         be started). ``on_end`` is called once the flow's answer ended (or its client left)."""
         assert self.port is not None, "route() before ensure_started()"
         token = secrets.token_urlsafe(18)
-        route = Route(live, on_end, flow=flow)
+        route = Route(live, on_end, flow=flow,
+                      peer_closes=flow.request.http_version not in ("HTTP/1.0", "HTTP/1.1"))
         self._routes[token] = route
         self._arm_expiry(token, route)
         req = flow.request
@@ -202,6 +207,14 @@ class Relay:
             route.handle.cancel()
         await self._stream(route, reader, writer, chunked_body=not http10)
 
+    # An answer ends with the relay closing its connection, except for a flow whose client
+    # speaks HTTP/2 (``Route.peer_closes``): the relay lets mitmproxy close that connection
+    # first (at most PEER_CLOSE_S). mitmproxy 12 keeps the socket of a server connection open
+    # for ever (CLOSE-WAIT, one descriptor each) when the server's close reaches it as it
+    # closes that connection itself on another of the client connection's tasks (its HTTP/2
+    # client's): its handler is cancelled before it closes the socket. Several HTTP/2 streams
+    # attached at once left most of their relay connections so.
+
     async def _stream(self, route: Route, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter, *, chunked_body: bool = True) -> None:
         """Answer from ``route.live``: chunked (``chunked_body``), else delimited by the
@@ -243,6 +256,7 @@ class Relay:
                         elif chunked_body:  # (else the close below ends the body)
                             writer.write(b"0\r\n\r\n")
                         await _flushed(writer)
+                        await _after_peer(peer_left, route.peer_closes and chunked_body)
                         writer.close()
                         return
                     case ("end", _, error):
@@ -251,6 +265,7 @@ class Relay:
                             writer.write(_failed(502, "the attempt attached to failed: "
                                                  f"{error or 'no response'}"))
                             await _flushed(writer)
+                            await _after_peer(peer_left, route.peer_closes)
                             writer.close()
                             return
                         await _flushed(writer)  # every byte the attempt's client got, then
@@ -275,6 +290,12 @@ async def _flushed(writer: asyncio.StreamWriter) -> None:
     """Wait until every byte written went to the socket (not merely below the high mark)."""
     writer.transport.set_write_buffer_limits(high=0)
     await writer.drain()
+
+
+async def _after_peer(peer_left: asyncio.Future, wait: bool) -> None:
+    """When ``wait``: until the peer closed (``peer_left`` done), at most PEER_CLOSE_S."""
+    if wait and not peer_left.done():
+        await asyncio.wait({peer_left}, timeout=PEER_CLOSE_S)
 
 
 async def _until_eof(reader: asyncio.StreamReader) -> None:
