@@ -589,6 +589,45 @@ def test_a_request_pipelined_behind_one_answered_through_the_relay_is_answered(t
         assert_no_traceback(proxy.log_text())
 
 
+@pytest.mark.parametrize("how", [
+    pytest.param("direct", marks=pytest.mark.xfail(strict=True, reason=(
+        "known defect, not fixed: mitmproxy reads a flow's upstream no faster than it writes "
+        "to that flow's client (its per-connection backpressure), and the tee is on that "
+        "flow; with turnguard_detach_ms the call runs on turnguard's own flow (below)"))),
+    "detached",
+])
+def test_an_original_client_that_stops_reading_does_not_stall_its_attached_duplicate(
+        tmp_path, how):
+    """The original's HTTP/1.1 client sends its turn and never reads the answer (a 12 MB
+    stream, more than the sockets buffer); a duplicate attaches: it must get the whole
+    stream without waiting for that client."""
+    import socket
+
+    big = {"kind": "ok", "events": 40, "gap_ms": 50, "delta_bytes": 100000}
+    options = {"turnguard_detach_ms": 20000} if how == "detached" else {}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, **options) as proxy:
+        stuck = socket.socket()
+        try:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stuck.connect(("127.0.0.1", proxy.port))
+            raw = json.dumps(BODY).encode()
+            head = "".join(f"{k}: {v}\r\n" for k, v in
+                           {**HEADERS, **mock_behaviour(**big)}.items())
+            stuck.sendall((f"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\n{head}"
+                           "content-type: application/json\r\n"
+                           f"content-length: {len(raw)}\r\n\r\n").encode() + raw)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            wait_until(lambda: turnguard_events(tmp_path, kind="dispatch"), 10)
+            dup = asyncio.run(stream_post(proxy.url, timeout=20))
+        finally:
+            stuck.close()
+        assert len(up.dispatches()) == 1
+        assert dup["headers"].get("x-turnguard") == "attached"
+        assert dup["error"] is None, f"{dup['error']} after {len(dup['body'])} bytes"
+        assert sse_event_types(dup["body"])[-1] == "response.completed"
+        assert_no_traceback(proxy.log_text())
+
+
 def test_a_detached_call_whose_body_is_chunked_answers_its_client(tmp_path):
     """With ``turnguard_detach_ms`` a client whose request body is chunked is answered by its
     detached call (through the relay) as a direct call would answer it, not with a 502."""
