@@ -27,8 +27,11 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
+    metric,
+    metrics_url,
     mock_behaviour,
     read_jsonl,
+    scrape,
     sse_event_types,
     sse_post,
     wait_until,
@@ -618,4 +621,47 @@ def test_http2_duplicates_attached_at_once_leave_no_connection_open(tmp_path):
         except AssertionError:
             raise AssertionError(f"{_close_wait_sockets(proxy.pid)} sockets of mitmdump left "
                                  "in CLOSE-WAIT") from None
+        assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package for a raw HTTP/2 client")
+def test_held_http2_streams_of_a_connection_the_client_goes_away_from_are_let_go_once(tmp_path):
+    """Three duplicates held on one HTTP/2 connection, then the client sends GOAWAY (mitmproxy
+    closes the connection on any GOAWAY): each hold ends once (``hold_abandoned``), none is
+    dispatched, the held gauge is back to 0, and the original is answered."""
+    import struct
+
+    slow = {"kind": "slow", "delay_ms": 2500}
+    body = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
+                                               turnguard_metrics="127.0.0.1:0") as proxy:
+        url = metrics_url(proxy)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            original = pool.submit(sse_post, proxy.url, body=BODY,
+                                   headers={**HEADERS, **mock_behaviour(**slow)})
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            client = RawH2(proxy.port)
+            try:
+                for stream_id in (1, 3, 5):
+                    client.post(stream_id, "/v1/responses", body, HEADERS)
+                wait_until(lambda: len(events(tmp_path, "duplicate_held")) == 3, 10,
+                           what="three duplicates held")
+                assert metric(scrape(url), "turnguard_flows_held", wait="duplicate") == 3
+                # GOAWAY (last stream 0, NO_ERROR), written by hand: h2 would refuse to read on
+                client.sock.sendall(struct.pack(">I", 8)[1:] + bytes([7, 0]) +
+                                    struct.pack(">III", 0, 0, 0))
+                wait_until(lambda: len(events(tmp_path, "hold_abandoned")) == 3, 15,
+                           what="the three holds let go")
+            finally:
+                client.close()
+            assert original.result(timeout=30)[0] == 200
+        wait_until(lambda: metric(scrape(url), "turnguard_flows_held") == 0, 10,
+                   what="no flow held")
+        held = {e["flow"] for e in events(tmp_path, "duplicate_held")}
+        abandoned = [e["flow"] for e in events(tmp_path, "hold_abandoned")]
+        assert sorted(abandoned) == sorted(held)
+        assert len(up.dispatches()) == 1
+        assert not [e for e in read_jsonl(tmp_path / "events.jsonl")
+                    if e.get("flow") in held and e["event"] in (
+                        "dispatch", "duplicate_forwarded", "duplicate_replayed")]
         assert_no_traceback(proxy.log_text())
