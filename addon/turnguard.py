@@ -81,6 +81,7 @@ class TurnGuard:
     def _build(self, process: ProcessState) -> None:
         """The parts, around ``process`` (kept on mitmproxy's master across script reloads)."""
         self._process = process
+        self.telemetry.counts = process.event_counts  # the process's: a reload goes on counting
         self.waiters = Waiters()
         self.clients = flows.ClientWatch()
         self.explainer = flows.Explainer()
@@ -183,6 +184,7 @@ class TurnGuard:
             if "turnguard_events" in updated:
                 telemetry = config.open_events(o.turnguard_events)
                 telemetry.sink = self.telemetry.sink
+                telemetry.counts = self.telemetry.counts  # a new file: the counts go on
                 self.telemetry.close()
                 self.telemetry = telemetry
             if "turnguard_metrics" in updated:  # before the ledger: a port in use stops start-up

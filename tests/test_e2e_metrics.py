@@ -396,3 +396,40 @@ def test_websocket_frames_passed_through_are_counted_by_their_reason_not_as_othe
     reasons = {lab["reason"]: v for lab, v in s["turnguard_passthrough_total"]}
     assert "other" not in reasons, reasons
     assert len(reasons) == 3, reasons
+
+
+def test_status_event_counts_go_on_like_the_metrics_across_a_new_events_file_and_a_reload(
+        tmp_path):
+    """``turnguard.status``'s ``events`` counts what this process did, as
+    ``turnguard_events_total`` does: neither a new events file (``turnguard_events`` set while
+    running, as mitmweb's options editor or ``:set`` do) nor a script reload may start it
+    again from 0 while the metrics of the same process go on."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+    from test_e2e_bounds import STATUS_PROBE, status
+    from test_e2e_control import set_live, LIVE_OPTIONS
+
+    def agree(p, url, dispatches):
+        counts = status(p)["events"]
+        samples = scrape(url)
+        totals = {lab["event"]: v for lab, v in samples.get("turnguard_events_total", [])}
+        assert counts.get("dispatch") == dispatches == len(up.dispatches()), counts
+        for event in ("dispatch", "outcome", "duplicate_replayed"):
+            assert counts.get(event, 0) == totals.get(event, 0), (event, counts, totals)
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, proxy(
+            tmp_path, up, addon=script,
+            extra_args=["-s", str(STATUS_PROBE), "-s", str(LIVE_OPTIONS)]) as p:
+        url = metrics_url(p)
+        assert [post(p.url), post(p.url)] == [200, 200]  # one dispatch, one replay
+        wait_until(lambda: metric(scrape(url), "turnguard_outcomes_total") == 1, 10,
+                   what="the outcome counted")
+        agree(p, url, 1)
+        assert set_live(p, f"turnguard_events={tmp_path / 'rotated-events.jsonl'}")[0] == 200
+        assert post(p.url) == 200  # replayed
+        agree(p, url, 1)
+        reloaded(p, touch_to_reload(p, script))
+        url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
+        assert post(p.url) == 200  # replayed
+        agree(p, url, 1)
+        assert_no_traceback(p.log_text())

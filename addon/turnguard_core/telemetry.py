@@ -62,6 +62,8 @@ class Telemetry:
         self._file = None
         self._refused: str | None = None  # why the moved events file was not reopened
         self.path = path or None
+        # records by event name; the owner may hand in another (the shell keeps one per
+        # process, so that a new events file or a script reload does not count from 0)
         self.counts: Counter[str] = Counter()
         # called with (event, fields) for every record, before it is written; must not raise
         self.sink: Callable[[str, dict], None] | None = None

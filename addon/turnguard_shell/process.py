@@ -4,8 +4,8 @@ mitmproxy reloads a changed script by dropping the addon instance and making a n
 flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
 process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
 this process is in the ledger, its attempts in flight, the ledger writes it still owes, what
-it learned of the ledger, and its metrics' counters (a reload keeps ``turnguard_instance``, so
-a counter of that series must not start again from 0).
+it learned of the ledger, and its metrics' counters and telemetry event counts (a reload keeps
+``turnguard_instance``, so a counter of that series must not start again from 0).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class ProcessState:
     # addon runs when a dispatch may be detached: Attacher.start_relay_early)
     detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
     metrics: Any = None  # metrics.Metrics: the counters go on across reloads (same instance)
+    # telemetry records by event (``turnguard.status``'s ``events``): they go on across
+    # reloads and new events files, as the metrics' counters do
+    event_counts: collections.Counter = field(default_factory=collections.Counter)
     # telemetry records made while no instance was loaded (a reload to a script that failed
     # to load): (event, fields with their ts), written by the next instance that loads
     unwritten: collections.deque = field(
