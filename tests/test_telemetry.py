@@ -106,3 +106,22 @@ def test_an_events_file_deleted_or_rotated_is_reopened_at_its_path(tmp_path, cap
         t.reopen_if_moved()  # still unsafe: said once
     assert caplog.text.count("not reopened") == 1 and not (tmp_path / "elsewhere").exists()
     t.close()
+
+
+def test_every_event_the_addon_emits_is_named_in_the_readmes_telemetry_section():
+    """The README's telemetry section is the operator's list of event names (what to grep the
+    events file for, what ``turnguard_events_total{event=...}`` can say): an event the addon
+    emits that it does not name is one nobody knows to watch for."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    emitted: set[str] = set()
+    for source in (root / "addon").rglob("*.py"):
+        emitted |= set(re.findall(r'(?:emit|Emit)\(\s*"([a-z_]+)"', source.read_text()))
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Telemetry, commands, inspection", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert len(emitted) > 30, sorted(emitted)  # the scan found the calls
+    missing = sorted(emitted - named)
+    assert not missing, f"emitted, not named in the README: {missing}"
