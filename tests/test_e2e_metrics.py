@@ -433,3 +433,33 @@ def test_status_event_counts_go_on_like_the_metrics_across_a_new_events_file_and
         assert post(p.url) == 200  # replayed
         agree(p, url, 1)
         assert_no_traceback(p.log_text())
+
+
+def test_an_events_file_that_cannot_be_written_then_rotated_goes_on_in_the_new_file(tmp_path):
+    """The events file's disk is full (here: mitmdump's file size limit, ``prlimit --fsize``,
+    which fails a write past it as a full disk does, EFBIG for ENOSPC): traffic goes on and the
+    log says so once, not at every event. Then logrotate renames the file away: turnguard
+    goes on in a new file at the path, as the README promises, though the lines the old file
+    could not take can no longer be written there (its close fails too): no traceback, and no
+    hook ever fails for it."""
+    events = tmp_path / "mitmdump-events.jsonl"
+    filler = b'{"ts":1,"event":"filler"}\n'
+    events.write_bytes(filler * (3_000_000 // len(filler)))
+    events.chmod(0o600)
+    limit = events.stat().st_size + 100  # the first line or so of a turn, then no more
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, prefix=["prlimit", f"--fsize={limit}", "--"]) as p:
+        for n in range(3):
+            assert post(p.url, body={**BODY, "input": f"turn {n}"}) == 200
+        wait_until(lambda: "cannot write telemetry" in p.log_text(), 10,
+                   what="the failed write said")
+        events.rename(tmp_path / "mitmdump-events.jsonl.1")  # logrotate
+        p.wait_for_log("writing to a new one", 10)
+        assert post(p.url, body={**BODY, "input": "after the rotation"}) == 200
+        wait_until(lambda: events.exists() and any(
+            r["event"] == "outcome" for r in turnguard_events(tmp_path)), 10,
+                   what="the next turn's outcome in the new events file")
+        log = p.log_text()
+        assert len(up.dispatches()) == 4
+        assert log.count("cannot write telemetry") == 1, log
+        assert_no_traceback(log)

@@ -61,6 +61,7 @@ class Telemetry:
         self._ignored_handlers = ignored_handlers
         self._file = None
         self._refused: str | None = None  # why the moved events file was not reopened
+        self._write_failing = False  # a write failed (said once) and none succeeded since
         self.path = path or None
         # records by event name; the owner may hand in another (the shell keeps one per
         # process, so that a new events file or a script reload does not count from 0)
@@ -84,8 +85,15 @@ class Telemetry:
         if self._file is not None:
             try:
                 self._file.write(line + "\n")
-            except OSError as e:  # a full disk must not break traffic
-                logger.warning("turnguard: cannot write telemetry to %s: %s", shown(self.path), e)
+            except (OSError, ValueError) as e:  # a full disk must not break traffic
+                if not self._write_failing:  # said once, not at every line while it lasts
+                    self._write_failing = True
+                    logger.warning("turnguard: cannot write telemetry to %s: %s; said once "
+                                   "until a line is written again", shown(self.path), e)
+            else:
+                if self._write_failing:
+                    self._write_failing = False
+                    logger.warning("turnguard: telemetry written to %s again", shown(self.path))
         if to_log:
             # what logger.log(level, "turnguard %s", line) makes and handles, without its
             # walk of the stack for the caller (this method, always): a fifth of the line's cost
@@ -116,15 +124,25 @@ class Telemetry:
                                shown(self.path), e)
             return
         self._refused = None
-        self._file.close()
+        self._close_file()
         self._file = file
+        self._write_failing = False
         logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
                     shown(self.path))
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._close_file()
             self._file = None
+
+    def _close_file(self) -> None:
+        """Close the file in use; lines it could not take (a full disk) are lost, said in the
+        log, never raised: a rotation or a shutdown must not fail for them."""
+        try:
+            self._file.close()
+        except (OSError, ValueError) as e:
+            logger.warning("turnguard: events file %s closed with lines it could not take "
+                           "lost: %s", shown(self.path), e)
 
 
 _EMIT_LINE = Telemetry.emit.__code__.co_firstlineno
