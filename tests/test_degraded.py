@@ -162,5 +162,7 @@ def test_what_was_learned_from_a_replaced_ledger_file_still_decides():
     assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooled"}) is None
     assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooling", "now": 1201.0}) is None
     m.carried_circuits["cooling"] = CircuitState(2, 1200.0)
-    assert m.clear_carried_circuits("cooling") == {"cooling"}
+    assert m.cooling_carried(1100.0, "cool") == {"cooling": CircuitState(2, 1200.0)}  # a prefix
+    assert m.cooling_carried(1201.0) == {}  # its cooldown over
+    assert m.clear_carried_circuits({"cooling"}) == {"cooling"}
     assert m.carried(ident("new"), **{**ask, "circuit_scope": "cooling"}) is None

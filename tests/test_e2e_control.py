@@ -421,3 +421,47 @@ def test_a_ledger_change_refused_while_a_turn_runs_leaves_the_ledger_in_use_alon
         assert post_turn(p.url, headers, turn)[1].get("x-turnguard") == "replayed"
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
+
+
+COMMAND_PROBE = Path(__file__).with_name("command_probe.py")
+
+
+def command(p, *args: str) -> tuple[int, str]:
+    """Run a mitmproxy command in the running mitmdump ``p`` (loaded with ``command_probe.py``),
+    as the console's ``:`` does: (200, what it returned) or (400, its error)."""
+    r = httpx.post(p.url + "/__command", json=list(args), trust_env=False, timeout=20)
+    return r.status_code, r.text
+
+
+def test_a_cooldown_carried_over_from_a_deleted_ledger_file_is_shown_and_cleared_by_the_commands(
+        tmp_path):
+    """The ledger file is deleted while a circuit cools: the process goes on in a new file and
+    still fences the scope from what it learned (a request gets the cooldown's 503). The
+    operator's view and controls must see that cooldown: ``turnguard.status`` and
+    ``turnguard.circuit.list`` list it, ``turnguard.circuit.clear`` with its scope (or a
+    prefix) ends it, says so in the events file, and the next request dispatches."""
+    from test_e2e_bounds import STATUS_PROBE, status
+
+    ledger = tmp_path / "ledger.sqlite3"
+    storm = {"sequence": [{"kind": "reset"}, {"kind": "reset"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, storm) as up, proxy(
+            tmp_path, up, extra_args=["-s", str(STATUS_PROBE), "-s", str(COMMAND_PROBE)]) as p:
+        assert [post(p.url)[0], post(p.url)[0]] == [502, 502]  # the circuit opens
+        [opened] = events(tmp_path, "circuit_opened")
+        scope = opened["scope"]
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+        wait_until(lambda: ledger.exists() and events(tmp_path, "ledger_recovered"), 15,
+                   what="a new ledger file in use")
+        assert post(p.url, turn={**TURN, "input": "another turn"})[0] == 503  # still fenced
+        assert [c["scope"] for c in status(p)["cooldowns"]] == [scope]
+        code, text = command(p, "turnguard.circuit.list")
+        assert code == 200 and [c["scope"] for c in json.loads(text)] == [scope], text
+        code, text = command(p, "turnguard.circuit.clear", scope[:16])
+        assert code == 200 and json.loads(text) == {"cleared": [scope]}, text
+        assert post(p.url, turn={**TURN, "input": "after the clear"})[0] == 200
+        assert len(up.dispatches()) == 3
+        [cleared] = events(tmp_path, "circuit_cleared")
+        assert (cleared["scope"], cleared["failures"], cleared["by"]) == (scope, 2, "command")
+        assert status(p)["cooldowns"] == []
+        assert_no_traceback(p.log_text())

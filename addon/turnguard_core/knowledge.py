@@ -212,10 +212,21 @@ class MemoryStore:
             del self.carried_circuits[circuit_scope]
         return None
 
-    def clear_carried_circuits(self, scope: str | None) -> set[str]:
-        """An operator cleared ``scope`` (None: every circuit): its carried cooldown ends too.
-        Returns the scopes cleared."""
-        cleared = {s for s in self.carried_circuits if scope is None or s == scope}
+    def cooling_carried(self, now: float, scope: str | None = None) -> dict[str, CircuitState]:
+        """The carried circuits that cool down now (they fence requests, though the ledger
+        in use never knew them): all, or those of ``scope``: the one named, else those it
+        is the start of (an operator's prefix, as the ledger's control commands take)."""
+        cooling = {s: st for s, st in self.carried_circuits.items() if st.remaining_s(now)}
+        if scope is None:
+            return cooling
+        if scope in cooling:
+            return {scope: cooling[scope]}
+        return {s: st for s, st in cooling.items() if scope.strip() and s.startswith(scope)}
+
+    def clear_carried_circuits(self, scopes: set[str] | None) -> set[str]:
+        """An operator cleared ``scopes`` (whole scopes; None: every circuit): their carried
+        cooldowns end too. Returns the scopes cleared."""
+        cleared = {s for s in self.carried_circuits if scopes is None or s in scopes}
         for s in cleared:
             del self.carried_circuits[s]
         return cleared

@@ -41,6 +41,8 @@ class Commands:
         if cooldowns is None:  # only memory can say
             cooldowns = [(scope, state) for scope, state in g.store.memory.circuits.items()
                          if state.remaining_s(now)]
+        else:
+            cooldowns = _with_carried(cooldowns, g, now)
         held = list(g.waiters)
         return json.dumps(
             {
@@ -84,8 +86,8 @@ class Commands:
         process's last known ones when it is down)."""
         g, now = self._guard, time.time()
         try:
-            rows = [(r.scope, r.state) for r in self._control(
-                lambda store: store.list_circuits(now, timeout=STATUS_TIMEOUT_S))]
+            rows = _with_carried([(r.scope, r.state) for r in self._control(
+                lambda store: store.list_circuits(now, timeout=STATUS_TIMEOUT_S))], g, now)
         except exceptions.CommandError:
             rows = [(k, v) for k, v in g.store.memory.circuits.items()
                     if v.failures or v.remaining_s(now)]
@@ -104,17 +106,32 @@ class Commands:
         gets at most one recovery dispatch ever."""
         g, now = self._guard, time.time()
         actor = self._actor("turnguard.circuit.clear")
-        cleared = self._control(lambda store: store.clear_circuits(
-            None if scope == "all" else scope, now=now, actor=actor, timeout=STATUS_TIMEOUT_S))
-        scopes = {row.scope for row in cleared} | g.store.memory.clear_carried_circuits(
-            None if scope == "all" else scope)
+        wanted = None if scope == "all" else scope
+        # a cooldown carried over from a ledger file deleted or replaced since fences its
+        # scope though the ledger in use never knew the circuit: it is cleared too, by name
+        # or prefix, and said like the ledger's
+        carried = g.store.memory.cooling_carried(now, wanted)
+        if wanted is not None and len(carried) > 1:
+            raise exceptions.CommandError(
+                f"turnguard: circuit scope {scope!r} is ambiguous; give more of it")
+        try:
+            cleared = self._control(lambda store: store.clear_circuits(
+                wanted, now=now, actor=actor, timeout=STATUS_TIMEOUT_S))
+        except exceptions.CommandError as e:
+            if not (carried and g.store.usable and "no circuit whose scope" in str(e)):
+                raise
+            cleared = []  # only this process's memory knows it
+        ended = [(row.scope, row.state) for row in cleared]
+        ended += [(s, st) for s, st in carried.items() if s not in {r.scope for r in cleared}]
+        scopes = {s for s, _ in ended}
+        g.store.memory.clear_carried_circuits(None if wanted is None else scopes)
         g.store.memory.circuits = {k: v for k, v in g.store.memory.circuits.items()
                                    if k not in scopes}
         g.waiters.cooldowns_cleared({k for k, v in g.store.memory.circuits.items()
                                      if v.remaining_s(now)})
-        for row in cleared:
-            g.telemetry.emit("circuit_cleared", scope=row.scope, failures=row.state.failures,
-                             remaining_ms=round(row.state.remaining_s(now) * 1000), by="command")
+        for s, st in ended:
+            g.telemetry.emit("circuit_cleared", scope=s, failures=st.failures,
+                             remaining_ms=round(st.remaining_s(now) * 1000), by="command")
         return json.dumps({"cleared": sorted(scopes)}, indent=2)
 
     @command.command("turnguard.session.release")
@@ -141,3 +158,12 @@ class Commands:
             return self._guard.store.control(action)
         except ControlError as e:
             raise exceptions.CommandError(f"turnguard: {e}") from None
+
+
+def _with_carried(rows: list, guard: "TurnGuard", now: float) -> list:
+    """The ledger's circuits ``rows`` (scope, state) and the cooldowns this process carried
+    over from a ledger file deleted or replaced since, which fence requests here though the
+    ledger in use has no row of them."""
+    known = {scope for scope, _ in rows}
+    return [*rows, *((s, st) for s, st in guard.store.memory.cooling_carried(now).items()
+                     if s not in known)]
