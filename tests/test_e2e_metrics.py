@@ -18,6 +18,7 @@ from harness import (
     MockUpstream,
     assert_no_traceback,
     guarded,
+    ledger_query,
     metric,
     metrics_url,
     post_turn,
@@ -463,3 +464,37 @@ def test_an_events_file_that_cannot_be_written_then_rotated_goes_on_in_the_new_f
         assert len(up.dispatches()) == 4
         assert log.count("cannot write telemetry") == 1, log
         assert_no_traceback(log)
+
+
+def test_a_ledger_outage_found_by_a_turns_end_is_counted_as_finish(tmp_path):
+    """The ledger is locked past its busy timeout as a turn ends: the end's write finds it
+    unusable. ``turnguard_ledger_outages_total`` says which call found it, ``finish`` among
+    them (README), never ``other`` for one of turnguard's own calls; the event names the same
+    call."""
+    import sqlite3
+
+    slow = {"default": {"kind": "ok", "events": 6, "gap_ms": 300}}
+    with MockUpstream(tmp_path, slow) as up, proxy(tmp_path, up) as p:
+        url = metrics_url(p)
+        db = sqlite3.connect(tmp_path / "ledger.sqlite3", isolation_level=None, timeout=10)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                turn = pool.submit(post, p.url)
+                wait_until(lambda: ledger_query(
+                    tmp_path / "ledger.sqlite3",
+                    "SELECT 1 FROM attempts WHERE events_seen > 0"), 20,
+                    what="the turn's first event in the ledger")
+                db.execute("BEGIN EXCLUSIVE")  # before the end: its write waits, then fails
+                assert turn.result() == 200
+            wait_until(lambda: turnguard_events(tmp_path, kind="ledger_unavailable"), 30,
+                       what="the outage found")
+        finally:
+            db.close()  # the lock goes: the ledger recovers
+        wait_until(lambda: turnguard_events(tmp_path, kind="ledger_recovered"), 30,
+                   what="the ledger usable again")
+        [down] = turnguard_events(tmp_path, kind="ledger_unavailable")
+        s = scrape(url)
+        assert down["during"] == "finish", down
+        assert metric(s, "turnguard_ledger_outages_total", during="finish") == 1
+        assert metric(s, "turnguard_ledger_outages_total", during="other") == 0
+        assert_no_traceback(p.log_text())

@@ -235,3 +235,19 @@ def test_every_reason_a_websocket_frame_is_no_call_has_its_label():
     for content, is_text in frames:
         reason = ws.parse_client_frame(content, is_text).reason
         assert m.passthrough_label(reason) != m.OTHER, reason
+
+
+def test_every_ledger_call_an_outage_is_said_during_has_its_own_label():
+    """``ledger_unavailable``'s ``during`` is one of ``LEDGER_CALLS`` for every call turnguard
+    makes (a literal of ``failover``'s, or a write's ``WRITE_CALLS`` name): never ``other``."""
+    import re
+    from pathlib import Path
+
+    from turnguard_core import failover, metrics
+
+    source = Path(failover.__file__).read_text()
+    said = set(re.findall(r'_down\([^,]+, "([a-z_ ]+)"\)', source))
+    said |= set(re.findall(r'self\._call\(\s*"([a-z_ ]+)"', source))
+    said |= set(failover.WRITE_CALLS.values())
+    assert {"open", "admit", "finish", "first_event"} <= said
+    assert sorted(said - set(metrics.LEDGER_CALLS)) == []

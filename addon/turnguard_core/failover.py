@@ -75,6 +75,14 @@ MAX_UNWRITTEN_COUNTS = 1000  # operations whose duplicate counts wait for the ti
 MAX_OWED_RECORDING_BYTES = 64 * 1024 * 1024
 
 Emit = Callable[..., None]  # telemetry: emit(event, **fields)
+
+# The call a ledger write is, as ``ledger_unavailable`` names it (``during``) and the metrics
+# count it (``metrics.LEDGER_CALLS``): an end recorded, a first event, duplicate counts, a
+# claim given back.
+WRITE_CALLS: dict[type, str] = {
+    FinishWrite: "finish", OfflineEndWrite: "finish", FirstEventWrite: "first_event",
+    DuplicatesWrite: "note_duplicates", GiveBackWrite: "give_back",
+}
 T = TypeVar("T")
 
 
@@ -473,7 +481,7 @@ class FailoverStore:
             return
         self._await_peers_of(self._store)
         self.close(write_owed=False)
-        self._down(LedgerError(why), "file check")
+        self._down(LedgerError(why), "file_check")
         self._reopen_at = 0.0  # open the new file at once
         if _loop_running() and (self._reopening is None or self._reopening.done()):
             # not at the maintenance's next ticks: other processes hold their new turns until
@@ -925,7 +933,7 @@ class FailoverStore:
             error = f.exception()
             if error is not None:
                 self._keep(entry)
-                self._down(error, type(write).__name__)
+                self._down(error, WRITE_CALLS.get(type(write), type(write).__name__))
                 self._found_gone(store)  # then the new file is opened at once
                 if kept is not None:
                     kept()

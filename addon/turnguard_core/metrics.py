@@ -91,10 +91,12 @@ ABANDON_REASONS = {
 }
 WAIT_END_REASONS = ("cooldown_elapsed", "gone", "ownership_lost", "woken")
 SESSION_CLAIM_RESULTS = ("created", "taken_over")
+# (failover.WRITE_CALLS names its writes; "probe": the catch-up and heartbeat of a ledger
+# found unusable before; "file_check": the file was found deleted or replaced)
 LEDGER_CALLS = (
     "open", "admit", "heartbeat", "reap", "gc", "replay", "poll", "claim_session",
     "renew_session", "fail_closed", "finish", "first_event", "recovery_decision",
-    "note_duplicates", "control",
+    "note_duplicates", "give_back", "control", "probe", "circuits", "file_check",
 )
 # A passthrough's free-text reason (identity.py, the addon) -> a label value, by prefix.
 PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
