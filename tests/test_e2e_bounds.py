@@ -224,3 +224,47 @@ def test_idle_connections_to_the_metrics_endpoint_take_a_bounded_number_of_descr
         wait_until(lambda: scrape(url) is not None, timeout=15, interval=0.5,
                    what="a scrape served once the idle connections are gone")
         assert_no_traceback(p.log_text())
+
+
+def test_a_scraper_that_sends_its_request_a_byte_at_a_time_is_cut_at_the_read_bound(tmp_path):
+    """Each metrics connection waits up to 10 s for its request (README): a client that keeps
+    sending it a byte at a time, each within the socket's timeout, must not hold its slot past
+    that, or 16 such (the most served at once) keep every scrape out for as long as they
+    like. Each is cut; then a scrape is served."""
+    import select
+    import socket
+
+    from harness import metrics_url, scrape
+    from turnguard_core.metrics import MAX_SCRAPE_CONNECTIONS, SCRAPE_READ_TIMEOUT_S
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
+                                               turnguard_metrics="127.0.0.1:0") as p:
+        url = metrics_url(p)
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        slow = [socket.create_connection((host, int(port)), timeout=5)
+                for _ in range(MAX_SCRAPE_CONNECTIONS)]
+        cut: set[int] = set()
+        try:
+            for s in slow:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            # a byte a second, for 2.5 times the bound (a count of bytes, not a timing)
+            for _ in range(int(SCRAPE_READ_TIMEOUT_S * 2.5)):
+                time.sleep(1.0)
+                for i, s in enumerate(slow):
+                    if i in cut:
+                        continue
+                    try:
+                        s.sendall(b"x")
+                        readable, _, _ = select.select([s], [], [], 0)
+                        if readable and s.recv(1024) == b"":
+                            cut.add(i)
+                    except OSError:  # reset by the server
+                        cut.add(i)
+                if len(cut) == len(slow):
+                    break
+        finally:
+            for s in slow:
+                s.close()
+        assert len(cut) == len(slow), f"{len(slow) - len(cut)} dribbling connections kept"
+        assert scrape(url)
+        assert_no_traceback(p.log_text())

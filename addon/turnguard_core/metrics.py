@@ -625,9 +625,33 @@ class Metrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (mitmdump's output is the operator's); bounded reads."""
+    """No access log on stderr (mitmdump's output is the operator's); bounded reads: the whole
+    request (its line and headers) within ``SCRAPE_READ_TIMEOUT_S`` of the connection, not
+    only each read (a client sending a byte at a time would keep its slot for ever), else
+    the connection is cut."""
 
     timeout = SCRAPE_READ_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(SCRAPE_READ_TIMEOUT_S, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once
+        except OSError:
+            pass
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # reads the headers
+        self._deadline.cancel()  # the request is in: its answer is not bounded here
+        return ok
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass
