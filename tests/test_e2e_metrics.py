@@ -498,3 +498,22 @@ def test_a_ledger_outage_found_by_a_turns_end_is_counted_as_finish(tmp_path):
         assert metric(s, "turnguard_ledger_outages_total", during="finish") == 1
         assert metric(s, "turnguard_ledger_outages_total", during="other") == 0
         assert_no_traceback(p.log_text())
+
+
+def test_an_events_file_left_with_a_cut_last_line_gets_whole_lines_after_it(tmp_path):
+    """An events file whose last line was cut (the disk was full when the process that wrote
+    it stopped, or it was killed mid-write) is appended to by the next start: its first record
+    must start a line of its own, never be glued to the cut one (which no reader can parse:
+    the record would be lost)."""
+    events = tmp_path / "mitmdump-events.jsonl"
+    events.write_bytes(b'{"ts":1,"event":"dispatch"}\n{"ts":2,"event":"outc')
+    events.chmod(0o600)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as p:
+        assert post(p.url) == 200
+        wait_until(lambda: turnguard_events(tmp_path, kind="outcome"), 10, what="the outcome")
+        assert_no_traceback(p.log_text())
+    lines = events.read_bytes().split(b"\n")
+    assert lines[1] == b'{"ts":2,"event":"outc'  # left as it was
+    records = [json.loads(line) for line in lines[2:] if line]  # every later line parses
+    assert [r["event"] for r in records if r["event"] == "dispatch"] == ["dispatch"]
+    assert len(up.dispatches()) == 1

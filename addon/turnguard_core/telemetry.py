@@ -153,6 +153,15 @@ EVENTS_FILE_START = b'{"ts":'
 
 
 def _open_events(path: str):
+    """The events file at ``path``, opened to append. One whose last line was cut (a full
+    disk, a process killed mid-write) gets a line end first: the next record starts a line
+    of its own, never glued to the cut one, where no reader could parse it."""
     fd = open_private(path, os.O_RDWR | os.O_APPEND, starts_with=EVENTS_FILE_START,
                       kind="turnguard events file")
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
+    except OSError:  # (a full disk: the first record says so when it cannot be written)
+        pass
     return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
