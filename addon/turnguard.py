@@ -460,7 +460,8 @@ class TurnGuard:
             left_s = max(0.0, state.since + state.wait_s - time.monotonic())
             resume = machine.WaitCooldown(left_s, state.epoch, state.since)
         elif isinstance(state, machine.HoldDuplicate):
-            resume = machine.Admit(state.recovery, state.held_since, state.deadline)
+            resume = machine.Admit(state.recovery, state.held_since, state.deadline,
+                                   state.as_duplicate)
         raise HandedOver(successor, req.budget_deadline, resume)
 
     async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,

@@ -517,3 +517,48 @@ def test_an_events_file_left_with_a_cut_last_line_gets_whole_lines_after_it(tmp_
     records = [json.loads(line) for line in lines[2:] if line]  # every later line parses
     assert [r["event"] for r in records if r["event"] == "dispatch"] == ["dispatch"]
     assert len(up.dispatches()) == 1
+
+
+def test_a_request_held_for_peers_that_turns_out_a_duplicate_is_counted_as_held(tmp_path):
+    """The ledger file is deleted while A's turn is in flight and A cannot register it in the
+    new file yet (paused): a duplicate sent to B is held for A to register (``request_held``:
+    no duplicate yet, not counted as one). Once A has, B holds it on A's attempt: from then on
+    it is a held duplicate, and its end (attached or replayed) must have the
+    ``duplicate_held`` that began it, in the events and in ``turnguard_duplicates_total``
+    (held = the ends of holds), and in the ledger's count of duplicates held."""
+    import os
+
+    from harness import delete_ledger
+    from test_at_most_once import SESSION, behaviour, body_of, in_background
+
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", turnguard_metrics="127.0.0.1:0", **opts) as b:
+        turn = {**SESSION, **behaviour(kind="ok", delay_ms=5000)}
+        body = body_of("held for its owner, then on its attempt")
+        original = in_background(post_turn, a.url, turn, body)
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        os.kill(a.proc.pid, signal.SIGSTOP)  # A cannot register its attempt in the new file
+        try:
+            delete_ledger(ledger)
+            duplicate = in_background(post_turn, b.url, SESSION, body)
+            wait_until(lambda: turnguard_events(tmp_path, "b", "request_held"), 10,
+                       what="B holding the request for A to register")
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        assert original.result(30)[0] == 200
+        status, headers, _ = duplicate.result(40)
+        assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 1
+        ended = [e for e in turnguard_events(tmp_path, "b")
+                 if e["event"] in ("duplicate_attached", "duplicate_replayed")]
+        assert len(ended) == 1
+        assert len(turnguard_events(tmp_path, "b", "duplicate_held")) == 1
+        s = scrape(metrics_url(b))
+        assert metric(s, "turnguard_duplicates_total", action="held") == 1
+        assert metric(s, "turnguard_hold_seconds_count") == 1
+        wait_until(lambda: ledger_query(
+            ledger, "SELECT COALESCE(SUM(duplicates_held), 0) FROM operations")[0][0] == 1,
+                   10, what="B's count of duplicates held in the ledger")
+        assert_no_traceback(a.log_text() + b.log_text())

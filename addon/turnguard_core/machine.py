@@ -99,11 +99,14 @@ Effect = Emit | Show | CountHeld
 @record
 class Admit:
     """Ask the store what to do (a recovery claim when ``recovery`` is given). ``held_since``
-    and ``hold_deadline`` carry a duplicate hold across re-admissions."""
+    and ``hold_deadline`` carry a duplicate hold across re-admissions; ``held_as_duplicate``:
+    that hold was counted as a duplicate's (``duplicate_held``), not only a request's held for
+    peers (``request_held``)."""
 
     recovery: policy.RecoveryClaim | None = None
     held_since: float | None = None
     hold_deadline: float = 0.0
+    held_as_duplicate: bool = True
 
 
 @record
@@ -115,6 +118,7 @@ class HoldDuplicate:
     held_since: float
     deadline: float
     recovery: policy.RecoveryClaim | None = None
+    as_duplicate: bool = True  # counted as a duplicate's hold (else a request_held)
 
 
 @record
@@ -337,14 +341,20 @@ def _fenced(
 
 
 def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Transition:
-    """Another attempt of the operation is in flight: hold (bounded), or 409 past the bound."""
+    """Another attempt of the operation is in flight: hold (bounded), or 409 past the bound.
+    A request held for peers (``request_held``) that is now held on an attempt becomes a
+    duplicate's hold then: its ``duplicate_held`` is said (and counted) once, so that every
+    end of a duplicate's hold has the record that began it."""
     effects: tuple[Effect, ...] = ()
     held_since, deadline = state.held_since, state.hold_deadline
-    if held_since is None:
-        held_since = now
-        deadline = policy.hold_deadline(now, hold_timeout_s=req.hold_timeout_s,
-                                        budget_deadline=req.budget_deadline)
+    as_duplicate = state.held_as_duplicate
+    if held_since is None or (not as_duplicate and hold.reason is None):
+        if held_since is None:
+            held_since = now
+            deadline = policy.hold_deadline(now, hold_timeout_s=req.hold_timeout_s,
+                                            budget_deadline=req.budget_deadline)
         timeout_ms = max(0, round((deadline - now) * 1000))
+        as_duplicate = hold.reason is None
         if hold.reason is None:
             effects = (
                 Emit("duplicate_held", {**req.base, "attempt": hold.attempt_id,
@@ -363,7 +373,8 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
             )
     if now >= deadline:
         return _reject_in_progress(req, held_since, now, effects)
-    return HoldDuplicate(hold.attempt_id, held_since, deadline, state.recovery), effects
+    return HoldDuplicate(hold.attempt_id, held_since, deadline, state.recovery,
+                         as_duplicate), effects
 
 
 def _reject_in_progress(
@@ -407,7 +418,8 @@ def on_woke(
                                     "rest live; nothing was sent upstream"),
             )
         case _:  # ended without a recording: admit again (claim, replay or hold anew)
-            return Admit(state.recovery, state.held_since, state.deadline), ()
+            return Admit(state.recovery, state.held_since, state.deadline,
+                         state.as_duplicate), ()
 
 
 def _cooldown_ended(
