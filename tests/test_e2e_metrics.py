@@ -562,3 +562,26 @@ def test_a_request_held_for_peers_that_turns_out_a_duplicate_is_counted_as_held(
             ledger, "SELECT COALESCE(SUM(duplicates_held), 0) FROM operations")[0][0] == 1,
                    10, what="B's count of duplicates held in the ledger")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_large_body_whose_identity_runs_out_of_budget_is_counted_by_its_own_reason(tmp_path):
+    """A body past the inline bound is identified in a worker process, within the request's
+    budget: with a budget of 1 ms it cannot be, and the request is forwarded unguarded. Its
+    passthrough is counted by a reason of its own, never ``other`` (what an operator alerts on
+    as the unexpected)."""
+    from turnguard_core.offload import INLINE_MAX_BYTES
+
+    big = {**BODY, "input": "x" * (INLINE_MAX_BYTES + 1024)}
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up,
+                                             turnguard_request_budget_ms=1) as p:
+        url = metrics_url(p)
+        assert post(p.url, body=big) == 200
+        [passed] = wait_until(lambda: turnguard_events(tmp_path, kind="passthrough"), 10,
+                              what="the passthrough")
+        assert passed["reason"].startswith("identity"), passed
+        s = scrape_until(url, lambda s: metric(s, "turnguard_passthrough_total") == 1,
+                         "the passthrough counted")
+        assert metric(s, "turnguard_passthrough_total", reason="other") == 0, \
+            s["turnguard_passthrough_total"]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())

@@ -112,6 +112,11 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("body is not a JSON object", "body_not_object"),
     ("body is not JSON", "body_not_json"),
     ("identity failed", "identity_failed"),
+    # a large body identified in the worker process (offload.py)
+    ("identity worker failed", "identity_failed"),
+    ("identity worker did not start", "identity_timeout"),
+    ("identity of a large body", "identity_timeout"),
+    ("turnguard unloaded while identifying", "unloaded"),  # a script reload meanwhile
     ("internal error", "internal_error"),
     ("recording missing", "recording_missing"),
     ("response content-encoding", "response_encoded"),
