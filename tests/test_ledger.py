@@ -341,6 +341,36 @@ def test_a_reap_judged_by_an_unchanged_heartbeat_does_not_happen_once_it_changed
     assert b.reap_instance("a", now=0.0, heartbeat_was=peer.heartbeat_at) == [i.op_key]
 
 
+def test_closing_a_ledger_never_deletes_a_wal_or_shm_by_its_name(tmp_path):
+    """SQLite's close of the last connection to a file copies its WAL into it, then deletes
+    the -wal and -shm by their names. It checks that the file did not move before the copy,
+    not after: a file deleted and made again at the path during that copy (another process's
+    new ledger, or this one's after a script reload) lost its -wal, the rows committed to it,
+    while its connections went on writing to the unlinked one (a freshly made ledger failed to
+    open with SQLITE_IOERR_SHORT_READ, one full test run in a few). A ledger's connection now
+    copies the WAL itself through its own descriptors and leaves both files, emptied."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    admit(a, ident({"n": 1}))
+    b = open_ledger(path, "b")
+    b.close()
+    a.close()  # the last connection
+    assert Path(f"{path}-wal").stat().st_size == 0 and Path(f"{path}-shm").exists()
+    c = open_ledger(path, "c")
+    assert c.counts() == {"in_flight": 1}  # every row in the file
+    # a ledger closed as its file is deleted and another made at the path keeps the new one's
+    for suffix in ("", "-wal", "-shm"):
+        os.unlink(f"{path}{suffix}")
+    d = open_ledger(path, "d")
+    admit(d, ident({"n": 2}))
+    c.close()
+    e = open_ledger(path, "e")
+    assert e.counts() == {"in_flight": 1} and e.snapshot(ident({"n": 2}).op_key).state \
+        == "in_flight"
+    e.close()
+    d.close()
+
+
 def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_path):
     path = tmp_path / "l.sqlite3"
     a = open_ledger(path, "a")
@@ -366,6 +396,9 @@ def test_a_read_only_look_at_a_closed_ledger_makes_no_file_and_knows_when_a_writ
     a = open_ledger(path, "a")
     admit(a, ident({"n": 1}))
     a.close()
+    assert Path(f"{path}-wal").stat().st_size == 0  # its close copied the WAL into the file
+    for suffix in ("-wal", "-shm"):  # the file alone (copied, or its -wal and -shm removed)
+        os.unlink(f"{path}{suffix}")
     ro = LedgerAdmin(str(path), "cli")
     ro.open_readonly()
     assert ro.counts() == {"in_flight": 1} and ro.read_was_stable()
@@ -414,7 +447,9 @@ def test_a_wal_or_shm_another_user_makes_as_sqlite_opens_the_ledger_is_never_use
     opens one, the ledger is refused. One found (a process killed left it) that is another
     user's or a symbolic link is refused too; its own are made 0600."""
     path = tmp_path / "l.sqlite3"
-    open_ledger(path).close()  # its -wal and -shm go with its last connection
+    open_ledger(path).close()
+    for suffix in ("-wal", "-shm"):  # (left beside it, emptied) gone, as before a first start
+        os.unlink(f"{path}{suffix}")
     real_connect = sqlite3.connect
     made = []
 

@@ -544,8 +544,11 @@ def test_ledger_cli_reads_without_writing(direct_ledger: DirectLedger):
 def test_inspection_of_a_closed_ledger_makes_no_file_beside_it(direct_ledger: DirectLedger):
     """No process has the ledger open (no -wal): every inspection command reads it without
     SQLite's -wal and -shm appearing next to it (they would take the ledger's mode, here 0644),
-    and leaves the file as it was."""
+    and leaves the file as it was. (A ledger's connections leave its -wal and -shm, emptied,
+    when they close: here the file alone, as one copied elsewhere is.)"""
     led = direct_ledger.path
+    for suffix in ("-wal", "-shm"):
+        os.unlink(f"{led}{suffix}")
     os.chmod(led, 0o644)
     before = led.stat()
     for args in (["status"], ["status", "--json"], ["list"], ["stats"], ["audit"],

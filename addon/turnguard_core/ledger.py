@@ -306,6 +306,13 @@ class Ledger:
             check_same_thread=False,
         )
         try:
+            # SQLite's close of the last connection to a file copies the WAL into it, then
+            # deletes the -wal and the -shm by their names: a file deleted meanwhile and made
+            # again at the path (another process's new ledger, or this one's) loses its WAL,
+            # the rows committed to it, while its connections go on writing to the unlinked
+            # one. SQLite checks that the file did not move before that copy, not after it.
+            # So no connection of ours does so; ``close`` copies the WAL itself.
+            db.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -409,7 +416,15 @@ class Ledger:
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
 
     def close(self) -> None:
+        """Close the connection; the WAL copied into the file first (through this
+        connection's descriptors: never into another file at the path) unless the file was
+        deleted or replaced, or a reader keeps part of it (``TRUNCATE_BUSY_MS`` at most). The
+        -wal and -shm are left beside the file, never deleted (see ``open``)."""
         if self._db is not None:
+            if self._file_id is not None and self.file_replaced() is None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
             self._db.close()
             self._db = None
 
