@@ -781,3 +781,77 @@ def test_an_answer_map_local_gives_is_never_replayed_empty_nor_after_the_rule_is
         assert after[0] == 200 and response_id(after[2]) not in (None, "resp_local"), after
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_a_response_stream_another_addon_takes_over_is_never_recorded_incomplete(tmp_path):
+    """Another addon loaded after turnguard sets ``flow.response.stream`` itself in its
+    ``responseheaders`` hook (its own chunk filter): the body goes to the client through that
+    filter, never through turnguard's tee. turnguard saw none of it, so it has no whole
+    recording: the client's answer is the upstream's, and a retry goes upstream again rather
+    than being replayed an empty body as if the upstream had sent it."""
+    script = tmp_path / "own_stream.py"
+    script.write_text(
+        "def responseheaders(flow):\n"
+        "    flow.response.stream = lambda chunk: chunk  # an addon's own chunk filter\n")
+    turn = {"model": "m", "input": "a prompt streamed by another addon", "stream": False}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(script)]) as p:
+        answers = [post_turn(p.url, {}, turn) for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [response_id(a[2]) is not None for a in answers] == [True, True]
+        assert answers[1][1].get("x-turnguard") != "replayed"
+        assert len(up.dispatches()) == 2
+        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+                if e["event"] == "outcome"]
+        assert ends[0]["replayable"] is False
+        assert_no_traceback(p.log_text())
+
+
+def test_an_event_stream_another_addon_takes_over_is_neither_cut_nor_a_failure(tmp_path):
+    """The same for an event stream: its events pass through the other addon's filter, unseen
+    by turnguard. A stream that outlasts ``turnguard_response_created_timeout_ms`` is no
+    silent upstream (turnguard cannot tell): it is never cut, its whole answer completes the
+    attempt (no eventless failure for the retry circuit), and nothing is recorded."""
+    script = tmp_path / "own_stream.py"
+    script.write_text(
+        "def responseheaders(flow):\n"
+        "    flow.response.stream = lambda chunk: chunk  # an addon's own chunk filter\n")
+    turn = {"model": "m", "input": "an event stream another addon streams", "stream": True}
+    slow = {"kind": "ok", "events": 3, "gap_ms": 300}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(script)],
+                    turnguard_response_created_timeout_ms=200) as p:
+        answers = [post_turn(p.url, {}, turn, behaviour=slow, cut_is_error=True)
+                   for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None]
+        assert len(up.dispatches()) == 2
+        events = read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        assert [e for e in events if e["event"] in ("upstream_cut", "eventless_failure")] == []
+        ends = [e for e in events if e["event"] == "outcome"]
+        assert [(e["outcome"], e["replayable"]) for e in ends] == [("completed", False)] * 2
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "event_stream"])
+def test_a_detached_call_whose_stream_another_addon_takes_over_never_answers_empty(
+        tmp_path, stream):
+    """With ``turnguard_detach_ms`` the call runs on turnguard's own flow, whose hooks other
+    addons get too: one that sets ``flow.response.stream`` there takes the body past the tee
+    that feeds the attached client. That client is then cut (it retries), never given a
+    whole 200 with an empty body as if the upstream had answered nothing."""
+    script = tmp_path / "own_stream.py"
+    script.write_text(
+        "def responseheaders(flow):\n"
+        "    flow.response.stream = lambda chunk: chunk  # an addon's own chunk filter\n")
+    turn = {"model": "m", "input": f"a detached call, stream {stream}", "stream": stream}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(script)],
+                    turnguard_detach_ms=2000) as p:
+        status, _, body = post_turn(p.url, {}, turn)
+        assert len(up.dispatches()) == 1
+        assert (status, body) == (0, b"") or response_id(body) is not None, (status, body)
+        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+                if e["event"] == "outcome"]
+        assert [e["replayable"] for e in ends] == [False]
+        assert_no_traceback(p.log_text())

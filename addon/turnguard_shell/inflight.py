@@ -171,6 +171,11 @@ class InFlight:
         if attempt is None or attempt.events_seen > 0:
             return
         attempt.timer = None
+        if _tee_bypassed(flow, attempt):
+            # another addon streams the body through its own filter: its events pass unseen,
+            # so no silence can be told (never cut a stream turnguard cannot read)
+            self._emit("passthrough", **attempt.base, reason=STREAM_TAKEN_OVER)
+            return
         if attempt.transport == "http" and flow.intercepted:
             # held by a user (mitmweb's intercept comes after turnguard's request hook): not
             # sent upstream yet, so no silence of the upstream; timed again from now on
@@ -360,8 +365,13 @@ class InFlight:
                 # cleanly once the stream's terminal success came (it completed upstream)
                 complete = why.outcome == "completed" or (
                     facts is not None and facts.body_complete and facts.error is None)
-                attempt.live.finish("complete" if complete else "failed",
-                                    None if facts is None else facts.error)
+                if facts is not None and facts.not_recordable == STREAM_TAKEN_OVER:
+                    # its bytes went by unseen: a detached call's attached client, given
+                    # none of them, is cut (it retries), never told the empty answer is whole
+                    attempt.live.finish("failed", STREAM_TAKEN_OVER)
+                else:
+                    attempt.live.finish("complete" if complete else "failed",
+                                        None if facts is None else facts.error)
             if key in self._process.detached and self._process.guard is not None:
                 self._process.guard.detacher.ended(key, why.outcome)
             op_key = attempt.ident.op_key
@@ -406,11 +416,14 @@ class InFlight:
         and its events read, so that it completed exactly when a terminal success event came,
         as an uncoded one; one that cannot be read is not recorded."""
         tee = attempt.tee
+        bypassed = _tee_bypassed(flow, attempt)
+        if bypassed:  # nothing of the body passed through the tee: read as never teed
+            tee = None
         if tee is not None and body_complete and not tee.ended:
             # the response hook comes once the whole body passed; mitmproxy never calls the
             # stream with its closing b"" for an empty body (Content-Length: 0)
             tee(b"")
-        if tee is None and body_complete and flow.response is not None:
+        if tee is None and body_complete and flow.response is not None and not bypassed:
             # No streaming happened (e.g. another addon answered): read the whole body.
             tee = ResponseTee(counts_events=False, keep_max_bytes=0)
             tee(flow.response.raw_content or b"")
@@ -450,8 +463,23 @@ class InFlight:
             client_gone=_client_gone(flow),
             not_recordable="request edited after it was identified" if edited
             else "answered by an addon, not by the upstream" if attempt.answered_here
+            else STREAM_TAKEN_OVER if bypassed
             else not_read,
         )
+
+
+STREAM_TAKEN_OVER = "response body streamed by another addon, unseen by turnguard"
+
+
+def _tee_bypassed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
+    """Whether another addon (one that runs after turnguard's ``responseheaders`` hook) set
+    ``flow.response.stream`` itself, so that the body goes to the client through its filter,
+    never through the attempt's tee: turnguard then saw none of it (no events counted, no
+    copy kept). Its end is read as a body turnguard cannot read (a whole 2xx body
+    completes it), never recorded, attached to or replayed: an empty or partial copy is no
+    answer of the upstream's."""
+    resp = flow.response
+    return attempt.tee is not None and resp is not None and resp.stream is not attempt.tee
 
 
 def _request_as_is(flow: http.HTTPFlow) -> tuple:
