@@ -311,8 +311,10 @@ class TurnGuard:
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
-        if self.refused or self.filter is None or flow.response is not None or not self.filter(flow):
-            return
+        if self.refused or self.filter is None or flow.response is not None or not flow.live \
+                or not self.filter(flow):
+            return  # (not live: a flow read from a file, ``mitmdump -nr`` or opened in
+            # mitmweb, whose hooks run with nothing sent: no dispatch, attempt or answer)
         if flow.id in self._process.detached:
             return  # turnguard's own upstream call of a detached dispatch, running now (its
             # metadata says "detached" for good, and so does its client flow's: a replay of
@@ -571,8 +573,8 @@ class TurnGuard:
 
     # -- Responses over WebSocket (turnguard_shell.websocket) --------------------------------------
     def websocket_start(self, flow: http.HTTPFlow) -> None:
-        if self.refused or self.filter is None or not self.filter(flow):
-            return
+        if self.refused or self.filter is None or not flow.live or not self.filter(flow):
+            return  # (not live: a socket read from a file, its messages replayed to the hooks)
         try:
             self.maintenance.ensure_running()
             self.websockets.start(flow)

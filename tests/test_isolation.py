@@ -855,3 +855,36 @@ def test_a_detached_call_whose_stream_another_addon_takes_over_never_answers_emp
                 if e["event"] == "outcome"]
         assert [e["replayable"] for e in ends] == [False]
         assert_no_traceback(p.log_text())
+
+
+def test_flows_read_from_a_saved_file_are_never_dispatched_nor_recorded(tmp_path):
+    """``mitmdump -nr saved.mitm`` (or a file opened in mitmweb) runs the flows it reads
+    through the addons' hooks: a flow saved with an error and no response reaches
+    turnguard's ``request`` hook as if a client sent it. It goes nowhere (nothing is sent
+    when a file is read): turnguard must not count it as a dispatch, write an attempt, claim
+    a session or answer it, only leave it as it was saved."""
+    saved = tmp_path / "flows.mitm"
+    headers = {"session-id": "s-saved", "authorization": "Bearer sk-saved"}
+    turn = {"model": "m", "input": "a turn whose upstream reset", "stream": True}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "live", save_stream_file=str(saved)) as p:
+        assert post_turn(p.url, headers, turn, behaviour={"kind": "reset"})[0] == 502
+        assert len(up.dispatches()) == 1
+    ledger = tmp_path / "read.sqlite3"
+    events = tmp_path / "read-events.jsonl"
+    done = subprocess.run(
+        [str(MITMDUMP), "-n", "-r", str(saved), "-s", str(ADDON),
+         "--set", f"confdir={tmp_path / 'read-confdir'}",
+         "--set", f"turnguard_ledger={ledger}", "--set", f"turnguard_events={events}"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    read = [e["event"] for e in read_jsonl(events)] if events.exists() else []
+    assert [e for e in read if e in ("dispatch", "outcome", "session_claimed",
+                                     "eventless_failure", "replayed")] == [], read
+    db = sqlite3.connect(ledger)
+    try:
+        assert db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 0
+    finally:
+        db.close()
