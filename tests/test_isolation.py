@@ -888,3 +888,34 @@ def test_flows_read_from_a_saved_file_are_never_dispatched_nor_recorded(tmp_path
         assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 0
     finally:
         db.close()
+
+
+def test_an_answer_server_replay_gives_is_never_the_upstreams(tmp_path):
+    """mitmproxy's ``server_replay`` answers a request from a saved flow in its ``request``
+    hook, after turnguard's: that answer went nowhere upstream. A flow saved through turnguard
+    (``save_stream_file``) has no response body (turnguard streamed it), so such an answer
+    comes with none: it is still the addon's answer, never an upstream that closed without
+    an event (an eventless failure that opens the session's retry circuit and fails real
+    turns closed), and never recorded or replayed."""
+    saved = tmp_path / "saved.mitm"
+    turn = {"model": "m", "input": "a turn answered from a saved flow", "stream": True}
+    other = {"model": "m", "input": "a turn that is in no saved flow", "stream": True}
+    with MockUpstream(tmp_path) as up:
+        with guarded(tmp_path, up, "saving", ledger=tmp_path / "saving.sqlite3",
+                     save_stream_file=str(saved)) as p:
+            assert post_turn(p.url, {}, turn)[0] == 200
+        with guarded(tmp_path, up, server_replay=[str(saved)], server_replay_reuse=True) as p:
+            answers = [post_turn(p.url, {}, turn) for _ in range(3)]
+            assert [a[0] for a in answers] == [200] * 3
+            assert [a[1].get("x-turnguard") for a in answers] == [None] * 3
+            assert len(up.dispatches()) == 1  # the saving run's only
+            assert post_turn(p.url, {}, other)[0] == 200  # the session's circuit is closed
+            assert len(up.dispatches()) == 2
+            events = read_jsonl(tmp_path / "mitmdump-events.jsonl")
+            assert [e for e in events if e["event"] in ("eventless_failure", "circuit_opened",
+                                                        "fail_closed")] == []
+            ends = [e for e in events if e["event"] == "outcome"]
+            assert [(e["outcome"], e["not_replayable_reason"]) for e in ends] == [
+                ("completed", "answered by an addon, not by the upstream")] * 3 + [
+                ("completed", None)]
+            assert_no_traceback(p.log_text())

@@ -231,12 +231,14 @@ class InFlight:
             return
         resp = flow.response
         attempt.status = resp.status_code
-        if resp.raw_content is not None and not read_later:
+        if (resp.raw_content is not None or flow.is_replay == "response") and not read_later:
             # Its body is here with its headers: an addon that runs after turnguard made it in
             # its ``request`` hook (``map_local``, ``server_replay``, a script; mitmproxy then
             # calls this hook itself) and nothing went upstream. It answers this request only:
             # no tee, so it is never recorded, attached to or replayed (its end reads it whole,
-            # keeping nothing).
+            # keeping nothing). ``server_replay`` marks its answers (``is_replay``): one from a
+            # flow saved without its body (streamed, as turnguard streams every response it
+            # guards) has none, and is still no upstream's response (no eventless failure).
             attempt.stop_timer()
             attempt.answered_here = True
             return
