@@ -919,3 +919,28 @@ def test_an_answer_server_replay_gives_is_never_the_upstreams(tmp_path):
                 ("completed", "answered by an addon, not by the upstream")] * 3 + [
                 ("completed", None)]
             assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "event_stream"])
+def test_a_response_filter_an_addon_before_turnguard_sets_is_kept(tmp_path, stream):
+    """An addon loaded before turnguard sets ``flow.response.stream`` to its own chunk filter
+    (here one that redacts a word): turnguard must not replace it with its tee, or every
+    client gets the bytes that addon exists to change. Its body passes unseen by turnguard,
+    so it is never recorded or replayed (a replay would skip the filter too)."""
+    script = tmp_path / "redact.py"
+    script.write_text(
+        "def responseheaders(flow):\n"
+        "    flow.response.stream = lambda chunk: chunk.replace(b'hello', b'REDACTED')\n")
+    turn = {"model": "m", "input": f"a filtered answer, stream {stream}", "stream": stream}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, addon=False,
+                    extra_args=["-s", str(script), "-s", str(ADDON)]) as p:
+        answers = [post_turn(p.url, {}, turn, cut_is_error=stream) for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [(b"hello" in a[2], b"REDACTED" in a[2]) for a in answers] == [(False, True)] * 2
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None]
+        assert len(up.dispatches()) == 2
+        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+                if e["event"] == "outcome"]
+        assert [(e["outcome"], e["replayable"]) for e in ends] == [("completed", False)] * 2
+        assert_no_traceback(p.log_text())

@@ -277,7 +277,10 @@ class InFlight:
             on_first_chunk=(lambda: self._current()._coded_started(attempt))
             if is_sse and ok and not counts_events else None,
         )
-        resp.stream = attempt.tee
+        if not callable(resp.stream):
+            resp.stream = attempt.tee
+        # else an addon that runs before turnguard streams the body through its own filter
+        # (``_tee_bypassed``): kept, as what its client must get, and the tee sees none of it
 
     def _first_event(self, attempt: Attempt) -> None:
         """The attempt has output now. The ledger learns it a moment later, and not at all
@@ -474,8 +477,9 @@ STREAM_TAKEN_OVER = "response body streamed by another addon, unseen by turnguar
 
 
 def _tee_bypassed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
-    """Whether another addon (one that runs after turnguard's ``responseheaders`` hook) set
-    ``flow.response.stream`` itself, so that the body goes to the client through its filter,
+    """Whether another addon set ``flow.response.stream`` itself (one that runs after
+    turnguard's ``responseheaders`` hook replaced the tee; one before it set its own filter,
+    which ``tee_response`` keeps), so that the body goes to the client through its filter,
     never through the attempt's tee: turnguard then saw none of it (no events counted, no
     copy kept). Its end is read as a body turnguard cannot read (a whole 2xx body
     completes it), never recorded, attached to or replayed: an empty or partial copy is no
