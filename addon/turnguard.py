@@ -567,6 +567,10 @@ class TurnGuard:
         """A failed attempt is recorded before the client hears of the failure (a bounded
         wait): a retry it sends at once, through any process sharing the ledger, then sees
         the failure and the circuit it fed."""
+        try:
+            self.attacher.error(flow)
+        except Exception:
+            logger.exception("turnguard: error hook failed for %s", flow.id)
         recorded = self.inflight.end(flow, body_complete=False)
         if recorded is not None:
             await asyncio.wait([recorded], timeout=ERROR_RECORD_WAIT_S)

@@ -723,6 +723,35 @@ def test_an_attached_duplicate_keeps_its_host_and_authority_in_the_saved_flow(tm
         [(fl.request.host_header, fl.request.host, fl.request.port) for fl in flows]
 
 
+def test_a_client_that_leaves_before_its_detached_call_answers_is_saved_with_its_upstream(
+        tmp_path):
+    """A detached call's client flow is routed to turnguard's relay until its response
+    starts. When the client leaves before that (its flow ends in an error), the flow must be
+    put back all the same: what mitmweb shows and ``save_stream_file`` writes is the request
+    to its upstream, without the relay's address or its one-time ``x-turnguard-attach``
+    token (a replay of the saved flow would go to the relay)."""
+    from mitmproxy import io as mio
+
+    saved = tmp_path / "flows.mitm"
+    h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS,
+         **mock_behaviour(kind="ok", delay_ms=1500)}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_detach_ms=3000,
+                                               save_stream_file=str(saved)) as proxy:
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(proxy.url + "/v1/responses", json=BODY, headers=h, timeout=0.5)
+        wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"), 20,
+                   what="the detached call ended")
+        proxy.stop()
+        assert_no_traceback(proxy.log_text())
+    with open(saved, "rb") as f:
+        flows = [fl for fl in mio.FlowReader(f).stream() if hasattr(fl, "request")]
+    client = [fl for fl in flows if (fl.metadata.get("turnguard") or {}).get("role") == "attached"]
+    assert len(client) == 1 and client[0].error is not None
+    assert [(fl.request.host, fl.request.port, fl.request.headers.get("x-turnguard-attach"))
+            for fl in flows] == [("127.0.0.1", up.port, None)] * len(flows)
+    assert "relayed_from" not in client[0].metadata["turnguard"]
+
+
 def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(tmp_path):
     """``turnguard_detach_max=1``: call A's client leaves, its retry attaches to A (A has a
     client again); then call B's client leaves. Only B runs without a client: it must go on

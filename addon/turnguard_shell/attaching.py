@@ -151,6 +151,15 @@ class Attacher:
         Relay.restore(flow)
         return True
 
+    @staticmethod
+    def error(flow: http.HTTPFlow) -> None:
+        """An attached flow failed before its response (the relay's) started (its client
+        left, a kill): put its destination back all the same, and drop the relay's token,
+        for what mitmweb shows, a saved flow says and a replay of it sends (the upstream, not
+        the relay)."""
+        if (flow.metadata.get("turnguard") or {}).get("role") == "attached":
+            Relay.restore(flow)
+
     def _ended(self, flow: http.HTTPFlow, live: LiveResponse, end: str | None,
                sent: int) -> None:
         logger.debug("turnguard: attached flow %s ended (%s, %d bytes)", flow.id,
