@@ -944,3 +944,26 @@ def test_a_response_filter_an_addon_before_turnguard_sets_is_kept(tmp_path, stre
                 if e["event"] == "outcome"]
         assert [(e["outcome"], e["replayable"]) for e in ends] == [("completed", False)] * 2
         assert_no_traceback(p.log_text())
+
+def test_a_key_a_script_after_turnguard_sets_never_shares_an_answer(tmp_path):
+    """A script loaded after turnguard sets each request's ``Authorization`` by a tenant
+    header that is no part of the identity (as a key-injecting gateway script would):
+    turnguard identified both tenants' requests without a key, as one operation, but they go
+    upstream as two principals. One tenant's answer must never be replayed to the other."""
+    script = tmp_path / "inject_key.py"
+    script.write_text(
+        "def request(flow):\n"
+        "    tenant = flow.request.headers.get('x-tenant', '')\n"
+        "    flow.request.headers['authorization'] = 'Bearer sk-' + tenant\n")
+    turn = {"model": "m", "input": "the same prompt from two tenants", "stream": False}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(script)]) as p:
+        answers = [post_turn(p.url, {"x-tenant": t}, turn) for t in ("alice", "bob")]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None]
+        assert len(up.dispatches()) == 2
+        auths = [d.get("headers", {}).get("authorization") for d in up.dispatches()]
+        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+                if e["event"] == "outcome"]
+        assert [e["replayable"] for e in ends] == [False, False], (ends, auths)
+        assert_no_traceback(p.log_text())

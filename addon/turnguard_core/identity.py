@@ -356,6 +356,13 @@ def _identify(
     )
 
 
+def principal_of(request: RequestView, credential_names: tuple[str, ...]) -> str:
+    """The principal ``identify`` gives ``request`` when its credential names beyond the
+    built-in ones are ``credential_names`` (an Identity's ``credential_names``): to tell
+    whether a request still carries the credentials it was identified with."""
+    return _principal(request, split_target(request.path), credential_names)
+
+
 def _principal(request: RequestView, target: Target, extra_names: tuple[str, ...]) -> str:
     """Hash of every credential the request carries (see the module docstring)."""
     names = _credential_names(tuple(extra_names))

@@ -73,6 +73,7 @@ class Attempt:
     flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
     sent_as: tuple | None = field(default=None, repr=False)  # its request when dispatched
     edited: bool = False  # a user edited its request after it was identified
+    credentials_changed: bool = False  # it went upstream as another principal's
     answered_here: bool = False  # an addon answered it: nothing went upstream
 
     def stop_timer(self) -> None:
@@ -255,10 +256,11 @@ class InFlight:
         # timer, and one silent after its headers is cut as an uncoded one is)
         settings = self._settings()
         attempt.edited = _edited_since(flow, attempt.sent_as)
+        attempt.credentials_changed = _credentials_changed(flow, attempt)
         keep = settings.replay_max_bytes if settings.guard.replay and ok \
-            and not attempt.edited else 0
+            and not attempt.edited and not attempt.credentials_changed else 0
         shareable = settings.attach and settings.guard.replay and is_sse and ok \
-            and not attempt.edited
+            and not attempt.edited and not attempt.credentials_changed
         if attempt.live is not None:  # a detached call: its client is attached already
             head = _head(flow)
             attempt.live.shareable = shareable and head is not None
@@ -467,6 +469,7 @@ class InFlight:
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
             not_recordable="request edited after it was identified" if edited
+            else CREDENTIALS_CHANGED if attempt.credentials_changed
             else "answered by an addon, not by the upstream" if attempt.answered_here
             else STREAM_TAKEN_OVER if bypassed
             else not_read,
@@ -494,6 +497,30 @@ def _request_as_is(flow: http.HTTPFlow) -> tuple:
     req = flow.request
     return (req.data.content, req.headers.fields, req.method, req.scheme, req.host, req.port,
             req.path)
+
+
+CREDENTIALS_CHANGED = "credentials changed after it was identified (an addon after turnguard)"
+
+
+def _credentials_changed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
+    """Whether the request went upstream as another principal than it was identified as: an
+    addon whose ``request`` hook runs after turnguard's, one turnguard cannot foresee (a
+    script that sets ``Authorization`` by a header that is no part of the identity, say),
+    changed its credentials. (Those mitmproxy's own addons add after turnguard,
+    ``stickyauth`` and ``stickycookie``, were foreseen: ``flows._as_sent``.) Its response
+    then answers that request only: never recorded for the operation nor attached to, or
+    one principal's answer would go to another's requests."""
+    if attempt.transport != "http" or flow.request is None:
+        return False
+    try:
+        view = flows._view(flow, flow.request.method, flows.request_headers(flow), None)
+        if isinstance(view, identity.Passthrough):
+            return True
+        sent = identity.principal_of(view, attempt.ident.credential_names)
+    except Exception:  # noqa: BLE001 - unsure: it answers its own request only
+        logger.exception("turnguard: reading the principal %s went upstream as failed", flow.id)
+        return True
+    return sent != attempt.ident.principal
 
 
 def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
