@@ -783,6 +783,16 @@ def test_an_answer_map_local_gives_is_never_replayed_empty_nor_after_the_rule_is
         assert_no_traceback(p.log_text())
 
 
+def events_after(tmp_path: Path, outcomes: int) -> list[dict]:
+    """The events of ``guarded``'s process once ``outcomes`` attempts ended (an attempt's
+    outcome is written when its response hook ran, which may be after its client got the
+    last byte)."""
+    def read():
+        events = read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        return events if sum(e["event"] == "outcome" for e in events) >= outcomes else None
+    return wait_until(read, 20, what=f"{outcomes} outcomes")
+
+
 def test_a_response_stream_another_addon_takes_over_is_never_recorded_incomplete(tmp_path):
     """Another addon loaded after turnguard sets ``flow.response.stream`` itself in its
     ``responseheaders`` hook (its own chunk filter): the body goes to the client through that
@@ -801,7 +811,7 @@ def test_a_response_stream_another_addon_takes_over_is_never_recorded_incomplete
         assert [response_id(a[2]) is not None for a in answers] == [True, True]
         assert answers[1][1].get("x-turnguard") != "replayed"
         assert len(up.dispatches()) == 2
-        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        ends = [e for e in events_after(tmp_path, 2)
                 if e["event"] == "outcome"]
         assert ends[0]["replayable"] is False
         assert_no_traceback(p.log_text())
@@ -826,7 +836,7 @@ def test_an_event_stream_another_addon_takes_over_is_neither_cut_nor_a_failure(t
         assert [a[0] for a in answers] == [200, 200]
         assert [a[1].get("x-turnguard") for a in answers] == [None, None]
         assert len(up.dispatches()) == 2
-        events = read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        events = events_after(tmp_path, 2)
         assert [e for e in events if e["event"] in ("upstream_cut", "eventless_failure")] == []
         ends = [e for e in events if e["event"] == "outcome"]
         assert [(e["outcome"], e["replayable"]) for e in ends] == [("completed", False)] * 2
@@ -851,7 +861,7 @@ def test_a_detached_call_whose_stream_another_addon_takes_over_never_answers_emp
         status, _, body = post_turn(p.url, {}, turn)
         assert len(up.dispatches()) == 1
         assert (status, body) == (0, b"") or response_id(body) is not None, (status, body)
-        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        ends = [e for e in events_after(tmp_path, 1)
                 if e["event"] == "outcome"]
         assert [e["replayable"] for e in ends] == [False]
         assert_no_traceback(p.log_text())
@@ -911,7 +921,7 @@ def test_an_answer_server_replay_gives_is_never_the_upstreams(tmp_path):
             assert len(up.dispatches()) == 1  # the saving run's only
             assert post_turn(p.url, {}, other)[0] == 200  # the session's circuit is closed
             assert len(up.dispatches()) == 2
-            events = read_jsonl(tmp_path / "mitmdump-events.jsonl")
+            events = events_after(tmp_path, 4)
             assert [e for e in events if e["event"] in ("eventless_failure", "circuit_opened",
                                                         "fail_closed")] == []
             ends = [e for e in events if e["event"] == "outcome"]
@@ -940,7 +950,7 @@ def test_a_response_filter_an_addon_before_turnguard_sets_is_kept(tmp_path, stre
         assert [(b"hello" in a[2], b"REDACTED" in a[2]) for a in answers] == [(False, True)] * 2
         assert [a[1].get("x-turnguard") for a in answers] == [None, None]
         assert len(up.dispatches()) == 2
-        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        ends = [e for e in events_after(tmp_path, 2)
                 if e["event"] == "outcome"]
         assert [(e["outcome"], e["replayable"]) for e in ends] == [("completed", False)] * 2
         assert_no_traceback(p.log_text())
@@ -963,7 +973,28 @@ def test_a_key_a_script_after_turnguard_sets_never_shares_an_answer(tmp_path):
         assert [a[1].get("x-turnguard") for a in answers] == [None, None]
         assert len(up.dispatches()) == 2
         auths = [d.get("headers", {}).get("authorization") for d in up.dispatches()]
-        ends = [e for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")
+        ends = [e for e in events_after(tmp_path, 2)
                 if e["event"] == "outcome"]
         assert [e["replayable"] for e in ends] == [False, False], (ends, auths)
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.xfail(strict=True, reason="known defect, not fixed: turnguard streams every "
+                   "guarded response through its tee, so mitmproxy's response hook (where "
+                   "modify_body rewrites) has no body for a dispatch's answer; reading answers "
+                   "that are no event stream whole would change what a client gets for an "
+                   "upstream's broken framing (test_hostile.py), a choice left open")
+def test_a_response_rule_of_modify_body_applies_to_the_first_answer_too(tmp_path):
+    """mitmproxy's ``modify_body`` rewrites a response body in its ``response`` hook, which
+    needs the body read whole (a streamed one has none there). The client of a dispatch gets
+    the upstream's bytes unchanged, while its duplicates, replayed (their body is there), get
+    them rewritten: two answers to one turn (and mitmweb and saved flows show no body)."""
+    turn = {"model": "m", "input": "a turn whose answer a rule rewrites", "stream": False}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, modify_body=["|~s|hello|HOWDY"]) as p:
+        answers = [post_turn(p.url, {}, turn) for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [(b"hello" in a[2], b"HOWDY" in a[2]) for a in answers] == [(False, True)] * 2
+        assert [a[1].get("x-turnguard") for a in answers] == [None, "replayed"]
+        assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
