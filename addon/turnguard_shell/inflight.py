@@ -512,6 +512,8 @@ def _credentials_changed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
     one principal's answer would go to another's requests."""
     if attempt.transport != "http" or flow.request is None:
         return False
+    if attempt.sent_as is not None and flow.request.headers.fields is attempt.sent_as[1]:
+        return False  # its headers untouched since it was identified (the usual case: cheap)
     try:
         view = flows._view(flow, flow.request.method, flows.request_headers(flow), None)
         if isinstance(view, identity.Passthrough):
