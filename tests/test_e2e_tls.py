@@ -100,6 +100,36 @@ def dispatches(up: MockUpstream) -> int:
     return len(up.dispatches())
 
 
+LEAVES = {"kind": "ok", "events": 4, "gap_ms": 1500}  # a turn its client gives up on (1 s)
+
+
+def left_then_retried(proxy_url: str | None, target: str, proxy: Mitmdump) -> dict:
+    """A client that gives up on a turn mid-stream (its call detached), then its retry,
+    answered 200 with the whole stream: the retry's answer."""
+    gone = asyncio.run(stream_post(proxy_url, target, ca_of(proxy), timeout=1.0,
+                                   behaviour=LEAVES))
+    assert gone["error"] is not None, gone
+    retry = asyncio.run(stream_post(proxy_url, target, ca_of(proxy)))
+    assert retry["status"] == 200 and retry["error"] is None, (retry, proxy.log_text())
+    assert sse_event_types(retry["body"])[-1] == "response.completed"
+    return retry
+
+
+def assert_ran_over_tls(up: MockUpstream, front: "TlsFront", proxy: Mitmdump, *,
+                        times: int = 1) -> None:
+    """``times`` upstream executions, every upstream connection TLS with the target's SNI,
+    no traceback."""
+    assert dispatches(up) == times
+    assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
+    assert_no_traceback(proxy.log_text())
+
+
+def assert_detached_call_completed(tmp_path: Path) -> None:
+    detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"),
+                          what="upstream_detached")
+    assert detached[0]["outcome"] == "completed"
+
+
 SLOW = {"kind": "ok", "events": 8, "gap_ms": 250}
 
 
@@ -127,9 +157,7 @@ def test_regular_mode_connect_duplicates_attach_and_replay_over_tls(tmp_path):
         assert dup["body"] == first["body"]
         assert later["headers"].get("x-turnguard") == "replayed"
         assert later["body"] == first["body"]
-        assert dispatches(up) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}
-        assert_no_traceback(proxy.log_text())
+        assert_ran_over_tls(up, front, proxy)
 
 
 def test_regular_mode_a_detached_call_whose_client_left_goes_to_the_https_upstream(tmp_path):
@@ -140,16 +168,9 @@ def test_regular_mode_a_detached_call_whose_client_left_goes_to_the_https_upstre
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
             tls_proxy(tmp_path, front, ["regular"], turnguard_detach_ms=20000) as proxy:
         target = f"https://localhost:{front.port}/v1/responses"
-        gone = asyncio.run(stream_post(proxy.url, target, ca_of(proxy), timeout=1.0,
-                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
-        assert gone["error"] is not None, gone
-        retry = asyncio.run(stream_post(proxy.url, target, ca_of(proxy)))
-        assert retry["error"] is None and retry["status"] == 200, (retry, proxy.log_text())
+        retry = left_then_retried(proxy.url, target, proxy)
         assert retry["headers"].get("x-turnguard") in ("attached", "replayed"), retry["headers"]
-        assert sse_event_types(retry["body"])[-1] == "response.completed"
-        assert dispatches(up) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}
-        assert_no_traceback(proxy.log_text())
+        assert_ran_over_tls(up, front, proxy)
 
 
 def test_reverse_mode_to_https_detached_call_reaches_the_upstream_as_the_direct_one(tmp_path):
@@ -158,16 +179,8 @@ def test_reverse_mode_to_https_detached_call_reaches_the_upstream_as_the_direct_
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_detach_ms=20000) as proxy:
-        gone = asyncio.run(stream_post(None, proxy.url + "/v1/responses", ca_of(proxy),
-                                       timeout=1.0,
-                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
-        assert gone["error"] is not None, gone
-        retry = asyncio.run(stream_post(None, proxy.url + "/v1/responses", ca_of(proxy)))
-        assert retry["status"] == 200 and retry["error"] is None, retry
-        assert sse_event_types(retry["body"])[-1] == "response.completed"
-        assert dispatches(up) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
-        assert_no_traceback(proxy.log_text())
+        left_then_retried(None, proxy.url + "/v1/responses", proxy)
+        assert_ran_over_tls(up, front, proxy)
 
 
 def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_upstream(tmp_path):
@@ -204,12 +217,8 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
         assert first["type"] == "response.created"
         assert types(retried)[-1] == "response.completed", retried
         assert retried[0] == first
-        assert len(up.dispatches()) == 1
-        detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"),
-                              what="upstream_detached")
-        assert detached[0]["outcome"] == "completed"
-        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
-        assert_no_traceback(proxy.log_text())
+        assert_detached_call_completed(tmp_path)
+        assert_ran_over_tls(up, front, proxy)
 
 
 @pytest.mark.slow
@@ -243,8 +252,7 @@ def test_an_http2_upstream_over_alpn_gets_one_execution_per_turn(tmp_path, mode)
         assert len(up.dispatches()) == 1
         body2 = {**BODY, "input": "left"}
         gone = asyncio.run(stream_post(via, url, ca_of(proxy), body=body2, timeout=1.0,
-                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500},
-                                       http2=True))
+                                       behaviour=LEAVES, http2=True))
         assert gone["error"] is not None, gone
         retry = asyncio.run(stream_post(via, url, ca_of(proxy), body=body2,
                                         http2=True))
@@ -299,9 +307,7 @@ def test_socks5_mode_duplicates_attach_and_reach_the_https_upstream_once(tmp_pat
         assert h2.get("x-turnguard") == "replayed", h2
         assert b1 == b0 and b2 == b0
         assert sse_event_types(b0)[-1] == "response.completed"
-        assert len(up.dispatches()) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}
-        assert_no_traceback(proxy.log_text())
+        assert_ran_over_tls(up, front, proxy)
 
 
 def test_upstream_mode_behind_a_proxy_duplicates_are_held_and_replayed_over_tls(tmp_path):
@@ -387,9 +393,7 @@ def test_regular_mode_a_detached_call_keeps_the_tunnels_sni_when_the_host_names_
         got = asyncio.run(stream_post(proxy.url, target, ca_of(proxy), headers=vhost))
         assert got["error"] is None and got["status"] == 200, (got, proxy.log_text())
         assert sse_event_types(got["body"])[-1] == "response.completed"
-        assert len(up.dispatches()) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
-        assert_no_traceback(proxy.log_text())
+        assert_ran_over_tls(up, front, proxy)
 
 
 
@@ -431,12 +435,8 @@ def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry
         assert one_a == one_b and types(one_a)[-1] == "response.completed", (one_a, one_b)
         assert types(retried)[-1] == "response.completed", retried
         assert retried[0] == first
-        assert len(up.dispatches()) == 2
-        detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"),
-                              what="upstream_detached")
-        assert detached[0]["outcome"] == "completed"
-        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
-        assert_no_traceback(proxy.log_text())
+        assert_detached_call_completed(tmp_path)
+        assert_ran_over_tls(up, front, proxy, times=2)
 
 
 def test_two_listeners_a_detached_call_of_the_second_goes_its_own_way_over_tls(tmp_path):
@@ -464,13 +464,8 @@ def test_two_listeners_a_detached_call_of_the_second_goes_its_own_way_over_tls(t
 
 def two_listeners_over_tls(tmp_path, up, front, corp, proxy) -> None:
     target = f"https://localhost:{front.port}/v1/responses"
-    gone = asyncio.run(stream_post(proxy.urls[1], target, ca_of(proxy), timeout=1.0,
-                                   behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
-    assert gone["error"] is not None, gone
-    retry = asyncio.run(stream_post(proxy.urls[1], target, ca_of(proxy)))
-    assert retry["status"] == 200 and retry["error"] is None, (retry, proxy.log_text())
+    retry = left_then_retried(proxy.urls[1], target, proxy)
     assert retry["headers"].get("x-turnguard") in ("attached", "replayed")
-    assert sse_event_types(retry["body"])[-1] == "response.completed"
     assert len(up.dispatches()) == 1
     assert "corp CONNECT" not in corp.log_text()
     assert {c["sni"] for c in front.connections()} == {"localhost"}
@@ -533,15 +528,8 @@ def test_reverse_mode_keeping_the_host_header_a_detached_call_keeps_the_modes_sn
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       keep_host_header=True, turnguard_detach_ms=20000) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        gone = asyncio.run(stream_post(None, url, ca_of(proxy), timeout=1.0,
-                                       behaviour={"kind": "ok", "events": 4, "gap_ms": 1500}))
-        assert gone["error"] is not None, gone
-        retry = asyncio.run(stream_post(None, url, ca_of(proxy)))
-        assert retry["status"] == 200 and retry["error"] is None, retry
-        assert sse_event_types(retry["body"])[-1] == "response.completed"
-        assert len(up.dispatches()) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}, front.connections()
-        assert_no_traceback(proxy.log_text())
+        left_then_retried(None, url, proxy)
+        assert_ran_over_tls(up, front, proxy)
 
 
 def test_socks5_mode_a_detached_call_whose_client_left_reaches_the_https_upstream(tmp_path):
@@ -551,14 +539,11 @@ def test_socks5_mode_a_detached_call_whose_client_left_reaches_the_https_upstrea
             tls_proxy(tmp_path, front, ["socks5"], turnguard_detach_ms=20000) as proxy:
         args = ["--socks5-hostname", f"127.0.0.1:{proxy.port}", "--cacert", ca_of(proxy),
                 f"https://localhost:{front.port}/v1/responses"]
-        gone = curl(["--max-time", "1", *args], tmp_path / "gone.out",
-                    behaviour={"kind": "ok", "events": 4, "gap_ms": 1500})
+        gone = curl(["--max-time", "1", *args], tmp_path / "gone.out", behaviour=LEAVES)
         assert gone.wait(60) != 0  # curl gave up (its time limit)
         out = tmp_path / "retry.out"
         assert curl(args, out).wait(60) == 0
         status, headers, body = split_answer(out.read_bytes())
         assert status == 200 and headers.get("x-turnguard") in ("attached", "replayed")
         assert sse_event_types(body)[-1] == "response.completed"
-        assert len(up.dispatches()) == 1
-        assert {c["sni"] for c in front.connections()} == {"localhost"}
-        assert_no_traceback(proxy.log_text())
+        assert_ran_over_tls(up, front, proxy)
