@@ -8,7 +8,6 @@ the loop of ``TurnGuard._guard`` over the states of ``turnguard_core.machine``.
 """
 
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -522,10 +521,8 @@ class TurnGuard:
 
     def _replay_window_s(self, ident: identity.Identity) -> float | None:
         """How long after its end a recording of this request may be replayed (None: never)."""
-        guard = self.settings.guard
-        if not guard.replay:
-            return None
-        return guard.retention_s if ident.idempotency_key else guard.replay_window_s
+        return policy.replay_window_s(self.settings.guard,
+                                      idempotency_key=ident.idempotency_key is not None)
 
     async def _admit(self, method: str, ident: identity.Identity, req: machine.RequestFacts,
                      scope: str, state: machine.Admit, deadline: float):
@@ -538,12 +535,9 @@ class TurnGuard:
         hold_until = state.hold_deadline if state.held_since is not None else \
             policy.hold_deadline(time.monotonic(), hold_timeout_s=req.hold_timeout_s,
                                  budget_deadline=req.budget_deadline)
-        guard, window_s = cfg.guard, self._replay_window_s(ident)
-        if ident.conversation and ident.idempotency_key is None and state.held_since is None:
-            # a completed turn of a conversation is no answer to the same body sent after it:
-            # that is the conversation's next turn (identity's ``conversation``). One held on
-            # its attempt while it ran (admitted again now) came before: its duplicate.
-            guard, window_s = dataclasses.replace(guard, replay=False), None
+        guard, window_s = policy.admission_replay(
+            cfg.guard, idempotency_key=ident.idempotency_key is not None,
+            conversation=bool(ident.conversation), held=state.held_since is not None)
         return await self.store.admit(
             ident, method=method, route=ident.route, flow_id=req.flow_id,
             circuit_scope=scope, recovery=state.recovery,

@@ -123,3 +123,20 @@ def test_in_once_mode_a_retry_after_the_circuit_opened_is_the_one_recovery_and_n
     assert _once_retry(0) == Dispatch("recovery")
     assert _once_retry(1) == policy.Denied("upstream_operation_status_unknown", "claim_exhausted")
     assert _once_retry(1, circuit_open_until=90.0) == Dispatch("retry")
+
+
+def test_a_conversation_turn_sent_again_unheld_and_without_a_key_is_admitted_without_replay():
+    guard = policy.GuardPolicy(replay=True, replay_window_s=300.0, retention_s=86400.0)
+    plain = policy.admission_replay(guard, idempotency_key=False, conversation=False, held=False)
+    assert plain == (guard, 300.0)
+    assert policy.admission_replay(guard, idempotency_key=True, conversation=False,
+                                   held=False) == (guard, 86400.0)
+    next_turn = policy.admission_replay(guard, idempotency_key=False, conversation=True,
+                                        held=False)
+    assert next_turn[0].replay is False and next_turn[1] is None
+    for key, held in ((True, False), (False, True)):  # a key, or held on it while it ran
+        assert policy.admission_replay(guard, idempotency_key=key, conversation=True,
+                                       held=held)[0] == guard
+    off = policy.GuardPolicy(replay=False)
+    assert policy.admission_replay(off, idempotency_key=True, conversation=False,
+                                   held=False) == (off, None)

@@ -7,6 +7,7 @@ inside its write transaction, which is what makes a claim atomic across processe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal
 
@@ -42,6 +43,26 @@ class GuardPolicy:
     replay: bool = True
     replay_window_s: float = 300.0
     retention_s: float = 86400.0
+
+
+def replay_window_s(guard: GuardPolicy, *, idempotency_key: bool) -> float | None:
+    """How long after its end a recording of a request may be replayed (None: never): the
+    retention for a request with an ``Idempotency-Key``, else the replay window."""
+    if not guard.replay:
+        return None
+    return guard.retention_s if idempotency_key else guard.replay_window_s
+
+
+def admission_replay(guard: GuardPolicy, *, idempotency_key: bool, conversation: bool,
+                     held: bool) -> tuple[GuardPolicy, float | None]:
+    """The guard and replay window a request is admitted with. A completed turn of a
+    conversation is no answer to the same body sent after it: that is the conversation's
+    next turn (identity's ``conversation``), so replay is off for it, unless it has an
+    ``Idempotency-Key`` or was held on the turn's attempt while it ran (``held``: it came
+    before, a duplicate)."""
+    if conversation and not idempotency_key and not held:
+        return dataclasses.replace(guard, replay=False), None
+    return guard, replay_window_s(guard, idempotency_key=idempotency_key)
 
 
 @record
