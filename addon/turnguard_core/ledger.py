@@ -422,9 +422,8 @@ class Ledger:
         -wal and -shm are left beside the file, never deleted (see ``open``)."""
         if self._db is not None:
             if self._file_id is not None and self.file_replaced() is None:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
-                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                with contextlib.suppress(LedgerError):
+                    self.truncate_wal()
             self._db.close()
             self._db = None
 
