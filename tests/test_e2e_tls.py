@@ -100,6 +100,21 @@ def dispatches(up: MockUpstream) -> int:
     return len(up.dispatches())
 
 
+async def dropped_then_retried(connect, text: str) -> tuple[dict, list]:
+    """A WebSocket call whose socket is dropped after its first event, then the same call
+    on a new socket: the first event, and the retry's whole answer."""
+    from test_e2e_websocket import call, user
+
+    async with connect() as a:
+        await a.send(call([user(text)], seed=1))
+        first = json.loads(await a.recv())
+        a.abort()
+    await asyncio.sleep(0.3)
+    async with connect() as b:
+        await b.send(call([user(text)], seed=2))
+        return first, await b.response()
+
+
 LEAVES = {"kind": "ok", "events": 4, "gap_ms": 1500}  # a turn its client gives up on (1 s)
 
 
@@ -203,17 +218,7 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
             return WsClient.connect(wss, headers=WS_HEADERS, ssl=tls,
                                     server_hostname="localhost")
 
-        async def drop_then_retry():
-            async with connect() as a:
-                await a.send(call([user("think over TLS")], seed=1))
-                first = json.loads(await a.recv())
-                a.abort()
-            await asyncio.sleep(0.3)
-            async with connect() as b:
-                await b.send(call([user("think over TLS")], seed=2))
-                return first, await b.response()
-
-        first, retried = asyncio.run(drop_then_retry())
+        first, retried = asyncio.run(dropped_then_retried(connect, "think over TLS"))
         assert first["type"] == "response.created"
         assert types(retried)[-1] == "response.completed", retried
         assert retried[0] == first
@@ -422,14 +427,7 @@ def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry
                     await c.send(call([user("same call")], seed=seed))
                     return await c.response()
             both = await asyncio.gather(one(1, 0), one(2, 0.5))
-            async with connect() as a:
-                await a.send(call([user("think over the tunnel")], seed=1))
-                first = json.loads(await a.recv())
-                a.abort()
-            await asyncio.sleep(0.3)
-            async with connect() as b:
-                await b.send(call([user("think over the tunnel")], seed=2))
-                return both, first, await b.response()
+            return both, *await dropped_then_retried(connect, "think over the tunnel")
 
         (one_a, one_b), first, retried = asyncio.run(two_then_drop_then_retry())
         assert one_a == one_b and types(one_a)[-1] == "response.completed", (one_a, one_b)
