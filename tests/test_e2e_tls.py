@@ -203,7 +203,7 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
     sending the same call make one dispatch; a socket dropped mid-call leaves its call
     running (detached, as turnguard's own POST over TLS, SNI the upstream's name) and the
     retry on a new socket attaches to it: one upstream execution per call."""
-    from test_e2e_websocket import HEADERS as WS_HEADERS, call, user
+    from test_e2e_websocket import HEADERS as WS_HEADERS
     from turnguard_ws import WsClient, types
 
     thinking = {"default": {"kind": "ok", "think_ms": 3000, "events": 3}}
