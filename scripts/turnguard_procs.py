@@ -142,10 +142,17 @@ class Process:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time of a process (user + system, all its threads) so far, in seconds (Linux)."""
+    return sum(cpu_times(pid))
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """CPU time of a process so far (all its threads), in seconds: (user, system) (Linux).
+    System time is the kernel's work for it: system calls (a ledger's writes), page faults."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read()
     fields = data[data.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def rss_bytes(pid: int) -> int:

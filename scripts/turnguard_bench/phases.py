@@ -25,7 +25,7 @@ from typing import Callable
 
 from turnguard_bench import client, ledger_floor_addon, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
-from turnguard_procs import cpu_seconds, rss_bytes
+from turnguard_procs import cpu_times, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
 # what turnguard is compared with (ledger_floor: in the phases of dispatched requests only;
@@ -69,16 +69,18 @@ async def _measure_load(
     p: procs.Proc, up: procs.Proc, make: Callable[[int], bytes], n: int, c: int, cfg,
     *, hash_body: bool = False,
 ) -> tuple[client.Load, dict]:
-    """Run a load against one mitmdump; return it with CPU and upstream-dispatch deltas."""
+    """Run a load against one mitmdump; return it with CPU (all of it, and the system's
+    part) and upstream-dispatch deltas."""
     before = (await upstream_stats(up))["dispatches"]
-    cpu0 = cpu_seconds(p.pid)
+    user0, system0 = cpu_times(p.pid)
     load = await client.run_load(
         p.port, make, n, c, time_limit_s=cfg.load_time_limit_s,
         request_timeout_s=cfg.request_timeout_s, hash_body=hash_body,
     )
-    cpu1 = cpu_seconds(p.pid)
+    user1, system1 = cpu_times(p.pid)
     after = (await upstream_stats(up))["dispatches"]
-    return load, {"cpu_s": cpu1 - cpu0, "upstream_dispatches": after - before}
+    return load, {"cpu_s": user1 + system1 - user0 - system0, "cpu_system_s": system1 - system0,
+                  "upstream_dispatches": after - before}
 
 
 def _summary(load: client.Load, extra: dict, n: int) -> dict:
@@ -97,6 +99,8 @@ def _summary(load: client.Load, extra: dict, n: int) -> dict:
         "p99_ms": percentile(lat, 99),
         "cpu_s": extra["cpu_s"],
         "cpu_ms_per_request": extra["cpu_s"] * 1000 / len(ok) if ok else float("nan"),
+        "cpu_system_ms_per_request": (extra["cpu_system_s"] * 1000 / len(ok) if ok
+                                      else float("nan")),
         "upstream_dispatches": extra["upstream_dispatches"],
     }
 
@@ -189,6 +193,8 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
             **_request_ratios(tg, b),
             "added_median_ms": tg["median_ms"] - b["median_ms"],
             "added_cpu_ms_per_request": tg["cpu_ms_per_request"] - b["cpu_ms_per_request"],
+            "added_cpu_system_ms_per_request": (tg["cpu_system_ms_per_request"]
+                                                - b["cpu_system_ms_per_request"]),
             # mitmdump is one event loop on one core: on an otherwise idle core its
             # throughput is about 1 / CPU per request, so this ratio is a less noisy estimate
             # of the throughput ratio on a shared machine.
@@ -196,8 +202,8 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
         }
 
     out: dict = {"concurrency": {
-        str(c): _row(by_v, ("rps", "median_ms", "p99_ms", "cpu_ms_per_request"),
-                     ("rps", "median_ms"), vs)
+        str(c): _row(by_v, ("rps", "median_ms", "p99_ms", "cpu_ms_per_request",
+                            "cpu_system_ms_per_request"), ("rps", "median_ms"), vs)
         for c, by_v in runs.items()
     }}
     all_runs = _all_runs(runs)

@@ -221,15 +221,19 @@ def render(res: dict) -> str:
         rows = [cells for c, row in pr["concurrency"].items() for cells in _setting_rows(
             f"{c} clients", row,
             lambda r: [_f(r["rps"], ".0f"), _f(r["median_ms"]), _f(r["p99_ms"]),
-                       _f(r["cpu_ms_per_request"]), _f(r["rps_spread"] * 100, ".0f", "%")],
+                       f"{_f(r['cpu_ms_per_request'])} ({_f(r['cpu_system_ms_per_request'])})",
+                       _f(r["rps_spread"] * 100, ".0f", "%")],
             lambda r: [_x(r["rps_ratio"]),
                        f"{_x(r['median_ratio'])} ({_f(r['added_median_ms'], '+.2f')})",
-                       _x(r["p99_ratio"]), _f(r["added_cpu_ms_per_request"], "+.2f"),
+                       _x(r["p99_ratio"]),
+                       f"{_f(r['added_cpu_ms_per_request'], '+.2f')} "
+                       f"({_f(r['added_cpu_system_ms_per_request'], '+.2f')})",
                        f"CPU: {_x(r.get('cpu_rps_ratio'))}"])]
         o.append(table(rows, ["clients", "variant", "req/s", "median ms", "p99 ms",
-                              "CPU ms/req", "req/s spread"]))
+                              "CPU ms/req (system)", "req/s spread"]))
         o.append("(ratio rows: req/s, latency ratios with the added median in ms, the added CPU "
-                 "per request, and 'CPU:' the throughput ratio implied by CPU per request)")
+                 "per request with the kernel's part of it in brackets, and 'CPU:' the "
+                 "throughput ratio implied by CPU per request)")
         o.append(f"checks: {pr['checks']}")
 
     st = res.get("streaming")
