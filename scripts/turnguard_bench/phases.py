@@ -25,7 +25,7 @@ from typing import Callable
 
 from turnguard_bench import client, ledger_floor_addon, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
-from turnguard_procs import cpu_times, rss_bytes
+from turnguard_procs import cpu_seconds, cpu_times, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
 # what turnguard is compared with (ledger_floor: in the phases of dispatched requests only;
