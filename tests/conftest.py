@@ -39,7 +39,7 @@ TIERS = {
     },
     "addon": {"test_addon", "test_control", "test_metrics", "test_proxy_internals"},
     "e2e": {
-        "test_at_most_once", "test_clock_jumps", "test_crash", "test_e2e_bounds",
+        "test_at_most_once", "test_beside_addons", "test_clock_jumps", "test_crash", "test_e2e_bounds",
         "test_e2e_circuit", "test_e2e_control", "test_e2e_guard", "test_e2e_http2",
         "test_e2e_metrics", "test_e2e_postgres",
         "test_e2e_attach", "test_e2e_tls", "test_e2e_mitmweb", "test_e2e_websocket", "test_e2e_ws_faults",

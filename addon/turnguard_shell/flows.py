@@ -79,8 +79,13 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
     cannot be guarded. A body with content
     codings is decoded here when that stays within ``INLINE_MAX_BYTES``; past that it goes on
     encoded (``body_codings``), to be decoded with its identity off the event loop (a body of a
-    few kilobytes can decode to the whole bound, and each coding to as much again)."""
-    if flow.request.raw_content is None:
+    few kilobytes can decode to the whole bound, and each coding to as much again).
+
+    A streamed request body (``stream_large_bodies``, or an addon's ``request.stream``) went
+    upstream before the ``request`` hook: the request can be neither held nor answered
+    (mitmproxy sends the upstream's answer whatever the hook set), so it is not guarded, also
+    when ``store_streamed_bodies`` kept a copy of the body (``raw_content`` is then set)."""
+    if flow.request.raw_content is None or flow.request.stream:
         return identity.Passthrough("request body is streamed")
     sent = _as_sent(flow)  # (the body, URL and upstream it will go with)
     req = sent or flow.request
