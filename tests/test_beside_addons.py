@@ -5,6 +5,7 @@ turnguard's hook: every promise holds, or the flow passes through untouched with
 from __future__ import annotations
 
 from harness import (
+    ADDON,
     MockUpstream,
     assert_no_traceback,
     guarded,
@@ -38,4 +39,57 @@ def test_a_request_body_mitmproxy_streamed_and_stored_is_not_guarded(tmp_path):
         assert [(e["event"], e.get("reason")) for e in _events(tmp_path)] == [
             ("passthrough", "request body is streamed")] * 2
         assert answers[1][1].get("x-turnguard") is None
+        assert_no_traceback(p.log_text())
+
+
+DROPPER = (
+    "def websocket_message(flow):\n"
+    "    message = flow.websocket.messages[-1]\n"
+    "    if message.from_client and b'forbidden' in message.content:\n"
+    "        message.drop()  # a content filter: this frame never goes upstream\n"
+)
+
+
+def _ws_call(text: str, seed: int = 0) -> dict:
+    from test_e2e_websocket import call, user
+    return call([user(text)], seed=seed)
+
+
+def test_a_websocket_frame_an_earlier_addon_drops_is_neither_a_call_nor_sent(tmp_path):
+    """An addon loaded before turnguard drops a client's frame in its ``websocket_message``
+    hook (a content filter): that frame never goes upstream, so it is no call of turnguard's.
+    Alone on its socket, nothing is in flight for it (the socket's next call is answered at
+    once, never held behind it nor cut as a silent upstream); queued behind a response in
+    flight, turnguard never sends it upstream when its turn comes."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    script = tmp_path / "dropper.py"
+    script.write_text(DROPPER)
+
+    async def alone(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a forbidden prompt"))
+            await c.send(_ws_call("an allowed prompt"))
+            return [await c.response(timeout=20)]
+
+    async def queued(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a slow allowed prompt", seed=1))
+            await c.send(_ws_call("a forbidden prompt queued", seed=2))
+            await c.send(_ws_call("another allowed prompt", seed=3))
+            return [await c.response(timeout=20), await c.response(timeout=20)]
+
+    scenario = {"default": {"kind": "ok", "delay_ms": 500}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_response_created_timeout_ms=3000) as p:  # the dropper first
+        for case in (alone, queued):
+            got = asyncio.run(case(p.url))
+            assert [types(r)[-1] for r in got] == ["response.completed"] * len(got), case
+        assert len(ws_dispatches(up)) == 3  # the allowed calls only
+        assert [e for e in _events(tmp_path) if e["event"] in ("upstream_cut",
+                                                               "eventless_failure")] == []
         assert_no_traceback(p.log_text())

@@ -172,6 +172,11 @@ class WebSockets:
             return  # ours, on its way
         if not message.from_client:
             return self._upstream_frame(sock, message) if sock.guarded else None
+        if message.dropped:
+            # an addon that runs before turnguard dropped it (a content filter): it never goes
+            # upstream, so it is no call (nothing in flight, no answer to wait for) and turnguard
+            # never sends it (a queued frame is sent once decided)
+            return
         if not sock.guarded and not sock.queue_rest:
             return  # a socket turnguard let go: on its way as it came
         if sock.guarded and sock.frames.qsize() >= MAX_QUEUED_FRAMES:
@@ -249,8 +254,8 @@ class WebSockets:
         while sock.seen < len(messages) and sock.guarded:
             message = messages[sock.seen]
             sock.seen += 1
-            if message.injected:
-                continue
+            if message.injected or message.from_client and message.dropped:
+                continue  # (a client frame an addon dropped never went upstream)
             if not message.from_client:
                 self._upstream_frame(sock, message)
             else:
