@@ -4,6 +4,8 @@ turnguard's hook: every promise holds, or the flow passes through untouched with
 
 from __future__ import annotations
 
+import pytest
+
 from harness import (
     ADDON,
     MockUpstream,
@@ -92,4 +94,44 @@ def test_a_websocket_frame_an_earlier_addon_drops_is_neither_a_call_nor_sent(tmp
         assert len(ws_dispatches(up)) == 3  # the allowed calls only
         assert [e for e in _events(tmp_path) if e["event"] in ("upstream_cut",
                                                                "eventless_failure")] == []
+        assert_no_traceback(p.log_text())
+
+
+HALTER = (
+    "from mitmproxy import exceptions\n"
+    "def {hook}(flow):\n"
+    "    raise exceptions.AddonHalt()  # no addon after this one handles the event\n"
+)
+
+
+@pytest.mark.parametrize("hook", ["response", "error"])
+def test_a_turn_whose_end_hook_an_earlier_addon_halts_is_not_left_in_flight(tmp_path, hook):
+    """An addon loaded before turnguard raises ``AddonHalt`` in its ``response`` (or
+    ``error``) hook, mitmproxy's way for an addon to say no later addon handles the event:
+    turnguard's hook never comes, though the flow ended. The attempt must still end
+    (recorded, its duplicates answered), never stay in flight for as long as the process
+    lives: every retry held and answered 409, or attached to a stream that never ends."""
+    script = tmp_path / "halter.py"
+    script.write_text(HALTER.format(hook=hook))
+    turn = {"model": "m", "input": f"a turn whose {hook} hook is halted", "stream": True}
+    scenario = {"sequence": [{"kind": "reset"}] if hook == "error" else [],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_hold_timeout_ms=8000) as p:  # the halter first
+        first = post_turn(p.url, {}, turn, cut_is_error=True, timeout=30)
+        assert first[0] == (200 if hook == "response" else 502)
+        retry = post_turn(p.url, {}, turn, cut_is_error=True, timeout=30)
+        assert retry[0] == 200
+        (outcome, *_) = wait_until(lambda: [e for e in _events(tmp_path)
+                                            if e["event"] == "outcome"], 10, what="an outcome")
+        if hook == "response":  # answered by the first attempt: attached, or replayed
+            assert retry[1].get("x-turnguard") in ("attached", "replayed")
+            assert (outcome["outcome"], outcome["replayable"]) == ("completed", True)
+        else:  # the failed attempt ended: the retry went upstream
+            assert outcome["outcome"] == "unknown"
+        later = post_turn(p.url, {}, turn, cut_is_error=True, timeout=30)
+        assert later[0] == 200 and later[1].get("x-turnguard") == "replayed"
+        assert retry[2] == later[2]
+        assert len(up.dispatches()) == (1 if hook == "response" else 2)
         assert_no_traceback(p.log_text())

@@ -346,6 +346,33 @@ class InFlight:
                         attempt.tee(flow.response.raw_content or b"")
                 self.end(flow, body_complete=True)
 
+    def end_those_whose_end_hook_was_halted(self) -> None:
+        """End the HTTP attempts whose flow is over although turnguard's ``response`` or
+        ``error`` hook never came: an addon that runs before turnguard raised ``AddonHalt``
+        in that hook (mitmproxy's way for an addon to say no later addon handles the event).
+        Their operation would stay in flight for as long as the process runs (every retry
+        held, then answered 409; an attached duplicate streaming for ever). mitmproxy marks
+        an HTTP flow no longer ``live`` only once its ``response`` or ``error`` hooks have all
+        run, so an attempt whose flow is no longer live missed its own. A flow a user killed
+        is not live from the kill on, before its ``error`` hook (``release_killed``): it is
+        left to that hook. (The maintenance ticker calls this every second.)"""
+        for attempt in list(self._process.attempts.values()):
+            flow = attempt.flow
+            if attempt.transport != "http" or flow is None or flow.live \
+                    or flow.error is not None and flow.error.msg == Error.KILLED_MESSAGE:
+                continue
+            if flow.error is None and (flow.response is None
+                                       or flow.response.timestamp_end is None):
+                continue  # (not over: no end to record yet)
+            logger.warning("turnguard: the %s hook of %s never reached turnguard (an addon "
+                           "before it halted it); its end is recorded now",
+                           "error" if flow.error is not None else "response", flow.id)
+            if flow.error is None and attempt.tee is None:  # its responseheaders went by too
+                self.tee_response(flow, read_later=True)
+                if attempt.tee is not None:
+                    attempt.tee(flow.response.raw_content or b"")
+            self.end(flow, body_complete=flow.error is None)
+
     def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         """The attempt's response ended (or failed): record it and wake its duplicates.
         Returns the ledger write's future when it was sent now."""
