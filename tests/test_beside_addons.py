@@ -135,3 +135,33 @@ def test_a_turn_whose_end_hook_an_earlier_addon_halts_is_not_left_in_flight(tmp_
         assert retry[2] == later[2]
         assert len(up.dispatches()) == (1 if hook == "response" else 2)
         assert_no_traceback(p.log_text())
+
+
+def test_a_turn_whose_responseheaders_hook_an_earlier_addon_halts_runs_once(tmp_path):
+    """An addon loaded before turnguard raises ``AddonHalt`` in its ``responseheaders`` hook:
+    turnguard never streams the response through its tee, and mitmproxy reads the body whole
+    before the ``response`` hook. It is still the upstream's whole answer: its duplicates,
+    held meanwhile or sent after, are answered from it, never run upstream again; and a
+    stream that outlasts ``turnguard_response_created_timeout_ms`` while turnguard cannot
+    read its events is not cut as silent."""
+    import concurrent.futures
+
+    script = tmp_path / "halter.py"
+    script.write_text(HALTER.format(hook="responseheaders"))
+    turn = {"model": "m", "input": "a turn whose responseheaders hook is halted", "stream": True}
+    slow = {"kind": "ok", "events": 4, "gap_ms": 400}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_response_created_timeout_ms=800) as p, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:  # the halter first
+        first = pool.submit(post_turn, p.url, {}, turn, behaviour=slow, cut_is_error=True,
+                            timeout=30)
+        wait_until(lambda: up.dispatches(), 10, what="the first dispatch")
+        held = post_turn(p.url, {}, turn, cut_is_error=True, timeout=30)
+        first = first.result()
+        later = post_turn(p.url, {}, turn, cut_is_error=True, timeout=30)
+        assert [first[0], held[0], later[0]] == [200, 200, 200]
+        assert first[2] == held[2] == later[2]
+        assert len(up.dispatches()) == 1
+        assert [e for e in _events(tmp_path) if e["event"] == "upstream_cut"] == []
+        assert_no_traceback(p.log_text())

@@ -183,6 +183,15 @@ class InFlight:
             self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
                           STALL_GRACES)
             return
+        if attempt.transport == "http" and attempt.tee is None and flow.response is not None \
+                and not attempt.answered_here:
+            # its response headers came, but turnguard's responseheaders hook has not (an
+            # addon before it still in its own, or one that halted it: mitmproxy then reads
+            # the body whole, unseen): its events cannot be counted, so no silence can be
+            # told; timed again from now on, and read whole at its end
+            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                          STALL_GRACES)
+            return
         if due is not None and graces > 0 \
                 and asyncio.get_running_loop().time() - due > STALL_LATE_S:
             self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
@@ -339,12 +348,7 @@ class InFlight:
             if flow.error is not None:
                 self.end(flow, body_complete=False)
             elif flow.response is not None and flow.response.timestamp_end is not None:
-                if attempt.tee is None:  # its responseheaders hook went by too: the whole
-                    # body is read now, as its tee would have
-                    self.tee_response(flow, read_later=True)
-                    if attempt.tee is not None:
-                        attempt.tee(flow.response.raw_content or b"")
-                self.end(flow, body_complete=True)
+                self.end(flow, body_complete=True)  # (its body read whole if never teed)
 
     def end_those_whose_end_hook_was_halted(self) -> None:
         """End the HTTP attempts whose flow is over although turnguard's ``response`` or
@@ -367,15 +371,21 @@ class InFlight:
             logger.warning("turnguard: the %s hook of %s never reached turnguard (an addon "
                            "before it halted it); its end is recorded now",
                            "error" if flow.error is not None else "response", flow.id)
-            if flow.error is None and attempt.tee is None:  # its responseheaders went by too
-                self.tee_response(flow, read_later=True)
-                if attempt.tee is not None:
-                    attempt.tee(flow.response.raw_content or b"")
-            self.end(flow, body_complete=flow.error is None)
+            self.end(flow, body_complete=flow.error is None)  # (read whole if never teed)
 
     def end(self, flow: http.HTTPFlow, *, body_complete: bool) -> asyncio.Future | None:
         """The attempt's response ended (or failed): record it and wake its duplicates.
-        Returns the ledger write's future when it was sent now."""
+        Returns the ledger write's future when it was sent now. A whole response whose
+        ``responseheaders`` hook never reached turnguard (an addon before it raised
+        ``AddonHalt`` there, or the hooks went by while no instance was loaded) was read
+        whole by mitmproxy, never streamed: it is read through its tee now, as it would have
+        been (it is the upstream's answer: recorded, replayed, never run again)."""
+        attempt = self._process.attempts.get(flow.id)
+        if body_complete and attempt is not None and attempt.tee is None \
+                and not attempt.answered_here and flow.response is not None:
+            self.tee_response(flow, read_later=True)
+            if attempt.tee is not None:
+                attempt.tee(flow.response.raw_content or b"")
         max_bytes = self._settings().replay_max_bytes
         return self.close(flow.id, lambda a: self._end_facts(flow, a, body_complete, max_bytes))
 
