@@ -20,6 +20,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from mitmproxy import ctx, exceptions, flowfilter, http  # noqa: E402
+from mitmproxy.websocket import WebSocketData  # noqa: E402
 
 from turnguard_core import circuit, identity, ledger_location, machine, options, policy  # noqa: E402
 from turnguard_core.failover import FailoverStore  # noqa: E402
@@ -43,6 +44,8 @@ logger = logging.getLogger("turnguard")
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
 SHUTDOWN_LET_GO_S = 2.0  # longest shutdown waits for the requests it let go to record their end
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
+WEBSOCKET_OFF = ("websocket option is off: mitmproxy relays the socket as raw TCP, its calls "
+                 "unguarded")
 
 
 def _shutting_down() -> bool:
@@ -556,6 +559,26 @@ class TurnGuard:
 
     def response(self, flow: http.HTTPFlow) -> None:
         self.inflight.end(flow, body_complete=True)
+        if flow.response.status_code == 101 and flow.websocket is None:
+            try:
+                self._say_websocket_unguarded(flow)
+            except Exception:
+                logger.exception("turnguard: response hook failed for %s", flow.id)
+
+    def _say_websocket_unguarded(self, flow: http.HTTPFlow) -> None:
+        """A WebSocket upgrade that succeeded while mitmproxy's ``websocket`` option is off:
+        mitmproxy relays the socket as raw TCP, so turnguard sees none of its calls (the Codex
+        CLI's transport). It passes untouched, as through a plain mitmproxy; a socket that
+        ``turnguard_filter`` would guard is named in a ``passthrough`` record, so that its
+        calls going unguarded is said, not silent."""
+        if self.refused or self.filter is None or not flow.live or ctx.options.websocket:
+            return
+        if flow.response.headers.get("upgrade", "").lower() != "websocket":
+            return
+        probe = flow.copy()  # (as mitmproxy would have made it: a WebSocket flow)
+        probe.websocket = WebSocketData()
+        if self.filter(probe):
+            self._emit("passthrough", flow=flow.id, transport="ws", reason=WEBSOCKET_OFF)
 
     async def error(self, flow: http.HTTPFlow) -> None:
         """A failed attempt is recorded before the client hears of the failure (a bounded

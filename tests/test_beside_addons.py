@@ -165,3 +165,30 @@ def test_a_turn_whose_responseheaders_hook_an_earlier_addon_halts_runs_once(tmp_
         assert len(up.dispatches()) == 1
         assert [e for e in _events(tmp_path) if e["event"] == "upstream_cut"] == []
         assert_no_traceback(p.log_text())
+
+
+def test_a_websocket_mitmproxy_does_not_open_with_websocket_off_passes_and_says_why(tmp_path):
+    """With mitmproxy's ``websocket`` option off, a WebSocket upgrade on a guarded route (the
+    Codex CLI's transport) becomes a raw TCP stream: turnguard sees none of its calls. The
+    socket works as through a plain mitmproxy, its calls unguarded, and turnguard says so
+    (``passthrough`` naming the option) rather than nothing at all."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    async def one(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a call on a socket mitmproxy does not read"))
+            return await c.response(timeout=20)
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, websocket=False) as p:
+        got = asyncio.run(one(p.url))
+        assert types(got)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 1
+        (said,) = wait_until(lambda: [e for e in _events(tmp_path)
+                                      if e["event"] == "passthrough"], 10,
+                             what="a passthrough event")
+        assert said["transport"] == "ws" and "websocket" in said["reason"]
+        assert [e["event"] for e in _events(tmp_path)] == ["passthrough"]
+        assert_no_traceback(p.log_text())

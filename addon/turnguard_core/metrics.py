@@ -133,6 +133,8 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("more than ", "frames_queued"),
     ("a response did not end within", "response_timeout"),
     ("upstream frame is not a Responses event", "not_responses"),
+    # a WebSocket mitmproxy relays as raw TCP (its websocket option off): turnguard.py
+    ("websocket option is off", "websocket_off"),
 )
 PASSTHROUGH_LABELS = tuple(dict.fromkeys(label for _, label in PASSTHROUGH_REASONS)) + (OTHER,)
 
