@@ -192,3 +192,24 @@ def test_a_websocket_mitmproxy_does_not_open_with_websocket_off_passes_and_says_
         assert said["transport"] == "ws" and "websocket" in said["reason"]
         assert [e["event"] for e in _events(tmp_path)] == ["passthrough"]
         assert_no_traceback(p.log_text())
+
+
+def test_a_request_block_list_kills_never_goes_upstream_even_detached(tmp_path):
+    """mitmproxy's ``block_list`` with status 444 kills a matching request in its ``request``
+    hook, which runs before the scripts' (turnguard's): the request must never go upstream,
+    nor be claimed as an attempt. (mitmproxy's kill marks the flow no longer live, and
+    turnguard leaves a flow that is not live alone: not dispatched on a detached flow of its
+    own, which the kill would not reach.) The next request, not blocked, is guarded as
+    usual."""
+    blocked = {"model": "m", "input": "a blocked prompt", "stream": True}
+    allowed = {"model": "m", "input": "an allowed prompt", "stream": True}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, block_list=[":~hq x-block:444"],
+                    turnguard_detach_ms=5000) as p:
+        assert post_turn(p.url, {"x-block": "1"}, blocked, timeout=20)[0] == 0  # closed
+        assert post_turn(p.url, {}, allowed, cut_is_error=True, timeout=20)[0] == 200
+        wait_until(lambda: any(e["event"] == "outcome" for e in _events(tmp_path)), 10,
+                   what="the allowed turn's outcome")
+        assert len(up.dispatches()) == 1
+        assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "outcome"]
+        assert_no_traceback(p.log_text())
