@@ -213,3 +213,49 @@ def test_a_request_block_list_kills_never_goes_upstream_even_detached(tmp_path):
         assert len(up.dispatches()) == 1
         assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "outcome"]
         assert_no_traceback(p.log_text())
+
+
+def test_a_call_whose_websocket_end_hook_an_earlier_addon_halts_is_not_left_in_flight(tmp_path):
+    """An addon loaded before turnguard raises ``AddonHalt`` in its ``websocket_end`` hook:
+    turnguard never hears that a socket closed. A call in flight on it when its client left
+    must still end (an abandoned call, its retry on a new socket dispatched), never stay in
+    flight for as long as the process lives, every retry answered ``turn_in_progress``."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    script = tmp_path / "halter.py"
+    script.write_text(HALTER.format(hook="websocket_end"))
+    frame = _ws_call("a call whose socket's end is halted")
+
+    async def leave_mid_call(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(frame)
+            assert json_type(await c.recv(timeout=20)) == "response.created"
+            c.abort()  # the client leaves mid-call
+
+    async def retry(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(frame)
+            return await c.response(timeout=30)
+
+    slow = {"default": {"kind": "ok", "events": 6, "gap_ms": 500}}
+    with MockUpstream(tmp_path, slow) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_hold_timeout_ms=8000) as p:  # the halter first
+        asyncio.run(leave_mid_call(p.url))
+        wait_until(lambda: [e for e in _events(tmp_path) if e["event"] == "outcome"], 10,
+                   what="the abandoned call's outcome")
+        got = asyncio.run(retry(p.url))
+        assert types(got)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 2
+        assert_no_traceback(p.log_text())
+
+
+def json_type(message) -> str | None:
+    import json
+    try:
+        return json.loads(message).get("type")
+    except (TypeError, ValueError, AttributeError):
+        return None

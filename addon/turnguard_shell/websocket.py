@@ -229,6 +229,22 @@ class WebSockets:
         self._guard.waiters.gone(flow.id, "websocket closed")
         sock.idle.set()
 
+    def end_those_whose_end_hook_was_halted(self) -> None:
+        """End the guarded sockets that closed although turnguard's ``websocket_end`` hook
+        never came: an addon that runs before turnguard raised ``AddonHalt`` in that hook.
+        Their call in flight would stay so for as long as the process runs (every retry, on
+        any socket, held and answered ``turn_in_progress``). mitmproxy marks a WebSocket flow
+        no longer ``live`` only once its ``websocket_end`` hooks have run (a kill, which
+        cannot stop a socket in transit, leaves its end unset). (The maintenance ticker calls
+        this every second.)"""
+        for sock in list(self._sockets.values()):
+            flow, data = sock.flow, sock.flow.websocket
+            if flow.live or data is None or data.timestamp_end is None:
+                continue
+            logger.warning("turnguard: the websocket_end hook of %s never reached turnguard (an "
+                           "addon before it halted it); its end is recorded now", flow.id)
+            self.end(flow)
+
     def catch_up(self) -> None:
         """Bring the sockets up to date with what passed while no addon instance was loaded (a
         script reload that failed, until it is fixed): their hooks reached no one. The
