@@ -259,3 +259,35 @@ def json_type(message) -> str | None:
         return json.loads(message).get("type")
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+KILL_SWITCH = (
+    "import os\n"
+    "def request(flow):\n"
+    "    if os.path.exists({flag!r}) and flow.killable:\n"
+    "        flow.kill()  # a kill switch: nothing goes upstream while it is on\n"
+)
+
+
+def test_a_once_recovery_an_addon_kills_before_it_goes_upstream_is_not_spent(tmp_path):
+    """In once mode a request held through a cooldown is recovered by exactly one dispatch.
+    An addon loaded after turnguard (a kill switch) kills that dispatch in its ``request``
+    hook, before anything went upstream: the operation's one recovery was not used (no
+    execution whose result is unknown), so a retry after the switch is off is recovered,
+    not refused ``upstream_operation_status_unknown`` for good."""
+    import test_e2e_circuit as circ
+
+    flag = tmp_path / "kill-switch-on"
+    script = tmp_path / "kill_switch.py"
+    script.write_text(KILL_SWITCH.format(flag=str(flag)))
+    with MockUpstream(tmp_path, circ.STORM) as up, circ.proxy(
+            tmp_path, up, extra_args=["-s", str(script)],
+            turnguard_recovery_mode="server_anchored_replay_once") as p:
+        circ.open_circuit(p.url)
+        flag.touch()
+        assert circ.post(p.url)[0] == 0  # held through the cooldown, then killed
+        flag.unlink()
+        status, _, body = circ.post(p.url, timeout=60)
+        assert status == 200, body
+        assert len(up.dispatches()) == 3  # the two failures, then one recovery that ran
+        assert_no_traceback(p.log_text())

@@ -170,8 +170,12 @@ def test_flows_killed_in_mitmweb_do_not_open_the_retry_circuit(tmp_path):
                                     {**turn, "input": "the next turn"}, timeout=30)
         assert status == 200, body[:300]
         failures = _events(tmp_path, "eventless_failure")
+        # the one killed once it went upstream is a kill, not the upstream's failure; the
+        # one killed while intercepted never went upstream: rejected, no failure at all
         assert [(f["failure_class"], f["counts_for_circuit"]) for f in failures] \
-            == [("killed", False)] * 2, failures
+            == [("killed", False)], failures
+        assert [o["outcome"] for o in _events(tmp_path, "outcome")][:2] == ["rejected",
+                                                                            "unknown"]
         assert not _events(tmp_path, "circuit_opened")
         assert_no_traceback(web.log_text())
 

@@ -39,6 +39,7 @@ class EndFacts:
     failed_event: str | None = None  # "error" / "response.failed" that ended it (WebSocket)
     not_recordable: str | None = None  # why its response must not answer its operation's
     # duplicates whatever it is (the request sent is not the one identified)
+    never_sent: bool = False  # killed before its request went upstream: it did not run
 
 
 @record
@@ -63,7 +64,13 @@ class AttemptEnding:
 
 def classify_end(facts: EndFacts, credential_headers: tuple[str, ...] = ()) -> AttemptEnding:
     """What the attempt's end means. ``credential_headers``: the credential-bearing header
-    names configured beyond the built-in ones, never kept in a recording."""
+    names configured beyond the built-in ones, never kept in a recording. An attempt killed
+    before its request went upstream (``never_sent``) did not run: ``rejected``, as a claim
+    given back is (no eventless failure; in once mode it spends no recovery)."""
+    if facts.never_sent:
+        return AttemptEnding(outcome="rejected", recording=None, failure=None, eventless=False,
+                             detail=f"{facts.error} (before it went upstream)",
+                             not_replayable_reason=None)
     outcome = policy.classify_outcome(
         status=facts.status, events_seen=facts.events_seen, terminal=facts.terminal,
         body_complete=facts.body_complete, counts_events=facts.counts_events,

@@ -505,6 +505,7 @@ class InFlight:
             error=flow.error.msg if flow.error else None,
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
+            never_sent=_killed_before_sent(flow),
             not_recordable="request edited after it was identified" if edited
             else CREDENTIALS_CHANGED if attempt.credentials_changed
             else "answered by an addon, not by the upstream" if attempt.answered_here
@@ -574,6 +575,16 @@ def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
     if all(a is b or a == b for a, b in zip(sent_as, _request_as_is(flow))):
         return False
     return flow.modified()
+
+
+def _killed_before_sent(flow: http.HTTPFlow) -> bool:
+    """Whether the flow was killed before its request went upstream: in its ``request`` hook
+    (by an addon after turnguard, or while a user kept it intercepted). mitmproxy acts on a
+    kill only at the flow's next hook, and the one after its request is sent is
+    ``responseheaders``: a flow killed once it was sent reaches its ``error`` hook with the
+    response's headers (and an upstream failure meanwhile replaces the kill's message)."""
+    return flow.error is not None and flow.error.msg == Error.KILLED_MESSAGE \
+        and flow.response is None
 
 
 def _client_gone(flow: http.HTTPFlow) -> bool:
