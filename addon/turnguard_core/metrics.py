@@ -404,7 +404,8 @@ class Metrics:
             "unknown).", ("outcome",))
         self.duplicates = counter(
             "duplicates", "Duplicates by what turnguard did: held (a hold began), replayed "
-            "(answered from a recording, held or not), forwarded (held, then sent upstream as "
+            "(answered from a recording, held or not), attached (answered live from a stream in "
+            "flight), forwarded (held, then sent upstream as "
             "the retry), rejected (409 past the hold bound), declined (a recording its "
             "Accept-Encoding or Vary rules out; forwarded).", ("action",))
         self.answers = counter(

@@ -1,0 +1,126 @@
+"""The README against the code: what an operator copies from it (the CI entry point, the
+metrics table with its labels and their values) names what the code runs and serves. (The
+options table: ``test_options.py``; the telemetry events: ``test_telemetry.py``; the
+dashboard and alert rules: ``test_ops.py`` and ``test_e2e_metrics.py``.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from turnguard_core import metrics
+from turnguard_core.policy import RECOVERY_MODES
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """The README's quickstart gives one command that runs the tests; ``.ci/run`` runs that
+    command and nothing else (from the repository's root)."""
+    quickstart = _section("Quickstart")
+    commands = re.findall(r"^    (scripts/test\b.*?)\s*(?:#.*)?$", quickstart, re.M)
+    assert len(commands) == 1, commands
+    lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    runs = [line for line in lines if line and not line.startswith("#")
+            and not line.startswith(("set ", "cd "))]
+    assert runs == [f"exec {commands[0]}"], runs
+
+
+def _readme_metrics() -> dict[str, tuple[str, set[str], str]]:
+    """name -> (type, label names, the row's text) from the README's metrics table."""
+    rows = re.findall(r"^\| (`turnguard_.*?) \|\s*(\w*)\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|$",
+                      _section("Metrics and dashboards"), re.M)
+    table: dict[str, tuple[str, set[str], str]] = {}
+    for names, kind, labels, what in rows:
+        label_names = set(re.findall(r"`(\w+)`", labels))
+        for name, own_label in re.findall(r"`(turnguard_\w+)`(?: \(`(\w+)`\))?", names):
+            table[name] = (kind, label_names | ({own_label} if own_label else set()), what)
+    return table
+
+
+def _served_metrics() -> dict[str, tuple[str, set[str]]]:
+    """name -> (type, label names) of what ``/metrics`` serves (without the instance label)."""
+    m = metrics.Metrics("i", state=lambda: metrics.GaugeState(recovery_mode="fail_closed"))
+    served: dict[str, tuple[str, set[str]]] = {}
+    for family in m.registry.collect():
+        if family.name.startswith("turnguard_"):
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = {k for s in family.samples for k in s.labels}
+            served[name] = (family.type, labels)
+    for family in m._families:  # label names of the families with no series yet
+        name = family.name + ("_total" if isinstance(family, metrics._Counters) else "")
+        served[name] = (served[name][0], served[name][1] | set(family.labels))
+    return {name: (kind, labels - {metrics.INSTANCE_LABEL, "le"})
+            for name, (kind, labels) in served.items()}
+
+
+def test_the_readmes_metrics_table_names_every_metric_with_its_type_and_labels():
+    readme, served = _readme_metrics(), _served_metrics()
+    assert set(readme) == set(served)
+    for name, (kind, labels) in served.items():
+        assert readme[name][:2] == (kind, labels), name
+
+
+# metric -> label -> the values the code gives it (a fixed set each; anything else: "other")
+LABEL_VALUES = {
+    "turnguard_dispatches_total": {"kind": metrics.DISPATCH_KINDS},
+    "turnguard_outcomes_total": {"outcome": metrics.OUTCOMES},
+    "turnguard_attempt_duration_seconds": {"outcome": metrics.OUTCOMES},
+    "turnguard_events_total": {"event": ()},  # the event names: test_telemetry.py
+    "turnguard_duplicates_total": {"action": tuple(metrics.DUPLICATE_ACTIONS.values())},
+    "turnguard_answers_total": {"status": ("409", "422", "503"), "code": metrics.ANSWER_CODES},
+    "turnguard_recovery_denied_total": {"reason": metrics.RECOVERY_DENIED_REASONS},
+    "turnguard_fail_closed_total": {"reason": metrics.FAIL_CLOSED_REASONS},
+    "turnguard_passthrough_total": {"reason": metrics.PASSTHROUGH_LABELS},
+    "turnguard_ledger_outages_total": {"during": metrics.LEDGER_CALLS},
+    "turnguard_eventless_failures_total": {"failure_class": metrics.FAILURE_CLASSES},
+    "turnguard_holds_abandoned_total": {"reason": tuple(metrics.ABANDON_REASONS.values())},
+    "turnguard_sessions_claimed_total": {"result": metrics.SESSION_CLAIM_RESULTS},
+    "turnguard_hold_seconds": {
+        "result": tuple(a for a in metrics.DUPLICATE_ACTIONS.values() if a != "held")
+        + ("abandoned",)},
+    "turnguard_cooldown_wait_seconds": {"reason": metrics.WAIT_END_REASONS},
+    "turnguard_flows_held": {"wait": ("duplicate", "cooldown")},
+    "turnguard_info": {"recovery_mode": RECOVERY_MODES},
+}
+
+
+def test_every_labelled_metric_is_in_the_value_list():
+    """So that ``LABEL_VALUES`` below cannot miss a labelled metric the code adds."""
+    labelled = {name for name, (_, labels) in _served_metrics().items() if labels}
+    assert labelled == set(LABEL_VALUES)
+    for name, labels in LABEL_VALUES.items():
+        assert set(labels) == _served_metrics()[name][1], name
+
+
+@pytest.mark.parametrize("name", sorted(LABEL_VALUES))
+def test_the_readmes_metrics_table_names_every_value_of_each_label(name):
+    """An operator writes alerts and dashboards from the README: every value a label can
+    take is named in its metric's row (what the row names beside them is prose)."""
+    (row,) = [line for line in _section("Metrics and dashboards").splitlines()
+              if line.startswith("| ") and f"`{name}`" in line.split(" | ")[0]]
+    words = set(re.findall(r"[\w.]+", row))
+    for label, values in LABEL_VALUES[name].items():
+        missing = [v for v in values if v not in words and v != metrics.OTHER]
+        assert not missing, f"{name}{{{label}}}: the README does not name {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(LABEL_VALUES))
+def test_a_metrics_help_that_lists_a_labels_values_lists_them_all(name):
+    """``/metrics``' own HELP line, where it lists the values of a label, lists every one
+    (a reader of a scrape takes the list for the whole set)."""
+    m = metrics.Metrics("i", state=lambda: metrics.GaugeState())
+    (family,) = [f for f in m.registry.collect()
+                 if f.name + ("_total" if f.type == "counter" else "") == name]
+    words = set(re.findall(r"[\w.]+", family.documentation))
+    for label, values in LABEL_VALUES[name].items():
+        named = [v for v in values if v in words]
+        if len(named) >= 2:
+            assert named == list(values), f"{name}{{{label}}}: HELP lacks {set(values) - set(named)}"
