@@ -110,3 +110,27 @@ def test_the_default_filter_guards_the_known_routes_at_the_start_of_the_path_onl
         assert not post(f"https://api.example/sk-SECRET{route}")
         assert not post(f"https://api.example{route}x")
         assert not post(f"https://api.example{route}/resp_1")
+
+
+def _readme_row(name: str) -> str:
+    section = README.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in section.splitlines() if line.startswith(f"| `{name}` |")]
+    return row
+
+
+@pytest.mark.parametrize("spec", [s for s in options.OPTIONS if s.type is int], ids=lambda s: s.name)
+def test_the_help_and_the_readme_say_what_an_int_option_refuses(spec):
+    """A value ``configure`` refuses is one its ``--help`` text (mitmdump --options) and its
+    README row warn of: a least value above 1 (a user who sets a short lease for a test meets
+    it), and a bound set by another option (named, so the user knows which to change)."""
+    row, help_text = _readme_row(spec.name), spec.help
+    if spec.minimum is not None and spec.minimum > 1:
+        assert str(spec.minimum) in help_text and str(spec.minimum) in row, spec.minimum
+    for value in (spec.minimum or 0, 10**12):
+        try:
+            options.settings_from({**options.DEFAULTS, spec.name: value})
+        except ValueError as e:
+            others = set(re.findall(r"turnguard_\w+", str(e))) - {spec.name}
+            for other in others:
+                assert other in re.findall(r"turnguard_\w+", help_text), f"--help of {spec.name} does not name {other}"
+                assert other in re.findall(r"turnguard_\w+", row), f"README row of {spec.name} does not name {other}"

@@ -82,13 +82,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "turnguard_replay_window_ms", int, 300000,
         "A retry with an identical body (no Idempotency-Key) that arrives this long after "
-        "the original completed is answered from the recording; later it is a new operation.",
+        "the original completed is answered from the recording; later it is a new operation. "
+        "At most turnguard_retention_ms.",
         minimum=0,
     ),
     OptionSpec(
         "turnguard_retention_ms", int, 86400000,
         "How long ended operations and their recordings stay in the ledger (and how long an "
-        "Idempotency-Key is remembered).",
+        "Idempotency-Key is remembered). At least turnguard_replay_window_ms.",
         minimum=1,
     ),
     OptionSpec(
@@ -136,11 +137,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "turnguard_cooldown_ms", int, 60000,
-        "First cooldown of an open retry circuit; each further eventless failure doubles it.",
+        "First cooldown of an open retry circuit; each further eventless failure doubles it. "
+        "At most turnguard_cooldown_max_ms.",
         minimum=1,
     ),
     OptionSpec(
-        "turnguard_cooldown_max_ms", int, 600000, "Longest cooldown of the retry circuit.",
+        "turnguard_cooldown_max_ms", int, 600000,
+        "Longest cooldown of the retry circuit. At least turnguard_cooldown_ms.",
         minimum=1,
     ),
     OptionSpec(
@@ -166,7 +169,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "this pid namespace is reaped only once its process is gone, however long it stalls. "
         "The silence is timed on this process's monotonic clock (wall clocks that step or "
         "differ between hosts do not shorten or lengthen it), from when it first read the "
-        "peer's heartbeat: after a start or a script reload it waits a whole lease.",
+        "peer's heartbeat: after a start or a script reload it waits a whole lease. At least "
+        "15000 (the heartbeat is written every 5 s).",
         minimum=15000,
     ),
     OptionSpec(
