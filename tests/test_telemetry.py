@@ -125,3 +125,59 @@ def test_every_event_the_addon_emits_is_named_in_the_readmes_telemetry_section()
     assert len(emitted) > 30, sorted(emitted)  # the scan found the calls
     missing = sorted(emitted - named)
     assert not missing, f"emitted, not named in the README: {missing}"
+
+
+def _emitted_fields() -> dict[str, set[str]]:
+    """event -> the fields the addon's calls give it by name (``emit("x", a=...)``,
+    ``Emit("x", {"a": ...})``; what a ``**spread`` adds is the common fields)."""
+    import ast
+    from pathlib import Path
+
+    fields: dict[str, set[str]] = {}
+    for source in (Path(__file__).resolve().parent.parent / "addon").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            first = node.args[0]
+            if name not in ("emit", "_emit", "Emit") or not isinstance(first, ast.Constant) \
+                    or not isinstance(first.value, str):
+                continue
+            named = fields.setdefault(first.value, set())
+            named |= {kw.arg for kw in node.keywords if kw.arg}
+            for arg in node.args[1:]:
+                if isinstance(arg, ast.Dict):
+                    named |= {k.value for k in arg.keys if isinstance(k, ast.Constant)}
+    return fields
+
+
+def test_every_field_an_event_carries_is_named_with_it_in_the_readme():
+    """The README's telemetry section names, after each event, the fields of its own it
+    carries (beyond ``ts``, ``event``, and the request's ``op``, ``flow``, ``session``,
+    ``transport`` or the ``scope`` / ``instance`` of a circuit's, a process's record): a
+    field a parser of the events file meets without a word about it is undocumented
+    interface."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Telemetry, commands, inspection", 1)[1].split("\nIn mitmweb", 1)[0]
+    documented: dict[str, set[str]] = {}
+    for m in re.finditer(r"`([a-z_]+)`\s*\(", section):
+        depth, i = 1, m.end()
+        while depth and i < len(section):
+            depth += {"(": 1, ")": -1}.get(section[i], 0)
+            i += 1
+        documented.setdefault(m.group(1), set()).update(
+            re.findall(r"`([a-z_]+)`", section[m.end():i]))
+    answers = set(re.findall(r"`([a-z_]+)`", section.split("The events that are turnguard's own", 1)[1]
+                             .split(") carry", 1)[0]))
+    common = {"op", "flow", "session", "transport", "scope", "instance"}
+    missing = {}
+    for event, fields in sorted(_emitted_fields().items()):
+        own = fields - common - documented.get(event, set())
+        if event in answers:
+            own -= {"answer_status", "code"}
+        if own:
+            missing[event] = sorted(own)
+    assert not missing, f"fields the README does not name with their event: {missing}"
