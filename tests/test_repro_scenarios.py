@@ -6,6 +6,7 @@ flows (with turnguard's marks) are what they say."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import xml.etree.ElementTree as ET
@@ -172,3 +173,48 @@ def test_under_umask_000_the_work_folders_are_private_and_turnguard_runs(tmp_pat
     assert "refused" not in log, log
     m = data["columns"]["default"]["metrics"]
     assert m["outcomes"] == {"gateway": "completed"} and m["upstream_dispatches"] == 1, m
+
+
+def _table(text: str) -> dict[str, list[str]]:
+    """row label -> its cells, from a printed scenario table: the column header is the first
+    line that starts with 10 spaces, the rows follow it up to the first blank line (a line of
+    dashes skipped), and a line with no label continues the cells of the row before it."""
+    lines = text.splitlines()
+    head_at = next(i for i, line in enumerate(lines) if line.startswith(" " * 10))
+    starts = [m.start() for m in re.finditer(r"(?<=\s\s)\S", lines[head_at])]
+
+    def cells(line: str) -> list[str]:
+        return [line[at:end].strip() for at, end in zip(starts, [*starts[1:], None])]
+
+    rows: dict[str, list[str]] = {}
+    last = ""
+    for line in lines[head_at + 1:]:
+        if not line.strip():
+            break
+        if set(line.strip()) == {"-"}:
+            continue
+        label = line[:starts[0]].strip()
+        if label:
+            rows[last := label] = cells(line)
+        else:
+            rows[last] = [f"{a} {b}".strip() for a, b in zip(rows[last], cells(line))]
+    return rows
+
+
+# rows whose cells are timings, or the answers' mix (held, then attached or replayed: whether
+# the original's stream had started), which a run may change
+TIMED_ROWS = {"max hold", "wall time", "turnguard answers"}
+
+
+@pytest.mark.parametrize("name", ["duplicate-storm", "cooldown-503-storm"])
+def test_the_readmes_sample_table_is_what_the_scenario_prints(name):
+    """The README shows what ``scripts/reproduce NAME`` prints: the same rows, and in each
+    row that is not a timing the same cells."""
+    readme = (REPO / "README.md").read_text()
+    sample = readme.split(f"\n    scenario {name} (", 1)[1].split("\n\n", 1)[0]
+    documented = _table("\n".join(line[4:] for line in sample.splitlines()))
+    printed = _table(reproduce(name).stdout)
+    assert list(documented) == list(printed)
+    for label, cells in printed.items():
+        if label not in TIMED_ROWS:
+            assert documented[label] == cells, label
