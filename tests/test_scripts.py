@@ -525,6 +525,21 @@ def test_ledger_errors(direct_ledger: DirectLedger, tmp_path):
         assert r.returncode == 2 and "usage:" in r.stderr, args
 
 
+@pytest.mark.parametrize("args", [["--bogus"], ["--ledger", "x.sqlite3", "--bogus"],
+                                  ["--bogus", "status"], ["status", "--bogus"]])
+def test_ledger_cli_names_an_unknown_option_wherever_it_stands(args):
+    """An option scripts/turnguard does not know is named in its usage error, also when no
+    command follows it (not taken for a missing command)."""
+    r = _ledger_cli(*args)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr
+    assert r.stderr.startswith("usage: scripts/ledger "), r.stderr
+
+
+def test_ledger_cli_without_a_command_says_it_needs_one():
+    r = _ledger_cli("--ledger", "x.sqlite3")
+    assert r.returncode == 2 and "the following arguments are required: COMMAND" in r.stderr
+
+
 def test_ledger_cli_reads_without_writing(direct_ledger: DirectLedger):
     led = str(direct_ledger.path)
     r = _ledger_cli("--ledger", led, "stats", "--json")

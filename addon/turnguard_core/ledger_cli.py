@@ -99,7 +99,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     # --ledger is accepted after the command too (`list --ledger PATH`).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--ledger", metavar="PATH", default=argparse.SUPPRESS, help="ledger file or PostgreSQL URL")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # not required= here: argparse would then report a missing COMMAND before an option it
+    # does not know (`--bogus` alone); main() asks for the command once the rest parsed
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _inspection_commands(sub, common)
     _control_commands(sub, common)
     return p
@@ -649,6 +651,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     parser = _parser(PROG_NAME)
     try:
         args = parser.parse_args(argv)
+        if args.command is None:
+            parser.error("the following arguments are required: COMMAND")
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
     for value in vars(args).values():  # bytes that are not UTF-8 (a terminal's slip)
