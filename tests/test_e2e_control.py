@@ -465,3 +465,36 @@ def test_a_cooldown_carried_over_from_a_deleted_ledger_file_is_shown_and_cleared
         assert (cleared["scope"], cleared["failures"], cleared["by"]) == (scope, 2, "command")
         assert status(p)["cooldowns"] == []
         assert_no_traceback(p.log_text())
+
+
+def test_a_bad_value_set_while_running_is_refused_and_the_value_in_force_kept(tmp_path):
+    """An option changed in the running proxy (mitmweb's options, the console's ``:set``) to a
+    value turnguard refuses: whoever set it gets the error naming the option, the log gets a
+    warning line naming it, and the value in force stays (here: a hold bound of 0, so a
+    duplicate of a turn in flight is answered 409 at once). A value that is not of the
+    option's type (``abc`` for a number) is refused by mitmproxy itself, naming the option."""
+    turn = {**TURN, "input": "a bad value set while running"}
+    slow = {**ANCHORED, **mock_behaviour(kind="ok", delay_ms=4000)}
+    with MockUpstream(tmp_path) as up, proxy(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)],
+            turnguard_hold_timeout_ms=0, turnguard_response_created_timeout_ms=30000) as p:
+        refused = {
+            "turnguard_hold_timeout_ms=-5": "turnguard_hold_timeout_ms must be >= 0, not -5",
+            "turnguard_recovery_mode=maybe": "turnguard_recovery_mode must be one of",
+            "turnguard_cooldown_ms=999999999": "turnguard_cooldown_max_ms must be >= "
+                                               "turnguard_cooldown_ms",
+        }
+        for spec, message in refused.items():
+            status, text = set_live(p, spec)
+            assert status == 400 and message in text, (spec, text)
+            wait_until(lambda: f"{message}" in p.log_text() and "refused, the value in force "
+                       "is kept" in p.log_text(), 10, what=f"the warning line for {spec}")
+        status, text = set_live(p, "turnguard_hold_timeout_ms=abc")
+        assert status == 400 and "turnguard_hold_timeout_ms" in text, text
+        with ThreadPoolExecutor(1) as pool:
+            original = pool.submit(post, p.url, slow, 30, turn)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            status, body = post(p.url, ANCHORED, 30, turn)
+            assert status == 409 and b"turn_in_progress" in body, (status, body[:200])
+            assert original.result()[0] == 200
+        assert_no_traceback(p.log_text())
