@@ -124,3 +124,24 @@ def test_a_metrics_help_that_lists_a_labels_values_lists_them_all(name):
         named = [v for v in values if v in words]
         if len(named) >= 2:
             assert named == list(values), f"{name}{{{label}}}: HELP lacks {set(values) - set(named)}"
+
+
+def test_every_test_the_readme_names_exists():
+    """The README's Guarantees (and its other sections) prove each promise by naming tests:
+    ``module.py::name`` (or ``::prefix_*``) must be a test of that module, and a test named
+    alone a test of some module; a module named must exist."""
+    tests = {p.name: set(re.findall(r"^(?:async )?def (test_\w+)", p.read_text(), re.M))
+             for p in (ROOT / "tests").glob("test_*.py")}
+    every = set().union(*tests.values())
+    missing = []
+    for module in set(re.findall(r"\b(test_\w+\.py)\b", README)):
+        if module not in tests:
+            missing.append(module)
+    for module, name, star in re.findall(r"\b(test_\w+\.py)::(test_\w+)(\*?)", README):
+        found = tests.get(module, set())
+        if not (any(t.startswith(name) for t in found) if star else name in found):
+            missing.append(f"{module}::{name}{star}")
+    for name, star in re.findall(r"(?<![:\w])(test_\w+?)(\*?)(?:\[[^\]]*\])?`", README):
+        if not (any(t.startswith(name) for t in every) if star else name in every):
+            missing.append(name + star)
+    assert not missing, f"the README names tests that do not exist: {sorted(set(missing))}"
