@@ -6,6 +6,7 @@ dashboard and alert rules: ``test_ops.py`` and ``test_e2e_metrics.py``.)"""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,29 @@ def test_every_test_the_readme_names_exists():
         if not (any(t.startswith(name) for t in every) if star else name in every):
             missing.append(name + star)
     assert not missing, f"the README names tests that do not exist: {sorted(set(missing))}"
+
+
+def _readme_commands(tool: str, *, inline: bool = True) -> list[list[str]]:
+    """The ``scripts/TOOL ...`` commands the README shows: lines of its code blocks (without
+    their comment) and, with ``inline``, commands in backticks; as argument lists."""
+    found = re.findall(rf"^ {{4,}}(?:\w+=\S+ )?(scripts/{tool}\b.*?)\s*(?:#.*)?$", README, re.M)
+    if inline:
+        found += re.findall(rf"`(scripts/{tool}\b[^`]*)`", README)
+    return sorted({tuple(shlex.split(" ".join(c.split())))[1:] for c in found})
+
+
+@pytest.mark.parametrize("argv", _readme_commands("bench"), ids=" ".join)
+def test_every_benchmark_command_the_readme_shows_is_one_scripts_bench_accepts(argv):
+    """A command copied from the README runs: it parses as ``scripts/bench`` parses it, the
+    checks it makes before starting anything included (DIR, REV: the README's placeholders)."""
+    from turnguard_bench.__main__ import parse
+
+    parse([{"DIR": "/tmp/profiles", "REV": "HEAD"}.get(a, a) for a in argv])
+
+
+@pytest.mark.parametrize("argv", [a for a in _readme_commands("turnguard", inline=False)
+                                  if not any(c in " ".join(a) for c in "|[")], ids=" ".join)
+def test_every_status_command_the_readme_shows_is_one_scripts_turnguard_accepts(argv):
+    from turnguard_core.ledger_cli import _parser
+
+    _parser("scripts/turnguard").parse_args(argv)

@@ -120,7 +120,10 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None):
+    """The command line, checked as a whole (argparse's usage error, exit status 2, for any
+    problem): (args, the run's config, the profiled scenarios). Runs nothing, so that the
+    README's commands can be checked against it."""
     p = argparse.ArgumentParser(
         prog="scripts/bench",
         description="turnguard's benchmark suite: turnguard side by side with plain mitmdump "
@@ -189,14 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats:
         cfg.repeats = args.repeats
         cfg.holds_repeats = args.repeats
+    for kv in args.options:
+        key, sep, _ = kv.partition("=")
+        if not sep or not key:
+            p.error(f"--set wants KEY=VALUE, not {kv!r}")
+    return args, cfg, scenarios
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg, scenarios = parse(argv)
 
     def on_term(signum, _frame):
         raise SystemExit(128 + signum)
 
     for kv in args.options:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            p.error(f"--set wants KEY=VALUE, not {kv!r}")
+        key, _, value = kv.partition("=")
         procs.COMMON_OPTIONS[key] = value
     signal.signal(signal.SIGTERM, on_term)
     _raise_nofile()
