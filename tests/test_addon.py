@@ -818,7 +818,9 @@ async def test_a_turn_dispatched_while_the_ledger_was_locked_is_held_by_another_
         lock.execute("ROLLBACK")
         lock.close()
         await until(lambda: guard.status()["ledger_ok"], "the ledger back")
-        assert guard.events("attempt_adopted")
+        (adopted,) = guard.events("attempt_adopted")  # a record about the request: all four
+        assert {"op", "flow", "session", "transport"} <= set(adopted), adopted
+        assert adopted["flow"] == f1.id and adopted["transport"] == "http"
         other_dir = tmp_path / "other"
         other_dir.mkdir()
         async with make_guard(other_dir, turnguard_ledger=str(tmp_path / "ledger.sqlite3")) as other:

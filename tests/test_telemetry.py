@@ -181,3 +181,35 @@ def test_every_field_an_event_carries_is_named_with_it_in_the_readme():
         if own:
             missing[event] = sorted(own)
     assert not missing, f"fields the README does not name with their event: {missing}"
+
+
+def test_every_record_about_a_request_carries_its_op_flow_session_and_transport():
+    """The README: a record about a request has ``op``, ``flow``, ``session`` and
+    ``transport`` (a consumer groups a request's records by them). Every emit call that names
+    the operation (``op``) names the other three too, or spreads a request's ``base`` (which
+    has all four). (A ``passthrough`` of a request turnguard could not identify has no
+    operation: ``flow`` and ``transport`` only, as the README says.)"""
+    import ast
+    from pathlib import Path
+
+    short = []
+    for source in (Path(__file__).resolve().parent.parent / "addon").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            first = node.args[0]
+            if name not in ("emit", "_emit", "Emit") or not isinstance(first, ast.Constant) \
+                    or not isinstance(first.value, str):
+                continue
+            keys = {kw.arg for kw in node.keywords}
+            for arg in node.args[1:]:
+                keys |= ({k.value if isinstance(k, ast.Constant) else None for k in arg.keys}
+                         if isinstance(arg, ast.Dict) else {None})
+            if None in keys:  # a spread: a base of the request's (checked where it is made)
+                continue
+            if "op" in keys and not {"flow", "session", "transport"} <= keys:
+                short.append(f"{source.name}:{node.lineno} {first.value} {sorted(keys)}")
+            if "flow" in keys and "op" not in keys and first.value != "passthrough":
+                short.append(f"{source.name}:{node.lineno} {first.value} {sorted(keys)}")
+    assert not short, short

@@ -653,6 +653,7 @@ class FailoverStore:
             return
         attempt.attempt_id, attempt.generation = adopted, store.generation
         self._emit("attempt_adopted", op=attempt.ident.op_id, flow=attempt.flow_id,
+                   session=attempt.ident.session, transport=attempt.transport,
                    attempt=attempt.attempt_id, ledger_generation=attempt.generation)
 
     async def _call(self, during: str, call: Callable[[Store], Any], *,
@@ -827,6 +828,7 @@ class FailoverStore:
         if running is not None:
             running.attempt_id, running.generation = claim.attempt_id, generation
             self._emit("attempt_adopted", op=ident.op_id, flow=running.flow_id,
+                       session=ident.session, transport=running.transport,
                        attempt=claim.attempt_id, ledger_generation=generation,
                        reason="its claim answered late")
             return

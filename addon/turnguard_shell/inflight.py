@@ -257,7 +257,8 @@ class InFlight:
         ok = 200 <= resp.status_code < 300
         counts_events = is_sse and encoding in ("", "identity") and ok
         if is_sse and encoding not in ("", "identity"):
-            self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id, transport="http",
+            self._emit("passthrough", op=attempt.ident.op_id, flow=flow.id,
+                       session=attempt.ident.session, transport="http",
                        reason=f"response content-encoding {encoding}: events not counted")
         if not (is_sse and ok):
             attempt.stop_timer()  # an answer that is not an event stream is its own event
