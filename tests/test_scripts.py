@@ -243,6 +243,9 @@ def test_proxy_help_prints_usage():
         (["--port"], "--port needs a value"),
         (["ftp://example.invalid"], "UPSTREAM_URL must start with http:// or https://"),
         (["http://127.0.0.1:1", "http://127.0.0.1:2"], "more than one upstream URL"),
+        # mitmproxy's reverse mode takes a server, not a base path: said here, before set-up
+        (["https://example.invalid/openai"], "UPSTREAM_URL names a server"),
+        (["https://example.invalid?key=1"], "UPSTREAM_URL names a server"),
     ],
 )
 def test_proxy_rejects_bad_arguments(args, message):
