@@ -255,6 +255,43 @@ def test_a_delta_on_the_socket_that_produced_its_response_is_sent_as_a_delta(tmp
         assert events(tmp_path, "ws_full_input_sent") == []
 
 
+def as_codex_resends(item: dict, turn: str) -> dict:
+    """An output item as the Codex CLI (0.171.0, measured through turnguard) puts it back in
+    the full input of a resend: the upstream's item with Codex's own bookkeeping added."""
+    return {**item, "internal_chat_message_metadata_passthrough": {"turn_id": turn}}
+
+
+def test_a_follow_up_delta_and_its_full_resend_on_a_new_socket_are_one_operation(tmp_path):
+    """A tool call's follow-up goes on the socket as a delta (``previous_response_id`` + the
+    tool's output); its resend on a new socket carries the full input, the tool call among it
+    as Codex keeps it in its history (with its ``internal_chat_message_metadata_passthrough``).
+    The two are one operation: the resend is replayed the follow-up's events, not run again."""
+    scenario = {"sequence": [{"kind": "tool_call", "name": "exec"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        first_items = [user("run it")]
+
+        async def turn():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call(first_items, seed=1))
+                first = await c.response()
+                tool_call = next(e["item"] for e in first
+                                 if e["type"] == "response.output_item.done")
+                output = {"type": "function_call_output", "call_id": tool_call["call_id"],
+                          "output": "done"}
+                await c.send(call([output], seed=2,
+                                  previous_response_id=first[-1]["response"]["id"]))
+                return tool_call, output, await c.response()
+
+        tool_call, output, follow_up = asyncio.run(turn())
+        assert types(follow_up)[-1] == "response.completed"
+        assert len(ws_dispatches(up)) == 2
+        resend = call([*first_items, as_codex_resends(tool_call, "turn-1"), output], seed=3)
+        assert asyncio.run(one_call(p.url, resend)) == follow_up  # replayed
+        assert len(ws_dispatches(up)) == 2
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_eventless_failures_open_the_circuit_and_the_socket_gets_a_503_event(tmp_path):
     scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "reset"}],
                 "default": {"kind": "ok"}}

@@ -234,6 +234,31 @@ def test_a_delta_frame_is_rebuilt_to_the_full_request_of_a_new_socket():
     assert record.outbound(delta, full) is None  # the upstream knows resp_1: send the delta
 
 
+def test_a_delta_frame_has_the_identity_of_codexs_resend_of_the_items_it_keeps():
+    """The Codex CLI (0.171.0, measured) keeps a response's output items in its history and
+    resends them with its own bookkeeping (``internal_chat_message_metadata_passthrough``)
+    and a reasoning item's ``"content": null``: the delta frame rebuilt from the socket's
+    record (the items as the upstream sent them) is still the resend's operation."""
+    record = ws.SocketRecord()
+    first_items = [user("run the tool")]
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gA"}
+    message = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": "let me look", "annotations": []}]}
+    call = {"type": "function_call", "id": "fc_1", "status": "completed", "name": "exec",
+            "arguments": "{}", "call_id": "call_1"}
+    record.remember(post_body(first_items),
+                    read(response_frames("resp_1", [reasoning, message, call])),
+                    from_upstream=True)
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "hello"}
+    full = record.full_request(frame_of(post_body([output], previous_response_id="resp_1")))
+    kept = {"internal_chat_message_metadata_passthrough": {"turn_id": "turn-1"}}
+    resent = [{**reasoning, "content": None, **kept}, {**message, **kept}, {**call, **kept}]
+    resend = post_body([*first_items, *resent, output])
+    assert op_key(full.body) == op_key(frame_of(resend)) == op_key(resend)
+    # what the model reads still tells calls apart
+    assert op_key(resend) != op_key(post_body([*first_items, *resent[:2], output]))
+
+
 def test_a_response_the_upstream_never_saw_is_continued_with_the_full_input():
     record = ws.SocketRecord()
     items = [user("hi")]

@@ -40,10 +40,11 @@ tuple, so no two different tuples share an encoding.
   another principal's or another upstream's session.
 * ``turn_state``: sha256 hex (16) of ``x-codex-turn-state``; ``idempotency_key``: sha256 hex
   (32) of ``Idempotency-Key``; ``previous_response_id``: the body's top-level non-empty str.
-* ``fingerprint`` = sha256 hex of ``canonical_json(operation_body(body))``: stable under key
-  order and whitespace, and blind to the fields only a transport adds (``operation_body``), so
-  a Responses call sent as a WebSocket ``response.create`` frame, its retries and its HTTP
-  POST fallback have one fingerprint. A frame is identified as the POST it stands for
+* ``fingerprint`` = sha256 hex of ``canonical_json(fingerprint_body(body))``: stable under key
+  order and whitespace, and blind to the fields only a transport adds (``operation_body``)
+  and to what a client adds to the input items it sends back (``fingerprint_body``), so a
+  Responses call sent as a WebSocket ``response.create`` frame (a delta frame rebuilt from
+  the socket's record), its retries and its HTTP POST fallback have one fingerprint. A frame is identified as the POST it stands for
   (``socket_call_body``: with ``"stream": true``, since a socket answers with events whatever
   the frame says), never as a POST that asks for one JSON object.
 * ``op_key`` = hash(scope, session or "", METHOD, route, "idem:"+idempotency_key or
@@ -76,6 +77,7 @@ __all__ = [
     "Upstream",
     "canonical_json",
     "credential_name",
+    "fingerprint_body",
     "identify",
     "operation_body",
     "parse_json_object",
@@ -118,6 +120,9 @@ KNOWN_ROUTES = (
 WS_FRAME_TYPE = "response.create"
 WS_ONLY_METADATA = frozenset({"x-codex-ws-stream-request-start-ms"})
 WS_ONLY_METADATA_PREFIX = "ws_request_header_"
+# What the Codex CLI adds to an input item it sends back from its history (its own
+# bookkeeping, never the model's): an output item of the upstream comes back with it.
+CLIENT_ITEM_METADATA = frozenset({"internal_chat_message_metadata_passthrough"})
 _ROUTES_LONGEST_FIRST = tuple(sorted(KNOWN_ROUTES, key=len, reverse=True))
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -259,6 +264,29 @@ def operation_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def fingerprint_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What a request's fingerprint is the hash of: ``operation_body(body)`` with each object
+    of its ``input`` list as the model reads it, without the members a client adds to the
+    items it keeps and sends back (``CLIENT_ITEM_METADATA``) and without members whose value
+    is null (to the API, absent). The Codex CLI puts each output item of a response into its
+    history so (measured, 0.171.0: ``internal_chat_message_metadata_passthrough`` on every
+    item, ``"content": null`` on a reasoning item): the full input of its resend then holds
+    the items the upstream sent as the socket's record holds them, and a delta frame rebuilt
+    from that record has the resend's fingerprint. ``body`` is never changed."""
+    out = operation_body(body)
+    items = out.get("input")
+    if isinstance(items, list) and any(isinstance(i, dict) and _item_bookkeeping(i)
+                                       for i in items):
+        out = {**out, "input": [
+            {k: v for k, v in i.items() if v is not None and k not in CLIENT_ITEM_METADATA}
+            if isinstance(i, dict) else i for i in items]}
+    return out
+
+
+def _item_bookkeeping(item: dict[str, Any]) -> bool:
+    return any(v is None or k in CLIENT_ITEM_METADATA for k, v in item.items())
+
+
 def socket_call_body(body: dict[str, Any]) -> dict[str, Any]:
     """A call sent as a WebSocket ``response.create`` frame as the HTTP POST it stands for:
     ``operation_body(body)`` with ``"stream": true``. Its answer is a stream of events whatever
@@ -331,7 +359,7 @@ def _identify(
     prev = body.get("previous_response_id")
     previous_response_id = prev if isinstance(prev, str) and prev else None
 
-    fingerprint = _sha(canonical_json(operation_body(body)))
+    fingerprint = _sha(canonical_json(fingerprint_body(body)))
     op_key = _tuple_hash(
         "op",
         scope,
