@@ -1406,6 +1406,130 @@ class DeflateUpstream:
         self._thread.join(10)
 
 
+class ScriptedUpstream:
+    """A Responses-over-WebSocket upstream of its own, for frames the mock never sends: the
+    n-th call (any client message) is answered by ``scripts[n]``, a list of frames (a dict:
+    a JSON event, ``RID`` in it the response's id; a str: a raw text frame; bytes: a binary
+    frame) and pauses (a float: seconds). ``calls`` counts the calls."""
+
+    def __init__(self, scripts: list[list]):
+        self.scripts, self.calls = scripts, 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader, writer) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message,
+                                    Request, TextMessage)
+        from wsproto.utilities import LocalProtocolError
+        conn = WSConnection(ConnectionType.SERVER)
+
+        async def send(event) -> None:
+            writer.write(conn.send(event))
+            await writer.drain()
+
+        try:
+            for _ in range(100_000):  # bounded: each pass reads
+                data = await asyncio.wait_for(reader.read(65536), 120)
+                conn.receive_data(data or None)
+                for event in conn.events():
+                    if isinstance(event, Request):
+                        await send(AcceptConnection())
+                    elif isinstance(event, CloseConnection):
+                        return await send(event.response())
+                    elif isinstance(event, Message) and event.message_finished:
+                        n, self.calls = self.calls, self.calls + 1
+                        for step in self.scripts[min(n, len(self.scripts) - 1)]:
+                            if isinstance(step, float):
+                                await asyncio.sleep(step)
+                            elif isinstance(step, bytes):
+                                await send(BytesMessage(step))
+                            else:
+                                text = step if isinstance(step, str) else json.dumps(step)
+                                await send(TextMessage(text.replace("RID", f"resp_{n}")))
+                if not data:
+                    return
+        except (OSError, TimeoutError, ValueError, LocalProtocolError):  # the client left
+            return
+        finally:
+            writer.close()
+
+    def __enter__(self) -> "ScriptedUpstream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def scripted_response(*middle) -> list:
+    """A response's frames, with ``middle`` (frames and pauses) after its ``created``."""
+    item = {"type": "message", "id": "msg_RID", "role": "assistant",
+            "content": [{"type": "output_text", "text": "hi"}]}
+    return [{"type": "response.created", "response": {"id": "RID"}}, *middle,
+            {"type": "response.output_text.delta", "delta": "hi"},
+            {"type": "response.output_item.done", "item": item},
+            {"type": "response.completed", "response": {"id": "RID", "output": [item]}}]
+
+
+async def messages_of_one_call(url: str, frame: dict, delay: float = 0.0) -> list:
+    """The messages a socket gets for one call, as they come (text or bytes), up to its
+    terminal event."""
+    await asyncio.sleep(delay)
+    async with WsClient.connect(url, headers=HEADERS) as c:
+        await c.send(frame)
+        got = []
+        for _ in range(50):
+            message = await c.recv()
+            got.append(message)
+            if not isinstance(message, str) or not message.startswith("{"):
+                continue
+            if json.loads(message).get("type") in ("response.completed", "error"):
+                return got
+        return got
+
+
+@pytest.mark.parametrize("stray", ["keepalive", b"\x00binary"], ids=["text", "binary"])
+def test_a_frame_that_is_no_event_inside_a_response_does_not_run_its_duplicate_again(
+        tmp_path, stray):
+    """An upstream (a gateway) that puts a frame of its own (a keepalive text, a binary
+    frame) inside a response that began as the Responses API's: the response goes on
+    upstream, so it is followed to its end, and a duplicate sent meanwhile on another socket
+    attaches to it (one upstream execution), gets every event, and the stray text frame too;
+    the frame is named in the telemetry and the response, not recordable without it, is not
+    replayed."""
+    scripts = [scripted_response(stray, 1.5)]
+    with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
+        async def both():
+            return await asyncio.gather(
+                messages_of_one_call(p.url, call([user("hi")], seed=1)),
+                messages_of_one_call(p.url, call([user("hi")], seed=2), delay=0.5))
+
+        first, second = asyncio.run(both())
+        assert up.calls == 1
+        assert first[1] == stray
+        assert second == (first if isinstance(stray, str) else [first[0], *first[2:]])
+        assert json.loads(second[-1])["type"] == "response.completed"
+        assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
+        assert any("inside a response" in e["reason"] for e in events(tmp_path, "passthrough"))
+        outcome = events(tmp_path, "outcome")
+        assert [(o["outcome"], o["replayable"]) for o in outcome] == [("completed", False)]
+        assert_no_traceback(p.log_text())
+
+
 class DeflateClient(WsClient):
     """``WsClient`` offering permessage-deflate (as Codex does)."""
 

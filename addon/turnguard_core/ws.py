@@ -239,9 +239,7 @@ class ResponseEvents:
         if event is None or len(text) > self._max_event:
             event = _parse_event(text, self._max_event)
         if event is None:
-            self.unreadable += 1
-            if self._kept is not None:  # a recording without it would not be this response
-                self._kept, self.over_cap = None, True
+            self.pass_over()
             return None
         kind = event["type"]
         self.events_seen += 1
@@ -250,6 +248,14 @@ class ResponseEvents:
         self._learn(kind, event, len(text))
         self._keep(kind, text)
         return kind
+
+    def pass_over(self) -> None:
+        """A frame of the response that is no event (binary, not JSON, not a Responses
+        event) went by: counted (``unreadable``), and the response is no longer kept (a
+        recording without it would not be this response)."""
+        self.unreadable += 1
+        if self._kept is not None:
+            self._kept, self.over_cap = None, True
 
     def _learn(self, kind: str, event: dict[str, Any], size: int) -> None:
         response = event.get("response")

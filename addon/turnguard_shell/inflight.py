@@ -323,15 +323,15 @@ class InFlight:
         if attempt.flow_id in self._process.attempts:
             self._store.first_event(attempt)
 
-    def ws_event(self, key: str, first_output: bool, text: str) -> None:
+    def ws_event(self, key: str, first_output: bool, text: str | None) -> None:
         """A WebSocket call's response sent an event (``text``; ``first_output``: its first
         event that carries output, which the ledger learns as for an HTTP stream's first
-        event)."""
+        event), or a frame that is none (``text`` None: a binary one, not relayed)."""
         attempt = self._process.attempts.get(key)
         if attempt is None:
             return
         attempt.stop_timer()
-        if attempt.live is not None:
+        if attempt.live is not None and text is not None:
             attempt.live.feed(text)
         if first_output:
             self._first_event(attempt)

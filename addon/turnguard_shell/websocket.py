@@ -476,6 +476,8 @@ class WebSockets:
         try:
             speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
             if not speaks:
+                if current is not None and current.events.events_seen > 0:
+                    return self._pass_over(sock, current, message)
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
                                     not_responses=True)
@@ -497,6 +499,26 @@ class WebSockets:
                 self._response_ended(sock)
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
+
+    def _pass_over(self, sock: Socket, current: Response, message) -> None:
+        """A frame that is no Responses event (a gateway's keepalive text, a binary frame)
+        inside a response that began with Responses events: the upstream speaks the protocol,
+        so the socket stays guarded and the response is followed to its end (letting the
+        socket go would end its attempt while the upstream goes on running it, and release
+        its duplicates to run it again). The frame goes on untouched, to the duplicates
+        attached to the response too (a text one: they get frames as text), and is named in
+        the telemetry (once per response); the response is not recorded without it."""
+        events = current.events
+        if events.unreadable == 0:
+            self._guard._emit(
+                "passthrough", flow=sock.flow.id, transport="ws",
+                reason="upstream frame is not a Responses event "
+                       f"({'text' if message.is_text else 'binary'}) inside a response: "
+                       "passed on; the response is not recorded")
+        events.pass_over()
+        if current.attempt_key is not None:
+            self._guard.inflight.ws_event(current.attempt_key, False,
+                                          message.text if message.is_text else None)
 
     def _let_go(self, sock: Socket, reason: str, *, not_responses: bool = False) -> None:
         """Stop guarding the socket: the frames it queued, and all later ones, go on untouched.
@@ -687,5 +709,7 @@ def _end_facts(attempt: "Attempt", events: ws.ResponseEvents,
         kept_body=events.sse_body, over_cap=events.over_cap, response_headers=ws.SSE_HEADERS,
         request_headers=request_headers, error=error, cut_reason=attempt.cut_reason,
         client_gone=client_gone, transport="ws", failed_event=failed_event,
+        not_recordable="an upstream frame inside the response is no Responses event"
+        if events.unreadable else None,
     )
 
