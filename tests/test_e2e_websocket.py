@@ -210,6 +210,52 @@ def test_a_call_answered_over_http_is_replayed_on_a_socket(tmp_path):
             ("http",)]
 
 
+@pytest.mark.parametrize("how", ["replayed", "attached"])
+def test_what_an_http_stream_sent_after_its_end_is_not_the_next_calls_on_a_socket(
+        tmp_path, how):
+    """An upstream that sends the terminal event once more, late, inside an HTTP response
+    (the first terminal event decides: it completed). A socket answered from that attempt
+    (replayed from its recording, or attached to it live) gets its events up to its end and
+    no further: the late one, sent on the socket after the response's end, would be read by
+    the client as the answer to its next call."""
+    gap = {"gap_ms": 150} if how == "attached" else {}
+    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_terminal", **gap}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")], seed=3)
+
+        def post() -> list[dict]:
+            status, _, body = sse_post(p.url, body=post_fallback(frame),
+                                       headers={**HEADERS, "accept": "text/event-stream"})
+            assert status == 200
+            return [data for _, data in parse_sse(body)]
+
+        async def on_a_socket():
+            posted = None
+            if how == "attached":
+                posted = asyncio.create_task(asyncio.to_thread(post))
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 10,
+                                        what="the POST upstream")
+                await asyncio.sleep(0.3)  # its first events came
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(frame)
+                first = await c.response()
+                await c.send(call([user("next")], seed=4))
+                return first, await c.response(), posted and await posted
+
+        posted = post() if how == "replayed" else None
+        first, second, attached_post = asyncio.run(on_a_socket())
+        posted = posted or attached_post
+        assert [e["type"] for e in posted][-2:] == ["response.completed"] * 2  # (the HTTP body)
+        assert first == posted[:-1]
+        ids = {e["response"]["id"] for e in second if "response" in e}
+        assert types(second)[0] == "response.created" and ids.isdisjoint(
+            {e["response"]["id"] for e in first})  # the next call's own response
+        assert len(up.dispatches()) == 2
+        assert len(events(tmp_path, f"duplicate_{how}")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_a_delta_after_a_replayed_response_goes_upstream_with_its_full_input(tmp_path):
     """The upstream never saw the replayed response: a ``previous_response_id`` naming it is
     never forwarded as is (the mock, like the API, would not know it)."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from turnguard_core import ws
 from turnguard_core.identity import RequestView, Upstream, identify, operation_body
-from turnguard_core.sse import SseParser
+from turnguard_core.sse import SseParser, terminal_kind
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = (("authorization", "Bearer sk-test"), ("session-id", SESSION))
@@ -186,7 +186,8 @@ def test_a_frame_read_once_by_upstream_event_feeds_as_a_frame_read_twice(frames,
 
 _ANY_TYPE = st.one_of(
     st.text(alphabet=st.characters(exclude_categories=())),  # lone surrogates too
-    st.sampled_from(['x\ndata: {"type":"response.failed"}\n\nevent: y', "a\rb", "\ud800"]))
+    st.sampled_from(['x\ndata: {"type":"response.failed"}\n\nevent: y', "a\rb", "\ud800"]),
+).filter(lambda t: terminal_kind(t) is None)  # (a replay ends at the first terminal event)
 
 
 @given(st.lists(_ANY_TYPE, min_size=1, max_size=6))
@@ -304,3 +305,12 @@ def test_a_recording_that_is_not_an_event_stream_has_no_frames():
     assert ws.frames_of_recording(b'{"id": "resp_1"}') is None
     assert ws.frames_of_recording(b"data: not json\n\n") is None
     assert ws.frames_of_recording(b'data: {"type":"x"}\n\ndata: [DONE]\n\n') == ['{"type":"x"}']
+
+
+def test_a_recording_replays_on_a_socket_up_to_its_first_terminal_event():
+    """What an HTTP response carried after its terminal event would, on a socket, come after
+    the response's end: the client would read it as its next call's."""
+    done = '{"type":"response.completed","response":{"id":"r"}}'
+    late = '{"type":"error","status":500}'
+    body = f"data: {done}\n\ndata: {late}\n\ndata: {done}\n\n".encode()
+    assert ws.frames_of_recording(body) == [done]

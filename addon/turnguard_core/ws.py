@@ -335,17 +335,23 @@ def event_response_id(event: dict[str, Any] | None) -> str | None:
 
 def frames_of_recording(body: bytes) -> list[str] | None:
     """The event frames of a recorded SSE body (each event's data, a JSON object with a
-    ``type``), or None when it is not such a stream (then it cannot be replayed over a
-    WebSocket)."""
+    ``type``), up to its first terminal event, or None when it is not such a stream (then it
+    cannot be replayed over a WebSocket). What an upstream sent after the terminal event in
+    an HTTP response (an ``error`` after ``response.completed``, the terminal event again)
+    was inside that response; on a socket it would come after the response's end, where the
+    client reads it as its next call's: it is left out."""
     parser = SseParser()
     events = parser.feed(body) + parser.close()
     frames = []
     for ev in events:
         if ev.data.strip() == "[DONE]":
             continue
-        if ev.truncated or _parse_event(ev.data, len(ev.data) + 1) is None:
+        event = None if ev.truncated else _parse_event(ev.data, len(ev.data) + 1)
+        if event is None:
             return None
         frames.append(ev.data)
+        if terminal_kind(event["type"]) is not None:
+            break
     return frames or None
 
 

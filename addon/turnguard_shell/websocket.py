@@ -598,6 +598,8 @@ class WebSockets:
 
         def send(frames) -> None:
             for text in frames:
+                if events.ended:  # (an HTTP attempt's events after its terminal one: on a
+                    return        # socket the client would read them as its next call's)
                 events.feed(text)
                 inject(flow, text, to_client=True)
 
