@@ -1576,6 +1576,77 @@ def test_a_frame_that_is_no_event_inside_a_response_does_not_run_its_duplicate_a
         assert_no_traceback(p.log_text())
 
 
+class EndlessSseUpstream(ScriptedUpstream):
+    """An upstream that accepts a WebSocket upgrade (and reads its frames without answering)
+    and answers a POST with an event stream of ``events`` (0.3 s apart) whose chunked body
+    then ends cleanly, without a terminal event. ``calls`` counts the POSTs."""
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+        super().__init__([])
+
+    async def _handle(self, reader, writer) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import AcceptConnection, Request
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            if b"upgrade: websocket" in head.lower():
+                conn = WSConnection(ConnectionType.SERVER)
+                conn.receive_data(head)
+                if any(isinstance(e, Request) for e in conn.events()):
+                    writer.write(conn.send(AcceptConnection()))
+                for _ in range(100_000):  # bounded: each pass reads
+                    if not await asyncio.wait_for(reader.read(65536), 120):
+                        return
+                return
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            self.calls += 1
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+            for event in self.events:
+                data = f"data: {json.dumps(event)}\n\n".encode()
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.3)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+
+def test_a_socket_attached_to_an_http_stream_that_ends_without_a_terminal_event_is_told(
+        tmp_path):
+    """An HTTP attempt whose event stream ends cleanly without a terminal event (its client
+    sees the body end: the response is over, unfinished). A duplicate on a socket attached to
+    it gets its events, then an ``error`` event with a status: a socket has no body end to
+    tell its client the response is over, which would otherwise wait for the rest forever."""
+    created = {"type": "response.created", "response": {"id": "resp_http"}}
+    delta = {"type": "response.output_text.delta", "delta": "hi"}
+    with EndlessSseUpstream([created, delta, delta, delta]) as up, proxy(tmp_path, up) as p:
+        frame = call([user("hi")], seed=3)
+
+        async def both():
+            posted = asyncio.create_task(asyncio.to_thread(
+                sse_post, p.url, body=post_fallback(frame),
+                headers={**HEADERS, "accept": "text/event-stream"}))
+            await asyncio.to_thread(wait_until, lambda: up.calls, 10, what="the POST upstream")
+            await asyncio.sleep(0.5)  # its first events came
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(frame)
+                return await c.response(timeout=10), await posted
+
+        got, (status, _, body) = asyncio.run(both())
+        assert status == 200 and len(parse_sse(body)) == 4
+        assert types(got) == ["response.created"] + ["response.output_text.delta"] * 3 + ["error"]
+        assert isinstance(got[-1]["status"], int) and got[-1]["status"] >= 500
+        assert up.calls == 1 and len(events(tmp_path, "duplicate_attached")) == 1
+        assert_no_traceback(p.log_text())
+
+
 class DeflateClient(WsClient):
     """``WsClient`` offering permessage-deflate (as Codex does)."""
 

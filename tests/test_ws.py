@@ -307,6 +307,15 @@ def test_a_recording_that_is_not_an_event_stream_has_no_frames():
     assert ws.frames_of_recording(b'data: {"type":"x"}\n\ndata: [DONE]\n\n') == ['{"type":"x"}']
 
 
+def test_a_live_event_stream_becomes_frames_up_to_its_first_terminal_event():
+    to_frames = ws.SseToFrames()
+    delta, done = '{"type":"response.output_text.delta"}', '{"type":"response.completed"}'
+    assert to_frames.feed(f"data: {delta}\n\ndata: [DONE]\n\nda".encode()) == [delta]
+    assert not to_frames.ended
+    assert to_frames.feed(f"ta: {done}\n\ndata: {done}\n\n".encode()) == [done]
+    assert to_frames.ended and to_frames.feed(f"data: {delta}\n\n".encode()) == []
+
+
 def test_a_recording_replays_on_a_socket_up_to_its_first_terminal_event():
     """What an HTTP response carried after its terminal event would, on a socket, come after
     the response's end: the client would read it as its next call's."""

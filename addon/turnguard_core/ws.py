@@ -358,10 +358,13 @@ def frames_of_recording(body: bytes) -> list[str] | None:
 class SseToFrames:
     """An SSE body, chunk by chunk, as event frames (``frames_of_recording`` for a stream that
     is still arriving): ``feed(chunk)`` returns the frames of the events it completed, in
-    order; events that are no JSON event (``[DONE]``, a comment, garbage) are left out."""
+    order, up to the first terminal event (``ended``: it came; what follows would, on a
+    socket, be read as the next call's); events that are no JSON event (``[DONE]``, a
+    comment, garbage) are left out."""
 
     def __init__(self) -> None:
         self._parser = SseParser()
+        self.ended = False
 
     def feed(self, chunk: bytes) -> list[str]:
         return self._frames(self._parser.feed(chunk))
@@ -369,10 +372,15 @@ class SseToFrames:
     def close(self) -> list[str]:
         return self._frames(self._parser.close())
 
-    @staticmethod
-    def _frames(events) -> list[str]:
-        return [ev.data for ev in events
-                if not ev.truncated and _parse_event(ev.data, len(ev.data) + 1) is not None]
+    def _frames(self, events) -> list[str]:
+        frames = []
+        for ev in events:
+            event = None if ev.truncated or self.ended else _parse_event(ev.data,
+                                                                         len(ev.data) + 1)
+            if event is not None:
+                frames.append(ev.data)
+                self.ended = terminal_kind(event["type"]) is not None
+        return frames
 
 
 def ws_status(status: int) -> int:

@@ -598,8 +598,6 @@ class WebSockets:
 
         def send(frames) -> None:
             for text in frames:
-                if events.ended:  # (an HTTP attempt's events after its terminal one: on a
-                    return        # socket the client would read them as its next call's)
                 events.feed(text)
                 inject(flow, text, to_client=True)
 
@@ -618,6 +616,10 @@ class WebSockets:
             if frames_of is not None and not refused and not sock.closed:
                 send(frames_of.close())
             sock.finish()
+            if how == "complete" and frames_of is not None and not frames_of.ended:
+                # an event stream whose body ended without a terminal event: its HTTP client
+                # saw the end; a socket has none, and its client would wait for the rest
+                how, error = "failed", "its event stream ended without a terminal event"
             if how == "complete" and not refused:
                 sock.record.remember(full.body, events, from_upstream=False)
             elif not sock.closed:
