@@ -435,3 +435,28 @@ def test_codex_cli_over_websocket_whose_socket_drops_is_answered_by_the_detached
            f"{'detached' if detach else 'not detached'}: "
            f"{'completed' if done.returncode == 0 else f'rc {done.returncode}'} in {took:.1f} s, "
            f"{len(attached)} retries attached, upstream dispatches={len(ds)}")
+
+
+def test_codex_cli_over_websocket_a_follow_up_and_its_resend_on_a_new_socket_are_one_operation(
+        codex, tmp_path, report):
+    """A turn with a tool call: the follow-up goes on the socket as a delta frame, and the
+    socket closes right after it (no event); Codex resends it on a new socket with its full
+    input, the tool call as it keeps it in its history (with its own bookkeeping members).
+    turnguard identifies the delta by its full request, rebuilt from what the socket carried:
+    the two are one operation (the same op in both dispatches), as the retry ladder and the
+    POST fallback of any call are."""
+    scenario = {"sequence": [{"kind": "tool_call", "name": "repro_lookup"},
+                             {"kind": "clean_close"}],
+                "default": {"kind": "ok", "events": 3}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up, "tg") as p:
+        done = codex_ws_exec(codex, tmp_path, p.url, "look it up")
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        ds = up.dispatches()
+        assert [(d["transport"], d["previous_response_id"] is not None) for d in ds] == [
+            ("ws", True), ("ws", True), ("ws", False)], diagnose(tmp_path, "tg", up)
+        ops = [d["op"] for d in events(tmp_path, "tg", "dispatch")]
+        assert len(ops) == 3 and ops[1] == ops[2], diagnose(tmp_path, "tg", up)
+    report(f"codex exec {CODEX_VERSION} over WebSocket: a follow-up delta and its full resend on "
+           f"a new socket ({ds[1]['input_items']} and {ds[2]['input_items']} input items) are one "
+           "operation")
