@@ -1576,6 +1576,30 @@ def test_a_frame_that_is_no_event_inside_a_response_does_not_run_its_duplicate_a
         assert_no_traceback(p.log_text())
 
 
+def test_a_frame_that_is_no_event_between_responses_leaves_the_socket_guarded(tmp_path):
+    """A gateway's keepalive text on a socket with no response in flight answers no frame of
+    the client's: it is passed on, named in the telemetry, and the socket stays guarded (its
+    next call is recorded, and that call's retry on a new socket is replayed, not run again)."""
+    scripts = [[*scripted_response(), 0.2, "keepalive"], scripted_response()]
+    with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
+        async def two_calls():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("one")], seed=1))
+                first = await c.response()
+                assert await c.recv() == "keepalive"
+                await c.send(call([user("two")], seed=2))
+                return first, await c.response()
+
+        first, second = asyncio.run(two_calls())
+        assert types(first)[-1] == types(second)[-1] == "response.completed"
+        assert asyncio.run(one_call(p.url, call([user("two")], seed=3))) == second
+        assert up.calls == 2
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert any("while no response is in flight" in e["reason"]
+                   for e in events(tmp_path, "passthrough"))
+        assert_no_traceback(p.log_text())
+
+
 class EndlessSseUpstream(ScriptedUpstream):
     """An upstream that accepts a WebSocket upgrade (and reads its frames without answering)
     and answers a POST with an event stream of ``events`` (0.3 s apart) whose chunked body

@@ -98,6 +98,7 @@ class Socket:
     # a queued frame went upstream while no addon instance was loaded (a reload that
     # failed), unguarded: the next instance lets the socket go (``catch_up``)
     sent_unguarded: bool = False
+    unsolicited: bool = False  # the upstream sent a frame that is no event between responses
     # the ids of the responses that ended on it lately: a late event of one is not the next's
     ended_responses: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=16))
@@ -476,7 +477,9 @@ class WebSockets:
         try:
             speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
             if not speaks:
-                if current is not None and current.events.events_seen > 0:
+                if current is None:
+                    return self._unsolicited(sock, message)
+                if current.events.events_seen > 0:
                     return self._pass_over(sock, current, message)
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
@@ -499,6 +502,20 @@ class WebSockets:
                 self._response_ended(sock)
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
+
+    def _unsolicited(self, sock: Socket, message) -> None:
+        """A frame that is no Responses event while no response is in flight (a gateway's
+        keepalive text on an idle socket): it answers no frame of the client's, so it says
+        nothing of the protocol the upstream speaks (an echo, another protocol's answer, comes
+        as a frame's response). It goes on untouched, named in the telemetry (once per
+        socket), and the socket stays guarded."""
+        if not sock.unsolicited:
+            sock.unsolicited = True
+            self._guard._emit(
+                "passthrough", flow=sock.flow.id, transport="ws",
+                reason="upstream frame is not a Responses event "
+                       f"({'text' if message.is_text else 'binary'}) while no response is in "
+                       "flight: passed on")
 
     def _pass_over(self, sock: Socket, current: Response, message) -> None:
         """A frame that is no Responses event (a gateway's keepalive text, a binary frame)
