@@ -1600,6 +1600,49 @@ def test_a_frame_that_is_no_event_between_responses_leaves_the_socket_guarded(tm
         assert_no_traceback(p.log_text())
 
 
+def test_a_late_event_of_its_own_upstream_is_not_the_response_a_socket_is_attached_to(
+        tmp_path):
+    """Socket B's call is attached to the same call streaming on socket A, and B's client has
+    sent its next call behind it. B's own upstream then sends a late ``error`` event (of B's
+    previous response, naming none): it is not the attached response's (B's upstream never
+    sent that one), so it neither ends it nor lets the next call go upstream while the
+    attached events still come: B gets them all before the next call's."""
+    late_error = {"type": "error", "status": 500,
+                  "error": {"type": "server_error", "message": "late"}}
+    scripts = [[*scripted_response(), 1.0, late_error],  # B's first call
+               [{"type": "response.created", "response": {"id": "RID"}},  # A's call
+                {"type": "response.output_text.delta", "delta": "a"}, 2.0,
+                *scripted_response()[1:]],
+               scripted_response()]  # B's next call
+    with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
+        async def b_socket():
+            async with WsClient.connect(p.url, headers=HEADERS) as b:
+                await b.send(call([user("first")], seed=1))
+                await b.response()
+                a = asyncio.create_task(one_call(p.url, call([user("same")], seed=2)))
+                await asyncio.to_thread(wait_until, lambda: up.calls == 2, 10,
+                                        what="A's call upstream")
+                await asyncio.sleep(0.3)  # its first output came
+                await b.send(call([user("same")], seed=3))  # attached to A's
+                await b.send(call([user("next")], seed=4))  # queued behind it
+                got = []
+                for _ in range(40):
+                    event = json.loads(await b.recv())
+                    got.append((event["type"], event.get("response", {}).get("id")))
+                    if {("response.completed", "resp_1"),
+                            ("response.completed", "resp_2")} <= set(got):
+                        break
+                return got, await a
+
+        got, on_a = asyncio.run(b_socket())
+        assert types(on_a)[-1] == "response.completed"
+        assert ("error", None) in got  # the late event, relayed as it came
+        ends = got.index(("response.completed", "resp_1"))
+        assert ends < got.index(("response.created", "resp_2")), got  # one at a time
+        assert up.calls == 3
+        assert_no_traceback(p.log_text())
+
+
 class EndlessSseUpstream(ScriptedUpstream):
     """An upstream that accepts a WebSocket upgrade (and reads its frames without answering)
     and answers a POST with an event stream of ``events`` (0.3 s apart) whose chunked body

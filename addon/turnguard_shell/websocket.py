@@ -473,7 +473,10 @@ class WebSockets:
 
     # -- the upstream's events -------------------------------------------------------------------
     def _upstream_frame(self, sock: Socket, message) -> None:
-        current = sock.current
+        # a response attached to (another socket's call, or this one's detached call) is not
+        # this socket's upstream's: what its upstream sends meanwhile (a late event of an
+        # earlier response) answers no frame in flight, as when no response is
+        current = sock.current if sock.attached is None else None
         try:
             speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
             if not speaks:
