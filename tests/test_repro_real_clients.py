@@ -460,3 +460,87 @@ def test_codex_cli_over_websocket_a_follow_up_and_its_resend_on_a_new_socket_are
     report(f"codex exec {CODEX_VERSION} over WebSocket: a follow-up delta and its full resend on "
            f"a new socket ({ds[1]['input_items']} and {ds[2]['input_items']} input items) are one "
            "operation")
+
+
+class UpgradeRefusingFront:
+    """A front for the mock upstream that answers every WebSocket upgrade with ``status`` and
+    relays every other connection to the mock as it is (byte for byte, both ways)."""
+
+    def __init__(self, target_port: int, status: int):
+        import asyncio
+        self.target_port, self.status, self.refused = target_port, status, 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        import asyncio
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader, writer) -> None:
+        import asyncio
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            if b"\nupgrade: websocket" in head.lower():
+                self.refused += 1
+                body = b'{"error":{"message":"upgrade refused","type":"invalid_request_error"}}'
+                writer.write(f"HTTP/1.1 {self.status} Refused\r\ncontent-type: application/json"
+                             f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+                             .encode() + body)
+                await writer.drain()
+                return
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+            up_writer.write(head)
+
+            async def pipe(src, dst) -> None:
+                for _ in range(1_000_000):  # bounded: each pass reads
+                    data = await src.read(65536)
+                    if not data:
+                        break
+                    dst.write(data)
+                    await dst.drain()
+                dst.close()
+
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
+                                 return_exceptions=True)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    def __enter__(self) -> "UpgradeRefusingFront":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("status", [426, 500])
+def test_codex_cli_whose_upgrade_is_refused_falls_back_to_a_guarded_post(
+        codex, tmp_path, status, report):
+    """The upstream refuses every WebSocket upgrade: with 426 Codex goes straight to its HTTP
+    POST, with 500 after its reconnect ladder (measured: 1 + 6 upgrades). The refused
+    upgrades pass turnguard untouched (a GET whose upgrade did not succeed is no guarded
+    flow) and the POST is guarded as any: dispatched once, recorded, the turn completes."""
+    with MockUpstream(tmp_path) as up, UpgradeRefusingFront(up.port, status) as front, \
+            proxy(tmp_path, front, "tg") as p:
+        done = codex_ws_exec(codex, tmp_path, p.url)
+        assert done.returncode == 0, done.stdout + done.stderr + diagnose(tmp_path, "tg", up)
+        assert "hellohellohello" in done.stdout
+        assert front.refused >= 1
+        assert [d["transport"] for d in up.dispatches()] == ["http"], diagnose(tmp_path, "tg", up)
+        dispatched = events(tmp_path, "tg", "dispatch")
+        assert [(d["transport"], d["kind"]) for d in dispatched] == [("http", "original")]
+        assert [o["outcome"] for o in events(tmp_path, "tg", "outcome")] == ["completed"]
+    report(f"codex exec {CODEX_VERSION}, every WebSocket upgrade refused with {status} "
+           f"({front.refused} refused): its POST guarded, upstream dispatches=1")
