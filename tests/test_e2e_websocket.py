@@ -502,6 +502,46 @@ def test_a_call_right_behind_a_frame_that_is_no_call_gets_its_own_answer(tmp_pat
         assert_no_traceback(p.log_text())
 
 
+def masked_frame(opcode: int, payload: bytes, *, fin: bool = True) -> bytes:
+    """A client's WebSocket frame (masked) built by hand: any opcode, FIN or not, any payload
+    (a fragment of a text message may end inside a character)."""
+    key, n = os.urandom(4), len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode]) + (
+        bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+        if n < 65536 else bytes([0x80 | 127]) + n.to_bytes(8, "big"))
+    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+def test_a_call_sent_in_fragments_with_a_ping_between_them_is_guarded_whole(tmp_path):
+    """A call sent as a text frame and two continuation frames, a ping between them, the
+    message cut inside a character: the upstream gets it whole (the same bytes), the ping is
+    answered, and the call is guarded as one: its retry on a new socket, sent whole, is
+    replayed."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        frame = call([user("déjà vu")], seed=1)
+        data = json.dumps(frame, ensure_ascii=False).encode()
+        cut = data.index("é".encode()) + 1  # inside the two bytes of é
+
+        async def fragmented():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                c._writer.write(masked_frame(1, data[:cut], fin=False)
+                                + masked_frame(9, b"are you there")
+                                + masked_frame(0, data[cut:cut + 40], fin=False)
+                                + masked_frame(0, data[cut + 40:]))
+                await c._writer.drain()
+                return await c.response()
+
+        got = asyncio.run(fragmented())
+        assert types(got)[-1] == "response.completed"
+        sent = ws_dispatches(up)
+        assert [s["body_sha256"] for s in sent] == [hashlib.sha256(data).hexdigest()]
+        assert asyncio.run(one_call(p.url, call([user("déjà vu")], seed=2))) == got
+        assert len(ws_dispatches(up)) == 1
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert "pong" in p.log_text().lower()
+        assert_no_traceback(p.log_text())
+
+
 def test_a_client_that_queues_too_many_frames_is_let_go_with_its_frames_in_order(tmp_path):
     """More frames queued behind a response in flight than turnguard keeps: the socket is let
     go, and every frame goes upstream untouched in the order sent, none ahead of the queue."""
