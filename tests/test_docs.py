@@ -172,3 +172,14 @@ def test_every_status_command_the_readme_shows_is_one_scripts_turnguard_accepts(
     from turnguard_core.ledger_cli import _parser
 
     _parser("scripts/turnguard").parse_args(argv)
+
+
+def test_the_layout_names_every_module_of_the_addon():
+    """The README's Layout is the map of ``addon/``: every module of the core is named there
+    (by file name), and every part of the shell (by its name, as the Layout lists them)."""
+    layout = _section("Layout")
+    core = {p.name for p in (ROOT / "addon/turnguard_core").glob("*.py")} - {"__init__.py"}
+    shell = {p.stem for p in (ROOT / "addon/turnguard_shell").glob("*.py")} - {"__init__"}
+    assert not sorted(n for n in core if n not in layout.split())
+    words = set(re.findall(r"\w+", layout))
+    assert not sorted(shell - words)
