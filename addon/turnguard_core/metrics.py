@@ -415,8 +415,9 @@ class Metrics:
         self.circuit_reset = counter("circuit_reset",
                                      "Retry circuits reset by a completed response.")
         self.circuit_cleared = counter(
-            "circuit_cleared", "Retry circuits cleared by an operator (turnguard.circuit.clear "
-            "or scripts/turnguard circuit clear run in this process).")
+            "circuit_cleared", "Retry circuits cleared by an operator in this process "
+            "(turnguard.circuit.clear; scripts/turnguard circuit clear is another process, "
+            "counted nowhere here).")
         self.recovery_claimed = counter("recovery_claimed",
                                         "Recovery dispatches claimed after a cooldown.")
         self.recovery_denied = counter("recovery_denied", "Recovery claims refused, by reason.",
