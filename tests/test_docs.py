@@ -183,3 +183,24 @@ def test_the_layout_names_every_module_of_the_addon():
     assert not sorted(n for n in core if n not in layout.split())
     words = set(re.findall(r"\w+", layout))
     assert not sorted(shell - words)
+
+
+def test_the_readme_names_every_x_turnguard_value_of_turnguards_own_answers():
+    """``x-turnguard`` is how a client or a log tells turnguard's answers from the upstream's:
+    every value it takes (the code of each answer turnguard makes, ``replayed``, ``attached``)
+    is named where the README defines it, and the code of each answer is its header's."""
+    from turnguard_core import answers
+
+    made = [answers.turn_in_progress(1, 5), answers.idempotency_key_conflict(),
+            answers.cooldown_rejected(3, 2, accepts_sse=False),
+            answers.cooldown_rejected(3, 2, accepts_sse=True),
+            answers.failed_closed("upstream_operation_status_unknown", "claim_exhausted", 1,
+                                  accepts_sse=False)]
+    values = {dict(a.headers)["x-turnguard"] for a in made}
+    assert values <= set(metrics.ANSWER_CODES)
+    (paragraph,) = [p for p in README.split("\n\n") if "its `x-turnguard` header" in p]
+    named = set(re.findall(r"`(\w+)`", paragraph))
+    assert {*metrics.ANSWER_CODES, "replayed", "attached"} <= named
+    shell = "".join(p.read_text() for p in (ROOT / "addon").rglob("*.py"))
+    for value in ("replayed", "attached"):
+        assert f'"{value}"' in shell
