@@ -204,3 +204,17 @@ def test_the_readme_names_every_x_turnguard_value_of_turnguards_own_answers():
     shell = "".join(p.read_text() for p in (ROOT / "addon").rglob("*.py"))
     for value in ("replayed", "attached"):
         assert f'"{value}"' in shell
+
+
+def test_every_environment_variable_the_tools_read_is_in_the_readme():
+    """``TURNGUARD_*`` variables are public interface as options are: each one the addon or
+    a tool reads is named in the README (but the program names the wrappers in scripts/ set
+    for the help they print)."""
+    set_by_wrappers = {"TURNGUARD_PROG", "TURNGUARD_MOCK_PROG"}
+    sources = [p for p in (*(ROOT / "scripts").rglob("*"), *(ROOT / "addon").rglob("*.py"))
+               if p.is_file() and "__pycache__" not in p.parts]
+    read = set()
+    for p in sources:
+        read |= set(re.findall(r"\bTURNGUARD_[A-Z_]+[A-Z]", p.read_text(errors="replace")))
+    missing = sorted(read - set_by_wrappers - set(re.findall(r"\bTURNGUARD_[A-Z_]+[A-Z]", README)))
+    assert not missing, missing
