@@ -533,3 +533,30 @@ def test_the_help_explains_every_behaviour_header_endpoint_and_scenario():
     spec.loader.exec_module(mock_upstream)
     for kind in mock_upstream.KINDS:
         assert f"\n  {kind}: " in r.stdout, kind
+
+
+@pytest.mark.parametrize("case", ["port out of range", "log cannot be opened", "port in use"])
+def test_scripts_mock_refuses_what_it_cannot_use_in_one_line(tmp_path, case):
+    """``scripts/mock`` (the README's ``scripts/mock --port 9000 --log /tmp/mock.jsonl``) given
+    a port it cannot have or a log it cannot write: one line saying which, a usage error (2)
+    for a bad value, exit status 1 for one it could not use, never a traceback."""
+    import subprocess
+
+    from harness import REPO
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    args, status, message = {
+        "port out of range": (["--port", "70000"], 2, "--port: must be 0 to 65535, not 70000"),
+        "log cannot be opened": (["--log", str(tmp_path / "no" / "mock.jsonl")], 1,
+                                 "cannot open the log"),
+        "port in use": (["--port", str(taken.getsockname()[1])], 1, "cannot listen on 127.0.0.1:"),
+    }[case]
+    try:
+        r = subprocess.run([str(REPO / "scripts" / "mock"), *args], capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL)
+    finally:
+        taken.close()
+    assert r.returncode == status and message in r.stderr, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and r.stdout == ""

@@ -68,10 +68,23 @@ Examples:
 
 
 async def serve(args: argparse.Namespace, scenario: dict[str, Any]) -> int:
-    """Listen, print the listening line, serve until SIGTERM/SIGINT; return the exit status."""
-    mock = MockUpstream(scenario, args.log)
+    """Listen, print the listening line, serve until SIGTERM/SIGINT; return the exit status.
+    A log file that cannot be opened or an address that cannot be listened on (in use, a
+    host that does not resolve) is one line on stderr and exit status 1, no traceback."""
+    try:
+        mock = MockUpstream(scenario, args.log)
+    except OSError as e:
+        print(f"mock upstream: cannot open the log {args.log}: {e.strerror or e}",
+              file=sys.stderr, flush=True)
+        return 1
     server = Server(mock.route)
-    await server.start(args.host, args.port)
+    try:
+        await server.start(args.host, args.port)
+    except OSError as e:  # (socket.gaierror is one)
+        print(f"mock upstream: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr, flush=True)
+        mock.close()
+        return 1
     try:
         await until_stopped(lambda: print(
             f"mock upstream listening at http://{args.host}:{server.port}", flush=True))
@@ -79,6 +92,17 @@ async def serve(args: argparse.Namespace, scenario: dict[str, Any]) -> int:
         await server.close()
         mock.close()
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: one the OS picks)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 to 65535, not {port}")
+    return port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; keep it on loopback)")
-    p.add_argument("--port", type=int, default=0,
+    p.add_argument("--port", type=_port, default=0,
                    help="port (default 0: one the OS picks; the listening line names it)")
     p.add_argument("--scenario", metavar="FILE", help="scenario JSON file (see SCENARIO above)")
     p.add_argument("--log", metavar="FILE", help="JSON-lines log file (appended, mode 0600)")
