@@ -218,3 +218,14 @@ def test_the_readmes_sample_table_is_what_the_scenario_prints(name):
     for label, cells in printed.items():
         if label not in TIMED_ROWS:
             assert documented[label] == cells, label
+
+
+def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_run():
+    """--keep DIR that cannot be made (here under /proc) ended in a traceback; now one line
+    before anything runs."""
+    proc = reproduce("duplicate-storm", "--columns", "plain", "--keep", "/proc/no-such-folder",
+                     check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    assert "--keep" in proc.stderr and proc.stdout == ""

@@ -240,7 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     if a.keep:
         workdir = Path(a.keep)
-        runner.private_folder(workdir)  # 0700 if made here, whatever the umask
+        try:
+            runner.private_folder(workdir)  # 0700 if made here, whatever the umask
+        except OSError as e:
+            print(f"reproduce: --keep {a.keep}: cannot make it: {e.strerror or e}",
+                  file=sys.stderr)
+            if svg is not None:
+                os.close(svg)
+            return 2
     else:
         tmp = tempfile.mkdtemp(prefix="turnguard-repro-")
         workdir = Path(tmp)
