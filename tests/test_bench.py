@@ -334,3 +334,21 @@ def test_profile_scenarios_are_checked_before_anything_starts(tmp_path):
     assert "--profile-scenarios wants some of requests,streaming,replay,holds,ws, " \
            "not 'requests,websocket'" in out.stderr
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("option", ["--json", "--profile"])
+def test_an_output_path_the_bench_could_not_write_is_refused_before_it_runs(tmp_path, option,
+                                                                            capsys):
+    """--json FILE was written after the whole run (15 minutes in full mode): in a folder
+    that is not there, the run ended in a traceback and its JSON was lost. --profile DIR under
+    a file failed the same way. Both are usage errors before anything starts now."""
+    from turnguard_bench.__main__ import parse
+
+    (tmp_path / "a-file").write_text("")
+    target = {"--json": tmp_path / "no-folder" / "bench.json",
+              "--profile": tmp_path / "a-file" / "profiles"}[option]
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--quick", "--phases", "micro", option, str(target)])
+    assert exit_.value.code == 2
+    assert option in capsys.readouterr().err
+    parse(["--quick", "--phases", "micro", option, str(tmp_path / "fine")])  # a good one

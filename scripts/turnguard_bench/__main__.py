@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import shutil
 import signal
@@ -196,7 +197,22 @@ def parse(argv: list[str] | None = None):
         key, sep, _ = kv.partition("=")
         if not sep or not key:
             p.error(f"--set wants KEY=VALUE, not {kv!r}")
+    # what the run writes at its end (--json) or makes at its start (--profile, with its
+    # missing parents): a path it cannot use is said now, not after minutes of measuring
+    if args.json and not _writable_folder(Path(args.json).resolve().parent, make=False):
+        p.error(f"--json {args.json}: its folder is not one this user can write in")
+    if args.profile and not _writable_folder(Path(args.profile).resolve(), make=True):
+        p.error(f"--profile {args.profile}: cannot be made, or is not a folder this user can "
+                "write in")
     return args, cfg, scenarios
+
+
+def _writable_folder(folder: Path, *, make: bool) -> bool:
+    """``folder`` is a folder this user can write in, or (``make``) it can be made: its
+    nearest existing ancestor is one."""
+    while make and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
 
 
 def main(argv: list[str] | None = None) -> int:
