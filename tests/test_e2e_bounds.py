@@ -1,6 +1,8 @@
 """End to end: what a running turnguard keeps in memory stays bounded under unbounded distinct
 keys (sessions, circuit scopes, ...), read through ``turnguard.status`` of a real mitmdump
-(``status_probe.py``: ``GET /__status``). Counts, never timings; every loop bounded."""
+(``status_probe.py``: ``GET /__status``); and ``turnguard.status`` itself holds up no traffic
+on a large ledger (its count held at ``count_gate.py``'s gate: order, not time). Counts, never
+timings; every loop bounded."""
 
 from __future__ import annotations
 
@@ -268,3 +270,111 @@ def test_a_scraper_that_sends_its_request_a_byte_at_a_time_is_cut_at_the_read_bo
         assert len(cut) == len(slow), f"{len(slow) - len(cut)} dribbling connections kept"
         assert scrape(url)
         assert_no_traceback(p.log_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# turnguard.status on a large ledger
+
+COUNT_GATE = Path(__file__).with_name("count_gate.py")
+FILLED = 300_000  # operations in the ledger before the proxy starts (a busy gateway keeps ~1M)
+
+
+def gate(proxy, action: str = "") -> dict:
+    """``count_gate.py`` of the running mitmdump: close, open, fail, or read the gate."""
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        r = c.post(proxy.url + "/__count_gate" + (f"/{action}" if action else ""))
+    r.raise_for_status()
+    return r.json()
+
+
+def _status_counts_apart(tmp_path, up, p, attempt_outcomes, filled: int) -> None:
+    """``turnguard.status`` on a ledger of ``filled`` operations, its count held at the gate:
+    by order, a turn sent after the status started the count is claimed in the ledger,
+    dispatched once and answered before the count finished; the counts come on a later call;
+    a failed count says why beside the last counts, never in their place."""
+    gate(p, "close")
+    first = status(p)
+    # a mapping of state -> count, or null: never an error in its place
+    assert first.get("operations_by_state") is None, first
+    assert first["operations_counting"] is True and first["operations_count_error"] is None, first
+    assert first["operations_counted_ms_ago"] is None, first
+    wait_until(lambda: gate(p)["waiting"] == 1, 10, what="the count to run (at the gate)")
+
+    headers = {"authorization": "Bearer sk-status", "session-id": "counted"}
+    assert post_turn(p.url, headers, {**TURN, "input": "while the ledger is counted"},
+                     timeout=30)[0] == 200
+    assert len(up.dispatches()) == 1
+    # its claim and its end went to the ledger, not behind the count nor around it
+    wait_until(lambda: attempt_outcomes() == ["completed"], 10, what="the turn's end written")
+    during = status(p)
+    assert during["operations_counting"] is True and during["operations_by_state"] is None, during
+    assert gate(p) == {"waiting": 1, "started": 1}  # the count still runs; one at a time
+    assert not turnguard_events(tmp_path, kind="ledger_unavailable")
+
+    gate(p, "open")
+    counted = wait_until(lambda: (s := status(p))["operations_by_state"] is not None and s,
+                         15, interval=0.1, what="the counts on a later status")
+    assert counted["operations_by_state"] == {"completed": filled + 1}, counted
+    assert isinstance(counted["operations_counted_ms_ago"], int), counted
+    assert counted["operations_count_error"] is None, counted
+
+    gate(p, "fail")  # the next count (a second later) fails
+    failed = wait_until(lambda: (s := status(p))["operations_count_error"] and s,
+                        15, interval=0.1, what="a failed count said")
+    assert "locked" in failed["operations_count_error"], failed
+    assert failed["operations_by_state"] == {"completed": filled + 1}, failed
+    assert gate(p)["started"] == 2, "a count per second at most, none while one runs"
+    assert_no_traceback(p.log_text())
+
+
+def test_status_counts_a_large_sqlite_ledger_apart_from_the_traffic(tmp_path):
+    """``turnguard.status`` counted the operations by state on the ledger's one connection,
+    waiting up to a second on the event loop (280 ms for a million operations): every status
+    froze the proxy, every claim of a new turn queued behind the count, and a busy ledger put
+    ``{"error": ...}`` in the mapping of state -> count."""
+    from turnguard_core.ledger import Ledger
+
+    ledger = tmp_path / "ledger.sqlite3"
+    made = Ledger(str(ledger), "filler")
+    made.open(time.time(), register=False)
+    made.close()
+    db = sqlite3.connect(ledger, isolation_level=None)
+    db.execute(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+        " INSERT INTO operations (op_key, scope, method, path, fingerprint, state, created_at,"
+        " updated_at) SELECT 'filled-' || i, 's', 'POST', '/v1/responses', 'f', 'completed',"
+        " ?, ? FROM n", (FILLED, time.time(), time.time()))
+    db.close()
+
+    def outcomes() -> list[str]:
+        return [r[0] for r in ledger_query(ledger, "SELECT outcome FROM attempts")]
+
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 2}}) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(STATUS_PROBE), "-s", str(COUNT_GATE)]) as p:
+        _status_counts_apart(tmp_path, up, p, outcomes, FILLED)
+
+
+def test_status_counts_a_large_postgres_ledger_apart_from_the_traffic(tmp_path, pg_url):
+    """The same on PostgreSQL: the count ran on the ledger's one connection (its thread), so
+    every claim queued behind it; it runs on a short-lived connection of its own now."""
+    import psycopg
+
+    from turnguard_core.pg_ledger import PgLedger
+
+    made = PgLedger(pg_url, "filler")
+    made.open(time.time(), register=False)
+    made.close()
+    with psycopg.connect(pg_url, autocommit=True) as db:
+        db.execute(
+            "INSERT INTO operations (op_key, scope, method, path, fingerprint, state, created_at,"
+            " updated_at) SELECT 'filled-' || i, 's', 'POST', '/v1/responses', 'f', 'completed',"
+            " %s, %s FROM generate_series(1, %s) AS i", (time.time(), time.time(), FILLED))
+
+    def outcomes() -> list[str]:
+        with psycopg.connect(pg_url, autocommit=True) as db:
+            return [r[0] for r in db.execute("SELECT outcome FROM attempts")]
+
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 2}}) as up, \
+            guarded(tmp_path, up, ledger=pg_url,
+                    extra_args=["-s", str(STATUS_PROBE), "-s", str(COUNT_GATE)]) as p:
+        _status_counts_apart(tmp_path, up, p, outcomes, FILLED)

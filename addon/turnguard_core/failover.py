@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from . import circuit, liveness, policy
+from .counting import OperationCounts
 from .ending import AttemptEnding
 from .heartbeat import Heartbeat
 from .identity import Identity
@@ -353,8 +354,9 @@ class FailoverStore:
             return cls(path, self._instance_id, busy_timeout_ms=LEDGER_BUSY_MS,
                        identity=self._identity, **extra)
 
-        # the admin queries too: turnguard.status and the control commands use this connection;
-        # a ledger across a network never runs a call on the event loop
+        # the admin queries too: the control commands and turnguard.status's circuits use this
+        # connection (its count of operations opens one of its own: ``counts_apart``); a
+        # ledger across a network never runs a call on the event loop
         runner = LedgerRunner(ledger(admin=True), fast_path=not postgres)
         heartbeat = listener = None
         try:
@@ -1130,16 +1132,26 @@ class FailoverStore:
         except LedgerError as e:
             raise ControlError(str(e)) from None
 
-    def status(self, now: float, *, timeout: float) -> tuple[dict, list | None]:
-        """Operations by state and the cooling circuits, for ``turnguard.status`` (a bounded
-        wait; the circuits are None when only memory can say)."""
-        if not self.usable:
-            return {}, None
+    def status(self, now: float, *, wait_s: float) -> tuple[OperationCounts | None, list | None]:
+        """Operations by state and the cooling circuits, for ``turnguard.status``, each
+        waited for at most ``wait_s`` on the caller's thread (the event loop). The counts
+        come from a count on a connection and a thread of their own (the last one finished,
+        with its age; None: no ledger open); the circuits from a read of the small circuits
+        table on the ledger's thread (None: only memory can say, e.g. while that thread is
+        busy)."""
+        if self._store is None:
+            return None, None
+        deadline = time.monotonic() + wait_s
+        circuits = self._store.read_open_circuits(now) if self.usable else None
+        counts = self._store.operation_counts(wait_s=wait_s)  # meanwhile
+        if circuits is None:
+            return counts, None
         try:
-            return (self._store.counts(timeout=timeout),
-                    self._store.open_circuits(now, timeout=timeout))
-        except (LedgerError, TimeoutError) as e:
-            return {"error": str(e) or "ledger busy"}, None
+            rows = circuits.result(max(0.0, deadline - time.monotonic()))
+        except (LedgerError, TimeoutError):
+            return counts, None
+        # a read queued earlier may be the one answered: only what still cools down now
+        return counts, [(scope, state) for scope, state in rows if state.remaining_s(now)]
 
 
 def _to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:

@@ -243,10 +243,14 @@ class LedgerRunner:
         return True, result
 
     def call_sync(self, job: Job[T], *, timeout: float | None = None) -> T:
-        """Run ``job`` on the ledger's thread and wait for it here (start-up, status). Raises
+        """Run ``job`` on the ledger's thread and wait for it here (start-up, control). Raises
         ``TimeoutError`` when it takes longer than ``timeout`` seconds."""
+        return self.submit(job).result(timeout)
+
+    def submit(self, job: Job[T]) -> concurrent.futures.Future:
+        """Queue ``job`` on the ledger's thread (after the deferred writes); its future."""
         self.flush()
-        return self._queue(job).result(timeout)
+        return self._queue(job)
 
     def close(self) -> None:
         """Close the connection after every queued call (deferred writes first); do not wait

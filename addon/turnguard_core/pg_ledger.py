@@ -60,7 +60,14 @@ from .ledger import (
     WalState,
     moved_key,
 )
-from .ledger_admin import CircuitRow, SessionRow, _circuit_json, _one_by_prefix, _session_dict
+from .ledger_admin import (
+    COUNT_BOUND_MS,
+    CircuitRow,
+    SessionRow,
+    _circuit_json,
+    _one_by_prefix,
+    _session_dict,
+)
 from .ledger_location import display, scrub
 
 logger = logging.getLogger("turnguard")
@@ -1047,6 +1054,20 @@ class PgLedgerAdmin(PgLedger):
     def counts(self) -> dict[str, int]:
         return {state: n for state, n in self._read().execute(
             "SELECT state, COUNT(*) FROM operations GROUP BY state")}
+
+    def counts_apart(self) -> dict[str, int]:
+        """See ``LedgerAdmin.counts_apart``: a short-lived read-only connection of its own,
+        its statement bounded by ``COUNT_BOUND_MS``; a database that is not the one opened
+        (another generation) is an error, never its counts."""
+        other = PgLedgerAdmin(self._url, self.instance_id, busy_timeout_ms=COUNT_BOUND_MS,
+                              identity=self.identity)
+        other.open_readonly()
+        try:
+            if other.generation != self.generation:
+                raise LedgerError(f"ledger database {self.path} was replaced")
+            return other.counts()
+        finally:
+            other.close()
 
     @_wrap
     def list_operations(self, limit: int = 50) -> list[dict]:

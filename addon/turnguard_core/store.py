@@ -12,9 +12,11 @@ PostgreSQL one (``pg_ledger.PgLedger``, several hosts), whose methods have the s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Protocol
 
 from . import circuit, liveness, policy
+from .counting import OperationCounter, OperationCounts
 from .identity import Identity
 from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
 from .ledger_admin import CircuitRow
@@ -159,9 +161,17 @@ class Store(Protocol):
         """At close: the writes sent so far are run (at most ``timeout`` s) and their futures
         settled, without the event loop."""
 
-    def counts(self, *, timeout: float) -> dict[str, int]: ...
+    def operation_counts(self, *, wait_s: float) -> OperationCounts:
+        """The ledger's operations by state, counted on a connection and a thread of their
+        own (``counting.OperationCounter``): waits ``wait_s`` at most, never for a call of the
+        addon's nor holding one up."""
+        ...
 
-    def open_circuits(self, now: float, *, timeout: float) -> list[tuple[str, circuit.CircuitState]]: ...
+    def read_open_circuits(self, now: float) -> concurrent.futures.Future:
+        """The circuits cooling down (a list of (scope, state)), read on the ledger's thread:
+        its future, which the caller waits for as long as it may. At most one such read is
+        queued at a time: while the last one has not run, that one's future (older rows)."""
+        ...
 
     async def cooling_circuits(self, now: float) -> list[tuple[str, circuit.CircuitState]]: ...
 
@@ -221,6 +231,8 @@ class LedgerStore:
 
     def __init__(self, runner: LedgerRunner):
         self._runner = runner
+        self._counter = OperationCounter(lambda: runner.ledger.counts_apart())
+        self._circuits_read: concurrent.futures.Future | None = None  # open_circuits' last
 
     @property
     def generation(self) -> str:
@@ -318,11 +330,13 @@ class LedgerStore:
     def settle(self, timeout):
         self._runner.settle(timeout)
 
-    def counts(self, *, timeout):
-        return self._runner.call_sync(lambda led: led.counts(), timeout=timeout)
+    def operation_counts(self, *, wait_s):
+        return self._counter.read(wait_s=wait_s)
 
-    def open_circuits(self, now, *, timeout):
-        return self._runner.call_sync(lambda led: led.open_circuits(now), timeout=timeout)
+    def read_open_circuits(self, now):
+        if self._circuits_read is None or self._circuits_read.done():
+            self._circuits_read = self._runner.submit(lambda led: led.open_circuits(now))
+        return self._circuits_read
 
     async def cooling_circuits(self, now):
         return await self._runner.call(lambda led: led.open_circuits(now))

@@ -22,7 +22,11 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from turnguard import TurnGuard
 
-STATUS_TIMEOUT_S = 1.0
+STATUS_TIMEOUT_S = 1.0  # the control commands' wait for the ledger
+# turnguard.status's longest wait (the event loop's): for a count it started (a small ledger's
+# counts are fresh on the first call) and the cooling circuits; a large ledger is counted on
+# a thread of its own, and shown on a later call
+STATUS_WAIT_S = 0.02
 
 
 class Commands:
@@ -33,11 +37,13 @@ class Commands:
 
     @command.command("turnguard.status")
     def status(self) -> str:
-        """turnguard's state as JSON: mode, ledger, operations by state, flows in flight and
-        held, circuits cooling down, counts of its telemetry events."""
+        """turnguard's state as JSON: mode, ledger, operations by state (the last count, with
+        its age: a large ledger is counted on a thread of its own, never holding up traffic),
+        flows in flight and held, circuits cooling down, counts of its telemetry events.
+        Waits at most ``STATUS_WAIT_S`` for the ledger."""
         g = self._guard
         now = time.time()
-        counts, cooldowns = g.store.status(now, timeout=STATUS_TIMEOUT_S)
+        counts, cooldowns = g.store.status(now, wait_s=STATUS_WAIT_S)
         if cooldowns is None:  # only memory can say
             cooldowns = [(scope, state) for scope, state in g.store.memory.circuits.items()
                          if state.remaining_s(now)]
@@ -51,7 +57,10 @@ class Commands:
                 "ledger": g.store.location,
                 "ledger_ok": g.store.is_open and g.store.error is None,
                 "ledger_error": g.store.error,
-                "operations_by_state": counts,
+                "operations_by_state": None if counts is None else counts.by_state,
+                "operations_counted_ms_ago": None if counts is None else counts.age_ms,
+                "operations_counting": counts is not None and counts.counting,
+                "operations_count_error": None if counts is None else counts.error,
                 "in_flight": len(g.inflight),
                 "held_duplicates": sum(isinstance(w, DuplicateWait) for w in held),
                 "held_through_cooldown": sum(isinstance(w, CooldownWait) for w in held),
