@@ -291,3 +291,48 @@ def test_a_once_recovery_an_addon_kills_before_it_goes_upstream_is_not_spent(tmp
         assert status == 200, body
         assert len(up.dispatches()) == 3  # the two failures, then one recovery that ran
         assert_no_traceback(p.log_text())
+
+
+HALT_UPSTREAM_FRAMES = (
+    "from mitmproxy import exceptions\n"
+    "def websocket_message(flow):\n"
+    "    if not flow.websocket.messages[-1].from_client:\n"
+    "        raise exceptions.AddonHalt()  # the upstream's frames: no later addon's business\n"
+)
+
+
+def test_a_call_whose_events_an_earlier_addon_halts_is_not_cut_as_silent(tmp_path):
+    """An addon loaded before turnguard raises ``AddonHalt`` in ``websocket_message`` for
+    the upstream's frames: turnguard never reads a call's events, though they reach the
+    client. A call that outlasts ``turnguard_response_created_timeout_ms`` is not silent:
+    it is never cut (its client gets the whole response), no eventless failure is counted
+    against the upstream, and the call is recorded as it ended (its retry on a new socket
+    is replayed)."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    script = tmp_path / "halter.py"
+    script.write_text(HALT_UPSTREAM_FRAMES)
+
+    async def one(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a call whose events turnguard never reads"))
+            return await c.response(timeout=20)
+
+    slow = {"default": {"kind": "ok", "events": 6, "gap_ms": 300}}  # streaming at once
+    with MockUpstream(tmp_path, slow) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_response_created_timeout_ms=600) as p:  # the halter first
+        got = asyncio.run(one(p.url))
+        assert types(got)[-1] == "response.completed"
+        (outcome,) = wait_until(lambda: [e for e in _events(tmp_path)
+                                         if e["event"] == "outcome"], 10, what="its outcome")
+        assert (outcome["outcome"], outcome["replayable"]) == ("completed", True)
+        again = asyncio.run(one(p.url))
+        assert types(again) == types(got)
+        assert len(ws_dispatches(up)) == 1
+        assert [e for e in _events(tmp_path) if e["event"] in ("upstream_cut",
+                                                               "eventless_failure")] == []
+        assert_no_traceback(p.log_text())

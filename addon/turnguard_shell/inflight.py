@@ -197,8 +197,14 @@ class InFlight:
             self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
             return
         sock = self._process.sockets.get(flow.id) if attempt.transport == "ws" else None
-        if sock is not None and self._process.guard is None and sock.unread_upstream():
-            return  # no instance loaded to read its events: the next one does (not silent)
+        if sock is not None and sock.unread_upstream():
+            if self._process.guard is None:
+                return  # no instance loaded to read its events: the next one does (not silent)
+            # events that reached the client, not turnguard's hook (an addon before it halted
+            # it): read now, so that they count
+            self._process.guard.websockets.read_unread_upstream(sock)
+            if attempt.events_seen > 0 or key not in self._process.attempts:
+                return
         attempt.cut_reason = MISSING_RESPONSE_CREATED
         reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
         if key in self._process.detached:  # turnguard's own call: cut on its replay handler

@@ -4,7 +4,8 @@ It wakes held flows that were killed or whose client left, lets attempts killed 
 intercepted go on to their kill (``InFlight.release_killed``), ends the attempts whose
 ``response`` or ``error`` hook an earlier addon halted
 (``InFlight.end_those_whose_end_hook_was_halted``, and the sockets' whose
-``websocket_end`` was), brings a ledger that failed back
+``websocket_end`` was; the upstream frames whose ``websocket_message`` was are read),
+brings a ledger that failed back
 (or opens it again), reaps dead peers' attempts, polls the attempts of other processes that
 duplicates here wait on (only while their ends cannot be notified: on PostgreSQL they are, see
 ``FailoverStore.attempt_ends_notified``; then it re-checks them once when notifications
@@ -77,6 +78,7 @@ class Maintenance:
                 g.waiters.wake_gone(g.clients.gone)
                 g.inflight.release_killed()
                 g.inflight.end_those_whose_end_hook_was_halted()
+                g.websockets.read_unread_upstream()
                 g.websockets.end_those_whose_end_hook_was_halted()
                 g.telemetry.reopen_if_moved()
                 g.drop_deferred_problems(getattr(ctx.options, "deferred", {}))

@@ -168,6 +168,8 @@ class WebSockets:
         if sock is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
+        if len(flow.websocket.messages) <= sock.seen:
+            return  # read already: its hook came after ``read_unread_upstream`` read it
         sock.seen = len(flow.websocket.messages)
         if message.injected:
             return  # ours, on its way
@@ -210,9 +212,11 @@ class WebSockets:
                                    if sock.busy is t else None)
 
     def end(self, flow: http.HTTPFlow) -> None:
-        sock = self._sockets.pop(flow.id, None)
+        sock = self._sockets.get(flow.id)
         if sock is None:
             return
+        self.read_unread_upstream(sock)  # (every frame's hooks ran: none is on its way)
+        self._sockets.pop(flow.id, None)
         sock.closed = True
         sock.frames.put_nowait(None)
         if sock.attached is not None:
@@ -229,6 +233,28 @@ class WebSockets:
                                  client_gone=by_client)
         self._guard.waiters.gone(flow.id, "websocket closed")
         sock.idle.set()
+
+    def read_unread_upstream(self, sock: Socket | None = None) -> None:
+        """Read the upstream's frames that reached the client but not turnguard's hook, in
+        order (of ``sock``, or of every guarded socket): an addon that runs before turnguard
+        raised ``AddonHalt`` in its ``websocket_message`` hook for them. Unread, a call's
+        events would go uncounted (its upstream cut as silent, an eventless failure counted)
+        and its end unseen (the socket's next frames held behind it). Reading stops at a
+        client frame not read yet (its own hook decides it); a frame whose hook comes after
+        it was read here is not read twice (``message``). (The maintenance ticker calls this
+        every second, and the response-created timer before it cuts a call.)"""
+        for s in ([sock] if sock is not None else list(self._sockets.values())):
+            data = s.flow.websocket
+            if data is None or not s.guarded:
+                continue
+            messages = data.messages
+            while s.seen < len(messages) and s.guarded:
+                message = messages[s.seen]
+                if message.from_client and not message.injected:
+                    break
+                s.seen += 1
+                if not message.injected:
+                    self._upstream_frame(s, message)
 
     def end_those_whose_end_hook_was_halted(self) -> None:
         """End the guarded sockets that closed although turnguard's ``websocket_end`` hook
