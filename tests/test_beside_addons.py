@@ -336,3 +336,24 @@ def test_a_call_whose_events_an_earlier_addon_halts_is_not_cut_as_silent(tmp_pat
         assert [e for e in _events(tmp_path) if e["event"] in ("upstream_cut",
                                                                "eventless_failure")] == []
         assert_no_traceback(p.log_text())
+
+
+def test_an_answer_map_local_gives_a_detached_call_reaches_its_client(tmp_path):
+    """With ``turnguard_detach_ms`` a dispatch runs on turnguard's own flow, whose hooks
+    ``map_local`` gets too: it answers that flow from a local file (nothing goes upstream).
+    The client attached to the call gets that answer, as it would without detaching, never
+    a 502 "the attempt ended without a response" in its place; and the answer is no
+    recording (a later request goes upstream)."""
+    turn = {"model": "m", "input": "a prompt map_local answers", "stream": False}
+    canned = tmp_path / "canned.json"
+    canned.write_text('{"object": "response", "id": "resp_canned", "status": "completed"}')
+    rule = f"|~q & ~hq x-canned:.1|/v1/responses|{canned}"
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, map_local=[rule], turnguard_detach_ms=3000) as p:
+        canned_answer = post_turn(p.url, {"x-canned": "1"}, turn, timeout=20)
+        assert canned_answer[0] == 200, canned_answer[2][:300]
+        assert b"resp_canned" in canned_answer[2]
+        upstream_answer = post_turn(p.url, {}, turn, timeout=20)
+        assert upstream_answer[0] == 200 and b"resp_canned" not in upstream_answer[2]
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
