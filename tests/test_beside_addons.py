@@ -357,3 +357,31 @@ def test_an_answer_map_local_gives_a_detached_call_reaches_its_client(tmp_path):
         assert upstream_answer[0] == 200 and b"resp_canned" not in upstream_answer[2]
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_an_upstream_mitmproxy_ignores_passes_untouched_and_turnguard_stays_silent(tmp_path):
+    """``ignore_hosts`` matching the upstream: mitmproxy relays its connections as raw
+    bytes, HTTP and WebSocket alike, and parses nothing, so turnguard sees no flow. Every
+    request is answered by the upstream, the same body twice goes upstream twice (no
+    replay, no hold), and turnguard writes nothing about them."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    turn = {"model": "m", "input": "a prompt to an ignored host", "stream": True}
+
+    async def one(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a call to an ignored host"))
+            return await c.response(timeout=20)
+
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, ignore_hosts=[r"^127\.0\.0\.1:"]) as p:
+        answers = [post_turn(p.url, {}, turn, cut_is_error=True, timeout=20) for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert [a[1].get("x-turnguard") for a in answers] == [None, None]
+        assert types(asyncio.run(one(p.url)))[-1] == "response.completed"
+        assert len(up.dispatches()) == 3 and len(ws_dispatches(up)) == 1
+        assert _events(tmp_path) == []
+        assert_no_traceback(p.log_text())
