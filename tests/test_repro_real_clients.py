@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO, Mitmdump, MockUpstream, read_jsonl
+from harness import REPO, Mitmdump, MockUpstream, read_jsonl, wait_until
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -151,7 +151,10 @@ def test_openai_python_that_times_out_retries_into_the_detached_call(tmp_path, d
         if detach:
             assert result is not None, "the turn must complete through the detached call"
             assert dispatches == 1
-            detached = events(tmp_path, "tg", "upstream_detached")
+            # written as the detached call's own flow ends, which may come just after the
+            # retry that attached to it got its last byte
+            detached = wait_until(lambda: events(tmp_path, "tg", "upstream_detached"), 10,
+                                  what="the detached call's record")
             assert len(detached) == 1 and detached[0]["used"] is True
             assert detached[0]["ran_without_client_ms"] > 0
         else:
@@ -428,8 +431,9 @@ def test_codex_cli_over_websocket_whose_socket_drops_is_answered_by_the_detached
             assert "hellohellohello" in done.stdout
             assert len(ds) == 1, diagnose(tmp_path, "tg", up)
             assert attached and all(a["transport"] == "ws" for a in attached)
-            detached = events(tmp_path, "tg", "upstream_detached")
-            assert detached and detached[0]["used"] is True
+            detached = wait_until(lambda: events(tmp_path, "tg", "upstream_detached"), 10,
+                                  what="the detached call's record")
+            assert detached[0]["used"] is True
             assert detached[0]["outcome"] == "completed"
     report(f"codex exec {CODEX_VERSION} over WebSocket, idle timeout 2.5 s vs a 6 s think, "
            f"{'detached' if detach else 'not detached'}: "
