@@ -538,6 +538,16 @@ def test_ledger_cli_names_an_unknown_option_wherever_it_stands(args):
     assert r.stderr.startswith("usage: scripts/ledger "), r.stderr
 
 
+@pytest.mark.parametrize("args", [("--ledger", "", "circuit", "clear", "--all"),
+                                  ("circuit", "clear", "--all", "--ledger", " ")])
+def test_ledger_cli_refuses_an_empty_ledger_instead_of_using_the_default(tmp_path, args):
+    """``--ledger "$UNSET"`` is a usage error: never the default ledger in the one meant's
+    place (here a clear of every circuit), nor anything made there."""
+    r = _ledger_cli(*args, env=_env(HOME=str(tmp_path), TURNGUARD_LEDGER=""))
+    assert r.returncode == 2 and "--ledger is empty" in r.stderr, r.stderr
+    assert not any(tmp_path.rglob("*.sqlite3*"))
+
+
 def test_ledger_cli_without_a_command_says_it_needs_one():
     r = _ledger_cli("--ledger", "x.sqlite3")
     assert r.returncode == 2 and "the following arguments are required: COMMAND" in r.stderr

@@ -653,6 +653,11 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         args = parser.parse_args(argv)
         if args.command is None:
             parser.error("the following arguments are required: COMMAND")
+        if getattr(args, "ledger", None) is not None and not args.ledger.strip():
+            # `--ledger "$UNSET"`: never the default ledger in its place (a `circuit clear
+            # --all` would act on another ledger than the one meant)
+            parser.error("--ledger is empty; give a ledger file or a PostgreSQL URL, or leave "
+                         "--ledger out for the default")
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
     for value in vars(args).values():  # bytes that are not UTF-8 (a terminal's slip)
