@@ -522,6 +522,10 @@ def test_a_table_locked_under_a_replays_read_does_not_stop_the_ledger_deciding_o
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
         _warm_up(a, b, sessionless)
         assert post(a.url, sessionless, recorded)[0] == 200
+        # its end (the recording) is written just after its client has the answer
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
+                                        " WHERE state = 'in_flight'") == [(0,)],
+                   10, what="the recorded turn's end written")
         locker = psycopg.connect(pg_url, autocommit=True)
         try:
             locker.execute("BEGIN")
