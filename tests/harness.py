@@ -17,12 +17,14 @@ shares no code with the addon's parser.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
 import subprocess
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -239,6 +241,39 @@ class Mitmdump(_ServerProcess):
     def kill9(self) -> int:
         """SIGKILL at once (a crash); return the exit status."""
         return self.process.kill()
+
+
+class LoopbackServer:
+    """A TCP server of a test's own on 127.0.0.1 (a port of its own), served by an asyncio loop
+    on a thread of its own: ``handle(reader, writer)`` answers each connection (a subclass's).
+    ``url`` once started; a context manager that stops it."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self.handle, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 def upstream_of(url: str):

@@ -17,8 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import (ADDON, REPO, Mitmdump, MockUpstream, assert_no_traceback, guarded,
-                     ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
+from harness import (ADDON, REPO, LoopbackServer, Mitmdump, MockUpstream, assert_no_traceback,
+                     guarded, ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 from test_at_most_once import reloadable, reloaded, slow_workers, touch_to_reload
@@ -1408,7 +1408,7 @@ def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_
         assert_no_traceback(a.log_text() + b.log_text())
 
 
-class DeflateUpstream:
+class DeflateUpstream(LoopbackServer):
     """A small Responses-over-WebSocket upstream of its own (the mock caps an event at 1 MiB
     and negotiates no extension): it accepts permessage-deflate when the socket offers it and
     answers each call, after ``delay_s``, with ``response.created``, a small delta, one delta
@@ -1417,22 +1417,9 @@ class DeflateUpstream:
 
     def __init__(self, *, big_bytes: int, delay_s: float = 0.8):
         self.big_bytes, self.delay_s, self.dispatches = big_bytes, delay_s, 0
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
-        ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader, writer) -> None:
+    async def handle(self, reader, writer) -> None:
         from wsproto import ConnectionType, WSConnection
         from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
         from wsproto.extensions import PerMessageDeflate
@@ -1483,16 +1470,9 @@ class DeflateUpstream:
             await send(TextMessage(json.dumps(f)))
             await asyncio.sleep(0.3 if i < 2 else 0)  # the duplicate attaches meanwhile
 
-    def __enter__(self) -> "DeflateUpstream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(LoopbackServer):
     """A Responses-over-WebSocket upstream of its own, for frames the mock never sends: the
     n-th call (any client message) is answered by ``scripts[n]``, a list of frames (a dict:
     a JSON event, ``RID`` in it the response's id; a str: a raw text frame; bytes: a binary
@@ -1500,22 +1480,9 @@ class ScriptedUpstream:
 
     def __init__(self, scripts: list[list]):
         self.scripts, self.calls = scripts, 0
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
-        ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader, writer) -> None:
+    async def handle(self, reader, writer) -> None:
         from wsproto import ConnectionType, WSConnection
         from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Message,
                                     Request, TextMessage)
@@ -1552,13 +1519,6 @@ class ScriptedUpstream:
         finally:
             writer.close()
 
-    def __enter__(self) -> "ScriptedUpstream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 def scripted_response(*middle) -> list:
@@ -1692,7 +1652,7 @@ class EndlessSseUpstream(ScriptedUpstream):
         self.events = events
         super().__init__([])
 
-    async def _handle(self, reader, writer) -> None:
+    async def handle(self, reader, writer) -> None:
         from wsproto import ConnectionType, WSConnection
         from wsproto.events import AcceptConnection, Request
         try:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO, Mitmdump, MockUpstream, read_jsonl, wait_until
+from harness import REPO, LoopbackServer, Mitmdump, MockUpstream, read_jsonl, wait_until
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -466,30 +466,15 @@ def test_codex_cli_over_websocket_a_follow_up_and_its_resend_on_a_new_socket_are
            "operation")
 
 
-class UpgradeRefusingFront:
+class UpgradeRefusingFront(LoopbackServer):
     """A front for the mock upstream that answers every WebSocket upgrade with ``status`` and
     relays every other connection to the mock as it is (byte for byte, both ways)."""
 
     def __init__(self, target_port: int, status: int):
-        import asyncio
         self.target_port, self.status, self.refused = target_port, status, 0
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
 
-    def _run(self, ready: threading.Event) -> None:
-        import asyncio
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
-        ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader, writer) -> None:
+    async def handle(self, reader, writer) -> None:
         import asyncio
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
@@ -520,13 +505,6 @@ class UpgradeRefusingFront:
         finally:
             writer.close()
 
-    def __enter__(self) -> "UpgradeRefusingFront":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.mark.parametrize("status", [426, 500])
