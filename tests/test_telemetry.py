@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -113,7 +114,6 @@ def test_every_event_the_addon_emits_is_named_in_the_readmes_telemetry_section()
     events file for, what ``turnguard_events_total{event=...}`` can say): an event the addon
     emits that it does not name is one nobody knows to watch for."""
     import re
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     emitted: set[str] = set()
@@ -127,13 +127,12 @@ def test_every_event_the_addon_emits_is_named_in_the_readmes_telemetry_section()
     assert not missing, f"emitted, not named in the README: {missing}"
 
 
-def _emitted_fields() -> dict[str, set[str]]:
-    """event -> the fields the addon's calls give it by name (``emit("x", a=...)``,
-    ``Emit("x", {"a": ...})``; what a ``**spread`` adds is the common fields)."""
+def _emit_calls():
+    """Every telemetry call of the addon's code (``emit("x", a=...)``, ``_emit``,
+    ``Emit("x", {"a": ...})``), as (file name, line, event, the field names it gives; None in
+    them for a ``**spread`` or a dict that is not written out)."""
     import ast
-    from pathlib import Path
 
-    fields: dict[str, set[str]] = {}
     for source in (Path(__file__).resolve().parent.parent / "addon").rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
@@ -143,11 +142,19 @@ def _emitted_fields() -> dict[str, set[str]]:
             if name not in ("emit", "_emit", "Emit") or not isinstance(first, ast.Constant) \
                     or not isinstance(first.value, str):
                 continue
-            named = fields.setdefault(first.value, set())
-            named |= {kw.arg for kw in node.keywords if kw.arg}
+            keys = {kw.arg for kw in node.keywords}
             for arg in node.args[1:]:
-                if isinstance(arg, ast.Dict):
-                    named |= {k.value for k in arg.keys if isinstance(k, ast.Constant)}
+                keys |= ({k.value if isinstance(k, ast.Constant) else None for k in arg.keys}
+                         if isinstance(arg, ast.Dict) else {None})
+            yield source.name, node.lineno, first.value, keys
+
+
+def _emitted_fields() -> dict[str, set[str]]:
+    """event -> the fields the addon's calls give it by name (what a ``**spread`` adds is the
+    common fields)."""
+    fields: dict[str, set[str]] = {}
+    for _, _, event, keys in _emit_calls():
+        fields.setdefault(event, set()).update(k for k in keys if k)
     return fields
 
 
@@ -158,7 +165,6 @@ def test_every_field_an_event_carries_is_named_with_it_in_the_readme():
     field a parser of the events file meets without a word about it is undocumented
     interface."""
     import re
-    from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("## Telemetry, commands, inspection", 1)[1].split("\nIn mitmweb", 1)[0]
@@ -189,27 +195,12 @@ def test_every_record_about_a_request_carries_its_op_flow_session_and_transport(
     the operation (``op``) names the other three too, or spreads a request's ``base`` (which
     has all four). (A ``passthrough`` of a request turnguard could not identify has no
     operation: ``flow`` and ``transport`` only, as the README says.)"""
-    import ast
-    from pathlib import Path
-
     short = []
-    for source in (Path(__file__).resolve().parent.parent / "addon").rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text())):
-            if not isinstance(node, ast.Call) or not node.args:
-                continue
-            name = getattr(node.func, "attr", getattr(node.func, "id", ""))
-            first = node.args[0]
-            if name not in ("emit", "_emit", "Emit") or not isinstance(first, ast.Constant) \
-                    or not isinstance(first.value, str):
-                continue
-            keys = {kw.arg for kw in node.keywords}
-            for arg in node.args[1:]:
-                keys |= ({k.value if isinstance(k, ast.Constant) else None for k in arg.keys}
-                         if isinstance(arg, ast.Dict) else {None})
-            if None in keys:  # a spread: a base of the request's (checked where it is made)
-                continue
-            if "op" in keys and not {"flow", "session", "transport"} <= keys:
-                short.append(f"{source.name}:{node.lineno} {first.value} {sorted(keys)}")
-            if "flow" in keys and "op" not in keys and first.value != "passthrough":
-                short.append(f"{source.name}:{node.lineno} {first.value} {sorted(keys)}")
+    for file, line, event, keys in _emit_calls():
+        if None in keys:  # a spread: a base of the request's (checked where it is made)
+            continue
+        if "op" in keys and not {"flow", "session", "transport"} <= keys:
+            short.append(f"{file}:{line} {event} {sorted(keys)}")
+        if "flow" in keys and "op" not in keys and event != "passthrough":
+            short.append(f"{file}:{line} {event} {sorted(keys)}")
     assert not short, short
