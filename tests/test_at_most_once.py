@@ -789,6 +789,43 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
            "process once it ended was replayed; upstream dispatches=1")
 
 
+def test_a_duplicate_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_the_owner(
+    tmp_path, report
+):
+    """A's original is in flight when another file that is no database is moved over the
+    ledger (its ``-wal`` and ``-shm`` left beside it). B cannot open the file now at the path,
+    so it decides in memory; but it read from the file it left that A, alive, had that
+    operation in flight there: B's duplicate is held, not dispatched blind. Once the junk is
+    gone, A records its turn's end in the new file and B, which waits for A to register there
+    before it decides anything from it, replays it. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = "a duplicate while the ledger is junk"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
+                                 body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        junk = tmp_path / "junk"
+        junk.write_bytes(b"no database here\n" * 256)
+        junk.chmod(0o600)
+        os.replace(junk, ledger)
+        wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
+                   what="B finding the ledger replaced")
+        duplicate = in_background(post, b.url, SESSION, body_of(text))
+        status, _, first = original.result(30)
+        assert status == 200
+        delete_ledger(ledger)  # the junk goes: a new ledger is made at the path
+        status, headers, body = duplicate.result(60)
+        assert len(up.dispatches()) == 1, "the duplicate sent to B ran the turn a second time"
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert response_id(body) == response_id(first)
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("ledger replaced by a file that is no database while A's turn was in flight: B held "
+           "the duplicate it got, then replayed the turn from the new ledger; upstream "
+           "dispatches=1")
+
+
 @pytest.mark.parametrize("duplicate_through", ["the other process", "both"])
 def test_a_new_duplicate_sent_elsewhere_as_the_ledger_is_deleted_waits_for_the_owner(
     tmp_path, report, duplicate_through

@@ -223,6 +223,9 @@ class FailoverStore:
         self._left = ""
         self._peers: set[str] = set()
         self._peers_until = 0.0
+        # the file at the path could not be opened since it was left: the peers try again
+        # no sooner than this process (``REOPEN_S``), so the wait starts again when it opens
+        self._peers_behind = False
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 
@@ -398,6 +401,11 @@ class FailoverStore:
         # try applies what is owed (recover)
         self._adoption_due = (self._attempts_elsewhere(generation) or self._stale_attempts_due
                               or bool(self._moved_from))
+        if self._peers and self._peers_behind and generation != self._left:
+            # the file at the path could not be opened at first (no ledger there): the peers
+            # open this one at their next try, up to ``REOPEN_S`` after this process
+            self._peers_behind = False
+            self._peers_until = time.monotonic() + PEERS_REGISTERING_S + REOPEN_S
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
@@ -504,29 +512,38 @@ class FailoverStore:
 
     def _await_peers_of(self, store: Store) -> None:
         """Read from ``store``, the file being left, which live peers have attempts in flight
-        there. Until each has noted that it registered them in the new file, or
-        ``PEERS_REGISTERING_S`` passed, the new file cannot say that an operation is in flight
-        nowhere: a request it knows nothing of waits (``policy.PEERS_REGISTERING``). When the
-        old file cannot say, every request waits that long. Every peer not proven gone is
-        waited for: how long a peer's heartbeat has been silent is no proof here (only its
-        wall clock against this one's, which step and differ between hosts: a live peer's
-        heartbeat an hour old by a clock an hour ahead); a dead one costs that wait once."""
+        there, and of which operations. Until each has noted that it registered them in the
+        new file, or ``PEERS_REGISTERING_S`` passed (counted again from when the new file
+        opens, if it could not be opened at once: see ``_use``), the new file cannot say that
+        an operation is in flight nowhere: a request it knows nothing of waits
+        (``policy.PEERS_REGISTERING``). Those operations are noted in flight elsewhere in
+        memory: while no file at the path can be opened (another file that is no ledger put
+        in its place), a request of one of them decided in memory is held, never dispatched
+        blind. When the old file cannot say, every request waits that long. Every peer not
+        proven gone is waited for: how long a peer's heartbeat has been silent is no proof
+        here (only its wall clock against this one's, which step and differ between hosts: a
+        live peer's heartbeat an hour old by a clock an hour ahead); a dead one costs that
+        wait once."""
         now = time.time()
         try:
-            rows = store.peers_with_attempts_in_flight_sync(timeout=PEERS_READ_S)
+            rows, ops = store.attempts_in_flight_elsewhere_sync(timeout=PEERS_READ_S)
         except (LedgerError, TimeoutError) as e:
             logger.warning("turnguard: cannot read which processes had turns in flight in the "
                            "ledger file left (%s); new turns wait up to %.0f s for them", e,
                            PEERS_REGISTERING_S)
-            rows = None
+            rows, ops = None, []
         if rows is None:
             peers = {"(unknown)"}  # nobody notes that name: waited for the whole time
         else:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
                 peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S, silent_s=0.0,
                 start_ticks_of=liveness.probe_start_ticks) == "alive"}
+        for instance_id, op_key in ops:
+            if instance_id in peers:
+                self.memory.knowledge.in_flight_elsewhere(op_key, None)
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + PEERS_REGISTERING_S if peers else 0.0
+        self._peers_behind = False
 
     async def _peers_registering(self, store: Store, deadline: float | None,
                                  hold_until: float | None = None) -> bool:
@@ -560,6 +577,8 @@ class FailoverStore:
     def _down(self, error: Exception, during: str) -> None:
         """Note that the ledger failed (said once per outage): decisions are made in memory
         until a try (the next request's, or the ticker's) finds it working again."""
+        if during == "open" and self._peers:
+            self._peers_behind = True
         if self.error is None:
             # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
             # broken ledger must not stop the proxy.

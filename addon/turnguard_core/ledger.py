@@ -1005,6 +1005,14 @@ class Ledger:
         ]
 
     @_wrap
+    def ops_in_flight_elsewhere(self) -> list[tuple[str, str]]:
+        """``(instance_id, op_key)`` of each attempt another instance has in flight here."""
+        rows = self._conn().execute(
+            "SELECT instance_id, op_key FROM attempts WHERE outcome='in_flight'"
+            " AND instance_id<>?", (self.instance_id,)).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    @_wrap
     def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:
         """End this instance's attempts that this file shows in flight for operations it has
         no attempt in flight of (an older copy of the ledger put in its place shows attempts

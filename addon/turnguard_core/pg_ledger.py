@@ -915,6 +915,14 @@ class PgLedger:
                 for r in rows]
 
     @_wrap
+    def ops_in_flight_elsewhere(self) -> list[tuple[str, str]]:
+        """See ``Ledger.ops_in_flight_elsewhere``."""
+        rows = self._read().execute(
+            "SELECT instance_id, op_key FROM attempts WHERE outcome='in_flight'"
+            " AND instance_id<>%s", (self.instance_id,)).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    @_wrap
     def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:
         """See ``Ledger.end_stale_attempts``."""
         with self._tx() as tx:

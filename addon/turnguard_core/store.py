@@ -126,7 +126,12 @@ class Store(Protocol):
 
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
 
-    def peers_with_attempts_in_flight_sync(self, *, timeout: float) -> list[liveness.PeerRow]: ...
+    def attempts_in_flight_elsewhere_sync(
+        self, *, timeout: float,
+    ) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+        """The other instances with attempts in flight (``peers_with_attempts_in_flight``)
+        and the ``(instance_id, op_key)`` of each of those attempts, read together, blocking
+        at most ``timeout`` (the file being left, read as it goes)."""
 
     async def mark_moved(self, from_generation: str, *, now: float,
                          deadline: float | None) -> None: ...
@@ -290,9 +295,10 @@ class LedgerStore:
     async def peers_with_attempts_in_flight(self):
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
 
-    def peers_with_attempts_in_flight_sync(self, *, timeout):
-        return self._runner.call_sync(lambda led: led.peers_with_attempts_in_flight(),
-                                      timeout=timeout)
+    def attempts_in_flight_elsewhere_sync(self, *, timeout):
+        return self._runner.call_sync(
+            lambda led: (led.peers_with_attempts_in_flight(), led.ops_in_flight_elsewhere()),
+            timeout=timeout)
 
     async def mark_moved(self, from_generation, *, now, deadline):
         return await self._runner.call(lambda led: led.mark_moved(from_generation, now),
