@@ -640,6 +640,67 @@ def test_a_retry_dispatched_while_a_failed_attempts_end_is_owed_is_registered(tm
            "process was held on it; upstream dispatches=2 for the turn")
 
 
+@pytest.mark.parametrize("begin", ["BEGIN IMMEDIATE", "BEGIN EXCLUSIVE"])
+def test_a_duplicate_sent_elsewhere_while_another_connection_holds_the_write_lock_is_held(
+    tmp_path, begin, report
+):
+    """A's original is in flight when another connection takes the ledger's write lock
+    (``BEGIN IMMEDIATE``, as a writer or a backup tool does; in WAL mode ``EXCLUSIVE`` is the
+    same): the ledger cannot be written, yet it can be read. A duplicate of the turn, sent
+    to B (which never saw the original; its session claim meets the lock first) is read
+    there in flight in A and held, not dispatched a second time from B's memory; it gets
+    the turn's recording once the lock is gone and the turn ended. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"a duplicate behind a write lock ({begin})"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=5000)},
+                                 body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        with write_lock(ledger, begin):
+            duplicate = in_background(post, b.url, SESSION, body_of(text))
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held")
+                       or len(up.dispatches()) > 1, 10, what="B deciding the duplicate")
+            assert len(up.dispatches()) == 1, "B ran the turn a second time behind the lock"
+            assert events(tmp_path, "b", "ledger_unavailable")  # the lock was met
+        status, _, first = original.result(30)
+        assert status == 200
+        status, headers, body = duplicate.result(40)
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"another connection held the ledger's write lock ({begin}) while A's turn ran: a "
+           "duplicate sent to B was read in flight and held, then replayed; upstream "
+           "dispatches=1")
+
+
+def test_a_completed_turn_retried_elsewhere_while_another_connection_holds_the_write_lock_is_replayed(
+    tmp_path, report
+):
+    """A turn completed through A; while another connection holds the ledger's write lock,
+    its retry reaches B (which never saw it): the ledger can be read, so B replays the
+    recording from it instead of running the turn a second time."""
+    ledger = tmp_path / "ledger.sqlite3"
+    text = "a retry behind a write lock"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        status, _, first = post(a.url, SESSION, body_of(text))
+        assert status == 200
+        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
+                   10, what="the turn's end written")
+        with write_lock(ledger, "BEGIN IMMEDIATE"):
+            status, headers, body = post(b.url, SESSION, body_of(text))
+            assert events(tmp_path, "b", "ledger_unavailable")  # the lock was met
+        assert len(up.dispatches()) == 1, "B ran the completed turn again behind the lock"
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert body == first
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("another connection held the ledger's write lock: the retry of a turn completed "
+           "through A, sent to B, was replayed from the ledger; upstream dispatches=1")
+
+
 def test_once_mode_never_dispatches_a_spent_operation_while_the_ledger_is_locked(tmp_path):
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_recovery_mode=ONCE, turnguard_cooldown_ms=1500)

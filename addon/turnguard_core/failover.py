@@ -58,6 +58,7 @@ logger = logging.getLogger("turnguard")
 
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
+PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
@@ -645,8 +646,22 @@ class FailoverStore:
             if self._moved_from:  # after the ends owed: a turn that ended meanwhile is there
                 await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
                 self._moved_from = ""
-            if not probed and await store.heartbeat(time.time(), deadline=deadline) == "reregistered":
+            # a probe of an SQLite ledger nobody waits for (the maintenance's, a held
+            # duplicate's poll) gives up on a lock at once: the ledger's one connection runs
+            # calls in order, and a request's read queued behind it (``_only_locked``) must
+            # not wait out its bound (a PostgreSQL probe may need to connect again first)
+            probe_by = deadline if deadline is not None or is_postgres(self.path) \
+                else time.monotonic() + PROBE_S
+            if not probed and await store.heartbeat(time.time(),
+                                                    deadline=probe_by) == "reregistered":
                 self._reregistered(store.incarnation)
+            # a dispatch decided in memory while this catch-up waited for the ledger (a
+            # request whose own call met the same lock) has no row yet: registered before the
+            # ledger is taken for usable, or no other process would see it in flight (one
+            # dispatched during these awaits is noted due: the next try registers it)
+            for attempt in [a for a in self._attempts() if a.generation != store.generation]:
+                await self._adopt(store, attempt, deadline)
+            self._adoption_due = self._attempts_elsewhere(store.generation)
         except LedgerError as e:
             self._down(e, "probe")
             return False
@@ -717,6 +732,23 @@ class FailoverStore:
         self._file_gone(why)
         return True
 
+    def _only_locked(self, deadline: float | None) -> bool:
+        """A request's call (``deadline``) goes to the ledger as it is, without a probe first,
+        when all that keeps it from being usable is another connection's lock and this
+        process owes it nothing (no write kept or under way, no attempt to register): a write
+        lock keeps the ledger from being written, not read (SQLite in WAL mode), and an
+        admission reads the operation before it takes the lock (``Ledger.admit``), so a
+        duplicate of a turn another process has in flight is read there and held instead of
+        being dispatched again from this process's memory. The probe (a heartbeat, a write)
+        would wait for the lock and say nothing the call does not; the outage ends as before,
+        when a probe (the maintenance's) writes again. SQLite only: a PostgreSQL lock that
+        fails a call holds a table, which its readers wait for too."""
+        return (deadline is not None and self._store is not None and self.error is not None
+                and not is_postgres(self.path)
+                and contended(self.error) and not self._kept and not self._sent
+                and not self._adoption_due and not self._stale_attempts_due
+                and not self._moved_from)
+
     async def _call_once(self, during: str, call: Callable[[Store], Any], *,
                          deadline: float | None = None, on_late=None,
                          background: bool = False) -> Any:
@@ -734,7 +766,8 @@ class FailoverStore:
                                    timeout=max(0.0, deadline - time.monotonic()))
         if self._store is None or deadline is not None and deadline <= time.monotonic():
             return UNREAD
-        if not self.usable and not await self.recover(deadline):
+        if not self.usable and not self._only_locked(deadline) \
+                and not await self.recover(deadline):
             return UNREAD
         started = time.monotonic()
         try:
