@@ -265,6 +265,40 @@ def test_one_principal_cannot_fence_another_by_sending_its_session_id(rig):
     assert resp.status_code == 200 and dispatches(rig, 0) == before + 1
 
 
+def test_a_circuit_opened_on_one_upstream_never_fences_the_other(rig):
+    """Two eventless failures of a session's turn to U1 open that session's circuit there;
+    the same key, session id and turn state sent to U2 (another upstream behind the same
+    proxy) is another session, not fenced: it is dispatched to U2."""
+    session = f"two-upstreams-{secrets.token_hex(4)}"
+    key = (("authorization", "Bearer k"), ("session-id", session),
+           ("x-codex-turn-state", "ts-two-upstreams"))
+    failing = key + (("x-mock-behaviour", json.dumps({"kind": "reset"})),)
+    body = turn("one upstream's circuit")
+    for _ in range(2):
+        send_quietly(rig, Req(0, "reverse", failing, body))
+    fenced = send(rig, Req(0, "reverse", key, body))
+    assert fenced.status_code == 503  # the control: U1's session cools down
+    before = dispatches(rig, 1)
+    resp = send(rig, Req(1, "reverse", key, body))
+    assert resp.status_code == 200 and not replayed(resp)
+    assert dispatches(rig, 1) == before + 1
+
+
+def test_one_body_sent_to_two_upstreams_at_once_is_two_operations(rig):
+    """The same request sent at the same moment to U1 and U2 (each slow upstream): neither is
+    held as the other's duplicate nor answered with its bytes; each upstream runs it once."""
+    slow = (("authorization", "Bearer k"), ("session-id", f"both-{secrets.token_hex(4)}"),
+            ("x-mock-behaviour", json.dumps({"kind": "slow", "delay_ms": 1500})))
+    body = turn("both upstreams at once")
+    before = [dispatches(rig, 0), dispatches(rig, 1)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        answers = list(pool.map(lambda u: send(rig, Req(u, "reverse", slow, body)), (0, 1)))
+    assert [a.status_code for a in answers] == [200, 200]
+    assert not any(a.headers.get("x-turnguard") for a in answers)
+    assert response_id(answers[0].content) != response_id(answers[1].content)
+    assert [dispatches(rig, 0), dispatches(rig, 1)] == [before[0] + 1, before[1] + 1]
+
+
 def test_a_key_that_modify_headers_injects_is_part_of_the_principal(tmp_path):
     """mitmproxy's ``modify_headers`` (a gateway injecting each team's key, chosen by a header
     that is no credential) runs in ``requestheaders``, before turnguard identifies a request
