@@ -278,6 +278,20 @@ def test_reap_dead_instance(ledger_backend):
         ("unknown", "completed"), ("in_flight", None)]
 
 
+def test_ops_in_flight_elsewhere_names_each_other_instances_attempt_in_flight(ledger_backend):
+    """What a process reads from a ledger file it leaves (deleted or replaced): the operations
+    other instances have in flight there, never its own nor ended ones."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    i1, i2, i3 = ident({"n": 1}), ident({"n": 2}), ident({"n": 3})
+    admit(a, i1)
+    d2 = admit(a, i2)
+    admit(b, i3)
+    a.finish(d2.attempt_id, AttemptEnd("completed", 200, 1), now=1001.0)
+    assert b.ops_in_flight_elsewhere() == [("a", i1.op_key)]
+    assert a.ops_in_flight_elsewhere() == [("b", i3.op_key)]
+
+
 def test_an_attempt_id_of_another_operation_is_neither_ended_nor_replayed(ledger_backend):
     """Attempt ids come again in an older copy of a ledger put back in place: a write or a
     read by attempt id that names its operation never touches another operation's attempt."""
