@@ -625,7 +625,7 @@ class TurnGuard:
     def _update(self, flows_) -> None:
         """A flow was changed elsewhere (e.g. killed with the flow.kill command): wake it if held."""
         for f in flows_:
-            if f.error is not None:
+            if flows.killed(f):  # (not an error another addon only notes on a live flow)
                 self.waiters.gone(f.id, "killed")
 
 

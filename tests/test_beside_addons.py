@@ -385,3 +385,38 @@ def test_an_upstream_mitmproxy_ignores_passes_untouched_and_turnguard_stays_sile
         assert len(up.dispatches()) == 3 and len(ws_dispatches(up)) == 1
         assert _events(tmp_path) == []
         assert_no_traceback(p.log_text())
+
+
+ANNOTATOR = (
+    "from mitmproxy import flow as mflow\n"
+    "def request(f):\n"
+    "    if f.request.headers.get('x-annotate'):\n"
+    "        f.error = mflow.Error('flagged by policy')  # a note: the flow goes on\n"
+)
+
+
+def test_a_flow_error_an_addon_only_notes_is_no_kill(tmp_path):
+    """An addon loaded before turnguard sets ``flow.error`` on a request without killing it
+    (an annotation). mitmproxy kills a flow only when its error is ``Error.KILLED_MESSAGE``
+    (``flow.kill()``): the request goes on. A duplicate of a turn in flight so annotated is
+    held and answered with the original's result, never let go and killed as if its user
+    had killed it (a lost request)."""
+    import concurrent.futures
+
+    script = tmp_path / "annotator.py"
+    script.write_text(ANNOTATOR)
+    turn = {"model": "m", "input": "a turn an addon annotates", "stream": True}
+    slow = {"kind": "ok", "events": 4, "gap_ms": 300}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)]) as p, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:  # the annotator first
+        first = pool.submit(post_turn, p.url, {"x-annotate": "1"}, turn, behaviour=slow,
+                            cut_is_error=True, timeout=30)
+        wait_until(lambda: up.dispatches(), 10, what="the first dispatch")
+        held = post_turn(p.url, {"x-annotate": "1"}, turn, cut_is_error=True, timeout=30)
+        first = first.result()
+        assert [first[0], held[0]] == [200, 200]
+        assert first[2] == held[2]
+        assert held[1].get("x-turnguard") in ("attached", "replayed")
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())

@@ -14,6 +14,7 @@ import time
 import weakref
 
 from mitmproxy import ctx, hooks, http
+from mitmproxy.flow import Error
 from mitmproxy.net.http import status_codes
 
 from turnguard_core import answers, identity
@@ -263,6 +264,14 @@ def proxyserver():
 SETTLE_STEPS = 3
 
 
+def killed(flow: http.HTTPFlow) -> bool:
+    """Whether the flow was killed: its error is mitmproxy's kill (``flow.kill()``, i.e.
+    ``Error.KILLED_MESSAGE``: the only error mitmproxy acts on after a hook), or it is over
+    with an error. An error another addon only sets on a live flow (a note, with no kill)
+    is no kill: mitmproxy lets that flow go on, and so does turnguard."""
+    return flow.error is not None and (flow.error.msg == Error.KILLED_MESSAGE or not flow.live)
+
+
 class ClientWatch:
     """Tells whether the client of a held flow still wants an answer."""
 
@@ -283,8 +292,9 @@ class ClientWatch:
         return self.gone(flow)
 
     def gone(self, flow: http.HTTPFlow) -> str | None:
-        """Why the client no longer wants an answer (None: it still does)."""
-        if flow.error is not None:
+        """Why the client no longer wants an answer (None: it still does); ``killed`` says
+        what a kill is (not an error another addon only notes on a live flow)."""
+        if killed(flow):
             return "killed"
         if not flow.client_conn.connected:
             return "client disconnected"

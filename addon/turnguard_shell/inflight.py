@@ -352,7 +352,7 @@ class InFlight:
             flow = attempt.flow
             if attempt.transport != "http" or flow is None:
                 continue
-            if flow.error is not None:
+            if flow.error is not None and not flow.live:  # (not a note on a live flow)
                 self.end(flow, body_complete=False)
             elif flow.response is not None and flow.response.timestamp_end is not None:
                 self.end(flow, body_complete=True)  # (its body read whole if never teed)
