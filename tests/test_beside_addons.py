@@ -420,3 +420,39 @@ def test_a_flow_error_an_addon_only_notes_is_no_kill(tmp_path):
         assert held[1].get("x-turnguard") in ("attached", "replayed")
         assert len(up.dispatches()) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_a_response_body_size_limit_refuses_is_no_upstream_failure(tmp_path):
+    """``body_size_limit`` under a response's Content-Length: mitmproxy refuses the body after
+    the ``responseheaders`` hook (its ``error`` hook fires; the client gets mitmproxy's 502).
+    The upstream answered, whole and on time: the proxy refused it. That is never an eventless
+    failure of the upstream's (enough of them would open a cooldown, 503s for the session):
+    it is named ``proxy_body_size_limit`` and does not count for the circuit. A duplicate
+    held meanwhile is answered 502 ``proxy_refused_response`` (never a hang), not run upstream
+    again to be refused the same way."""
+    import concurrent.futures
+
+    import test_e2e_circuit as circ
+
+    turn = {"model": "m", "input": "big", "stream": False}  # (the request is under the limit)
+    with MockUpstream(tmp_path) as up, \
+            circ.proxy(tmp_path, up, body_size_limit="100",
+                       turnguard_response_created_timeout_ms=5000) as p, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for n in range(3):  # two eventless failures would open the circuit
+            answer = post_turn(p.url, circ.ANCHORED, {**turn, "input": f"turn {n}"}, timeout=20)
+            assert answer[0] in (0, 502), answer
+        assert len(up.dispatches()) == 3  # none refused by a cooldown
+        failures = wait_until(lambda: (e := circ.events(tmp_path, "eventless_failure"))[2:]
+                              and e, 10, what="three failures")
+        assert [(f["failure_class"], f["counts_for_circuit"]) for f in failures] == [
+            ("proxy_body_size_limit", False)] * 3
+        assert circ.events(tmp_path, "circuit_opened") == []
+        slow = {"kind": "ok", "delay_ms": 1500}
+        first = pool.submit(post_turn, p.url, circ.ANCHORED, turn, behaviour=slow, timeout=20)
+        wait_until(lambda: len(up.dispatches()) == 4, 10, what="the original's dispatch")
+        held = post_turn(p.url, circ.ANCHORED, turn, timeout=20)
+        assert first.result()[0] in (0, 502)
+        assert (held[0], held[1].get("x-turnguard")) == (502, "proxy_refused_response"), held
+        assert len(up.dispatches()) == 4
+        assert_no_traceback(p.log_text())

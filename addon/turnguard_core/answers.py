@@ -50,6 +50,20 @@ def turn_in_progress(retry_after_s: int, held_ms: int) -> Answer:
     )
 
 
+def response_refused(reason: str) -> Answer:
+    """502 ``proxy_refused_response`` for a duplicate held while its original ran: the upstream
+    answered the original, but the proxy refused that answer (``reason``, mitmproxy's message:
+    a body past its ``body_size_limit``). The same request would be refused the same way, so
+    it was not run upstream again."""
+    return error_answer(
+        502,
+        "proxy_refused_response",
+        f"An identical request was answered upstream, but the proxy refused the answer "
+        f"({reason}); it was not run again. Raise the limit to receive it.",
+        should_retry=False,
+    )
+
+
 def idempotency_key_conflict() -> Answer:
     return error_answer(
         422,

@@ -203,10 +203,13 @@ Transition = tuple["State", tuple[Effect, ...]]
 # -- why a wait ended --------------------------------------------------------------------------
 @record
 class Ended:
-    """The attempt waited for ended (``recording``: completed and replayable)."""
+    """The attempt waited for ended (``recording``: completed and replayable; ``refused``:
+    the upstream answered but the proxy refused that answer, mitmproxy's message; the same
+    request would be refused again)."""
 
     outcome: str
     recording: Recording | None = None
+    refused: str | None = None
 
 
 @record
@@ -377,6 +380,18 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
                          as_duplicate), effects
 
 
+def _reject_refused(req: RequestFacts, refused: str, held_since: float, now: float) -> Transition:
+    """The original ran upstream and the proxy refused its answer: run again, the duplicate
+    would be refused the same way (one more upstream execution for nothing)."""
+    held_ms = round((now - held_since) * 1000)
+    return Respond(answers.response_refused(refused)), (
+        Emit("duplicate_rejected", {**req.base, "held_ms": held_ms, "answer_status": 502,
+                                    "code": "proxy_refused_response"}),
+        Show(MARK_REJECTED, f"turnguard: held {held_ms} ms; the proxy refused the original's "
+                            f"answer ({refused}): answered 502, not run again"),
+    )
+
+
 def _reject_in_progress(
     req: RequestFacts, held_since: float, now: float, effects: tuple[Effect, ...] = ()
 ) -> Transition:
@@ -408,6 +423,8 @@ def on_woke(
             return _abandon(req, gone, state.held_since, now)
         case Ended(recording=recording) if recording is not None:
             return Replay(recording, round((now - state.held_since) * 1000), None), ()
+        case Ended(refused=refused) if refused is not None:
+            return _reject_refused(req, refused, state.held_since, now)
         case Attachable(live=live):
             held_ms = round((now - state.held_since) * 1000)
             return Attach(live, held_ms, state.attempt_id), (

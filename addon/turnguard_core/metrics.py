@@ -70,7 +70,7 @@ DUPLICATE_ACTIONS = {
 }
 ANSWER_CODES = (
     "turn_in_progress", "idempotency_key_conflict", "upstream_request_timeout",
-    "upstream_operation_status_unknown",
+    "upstream_operation_status_unknown", "proxy_refused_response",
 )
 FAIL_CLOSED_REASONS = (
     "owner_proof_missing", "ownership_lost", "output_exists", "request_budget_expired",
@@ -82,7 +82,7 @@ FAILURE_CLASSES = (
     "missing_response_created_timeout", "client_abort", "killed", "connection_error",
     "upstream_closed_before_headers", "upstream_clean_close", "upstream_closed_after_headers",
     "upstream_error_event", "upstream_response_failed", "upstream_ws_closed",
-    "proxy_out_of_resources",
+    "proxy_out_of_resources", "proxy_body_size_limit",
 )
 ABANDON_REASONS = {
     "killed": "killed", "client disconnected": "client_disconnected",

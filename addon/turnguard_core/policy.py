@@ -416,12 +416,16 @@ def failure_class(
     ``KILLED_MESSAGE``); turnguard never kills a flow it dispatched (it cuts the upstream).
     ``proxy_out_of_resources``: the proxy's own host could not make the connection (out of
     descriptors, memory, buffers or local ports: ``PROXY_SHORTAGES``), so nothing of it
-    reached the upstream."""
+    reached the upstream. ``proxy_body_size_limit``: mitmproxy refused a body past its
+    ``body_size_limit`` option (its message ``BODY_SIZE_LIMIT``): the upstream answered, the
+    proxy would not carry it."""
     if cut_reason:
         return cut_reason
     if error == KILLED_MESSAGE:
         return "killed"
     msg = (error or "").lower()
+    if BODY_SIZE_LIMIT in msg:
+        return "proxy_body_size_limit"
     if client_gone or any(w in msg for w in ("client disconnected", "reset by client")):
         return "client_abort"
     if any(w in msg for w in PROXY_SHORTAGES):
@@ -444,6 +448,9 @@ def failure_class(
 
 # mitmproxy's ``flow.Error.KILLED_MESSAGE``: the error of a flow a user killed
 KILLED_MESSAGE = "Connection killed."
+# what mitmproxy's error says of a request or response body past its ``body_size_limit``
+# ("Response body exceeds mitmproxy's body_size_limit.")
+BODY_SIZE_LIMIT = "exceeds mitmproxy's body_size_limit"
 # the OS's messages (strerror) for a resource of the proxy's own host running out: EMFILE,
 # ENFILE ("... in system"), ENOBUFS, ENOMEM, EADDRNOTAVAIL (no local port left to connect from)
 PROXY_SHORTAGES = ("too many open files", "no buffer space available", "cannot allocate memory",
@@ -451,9 +458,11 @@ PROXY_SHORTAGES = ("too many open files", "no buffer space available", "cannot a
 
 
 def counts_for_circuit(failure: str) -> bool:
-    """A client that went away, a flow a user killed, or the proxy's own host out of
-    descriptors (or memory, buffers, local ports) says nothing about the upstream's health."""
-    return failure not in ("client_abort", "killed", "proxy_out_of_resources")
+    """A client that went away, a flow a user killed, the proxy's own host out of
+    descriptors (or memory, buffers, local ports), or a body the proxy refused for its
+    ``body_size_limit`` says nothing about the upstream's health."""
+    return failure not in ("client_abort", "killed", "proxy_out_of_resources",
+                           "proxy_body_size_limit")
 
 
 def purge_interval_s(replay_window_s: float) -> float:

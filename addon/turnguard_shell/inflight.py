@@ -456,7 +456,8 @@ class InFlight:
                          ending.recording)
         recorded = self._store.finish(attempt, ending, end, now=time.time(),
                                       circuit_cfg=self._settings().circuit, base=attempt.base)
-        return Ended(ending.outcome, ending.recording), recorded
+        return Ended(ending.outcome, ending.recording,
+                     facts.error if ending.failure == "proxy_body_size_limit" else None), recorded
 
     @staticmethod
     def _end_facts(flow: http.HTTPFlow, attempt: Attempt, body_complete: bool,
