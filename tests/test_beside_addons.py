@@ -456,3 +456,50 @@ def test_a_response_body_size_limit_refuses_is_no_upstream_failure(tmp_path):
         assert (held[0], held[1].get("x-turnguard")) == (502, "proxy_refused_response"), held
         assert len(up.dispatches()) == 4
         assert_no_traceback(p.log_text())
+
+
+def test_a_websocket_frame_a_later_addon_drops_is_not_left_in_flight(tmp_path):
+    """An addon loaded after turnguard drops a client's frame in its ``websocket_message``
+    hook (a content filter): mitmproxy checks ``message.dropped`` once every addon's hook ran,
+    and never sends it. turnguard decided it before the drop (a call on its way upstream, or
+    a queued one it sends itself, which the filter sees too), but it never went upstream: it
+    is not kept in flight, the socket's next call is answered (never held behind it nor cut
+    as a silent upstream), and no eventless failure is counted."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    script = tmp_path / "dropper.py"
+    script.write_text(DROPPER)
+
+    async def alone(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a forbidden prompt"))
+            await c.send(_ws_call("an allowed prompt"))
+            return [await c.response(timeout=20)]
+
+    async def queued(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("a slow allowed prompt", seed=1))
+            await c.send(_ws_call("a forbidden prompt queued", seed=2))
+            await c.send(_ws_call("another allowed prompt", seed=3))
+            return [await c.response(timeout=20), await c.response(timeout=20)]
+
+    scenario = {"default": {"kind": "ok", "delay_ms": 500}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, extra_args=["-s", str(script)],
+                    turnguard_response_created_timeout_ms=3000) as p:  # the dropper after
+        for case in (alone, queued):
+            got = asyncio.run(case(p.url))
+            assert [types(r)[-1] for r in got] == ["response.completed"] * len(got), case
+        assert len(ws_dispatches(up)) == 3  # the allowed calls only
+        outcomes = wait_until(lambda: (e := [x for x in _events(tmp_path)
+                                             if x["event"] == "outcome"])[4:] and e,
+                              10, what="five outcomes")
+        assert sorted(o["outcome"] for o in outcomes) == ["completed"] * 3 + ["rejected"] * 2
+        assert all("dropped" in o["detail"] for o in outcomes if o["outcome"] == "rejected")
+        assert [e for e in _events(tmp_path) if e["event"] in ("upstream_cut",
+                                                               "eventless_failure")] == []
+        assert_no_traceback(p.log_text())
+

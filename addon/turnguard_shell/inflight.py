@@ -197,6 +197,10 @@ class InFlight:
             self._arm_cut(attempt, key, flow, STALL_GRACE_S, graces - 1)
             return
         sock = self._process.sockets.get(flow.id) if attempt.transport == "ws" else None
+        if sock is not None and self._process.guard is not None:
+            self._process.guard.websockets.drop_unsent(sock)  # (never sent: not silent)
+            if key not in self._process.attempts:
+                return
         if sock is not None and sock.unread_upstream():
             if self._process.guard is None:
                 return  # no instance loaded to read its events: the next one does (not silent)

@@ -79,6 +79,7 @@ class Maintenance:
                 g.inflight.release_killed()
                 g.inflight.end_those_whose_end_hook_was_halted()
                 g.websockets.read_unread_upstream()
+                g.websockets.drop_unsent()
                 g.websockets.end_those_whose_end_hook_was_halted()
                 g.telemetry.reopen_if_moved()
                 g.drop_deferred_problems(getattr(ctx.options, "deferred", {}))

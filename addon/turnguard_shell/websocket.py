@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("turnguard")
 
 MARK_WS = ":electric_plug:"
+DROPPED_AFTER = "an addon after turnguard dropped the frame; it never went upstream"
 MAX_QUEUED_FRAMES = 64  # frames a client may send ahead of the socket's response in flight
 
 
@@ -69,6 +70,9 @@ class Response:
     request: dict | None  # the full request it answers (None: a frame that is no call)
     events: ws.ResponseEvents
     attempt_key: str | None  # its attempt, when it is a guarded dispatch
+    # the client message that carries it upstream (the frame's own, or the one turnguard
+    # injected, once its hook came): an addon after turnguard may drop it (``drop_unsent``)
+    message: object | None = None
 
 
 @dataclass
@@ -172,9 +176,13 @@ class WebSockets:
             return  # read already: its hook came after ``read_unread_upstream`` read it
         sock.seen = len(flow.websocket.messages)
         if message.injected:
-            return  # ours, on its way
+            if message.from_client and sock.current is not None \
+                    and sock.current.message is None:
+                sock.current.message = message  # the response's frame, ours, on its way
+            return
         if not message.from_client:
             return self._upstream_frame(sock, message) if sock.guarded else None
+        self.drop_unsent(sock)  # (the frame before this one had all its hooks)
         if message.dropped:
             # an addon that runs before turnguard dropped it (a content filter): it never goes
             # upstream, so it is no call (nothing in flight, no answer to wait for) and turnguard
@@ -255,6 +263,29 @@ class WebSockets:
                 s.seen += 1
                 if not message.injected:
                     self._upstream_frame(s, message)
+
+    def drop_unsent(self, sock: Socket | None = None) -> None:
+        """End the response in flight (of ``sock``, or of every socket) whose frame an addon
+        that runs after turnguard dropped in its ``websocket_message`` hook (a content filter):
+        mitmproxy checks ``message.dropped`` once every addon's hook ran and never sends it,
+        so no upstream answers it. Kept in flight, the socket's next frames would wait behind
+        it until ``turnguard_response_created_timeout_ms`` cut the upstream as silent (an
+        eventless failure, the socket closed). Its attempt ends as never sent (``rejected``,
+        its outcome's detail says why: no circuit, no recovery spent); the client gets
+        nothing for it, as for a frame an earlier addon drops. (A later frame's hook, the
+        maintenance ticker every second and the response-created timer call this.)"""
+        for s in ([sock] if sock is not None else list(self._sockets.values())):
+            current = s.current
+            if current is None or current.message is None or not current.message.dropped:
+                continue
+            s.finish()
+            if current.attempt_key is not None and self._guard is not None:
+                headers = flows.request_headers(s.flow)
+                self._guard.inflight.close(
+                    current.attempt_key,
+                    lambda attempt, events=current.events: replace(
+                        _end_facts(attempt, events, headers, DROPPED_AFTER, False),
+                        never_sent=True))
 
     def end_those_whose_end_hook_was_halted(self) -> None:
         """End the guarded sockets that closed although turnguard's ``websocket_end`` hook
@@ -374,6 +405,8 @@ class WebSockets:
             if data != sock.inline.content:
                 sock.inline.content = data
             sock.inline_sent = True
+            if response is not None:
+                response.message = sock.inline
             return
         inject(sock.flow, content, to_client=False, is_text=is_text)
 
