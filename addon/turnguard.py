@@ -44,6 +44,8 @@ logger = logging.getLogger("turnguard")
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
 SHUTDOWN_LET_GO_S = 2.0  # longest shutdown waits for the requests it let go to record their end
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
+REQUEST_HALTED = ("request hook never reached turnguard (an addon before it halted it, or "
+                  "answered it before that hook): the request went by unguarded")
 WEBSOCKET_OFF = ("websocket option is off: mitmproxy relays the socket as raw TCP, its calls "
                  "unguarded")
 
@@ -313,6 +315,7 @@ class TurnGuard:
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
+        self._process.requests_seen.add(flow)
         if self.refused or self.filter is None or flow.response is not None or not flow.live \
                 or not self.filter(flow):
             return  # (not live: a flow read from a file, ``mitmdump -nr`` or opened in
@@ -552,18 +555,40 @@ class TurnGuard:
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         try:
+            self._say_request_unguarded(flow)
             if not self.attacher.responseheaders(flow):
                 self.inflight.tee_response(flow)
         except Exception:
             logger.exception("turnguard: responseheaders hook failed for %s", flow.id)
 
     def response(self, flow: http.HTTPFlow) -> None:
+        try:
+            self._say_request_unguarded(flow)
+        except Exception:
+            logger.exception("turnguard: response hook failed for %s", flow.id)
         self.inflight.end(flow, body_complete=True)
         if flow.response.status_code == 101 and flow.websocket is None:
             try:
                 self._say_websocket_unguarded(flow)
             except Exception:
                 logger.exception("turnguard: response hook failed for %s", flow.id)
+
+    def _say_request_unguarded(self, flow: http.HTTPFlow) -> None:
+        """A request whose ``request`` hook never reached turnguard: an addon that runs
+        before it raised ``AddonHalt`` there (mitmproxy's way to say no later addon handles
+        the event), or answered it earlier. It went by unguarded (nothing held, claimed or
+        recorded); a flow ``turnguard_filter`` matches is named in one ``passthrough`` record
+        (at its first hook that can tell: ``responseheaders``, ``response``, or ``error``
+        once a response came), so that it is said, not silent. A WebSocket upgrade is not a
+        call (its socket is guarded from ``websocket_start``)."""
+        seen = self._process.requests_seen
+        if flow in seen or self.refused or self.filter is None or not flow.live \
+                or flow.websocket is not None or flow.response is None \
+                or flow.response.status_code == 101:
+            return
+        seen.add(flow)  # (said once)
+        if self.filter(flow):
+            self._emit("passthrough", flow=flow.id, transport="http", reason=REQUEST_HALTED)
 
     def _say_websocket_unguarded(self, flow: http.HTTPFlow) -> None:
         """A WebSocket upgrade that succeeded while mitmproxy's ``websocket`` option is off:
@@ -585,6 +610,7 @@ class TurnGuard:
         wait): a retry it sends at once, through any process sharing the ledger, then sees
         the failure and the circuit it fed."""
         try:
+            self._say_request_unguarded(flow)
             self.attacher.error(flow)
         except Exception:
             logger.exception("turnguard: error hook failed for %s", flow.id)

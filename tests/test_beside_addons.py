@@ -503,3 +503,86 @@ def test_a_websocket_frame_a_later_addon_drops_is_not_left_in_flight(tmp_path):
                                                                "eventless_failure")] == []
         assert_no_traceback(p.log_text())
 
+
+REQUEST_HALTER = (
+    "from mitmproxy import exceptions\n"
+    "def request(flow):\n"
+    "    if flow.request.headers.get('x-halt'):\n"
+    "        raise exceptions.AddonHalt()  # no addon after this one handles the request\n"
+)
+
+
+def test_a_request_whose_hook_an_earlier_addon_halts_is_said_to_pass_unguarded(tmp_path):
+    """An addon loaded before turnguard raises ``AddonHalt`` in its ``request`` hook:
+    turnguard's hook never comes, and the request goes upstream unguarded (the same body
+    twice runs twice: nothing held, nothing replayed). turnguard learns of it at the flow's
+    response: each such flow gets one ``passthrough`` record saying why, counted in
+    ``turnguard_passthrough_total{reason="hook_halted"}``; a request whose hook
+    reached turnguard gets none."""
+    from harness import metric, metrics_url, scrape
+
+    script = tmp_path / "halter.py"
+    script.write_text(REQUEST_HALTER)
+    turn = {"model": "m", "input": "a turn whose request hook is halted", "stream": True}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
+                    turnguard_metrics="127.0.0.1:0") as p:  # the halter first
+        answers = [post_turn(p.url, {"x-halt": "1"}, turn, cut_is_error=True, timeout=20)
+                   for _ in range(2)]
+        assert [a[0] for a in answers] == [200, 200]
+        assert len(up.dispatches()) == 2  # unguarded: each ran
+        guarded_answer = post_turn(p.url, {}, {**turn, "input": "guarded"}, timeout=20)
+        assert guarded_answer[0] == 200
+        said = wait_until(lambda: (e := [x for x in _events(tmp_path)
+                                         if x["event"] == "passthrough"])[1:] and e,
+                          10, what="two passthrough records")
+        assert [e.get("reason", "").split(" (")[0] for e in said] == [
+            "request hook never reached turnguard"] * 2
+        assert len({e["flow"] for e in said}) == 2
+        samples = scrape(metrics_url(p))
+        assert metric(samples, "turnguard_passthrough_total", reason="hook_halted") == 2
+        assert_no_traceback(p.log_text())
+
+
+FRAME_HALTER = (
+    "from mitmproxy import exceptions\n"
+    "def websocket_message(flow):\n"
+    "    message = flow.websocket.messages[-1]\n"
+    "    if message.from_client and b'unguarded' in message.content:\n"
+    "        raise exceptions.AddonHalt()  # no addon after this one handles the frame\n"
+)
+
+
+def test_a_websocket_frame_whose_hook_an_earlier_addon_halts_is_said_to_pass(tmp_path):
+    """An addon loaded before turnguard raises ``AddonHalt`` in ``websocket_message`` for a
+    client's frame: turnguard's hook never comes for it, and it goes upstream unguarded.
+    turnguard learns of it once a later message exists (its hooks are over): one
+    ``passthrough`` record says why; the socket's next call is guarded as before."""
+    import asyncio
+
+    from test_e2e_websocket import HEADERS, ws_dispatches
+    from turnguard_ws import WsClient, types
+
+    script = tmp_path / "halter.py"
+    script.write_text(FRAME_HALTER)
+
+    async def calls(url):
+        async with WsClient.connect(url, headers=HEADERS) as c:
+            await c.send(_ws_call("an unguarded prompt"))
+            first = await c.response(timeout=20)
+            await c.send(_ws_call("a guarded prompt"))
+            return [first, await c.response(timeout=20)]
+
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)]) as p:
+        got = asyncio.run(calls(p.url))
+        assert [types(r)[-1] for r in got] == ["response.completed"] * 2
+        assert len(ws_dispatches(up)) == 2
+        said = wait_until(lambda: [e for e in _events(tmp_path) if e["event"] == "passthrough"],
+                          10, what="a passthrough record")
+        assert [e["reason"].split(" (")[0] for e in said] == [
+            "frame hook never reached turnguard"]
+        (outcome,) = wait_until(lambda: [e for e in _events(tmp_path)
+                                         if e["event"] == "outcome"], 10, what="an outcome")
+        assert outcome["outcome"] == "completed"  # the guarded call's only
+        assert_no_traceback(p.log_text())

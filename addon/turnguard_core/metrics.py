@@ -135,6 +135,9 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("upstream frame is not a Responses event", "not_responses"),
     # a WebSocket mitmproxy relays as raw TCP (its websocket option off): turnguard.py
     ("websocket option is off", "websocket_off"),
+    # a request (or a client's WebSocket frame) whose hook an earlier addon halted: turnguard.py
+    ("request hook never reached turnguard", "hook_halted"),
+    ("frame hook never reached turnguard", "hook_halted"),
 )
 PASSTHROUGH_LABELS = tuple(dict.fromkeys(label for _, label in PASSTHROUGH_REASONS)) + (OTHER,)
 

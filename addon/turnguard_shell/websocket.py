@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("turnguard")
 
 MARK_WS = ":electric_plug:"
+FRAME_HALTED = ("frame hook never reached turnguard (an addon before it halted it): the frame "
+                "went upstream unguarded")
 DROPPED_AFTER = "an addon after turnguard dropped the frame; it never went upstream"
 MAX_QUEUED_FRAMES = 64  # frames a client may send ahead of the socket's response in flight
 
@@ -174,6 +176,8 @@ class WebSockets:
         message = flow.websocket.messages[-1]
         if len(flow.websocket.messages) <= sock.seen:
             return  # read already: its hook came after ``read_unread_upstream`` read it
+        for unseen in flow.websocket.messages[sock.seen:-1]:
+            self._say_halted(sock, unseen)
         sock.seen = len(flow.websocket.messages)
         if message.injected:
             if message.from_client and sock.current is not None \
@@ -258,10 +262,13 @@ class WebSockets:
             messages = data.messages
             while s.seen < len(messages) and s.guarded:
                 message = messages[s.seen]
-                if message.from_client and not message.injected:
-                    break
+                if message.from_client and not message.injected \
+                        and s.seen == len(messages) - 1:
+                    break  # (its own hook may still come)
                 s.seen += 1
-                if not message.injected:
+                if message.from_client:
+                    self._say_halted(s, message)
+                elif not message.injected:
                     self._upstream_frame(s, message)
 
     def drop_unsent(self, sock: Socket | None = None) -> None:
@@ -286,6 +293,16 @@ class WebSockets:
                     lambda attempt, events=current.events: replace(
                         _end_facts(attempt, events, headers, DROPPED_AFTER, False),
                         never_sent=True))
+
+    def _say_halted(self, sock: Socket, message) -> None:
+        """A client's frame whose ``websocket_message`` hook never reached turnguard (an addon
+        that runs before it raised ``AddonHalt`` there; a later message exists, so its hooks
+        are over): unless dropped, it went upstream unguarded, and a ``passthrough`` record
+        says so. (Upstream frames are read as they are: ``read_unread_upstream``.)"""
+        if message.from_client and not message.injected and not message.dropped \
+                and self._guard is not None:
+            self._guard._emit("passthrough", flow=sock.flow.id, transport="ws",
+                              reason=FRAME_HALTED)
 
     def end_those_whose_end_hook_was_halted(self) -> None:
         """End the guarded sockets that closed although turnguard's ``websocket_end`` hook
