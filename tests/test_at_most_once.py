@@ -218,6 +218,41 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
            "the retry was replayed; upstream dispatches=1")
 
 
+def test_a_reload_that_upgrades_turnguard_gives_the_older_process_state_its_new_fields(
+        tmp_path):
+    """A script reload is also how a running proxy gets a newer turnguard: the new instance
+    takes the process's state from the master as the older code made it, without the fields
+    added since (here: the fields dropped just before the reloaded code runs). It must fill
+    them in, never fail on them: a turn and its duplicate after the reload are one dispatch
+    and a replay, with no traceback."""
+    older = tmp_path / "older"
+    script = tmp_path / "upgradable.py"
+    script.write_text(
+        "# turnguard's script; when reloaded while OLDER exists, the process state first\n"
+        "# loses the fields of the list in it, as a state an older turnguard made\n"
+        "import os\n"
+        "from mitmproxy import ctx\n"
+        f"OLDER = {str(older)!r}\n"
+        "_state = getattr(ctx.master, '_turnguard_process', None)\n"
+        "if _state is not None and os.path.exists(OLDER):\n"
+        "    for _name in open(OLDER).read().split(','):\n"
+        "        delattr(_state, _name)\n"
+        "    os.unlink(OLDER)\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        "exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
+        assert post(a.url, SESSION, body_of("before the upgrade"))[0] == 200
+        older.write_text("requests_seen,event_counts,unwritten,detached")
+        reloaded(a, touch_to_reload(a, script))
+        assert not older.exists()  # the fields were dropped as the new code loaded
+        assert post(a.url, SESSION, body_of("after the upgrade"))[0] == 200
+        retry = post(a.url, SESSION, body_of("after the upgrade"))
+        assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text())
+
+
 def test_a_misspelt_option_in_a_config_file_loaded_while_running_is_said_and_no_reload_drops_the_guard(
         tmp_path):
     """A config file loaded into a running proxy (the console's ``:options.load

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from turnguard_core import liveness
@@ -55,7 +55,9 @@ class ProcessState:
 
     @classmethod
     def of(cls, master) -> "ProcessState":
-        """The process's state, kept on ``master`` (made on first use)."""
+        """The process's state, kept on ``master`` (made on first use). One an older
+        turnguard made (a script reload that upgrades turnguard in a running proxy) is given
+        the fields it lacks, each its default, so that the new code finds every one."""
         state = getattr(master, "_turnguard_process", None)
         if state is None:
             state = cls.new()
@@ -63,4 +65,9 @@ class ProcessState:
                 master._turnguard_process = state
             except AttributeError:  # no master (unit tests without one)
                 pass
+        for f in fields(cls):
+            if not hasattr(state, f.name) and (f.default is not MISSING
+                                               or f.default_factory is not MISSING):
+                setattr(state, f.name,
+                        f.default if f.default_factory is MISSING else f.default_factory())
         return state
