@@ -52,6 +52,30 @@ DROPPER = (
 )
 
 
+async def _dropped_alone(url: str) -> list:
+    """A frame the dropper drops, alone on its socket, then a call: that call's response."""
+    from test_e2e_websocket import HEADERS
+    from turnguard_ws import WsClient
+
+    async with WsClient.connect(url, headers=HEADERS) as c:
+        await c.send(_ws_call("a forbidden prompt"))
+        await c.send(_ws_call("an allowed prompt"))
+        return [await c.response(timeout=20)]
+
+
+async def _dropped_queued(url: str) -> list:
+    """A call, a frame the dropper drops queued behind it, then another call: both calls'
+    responses."""
+    from test_e2e_websocket import HEADERS
+    from turnguard_ws import WsClient
+
+    async with WsClient.connect(url, headers=HEADERS) as c:
+        await c.send(_ws_call("a slow allowed prompt", seed=1))
+        await c.send(_ws_call("a forbidden prompt queued", seed=2))
+        await c.send(_ws_call("another allowed prompt", seed=3))
+        return [await c.response(timeout=20), await c.response(timeout=20)]
+
+
 def _ws_call(text: str, seed: int = 0) -> dict:
     from test_e2e_websocket import call, user
     return call([user(text)], seed=seed)
@@ -65,30 +89,17 @@ def test_a_websocket_frame_an_earlier_addon_drops_is_neither_a_call_nor_sent(tmp
     flight, turnguard never sends it upstream when its turn comes."""
     import asyncio
 
-    from test_e2e_websocket import HEADERS, ws_dispatches
-    from turnguard_ws import WsClient, types
+    from test_e2e_websocket import ws_dispatches
+    from turnguard_ws import types
 
     script = tmp_path / "dropper.py"
     script.write_text(DROPPER)
-
-    async def alone(url):
-        async with WsClient.connect(url, headers=HEADERS) as c:
-            await c.send(_ws_call("a forbidden prompt"))
-            await c.send(_ws_call("an allowed prompt"))
-            return [await c.response(timeout=20)]
-
-    async def queued(url):
-        async with WsClient.connect(url, headers=HEADERS) as c:
-            await c.send(_ws_call("a slow allowed prompt", seed=1))
-            await c.send(_ws_call("a forbidden prompt queued", seed=2))
-            await c.send(_ws_call("another allowed prompt", seed=3))
-            return [await c.response(timeout=20), await c.response(timeout=20)]
 
     scenario = {"default": {"kind": "ok", "delay_ms": 500}}
     with MockUpstream(tmp_path, scenario) as up, \
             guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
                     turnguard_response_created_timeout_ms=3000) as p:  # the dropper first
-        for case in (alone, queued):
+        for case in (_dropped_alone, _dropped_queued):
             got = asyncio.run(case(p.url))
             assert [types(r)[-1] for r in got] == ["response.completed"] * len(got), case
         assert len(ws_dispatches(up)) == 3  # the allowed calls only
@@ -467,30 +478,17 @@ def test_a_websocket_frame_a_later_addon_drops_is_not_left_in_flight(tmp_path):
     as a silent upstream), and no eventless failure is counted."""
     import asyncio
 
-    from test_e2e_websocket import HEADERS, ws_dispatches
-    from turnguard_ws import WsClient, types
+    from test_e2e_websocket import ws_dispatches
+    from turnguard_ws import types
 
     script = tmp_path / "dropper.py"
     script.write_text(DROPPER)
-
-    async def alone(url):
-        async with WsClient.connect(url, headers=HEADERS) as c:
-            await c.send(_ws_call("a forbidden prompt"))
-            await c.send(_ws_call("an allowed prompt"))
-            return [await c.response(timeout=20)]
-
-    async def queued(url):
-        async with WsClient.connect(url, headers=HEADERS) as c:
-            await c.send(_ws_call("a slow allowed prompt", seed=1))
-            await c.send(_ws_call("a forbidden prompt queued", seed=2))
-            await c.send(_ws_call("another allowed prompt", seed=3))
-            return [await c.response(timeout=20), await c.response(timeout=20)]
 
     scenario = {"default": {"kind": "ok", "delay_ms": 500}}
     with MockUpstream(tmp_path, scenario) as up, \
             guarded(tmp_path, up, extra_args=["-s", str(script)],
                     turnguard_response_created_timeout_ms=3000) as p:  # the dropper after
-        for case in (alone, queued):
+        for case in (_dropped_alone, _dropped_queued):
             got = asyncio.run(case(p.url))
             assert [types(r)[-1] for r in got] == ["response.completed"] * len(got), case
         assert len(ws_dispatches(up)) == 3  # the allowed calls only

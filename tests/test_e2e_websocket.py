@@ -1367,7 +1367,6 @@ def test_a_frame_queued_while_the_client_sends_its_next_one_in_parts_goes_alone(
         assert_no_traceback(p.log_text())
 
 
-
 def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_flight(tmp_path):
     """A copy of the ledger is taken while A's call streams; the call completes (its end in
     the ledger), then the copy is put in the ledger's place. The copy shows the call in
@@ -1471,7 +1470,6 @@ class DeflateUpstream(LoopbackServer):
             await asyncio.sleep(0.3 if i < 2 else 0)  # the duplicate attaches meanwhile
 
 
-
 class ScriptedUpstream(LoopbackServer):
     """A Responses-over-WebSocket upstream of its own, for frames the mock never sends: the
     n-th call (any client message) is answered by ``scripts[n]``, a list of frames (a dict:
@@ -1518,7 +1516,6 @@ class ScriptedUpstream(LoopbackServer):
             return
         finally:
             writer.close()
-
 
 
 def scripted_response(*middle) -> list:

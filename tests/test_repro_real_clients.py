@@ -506,7 +506,6 @@ class UpgradeRefusingFront(LoopbackServer):
             writer.close()
 
 
-
 @pytest.mark.parametrize("status", [426, 500])
 def test_codex_cli_whose_upgrade_is_refused_falls_back_to_a_guarded_post(
         codex, tmp_path, status, report):
