@@ -802,3 +802,36 @@ def test_a_lock_on_the_instances_table_alone_leaves_claims_deciding(tmp_path, pg
     assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
     assert headers.get("x-turnguard") in ("replayed", "attached")
     assert_no_traceback(log)
+
+
+@pytest.mark.parametrize("remade_by", ["another turnguard", "the processes"])
+def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_owner(
+        tmp_path, pg_url, remade_by):
+    """A's turn is in flight when the ledger's tables are dropped and made again (another
+    turnguard opening the emptied database, or the processes themselves once they find it
+    empty): another ledger (generation). A duplicate sent to B then, which never saw the
+    turn, is never dispatched a second time: it waits for A to register its attempt in the
+    new ledger and is held on it, or refused 409 past its hold bound."""
+    slow = {**HEADERS, **harness.mock_behaviour(kind="ok", delay_ms=6000)}
+    turn = {**BODY, "input": f"a duplicate as the database is made again by {remade_by}"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(2) as pool:
+        _warm_up(a, b)
+        original = pool.submit(post, a.url, slow, turn)
+        wait_until(lambda: len(up.dispatches()) == 3, 10, what="the turn's dispatch")
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
+                                        " WHERE state = 'in_flight'") == [(1,)],
+                   10, what="the turn in flight in the ledger")
+        rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        if remade_by == "another turnguard":
+            with guarded(tmp_path, up, "c", pg_url):
+                pass
+        duplicate = pool.submit(post, b.url, HEADERS, turn)
+        status, _, first = original.result(30)
+        again, headers, body = duplicate.result(60)
+        log = a.log_text() + b.log_text()
+    assert status == 200
+    assert len(up.dispatches()) == 3, "B ran the turn a second time"
+    assert again in (200, 409), (again, headers)
+    assert_no_traceback(log)

@@ -406,7 +406,7 @@ class FailoverStore:
             # the file at the path could not be opened at first (no ledger there): the peers
             # open this one at their next try, up to ``REOPEN_S`` after this process
             self._peers_behind = False
-            self._peers_until = time.monotonic() + PEERS_REGISTERING_S + REOPEN_S
+            self._peers_until = time.monotonic() + self._peers_wait_s() + REOPEN_S
 
     def close(self, *, write_owed: bool = True) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
@@ -531,7 +531,7 @@ class FailoverStore:
         except (LedgerError, TimeoutError) as e:
             logger.warning("turnguard: cannot read which processes had turns in flight in the "
                            "ledger file left (%s); new turns wait up to %.0f s for them", e,
-                           PEERS_REGISTERING_S)
+                           self._peers_wait_s())
             rows, ops = None, []
         if rows is None:
             peers = {"(unknown)"}  # nobody notes that name: waited for the whole time
@@ -543,8 +543,15 @@ class FailoverStore:
             if instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
         self._left, self._peers = store.generation, peers
-        self._peers_until = time.monotonic() + PEERS_REGISTERING_S if peers else 0.0
+        self._peers_until = time.monotonic() + self._peers_wait_s() if peers else 0.0
         self._peers_behind = False
+
+    def _peers_wait_s(self) -> float:
+        """How long peers that had attempts in flight in the ledger left are waited for to
+        register them in the new one: ``PEERS_REGISTERING_S``; on PostgreSQL a
+        ``HEARTBEAT_S`` more, since a peer finds its database made again (another generation)
+        at its next heartbeat or its next decision, not within a second of a file check."""
+        return PEERS_REGISTERING_S + (HEARTBEAT_S if is_postgres(self.path) else 0.0)
 
     async def _peers_registering(self, store: Store, deadline: float | None,
                                  hold_until: float | None = None) -> bool:
@@ -562,7 +569,7 @@ class FailoverStore:
         if self._peers:
             logger.warning("turnguard: %d process(es) with turns in flight in the ledger file "
                            "left did not register them in the new one within %.0f s; deciding "
-                           "without them", len(self._peers), PEERS_REGISTERING_S)
+                           "without them", len(self._peers), self._peers_wait_s())
         self._peers = set()
         return False
 

@@ -496,10 +496,22 @@ class PgLedger:
         transport: str = "http",
     ) -> policy.Admission:
         """See ``Ledger.admit``. Four round trips for a claim: the lock (with ``BEGIN``), one read
-        of the operation and its circuit, the claim, ``COMMIT``."""
+        of the operation, its circuit and the database's generation, the claim, ``COMMIT``.
+
+        A database whose tables were dropped and made again (another turnguard, an operator's
+        restore) while this connection stayed open is another ledger: nothing is decided from
+        it, nor claimed in it, before this process has noticed (``file_replaced`` says so and
+        this raises), as an SQLite ledger's file is checked before each call. Else a duplicate
+        of a turn in flight in a peer that has not registered it there yet (a peer notices at
+        its next heartbeat) would be taken for new and dispatched a second time."""
         with self._tx(lock_key("op", identity.op_key)) as tx:
             db = tx.db
-            snapshot, state = self._snapshot_and_circuit(db, identity.op_key, circuit_scope)
+            snapshot, state, generation = self._snapshot_and_circuit(
+                db, identity.op_key, circuit_scope)
+            if generation != self.generation:
+                self._replaced = (f"ledger database {self.path} was replaced (generation "
+                                  f"{generation or 'none'}, opened {self.generation})")
+                raise psycopg.OperationalError(self._replaced)
             remaining = state.remaining_s(now)
             owner_ok = True
             if recovery is not None:
@@ -524,20 +536,21 @@ class PgLedger:
     @staticmethod
     def _snapshot_and_circuit(
         db: psycopg.Connection, op_key: str, circuit_scope: str | None,
-    ) -> tuple[policy.OperationSnapshot | None, circuit.CircuitState]:
-        """The operation (None: unknown) and the circuit of ``circuit_scope`` (closed when
-        never seen, or no scope), in one read."""
+    ) -> tuple[policy.OperationSnapshot | None, circuit.CircuitState, str]:
+        """The operation (None: unknown), the circuit of ``circuit_scope`` (closed when
+        never seen, or no scope) and the database's generation ("" if none), in one read."""
         row = db.execute(
             "SELECT c.failures, c.open_until, c.cooldown_s, o.op_key IS NOT NULL, o.state,"
             " o.fingerprint, o.current_attempt, a.instance_id, o.ended_at, o.replay_attempt,"
-            " o.events_seen, o.recovery_dispatches FROM (SELECT %s::text AS op_key,"
+            " o.events_seen, o.recovery_dispatches,"
+            " (SELECT value FROM meta WHERE key='generation') FROM (SELECT %s::text AS op_key,"
             " %s::text AS scope) k LEFT JOIN operations o ON o.op_key = k.op_key"
             " LEFT JOIN attempts a ON a.attempt_id = o.current_attempt"
             " LEFT JOIN circuits c ON c.scope = k.scope",
             (op_key, circuit_scope),
         ).fetchone()
         state = circuit.CircuitState(*row[:3]) if row[0] is not None else circuit.CircuitState()
-        return (policy.OperationSnapshot(*row[4:]) if row[3] else None), state
+        return (policy.OperationSnapshot(*row[4:12]) if row[3] else None), state, row[12] or ""
 
     def _create_claimed(
         self, tx: _Transaction, identity: Identity, method: str, path: str,
