@@ -804,6 +804,45 @@ def test_a_lock_on_the_instances_table_alone_leaves_claims_deciding(tmp_path, pg
     assert_no_traceback(log)
 
 
+def test_a_duplicate_sent_elsewhere_while_another_session_locks_the_tables_against_writes_is_held(
+        tmp_path, pg_url):
+    """A's turn is in flight when another session locks ``operations`` and ``attempts``
+    against writes, not reads (``LOCK TABLE ... IN EXCLUSIVE MODE``) and keeps its
+    transaction open; a duplicate reaches B, which never saw the turn. B's admission still
+    reads the operation: B never dispatches the turn a second time, it holds the duplicate on
+    A's attempt and answers it once the turn ended. (A lock against reads too, ACCESS
+    EXCLUSIVE, is the README's "cannot be read for it" limit: decided in memory.)"""
+    mode = "EXCLUSIVE"
+    slow = {**HEADERS, **harness.mock_behaviour(kind="ok", delay_ms=5000)}
+    turn = {**BODY, "input": f"a duplicate while the tables are locked ({mode})"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(2) as pool:
+        original = pool.submit(post, a.url, slow, turn)
+        wait_until(lambda: up.dispatches(), 10, what="the turn's dispatch")
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
+                                        " WHERE state = 'in_flight'") == [(1,)],
+                   10, what="the turn in flight in the ledger")
+        locker = psycopg.connect(pg_url, autocommit=True)
+        try:
+            locker.execute("BEGIN")
+            locker.execute(f"LOCK TABLE operations, attempts IN {mode} MODE")
+            duplicate = pool.submit(post, b.url, HEADERS, turn)
+            wait_until(lambda: duplicate.done() or events(tmp_path, "b", "duplicate_held")
+                       or len(up.dispatches()) > 1, 10, what="B deciding the duplicate")
+            assert len(up.dispatches()) == 1, "B ran the turn a second time behind the lock"
+            status, _, first = original.result(30)
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        again, headers, body = duplicate.result(60)
+        log = a.log_text() + b.log_text()
+    assert status == 200
+    assert len(up.dispatches()) == 1
+    assert again == 200 and headers.get("x-turnguard") in ("replayed", "attached"), headers
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("remade_by", ["another turnguard", "the processes"])
 def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_owner(
         tmp_path, pg_url, remade_by):
