@@ -545,3 +545,97 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_r
             assert len(up.dispatches()) == 2  # the warm-up, the call
             wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
             assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("retry_via", ["ws", "http"])
+def test_a_retry_sent_elsewhere_while_another_connection_holds_the_write_lock_is_held(
+        tmp_path, retry_via):
+    """A call streams through process a when another connection takes the ledger's write lock
+    (``BEGIN IMMEDIATE``); its retry then reaches process b, which never saw the call (a new
+    socket, or the POST fallback). The ledger can still be read: b finds the call in flight in
+    a and holds the retry, never dispatches it a second time; it gets the call's events once
+    the call ended. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    scenario = {"default": {"kind": "ok", "events": 16, "gap_ms": 250}}
+    text = f"a retry behind a write lock via {retry_via}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
+                        what="a dispatching the call")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        with write_lock(ledger):
+            retry = (background(ws_call, b.url, call([user(text)], seed=2))
+                     if retry_via == "ws" else background(http_call, b.url, frame))
+            wait_until(lambda: turnguard_events(tmp_path, "b", "duplicate_held")
+                       or turnguard_events(tmp_path, "b", "dispatch"), 10,
+                       what="b deciding the retry")
+            assert len(up.dispatches()) == 1, "b ran the call a second time behind the lock"
+            assert turnguard_events(tmp_path, "b", "ledger_unavailable")  # the lock was met
+            got = original.result(30)
+        assert types(got)[-1] == "response.completed"
+        again = retry.result(40)
+        assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_completed_call_retried_elsewhere_while_another_connection_holds_the_write_lock_is_replayed(
+        tmp_path):
+    """A call completed through process a; while another connection holds the ledger's write
+    lock its retries reach process b (a new socket, and the POST fallback): b reads the
+    recording from the ledger and replays it to both. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        frame = call([user("a completed call behind a write lock")], seed=1)
+        got = ws_call(a.url, frame)
+        assert types(got)[-1] == "response.completed"
+        wait_until(lambda: ledger_query(ledger, "SELECT state FROM operations")
+                   == [("completed",)], 10, what="the call's end written")
+        with write_lock(ledger):
+            again = ws_call(b.url, call([user("a completed call behind a write lock")], seed=2))
+            status, how, kinds = http_call(b.url, frame)
+            assert turnguard_events(tmp_path, "b", "ledger_unavailable")  # the lock was met
+        assert len(up.dispatches()) == 1, "b ran the completed call again behind the lock"
+        assert again == got
+        assert status == 200 and how == "replayed" and kinds == types(got), (status, how, kinds)
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("retry_via", ["ws", "http"])
+def test_a_retry_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_the_call(
+        tmp_path, retry_via):
+    """A call streams through process a when a file that is no database is moved over the
+    ledger. Process b, which never saw the call, finds the file replaced and decides in memory;
+    but it read from the file it left that a, alive, had the call in flight: its retry (a new
+    socket, or the POST fallback) is held, never dispatched blind. Once the junk is gone it is
+    answered with the call's events. One upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    scenario = {"default": {"kind": "ok", "events": 16, "gap_ms": 250}}
+    text = f"a retry while the ledger is junk via {retry_via}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
+                        what="a dispatching the call")[0]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        junk = tmp_path / "junk"
+        junk.write_bytes(b"no database here\n" * 256)
+        junk.chmod(0o600)
+        os.replace(junk, ledger)
+        wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
+                   what="b finding the ledger replaced")
+        retry = (background(ws_call, b.url, call([user(text)], seed=2))
+                 if retry_via == "ws" else background(http_call, b.url, frame))
+        got = original.result(30)
+        assert types(got)[-1] == "response.completed"
+        delete_ledger(ledger)  # the junk goes: a new ledger is made at the path
+        again = retry.result(60)
+        assert len(up.dispatches()) == 1, "the retry sent to b ran the call a second time"
+        assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert_no_traceback(a.log_text() + b.log_text())
