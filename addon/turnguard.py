@@ -44,6 +44,7 @@ logger = logging.getLogger("turnguard")
 LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding without it
 SHUTDOWN_LET_GO_S = 2.0  # longest shutdown waits for the requests it let go to record their end
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
+PEERS_RECHECK_S = 1.0  # a request held for peers to register in a new ledger is admitted again this often
 REQUEST_HALTED = ("request hook never reached turnguard (an addon before it halted it, or "
                   "answered it before that hook): the request went by unguarded")
 WEBSOCKET_OFF = ("websocket option is off: mitmproxy relays the socket as raw TCP, its calls "
@@ -485,10 +486,19 @@ class TurnGuard:
                 and await self.attacher.ready_to_attach(flow, local.live):
             return machine.Attachable(local.live)
         foreign = None if local is not None else (state.attempt_id or 0)
+        # held for the peers to register in a new ledger (``request_held``), no attempt seen:
+        # admitted again at least every ``PEERS_RECHECK_S``, since nothing may notify this
+        # request when that wait ends (on PostgreSQL no poll runs for it, and an end notified
+        # while it still waited for the peers was spent on an admission that held it again)
+        recheck = local is None and not state.as_duplicate
         while True:  # bounded by the hold's deadline
+            left = state.deadline - time.monotonic()
             woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,
-                                                state.deadline - time.monotonic(),
+                                                min(left, PEERS_RECHECK_S) if recheck else left,
                                                 self.store.generation)
+            if recheck and isinstance(woke, machine.TimedOut) \
+                    and time.monotonic() < state.deadline:
+                return machine.Ended("unknown")  # admitted again
             if not isinstance(woke, machine.Attachable) \
                     or await self.attacher.ready_to_attach(flow, woke.live):
                 return woke
