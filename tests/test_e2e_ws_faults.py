@@ -439,6 +439,24 @@ def test_a_retry_held_elsewhere_when_an_older_copy_replaces_the_ledger_is_answer
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+def _call_in_flight(tmp_path, a, ledger, text: str):
+    """A call of ``text`` sent through process ``a`` (in the background), once it is in
+    flight in the ledger: its frame, its future and its operation."""
+    frame = call([user(text)], seed=1)
+    original = background(ws_call, a.url, frame)
+    op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
+                    what="a dispatching the call")[0]["op"]
+    wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+    return frame, original, op
+
+
+def _retry(b, text: str, frame: dict, retry_via: str):
+    """The retry of that call through process ``b``, in the background: on a new socket
+    (another seed), or as the POST fallback of its frame."""
+    return (background(ws_call, b.url, call([user(text)], seed=2)) if retry_via == "ws"
+            else background(http_call, b.url, frame))
+
+
 def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file(tmp_path):
     """The ledger file is deleted while a call streams through process a; a registers the call
     in the new file. Then eight retries of it reach process b at once (sockets and POST
@@ -452,11 +470,7 @@ def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
-        frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
-                        what="a dispatching the call")[0]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
         for suffix in ("", "-wal", "-shm"):
             os.unlink(f"{ledger}{suffix}")
         wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
@@ -493,11 +507,7 @@ def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_regis
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
         older_copy(tmp_path)
-        frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
-                        what="a dispatching the call")[0]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
         with fault(kind, tmp_path):
             retries = [background(ws_call, b.url, call([user(text)], seed=2)),
                        background(http_call, b.url, frame)]
@@ -561,14 +571,9 @@ def test_a_retry_sent_elsewhere_while_another_connection_holds_the_write_lock_is
     text = f"a retry behind a write lock via {retry_via}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
-                        what="a dispatching the call")[0]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
         with write_lock(ledger):
-            retry = (background(ws_call, b.url, call([user(text)], seed=2))
-                     if retry_via == "ws" else background(http_call, b.url, frame))
+            retry = _retry(b, text, frame, retry_via)
             wait_until(lambda: turnguard_events(tmp_path, "b", "duplicate_held")
                        or turnguard_events(tmp_path, "b", "dispatch"), 10,
                        what="b deciding the retry")
@@ -619,19 +624,14 @@ def test_a_retry_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_t
     text = f"a retry while the ledger is junk via {retry_via}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
-                        what="a dispatching the call")[0]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
         junk = tmp_path / "junk"
         junk.write_bytes(b"no database here\n" * 256)
         junk.chmod(0o600)
         os.replace(junk, ledger)
         wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
                    what="b finding the ledger replaced")
-        retry = (background(ws_call, b.url, call([user(text)], seed=2))
-                 if retry_via == "ws" else background(http_call, b.url, frame))
+        retry = _retry(b, text, frame, retry_via)
         got = original.result(30)
         assert types(got)[-1] == "response.completed"
         delete_ledger(ledger)  # the junk goes: a new ledger is made at the path
