@@ -35,6 +35,7 @@ TIERS = {
         "test_options", "test_outage_machine", "test_own_replays", "test_pg_store", "test_policy",
         "test_private_files",
         "test_records", "test_recovery_machine", "test_docs", "test_sse", "test_tee", "test_telemetry",
+        "test_write_lock_reads",
         "test_ws",
     },
     "addon": {"test_addon", "test_control", "test_metrics", "test_proxy_internals"},

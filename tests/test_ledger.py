@@ -920,7 +920,7 @@ async def test_deferred_writes_commit_in_one_transaction_before_any_later_call(t
     commits.clear()
     end = AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x"))
     finished = runner.defer(lambda led: led.finish(d.attempt_id, end, now=1001.0))
-    counted = runner.defer(lambda led: led.note_duplicates(i.op_key, held=1))
+    counted = runner.defer(lambda led: led.note_duplicates([(i.op_key, 1, 0)]))
     assert not finished.done()  # deferred: nothing written yet
     # a later call sees them: the admission replays the finished attempt
     assert isinstance(await runner.call(lambda led: admit(led, i, now=1002.0)), policy.Replay)

@@ -587,6 +587,12 @@ class FailoverStore:
         until a try (the next request's, or the ticker's) finds it working again."""
         if during == "open" and self._peers:
             self._peers_behind = True
+        if isinstance(error, LedgerTimeout) and self.error is not None \
+                and contended(self.error):
+            # it waited behind a call that waits for another connection's lock (a request's
+            # claim, a probe), or was not run for it: still that lock, which keeps the ledger
+            # from being written, not read (``_only_locked``)
+            return
         if self.error is None:
             # WARNING, not ERROR: mitmdump exits on an error logged during start-up, and a
             # broken ledger must not stop the proxy.
@@ -1077,7 +1083,7 @@ class FailoverStore:
 
     def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
         """Count a duplicate on its operation in the ledger (for inspection). The counts are
-        kept here and written together by ``write_counts`` (the ticker's, every second), not
+        kept here and written together by ``flush_counts`` (the ticker's, every second), not
         one transaction per duplicate; skipped while the ledger is down (no decision reads
         them)."""
         if not self.usable:
@@ -1088,18 +1094,43 @@ class FailoverStore:
         if len(self._duplicates) >= MAX_UNWRITTEN_COUNTS:
             self.write_counts()
 
-    def write_counts(self) -> None:
-        """Write the duplicate counts noted since the last time, in one transaction."""
+    def _counts_to_write(self) -> DuplicatesWrite | None:
         counts, self._duplicates = self._duplicates, {}
         if not counts or not self.usable:
+            return None
+        return DuplicatesWrite(tuple((op_key, held, replayed)
+                                     for op_key, (held, replayed) in counts.items()))
+
+    def write_counts(self) -> None:
+        """Write the duplicate counts noted since the last time, in one transaction, without
+        waiting for it (at close: the writes sent then are settled before the ledger closes)."""
+        write = self._counts_to_write()
+        if write is None:
             return
 
         def done(f: asyncio.Future) -> None:
             if f.exception() is not None:
                 self._down(f.exception(), "note_duplicates")
 
-        for op_key, (held, replayed) in counts.items():
-            self._store.send(DuplicatesWrite(op_key, held, replayed)).add_done_callback(done)
+        self._store.send(write).add_done_callback(done)
+
+    async def flush_counts(self) -> None:
+        """The ticker's ``write_counts``: a write nobody waits for, which gives up on another
+        connection's lock after ``PROBE_S`` (the counts are dropped, as while the ledger is
+        down) rather than hold the ledger's one connection, and the requests' reads queued
+        behind it, for the whole busy timeout."""
+        write = self._counts_to_write()
+        if write is not None:
+            await self._call("note_duplicates", lambda store: store.write(
+                write, deadline=None, lock_wait_s=self._background_lock_wait_s()),
+                background=True)
+
+    def _background_lock_wait_s(self) -> float | None:
+        """How long a write of the maintenance waits for another connection's lock: on SQLite
+        ``PROBE_S`` (a request's read may queue behind it on the one connection); on
+        PostgreSQL the database's bound (its lock holds a table, its readers wait too; a
+        shorter statement timeout would cancel a long purge)."""
+        return None if is_postgres(self.path) else PROBE_S
 
     def _note_circuit(self, result: FinishResult, *, quiet: bool = False) -> None:
         if result.circuit_scope is None or result.circuit is None:
@@ -1145,8 +1176,8 @@ class FailoverStore:
                 continue
             heartbeat_was = None if verdict == "dead" else peer.heartbeat_at
             ops = await self._call("reap", lambda store, peer=peer: store.reap_instance(
-                peer.instance_id, now=now, heartbeat_was=heartbeat_was),
-                background=True)
+                peer.instance_id, now=now, heartbeat_was=heartbeat_was,
+                lock_wait_s=self._background_lock_wait_s()), background=True)
             if isinstance(ops, Unread) or not ops:
                 continue
             for op_key in ops:
@@ -1157,14 +1188,16 @@ class FailoverStore:
 
     async def collect_garbage(self, now: float, *, retention_s: float, lease_s: float) -> None:
         n = await self._call("gc", lambda store: store.collect_garbage(
-            now=now, retention_s=retention_s, instance_stale_s=lease_s), background=True)
+            now=now, retention_s=retention_s, instance_stale_s=lease_s,
+            lock_wait_s=self._background_lock_wait_s()), background=True)
         if not isinstance(n, Unread) and n:
             self._emit("ledger_gc", operations_deleted=n)
 
     async def purge_recordings(self, now: float, *, window_s: float) -> None:
         """Drop the bytes of recordings past the replay window (see ``Ledger.purge_recordings``)."""
-        await self._call("gc", lambda store: store.purge_recordings(now=now, window_s=window_s),
-                         background=True)
+        await self._call("gc", lambda store: store.purge_recordings(
+            now=now, window_s=window_s, lock_wait_s=self._background_lock_wait_s()),
+            background=True)
 
     async def refresh_circuits(self, now: float) -> set[str] | None:
         """Learn the circuits cooling down now from the ledger (for the gauges, and cooldowns

@@ -916,14 +916,15 @@ class Ledger:
     # -- duplicates (inspection only) -----------------------------------------------------------
 
     @_wrap
-    def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
-        """Count duplicates of an operation: ``held`` (a hold began), ``replayed`` (answered
-        from a recording). For inspection only: no decision reads them."""
+    def note_duplicates(self, counts: Iterable[tuple[str, int, int]]) -> None:
+        """Count duplicates of operations, ``(op_key, held, replayed)`` of each: ``held`` (a
+        hold began), ``replayed`` (answered from a recording). For inspection only: no
+        decision reads them."""
         with self._tx() as db:
-            db.execute(
+            db.executemany(
                 "UPDATE operations SET duplicates_held=duplicates_held+?,"
                 " duplicates_replayed=duplicates_replayed+? WHERE op_key=?",
-                (held, replayed, op_key),
+                [(held, replayed, op_key) for op_key, held, replayed in counts],
             )
 
 

@@ -112,11 +112,13 @@ class LedgerRunner:
             self._slow_until = time.monotonic() + self._slow_s
             raise _Contended from e
 
-    def _queue(self, job: Job[T], deadline: float | None = None) -> concurrent.futures.Future:
+    def _queue(self, job: Job[T], deadline: float | None = None,
+               lock_wait_s: float | None = None) -> concurrent.futures.Future:
         self._handed += 1
-        return self._pool.submit(self._run_on_thread, job, deadline)
+        return self._pool.submit(self._run_on_thread, job, deadline, lock_wait_s)
 
-    def _run_on_thread(self, job: Job[T], deadline: float | None) -> T:
+    def _run_on_thread(self, job: Job[T], deadline: float | None,
+                       lock_wait_s: float | None = None) -> T:
         try:
             busy_ms = None
             if deadline is not None:
@@ -124,6 +126,9 @@ class LedgerRunner:
                 if left_ms <= 0:
                     raise LedgerTimeout("gave up waiting for the ledger")
                 busy_ms = min(left_ms, self.ledger.busy_timeout_ms)
+            if lock_wait_s is not None:
+                bound_ms = self.ledger.busy_timeout_ms if busy_ms is None else busy_ms
+                busy_ms = min(bound_ms, lock_wait_s * 1000)
             return self._run(job, busy_ms)
         finally:
             self._finished += 1
@@ -206,9 +211,12 @@ class LedgerRunner:
             self._settle_landed(done)
 
     # -- the interface ----------------------------------------------------------------------------
-    async def call(self, job: Job[T], *, deadline: float | None = None) -> T:
+    async def call(self, job: Job[T], *, deadline: float | None = None,
+                   lock_wait_s: float | None = None) -> T:
         """Run ``job`` (now, or on the ledger's thread) and await its result; on the thread,
-        bounded by ``deadline`` (see the module docstring)."""
+        bounded by ``deadline`` (see the module docstring). ``lock_wait_s``: how long it may
+        wait for a lock at most, however long it was queued (a call nobody waits for, which
+        must not hold the one connection for the whole busy timeout)."""
         if self._deferred and self._fast_path and not self._deferred_heavy \
                 and self._fast_possible():
             done, result = self._run_with_deferred(job)
@@ -220,7 +228,7 @@ class LedgerRunner:
                 return self._run_fast(job)
             except _Contended:
                 pass
-        return await asyncio.wrap_future(self._queue(job, deadline))
+        return await asyncio.wrap_future(self._queue(job, deadline, lock_wait_s))
 
     def _run_with_deferred(self, job: Job[T]) -> tuple[bool, T | None]:
         """The deferred writes, then ``job``, in one transaction on the fast path (a commit

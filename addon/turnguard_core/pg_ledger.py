@@ -41,7 +41,7 @@ import logging
 import select
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -857,12 +857,12 @@ class PgLedger:
         return Recording(row[0], headers, body, row[2])
 
     @_wrap
-    def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
-        with self._tx() as tx:
-            tx.db.execute(
+    def note_duplicates(self, counts: Iterable[tuple[str, int, int]]) -> None:
+        with self._tx() as tx, tx.db.cursor() as cur:
+            cur.executemany(
                 "UPDATE operations SET duplicates_held=duplicates_held+%s,"
                 " duplicates_replayed=duplicates_replayed+%s WHERE op_key=%s",
-                (held, replayed, op_key))
+                [(held, replayed, op_key) for op_key, held, replayed in counts])
 
     # -- instances, restart, retention ---------------------------------------------------------
     def _register(self, tx: _Transaction, now: float, *, keep_incarnation: bool) -> int:

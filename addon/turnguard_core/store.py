@@ -67,11 +67,10 @@ class FirstEventWrite:
 
 @record
 class DuplicatesWrite:
-    """Duplicates of an operation held or replayed (for inspection; no decision reads it)."""
+    """Duplicates of operations held or replayed (for inspection; no decision reads them):
+    ``(op_key, held, replayed)`` of each, written in one transaction."""
 
-    op_key: str
-    held: int = 0
-    replayed: int = 0
+    counts: tuple[tuple[str, int, int], ...]
 
 
 @record
@@ -142,22 +141,28 @@ class Store(Protocol):
         self, keep_ops: list[str], *, now: float, deadline: float | None,
     ) -> list[str]: ...
 
+    # the maintenance's writes, which no request waits for: ``lock_wait_s`` bounds how long
+    # one waits for another connection's lock (None: the ledger's busy timeout)
     async def reap_instance(
         self, instance_id: str, *, now: float, heartbeat_was: float | None = None,
+        lock_wait_s: float | None = None,
     ) -> list[str]: ...
 
     async def collect_garbage(
         self, *, now: float, retention_s: float, instance_stale_s: float,
+        lock_wait_s: float | None = None,
     ) -> int: ...
 
-    async def purge_recordings(self, *, now: float, window_s: float) -> int: ...
+    async def purge_recordings(self, *, now: float, window_s: float,
+                               lock_wait_s: float | None = None) -> int: ...
 
     def send(self, write: Write) -> asyncio.Future:
         """Apply ``write`` soon without waiting for it (a store may group several writes in
         one transaction); the future holds its result or error."""
         ...
 
-    async def write(self, write: Write, *, deadline: float | None) -> FinishResult | None: ...
+    async def write(self, write: Write, *, deadline: float | None,
+                    lock_wait_s: float | None = None) -> FinishResult | None: ...
 
     def write_sync(self, write: Write, *, timeout: float) -> FinishResult | None:
         """``write``, waited for on the caller's thread (at close: the event loop is done)."""
@@ -216,7 +221,7 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
                 "rejected", None, 0, "abandoned: the request stopped waiting for the ledger"),
                 now=write.now, op_key=write.op_key)
         case DuplicatesWrite():
-            ledger.note_duplicates(write.op_key, held=write.held, replayed=write.replayed)
+            ledger.note_duplicates(write.counts)
             return None
 
 
@@ -312,23 +317,27 @@ class LedgerStore:
         return await self._runner.call(
             lambda led: led.end_stale_attempts(list(keep_ops), now=now), deadline=deadline)
 
-    async def reap_instance(self, instance_id, *, now, heartbeat_was=None):
+    async def reap_instance(self, instance_id, *, now, heartbeat_was=None, lock_wait_s=None):
         return await self._runner.call(
-            lambda led: led.reap_instance(instance_id, now=now, heartbeat_was=heartbeat_was))
+            lambda led: led.reap_instance(instance_id, now=now, heartbeat_was=heartbeat_was),
+            lock_wait_s=lock_wait_s)
 
-    async def collect_garbage(self, *, now, retention_s, instance_stale_s):
+    async def collect_garbage(self, *, now, retention_s, instance_stale_s, lock_wait_s=None):
         return await self._runner.call(lambda led: led.collect_garbage(
-            now=now, retention_s=retention_s, instance_stale_s=instance_stale_s))
+            now=now, retention_s=retention_s, instance_stale_s=instance_stale_s),
+            lock_wait_s=lock_wait_s)
 
-    async def purge_recordings(self, *, now, window_s):
+    async def purge_recordings(self, *, now, window_s, lock_wait_s=None):
         return await self._runner.call(
-            lambda led: led.purge_recordings(now=now, window_s=window_s))
+            lambda led: led.purge_recordings(now=now, window_s=window_s),
+            lock_wait_s=lock_wait_s)
 
     def send(self, write):
         return self._runner.defer(lambda led: _apply(write, led), heavy=_heavy(write))
 
-    async def write(self, write, *, deadline):
-        return await self._runner.call(lambda led: _apply(write, led), deadline=deadline)
+    async def write(self, write, *, deadline, lock_wait_s=None):
+        return await self._runner.call(lambda led: _apply(write, led), deadline=deadline,
+                                       lock_wait_s=lock_wait_s)
 
     def write_sync(self, write, *, timeout):
         return self._runner.call_sync(lambda led: _apply(write, led), timeout=timeout)

@@ -102,7 +102,7 @@ class Maintenance:
                 return
         if not store.usable and not await store.recover(None):
             return
-        store.write_counts()
+        await store.flush_counts()
         if time.monotonic() - self._last_reap >= REAP_S:
             await self._reap(now)
             await self._refresh_circuits(now)

@@ -1,0 +1,82 @@
+"""Another connection's write lock keeps the SQLite ledger from being written, not read: a
+request's read goes to the ledger behind it (``FailoverStore._only_locked``), so a turn another
+process completed is replayed, never run again from this process's memory, whatever else waits
+for the lock on the ledger's one connection. On a real ledger file, through ``FailoverStore``,
+with a real lock held by another connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+
+from turnguard_core import policy
+from turnguard_core.ledger import AttemptEnd, Ledger, Recording
+
+from test_own_replays import GUARD, SCOPE, Traced, ident
+
+
+@contextlib.contextmanager
+def completed_elsewhere_then_locked(tmp_path, text):
+    """A store on a ledger where another process (``peer``) completed the turn ``text``, then
+    another connection holds the write lock: (store, turn, the attempt to replay)."""
+    path = str(tmp_path / "ledger.sqlite3")
+    traced = Traced(path)
+    peer = Ledger(path, "peer")
+    peer.open(time.time())
+    blocker = sqlite3.connect(path, isolation_level=None, timeout=1)
+    try:
+        turn = ident(text)
+        claim = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                           guard=GUARD, flow_id="g")
+        recording = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
+        peer.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, recording),
+                    now=time.time(), op_key=turn.op_key)
+        blocker.execute("BEGIN IMMEDIATE")
+        yield traced, turn, claim.attempt_id
+    finally:
+        blocker.close()
+        peer.close()
+        traced.store.close()
+
+
+def claim_session(traced):
+    """A request's session claim (a write): it waits for the lock until its 0.5 s bound."""
+    return traced.store.claim_session("sess", now=time.time(), lease_s=15, new_id="x",
+                                      deadline=time.monotonic() + 0.5)
+
+
+def admit(traced, turn):
+    """A request's admission, within the bound a request gives the ledger (0.5 s)."""
+    return traced.store.admit(
+        turn, method="POST", route="/v1/responses", flow_id="f", circuit_scope=SCOPE,
+        recovery=None, once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+        window_s=GUARD.replay_window_s, threshold=2, deadline=time.monotonic() + 0.5)
+
+
+async def test_a_call_queued_past_its_bound_behind_the_lock_does_not_send_reads_to_memory(
+        tmp_path):
+    """Two requests meet the lock together: the first's session claim waits 0.5 s for it, the
+    second's is still queued behind it at its own bound and gives up unrun ("gave up
+    waiting"), which says nothing new of the ledger. The next request for a turn another
+    process completed still reads the ledger and replays it, where it was decided in memory
+    (a dispatch: the turn run again)."""
+    with completed_elsewhere_then_locked(tmp_path, "a turn completed elsewhere") \
+            as (traced, turn, attempt_id):
+        assert await asyncio.gather(claim_session(traced), claim_session(traced)) == [None, None]
+        assert await admit(traced, turn) == policy.Replay(attempt_id)
+
+
+async def test_the_maintenances_write_behind_the_lock_does_not_hold_up_a_requests_read(tmp_path):
+    """The ticker's purge of old recordings (a write nobody waits for) is the first to meet the
+    lock: it gives up after a moment (tried again at the next purge), where it held the
+    ledger's one connection for the whole busy timeout (5 s), so that a request's read queued
+    behind it passed its bound and the turn another process completed was decided in memory
+    (run again)."""
+    with completed_elsewhere_then_locked(tmp_path, "a turn completed before the purge") \
+            as (traced, turn, attempt_id):
+        purge = asyncio.ensure_future(traced.store.purge_recordings(time.time(), window_s=300))
+        await asyncio.sleep(0.02)
+        assert await admit(traced, turn) == policy.Replay(attempt_id)
+        await purge
