@@ -45,6 +45,11 @@ LEDGER_WAIT_S = 0.5  # longest a request waits for the ledger before deciding wi
 SHUTDOWN_LET_GO_S = 2.0  # longest shutdown waits for the requests it let go to record their end
 ERROR_RECORD_WAIT_S = 1.0  # longest a failed attempt's answer waits for its ledger record
 PEERS_RECHECK_S = 1.0  # a request held for peers to register in a new ledger is admitted again this often
+# set on a flow whose request hook reached turnguard (any instance's), or that was said to
+# pass unguarded for want of it: a flow that reaches its response without it went by
+# unguarded (``TurnGuard._say_request_unguarded``). An attribute of the flow, not a set of
+# flows: a weak set cost several microseconds a request.
+REQUEST_SEEN = "_turnguard_request_seen"
 REQUEST_HALTED = ("request hook never reached turnguard (an addon before it halted it, or "
                   "answered it before that hook): the request went by unguarded")
 WEBSOCKET_OFF = ("websocket option is off: mitmproxy relays the socket as raw TCP, its calls "
@@ -316,7 +321,7 @@ class TurnGuard:
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
-        self._process.requests_seen.add(flow)
+        setattr(flow, REQUEST_SEEN, True)
         if self.refused or self.filter is None or flow.response is not None or not flow.live \
                 or not self.filter(flow):
             return  # (not live: a flow read from a file, ``mitmdump -nr`` or opened in
@@ -591,12 +596,11 @@ class TurnGuard:
         (at its first hook that can tell: ``responseheaders``, ``response``, or ``error``
         once a response came), so that it is said, not silent. A WebSocket upgrade is not a
         call (its socket is guarded from ``websocket_start``)."""
-        seen = self._process.requests_seen
-        if flow in seen or self.refused or self.filter is None or not flow.live \
-                or flow.websocket is not None or flow.response is None \
+        if getattr(flow, REQUEST_SEEN, False) or self.refused or self.filter is None \
+                or not flow.live or flow.websocket is not None or flow.response is None \
                 or flow.response.status_code == 101:
             return
-        seen.add(flow)  # (said once)
+        setattr(flow, REQUEST_SEEN, True)  # (said once)
         if self.filter(flow):
             self._emit("passthrough", flow=flow.id, transport="http", reason=REQUEST_HALTED)
 

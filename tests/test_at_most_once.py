@@ -243,7 +243,7 @@ def test_a_reload_that_upgrades_turnguard_gives_the_older_process_state_its_new_
     )
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
         assert post(a.url, SESSION, body_of("before the upgrade"))[0] == 200
-        older.write_text("requests_seen,event_counts,unwritten,detached")
+        older.write_text("sockets,event_counts,unwritten,detached")
         reloaded(a, touch_to_reload(a, script))
         assert not older.exists()  # the fields were dropped as the new code loaded
         assert post(a.url, SESSION, body_of("after the upgrade"))[0] == 200

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import uuid
-import weakref
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -36,10 +35,6 @@ class ProcessState:
     relay: Any = None  # relay.Relay: attached flows' streams (made on first use, or as the
     # addon runs when a dispatch may be detached: Attacher.start_relay_early)
     detached: dict = field(default_factory=dict)  # flow id -> detached.Detached (its calls)
-    # the HTTP flows whose request hook reached turnguard (any instance's), or that were said
-    # to pass unguarded for want of it: a flow that reaches its response without being one
-    # of them went by unguarded (``TurnGuard._say_request_unguarded``)
-    requests_seen: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     metrics: Any = None  # metrics.Metrics: the counters go on across reloads (same instance)
     # telemetry records by event (``turnguard.status``'s ``events``): they go on across
     # reloads and new events files, as the metrics' counters do
