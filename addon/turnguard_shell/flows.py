@@ -43,11 +43,12 @@ def response_headers(flow: http.HTTPFlow) -> tuple[tuple[str, str], ...]:
     return headers_of(flow.response) if flow.response is not None else ()
 
 
-# Each message's headers as str pairs, the last time they were read: a guarded request's
-# are read three times or more (identity, the live response's head, the recording's Vary
-# key), about 0.5 us a header each time.
-_HEADERS_READ: weakref.WeakKeyDictionary[http.Message, tuple[tuple, tuple]] = \
-    weakref.WeakKeyDictionary()
+# Each message's headers as str pairs, the last time they were read, kept on the message
+# (not copied with it, never serialized): a guarded request's are read three times or more
+# (identity, the live response's head, the recording's Vary key), about 0.5 us a header each
+# time. (A weak-keyed dictionary of messages cost more than the reads it saved: weak
+# references to two messages a request.)
+_HEADERS_READ = "_turnguard_headers_read"
 
 
 def headers_of(message: http.Message) -> tuple[tuple[str, str], ...]:
@@ -55,11 +56,11 @@ def headers_of(message: http.Message) -> tuple[tuple[str, str], ...]:
     mitmproxy's ``Headers`` replaces its ``fields`` tuple on every change (and a new
     ``Headers`` has its own), so the very same tuple means the very same headers."""
     fields = message.headers.fields
-    seen = _HEADERS_READ.get(message)
+    seen = getattr(message, _HEADERS_READ, None)
     if seen is not None and seen[0] is fields:
         return seen[1]
     pairs = tuple(message.headers.items(multi=True))
-    _HEADERS_READ[message] = (fields, pairs)
+    setattr(message, _HEADERS_READ, (fields, pairs))
     return pairs
 
 
