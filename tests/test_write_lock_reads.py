@@ -80,3 +80,19 @@ async def test_the_maintenances_write_behind_the_lock_does_not_hold_up_a_request
         await asyncio.sleep(0.02)
         assert await admit(traced, turn) == policy.Replay(attempt_id)
         await purge
+
+
+async def test_the_renewal_of_a_held_sessions_lease_behind_the_lock_does_not_hold_up_a_requests_read(
+        tmp_path):
+    """The ticker renews the lease of a session with a request held through a cooldown (once
+    mode), a write, and is the first to meet the lock: it gives up after a moment (the
+    lease's margin covers the next try), so a request's read queued behind it still replays
+    the turn another process completed."""
+    with completed_elsewhere_then_locked(tmp_path, "a turn completed before the renewal") \
+            as (traced, turn, attempt_id):
+        renewal = asyncio.ensure_future(
+            traced.store.renew_session("sess", 1, now=time.time(), lease_s=15))
+        await asyncio.sleep(0.02)
+        assert await admit(traced, turn) == policy.Replay(attempt_id)
+        assert await renewal is None  # not renewed, and not taken for an outage
+        assert traced.store.usable

@@ -925,8 +925,11 @@ class FailoverStore:
 
     async def renew_session(self, session: str, epoch: int, *, now: float,
                             lease_s: float) -> bool | None:
+        """The ticker's renewal of a held session's lease (None: not renewed now; a lock
+        is tried again at the next tick, within the lease's margin)."""
         kept = await self._call("renew_session", lambda store: store.renew_session(
-            session, epoch, now=now, lease_s=lease_s))
+            session, epoch, now=now, lease_s=lease_s,
+            lock_wait_s=self._background_lock_wait_s()), background=True)
         return None if isinstance(kept, Unread) else kept
 
     async def session_owned_by(self, session: str, epoch: int) -> bool | None:

@@ -107,7 +107,8 @@ class Store(Protocol):
         self, session: str, *, now: float, lease_s: float, new_id: str, deadline: float | None,
     ) -> tuple[policy.SessionOwnership, policy.SessionClaimResult]: ...
 
-    async def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float) -> bool: ...
+    async def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float,
+                            lock_wait_s: float | None = None) -> bool: ...
 
     async def session_owned_by(self, session: str, instance_id: str, epoch: int) -> bool: ...
 
@@ -273,9 +274,10 @@ class LedgerStore:
             deadline=deadline,
         )
 
-    async def renew_session(self, session, epoch, *, now, lease_s):
+    async def renew_session(self, session, epoch, *, now, lease_s, lock_wait_s=None):
         return await self._runner.call(
-            lambda led: led.renew_session(session, epoch, now=now, lease_s=lease_s))
+            lambda led: led.renew_session(session, epoch, now=now, lease_s=lease_s),
+            lock_wait_s=lock_wait_s)
 
     async def session_owned_by(self, session, instance_id, epoch):
         return await self._runner.call(
