@@ -21,6 +21,12 @@ from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ o
 STREAM = {"default": {"kind": "ok", "events": 12, "gap_ms": 150}}
 
 
+def after_warm_ups(n: int, scenario: dict) -> dict:
+    """``scenario`` with its first ``n`` dispatches (a test's warm-up calls, which only open
+    the ledger or add attempts) answered at once: only the calls after them stream slowly."""
+    return {**scenario, "sequence": [{"kind": "ok"}] * n}
+
+
 @contextlib.contextmanager
 def write_lock(ledger):
     db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
@@ -133,7 +139,8 @@ def test_a_call_that_ends_in_a_ledger_fault_answers_its_retries_held_in_the_othe
     call is in flight in the ledger). Then the ledger fails (locked, full, deleted) and the call
     completes in it: its end is kept. When the fault is over, a writes the end and b answers
     both retries from the recording: one upstream execution, nothing in flight."""
-    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, STREAM) as up:
+    with ledger_folder(tmp_path, kind) as folder, \
+            MockUpstream(tmp_path, after_warm_ups(1, STREAM)) as up:
         ledger = folder / "ledger.sqlite3"
         opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
         with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
@@ -176,7 +183,7 @@ def test_a_call_that_finds_the_ledger_deleted_is_claimed_in_the_new_file(tmp_pat
     upstream execution of the call."""
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_hold_timeout_ms=20000)
-    scenario = {"default": {"kind": "ok", "events": 20, "gap_ms": 200}}
+    scenario = after_warm_ups(2, {"default": {"kind": "ok", "events": 20, "gap_ms": 200}})
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(a.url, call([user("warm a")], seed=10))
@@ -413,8 +420,8 @@ def test_a_retry_held_elsewhere_when_an_older_copy_replaces_the_ledger_is_answer
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_hold_timeout_ms=20000)
     text = f"an older copy over the ledger ({transport})"
-    with MockUpstream(tmp_path, STREAM) as up, guarded(tmp_path, up, "a", **opts) as a, \
-            guarded(tmp_path, up, "b", **opts) as b:
+    with MockUpstream(tmp_path, after_warm_ups(3, STREAM)) as up, \
+            guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
         ws_call(a.url, call([user("warm 1")], turn="w1", seed=7))
         wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
         older_copy(tmp_path)
@@ -465,7 +472,7 @@ def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file
     is under way. All are held on a's call and answered from it: one upstream execution."""
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_hold_timeout_ms=20000)
-    scenario = {"default": {"kind": "ok", "events": 20, "gap_ms": 250}}
+    scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 20, "gap_ms": 250}})
     text = "eight retries on a deleted ledger"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
@@ -501,7 +508,7 @@ def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_regis
     registered in the new file, then holds the retries on the call. One upstream execution."""
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_hold_timeout_ms=20000)
-    scenario = {"default": {"kind": "ok", "events": 16, "gap_ms": 250}}
+    scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 16, "gap_ms": 250}})
     text = f"retries as the ledger is {kind}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
@@ -532,7 +539,7 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_r
     is decided in memory and dispatched. Once the fault is over, a registers it in the ledger
     while it still streams, so its retry through process b (a new socket) is held on it and
     answered from it: one upstream execution, nothing in flight after."""
-    scenario = {"default": {"kind": "ok", "events": 24, "gap_ms": 250}}
+    scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 24, "gap_ms": 250}})
     text = f"claimed in a fault {kind}"
     with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, scenario) as up:
         ledger = folder / "ledger.sqlite3"
