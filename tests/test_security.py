@@ -483,8 +483,10 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
     marker = f"BODY-MARKER-{secrets.token_hex(6)}"
     live_options = Path(__file__).with_name("live_options.py")
     ledger = tmp_path / "ledger.sqlite3"
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 12, "gap_ms": 300,
-                                             "text": marker}}) as up, \
+    # the switched turn streams slowly; the later one (forwarded, not replayed) at once
+    scenario = {"sequence": [{"kind": "ok", "events": 12, "gap_ms": 300, "text": marker}],
+                "default": {"kind": "ok", "text": marker}}
+    with MockUpstream(tmp_path, scenario) as up, \
             Mitmdump(tmp_path, up.url, extra_args=["-s", str(live_options)], options={
                 "turnguard_ledger": str(ledger),
                 "turnguard_events": str(tmp_path / "events.jsonl")}) as p:
