@@ -1376,7 +1376,9 @@ def test_an_older_copy_put_over_the_ledger_after_a_call_ended_leaves_nothing_in_
     ledger = tmp_path / "ledger.sqlite3"
     backup = tmp_path / "backup.sqlite3"
     opts = {"turnguard_hold_timeout_ms": 2000}
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "events": 12, "gap_ms": 150}}) as up, \
+    scenario = {"sequence": [{"kind": "ok"}],  # the warm-up at once, then calls that stream
+                "default": {"kind": "ok", "events": 12, "gap_ms": 150}}
+    with MockUpstream(tmp_path, scenario) as up, \
             proxy(tmp_path, up, name="a", **opts) as a, proxy(tmp_path, up, name="b", **opts) as b:
         asyncio.run(one_call(a.url, call([user("warm")], seed=50)))
 
