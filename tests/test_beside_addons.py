@@ -251,7 +251,8 @@ def test_a_call_whose_websocket_end_hook_an_earlier_addon_halts_is_not_left_in_f
             await c.send(frame)
             return await c.response(timeout=30)
 
-    slow = {"default": {"kind": "ok", "events": 6, "gap_ms": 500}}
+    # the call left mid-call streams slowly; its retry (dispatched again) at once
+    slow = {"sequence": [{"kind": "ok", "events": 6, "gap_ms": 500}], "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, slow) as up, \
             guarded(tmp_path, up, addon=script, extra_args=["-s", str(ADDON)],
                     turnguard_hold_timeout_ms=8000) as p:  # the halter first
