@@ -115,7 +115,9 @@ async def dropped_then_retried(connect, text: str) -> tuple[dict, list]:
         return first, await b.response()
 
 
-LEAVES = {"kind": "ok", "events": 4, "gap_ms": 1500}  # a turn its client gives up on (1 s)
+# a turn its client gives up on (1 s without a byte): its first events at once, then 3 s of
+# thinking (the client leaves then), then the rest of the stream at once
+LEAVES = {"kind": "ok", "events": 4, "think_ms": 3000}
 
 
 def left_then_retried(proxy_url: str | None, target: str, proxy: Mitmdump) -> dict:
