@@ -577,6 +577,7 @@ def _spend_the_once_claim(url: str, up: MockUpstream, text: str) -> None:
     wait_until(lambda: len(up.dispatches()) == 3, 15, what="the recovery dispatch")
 
 
+@pytest.mark.slow
 def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path, report):
     """A's turn is dispatched from memory while another connection holds the ledger's write
     lock (past the request's 0.5 s for the ledger). Until A writes its row, another process
@@ -985,6 +986,7 @@ def test_a_request_with_a_short_hold_bound_is_not_held_for_peers_as_the_ledger_g
            "1 s) was dispatched, never answered 409")
 
 
+@pytest.mark.slow
 def test_an_older_copy_written_over_the_ledger_never_gives_one_turn_anothers_answer(
     tmp_path, report
 ):

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from harness import (
     MockUpstream,
@@ -41,6 +42,7 @@ def probed(tmp_path, up, **options):
     return guarded(tmp_path, up, extra_args=["-s", str(STATUS_PROBE)], **options)
 
 
+@pytest.mark.slow
 def test_sessions_and_circuits_of_many_distinct_sessions_are_not_kept_forever(tmp_path):
     """Thousands of distinct sessions (a gateway's clients come and go): each one served leaves
     a durable-session ownership and a retry circuit in the process's memory. Once its lease

@@ -555,6 +555,7 @@ def test_expired_request_budget_fails_closed(tmp_path):
         assert len(up.dispatches()) == 2
 
 
+@pytest.mark.slow
 def test_circuit_survives_a_restart_and_an_elapsed_cooldown_starts_no_new_one(tmp_path):
     with MockUpstream(tmp_path, STORM) as up:
         with proxy(tmp_path, up, turnguard_cooldown_ms=LONG_COOLDOWN_MS) as p:

@@ -119,6 +119,7 @@ def test_two_mitmdump_processes_on_one_ledger_dispatch_once(tmp_path, report):
     )
 
 
+@pytest.mark.slow
 def test_200_concurrent_clients_over_20_operations_dispatch_20_times(tmp_path, report):
     with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 300, "events": 5}}) as up, \
             guarded(tmp_path, up) as proxy:

@@ -228,7 +228,6 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
         assert_ran_over_tls(up, front, proxy)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reverse", "regular"])
 def test_an_http2_upstream_over_alpn_gets_one_execution_per_turn(tmp_path, mode):
     """The https upstream speaks only HTTP/2 (ALPN ``h2``), and so does the client (mitmproxy

@@ -171,7 +171,6 @@ def test_a_call_that_ends_in_a_ledger_fault_answers_its_retries_held_in_the_othe
             assert_no_traceback(a.log_text() + b.log_text())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("retry_via", ["ws", "http"])
 def test_a_call_that_finds_the_ledger_deleted_is_claimed_in_the_new_file(tmp_path, retry_via):
     """The ledger file is deleted just before a call's frame reaches process a (both processes
@@ -531,7 +530,6 @@ def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_regis
         assert_no_traceback(a.log_text() + b.log_text())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["locked", "full"])
 def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_retry(
         tmp_path, kind):

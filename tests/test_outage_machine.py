@@ -903,6 +903,7 @@ class IndefiniteModeMachine(OutageMachine):
 MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("machine", [OutageMachine, OnceModeMachine, IndefiniteModeMachine],
                          ids=[FAIL_CLOSED, ONCE, INDEFINITE])
 def test_outages_pauses_and_crashes(machine):

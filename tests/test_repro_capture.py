@@ -50,6 +50,7 @@ def reproduce(*args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_capture_to_scenario_round_trip(tmp_path, report):
     flows = tmp_path / "incident.flows"
     upstream = {"sequence": [
