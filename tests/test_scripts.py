@@ -155,10 +155,30 @@ def _stop(proc: subprocess.Popen[bytes], sig: int, *, group: bool) -> float:
     try:
         proc.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _kill_group(proc, signal.SIGKILL)
+        stuck = _session_processes(proc.pid)  # (what each was doing, before they are killed)
+        for pgid in {pgid for pgid, _ in stuck.values()} | {proc.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)  # the script's group and its children's own
         proc.wait(10)
-        raise AssertionError(f"scripts/proxy did not exit within {STOP_TIMEOUT_S} s of {sig!r}")
+        listing = "\n".join(f"  {pid} {line}" for pid, (_, line) in sorted(stuck.items()))
+        raise AssertionError(f"scripts/proxy did not exit within {STOP_TIMEOUT_S} s of {sig!r};"
+                             f" its processes then (pid stat wchan args):\n{listing}") from None
     return time.monotonic() - t0
+
+
+def _session_processes(sid: int) -> dict[int, tuple[int, str]]:
+    """pid -> (process group, "stat wchan args") of each live process of session ``sid`` (the
+    script started with ``start_new_session``: its children in their own groups included)."""
+    out = subprocess.run(
+        ["ps", "-A", "-ww", "-o", "pid=,pgid=,sid=,stat=,wchan:24=,args="], capture_output=True,
+        text=True, timeout=10, check=False,
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        parts = line.split(None, 3)
+        if len(parts) == 4 and parts[2] == str(sid) and not parts[3].startswith("Z"):
+            found[int(parts[0])] = (int(parts[1]), parts[3])
+    return found
 
 
 def _run_proxy(tmp: Path, *, stop_group: bool) -> ProxyRun:
