@@ -1192,17 +1192,28 @@ def test_a_budget_shorter_than_the_workers_start_does_not_keep_it_from_starting(
     large body sent once it runs is guarded (before, the request whose budget ran out stopped
     the worker it waited for: every large body started another and stopped it, and none was
     ever guarded)."""
+    running = tmp_path / "worker-running"
+    # (only the worker starts slowly; it makes ``running`` as it answers the pool's first call,
+    # ``os.getpid``, which it looks up by name in ``posix`` as it unpickles it: multiprocessing's
+    # own calls go through ``os.getpid``, untouched)
     (tmp_path / "sitecustomize.py").write_text(
         "import sys, time\n"
         "if 'spawn_main' in ' '.join(getattr(sys, 'orig_argv', [])):\n"
-        "    time.sleep(2.5)\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # (only the worker starts slowly)
+        "    time.sleep(2.5)\n"
+        "    import posix\n"
+        "    def getpid(_getpid=posix.getpid):\n"
+        f"        open({str(running)!r}, 'a').close()\n"
+        "        return _getpid()\n"
+        "    posix.getpid = getpid\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a",
                                                turnguard_request_budget_ms=1000) as a:
         assert post(a.url, SESSION, body_of("first " + "f" * 300_000), 30)[0] == 200
         assert [e["reason"] for e in events(tmp_path, "a", "passthrough")] == [
             "identity worker did not start within 1.0 s"]
-        time.sleep(4)  # the worker runs by now
+        # the worker runs (a fixed wait was too short on a loaded machine, where a spawned
+        # interpreter takes seconds to import; the second request waits 1 s at most for it)
+        wait_until(running.exists, 60, what="the identity worker answering its first call")
         assert post(a.url, SESSION, body_of("second " + "s" * 300_000), 30)[0] == 200
         assert len(events(tmp_path, "a", "passthrough")) == 1
         assert [d["kind"] for d in events(tmp_path, "a", "dispatch")] == ["original"]
