@@ -1645,10 +1645,14 @@ def test_a_late_event_of_its_own_upstream_is_not_the_response_a_socket_is_attach
 class EndlessSseUpstream(ScriptedUpstream):
     """An upstream that accepts a WebSocket upgrade (and reads its frames without answering)
     and answers a POST with an event stream of ``events`` (0.3 s apart) whose chunked body
-    then ends cleanly, without a terminal event. ``calls`` counts the POSTs."""
+    then ends cleanly, without a terminal event. ``calls`` counts the POSTs, ``sent`` the
+    events sent; the stream stops after its first event until ``go_on`` is set (bounded: 30 s),
+    so that a duplicate reaches it while it is live however slow the machine."""
 
     def __init__(self, events: list[dict]):
         self.events = events
+        self.sent = 0
+        self.go_on = threading.Event()
         super().__init__([])
 
     async def handle(self, reader, writer) -> None:
@@ -1671,10 +1675,13 @@ class EndlessSseUpstream(ScriptedUpstream):
             self.calls += 1
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                          b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
-            for event in self.events:
+            for i, event in enumerate(self.events):
                 data = f"data: {json.dumps(event)}\n\n".encode()
                 writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 await writer.drain()
+                self.sent += 1
+                if i == 0:
+                    await asyncio.to_thread(self.go_on.wait, 30)
                 await asyncio.sleep(0.3)
             writer.write(b"0\r\n\r\n")
             await writer.drain()
@@ -1699,11 +1706,17 @@ def test_a_socket_attached_to_an_http_stream_that_ends_without_a_terminal_event_
             posted = asyncio.create_task(asyncio.to_thread(
                 sse_post, p.url, body=post_fallback(frame),
                 headers={**HEADERS, "accept": "text/event-stream"}))
-            await asyncio.to_thread(wait_until, lambda: up.calls, 10, what="the POST upstream")
-            await asyncio.sleep(0.5)  # its first events came
-            async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(frame)
-                return await c.response(timeout=10), await posted
+            try:
+                await asyncio.to_thread(wait_until, lambda: up.sent, 10, what="its first event")
+                async with WsClient.connect(p.url, headers=HEADERS) as c:
+                    await c.send(frame)
+                    await asyncio.to_thread(wait_until,
+                                            lambda: events(tmp_path, "duplicate_attached"), 20,
+                                            what="the socket attached")
+                    up.go_on.set()  # (not a fixed pause: on a loaded machine the stream ended)
+                    return await c.response(timeout=10), await posted
+            finally:
+                up.go_on.set()  # (a failure above does not leave the stream waiting)
 
         got, (status, _, body) = asyncio.run(both())
         assert status == 200 and len(parse_sse(body)) == 4
