@@ -26,6 +26,7 @@ from test_at_most_once import reloadable, reloaded, slow_workers, touch_to_reloa
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
 COOLDOWN_MS = 2500
+LONG_COOLDOWN_MS = 60000  # for a test that must still be inside the cooldown at its end
 
 
 def user(text: str) -> dict:
@@ -341,7 +342,10 @@ def test_a_follow_up_delta_and_its_full_resend_on_a_new_socket_are_one_operation
 def test_eventless_failures_open_the_circuit_and_the_socket_gets_a_503_event(tmp_path):
     scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "reset"}],
                 "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+    # (a cooldown the test never waits out: the fenced call must come while it lasts, and with
+    # COOLDOWN_MS a client descheduled for 2.5 s on a busy machine came after it and was sent)
+    with MockUpstream(tmp_path, scenario) as up, \
+            proxy(tmp_path, up, turnguard_cooldown_ms=LONG_COOLDOWN_MS) as p:
         frame = call([user("hi")])
         for _ in range(2):
             got = asyncio.run(one_call(p.url, frame))
