@@ -483,13 +483,17 @@ def test_once_mode_a_retry_elsewhere_while_the_owner_is_paused_is_the_one_recove
 
 
 def test_ownership_lost_mid_wait_fails_closed(tmp_path):
+    # (the session is taken over once the request is held, and the cooldown outlasts the
+    # test: with COOLDOWN_MS, a test descheduled for 2 s on a busy machine took it over
+    # after the cooldown had ended and the request had been recovered)
     with MockUpstream(tmp_path, STORM) as up, proxy(
-        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once"
+        tmp_path, up, turnguard_recovery_mode="server_anchored_replay_once",
+        turnguard_cooldown_ms=LONG_COOLDOWN_MS,
     ) as p:
         open_circuit(p.url)
         with ThreadPoolExecutor(max_workers=1) as pool:
             held = pool.submit(post, p.url)
-            time.sleep(0.8)
+            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1)
             db = sqlite3.connect(tmp_path / "ledger.sqlite3")
             with db:  # another process takes the session over: higher epoch
                 db.execute("UPDATE sessions SET owner_instance='intruder',"
