@@ -644,3 +644,40 @@ def test_a_retry_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_t
         assert len(up.dispatches()) == 1, "the retry sent to b ran the call a second time"
         assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+ONCE_COOLDOWN_MS = 4000
+EVENTLESS_TWICE = {"sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+                   "default": {"kind": "ok"}}
+
+@pytest.mark.parametrize("kind", ["deleted", "replaced"])
+def test_once_mode_a_call_held_as_the_ledger_goes_is_recovered_by_its_live_owner(
+        tmp_path, kind):
+    """Once mode over a socket: a call's frame is held through its cooldown by process a, the
+    owner of its session, when the ledger file is deleted (or an older copy, made before the
+    session was first claimed, is moved into its place). The new file does not know the
+    session, and no process took it over: a is still its owner, and the file is an outage,
+    never an empty ledger. So the held call is not failed closed as ``ownership_lost``
+    (another process took the session); a registers its session in the new file at its epoch,
+    and recovers the call once when the cooldown ends."""
+    with MockUpstream(tmp_path, EVENTLESS_TWICE) as up:
+        opts = dict(turnguard_hold_timeout_ms=20000, turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+                    turnguard_recovery_mode="server_anchored_replay_once")
+        with guarded(tmp_path, up, "a", **opts) as a:
+            older_copy(tmp_path)  # the file a opened: no row of the session claimed below
+            text = f"once mode as the ledger is {kind}"
+            for seed in (2, 3):
+                assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
+            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                       10, what="two eventless failures")
+            held = background(ws_call, a.url, call([user(text)], seed=1))
+            wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
+                       10, what="the call held through the cooldown")
+            with fault(kind, tmp_path):
+                got = held.result(40)
+            assert types(got)[-1] == "response.completed", (
+                got, turnguard_events(tmp_path, "a", "fail_closed"))
+            assert len(up.dispatches()) == 3  # two failures, the recovery
+            assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
+            assert not turnguard_events(tmp_path, "a", "ownership_lost")
+            assert_no_traceback(a.log_text())

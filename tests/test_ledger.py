@@ -722,6 +722,26 @@ def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(ledger_ba
     assert reset.transition == "reset" and b.circuit_state("session:x").remaining_s(1063.0) == 0
 
 
+def test_a_session_the_ledger_does_not_know_is_registered_again_by_its_renewing_owner(
+        ledger_backend):
+    """A ledger that has no row of a session (a file made again under the running process)
+    does not know it: its owner's renewal registers it at the owner's epoch, and the recovery
+    claim fenced by that epoch is the owner's. An instance that claimed it there first owns
+    it: the renewal is refused, as a renewal of a session taken over is."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    assert a.renew_session("s", 3, now=1000.0, lease_s=10)
+    assert a.session_owned_by("s", "a", 3) and not a.session_owned_by("s", "a", 1)
+    assert b.claim_session("s", now=1005.0, lease_s=10, new_id="d")[1] == "owned_by_other"
+    i = ident({"n": 10})
+    d = a.admit(i, method="POST", path="/v1/responses", now=1006.0, guard=GUARD, flow_id=None,
+                recovery=policy.RecoveryClaim("s", 3, once=True))
+    assert isinstance(d, policy.Dispatch), d
+    b.claim_session("t", now=1000.0, lease_s=10, new_id="d2")
+    assert not a.renew_session("t", 1, now=1001.0, lease_s=10)
+    assert b.session_owned_by("t", "b", 1)
+
+
 def test_session_ownership_is_fenced_by_epoch(ledger_backend):
     a = ledger_backend.open("a")
     b = ledger_backend.open("b")

@@ -570,12 +570,12 @@ class OutageMachine(RuleBasedStateMachine):
                 for r in self.parked if r.process is p and r.waiting == "cooldown"}
         for session, epoch in held:
             owned = p.sessions.get(session)
-            if owned is None or owned.lease_until - self.now < OWNER_LEASE_S * 2 / 3:
+            fresh = owned is not None and owned.lease_until - self.now >= OWNER_LEASE_S * 2 / 3
+            kept = fresh and p.ledger.session_owned_by(session, p.instance_id, epoch)
+            if not kept:  # renewed (or registered again in a file that does not know it)
                 kept = p.ledger.renew_session(session, epoch, now=self.now, lease_s=OWNER_LEASE_S)
                 if kept and owned is not None:
                     p.sessions[session] = replace(owned, lease_until=self.now + OWNER_LEASE_S)
-            else:
-                kept = p.ledger.session_owned_by(session, p.instance_id, epoch)
             if not kept:
                 p.sessions.pop(session, None)
                 lost = [r for r in self.parked if r.process is p and r.waiting == "cooldown"

@@ -20,6 +20,7 @@ import os
 import sqlite3
 import stat
 import urllib.parse
+import uuid
 from typing import Iterable, Literal
 
 from . import circuit, liveness, policy
@@ -884,12 +885,26 @@ class Ledger:
     @_wrap
     def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float) -> bool:
         """Extend the lease of a session this instance owns at ``epoch`` (a fenced write).
-        False: ownership was lost (another instance took over with a higher epoch)."""
+        False: ownership was lost (another instance took over with a higher epoch).
+
+        A file that has no row of the session (the ledger was deleted, or replaced by a copy
+        made before the session was claimed, under the running process) does not know it: no
+        instance took it over there. The session is registered in it again, owned by this
+        instance at ``epoch`` (with a new durable id), so that its held requests keep their
+        owner proof and their recovery claim stays fenced by that epoch; an instance that
+        claims it in this file first owns it, and this one has lost it."""
         with self._tx() as db:
-            return db.execute(
+            if db.execute(
                 "UPDATE sessions SET lease_until=?, updated_at=? WHERE session=?"
                 " AND owner_instance=? AND owner_epoch=? RETURNING session",
                 (now + lease_s, now, session, self.instance_id, epoch),
+            ).fetchone() is not None:
+                return True
+            return db.execute(
+                "INSERT INTO sessions (session, durable_id, owner_instance, owner_epoch,"
+                " lease_until, created_at, updated_at) VALUES (?,?,?,?,?,?,?)"
+                " ON CONFLICT(session) DO NOTHING RETURNING session",
+                (session, uuid.uuid4().hex, self.instance_id, epoch, now + lease_s, now, now),
             ).fetchone() is not None
 
     @_wrap

@@ -41,6 +41,7 @@ import logging
 import select
 import threading
 import time
+import uuid
 from typing import Callable, Iterable
 
 import psycopg
@@ -833,12 +834,20 @@ class PgLedger:
 
     @_wrap
     def renew_session(self, session: str, epoch: int, *, now: float, lease_s: float) -> bool:
-        """See ``Ledger.renew_session`` (a fenced write)."""
+        """See ``Ledger.renew_session`` (a fenced write; a database made again that has no
+        row of the session gets it again, owned by this instance at ``epoch``)."""
         with self._tx() as tx:
-            return tx.db.execute(
+            if tx.db.execute(
                 "UPDATE sessions SET lease_until=%s, updated_at=%s WHERE session=%s"
                 " AND owner_instance=%s AND owner_epoch=%s RETURNING session",
                 (now + lease_s, now, session, self.instance_id, epoch),
+            ).fetchone() is not None:
+                return True
+            return tx.db.execute(
+                "INSERT INTO sessions (session, durable_id, owner_instance, owner_epoch,"
+                " lease_until, created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (session) DO NOTHING RETURNING session",
+                (session, uuid.uuid4().hex, self.instance_id, epoch, now + lease_s, now, now),
             ).fetchone() is not None
 
     @_wrap

@@ -79,9 +79,12 @@ class Sessions:
         requests when another process took the session."""
         for session, epoch in waiters.cooldown_sessions():
             owned = self._owned.get(session)
-            if self._fresh(owned, now, lease_s):
-                kept = await self._store.session_owned_by(session, epoch)
-            else:
+            kept = (await self._store.session_owned_by(session, epoch)
+                    if self._fresh(owned, now, lease_s) else False)
+            if kept is False:
+                # renewed, or, in a ledger file that does not know the session (deleted or
+                # replaced under this process), registered again at its epoch: lost only
+                # when another process owns it there
                 kept = await self._store.renew_session(session, epoch, now=now, lease_s=lease_s)
                 if kept and owned is not None:
                     self._owned[session] = dataclasses.replace(owned, lease_until=now + lease_s)
