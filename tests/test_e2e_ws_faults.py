@@ -681,3 +681,52 @@ def test_once_mode_a_call_held_as_the_ledger_goes_is_recovered_by_its_live_owner
             assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
             assert not turnguard_events(tmp_path, "a", "ownership_lost")
             assert_no_traceback(a.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "full", "deleted", "replaced"])
+def test_once_mode_a_call_held_through_the_cooldown_in_a_ledger_fault_is_answered_once(
+        tmp_path, kind):
+    """Once mode over a socket: two eventless failures of a call open its circuit; its next
+    frame is held through the cooldown, and the ledger fails (locked, full, deleted, replaced
+    by an older copy) while it is held and stays so as the cooldown ends, at its recovery
+    claim. The held call gets one answer (the recovered events, or, the claim unwritable, an
+    ``error`` event with a numeric status, never a hang); then, the fault over, its retry on a
+    new socket and its POST fallback are answered: the operation is recovered exactly once
+    upstream, nothing is left in flight and no hook raised."""
+    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, EVENTLESS_TWICE) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000,
+                    turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+                    turnguard_recovery_mode="server_anchored_replay_once")
+        with guarded(tmp_path, up, "a", **opts) as a:
+            text = f"once mode in a ledger fault {kind}"
+            frame = call([user(text)], seed=1)
+            for seed in (2, 3):
+                got = ws_call(a.url, call([user(text)], seed=seed))
+                assert got[-1]["type"] == "closed", got
+            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                       10, what="two eventless failures")
+            wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
+            older_copy(folder)
+            held = background(ws_call, a.url, frame)
+            wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
+                       10, what="the call held through the cooldown")
+            with fault(kind, folder):
+                got = held.result(40)
+                time.sleep(0.5)
+            assert got and got[-1]["type"] in ("response.completed", "error"), got
+            if got[-1]["type"] == "error":
+                assert isinstance(got[-1].get("status"), int), got
+            wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
+                       what="nothing in flight once the fault is over")
+            again = ws_call(a.url, call([user(text)], seed=4))
+            status, how, kinds = http_call(a.url, frame)
+            recoveries = [d for d in turnguard_events(tmp_path, "a", "dispatch")
+                          if d["kind"] == "recovery"]
+            # two failures and one recovery: the held call's, or (it failed closed) its retry's
+            assert len(up.dispatches()) == 3, up.dispatches()
+            assert len(recoveries) == 1, recoveries
+            assert types(again)[-1] == "response.completed", again
+            assert status == 200 and how == "replayed" and kinds == types(again), (
+                status, how, kinds)
+            assert_no_traceback(a.log_text())
