@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -730,3 +731,95 @@ def test_once_mode_a_call_held_through_the_cooldown_in_a_ledger_fault_is_answere
             assert status == 200 and how == "replayed" and kinds == types(again), (
                 status, how, kinds)
             assert_no_traceback(a.log_text())
+
+
+@pytest.mark.parametrize("kind", ["none", "locked", "deleted"])
+def test_once_mode_a_call_held_through_the_cooldown_and_a_script_reload_in_a_ledger_fault(
+        tmp_path, kind):
+    """Once mode over a socket: a call's frame is held through its cooldown; the ledger fails
+    (write-locked by another connection, or its file deleted) and mitmproxy reloads the
+    script while it is held, the fault lasting past the cooldown's end. The instance loaded
+    next keeps the hold and answers it once (recovered, or failed closed with a numeric
+    status when the claim cannot be written); the retries after the fault (a new socket,
+    the POST fallback) get the one recovery: two failures and one recovery upstream, no
+    traceback."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, EVENTLESS_TWICE) as up, guarded(
+            tmp_path, up, "a", addon=script, turnguard_hold_timeout_ms=20000,
+            turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+            turnguard_recovery_mode="server_anchored_replay_once") as a:
+        text = f"once mode, a reload in a ledger fault {kind}"
+        frame = call([user(text)], seed=1)
+        for seed in (2, 3):
+            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
+        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                   10, what="two eventless failures")
+        wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
+        held = background(ws_call, a.url, frame)
+        wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
+                   10, what="the call held through the cooldown")
+        with contextlib.nullcontext() if kind == "none" else fault(kind, tmp_path):
+            reloaded(a, touch_to_reload(a, script))
+            got = held.result(40)
+            time.sleep(0.5)
+        assert got and got[-1]["type"] in ("response.completed", "error"), got
+        if got[-1]["type"] == "error":
+            assert kind != "none" and isinstance(got[-1].get("status"), int), got
+        assert a.log_text().count("was held; the addon loaded now decides it") == 1
+        wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
+                   what="nothing in flight once the fault is over")
+        again = ws_call(a.url, call([user(text)], seed=4))
+        status, how, kinds = http_call(a.url, frame)
+        assert len(up.dispatches()) == 3, up.dispatches()  # two failures, one recovery
+        assert types(again)[-1] == "response.completed", again
+        assert status == 200 and kinds == types(again), (status, how, kinds)
+        assert not turnguard_events(tmp_path, "a", "hold_abandoned")
+        assert_no_traceback(a.log_text())
+
+
+def test_once_mode_never_spends_the_recovery_on_a_socket_that_left_while_the_proxy_was_paused(
+        tmp_path):
+    """Once mode over sockets: four sockets send the call while its circuit cools, and all
+    are held; the process is paused (SIGSTOP) across the cooldown's end, and three of the
+    clients drop their sockets meanwhile. Resumed, turnguard must not give the one recovery
+    to a socket that left: the one still open gets the recovered events; one recovery
+    dispatch in all."""
+    with MockUpstream(tmp_path, EVENTLESS_TWICE) as up, guarded(
+            tmp_path, up, "a", turnguard_hold_timeout_ms=20000,
+            turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+            turnguard_recovery_mode="server_anchored_replay_once") as a:
+        text = "once mode, sockets that left while paused"
+        for seed in (2, 3):
+            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
+        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                   10, what="two eventless failures")
+
+        async def go():
+            leaving = []
+            for i in range(3):
+                c = await WsClient.connect(a.url, headers=HEADERS).__aenter__()
+                await c.send(call([user(text)], seed=10 + i))
+                leaving.append(c)
+                await asyncio.to_thread(wait_until, lambda n=i + 1: len(turnguard_events(
+                    tmp_path, "a", "wait_operation_fenced_cooldown")) == n, 10)
+            async with WsClient.connect(a.url, headers=HEADERS) as staying:
+                await staying.send(call([user(text)], seed=20))
+                await asyncio.to_thread(wait_until, lambda: len(turnguard_events(
+                    tmp_path, "a", "wait_operation_fenced_cooldown")) == 4, 10)
+                a.proc.send_signal(signal.SIGSTOP)
+                try:
+                    for c in leaving:
+                        c.abort()
+                    await asyncio.sleep(ONCE_COOLDOWN_MS / 1000 + 0.5)
+                finally:
+                    a.proc.send_signal(signal.SIGCONT)
+                return await staying.response(30)
+
+        got = asyncio.run(go())
+        assert types(got)[-1] == "response.completed", got
+        assert len(up.dispatches()) == 3  # two failures, one recovery
+        assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
+        assert_no_traceback(a.log_text())
