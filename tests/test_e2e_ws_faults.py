@@ -823,3 +823,38 @@ def test_once_mode_never_spends_the_recovery_on_a_socket_that_left_while_the_pro
         assert len(up.dispatches()) == 3  # two failures, one recovery
         assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
         assert_no_traceback(a.log_text())
+
+
+@pytest.mark.parametrize("kind", ["deleted", "replaced"])
+def test_once_mode_a_ledger_that_goes_while_the_owner_is_paused_across_the_cooldowns_end(
+        tmp_path, kind):
+    """Once mode over a socket: a call is held through its cooldown by process a; a is paused
+    (SIGSTOP), the ledger file is deleted (or an older copy made before the session was
+    claimed is moved into its place) and the cooldown ends while a is paused. Resumed, a
+    finds the new file at its recovery claim, which has no row of the session: no process
+    took it over, so the call is recovered once, not failed closed as ``ownership_lost``."""
+    with MockUpstream(tmp_path, EVENTLESS_TWICE) as up, guarded(
+            tmp_path, up, "a", turnguard_hold_timeout_ms=20000,
+            turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+            turnguard_recovery_mode="server_anchored_replay_once") as a:
+        older_copy(tmp_path)
+        text = f"once mode, the ledger {kind} while paused"
+        for seed in (2, 3):
+            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
+        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                   10, what="two eventless failures")
+        held = background(ws_call, a.url, call([user(text)], seed=1))
+        wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
+                   10, what="the call held through the cooldown")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            with fault(kind, tmp_path):
+                time.sleep(ONCE_COOLDOWN_MS / 1000 + 0.5)
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        got = held.result(40)
+        assert types(got)[-1] == "response.completed", (
+            got, turnguard_events(tmp_path, "a", "fail_closed"))
+        assert len(up.dispatches()) == 3  # two failures, the recovery
+        assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
+        assert_no_traceback(a.log_text())

@@ -722,12 +722,13 @@ def test_circuit_is_fed_in_the_finish_transaction_and_fences_admission(ledger_ba
     assert reset.transition == "reset" and b.circuit_state("session:x").remaining_s(1063.0) == 0
 
 
-def test_a_session_the_ledger_does_not_know_is_registered_again_by_its_renewing_owner(
+def test_a_session_the_ledger_does_not_know_is_registered_again_by_its_owner(
         ledger_backend):
     """A ledger that has no row of a session (a file made again under the running process)
-    does not know it: its owner's renewal registers it at the owner's epoch, and the recovery
-    claim fenced by that epoch is the owner's. An instance that claimed it there first owns
-    it: the renewal is refused, as a renewal of a session taken over is."""
+    does not know it: its owner's renewal, or its recovery claim, registers it at the owner's
+    epoch, and the recovery claim fenced by that epoch is the owner's. An instance that
+    claimed it there first owns it: the renewal and the claim are refused, as those of a
+    session taken over are."""
     a = ledger_backend.open("a")
     b = ledger_backend.open("b")
     assert a.renew_session("s", 3, now=1000.0, lease_s=10)
@@ -740,6 +741,16 @@ def test_a_session_the_ledger_does_not_know_is_registered_again_by_its_renewing_
     b.claim_session("t", now=1000.0, lease_s=10, new_id="d2")
     assert not a.renew_session("t", 1, now=1001.0, lease_s=10)
     assert b.session_owned_by("t", "b", 1)
+    # the file went between the owner's last renewal and its recovery claim: the claim
+    # registers the session at its epoch, its lease ended (another may take it over after)
+    d = a.admit(ident({"n": 11}), method="POST", path="/v1/responses", now=1010.0, guard=GUARD,
+                flow_id=None, recovery=policy.RecoveryClaim("u", 2, once=True))
+    assert isinstance(d, policy.Dispatch), d
+    assert a.session_owned_by("u", "a", 2)
+    assert b.claim_session("u", now=1011.0, lease_s=10, new_id="d3")[0].owner_epoch == 3
+    assert a.admit(ident({"n": 12}), method="POST", path="/v1/responses", now=1012.0,
+                   guard=GUARD, flow_id=None, recovery=policy.RecoveryClaim("t", 1, once=True)
+                   ) == policy.Denied("upstream_request_timeout", "ownership_lost")
 
 
 def test_session_ownership_is_fenced_by_epoch(ledger_backend):

@@ -568,7 +568,7 @@ class Ledger:
             snapshot = self._snapshot(db, identity.op_key)
             owner_ok = True
             if recovery is not None:
-                owner_ok = self._owns(db, recovery.session, recovery.epoch)
+                owner_ok = self._owns_for_recovery(db, recovery.session, recovery.epoch, now)
             decision = policy.admit(
                 snapshot,
                 fingerprint=identity.fingerprint,
@@ -851,6 +851,22 @@ class Ledger:
         return row is not None and (row.owner_instance, row.owner_epoch) == (
             self.instance_id, epoch,
         )
+
+    def _owns_for_recovery(self, db: sqlite3.Connection, session: str, epoch: int,
+                           now: float) -> bool:
+        """Whether this instance owns ``session`` at ``epoch``, for a recovery claim (in the
+        claim's transaction). A file with no row of the session (deleted or replaced under
+        the running process since its last renewal) does not know it, and no instance took
+        it over there: it is registered again, owned by this instance at ``epoch``, its
+        lease ending now (any instance may take it over from then on, with a higher epoch;
+        this one renews it at its next claim of the session), and the claim is its owner's."""
+        if self._session(db, session) is None:
+            db.execute(
+                "INSERT INTO sessions (session, durable_id, owner_instance, owner_epoch,"
+                " lease_until, created_at, updated_at) VALUES (?,?,?,?,?,?,?)",
+                (session, uuid.uuid4().hex, self.instance_id, epoch, now, now, now))
+            return True
+        return self._owns(db, session, epoch)
 
     @_wrap
     def claim_session(

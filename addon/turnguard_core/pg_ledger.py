@@ -516,7 +516,7 @@ class PgLedger:
             remaining = state.remaining_s(now)
             owner_ok = True
             if recovery is not None:
-                owner_ok = self._owns(db, recovery.session, recovery.epoch, lock=True)
+                owner_ok = self._owns_for_recovery(db, recovery.session, recovery.epoch, now)
             decision = policy.admit(
                 snapshot, fingerprint=identity.fingerprint,
                 has_idempotency_key=identity.idempotency_key is not None, now=now,
@@ -795,6 +795,20 @@ class PgLedger:
     def _owns(self, db: psycopg.Connection, session: str, epoch: int, *, lock: bool = False) -> bool:
         row = self._session(db, session, lock="SHARE" if lock else "")
         return row is not None and (row.owner_instance, row.owner_epoch) == (self.instance_id, epoch)
+
+    def _owns_for_recovery(self, db: psycopg.Connection, session: str, epoch: int,
+                           now: float) -> bool:
+        """See ``Ledger._owns_for_recovery``: a database made again that has no row of the
+        session gets it again, owned by this instance at ``epoch`` (its lease ending now);
+        one inserted meanwhile by another instance decides as any row."""
+        if db.execute(
+            "INSERT INTO sessions (session, durable_id, owner_instance, owner_epoch,"
+            " lease_until, created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s)"
+            " ON CONFLICT (session) DO NOTHING RETURNING session",
+            (session, uuid.uuid4().hex, self.instance_id, epoch, now, now, now),
+        ).fetchone() is not None:
+            return True
+        return self._owns(db, session, epoch, lock=True)
 
     @_wrap
     def claim_session(
