@@ -858,3 +858,42 @@ def test_once_mode_a_ledger_that_goes_while_the_owner_is_paused_across_the_coold
         assert len(up.dispatches()) == 3  # two failures, the recovery
         assert len(turnguard_events(tmp_path, "a", "recovery_claimed")) == 1
         assert_no_traceback(a.log_text())
+
+
+@pytest.mark.parametrize("kind,retry_via", [("locked", "ws"), ("deleted", "http")])
+def test_a_call_claimed_in_a_ledger_fault_and_handed_over_by_a_reload_holds_its_retry(
+        tmp_path, kind, retry_via):
+    """A call's frame reaches process a while the ledger is write-locked (decided in memory)
+    or just after its file was deleted, and mitmproxy reloads the script while the call
+    streams, the fault still on. Once the fault is over the new instance has the call in
+    flight in the ledger, so its retry through process b (a new socket, or the POST
+    fallback) is held on it and answered from it: one upstream execution, nothing in flight
+    after, no traceback."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    scenario = {"default": {"kind": "ok", "events": 30, "gap_ms": 250}}
+    ledger = tmp_path / "ledger.sqlite3"
+    text = f"claimed in a fault {kind}, then a reload"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+        wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+        frame = call([user(text)], seed=1)
+        with fault(kind, tmp_path):
+            original = background(ws_call, a.url, frame)
+            op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch")[1:], 10,
+                            what="a dispatching the call")[0]["op"]
+            reloaded(a, touch_to_reload(a, script))
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
+                   what="the call in flight in the ledger once the fault is over")
+        retry = _retry(b, text, frame, retry_via)
+        got = original.result(30)
+        assert types(got)[-1] == "response.completed", got
+        again = retry.result(40)
+        assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert len(up.dispatches()) == 2  # the warm-up, the call
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
