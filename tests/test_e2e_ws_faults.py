@@ -897,3 +897,38 @@ def test_a_call_claimed_in_a_ledger_fault_and_handed_over_by_a_reload_holds_its_
         assert len(up.dispatches()) == 2  # the warm-up, the call
         wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind,retry_via", [("locked", "http"), ("full", "ws"),
+                                            ("deleted", "ws"), ("replaced", "http")])
+def test_a_retry_sent_elsewhere_after_the_call_ended_in_a_ledger_fault_is_answered_once(
+        tmp_path, kind, retry_via):
+    """A call streams through process a and ends while the ledger fails (locked, full,
+    deleted, replaced by an older copy): its end is owed. Its retry then reaches process b,
+    which never saw it (a new socket, or the POST fallback), while the fault is still on,
+    and the fault ends a moment later. The retry is answered with the call's events, never
+    dispatched a second time; nothing in flight after, no traceback."""
+    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, STREAM) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(b.url, call([user("warm")], turn="warm", seed=9))  # b has the file open
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            older_copy(folder)
+            text = f"ended in a fault {kind}, retried elsewhere"
+            frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+            with fault(kind, folder):
+                got = original.result(30)
+                retry = _retry(b, text, frame, retry_via)
+                wait_until(lambda: turnguard_events(tmp_path, "b", "duplicate_held")
+                           or turnguard_events(tmp_path, "b", "request_held")
+                           or turnguard_events(tmp_path, "b", "dispatch")[1:]
+                           or retry.done(), 15, what="b deciding the retry")
+                time.sleep(1)
+            assert types(got)[-1] == "response.completed", got
+            again = retry.result(40)
+            assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+            assert len(up.dispatches()) == 2, up.dispatches()  # the warm-up, the call
+            wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
+                       what="nothing in flight")
+            assert_no_traceback(a.log_text() + b.log_text())
