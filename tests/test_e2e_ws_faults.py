@@ -932,3 +932,52 @@ def test_a_retry_sent_elsewhere_after_the_call_ended_in_a_ledger_fault_is_answer
             wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
                        what="nothing in flight")
             assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "deleted"])
+def test_once_mode_a_detached_recovery_whose_socket_drops_in_a_ledger_fault_is_run_once(
+        tmp_path, kind):
+    """Once mode with detached calls: a call held through its cooldown is recovered as
+    turnguard's own POST; its client drops the socket after the first event, and the ledger
+    fails (locked, deleted) meanwhile. The recovery runs on; the call's retry on a new
+    socket through the same process attaches to it, and one through process b (the POST
+    fallback), sent once the fault is over, is held on it: each gets the whole answer, the
+    operation is recovered once upstream, nothing in flight after."""
+    scenario = {"sequence": [{"kind": "clean_close"}, {"kind": "clean_close"}],
+                "default": {"kind": "ok", "think_ms": 3000, "events": 3}}
+    opts = dict(turnguard_detach_ms=30000, turnguard_response_created_timeout_ms=20000,
+                turnguard_hold_timeout_ms=20000, turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+                turnguard_recovery_mode="server_anchored_replay_once")
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        text = f"a detached recovery in a fault {kind}"
+        frame = call([user(text)], seed=1)
+        for seed in (2, 3):  # detached, a failure reaches the socket as an error event
+            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] in ("closed",
+                                                                                 "error")
+        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                   10, what="two eventless failures")
+
+        async def drop():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(frame)
+                first = json.loads(await c.recv(20))
+                with fault(kind, tmp_path):
+                    c.abort()
+                    await asyncio.sleep(1)
+                return first
+
+        first = asyncio.run(drop())
+        assert first["type"] == "response.created", first
+        [claim] = turnguard_events(tmp_path, "a", "recovery_claimed")
+        wait_until(lambda: op_states(ledger, claim["op"]) == [("in_flight",)], 10,
+                   what="the recovery in flight in the ledger once the fault is over")
+        elsewhere = background(http_call, b.url, frame)
+        here = ws_call(a.url, call([user(text)], seed=4))
+        assert types(here)[-1] == "response.completed" and here[0] == first, here
+        status, _, kinds = elsewhere.result(30)
+        assert status == 200 and kinds == types(here), (status, kinds)
+        assert len(up.dispatches()) == 3  # two failures, the recovery
+        wait_until(lambda: ledger.exists() and not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
