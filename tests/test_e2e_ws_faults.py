@@ -981,3 +981,64 @@ def test_once_mode_a_detached_recovery_whose_socket_drops_in_a_ledger_fault_is_r
         assert len(up.dispatches()) == 3  # two failures, the recovery
         wait_until(lambda: ledger.exists() and not in_flight(ledger), 20, what="nothing in flight")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "full", "junk"])
+def test_once_mode_retries_elsewhere_at_the_cooldowns_end_in_a_ledger_fault_recover_once(
+        tmp_path, kind):
+    """Once mode across two processes: process a holds a call through its cooldown; the
+    ledger fails (write-locked, its disk full, or replaced by a file that is no database)
+    and stays so past the cooldown's end, while the call's retries reach process b (a new
+    socket, and the POST fallback) and a (a new socket). Without a writable ledger no one
+    may spend the one recovery blind: every answer is one (events, or an error event /
+    status with a number), and once the fault is over a retry through b is recovered, or
+    replayed: two failures and at most one recovery upstream."""
+    with ledger_folder(tmp_path, "full" if kind == "full" else "locked") as folder, \
+            MockUpstream(tmp_path, EVENTLESS_TWICE) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000,
+                    turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
+                    turnguard_recovery_mode="server_anchored_replay_once")
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            text = f"once mode, retries elsewhere in a fault {kind}"
+            frame = call([user(text)], seed=1)
+            for seed in (2, 3):
+                assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
+            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+                       10, what="two eventless failures")
+            wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
+            held = background(ws_call, a.url, frame)
+            opened = wait_until(lambda: turnguard_events(
+                tmp_path, "a", "wait_operation_fenced_cooldown"), 10, what="the call held")
+            if kind == "junk":
+                junk = tmp_path / "junk"
+                junk.write_bytes(b"no database here\n" * 256)
+                junk.chmod(0o600)
+                ctx = contextlib.nullcontext()
+                os.replace(junk, ledger)
+            else:
+                ctx = fault(kind, folder)
+            with ctx:
+                time.sleep(max(0.0, opened[0]["ts"] + ONCE_COOLDOWN_MS / 1000 + 0.3
+                               - time.time()))
+                answers = [ws_call(b.url, call([user(text)], seed=5)),
+                           http_call(b.url, frame),
+                           ws_call(a.url, call([user(text)], seed=6))]
+                got = held.result(40)
+            if kind == "junk":
+                delete_ledger(ledger)
+            for x in [got, answers[0], answers[2]]:
+                assert x and (x[-1]["type"] == "response.completed" or isinstance(
+                    x[-1].get("status"), int)), x
+            assert answers[1][0] in (200, 503), answers[1]
+            assert len(up.dispatches()) <= 3, up.dispatches()  # 2 failures, 1 recovery
+            wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_recovered")
+                       or not turnguard_events(tmp_path, "b", "ledger_unavailable"), 20,
+                       what="b's ledger back")
+            wait_until(lambda: turnguard_events(tmp_path, "a", "ledger_recovered")
+                       or not turnguard_events(tmp_path, "a", "ledger_unavailable"), 20,
+                       what="a's ledger back")
+            last = ws_call(b.url, call([user(text)], seed=7))
+            assert types(last)[-1] == "response.completed", last
+            assert len(up.dispatches()) == 3, up.dispatches()
+            assert_no_traceback(a.log_text() + b.log_text())
