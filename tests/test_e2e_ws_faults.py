@@ -1042,3 +1042,68 @@ def test_once_mode_retries_elsewhere_at_the_cooldowns_end_in_a_ledger_fault_reco
             assert types(last)[-1] == "response.completed", last
             assert len(up.dispatches()) == 3, up.dispatches()
             assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("retry_via", ["ws", "http"])
+def test_a_retry_sent_elsewhere_while_the_owner_is_paused_as_the_ledger_goes_is_not_run_again(
+        tmp_path, retry_via):
+    """A call streams through process a; a is paused (SIGSTOP) and the ledger file is deleted
+    while it is paused, so a cannot register the call in the new file; the call's retry then
+    reaches process b (a new socket, or the POST fallback), and a stays paused past the 5 s
+    b waits for the processes that had turns in flight in the old file. a is alive (a pause
+    is no death: README, a live process's turn never runs twice): b holds the retry until a
+    registers the call, never dispatches it a second time; resumed, a completes the call and
+    b answers the retry from it. One upstream execution."""
+    scenario = {"default": {"kind": "ok", "events": 40, "gap_ms": 200}}
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = f"the owner paused as the ledger goes, via {retry_via}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            retry = _retry(b, text, frame, retry_via)
+            time.sleep(8)  # past b's 5 s wait for the peers to register
+            assert len(up.dispatches()) == 2, "b ran the paused owner's call a second time"
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        got = original.result(40)
+        assert types(got)[-1] == "response.completed", got
+        again = retry.result(40)
+        assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert len(up.dispatches()) == 2  # b's warm-up, and the call once
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_retry_held_for_a_paused_owner_past_its_hold_bound_is_told_to_retry_not_run_again(
+        tmp_path):
+    """As above, with a hold bound (2 s) shorter than the owner's pause: the POST fallback
+    sent to b while the owner a is paused and the ledger file is gone gets 409
+    ``turn_in_progress`` at its bound (the call is running in a live process), never a
+    second dispatch; after the pause the call completes and the retry is replayed."""
+    scenario = {"default": {"kind": "ok", "events": 40, "gap_ms": 200}}
+    ledger = tmp_path / "ledger.sqlite3"
+    text = "the owner paused past a retry's hold bound"
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, "a", turnguard_hold_timeout_ms=40000) as a, \
+            guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=2000) as b:
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            status, how, _ = http_call(b.url, frame)
+            assert (status, how) == (409, "turn_in_progress"), (status, how)
+            assert len(up.dispatches()) == 2, "b ran the paused owner's call a second time"
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        got = original.result(40)
+        assert types(got)[-1] == "response.completed", got
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        status, how, kinds = http_call(b.url, frame)
+        assert (status, how, kinds) == (200, "replayed", types(got)), (status, how, kinds)
+        assert len(up.dispatches()) == 2  # b's warm-up, and the call once
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -30,6 +30,17 @@ def test_a_peer_in_this_kernel_and_pid_namespace_is_judged_by_its_pid_only():
     assert judge(peer(), running={200: 9999}) == "dead"  # its pid now belongs to another process
 
 
+def test_only_a_peer_whose_pid_is_still_its_own_here_is_proven_alive():
+    def proven(row, running=None):
+        running = {200: 7000} if running is None else running
+        return liveness.proven_alive(row, me=ME, start_ticks_of=running.get)
+    assert proven(peer())  # however long silent: no clock is read
+    assert not proven(peer(), running={}) and not proven(peer(), running={200: 9999})
+    for other in (peer(boot_id="boot-2"), peer(pid_ns="pid:[2]"), peer(start_ticks=None),
+                  peer(boot_id=""), PeerRow("gone", ProcessIdentity("", "", "", -1, None), 1000.0)):
+        assert not proven(other)  # within its lease or not, it cannot be proven
+
+
 def test_a_peer_that_cannot_be_checked_is_judged_by_its_lease():
     for other in (peer(boot_id="boot-2"), peer(pid_ns="pid:[2]"), peer(start_ticks=None),
                   peer(boot_id=""), PeerRow("gone", ProcessIdentity("", "", "", -1, None), 1000.0)):

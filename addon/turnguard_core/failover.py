@@ -224,6 +224,13 @@ class FailoverStore:
         self._left = ""
         self._peers: set[str] = set()
         self._peers_until = 0.0
+        # of those, the ones proven alive (same host and pid namespace, their pid theirs
+        # still: see ``liveness.proven_alive``), with the operations each had in flight
+        # there: a request of one of those is held past ``_peers_until`` while its process
+        # lives and has not registered them (a paused process is alive: its turn must not
+        # run twice)
+        self._live_peers: dict[str, liveness.PeerRow] = {}
+        self._live_peer_ops: dict[str, str] = {}  # op_key -> instance id
         # the file at the path could not be opened since it was left: the peers try again
         # no sooner than this process (``REOPEN_S``), so the wait starts again when it opens
         self._peers_behind = False
@@ -542,6 +549,12 @@ class FailoverStore:
         for instance_id, op_key in ops:
             if instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
+        self._live_peers = {peer.instance_id: peer for peer in rows or ()
+                            if peer.instance_id in peers and liveness.proven_alive(
+                                peer, me=self._identity,
+                                start_ticks_of=liveness.probe_start_ticks)}
+        self._live_peer_ops = {op_key: instance_id for instance_id, op_key in ops
+                               if instance_id in self._live_peers}
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + self._peers_wait_s() if peers else 0.0
         self._peers_behind = False
@@ -554,13 +567,22 @@ class FailoverStore:
         return PEERS_REGISTERING_S + (HEARTBEAT_S if is_postgres(self.path) else 0.0)
 
     async def _peers_registering(self, store: Store, deadline: float | None,
-                                 hold_until: float | None = None) -> bool:
+                                 hold_until: float | None = None, op_key: str = "") -> bool:
         """Peers that had attempts in flight in the ledger file this process left have not
         all registered them in ``store`` yet (within ``PEERS_REGISTERING_S``): an operation
         this file knows nothing of may be in flight in one of them. A request that could be
         held only until ``hold_until`` (monotonic), or less than ``PEERS_HOLD_MARGIN_S`` more,
-        is decided without them."""
-        if hold_until is not None and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:
+        is decided without them.
+
+        Past that wait, a request of an operation ``op_key`` that the file left showed in
+        flight in a peer proven alive (``liveness.proven_alive``: a process paused, say) is
+        still held while that peer lives and has not registered its attempts (its hold bound
+        ends it, as a duplicate's of a turn in flight elsewhere): that turn is running, and
+        deciding without it would run it a second time. Other requests are decided without
+        the peers."""
+        peer = self._live_peer_ops.get(op_key)
+        if peer is None and hold_until is not None \
+                and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:
             return False
         if time.monotonic() < self._peers_until and store.generation != self._left:
             self._peers -= await store.moved_peers(self._left, deadline=deadline)
@@ -569,9 +591,20 @@ class FailoverStore:
         if self._peers:
             logger.warning("turnguard: %d process(es) with turns in flight in the ledger file "
                            "left did not register them in the new one within %.0f s; deciding "
-                           "without them", len(self._peers), self._peers_wait_s())
+                           "without them (but for the turns of those proven alive)",
+                           len(self._peers), self._peers_wait_s())
         self._peers = set()
-        return False
+        if peer is None or store.generation == self._left:
+            return False
+        moved = await store.moved_peers(self._left, deadline=deadline)
+        row = self._live_peers.get(peer)
+        if peer in moved or row is None or not liveness.proven_alive(
+                row, me=self._identity, start_ticks_of=liveness.probe_start_ticks):
+            # registered (the new file decides), or gone: nothing of its is held any more
+            self._live_peers.pop(peer, None)
+            self._live_peer_ops = {op: p for op, p in self._live_peer_ops.items() if p != peer}
+            return False
+        return True
 
     def _reregistered(self, incarnation: int) -> None:
         self._emit("instance_reregistered", instance=self._instance_id,
@@ -845,7 +878,8 @@ class FailoverStore:
             known = carried()
             if known is not None:
                 return _Carried(known)
-            if self._peers and await self._peers_registering(store, deadline, hold_until):
+            if (self._peers or ident.op_key in self._live_peer_ops) and \
+                    await self._peers_registering(store, deadline, hold_until, ident.op_key):
                 return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,

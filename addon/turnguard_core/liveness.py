@@ -108,6 +108,19 @@ def verdict(
     return "alive"
 
 
+def proven_alive(
+    peer: PeerRow, *, me: ProcessIdentity, start_ticks_of: Callable[[int], int | None],
+) -> bool:
+    """Whether ``peer`` is proven alive: on this host and in this pid namespace, with its pid
+    still the process it was (its start time unchanged). However long it has been silent (a
+    process paused by SIGSTOP is alive). A peer that cannot be compared is never proven."""
+    theirs = peer.identity
+    return (bool(me.boot_id) and theirs.boot_id == me.boot_id
+            and bool(me.pid_ns) and theirs.pid_ns == me.pid_ns
+            and theirs.start_ticks is not None and theirs.pid > 0
+            and start_ticks_of(theirs.pid) == theirs.start_ticks)
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="ascii", errors="replace") as f:
