@@ -1107,3 +1107,39 @@ def test_a_retry_held_for_a_paused_owner_past_its_hold_bound_is_told_to_retry_no
         assert (status, how, kinds) == (200, "replayed", types(got)), (status, how, kinds)
         assert len(up.dispatches()) == 2  # b's warm-up, and the call once
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "full", "replaced"])
+def test_retries_through_the_same_process_of_a_call_claimed_in_a_ledger_fault_are_answered_once(
+        tmp_path, kind):
+    """A call's frame reaches process a while the ledger fails (locked, full, or replaced by
+    an older copy as the frame comes); while the fault is still on, its retries reach the
+    same process (a new socket, and the POST fallback): they attach to the call or are held
+    on it, and get its events; once the fault is over nothing stays in flight. One upstream
+    execution, no traceback."""
+    scenario = {"default": {"kind": "ok", "events": 16, "gap_ms": 200}}
+    with ledger_folder(tmp_path, kind) as folder, MockUpstream(tmp_path, scenario) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            older_copy(folder)
+            text = f"same-process retries in a fault {kind}"
+            frame = call([user(text)], seed=1)
+            with fault(kind, folder):
+                original = background(ws_call, a.url, frame)
+                wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch")[1:], 10,
+                           what="a dispatching the call")
+                retries = [background(ws_call, a.url, call([user(text)], seed=2)),
+                           background(http_call, a.url, frame)]
+                got = original.result(30)
+                again, (status, _, kinds) = retries[0].result(30), retries[1].result(30)
+                time.sleep(0.5)
+            assert types(got)[-1] == "response.completed", got
+            assert again == got, again
+            assert status == 200 and kinds == types(got), (status, kinds)
+            assert len(up.dispatches()) == 2  # the warm-up, the call
+            wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
+                       what="nothing in flight")
+            assert_no_traceback(a.log_text())
