@@ -101,6 +101,7 @@ class TurnGuard:
             on_reregistered=lambda incarnation: self.sessions.forget_all(),
             on_attempt_ended=lambda op_key, attempt_id, state: self.waiters.attempt_ended_elsewhere(
                 op_key, attempt_id, state),
+            peers_awaited=process.peers_awaited,
         )
         self.inflight = InFlight(process, self.store, self.waiters, self.explainer, self._emit,
                                  lambda: self.settings)

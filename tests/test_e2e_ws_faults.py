@@ -1143,3 +1143,38 @@ def test_retries_through_the_same_process_of_a_call_claimed_in_a_ledger_fault_ar
             wait_until(lambda: ledger.exists() and not in_flight(ledger), 20,
                        what="nothing in flight")
             assert_no_traceback(a.log_text())
+
+
+def test_a_retry_held_for_a_paused_owner_across_a_script_reload_is_not_run_again(tmp_path):
+    """As above, and mitmproxy reloads the script of process b while it holds the retry (the
+    owner a paused, the ledger file gone, a's call not yet registered in the new file). The
+    instance loaded next must not take the retry for a new turn: it goes on holding it until
+    a registers the call, then answers it from it. One upstream execution."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    scenario = {"default": {"kind": "ok", "events": 40, "gap_ms": 200}}
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = "the owner paused, the holder reloaded"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", addon=script, **opts) as b:
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
+        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            retry = _retry(b, text, frame, "http")
+            wait_until(lambda: turnguard_events(tmp_path, "b", "request_held"), 10,
+                       what="b holding the retry for a")
+            reloaded(b, touch_to_reload(b, script))
+            time.sleep(2)
+            assert len(up.dispatches()) == 2, "b ran the paused owner's call a second time"
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        got = original.result(40)
+        assert types(got)[-1] == "response.completed", got
+        status, _, kinds = retry.result(40)
+        assert status == 200 and kinds == types(got), (status, kinds)
+        assert len(up.dispatches()) == 2  # b's warm-up, and the call once
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -179,14 +179,49 @@ class _Opened:
         self.store.close()
 
 
+@dataclass
+class PeersAwaited:
+    """The peers awaited in the ledger file opened after one was left (deleted or replaced):
+    the file left (``left``, its generation), the peers that had attempts in flight there
+    and have not yet noted they registered them in the new one (``peers``, until ``until``,
+    monotonic; ``behind``: the new file could not be opened at once), and of those the ones
+    proven alive with the operations each had in flight (``live``, ``live_ops``: op key ->
+    instance id). The process's, not an addon instance's (``ProcessState``): the instance a
+    script reload loads must go on waiting, or it would take a retry of a paused peer's turn
+    for a new turn and run it a second time."""
+
+    left: str = ""
+    peers: set[str] = dataclasses.field(default_factory=set)
+    until: float = 0.0
+    behind: bool = False
+    live: dict[str, liveness.PeerRow] = dataclasses.field(default_factory=dict)
+    live_ops: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _awaited(name: str) -> property:
+    """A field of the process's ``PeersAwaited``, read and set as the store's own."""
+    return property(lambda self: getattr(self._awaited, name),
+                    lambda self, value: setattr(self._awaited, name, value))
+
+
 class FailoverStore:
+    _left = _awaited("left")
+    _peers = _awaited("peers")
+    _peers_until = _awaited("until")
+    _peers_behind = _awaited("behind")
+    _live_peers = _awaited("live")
+    _live_peer_ops = _awaited("live_ops")
+
     def __init__(
         self, *, instance_id: str, identity: liveness.ProcessIdentity, emit: Emit,
         memory: MemoryStore, kept: collections.deque[KeptWrite],
         attempts: Callable[[], Iterable[AttemptInFlight]],
         on_reregistered: Callable[[int], None],
         on_attempt_ended: Callable[[str, int, str], None] | None = None,
+        peers_awaited: PeersAwaited | None = None,
     ):
+        # the process's (kept across script reloads): see ``PeersAwaited``
+        self._awaited = PeersAwaited() if peers_awaited is None else peers_awaited
         self._instance_id = instance_id
         self._identity = identity
         self._emit = emit
@@ -220,20 +255,15 @@ class FailoverStore:
         # once its attempts in flight are registered there, that it has (``mark_moved``)
         self._moved_from = ""
         # the peers that had attempts in flight in the file left (``_left``), awaited until
-        # ``_peers_until`` (monotonic) to note the same: see ``_peers_registering``
-        self._left = ""
-        self._peers: set[str] = set()
-        self._peers_until = 0.0
-        # of those, the ones proven alive (same host and pid namespace, their pid theirs
-        # still: see ``liveness.proven_alive``), with the operations each had in flight
-        # there: a request of one of those is held past ``_peers_until`` while its process
-        # lives and has not registered them (a paused process is alive: its turn must not
-        # run twice)
-        self._live_peers: dict[str, liveness.PeerRow] = {}
-        self._live_peer_ops: dict[str, str] = {}  # op_key -> instance id
-        # the file at the path could not be opened since it was left: the peers try again
-        # no sooner than this process (``REOPEN_S``), so the wait starts again when it opens
-        self._peers_behind = False
+        # ``_peers_until`` (monotonic) to note the same: see ``_peers_registering``; of
+        # those, the ones proven alive (same host and pid namespace, their pid theirs still:
+        # ``liveness.proven_alive``), with the operations each had in flight there
+        # (``_live_peers``, ``_live_peer_ops``): a request of one of those is held past
+        # ``_peers_until`` while its process lives and has not registered them (a paused
+        # process is alive: its turn must not run twice); ``_peers_behind``: the file at the
+        # path could not be opened since it was left: the peers try again no sooner than
+        # this process (``REOPEN_S``), so the wait starts again when it opens. All kept in
+        # ``self._awaited``, the process's (``PeersAwaited``)
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
 

@@ -4,7 +4,7 @@ mitmproxy reloads a changed script by dropping the addon instance and making a n
 flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
 process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
 this process is in the ledger, its attempts in flight, the ledger writes it still owes, what
-it learned of the ledger, and its metrics' counters and telemetry event counts (a reload keeps
+it learned of the ledger (and the peers it waits for there), and its metrics' counters and telemetry event counts (a reload keeps
 ``turnguard_instance``, so a counter of that series must not start again from 0).
 """
 
@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from turnguard_core import liveness
+from turnguard_core.failover import PeersAwaited
 from turnguard_core.knowledge import MemoryStore
 
 UNWRITTEN_MAX = 10_000  # records kept while no instance is loaded (the oldest go first)
@@ -30,6 +31,8 @@ class ProcessState:
     sockets: dict = field(default_factory=dict)  # flow id -> websocket.Socket (guarded)
     kept_writes: collections.deque = field(default_factory=collections.deque)
     memory: MemoryStore = field(default_factory=MemoryStore)
+    # the peers awaited in a ledger file opened after one was left (a reload goes on waiting)
+    peers_awaited: PeersAwaited = field(default_factory=PeersAwaited)
     guard: Any = None  # the addon instance that gets the hooks now
     ran: bool = False  # an instance ran (start-up is over: a later load is a script reload)
     relay: Any = None  # relay.Relay: attached flows' streams (made on first use, or as the
