@@ -4,8 +4,9 @@ mitmproxy reloads a changed script by dropping the addon instance and making a n
 flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
 process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
 this process is in the ledger, its attempts in flight, the ledger writes it still owes, what
-it learned of the ledger (and the peers it waits for there), and its metrics' counters and telemetry event counts (a reload keeps
-``turnguard_instance``, so a counter of that series must not start again from 0).
+it learned of the ledger (and the peers it waits for there), and its metrics' counters and
+telemetry event counts (a reload keeps ``turnguard_instance``, so a counter of that series
+must not start again from 0).
 """
 
 from __future__ import annotations
