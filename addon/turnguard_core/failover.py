@@ -186,9 +186,11 @@ class PeersAwaited:
     and have not yet noted they registered them in the new one (``peers``, until ``until``,
     monotonic; ``behind``: the new file could not be opened at once), and of those the ones
     proven alive with the operations each had in flight (``live``, ``live_ops``: op key ->
-    instance id). The process's, not an addon instance's (``ProcessState``): the instance a
-    script reload loads must go on waiting, or it would take a retry of a paused peer's turn
-    for a new turn and run it a second time."""
+    instance id), and the files left that showed each so (``live_left``: instance id -> their
+    generations; a process may leave several files in a row, each of its peers notes the
+    file it last used). The process's, not an addon instance's (``ProcessState``): the
+    instance a script reload loads must go on waiting, or it would take a retry of a paused
+    peer's turn for a new turn and run it a second time."""
 
     left: str = ""
     peers: set[str] = dataclasses.field(default_factory=set)
@@ -196,6 +198,7 @@ class PeersAwaited:
     behind: bool = False
     live: dict[str, liveness.PeerRow] = dataclasses.field(default_factory=dict)
     live_ops: dict[str, str] = dataclasses.field(default_factory=dict)
+    live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
 def _awaited(name: str) -> property:
@@ -211,6 +214,7 @@ class FailoverStore:
     _peers_behind = _awaited("behind")
     _live_peers = _awaited("live")
     _live_peer_ops = _awaited("live_ops")
+    _live_peer_left = _awaited("live_left")
 
     def __init__(
         self, *, instance_id: str, identity: liveness.ProcessIdentity, emit: Emit,
@@ -579,12 +583,18 @@ class FailoverStore:
         for instance_id, op_key in ops:
             if instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
-        self._live_peers = {peer.instance_id: peer for peer in rows or ()
-                            if peer.instance_id in peers and liveness.proven_alive(
-                                peer, me=self._identity,
-                                start_ticks_of=liveness.probe_start_ticks)}
-        self._live_peer_ops = {op_key: instance_id for instance_id, op_key in ops
-                               if instance_id in self._live_peers}
+        # added to what earlier files left showed (not in place of it): a file left a moment
+        # after another (a junk file opened through the old one's WAL, then deleted) may show
+        # less, and a peer notes only the file it last used as the one it moved from
+        live = {peer.instance_id: peer for peer in rows or ()
+                if peer.instance_id in peers and liveness.proven_alive(
+                    peer, me=self._identity, start_ticks_of=liveness.probe_start_ticks)}
+        self._live_peers.update(live)
+        for instance_id in live:
+            self._live_peer_left.setdefault(instance_id, set()).add(store.generation)
+        for instance_id, op_key in ops:
+            if instance_id in live:
+                self._live_peer_ops[op_key] = instance_id
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + self._peers_wait_s() if peers else 0.0
         self._peers_behind = False
@@ -626,12 +636,17 @@ class FailoverStore:
         self._peers = set()
         if peer is None or store.generation == self._left:
             return False
-        moved = await store.moved_peers(self._left, deadline=deadline)
         row = self._live_peers.get(peer)
-        if peer in moved or row is None or not liveness.proven_alive(
+        moved = False
+        for generation in sorted(self._live_peer_left.get(peer, ())):
+            if peer in await store.moved_peers(generation, deadline=deadline):
+                moved = True
+                break
+        if moved or row is None or not liveness.proven_alive(
                 row, me=self._identity, start_ticks_of=liveness.probe_start_ticks):
             # registered (the new file decides), or gone: nothing of its is held any more
             self._live_peers.pop(peer, None)
+            self._live_peer_left.pop(peer, None)
             self._live_peer_ops = {op: p for op, p in self._live_peer_ops.items() if p != peer}
             return False
         return True
