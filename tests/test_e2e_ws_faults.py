@@ -60,6 +60,25 @@ def background(fn, *args):
     return future
 
 
+def _fail_twice(tmp_path, proxy, text, ends=("closed",)):
+    """Two calls of ``text`` (seeds 2 and 3) that fail without an event through ``proxy``
+    (named "a"; the mock's ``EVENTLESS_TWICE``): their circuit opens."""
+    for seed in (2, 3):
+        got = ws_call(proxy.url, call([user(text)], seed=seed))
+        assert got[-1]["type"] in ends, got
+    wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
+               10, what="two eventless failures")
+
+
+def _held_through_the_cooldown(tmp_path, proxy, frame):
+    """``frame`` sent through ``proxy`` (named "a") in the background, once it is held
+    through its circuit's cooldown: the future of its events."""
+    held = background(ws_call, proxy.url, frame)
+    wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
+               10, what="the call held through the cooldown")
+    return held
+
+
 def ws_call(url, frame, timeout=60):
     async def go():
         async with WsClient.connect(url, headers=HEADERS) as c:
@@ -667,13 +686,8 @@ def test_once_mode_a_call_held_as_the_ledger_goes_is_recovered_by_its_live_owner
         with guarded(tmp_path, up, "a", **opts) as a:
             older_copy(tmp_path)  # the file a opened: no row of the session claimed below
             text = f"once mode as the ledger is {kind}"
-            for seed in (2, 3):
-                assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
-            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                       10, what="two eventless failures")
-            held = background(ws_call, a.url, call([user(text)], seed=1))
-            wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
-                       10, what="the call held through the cooldown")
+            _fail_twice(tmp_path, a, text)
+            held = _held_through_the_cooldown(tmp_path, a, call([user(text)], seed=1))
             with fault(kind, tmp_path):
                 got = held.result(40)
             assert types(got)[-1] == "response.completed", (
@@ -702,16 +716,10 @@ def test_once_mode_a_call_held_through_the_cooldown_in_a_ledger_fault_is_answere
         with guarded(tmp_path, up, "a", **opts) as a:
             text = f"once mode in a ledger fault {kind}"
             frame = call([user(text)], seed=1)
-            for seed in (2, 3):
-                got = ws_call(a.url, call([user(text)], seed=seed))
-                assert got[-1]["type"] == "closed", got
-            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                       10, what="two eventless failures")
+            _fail_twice(tmp_path, a, text)
             wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
             older_copy(folder)
-            held = background(ws_call, a.url, frame)
-            wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
-                       10, what="the call held through the cooldown")
+            held = _held_through_the_cooldown(tmp_path, a, frame)
             with fault(kind, folder):
                 got = held.result(40)
                 time.sleep(0.5)
@@ -753,14 +761,9 @@ def test_once_mode_a_call_held_through_the_cooldown_and_a_script_reload_in_a_led
             turnguard_recovery_mode="server_anchored_replay_once") as a:
         text = f"once mode, a reload in a ledger fault {kind}"
         frame = call([user(text)], seed=1)
-        for seed in (2, 3):
-            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
-        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                   10, what="two eventless failures")
+        _fail_twice(tmp_path, a, text)
         wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
-        held = background(ws_call, a.url, frame)
-        wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
-                   10, what="the call held through the cooldown")
+        held = _held_through_the_cooldown(tmp_path, a, frame)
         with contextlib.nullcontext() if kind == "none" else fault(kind, tmp_path):
             reloaded(a, touch_to_reload(a, script))
             got = held.result(40)
@@ -792,10 +795,7 @@ def test_once_mode_never_spends_the_recovery_on_a_socket_that_left_while_the_pro
             turnguard_cooldown_ms=ONCE_COOLDOWN_MS,
             turnguard_recovery_mode="server_anchored_replay_once") as a:
         text = "once mode, sockets that left while paused"
-        for seed in (2, 3):
-            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
-        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                   10, what="two eventless failures")
+        _fail_twice(tmp_path, a, text)
 
         async def go():
             leaving = []
@@ -839,13 +839,8 @@ def test_once_mode_a_ledger_that_goes_while_the_owner_is_paused_across_the_coold
             turnguard_recovery_mode="server_anchored_replay_once") as a:
         older_copy(tmp_path)
         text = f"once mode, the ledger {kind} while paused"
-        for seed in (2, 3):
-            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
-        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                   10, what="two eventless failures")
-        held = background(ws_call, a.url, call([user(text)], seed=1))
-        wait_until(lambda: turnguard_events(tmp_path, "a", "wait_operation_fenced_cooldown"),
-                   10, what="the call held through the cooldown")
+        _fail_twice(tmp_path, a, text)
+        held = _held_through_the_cooldown(tmp_path, a, call([user(text)], seed=1))
         a.proc.send_signal(signal.SIGSTOP)
         try:
             with fault(kind, tmp_path):
@@ -953,11 +948,8 @@ def test_once_mode_a_detached_recovery_whose_socket_drops_in_a_ledger_fault_is_r
             guarded(tmp_path, up, "b", **opts) as b:
         text = f"a detached recovery in a fault {kind}"
         frame = call([user(text)], seed=1)
-        for seed in (2, 3):  # detached, a failure reaches the socket as an error event
-            assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] in ("closed",
-                                                                                 "error")
-        wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                   10, what="two eventless failures")
+        # detached, a failure reaches the socket as an error event
+        _fail_twice(tmp_path, a, text, ends=("closed", "error"))
 
         async def drop():
             async with WsClient.connect(a.url, headers=HEADERS) as c:
@@ -1002,10 +994,7 @@ def test_once_mode_retries_elsewhere_at_the_cooldowns_end_in_a_ledger_fault_reco
         with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
             text = f"once mode, retries elsewhere in a fault {kind}"
             frame = call([user(text)], seed=1)
-            for seed in (2, 3):
-                assert ws_call(a.url, call([user(text)], seed=seed))[-1]["type"] == "closed"
-            wait_until(lambda: len(turnguard_events(tmp_path, "a", "eventless_failure")) == 2,
-                       10, what="two eventless failures")
+            _fail_twice(tmp_path, a, text)
             wait_until(lambda: not in_flight(ledger), 10, what="both ends written")
             held = background(ws_call, a.url, frame)
             opened = wait_until(lambda: turnguard_events(
