@@ -18,6 +18,7 @@ shares no code with the addon's parser.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -271,7 +272,16 @@ class LoopbackServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def stop() -> None:  # connections still open are ended here, on the loop
+            self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            if handlers:
+                await asyncio.wait(handlers, timeout=5)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
