@@ -163,17 +163,26 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url) as a, \
             guarded(tmp_path, up, "b", pg_url) as b, ThreadPoolExecutor(2) as pool:
         _warm_up(a, b)
-        body = {**BODY, "input": "its claim answers late"}
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
-        original = _claim_answers_late(pg_url, "the claim's read waiting for the circuits",
-                                       start=lambda: pool.submit(post, a.url, slow, body))
-        wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
-                            if e.get("reason") == "its claim answered late"], 10,
-                   what="the late claim taken as the attempt's row")
+        # the set-up is timed against the claim's bounds: on a loaded machine a statement may
+        # pass its own bound first (the claim fails, not late); then it goes again, a new turn
+        for attempt in range(3):  # bounded
+            body = {**BODY, "input": f"its claim answers late ({attempt})"}
+            original = _claim_answers_late(pg_url, "the claim's read waiting for the circuits",
+                                           start=lambda: pool.submit(post, a.url, slow, body))
+            late = wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
+                                       if e.get("reason") == "its claim answered late"]
+                              or original.done(), 10,
+                              what="the late claim taken as the attempt's row")
+            if late is not True:
+                break
+        else:
+            pytest.fail("no claim answered late in 3 tries")
         status, headers, _ = post(b.url, body=body)
         assert original.result(30)[0] == status == 200
         assert headers.get("x-turnguard") in ("replayed", "attached")
-        assert len(up.dispatches()) == 3  # the two warm-ups, and the turn once
+        # the two warm-ups, the turns whose claim failed instead, and this turn once
+        assert len(up.dispatches()) == 2 + attempt + 1
         assert_no_traceback(a.log_text() + b.log_text())
 
 
