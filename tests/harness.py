@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -514,6 +515,16 @@ def another_host_prefix() -> list[str]:
     if probe is None or probe.returncode != 0:
         pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
     return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def replace_with_junk(ledger: Path) -> None:
+    """Move a file that is no database over a SQLite ledger under running processes (its
+    ``-wal`` and ``-shm`` left beside it), as one atomic rename: an operator's mistake, a
+    restore gone wrong."""
+    junk = ledger.with_name(ledger.name + ".junk")
+    junk.write_bytes(b"no database here\n" * 256)
+    junk.chmod(0o600)
+    os.replace(junk, ledger)
 
 
 def delete_ledger(ledger: Path) -> None:

@@ -35,6 +35,7 @@ from harness import (
     ledger_query,
     mock_behaviour,
     post_turn,
+    replace_with_junk,
     response_id,
     sse_event_types,
     turnguard_events,
@@ -903,10 +904,7 @@ def test_a_duplicate_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_f
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
                                  body_of(text))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        junk = tmp_path / "junk"
-        junk.write_bytes(b"no database here\n" * 256)
-        junk.chmod(0o600)
-        os.replace(junk, ledger)
+        replace_with_junk(ledger)
         wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
                    what="B finding the ledger replaced")
         duplicate = in_background(post, b.url, SESSION, body_of(text))

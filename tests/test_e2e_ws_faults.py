@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
-                     parse_sse, sse_post, turnguard_events, wait_until)
+                     parse_sse, replace_with_junk, sse_post, turnguard_events, wait_until)
 from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
@@ -650,10 +650,7 @@ def test_a_retry_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_t
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
-        junk = tmp_path / "junk"
-        junk.write_bytes(b"no database here\n" * 256)
-        junk.chmod(0o600)
-        os.replace(junk, ledger)
+        replace_with_junk(ledger)
         wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
                    what="b finding the ledger replaced")
         retry = _retry(b, text, frame, retry_via)
@@ -1000,11 +997,8 @@ def test_once_mode_retries_elsewhere_at_the_cooldowns_end_in_a_ledger_fault_reco
             opened = wait_until(lambda: turnguard_events(
                 tmp_path, "a", "wait_operation_fenced_cooldown"), 10, what="the call held")
             if kind == "junk":
-                junk = tmp_path / "junk"
-                junk.write_bytes(b"no database here\n" * 256)
-                junk.chmod(0o600)
                 ctx = contextlib.nullcontext()
-                os.replace(junk, ledger)
+                replace_with_junk(ledger)
             else:
                 ctx = fault(kind, folder)
             with ctx:
