@@ -475,15 +475,16 @@ def two_listeners_over_tls(tmp_path, up, front, corp, proxy) -> None:
     assert_no_traceback(proxy.log_text())
 
 
-@pytest.mark.xfail(strict=True, reason="known defect, not fixed: the response-created "
-                   "timeout cancels the whole upstream connection (proxy_internals."
-                   "cut_upstream), which an HTTP/2 upstream shares between the client's streams")
-def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connection(tmp_path):
+@pytest.mark.parametrize("silence", ["before_headers", "after_headers"])
+def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connection(tmp_path,
+                                                                                  silence):
     """An HTTP/2 client multiplexes two turns on one connection to an HTTP/2 upstream, which
     mitmproxy carries on one upstream connection: one turn streams, the other is silent.
-    Cutting the silent one at ``turnguard_response_created_timeout_ms`` must not cut the one
-    that streams: it completes, once. It is reset with it (the whole connection is cut), its
-    client sees a broken stream, and its retry runs the turn again."""
+    Cutting the silent one at ``turnguard_response_created_timeout_ms`` resets its stream
+    alone (RST_STREAM upstream: the upstream sees its client leave) and answers it 502 (its
+    stream reset once its headers went); the one that streams completes on the same
+    connection, once."""
+    silent_behaviour = {"kind": f"stall_{silence}", "ms": 8000}
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_response_created_timeout_ms=1500) as proxy:
@@ -508,14 +509,24 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
                                                   {"kind": "ok", "events": 12, "gap_ms": 300}))
                 await asyncio.sleep(0.3)
-                silent = await one({**BODY, "input": "silent"},
-                                   {"kind": "ok", "delay_ms": 8000})
+                silent = await one({**BODY, "input": "silent"}, silent_behaviour)
                 return await streams, silent
         streams, silent = asyncio.run(run())
-        assert silent["error"] is not None or silent.get("status") == 502, silent
+        if silence == "before_headers":
+            assert silent.get("status") == 502, silent
+        else:
+            assert silent.get("status") == 200 and silent["error"] is not None, silent
+            assert "response.created" not in sse_event_types(silent["body"])
         assert streams["error"] is None, (streams, proxy.log_text())
         assert sse_event_types(streams["body"])[-1] == "response.completed", streams
-        assert len(front.connections()) >= 1
+        assert len(front.connections()) == 1  # the connection both streams share, never cut
+        resets = [r for r in read_jsonl(front.log_path) if r["event"] == "h2_reset"]
+        assert len(resets) == 1, resets
+        silent_n = next(d["n"] for d in up.dispatches() if d["spec"].get("ms"))
+        up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == silent_n)
+        assert len(up.dispatches()) == 2
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert cut["cut"] is True and cut["why_not"] is None, cut
         assert_no_traceback(proxy.log_text())
 
 

@@ -85,6 +85,25 @@ def test_the_internals_the_http2_stream_check_walks_still_exist():
     assert "self.h2_conn" in init and "self.streams" in init
 
 
+def test_the_internals_the_http2_stream_cut_walks_still_exist():
+    """``cut_http2_stream``: a completion goes to its command's source in the HTTP layer; the
+    HTTP/2 layer resets a stream on a ``RequestProtocolError``; a stream takes a
+    ``ResponseProtocolError`` as its upstream's failure; the handler takes an event from
+    outside (the end-to-end proof: ``test_e2e_tls.py::test_http2_upstream_a_silent_turn_cut_*``)."""
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers import http as http_layers
+    from mitmproxy.proxy.layers.http._http2 import Http2Connection
+
+    assert "self.command_sources.pop(event.command)" in inspect.getsource(
+        http_layers.HttpLayer._handle_event)
+    assert "reset_stream" in inspect.getsource(Http2Connection._handle_event)
+    assert "handle_protocol_error" in inspect.getsource(http_layers.HttpStream._handle_event)
+    assert issubclass(events.Wakeup, events.CommandCompleted)
+    assert commands.RequestWakeup(0).delay == 0
+    assert http_layers.ErrorCode.CANCEL and http_layers.SendHttp
+    assert inspect.iscoroutinefunction(server.ConnectionHandler.server_event)
+
+
 def test_client_stream_closed_reads_the_http2_layer():
     class Stream:
         def __init__(self, flow):

@@ -76,6 +76,7 @@ async def _serve_h2(reader, writer, target: int, log) -> None:
     conn.initiate_connection()
     writer.write(conn.data_to_send())
     streams: dict[int, dict] = {}
+    answering: dict[int, asyncio.Task] = {}
     lock = asyncio.Lock()
     client = httpx.AsyncClient(trust_env=False, timeout=60)
 
@@ -129,7 +130,15 @@ async def _serve_h2(reader, writer, target: int, log) -> None:
                 if isinstance(ev, h2.events.StreamEnded) or (
                         isinstance(ev, h2.events.RequestReceived) and ev.stream_ended):
                     st = streams.pop(ev.stream_id)
-                    asyncio.ensure_future(answer(ev.stream_id, st["headers"], st["body"]))
+                    answering[ev.stream_id] = asyncio.ensure_future(
+                        answer(ev.stream_id, st["headers"], st["body"]))
+                elif isinstance(ev, h2.events.StreamReset):  # the client gave the stream up:
+                    # so does its request to the target (it sees its client leave)
+                    log.write(json.dumps({"event": "h2_reset", "stream": ev.stream_id,
+                                          "code": int(ev.error_code)}) + "\n")
+                    task = answering.pop(ev.stream_id, None)
+                    if task is not None:
+                        task.cancel()
             await flush()
     except (ConnectionError, OSError):
         pass

@@ -14,9 +14,21 @@ either way the ``error`` hook fires. The path to that task, in mitmproxy 12.3:
         .transports[server connection]                       -> ConnectionIO
             .handler                                         -> asyncio.Task
 
-Nothing here imports mitmproxy; the caller passes the proxyserver addon. If an upgrade moves any
-of these, ``cut_upstream`` returns a reason instead of raising, and
-``tests/test_proxy_internals.py`` fails loudly.
+Nothing here imports mitmproxy but ``cut_http2_stream``; the caller passes the proxyserver
+addon. If an upgrade moves any of these, ``cut_upstream`` returns a reason instead of raising,
+and ``tests/test_proxy_internals.py`` fails loudly.
+
+HTTP/2 upstream streams. An HTTP/2 upstream connection carries every stream of the client's
+connection, so cancelling its task cuts other turns too. ``cut_http2_stream`` ends the one
+flow's stream instead, by the path mitmproxy's own HTTP layer takes when a client resets a
+stream: the ``HttpLayer`` (found below the handler's root layer) routes a ``CommandCompleted``
+to the stream that issued its command (``HttpLayer.command_sources``). A ``RequestWakeup`` of
+turnguard's is entered there with a stand-in for the stream as its source, and its ``Wakeup``
+fed to the handler (``ConnectionHandler.server_event``, as ``inject_event`` does); the
+stand-in then sends the server connection a ``RequestProtocolError`` (``CANCEL``: its HTTP/2
+layer resets the stream) and gives the stream a ``ResponseProtocolError``, on which it fires
+the ``error`` hook and answers its client (a 502 before headers, a reset after). The stand-in
+stays the source of the stream's later blocking commands and passes their completions on.
 
 Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
@@ -75,6 +87,8 @@ layer behind a bound ``_handle_event``); from there:
 
 from __future__ import annotations
 
+import asyncio
+
 
 def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> str | None:
     """Cancel the server connection's handler task. Returns None when cut, else why not."""
@@ -87,6 +101,70 @@ def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> 
     if handler is None:
         return "client connection is gone"
     return cut_handler_upstream(handler, server_conn, reason)
+
+
+def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
+    """End ``flow``'s stream on an HTTP/2 upstream connection alone (its other streams are
+    other flows, another turn's among them): the stream is reset upstream (RST_STREAM
+    ``CANCEL``) and the flow ends as when the upstream fails it (its ``error`` hook fires; its
+    client gets a 502 before response headers, a broken stream after). Returns None when
+    done, else why not (the caller may then cut the whole connection)."""
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers import http as http_layers
+
+    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    if handler is None or not hasattr(handler, "server_event"):
+        return "client connection is gone"
+    found = _find_stream(handler, flow)
+    if found is None:
+        return "no HTTP stream of this flow (mitmproxy internals changed?)"
+    http_layer, stream = found
+    if flow.server_conn not in getattr(http_layer, "connections", {}):
+        return "no open server connection for this flow"
+    stream_id = stream.stream_id
+    wakeup = commands.RequestWakeup(0)
+
+    class _Cut:  # in the HTTP layer's place of the command's source, for the stream
+        def handle_event(self, event):
+            if getattr(event, "command", None) is wakeup:
+                if http_layer.streams.get(stream_id) is not stream:
+                    return  # it ended meanwhile
+                yield http_layers.SendHttp(http_layers.RequestProtocolError(
+                    stream_id, reason, http_layers.ErrorCode.CANCEL), flow.server_conn)
+                event = http_layers.ResponseProtocolError(
+                    stream_id, reason, http_layers.ErrorCode.GENERIC_SERVER_ERROR)
+            # the stream's own blocking commands (its error hook) now name this as their
+            # source: their completions go on to the stream
+            yield from stream.handle_event(event)
+
+    http_layer.command_sources[wakeup] = _Cut()
+    task = asyncio.get_running_loop().create_task(handler.server_event(events.Wakeup(wakeup)))
+    _INJECTING.add(task)  # (the loop keeps a weak reference only)
+    task.add_done_callback(_INJECTING.discard)
+    return None
+
+
+_INJECTING: set[asyncio.Task] = set()
+
+
+def _find_stream(handler, flow):
+    """The ``(HttpLayer, HttpStream)`` serving ``flow`` below the connection handler ``handler``
+    (a layer below a CONNECT's stream included), or None."""
+    todo, seen = [getattr(handler, "layer", None)], set()
+    while todo and len(seen) < 64:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        streams = getattr(node, "streams", None) if type(node).__name__ == "HttpLayer" else None
+        if isinstance(streams, dict):
+            for stream in streams.values():
+                if getattr(stream, "flow", None) is flow:
+                    return node, stream
+            todo.extend(streams.values())
+        todo.extend(getattr(node, name, None) for name in _LINKS)
+        todo.extend(getattr(getattr(node, name, None), "__self__", None) for name in _BOUND)
+    return None
 
 
 def set_replay_server_name(handler, sni: str) -> str | None:

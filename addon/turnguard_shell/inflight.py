@@ -26,7 +26,11 @@ from turnguard_core.failover import FailoverStore
 from turnguard_core.ledger import AttemptEnd
 from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
-from turnguard_core.proxy_internals import cut_upstream, release_killed_intercepted
+from turnguard_core.proxy_internals import (
+    cut_http2_stream,
+    cut_upstream,
+    release_killed_intercepted,
+)
 from turnguard_core.tee import ResponseTee, coded_stream_events
 from turnguard_core.ws import ResponseEvents
 
@@ -211,8 +215,17 @@ class InFlight:
                 return
         attempt.cut_reason = MISSING_RESPONSE_CREATED
         reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
+        stream_cut = False
         if key in self._process.detached:  # turnguard's own call: cut on its replay handler
             why_not = self._process.guard.detacher.cut(key, reason)
+        elif flow.server_conn.alpn == b"h2":  # shared with other streams: this one alone
+            why_not = cut_http2_stream(flows.proxyserver(), flow, reason)
+            stream_cut = why_not is None
+            if not stream_cut:
+                logger.warning("turnguard: could not reset the HTTP/2 stream of %s (%s): its "
+                               "whole upstream connection is cut", flow.id, why_not)
+                why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id,
+                                       flow.server_conn, reason)
         else:
             why_not = cut_upstream(flows.proxyserver(), flow.client_conn.id, flow.server_conn,
                                    reason)
@@ -223,8 +236,9 @@ class InFlight:
         if why_not is not None:
             logger.warning("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
         else:
+            what = "reset its HTTP/2 stream" if stream_cut else "cut the upstream connection"
             self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
-                                 f" ms ({MISSING_RESPONSE_CREATED}); cut the upstream connection")
+                                 f" ms ({MISSING_RESPONSE_CREATED}); {what}")
 
     def release_killed(self) -> None:
         """Attempts whose flow was killed while intercepted (mitmweb's intercept runs after
