@@ -475,24 +475,30 @@ def two_listeners_over_tls(tmp_path, up, front, corp, proxy) -> None:
     assert_no_traceback(proxy.log_text())
 
 
-@pytest.mark.parametrize("silence", ["before_headers", "after_headers"])
+@pytest.mark.parametrize("mode, silence", [("reverse", "before_headers"),
+                                           ("reverse", "after_headers"),
+                                           ("regular", "before_headers")])
 def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connection(tmp_path,
-                                                                                  silence):
+                                                                                  mode, silence):
     """An HTTP/2 client multiplexes two turns on one connection to an HTTP/2 upstream, which
     mitmproxy carries on one upstream connection: one turn streams, the other is silent.
     Cutting the silent one at ``turnguard_response_created_timeout_ms`` resets its stream
     alone (RST_STREAM upstream: the upstream sees its client leave) and answers it 502 (its
     stream reset once its headers went); the one that streams completes on the same
-    connection, once."""
+    connection, once. In regular mode the streams are in the client's ``CONNECT`` tunnel."""
     silent_behaviour = {"kind": f"stall_{silence}", "ms": 8000}
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
-            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"
+                                        if mode == "reverse" else "regular"],
                       turnguard_response_created_timeout_ms=1500) as proxy:
-        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        if mode == "reverse":
+            url, via = f"https://127.0.0.1:{proxy.port}/v1/responses", None
+        else:
+            url, via = f"https://localhost:{front.port}/v1/responses", proxy.url
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True, proxy=via,
                                          verify=ssl.create_default_context(
                                              cafile=ca_of(proxy))) as c:
                 async def one(body, behaviour):

@@ -21,10 +21,11 @@ and ``tests/test_proxy_internals.py`` fails loudly.
 HTTP/2 upstream streams. An HTTP/2 upstream connection carries every stream of the client's
 connection, so cancelling its task cuts other turns too. ``cut_http2_stream`` ends the one
 flow's stream instead, by the path mitmproxy's own HTTP layer takes when a client resets a
-stream: the ``HttpLayer`` (found below the handler's root layer) routes a ``CommandCompleted``
-to the stream that issued its command (``HttpLayer.command_sources``). A ``RequestWakeup`` of
-turnguard's is entered there with a stand-in for the stream as its source, and its ``Wakeup``
-fed to the handler (``ConnectionHandler.server_event``, as ``inject_event`` does); the
+stream: an ``HttpLayer`` routes a ``CommandCompleted`` to the stream that issued its command
+(``HttpLayer.command_sources``). A ``RequestWakeup`` of turnguard's is entered there with a
+stand-in for the flow's stream as its source (and, in each ``HttpLayer`` above it, the
+``CONNECT`` stream whose tunnel holds it), and its ``Wakeup`` fed to the connection handler
+(``ConnectionHandler.server_event``, as ``inject_event`` does); the
 stand-in then sends the server connection a ``RequestProtocolError`` (``CANCEL``: its HTTP/2
 layer resets the stream) and gives the stream a ``ResponseProtocolError``, on which it fires
 the ``error`` hook and answers its client (a 502 before headers, a reset after). The stand-in
@@ -115,10 +116,12 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
     handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
     if handler is None or not hasattr(handler, "server_event"):
         return "client connection is gone"
-    found = _find_stream(handler, flow)
-    if found is None:
+    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    if path is None:
         return "no HTTP stream of this flow (mitmproxy internals changed?)"
-    http_layer, stream = found
+    if not all(isinstance(getattr(layer, "command_sources", None), dict) for layer, _ in path):
+        return "an HTTP layer without command sources (mitmproxy internals changed?)"
+    http_layer, stream = path[-1]
     if flow.server_conn not in getattr(http_layer, "connections", {}):
         return "no open server connection for this flow"
     stream_id = stream.stream_id
@@ -137,6 +140,8 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
             # source: their completions go on to the stream
             yield from stream.handle_event(event)
 
+    for layer, leads_on in path[:-1]:  # a CONNECT's stream, with the tunnel's layers below it
+        layer.command_sources[wakeup] = leads_on
     http_layer.command_sources[wakeup] = _Cut()
     task = asyncio.get_running_loop().create_task(handler.server_event(events.Wakeup(wakeup)))
     _INJECTING.add(task)  # (the loop keeps a weak reference only)
@@ -147,23 +152,27 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
 _INJECTING: set[asyncio.Task] = set()
 
 
-def _find_stream(handler, flow):
-    """The ``(HttpLayer, HttpStream)`` serving ``flow`` below the connection handler ``handler``
-    (a layer below a CONNECT's stream included), or None."""
-    todo, seen = [getattr(handler, "layer", None)], set()
-    while todo and len(seen) < 64:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        streams = getattr(node, "streams", None) if type(node).__name__ == "HttpLayer" else None
-        if isinstance(streams, dict):
-            for stream in streams.values():
-                if getattr(stream, "flow", None) is flow:
-                    return node, stream
-            todo.extend(streams.values())
-        todo.extend(getattr(node, name, None) for name in _LINKS)
-        todo.extend(getattr(getattr(node, name, None), "__self__", None) for name in _BOUND)
+def _stream_path(node, flow, seen: set):
+    """From the layer ``node`` down to ``flow``'s stream, the ``(HttpLayer, HttpStream)`` pairs
+    that an event routed by its command's source passes, the flow's own last (one before it is
+    a ``CONNECT``'s stream, with the tunnel's layers below it); None when not found."""
+    if node is None or id(node) in seen or len(seen) > 64:
+        return None
+    seen.add(id(node))
+    streams = getattr(node, "streams", None)
+    if type(node).__name__ == "HttpLayer" and isinstance(streams, dict):
+        for stream in streams.values():
+            if getattr(stream, "flow", None) is flow:
+                return [(node, stream)]
+        for stream in list(streams.values()):
+            below = _stream_path(stream, flow, seen)
+            if below is not None:
+                return [(node, stream), *below]
+        return None
+    for child in _children(node):
+        found = _stream_path(child, flow, seen)
+        if found is not None:
+            return found
     return None
 
 
@@ -326,6 +335,12 @@ def find_http_layer(proxyserver, client_conn_id: str):
         seen.add(id(node))
         if type(node).__name__ == "HttpLayer":
             return node
-        todo.extend(getattr(node, name, None) for name in _LINKS)
-        todo.extend(getattr(getattr(node, name, None), "__self__", None) for name in _BOUND)
+        todo.extend(_children(node))
     return None
+
+
+def _children(node) -> list:
+    """The layers right below ``node``: ``NextLayer.layer``, a layer's ``child_layer``, the
+    layer behind a bound handler (some None)."""
+    return [*(getattr(node, name, None) for name in _LINKS),
+            *(getattr(getattr(node, name, None), "__self__", None) for name in _BOUND)]
