@@ -11,16 +11,17 @@ import contextlib
 import sqlite3
 import time
 
-from turnguard_core import policy
+from turnguard_core import failover, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 
 from test_own_replays import GUARD, SCOPE, Traced, ident
 
 
 @contextlib.contextmanager
-def completed_elsewhere_then_locked(tmp_path, text):
+def completed_elsewhere_then_locked(tmp_path, text, *, locked=True):
     """A store on a ledger where another process (``peer``) completed the turn ``text``, then
-    another connection holds the write lock: (store, turn, the attempt to replay)."""
+    another connection holds the write lock (``locked``): (store, turn, the attempt to
+    replay)."""
     path = str(tmp_path / "ledger.sqlite3")
     traced = Traced(path)
     peer = Ledger(path, "peer")
@@ -33,7 +34,8 @@ def completed_elsewhere_then_locked(tmp_path, text):
         recording = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
         peer.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, recording),
                     now=time.time(), op_key=turn.op_key)
-        blocker.execute("BEGIN IMMEDIATE")
+        if locked:
+            blocker.execute("BEGIN IMMEDIATE")
         yield traced, turn, claim.attempt_id
     finally:
         blocker.close()
@@ -96,3 +98,33 @@ async def test_the_renewal_of_a_held_sessions_lease_behind_the_lock_does_not_hol
         assert await admit(traced, turn) == policy.Replay(attempt_id)
         assert await renewal is None  # not renewed, and not taken for an outage
         assert traced.store.usable
+
+
+async def test_duplicate_counts_written_at_their_bound_behind_the_lock_do_not_hold_up_a_requests_read(
+        tmp_path):
+    """Duplicates of ``MAX_UNWRITTEN_COUNTS`` operations within one tick have their counts
+    written at once rather than at the ticker's next turn; that write too gives up on the lock
+    after a moment (the counts are dropped, as the ticker's are), so a request's read queued
+    behind it still replays the turn another process completed."""
+    with completed_elsewhere_then_locked(tmp_path, "a turn completed before the counts") \
+            as (traced, turn, attempt_id):
+        for n in range(failover.MAX_UNWRITTEN_COUNTS):
+            traced.store.note_duplicates(f"op{n}", held=1)
+        await asyncio.sleep(0.02)
+        assert await admit(traced, turn) == policy.Replay(attempt_id)
+        assert traced.store.usable
+
+
+async def test_duplicate_counts_at_their_bound_are_written_without_waiting_for_the_ticker(
+        tmp_path):
+    """Without a lock, the counts written at the bound reach the ledger (on the operation a
+    duplicate was counted on), before any tick."""
+    with completed_elsewhere_then_locked(tmp_path, "a turn with duplicates", locked=False) \
+            as (traced, turn, _):
+        traced.store.note_duplicates(turn.op_key, held=1, replayed=1)
+        for n in range(failover.MAX_UNWRITTEN_COUNTS - 1):
+            traced.store.note_duplicates(f"op{n}", held=1)
+        await asyncio.sleep(0.3)
+        with contextlib.closing(sqlite3.connect(tmp_path / "ledger.sqlite3")) as db:
+            assert db.execute("SELECT duplicates_held, duplicates_replayed FROM operations "
+                              "WHERE op_key=?", (turn.op_key,)).fetchall() == [(1, 1)]

@@ -270,6 +270,7 @@ class FailoverStore:
         # ``self._awaited``, the process's (``PeersAwaited``)
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
+        self._flushing: set[asyncio.Future] = set()  # flush_counts started by note_duplicates
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -1165,16 +1166,18 @@ class FailoverStore:
 
     def note_duplicates(self, op_key: str, *, held: int = 0, replayed: int = 0) -> None:
         """Count a duplicate on its operation in the ledger (for inspection). The counts are
-        kept here and written together by ``flush_counts`` (the ticker's, every second), not
-        one transaction per duplicate; skipped while the ledger is down (no decision reads
-        them)."""
+        kept here and written together by ``flush_counts`` (the ticker's, every second, or
+        at once for ``MAX_UNWRITTEN_COUNTS`` operations), not one transaction per duplicate;
+        skipped while the ledger is down (no decision reads them)."""
         if not self.usable:
             return
         counts = self._duplicates.setdefault(op_key, [0, 0])
         counts[0] += held
         counts[1] += replayed
-        if len(self._duplicates) >= MAX_UNWRITTEN_COUNTS:
-            self.write_counts()
+        if len(self._duplicates) >= MAX_UNWRITTEN_COUNTS:  # now rather than at the next tick
+            flushing = asyncio.ensure_future(self.flush_counts())
+            self._flushing.add(flushing)  # (the loop keeps a weak reference only)
+            flushing.add_done_callback(self._flushing.discard)
 
     def _counts_to_write(self) -> DuplicatesWrite | None:
         counts, self._duplicates = self._duplicates, {}
