@@ -465,14 +465,17 @@ def test_a_retry_held_elsewhere_when_an_older_copy_replaces_the_ledger_is_answer
         assert_no_traceback(a.log_text() + b.log_text())
 
 
-def _call_in_flight(tmp_path, a, ledger, text: str):
+def _call_in_flight(tmp_path, up, a, ledger, text: str):
     """A call of ``text`` sent through process ``a`` (in the background), once it is in
-    flight in the ledger: its frame, its future and its operation."""
+    flight in the ledger and the upstream (``up``) has it: its frame, its future and its
+    operation."""
+    upstream_had = len(up.dispatches())
     frame = call([user(text)], seed=1)
     original = background(ws_call, a.url, frame)
     op = wait_until(lambda: turnguard_events(tmp_path, "a", "dispatch"), 10,
                     what="a dispatching the call")[0]["op"]
     wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10, what="the call")
+    wait_until(lambda: len(up.dispatches()) > upstream_had, 10, what="the upstream's call")
     return frame, original, op
 
 
@@ -496,7 +499,7 @@ def test_retries_that_find_the_ledger_deleted_together_all_wait_for_its_new_file
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         for suffix in ("", "-wal", "-shm"):
             os.unlink(f"{ledger}{suffix}")
         wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 10,
@@ -533,7 +536,7 @@ def test_retries_sent_elsewhere_as_the_ledger_goes_wait_for_the_call_to_be_regis
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
         older_copy(tmp_path)
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         with fault(kind, tmp_path):
             retries = [background(ws_call, b.url, call([user(text)], seed=2)),
                        background(http_call, b.url, frame)]
@@ -596,7 +599,7 @@ def test_a_retry_sent_elsewhere_while_another_connection_holds_the_write_lock_is
     text = f"a retry behind a write lock via {retry_via}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         with write_lock(ledger):
             retry = _retry(b, text, frame, retry_via)
             wait_until(lambda: turnguard_events(tmp_path, "b", "duplicate_held")
@@ -649,7 +652,7 @@ def test_a_retry_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_t
     text = f"a retry while the ledger is junk via {retry_via}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         replace_with_junk(ledger)
         wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
                    what="b finding the ledger replaced")
@@ -908,7 +911,7 @@ def test_a_retry_sent_elsewhere_after_the_call_ended_in_a_ledger_fault_is_answer
             wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
             older_copy(folder)
             text = f"ended in a fault {kind}, retried elsewhere"
-            frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+            frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
             with fault(kind, folder):
                 got = original.result(30)
                 retry = _retry(b, text, frame, retry_via)
@@ -1044,7 +1047,7 @@ def test_a_retry_sent_elsewhere_while_the_owner_is_paused_as_the_ledger_goes_is_
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         a.proc.send_signal(signal.SIGSTOP)
         try:
             delete_ledger(ledger)
@@ -1074,7 +1077,7 @@ def test_a_retry_held_for_a_paused_owner_past_its_hold_bound_is_told_to_retry_no
             guarded(tmp_path, up, "a", turnguard_hold_timeout_ms=40000) as a, \
             guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=2000) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         a.proc.send_signal(signal.SIGSTOP)
         try:
             delete_ledger(ledger)
@@ -1143,7 +1146,7 @@ def test_a_retry_held_for_a_paused_owner_across_a_script_reload_is_not_run_again
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", addon=script, **opts) as b:
         ws_call(b.url, call([user("warm b")], turn="warm", seed=9))  # b has the file open
-        frame, original, op = _call_in_flight(tmp_path, a, ledger, text)
+        frame, original, op = _call_in_flight(tmp_path, up, a, ledger, text)
         a.proc.send_signal(signal.SIGSTOP)
         try:
             delete_ledger(ledger)
