@@ -25,11 +25,11 @@ stream: an ``HttpLayer`` routes a ``CommandCompleted`` to the stream that issued
 (``HttpLayer.command_sources``). A ``RequestWakeup`` of turnguard's is entered there with a
 stand-in for the flow's stream as its source (and, in each ``HttpLayer`` above it, the
 ``CONNECT`` stream whose tunnel holds it), and its ``Wakeup`` fed to the connection handler
-(``ConnectionHandler.server_event``, as ``inject_event`` does); the
-stand-in then sends the server connection a ``RequestProtocolError`` (``CANCEL``: its HTTP/2
-layer resets the stream) and gives the stream a ``ResponseProtocolError``, on which it fires
-the ``error`` hook and answers its client (a 502 before headers, a reset after). The stand-in
-stays the source of the stream's later blocking commands and passes their completions on.
+(``ConnectionHandler.server_event``, as ``inject_event`` does). The stand-in then sends the
+server connection a ``RequestProtocolError`` (``CANCEL``: its HTTP/2 layer resets the stream)
+and gives the stream a ``ResponseProtocolError``, on which it fires the ``error`` hook and
+answers its client (a 502 before headers, a reset after). The stand-in stays the source of
+the stream's later blocking commands and passes their completions on.
 
 Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
