@@ -352,3 +352,23 @@ def test_an_output_path_the_bench_could_not_write_is_refused_before_it_runs(tmp_
     assert exit_.value.code == 2
     assert option in capsys.readouterr().err
     parse(["--quick", "--phases", "micro", option, str(tmp_path / "fine")])  # a good one
+
+
+def test_the_instructions_variants_are_chosen_on_the_command_line(capsys):
+    """``--instructions-variants turnguard`` counts turnguard alone (a change measured with
+    ``--addon-rev`` in a quarter of the time); a name that is no variant, or the option
+    without the instructions phase, is a usage error before anything runs."""
+    from turnguard_bench.__main__ import parse
+
+    _, cfg, _ = parse(["--phases", "instructions", "--instructions-variants", "turnguard"])
+    assert cfg.instructions_variants == ("turnguard",) and cfg.instructions == 200
+    _, cfg, _ = parse(["--phases", "instructions"])
+    assert cfg.instructions_variants == ("plain_stream", "floor", "ledger_floor", "turnguard")
+    for argv, said in ((["--phases", "instructions", "--instructions-variants", "turnguard,x"],
+                        "--instructions-variants wants some of plain_stream,floor,ledger_floor,"
+                        "turnguard, not 'turnguard,x'"),
+                       (["--phases", "micro", "--instructions-variants", "turnguard"],
+                        "--instructions-variants goes with --phases instructions")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

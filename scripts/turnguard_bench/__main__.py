@@ -143,6 +143,11 @@ def parse(argv: list[str] | None = None):
                    help="with the instructions phase: also simulate the caches and the branch "
                         "predictor under callgrind (misses and mispredictions a request, and "
                         "cycles estimated from them; about twice the phase's time)")
+    p.add_argument("--instructions-variants", metavar="LIST",
+                   help="with the instructions phase: count only these variants, a "
+                        f"comma-separated subset of {','.join(config.INSTRUCTIONS_VARIANTS)} "
+                        "(default: those; turnguard alone takes a quarter of the time: with "
+                        "--addon-rev, what a change moves)")
     p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="a mitmproxy/turnguard option for every mitmdump variant alike, e.g. "
                         "--set connection_strategy=lazy (repeatable; recorded in the JSON)")
@@ -190,6 +195,14 @@ def parse(argv: list[str] | None = None):
     if args.instructions_sim and "instructions" not in cfg.phases:
         p.error("--instructions-sim goes with --phases instructions")
     cfg.instructions_sim = args.instructions_sim
+    if args.instructions_variants is not None:
+        if "instructions" not in cfg.phases:
+            p.error("--instructions-variants goes with --phases instructions")
+        variants = tuple(x.strip() for x in args.instructions_variants.split(",") if x.strip())
+        if not variants or set(variants) - set(config.INSTRUCTIONS_VARIANTS):
+            p.error(f"--instructions-variants wants some of "
+                    f"{','.join(config.INSTRUCTIONS_VARIANTS)}, not {args.instructions_variants!r}")
+        cfg.instructions_variants = variants
     if args.repeats:
         cfg.repeats = args.repeats
         cfg.holds_repeats = args.repeats

@@ -11,6 +11,7 @@ PHASES = ("per_request", "streaming", "holds", "replay", "hooks", "ws", "relay",
           "soak", "micro", "instructions")
 # instructions runs each variant under valgrind (minutes of CPU): only when asked for
 DEFAULT_PHASES = tuple(p for p in PHASES if p != "instructions")
+INSTRUCTIONS_VARIANTS = ("plain_stream", "floor", "ledger_floor", "turnguard")
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Config:
     ws: dict[int, int] = field(default_factory=lambda: {1: 600, 8: 2000})  # sockets -> calls
     wake_trials: int = 100  # held duplicates woken on PostgreSQL (p50/p99 of the wake-up)
     instructions: int = 200  # requests counted under callgrind, per variant
-    instructions_variants: tuple[str, ...] = ("plain_stream", "floor", "ledger_floor", "turnguard")
+    instructions_variants: tuple[str, ...] = INSTRUCTIONS_VARIANTS
     instructions_sim: bool = False  # also simulate caches and branch prediction (about 2x slower)
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
