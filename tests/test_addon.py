@@ -854,6 +854,30 @@ def test_headers_read_once_are_read_again_after_any_change():
     assert flows.response_headers(tflow.tflow()) == ()  # no response yet
 
 
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=12), st.binary(max_size=12)),
+                max_size=6))
+def test_headers_read_are_what_mitmproxy_gives_for_any_bytes(fields):
+    """Any header bytes (not UTF-8 ones too) read as ``items(multi=True)`` reads them."""
+    from turnguard_shell import flows
+
+    f = tflow.tflow()
+    f.request.headers = http.Headers(fields)
+    assert flows.request_headers(f) == tuple(f.request.headers.items(multi=True))
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"Content-Type", b"content-type", b"CONTENT-TYPE",
+                                           b"accept", b"X-Other", b"content-typ", "\u212a".encode()]),
+                          st.binary(max_size=8)), max_size=6),
+       st.sampled_from([b"content-type", b"accept", b"k", b"x-other"]))
+def test_a_header_read_is_what_headers_get_gives(fields, name):
+    """``flows.header`` gives what mitmproxy's ``Headers.get`` gives (repeats folded, any
+    bytes, names compared as mitmproxy compares them)."""
+    from turnguard_shell import flows
+
+    headers = http.Headers(fields)
+    assert flows.header(headers, name, "none") == headers.get(name.decode(), "none")
+
+
 _HOSTS = st.one_of(
     st.none(), st.sampled_from(["bench", "api.openai.com:443", "127.0.0.1:8080", "[::1]:9",
                                 ":80", "", "a/v1/responses?", "h#x", "x?y", "[::1", "[]:1",

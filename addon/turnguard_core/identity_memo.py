@@ -59,5 +59,5 @@ class IdentityMemo:
 def _size(view: RequestView) -> int:
     """What a remembered request holds: its body, its target and its headers."""
     return ((len(view.body) if view.body is not None else 0) + len(view.path)
-            + sum(len(name) + len(value) for name, value in view.headers)
+            + sum([len(name) + len(value) for name, value in view.headers])
             + len(view.proxy_auth or ""))

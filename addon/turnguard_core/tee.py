@@ -35,8 +35,8 @@ def recordable_headers(headers: Iterable[tuple[str, str]],
     credential header's: ``_`` as ``-``). ``credential_headers``: more credential-bearing
     names (``turnguard_credential_headers``), dropped too."""
     more = {credential_name(name) for name in credential_headers}
-    return tuple((k, v) for k, v in headers
-                 if (n := credential_name(k)) not in _NOT_RECORDED and n not in more)
+    return tuple([(k, v) for k, v in headers
+                  if (n := credential_name(k)) not in _NOT_RECORDED and n not in more])
 
 
 def coded_stream_events(

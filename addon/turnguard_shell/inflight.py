@@ -276,8 +276,9 @@ class InFlight:
             attempt.stop_timer()
             attempt.answered_here = True
             return
-        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
-        is_sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
+        encoding = flows.header(resp.headers, b"content-encoding", "identity").strip().lower()
+        is_sse = flows.header(resp.headers, b"content-type", "").lower().startswith(
+            "text/event-stream")
         ok = 200 <= resp.status_code < 300
         counts_events = is_sse and encoding in ("", "identity") and ok
         if is_sse and encoding not in ("", "identity"):
@@ -504,7 +505,7 @@ class InFlight:
         terminal = tee.terminal if tee else None
         counts_events = tee.counts_events if tee else False
         not_read = None
-        coding = resp.headers.get("content-encoding", "") if resp is not None else ""
+        coding = flows.header(resp.headers, b"content-encoding", "") if resp is not None else ""
         so_far = kept_body if kept_body is not None or tee is None else tee.kept_so_far()
         if (so_far is not None and not counts_events and coding.strip().lower()
                 not in ("", "identity") and 200 <= resp.status_code < 300
@@ -558,9 +559,9 @@ def _tee_bypassed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
 def _request_as_is(flow: http.HTTPFlow) -> tuple:
     """What a request is now, to tell later whether it changed: its body and headers by
     identity (mitmproxy replaces the object on every change), the rest by value."""
-    req = flow.request
-    return (req.data.content, req.headers.fields, req.method, req.scheme, req.host, req.port,
-            req.path)
+    data = flow.request.data  # (its fields as stored: no property decodes them)
+    return (data.content, data.headers.fields, data.method, data.scheme, data.host, data.port,
+            data.path)
 
 
 CREDENTIALS_CHANGED = "credentials changed after it was identified (an addon after turnguard)"
@@ -598,7 +599,7 @@ def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
     the operation nor attached to."""
     if sent_as is None or flow.request is None:
         return False
-    if all(a is b or a == b for a, b in zip(sent_as, _request_as_is(flow))):
+    if sent_as == _request_as_is(flow):  # (a tuple compares its items by identity first)
         return False
     return flow.modified()
 
