@@ -113,7 +113,10 @@ class TurnGuard:
         self.detacher = Detacher(process.detached, self._emit, self.explainer,
                                  lambda: self.settings, self._awaited)
         self.attacher = Attacher(process, self.inflight, self.detacher, lambda: self.settings)
-        self.addons = [self.maintenance, Commands(self)]
+        # no sub-addons (``addons``): mitmproxy walks an addon's sub-addons on every event of
+        # every flow; the maintenance's hooks are called from this instance's, and the
+        # commands are registered at load
+        self.commands = Commands(self)
 
     @property
     def instance_id(self) -> str:
@@ -151,6 +154,7 @@ class TurnGuard:
         # process's instance id and its attempts in flight (their hooks now come here).
         self._build(ProcessState.of(loader.master))
         self._process.guard = self
+        loader.master.commands.collect_commands(self.commands)
         self._undo_log_filter = config.keep_out_of_legacy_log_events()
         for spec in options.OPTIONS:
             loader.add_option(spec.name, spec.type, spec.default, spec.help,
@@ -272,6 +276,7 @@ class TurnGuard:
             self.websockets.catch_up()  # the same, for the guarded WebSockets
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
+        self.maintenance.running()
 
     def done(self) -> "asyncio.Future | None":
         """Unloaded (shutdown, or mitmproxy reloading the script): held flows wake at once
@@ -285,6 +290,7 @@ class TurnGuard:
         are tried as the ledger closes; on a reload the instance loaded next writes them (the
         event loop is not held for them)."""
         self._unloaded = True
+        self.maintenance.done()
         self.waiters.release_all(UNLOADED)
         if self._holding and _shutting_down():
             try:

@@ -9,6 +9,8 @@ mitmproxy, around the pure core (``turnguard_core``).
   them;
 - ``sessions``: this process's durable-session ownership, claims and lease renewal;
 - ``maintenance``: the ticker (reap, garbage collection, polling other processes' attempts,
-  renewing held sessions, bringing a failed ledger back), a sub-addon;
-- ``commands``: ``turnguard.status`` and ``turnguard.held``, a sub-addon.
+  renewing held sessions, bringing a failed ledger back), run from ``TurnGuard``'s
+  ``running`` and ``done`` hooks;
+- ``commands``: ``turnguard.status``, ``turnguard.held`` and the control commands, registered
+  by ``TurnGuard`` at load.
 """

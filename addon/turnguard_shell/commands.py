@@ -1,4 +1,4 @@
-"""turnguard's mitmproxy commands (console ``:``, mitmweb), a sub-addon of ``TurnGuard``:
+"""turnguard's mitmproxy commands (console ``:``, mitmweb), registered by ``TurnGuard`` at load:
 ``turnguard.status`` and ``turnguard.held`` to look, ``turnguard.circuit.list``,
 ``turnguard.circuit.clear`` and ``turnguard.session.release`` to steer (audited in the
 ledger, like ``scripts/turnguard``'s)."""
@@ -30,8 +30,6 @@ STATUS_WAIT_S = 0.02
 
 
 class Commands:
-    name = "turnguard-commands"
-
     def __init__(self, guard: "TurnGuard"):
         self._guard = guard
 

@@ -1,4 +1,5 @@
-"""The ticker: one task for the whole addon, a sub-addon of ``TurnGuard``.
+"""The ticker: one task for the whole addon, started and stopped by ``TurnGuard``'s
+``running`` and ``done`` hooks.
 
 It wakes held flows that were killed or whose client left, lets attempts killed while
 intercepted go on to their kill (``InFlight.release_killed``), ends the attempts whose
@@ -41,8 +42,6 @@ FOREIGN_REAP_S = 1.0
 
 
 class Maintenance:
-    name = "turnguard-maintenance"
-
     def __init__(self, guard: "TurnGuard"):
         self._guard = guard
         self._task: asyncio.Task | None = None
