@@ -563,3 +563,68 @@ def test_socks5_mode_a_detached_call_whose_client_left_reaches_the_https_upstrea
         assert status == 200 and headers.get("x-turnguard") in ("attached", "replayed")
         assert sse_event_types(body)[-1] == "response.completed"
         assert_ran_over_tls(up, front, proxy)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "regular"])
+@pytest.mark.parametrize("h2", [False, True], ids=["http1_upstream", "h2_upstream"])
+@pytest.mark.parametrize("behaviour", [{"kind": "reset"},
+                                       {"kind": "partial", "events": 0, "end": "reset"}],
+                         ids=["before_headers", "after_headers"])
+def test_an_upstream_that_resets_a_turn_feeds_the_circuit_over_http2_as_over_http1(
+        tmp_path, h2, behaviour, mode):
+    """The upstream drops a turn before any event (before or after its headers): over
+    HTTP/1.1 its connection breaks, over HTTP/2 it resets the turn's stream (RST_STREAM; the
+    TLS front does so when the mock drops its request). mitmproxy words both HTTP/2 resets
+    alike, "stream reset by client (...)", whichever side sent it; an upstream's reset is an
+    upstream failure all the same: the eventless failure counts for the retry circuit, the
+    client being still there, and is named as over HTTP/1.1."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=h2) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"
+                                        if mode == "reverse" else "regular"],
+                      turnguard_response_created_timeout_ms=20000) as proxy:
+        if mode == "reverse":
+            via, url = None, f"https://127.0.0.1:{proxy.port}/v1/responses"
+        else:  # (the turn's stream in the client's CONNECT tunnel)
+            via, url = proxy.url, f"https://localhost:{front.port}/v1/responses"
+        out = asyncio.run(stream_post(via, url, ca_of(proxy), behaviour=behaviour,
+                                      http2=True))
+        assert out["error"] is not None or out.get("status") == 502, out
+        failure, = wait_until(lambda: turnguard_events(tmp_path, kind="eventless_failure"),
+                              20, what="the eventless failure")
+        assert {(c["alpn"]) for c in front.connections()} == {"h2" if h2 else "http/1.1"}
+        assert failure["counts_for_circuit"] is True, (failure["failure_class"], failure)
+        assert failure["failure_class"] == ("upstream_closed_before_headers"
+                                            if behaviour["kind"] == "reset"
+                                            else "upstream_closed_after_headers"), failure
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+def test_an_http2_client_that_resets_its_turns_stream_is_no_upstream_failure(tmp_path):
+    """The other side of the test above: an HTTP/2 client, its connection kept open, resets
+    the stream of its turn while an HTTP/2 upstream thinks (mitmproxy's error is worded as for
+    an upstream's reset): the client gave up, which says nothing of the upstream's health
+    (``client_abort``, not counted for the circuit), and the upstream sees the stream reset."""
+    from test_e2e_http2 import RawH2
+
+    slow = {"kind": "stall_before_headers", "ms": 8000}
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_response_created_timeout_ms=20000) as proxy:
+        client = RawH2(proxy.port)
+        try:
+            client.post(1, "/v1/responses", json.dumps(BODY).encode(),
+                        {**HEADERS, "content-type": "application/json",
+                         "accept": "text/event-stream", **mock_behaviour(**slow)})
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=10)
+            client.reset(1)
+            failure, = wait_until(lambda: turnguard_events(tmp_path, kind="eventless_failure"),
+                                  20, what="the eventless failure")
+        finally:
+            client.close()
+        assert failure["failure_class"] == "client_abort", failure
+        assert failure["counts_for_circuit"] is False, failure
+        wait_until(lambda: [r for r in read_jsonl(front.log_path) if r["event"] == "h2_reset"],
+                   10, what="the upstream stream reset")
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())

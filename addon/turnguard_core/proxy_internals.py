@@ -308,6 +308,36 @@ def client_stream_closed(http_layer, flow, client_conn) -> bool | None:
     return None
 
 
+# mitmproxy's error for a flow whose HTTP/2 stream was reset, whichever side reset it (its
+# HTTP/2 layers share the wording): "stream reset by client (CANCEL)"
+H2_RESET_MESSAGE = "stream reset by client"
+
+
+def stream_reset_by_upstream(proxyserver, flow) -> bool | None:
+    """In ``flow``'s ``error`` hook, whether the HTTP/2 stream reset it failed of (its error
+    ``H2_RESET_MESSAGE``, which mitmproxy words alike for either side) came from the
+    upstream. mitmproxy fires the hook before it answers the client: a stream the upstream
+    reset is still open on the client's side then (an HTTP/1 client has no stream to
+    reset), one the client reset is closed in its HTTP/2 connection's state (the hook may run
+    before mitmproxy's layer forgets the stream: ``client_stream_closed`` cannot tell it
+    yet). None when that cannot be told (the flow's stream is not found: mitmproxy internals
+    changed, or no connection of the proxy's)."""
+    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    if path is None:
+        return None
+    http_layer = path[-1][0]
+    client_layer = getattr(http_layer, "connections", {}).get(flow.client_conn)
+    if client_layer is None:
+        return None
+    if not hasattr(client_layer, "h2_conn"):
+        return type(client_layer).__name__ == "Http1Server" or None
+    is_closed = getattr(client_layer, "is_closed", None)
+    if not callable(is_closed):
+        return None
+    return not is_closed(path[-1][1].stream_id)
+
+
 _LINKS = ("layer", "child_layer")
 _BOUND = ("_handle_event", "handle_event", "_handle")
 

@@ -27,9 +27,11 @@ from turnguard_core.ledger import AttemptEnd
 from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
 from turnguard_core.proxy_internals import (
+    H2_RESET_MESSAGE,
     cut_http2_stream,
     cut_upstream,
     release_killed_intercepted,
+    stream_reset_by_upstream,
 )
 from turnguard_core.tee import ResponseTee, coded_stream_events
 from turnguard_core.ws import ResponseEvents
@@ -529,7 +531,7 @@ class InFlight:
             over_cap=bool(tee and tee.over_cap),
             response_headers=flows.response_headers(flow),
             request_headers=flows.request_headers(flow),
-            error=flow.error.msg if flow.error else None,
+            error=_error_of(flow),
             cut_reason=attempt.cut_reason,
             client_gone=_client_gone(flow),
             never_sent=_killed_before_sent(flow),
@@ -612,6 +614,28 @@ def _killed_before_sent(flow: http.HTTPFlow) -> bool:
     response's headers (and an upstream failure meanwhile replaces the kill's message)."""
     return flow.error is not None and flow.error.msg == Error.KILLED_MESSAGE \
         and flow.response is None
+
+
+H2_UPSTREAM_RESET_MESSAGE = "stream reset by upstream"
+
+
+def _error_of(flow: http.HTTPFlow) -> str | None:
+    """The flow's error as its end records it. mitmproxy words an HTTP/2 stream's reset
+    "stream reset by client (...)" whichever side sent it; one the upstream sent (an upstream
+    that refused or dropped the turn: an upstream failure, fed to the circuit as a broken
+    HTTP/1.1 connection is) is named "stream reset by upstream (...)". A detached call's
+    client is turnguard's stand-in, which resets nothing: a reset there is the upstream's."""
+    if flow.error is None:
+        return None
+    msg = flow.error.msg
+    if not msg.startswith(H2_RESET_MESSAGE):
+        return msg
+    meta = flow.metadata.get("turnguard") or {}
+    by_upstream = ("detached_cut" not in meta if "detached" in meta
+                   else stream_reset_by_upstream(flows.proxyserver(), flow))
+    if by_upstream:
+        return H2_UPSTREAM_RESET_MESSAGE + msg[len(H2_RESET_MESSAGE):]
+    return msg
 
 
 def _client_gone(flow: http.HTTPFlow) -> bool:
