@@ -47,13 +47,14 @@ class TlsFront(_ServerProcess):
     is the certificate it shows (for ``ssl_verify_upstream_trusted_ca``)."""
 
     def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "front",
-                 h2: bool = False):
+                 h2: bool = False, max_streams: int | None = None):
         self.cert, key = tls_front.make_cert(tmp_path, name)
         self.log_path = tmp_path / f"{name}.jsonl"
         self.process = Process(
             [PYTHON, "-u", str(REPO / "tests" / "tls_front.py"), "--target", str(up.port),
              "--cert", str(self.cert), "--key", str(key), "--log", str(self.log_path),
-             *(["--h2"] if h2 else [])],
+             *(["--h2"] if h2 else []),
+             *(["--max-streams", str(max_streams)] if max_streams is not None else [])],
             tmp_path / f"{name}.out", popen=mitmdump_forks.popen)
         m = self.process.wait_for_line(re.compile(tls_front.LINE), 20, "tls front")
         self.url, self.port = m.group(1), int(m.group(2))
@@ -627,4 +628,47 @@ def test_an_http2_client_that_resets_its_turns_stream_is_no_upstream_failure(tmp
         wait_until(lambda: [r for r in read_jsonl(front.log_path) if r["event"] == "h2_reset"],
                    10, what="the upstream stream reset")
         assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
+
+
+def test_http2_a_turn_mitmproxy_queues_behind_the_upstreams_stream_limit_is_not_cut(tmp_path):
+    """The HTTP/2 upstream allows one stream at a time (MAX_CONCURRENT_STREAMS 1): mitmproxy
+    queues a second turn of the client's connection until the first one's stream ends. A
+    queued turn has not reached the upstream, whose silence it cannot be: it is not cut at
+    ``turnguard_response_created_timeout_ms`` (its timer starts again), and both turns
+    complete, each dispatched once, without a cut (a cut there answered its client 502 and
+    later still sent it upstream, when mitmproxy emptied its queue)."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True, max_streams=1) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_response_created_timeout_ms=1500) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, behaviour):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={
+                                **h, **mock_behaviour(**behaviour)}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                first = asyncio.create_task(one({**BODY, "input": "first"},
+                                                {"kind": "ok", "events": 12, "gap_ms": 300}))
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                queued = await one({**BODY, "input": "queued"}, {"kind": "ok"})
+                return await first, queued
+        first, queued = asyncio.run(run())
+        for out in (first, queued):
+            assert out.get("status") == 200 and out["error"] is None, (out, proxy.log_text())
+            assert sse_event_types(out["body"])[-1] == "response.completed", out
+        assert not turnguard_events(tmp_path, kind="upstream_cut")
+        assert len(up.dispatches()) == 2
+        assert len(front.connections()) == 1
         assert_no_traceback(proxy.log_text())

@@ -64,15 +64,20 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             pass
 
 
-async def _serve_h2(reader, writer, target: int, log) -> None:
+async def _serve_h2(reader, writer, target: int, log, max_streams: int | None = None) -> None:
     """HTTP/2 to the client; each stream becomes an HTTP/1.1 request to the target, whose
-    response body goes back as it comes."""
+    response body goes back as it comes. ``max_streams``: the MAX_CONCURRENT_STREAMS it
+    announces in its first SETTINGS (h2's default when None)."""
     import h2.config
     import h2.connection
     import h2.events
+    import h2.settings
     import httpx
 
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    if max_streams is not None:
+        conn.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
     conn.initiate_connection()
     writer.write(conn.data_to_send())
     streams: dict[int, dict] = {}
@@ -154,6 +159,8 @@ async def main() -> None:
     p.add_argument("--log", required=True)
     p.add_argument("--h2", action="store_true",
                    help="speak HTTP/2 (ALPN h2 only), each stream a request to the target")
+    p.add_argument("--max-streams", type=int, default=None,
+                   help="with --h2: the MAX_CONCURRENT_STREAMS it announces")
     a = p.parse_args()
     sni: dict[int, str | None] = {}
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -167,7 +174,7 @@ async def main() -> None:
         log.write(json.dumps({"event": "connection", "sni": sni.pop(id(obj), None),
                               "alpn": obj.selected_alpn_protocol()}) + "\n")
         if a.h2:
-            await _serve_h2(reader, writer, a.target, log)
+            await _serve_h2(reader, writer, a.target, log, a.max_streams)
             return
         try:
             up_r, up_w = await asyncio.open_connection("127.0.0.1", a.target)

@@ -31,6 +31,11 @@ and gives the stream a ``ResponseProtocolError``, on which it fires the ``error`
 answers its client (a 502 before headers, a reset after). The stand-in stays the source of
 the stream's later blocking commands and passes their completions on.
 
+A stream the HTTP/2 upstream has no room for yet (as many open as its
+``MAX_CONCURRENT_STREAMS``) waits in its ``Http2Client``'s ``stream_queue`` (by the client's
+stream id), below ``HttpLayer.connections[server connection]`` (``ServerTLSLayer``, then
+``HttpClient``): ``stream_queued_upstream`` reads it there.
+
 Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
 client is a stand-in, so the upstream call outlives the real client's connection;
@@ -150,6 +155,32 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
 
 
 _INJECTING: set[asyncio.Task] = set()
+
+
+def stream_queued_upstream(proxyserver, flow) -> bool | None:
+    """Whether ``flow``'s request waits in its HTTP/2 upstream connection's queue: the
+    upstream allows so many concurrent streams (``MAX_CONCURRENT_STREAMS``) and as many are
+    open, so mitmproxy's ``Http2Client`` keeps the stream's events (``stream_queue``, by the
+    client's stream id) and sends none of them until one ends. None when that cannot be told
+    (the flow's stream or connection is not found, mitmproxy internals changed)."""
+    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    if path is None:
+        return None
+    http_layer, stream = path[-1]
+    # HttpLayer.connections[server connection] -> its stack's top (ServerTLSLayer, then
+    # HttpClient, through their child_layer) -> Http2Client
+    todo, seen = [getattr(http_layer, "connections", {}).get(flow.server_conn)], set()
+    while todo and len(seen) < 16:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        queue = getattr(node, "stream_queue", None)
+        if isinstance(queue, dict):
+            return stream.stream_id in queue
+        todo.extend(_children(node))
+    return None
 
 
 def _stream_path(node, flow, seen: set):

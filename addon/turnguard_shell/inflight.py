@@ -31,6 +31,7 @@ from turnguard_core.proxy_internals import (
     cut_http2_stream,
     cut_upstream,
     release_killed_intercepted,
+    stream_queued_upstream,
     stream_reset_by_upstream,
 )
 from turnguard_core.tee import ResponseTee, coded_stream_events
@@ -186,6 +187,16 @@ class InFlight:
         if attempt.transport == "http" and flow.intercepted:
             # held by a user (mitmweb's intercept comes after turnguard's request hook): not
             # sent upstream yet, so no silence of the upstream; timed again from now on
+            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                          STALL_GRACES)
+            return
+        if attempt.transport == "http" and flow.server_conn.alpn == b"h2" \
+                and key not in self._process.detached \
+                and stream_queued_upstream(flows.proxyserver(), flow):
+            # mitmproxy queues it behind the HTTP/2 upstream's stream limit
+            # (MAX_CONCURRENT_STREAMS): not sent upstream yet, so no silence of the upstream
+            # (a cut would answer it 502, and mitmproxy still send it when its queue moves);
+            # timed again from now on
             self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
                           STALL_GRACES)
             return
