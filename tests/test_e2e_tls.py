@@ -672,3 +672,109 @@ def test_http2_a_turn_mitmproxy_queues_behind_the_upstreams_stream_limit_is_not_
         assert len(up.dispatches()) == 2
         assert len(front.connections()) == 1
         assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.parametrize("silence", ["before_headers", "after_headers"])
+def test_http2_a_silent_turn_cut_with_a_duplicate_on_its_connection_is_retried_once(
+        tmp_path, silence):
+    """An HTTP/2 client sends a turn, then the same turn again on the same connection (the
+    duplicate held, or attached once the original's headers came) to an HTTP/2 upstream that
+    stays silent on the first: the original's stream is cut alone at
+    ``turnguard_response_created_timeout_ms``, and the duplicate, an eventless failure being
+    never shared, is run once more and completes: two dispatches, one connection, no
+    traceback."""
+    scenario = {"sequence": [{"kind": f"stall_{silence}", "ms": 8000}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_response_created_timeout_ms=1500) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one():
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=BODY, headers=h) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                original = asyncio.create_task(one())
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                dup = await one()
+                return await original, dup
+        original, dup = asyncio.run(run())
+        assert original.get("status") == 502 or original["error"] is not None \
+            or "response.completed" not in sse_event_types(original["body"]), original
+        assert dup.get("status") == 200 and dup["error"] is None, (dup, proxy.log_text())
+        assert sse_event_types(dup["body"])[-1] == "response.completed", dup
+        assert len(up.dispatches()) == 2
+        assert len(front.connections()) == 1
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert cut["cut"] is True, cut
+        assert_no_traceback(proxy.log_text())
+
+
+def test_http2_a_silent_turn_cut_after_a_script_reload_spares_the_turn_sharing_its_connection(
+        tmp_path):
+    """mitmproxy reloads turnguard's script while two turns share an HTTP/2 upstream
+    connection, one silent: the new addon instance does the cut, of the silent turn's stream
+    alone (reset upstream, 502 to its client), and the other turn completes on the same
+    connection; its end is recorded by the new instance too."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            Mitmdump(tmp_path, None, modes=[f"reverse:https://localhost:{front.port}"],
+                     addon=script, options={
+                         "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+                         "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
+                         "ssl_verify_upstream_trusted_ca": str(front.cert),
+                         "turnguard_response_created_timeout_ms": 7000}) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, behaviour):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={
+                                **h, **mock_behaviour(**behaviour)}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                silent = asyncio.create_task(one({**BODY, "input": "silent"},
+                                                 {"kind": "stall_before_headers", "ms": 20000}))
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                streams = asyncio.create_task(one({**BODY, "input": "streams"},
+                                                  {"kind": "ok", "events": 40, "gap_ms": 300}))
+                await asyncio.to_thread(wait_until, lambda: len(up.dispatches()) == 2, 20)
+                await asyncio.to_thread(lambda: reloaded(proxy, touch_to_reload(proxy, script)))
+                if turnguard_events(tmp_path, kind="upstream_cut"):  # (a very slow host)
+                    pytest.skip("the cut came before the reload: not the case under test")
+                return await silent, await streams
+        silent, streams = asyncio.run(run())
+        assert silent.get("status") == 502, silent
+        assert streams["error"] is None, (streams, proxy.log_text())
+        assert sse_event_types(streams["body"])[-1] == "response.completed", streams
+        assert len(front.connections()) == 1
+        assert len(up.dispatches()) == 2
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert cut["cut"] is True and cut["why_not"] is None, cut
+        outcomes = wait_until(lambda: len(turnguard_events(tmp_path, kind="outcome")) == 2
+                              and turnguard_events(tmp_path, kind="outcome"), 10,
+                              what="both ends recorded")
+        assert sorted(o["outcome"] for o in outcomes) == ["completed", "unknown"], outcomes
+        assert_no_traceback(proxy.log_text())
