@@ -778,3 +778,79 @@ def test_http2_a_silent_turn_cut_after_a_script_reload_spares_the_turn_sharing_i
                               what="both ends recorded")
         assert sorted(o["outcome"] for o in outcomes) == ["completed", "unknown"], outcomes
         assert_no_traceback(proxy.log_text())
+
+
+SLOW_REQUEST_HOOK = '''
+import asyncio
+
+
+async def request(flow):
+    if "x-slow-hook" in flow.request.headers:
+        await asyncio.sleep(float(flow.request.headers["x-slow-hook"]))
+'''
+
+
+@pytest.mark.parametrize("h2", [True, False], ids=["h2_upstream", "http1_upstream"])
+@pytest.mark.parametrize("then", ["answers", "silent"])
+def test_a_turn_held_in_a_later_addons_request_hook_is_timed_from_when_it_goes_upstream(
+        tmp_path, h2, then):
+    """An addon loaded after turnguard keeps a turn in its own ``request`` hook for twice
+    ``turnguard_response_created_timeout_ms``, on an HTTP/2 client connection whose upstream
+    connection an earlier turn opened. The turn has not gone upstream meanwhile: no silence
+    of the upstream, no cut (a cut of its HTTP/2 stream then acted only once the hook ended,
+    after the request went upstream: the client got 502 and the turn's end was recorded as
+    a cut while the upstream ran it, so the client's retry would run it twice). Its timeout
+    runs from when it goes upstream: an upstream that answers completes it; one that stays
+    silent has it cut then, once, before it answers anything."""
+    slow = tmp_path / "slow_request_hook.py"
+    slow.write_text(SLOW_REQUEST_HOOK)
+    behaviour = {"kind": "ok"} if then == "answers" else {"kind": "stall_before_headers",
+                                                          "ms": 8000}
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=h2) as front, \
+            Mitmdump(tmp_path, None, modes=[f"reverse:https://localhost:{front.port}"],
+                     extra_args=["-s", str(slow)], options={
+                         "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+                         "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
+                         "ssl_verify_upstream_trusted_ca": str(front.cert),
+                         "turnguard_response_created_timeout_ms": 1500}) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, extra):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={**h, **extra}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                first = await one({**BODY, "input": "opens the connection"}, {})
+                held = await one({**BODY, "input": "held by a hook"},
+                                 {"x-slow-hook": "3", **mock_behaviour(**behaviour)})
+                return first, held
+        first, held = asyncio.run(run())
+        assert first.get("status") == 200 and first["error"] is None, first
+        outcomes = wait_until(lambda: len(turnguard_events(tmp_path, kind="outcome")) == 2
+                              and turnguard_events(tmp_path, kind="outcome"), 10,
+                              what="both ends recorded")
+        assert len(up.dispatches()) == 2
+        cuts = turnguard_events(tmp_path, kind="upstream_cut")
+        if then == "answers":
+            assert held.get("status") == 200 and held["error"] is None, (held, cuts)
+            assert sse_event_types(held["body"])[-1] == "response.completed", held
+            assert [o["outcome"] for o in outcomes] == ["completed", "completed"], outcomes
+            assert not cuts, cuts
+        else:
+            assert held.get("status") == 502, held
+            cut, = cuts
+            assert cut["cut"] is True and cut["why_not"] is None, cut
+            silent_n = next(d["n"] for d in up.dispatches() if d["spec"].get("ms"))
+            up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == silent_n)
+        assert len(front.connections()) == 1
+        assert_no_traceback(proxy.log_text())

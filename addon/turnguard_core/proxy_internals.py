@@ -31,6 +31,9 @@ and gives the stream a ``ResponseProtocolError``, on which it fires the ``error`
 answers its client (a 502 before headers, a reset after). The stand-in stays the source of
 the stream's later blocking commands and passes their completions on.
 
+A stream whose ``request`` hook has not ended is paused on it (``Layer._paused``, whose
+``command`` is the ``HttpRequestHook``): ``stream_in_request_hook``.
+
 A stream the HTTP/2 upstream has no room for yet (as many open as its
 ``MAX_CONCURRENT_STREAMS``) waits in its ``Http2Client``'s ``stream_queue`` (by the client's
 stream id), below ``HttpLayer.connections[server connection]`` (``ServerTLSLayer``, then
@@ -155,6 +158,23 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
 
 
 _INJECTING: set[asyncio.Task] = set()
+
+
+def stream_in_request_hook(proxyserver, flow) -> bool | None:
+    """Whether ``flow``'s stream still waits for its ``request`` hook to end (an addon after
+    turnguard keeps it in its own, or a user's intercept does): nothing of it has gone
+    upstream, and nothing sent to its stream now acts before the hook ends (the layer is
+    paused on ``HttpRequestHook``: what comes meanwhile waits in its queue, and the request
+    is sent first). None when that cannot be told (the flow's stream is not found: a
+    detached call, mitmproxy internals changed)."""
+    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    if path is None:
+        return None
+    paused = getattr(path[-1][1], "_paused", False)
+    if paused is False:
+        return None
+    return type(getattr(paused, "command", None)).__name__ == "HttpRequestHook"
 
 
 def stream_queued_upstream(proxyserver, flow) -> bool | None:

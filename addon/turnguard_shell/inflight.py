@@ -31,6 +31,7 @@ from turnguard_core.proxy_internals import (
     cut_http2_stream,
     cut_upstream,
     release_killed_intercepted,
+    stream_in_request_hook,
     stream_queued_upstream,
     stream_reset_by_upstream,
 )
@@ -53,6 +54,9 @@ MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
 STALL_LATE_S = 0.25
 STALL_GRACE_S = 0.5
 STALL_GRACES = 3
+# A dispatch still in its request hook (an addon after turnguard keeps it there) is looked at
+# again this often: its full timeout runs from the first look that finds it sent upstream.
+HOOK_LOOK_S = 0.25
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Attempt:
     edited: bool = False  # a user edited its request after it was identified
     credentials_changed: bool = False  # it went upstream as another principal's
     answered_here: bool = False  # an addon answered it: nothing went upstream
+    held_in_hook: bool = False  # its timer found it in its request hook (not sent yet)
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -183,6 +188,21 @@ class InFlight:
             # another addon streams the body through its own filter: its events pass unseen,
             # so no silence can be told (never cut a stream turnguard cannot read)
             self._emit("passthrough", **attempt.base, reason=STREAM_TAKEN_OVER)
+            return
+        if attempt.transport == "http" and key not in self._process.detached \
+                and stream_in_request_hook(flows.proxyserver(), flow):
+            # still in its request hook: an addon after turnguard keeps it in its own (or a
+            # user's intercept does). Not sent upstream yet, so no silence of the upstream;
+            # and a cut now would act only once the hook ends, after the request went
+            # upstream (the upstream runs it, its end recorded as a cut). Looked at again
+            # shortly, and timed in full from the first look that finds it sent.
+            attempt.held_in_hook = True
+            self._arm_cut(attempt, key, flow, HOOK_LOOK_S, STALL_GRACES)
+            return
+        if getattr(attempt, "held_in_hook", False):  # (an older instance's has no such field)
+            attempt.held_in_hook = False  # sent since the last look: timed from now on
+            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                          STALL_GRACES)
             return
         if attempt.transport == "http" and flow.intercepted:
             # held by a user (mitmweb's intercept comes after turnguard's request hook): not
