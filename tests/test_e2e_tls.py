@@ -854,3 +854,51 @@ def test_a_turn_held_in_a_later_addons_request_hook_is_timed_from_when_it_goes_u
             up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == silent_n)
         assert len(front.connections()) == 1
         assert_no_traceback(proxy.log_text())
+
+
+def test_http2_detached_a_silent_turn_cut_spares_the_turn_sharing_its_client_connection(
+        tmp_path):
+    """With ``turnguard_detach_ms`` each turn's upstream call runs on a connection of
+    turnguard's own (mitmproxy's replay handler): two turns of one HTTP/2 client connection to
+    an HTTP/2 upstream, one silent, one streaming. The silent one's call is cut at
+    ``turnguard_response_created_timeout_ms`` (its client told so: a 502), the other one
+    completes, each dispatched once."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_detach_ms=20000,
+                      turnguard_response_created_timeout_ms=1500) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, behaviour):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={
+                                **h, **mock_behaviour(**behaviour)}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                streams = asyncio.create_task(one({**BODY, "input": "streams"},
+                                                  {"kind": "ok", "events": 12, "gap_ms": 300}))
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                silent = await one({**BODY, "input": "silent"},
+                                   {"kind": "stall_before_headers", "ms": 8000})
+                return await streams, silent
+        streams, silent = asyncio.run(run())
+        assert silent.get("status") == 502 or silent["error"] is not None, silent
+        assert "response.created" not in sse_event_types(silent["body"]), silent
+        assert streams["error"] is None, (streams, proxy.log_text())
+        assert sse_event_types(streams["body"])[-1] == "response.completed", streams
+        silent_n = next(d["n"] for d in up.dispatches() if d["spec"].get("ms"))
+        up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == silent_n)
+        assert len(up.dispatches()) == 2
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert cut["cut"] is True and cut["why_not"] is None, cut
+        assert_no_traceback(proxy.log_text())

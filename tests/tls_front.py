@@ -147,7 +147,9 @@ async def _serve_h2(reader, writer, target: int, log, max_streams: int | None = 
             await flush()
     except (ConnectionError, OSError):
         pass
-    finally:
+    finally:  # the connection ended: its streams' requests to the target end with it
+        for task in answering.values():
+            task.cancel()
         writer.close()
 
 
