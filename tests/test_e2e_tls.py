@@ -902,3 +902,33 @@ def test_http2_detached_a_silent_turn_cut_spares_the_turn_sharing_its_client_con
         cut, = turnguard_events(tmp_path, kind="upstream_cut")
         assert cut["cut"] is True and cut["why_not"] is None, cut
         assert_no_traceback(proxy.log_text())
+
+
+def test_a_detached_call_held_in_a_later_addons_request_hook_is_timed_once_it_goes_upstream(
+        tmp_path):
+    """With ``turnguard_detach_ms`` the turn's call is a flow of turnguard's own, run by
+    mitmproxy's replay handler, whose ``request`` hook an addon loaded after turnguard keeps
+    for twice ``turnguard_response_created_timeout_ms``: its timeout runs from when it goes
+    upstream, where it stays silent: it is cut then (the upstream sees its client leave, the
+    client gets a 502), never left running without a bound."""
+    slow = tmp_path / "slow_request_hook.py"
+    slow.write_text(SLOW_REQUEST_HOOK)
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
+            Mitmdump(tmp_path, None, modes=[f"reverse:https://localhost:{front.port}"],
+                     extra_args=["-s", str(slow)], options={
+                         "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+                         "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
+                         "ssl_verify_upstream_trusted_ca": str(front.cert),
+                         "turnguard_detach_ms": 20000,
+                         "turnguard_response_created_timeout_ms": 1500}) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        held = asyncio.run(stream_post(None, url, ca_of(proxy), http2=True, headers={
+            **HEADERS, "x-slow-hook": "3"}, behaviour={"kind": "stall_before_headers",
+                                                      "ms": 15000}))
+        assert held.get("status") == 502 or held["error"] is not None, held
+        assert "response.created" not in sse_event_types(held["body"]), held
+        silent_n, = [d["n"] for d in up.dispatches()]
+        up.wait_for_record(lambda r: r.get("event") == "client_gone" and r["n"] == silent_n)
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert cut["cut"] is True and cut["why_not"] is None, cut
+        assert_no_traceback(proxy.log_text())

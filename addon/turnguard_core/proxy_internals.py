@@ -160,14 +160,16 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
 _INJECTING: set[asyncio.Task] = set()
 
 
-def stream_in_request_hook(proxyserver, flow) -> bool | None:
+def stream_in_request_hook(proxyserver, flow, handler=None) -> bool | None:
     """Whether ``flow``'s stream still waits for its ``request`` hook to end (an addon after
     turnguard keeps it in its own, or a user's intercept does): nothing of it has gone
     upstream, and nothing sent to its stream now acts before the hook ends (the layer is
     paused on ``HttpRequestHook``: what comes meanwhile waits in its queue, and the request
-    is sent first). None when that cannot be told (the flow's stream is not found: a
-    detached call, mitmproxy internals changed)."""
-    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    is sent first). ``handler``: the connection handler that runs the flow when it is no
+    connection of the proxy's (a detached call's ``ReplayHandler``). None when that cannot be
+    told (the flow's stream is not found: mitmproxy internals changed)."""
+    if handler is None:
+        handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
     path = _stream_path(getattr(handler, "layer", None), flow, set())
     if path is None:
         return None

@@ -189,10 +189,10 @@ class InFlight:
             # so no silence can be told (never cut a stream turnguard cannot read)
             self._emit("passthrough", **attempt.base, reason=STREAM_TAKEN_OVER)
             return
-        if attempt.transport == "http" and key not in self._process.detached \
-                and stream_in_request_hook(flows.proxyserver(), flow):
+        if attempt.transport == "http" and self._in_request_hook(key, flow):
             # still in its request hook: an addon after turnguard keeps it in its own (or a
-            # user's intercept does). Not sent upstream yet, so no silence of the upstream;
+            # user's intercept does). Not sent upstream yet, so no silence of the upstream
+            # (nor an open connection to cut, for a detached call or a new connection);
             # and a cut now would act only once the hook ends, after the request went
             # upstream (the upstream runs it, its end recorded as a cut). Looked at again
             # shortly, and timed in full from the first look that finds it sent.
@@ -272,6 +272,15 @@ class InFlight:
             what = "reset its HTTP/2 stream" if stream_cut else "cut the upstream connection"
             self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
                                  f" ms ({MISSING_RESPONSE_CREATED}); {what}")
+
+    def _in_request_hook(self, key: str, flow: http.HTTPFlow) -> bool:
+        """Whether the dispatch ``key`` (its flow, or its detached call's) is still in its
+        ``request`` hook (``stream_in_request_hook``)."""
+        if key in self._process.detached:
+            guard = self._process.guard
+            handler = guard.detacher.handler(key) if guard is not None else None
+            return handler is not None and bool(stream_in_request_hook(None, flow, handler))
+        return bool(stream_in_request_hook(flows.proxyserver(), flow))
 
     def release_killed(self) -> None:
         """Attempts whose flow was killed while intercepted (mitmweb's intercept runs after
