@@ -665,3 +665,32 @@ def test_held_http2_streams_of_a_connection_the_client_goes_away_from_are_let_go
                     if e.get("flow") in held and e["event"] in (
                         "dispatch", "duplicate_forwarded", "duplicate_replayed")]
         assert_no_traceback(proxy.log_text())
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package for a raw HTTP/2 client")
+def test_an_attached_http2_stream_the_client_resets_takes_nothing_from_its_neighbours(tmp_path):
+    """The original and two duplicates multiplexed on one HTTP/2 connection, the duplicates
+    attached to the original's stream in flight; the client resets one duplicate's stream
+    while the turn streams. The original and the other duplicate get the whole stream,
+    identical bytes, on the same connection; one upstream execution; no traceback."""
+    slow = {"kind": "ok", "events": 12, "gap_ms": 250}
+    body = json.dumps(BODY).encode()
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
+        client = RawH2(proxy.port)
+        try:
+            client.post(1, "/v1/responses", body, {**HEADERS, **mock_behaviour(**slow)})
+            client.pump(lambda: client.bodies.get(1), timeout=15)  # its first event came
+            client.post(3, "/v1/responses", body, HEADERS)
+            client.post(5, "/v1/responses", body, HEADERS)
+            client.pump(lambda: client.bodies.get(3) and client.bodies.get(5), timeout=15)
+            client.reset(3)
+            client.pump(lambda: 1 in client.ended and 5 in client.ended, timeout=30)
+        finally:
+            client.close()
+        assert client.ended.get(1) == "ended" and client.ended.get(5) == "ended", client.ended
+        assert client.status.get(1) == 200 and client.status.get(5) == 200
+        assert sse_event_types(client.bodies[1])[-1] == "response.completed"
+        assert client.bodies[5] == client.bodies[1]
+        assert len(events(tmp_path, "duplicate_attached")) == 2
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text())
