@@ -932,3 +932,47 @@ def test_a_detached_call_held_in_a_later_addons_request_hook_is_timed_once_it_go
         cut, = turnguard_events(tmp_path, kind="upstream_cut")
         assert cut["cut"] is True and cut["why_not"] is None, cut
         assert_no_traceback(proxy.log_text())
+
+
+def test_http2_a_turn_queued_behind_a_silent_one_is_timed_from_when_it_goes_upstream(tmp_path):
+    """The HTTP/2 upstream allows one stream at a time; a silent turn holds it and a second
+    turn of the same client connection waits in mitmproxy's queue behind it. The silent one
+    is cut at ``turnguard_response_created_timeout_ms``, which lets the queued one go
+    upstream only then, a moment before its own timer is due: it is given the whole timeout
+    from when it went upstream, and completes (its first event takes 0.6 s)."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True, max_streams=1) as front, \
+            tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
+                      turnguard_response_created_timeout_ms=1500) as proxy:
+        url = f"https://127.0.0.1:{proxy.port}/v1/responses"
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+        async def run():
+            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
+                                         verify=ssl.create_default_context(
+                                             cafile=ca_of(proxy))) as c:
+                async def one(body, behaviour):
+                    out = {"error": None, "body": b""}
+                    try:
+                        async with c.stream("POST", url, json=body, headers={
+                                **h, **mock_behaviour(**behaviour)}) as r:
+                            out["status"] = r.status_code
+                            async for chunk in r.aiter_raw():
+                                out["body"] += chunk
+                    except httpx.HTTPError as e:
+                        out["error"] = repr(e)
+                    return out
+                silent = asyncio.create_task(one({**BODY, "input": "silent"},
+                                                 {"kind": "stall_before_headers", "ms": 8000}))
+                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                queued = await one({**BODY, "input": "queued"},
+                                   {"kind": "ok", "first_event_ms": 600})
+                return await silent, queued
+        silent, queued = asyncio.run(run())
+        assert silent.get("status") == 502, silent
+        assert queued.get("status") == 200 and queued["error"] is None, (queued,
+                                                                          proxy.log_text())
+        assert sse_event_types(queued["body"])[-1] == "response.completed", queued
+        cut, = turnguard_events(tmp_path, kind="upstream_cut")
+        assert len(up.dispatches()) == 2
+        assert len(front.connections()) == 1
+        assert_no_traceback(proxy.log_text())

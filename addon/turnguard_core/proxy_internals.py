@@ -179,13 +179,15 @@ def stream_in_request_hook(proxyserver, flow, handler=None) -> bool | None:
     return type(getattr(paused, "command", None)).__name__ == "HttpRequestHook"
 
 
-def stream_queued_upstream(proxyserver, flow) -> bool | None:
+def stream_queued_upstream(proxyserver, flow, handler=None) -> bool | None:
     """Whether ``flow``'s request waits in its HTTP/2 upstream connection's queue: the
     upstream allows so many concurrent streams (``MAX_CONCURRENT_STREAMS``) and as many are
     open, so mitmproxy's ``Http2Client`` keeps the stream's events (``stream_queue``, by the
-    client's stream id) and sends none of them until one ends. None when that cannot be told
-    (the flow's stream or connection is not found, mitmproxy internals changed)."""
-    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    client's stream id) and sends none of them until one ends. ``handler``: as for
+    ``stream_in_request_hook``. None when that cannot be told (the flow's stream or
+    connection is not found, mitmproxy internals changed)."""
+    if handler is None:
+        handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
     path = _stream_path(getattr(handler, "layer", None), flow, set())
     if path is None:
         return None

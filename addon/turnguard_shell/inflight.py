@@ -54,9 +54,10 @@ MISSING_RESPONSE_CREATED = "missing_response_created_timeout"
 STALL_LATE_S = 0.25
 STALL_GRACE_S = 0.5
 STALL_GRACES = 3
-# A dispatch still in its request hook (an addon after turnguard keeps it there) is looked at
-# again this often: its full timeout runs from the first look that finds it sent upstream.
-HOOK_LOOK_S = 0.25
+# A dispatch is looked at this long after it is registered, and again as often while it has
+# not gone upstream (in a later addon's request hook, or queued behind an HTTP/2 upstream's
+# stream limit): its full timeout runs from the first look that finds it sent.
+UNSENT_LOOK_S = 0.25
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Attempt:
     edited: bool = False  # a user edited its request after it was identified
     credentials_changed: bool = False  # it went upstream as another principal's
     answered_here: bool = False  # an addon answered it: nothing went upstream
-    held_in_hook: bool = False  # its timer found it in its request hook (not sent yet)
+    unsent: bool = False  # a look found it not sent upstream yet (``_not_sent_yet``)
 
     def stop_timer(self) -> None:
         if self.timer is not None:
@@ -166,6 +167,8 @@ class InFlight:
         timeout_s = self._settings().response_created_timeout_s
         if timeout_s > 0:
             self._arm_cut(attempt, key, flow, timeout_s, STALL_GRACES)
+            if ws_events is None:  # one that goes upstream late is timed from then on
+                self._look_later(key, flow)
         return attempt
 
     def _arm_cut(self, attempt: Attempt, key: str, flow: http.HTTPFlow, after_s: float,
@@ -189,34 +192,19 @@ class InFlight:
             # so no silence can be told (never cut a stream turnguard cannot read)
             self._emit("passthrough", **attempt.base, reason=STREAM_TAKEN_OVER)
             return
-        if attempt.transport == "http" and self._in_request_hook(key, flow):
-            # still in its request hook: an addon after turnguard keeps it in its own (or a
-            # user's intercept does). Not sent upstream yet, so no silence of the upstream
-            # (nor an open connection to cut, for a detached call or a new connection);
-            # and a cut now would act only once the hook ends, after the request went
-            # upstream (the upstream runs it, its end recorded as a cut). Looked at again
-            # shortly, and timed in full from the first look that finds it sent.
-            attempt.held_in_hook = True
-            self._arm_cut(attempt, key, flow, HOOK_LOOK_S, STALL_GRACES)
-            return
-        if getattr(attempt, "held_in_hook", False):  # (an older instance's has no such field)
-            attempt.held_in_hook = False  # sent since the last look: timed from now on
+        if attempt.transport == "http" and (getattr(attempt, "unsent", False)
+                                             or self._not_sent_yet(key, flow)):
+            # not sent upstream yet (see ``_not_sent_yet``), so no silence of the upstream:
+            # its looks (``_look_unsent``) time it in full from the first that finds it sent
+            if not getattr(attempt, "unsent", False):
+                attempt.unsent = True
+                self._look_later(key, flow)
             self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
                           STALL_GRACES)
             return
         if attempt.transport == "http" and flow.intercepted:
             # held by a user (mitmweb's intercept comes after turnguard's request hook): not
             # sent upstream yet, so no silence of the upstream; timed again from now on
-            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                          STALL_GRACES)
-            return
-        if attempt.transport == "http" and flow.server_conn.alpn == b"h2" \
-                and key not in self._process.detached \
-                and stream_queued_upstream(flows.proxyserver(), flow):
-            # mitmproxy queues it behind the HTTP/2 upstream's stream limit
-            # (MAX_CONCURRENT_STREAMS): not sent upstream yet, so no silence of the upstream
-            # (a cut would answer it 502, and mitmproxy still send it when its queue moves);
-            # timed again from now on
             self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
                           STALL_GRACES)
             return
@@ -273,14 +261,45 @@ class InFlight:
             self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
                                  f" ms ({MISSING_RESPONSE_CREATED}); {what}")
 
-    def _in_request_hook(self, key: str, flow: http.HTTPFlow) -> bool:
-        """Whether the dispatch ``key`` (its flow, or its detached call's) is still in its
-        ``request`` hook (``stream_in_request_hook``)."""
+    def _not_sent_yet(self, key: str, flow: http.HTTPFlow) -> bool:
+        """Whether the dispatch ``key`` (its flow, or its detached call's) has not gone
+        upstream yet: still in its ``request`` hook (an addon after turnguard keeps it in its
+        own, or a user's intercept: ``stream_in_request_hook``), or queued by mitmproxy
+        behind its HTTP/2 upstream's stream limit (``MAX_CONCURRENT_STREAMS`` streams open:
+        ``stream_queued_upstream``). Either way a cut now would act only once it is sent:
+        its client answered 502 and its end recorded as a cut, while the upstream runs it."""
         if key in self._process.detached:
             guard = self._process.guard
             handler = guard.detacher.handler(key) if guard is not None else None
-            return handler is not None and bool(stream_in_request_hook(None, flow, handler))
-        return bool(stream_in_request_hook(flows.proxyserver(), flow))
+            if handler is None:
+                return False
+            proxyserver = None
+        else:
+            handler, proxyserver = None, flows.proxyserver()
+        return bool(stream_in_request_hook(proxyserver, flow, handler)
+                    or stream_queued_upstream(proxyserver, flow, handler))
+
+    def _look_later(self, key: str, flow: http.HTTPFlow) -> None:
+        asyncio.get_running_loop().call_later(
+            UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
+
+    def _look_unsent(self, key: str, flow: http.HTTPFlow) -> None:
+        """Look whether the dispatch ``key`` went upstream yet (``_not_sent_yet``): while it
+        has not, again every ``UNSENT_LOOK_S``; at the first look that finds it sent (after
+        one that did not), its response-created timeout starts again in full."""
+        attempt = self._process.attempts.get(key)
+        if attempt is None or attempt.events_seen > 0 or attempt.cut_reason is not None:
+            return
+        if self._not_sent_yet(key, flow):
+            attempt.unsent = True
+            self._look_later(key, flow)
+            return
+        if getattr(attempt, "unsent", False):
+            attempt.unsent = False
+            if attempt.timer is not None:  # (still timed)
+                attempt.stop_timer()
+                self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                              STALL_GRACES)
 
     def release_killed(self) -> None:
         """Attempts whose flow was killed while intercepted (mitmweb's intercept runs after
