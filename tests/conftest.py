@@ -29,7 +29,7 @@ hypothesis_profiles.load_from_environment()
 # stops the run, so that no test goes untiered.
 TIERS = {
     "unit": {
-        "test_circuit", "test_counting", "test_degraded", "test_identity", "test_identity_memo", "test_ledger",
+        "test_circuit", "test_counting", "test_deadlines", "test_degraded", "test_identity", "test_identity_memo", "test_ledger",
         "test_live", "test_liveness",
         "test_machine", "test_mock_parts", "test_negotiation", "test_offload", "test_ops",
         "test_options", "test_outage_machine", "test_own_replays", "test_pg_store", "test_policy",

@@ -39,6 +39,7 @@ from turnguard_core.tee import ResponseTee, coded_stream_events
 from turnguard_core.ws import ResponseEvents
 
 from . import flows
+from .deadlines import Deadline, Deadlines
 from .process import ProcessState
 from .waiters import Waiters
 
@@ -79,9 +80,9 @@ class Attempt:
     ws_events: ResponseEvents | None = None  # a WebSocket call's response, read as it passes
     cut_reason: str | None = None  # set when turnguard cut the upstream itself
     first_event_at: float | None = None  # monotonic time of the first response event
-    timer: asyncio.TimerHandle | None = None  # response_created timeout
+    timer: Deadline | None = None  # response_created timeout
     live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
-    first_event_timer: asyncio.TimerHandle | None = None  # records the first event, if still on
+    first_event_timer: Deadline | None = None  # records the first event, if still on
     flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
     sent_as: tuple | None = field(default=None, repr=False)  # its request when dispatched
     edited: bool = False  # a user edited its request after it was identified
@@ -118,6 +119,11 @@ class InFlight:
         self._explainer = explainer
         self._emit = emit
         self._settings = settings
+        # the three timers of a dispatch, each of one delay (deadlines.py: one asyncio timer
+        # for each kind, not one a request)
+        self._cuts = Deadlines()  # response_created timeouts
+        self._looks = Deadlines()  # whether a dispatch went upstream yet (UNSENT_LOOK_S)
+        self._first_events = Deadlines()  # a first event's record (FIRST_EVENT_DELAY_S)
 
     def _current(self) -> "InFlight":
         """The registry of the addon instance that gets the hooks now (another one after a
@@ -173,9 +179,8 @@ class InFlight:
 
     def _arm_cut(self, attempt: Attempt, key: str, flow: http.HTTPFlow, after_s: float,
                  graces: int) -> None:
-        loop = asyncio.get_running_loop()
-        due = loop.time() + after_s
-        attempt.timer = loop.call_later(
+        due = asyncio.get_running_loop().time() + after_s
+        attempt.timer = self._cuts.call_later(
             after_s, lambda: self._current()._cut_if_silent(key, flow, due, graces))
 
     def _cut_if_silent(self, key: str, flow: http.HTTPFlow, due: float | None = None,
@@ -280,8 +285,7 @@ class InFlight:
                     or stream_queued_upstream(proxyserver, flow, handler))
 
     def _look_later(self, key: str, flow: http.HTTPFlow) -> None:
-        asyncio.get_running_loop().call_later(
-            UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
+        self._looks.call_later(UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
 
     def _look_unsent(self, key: str, flow: http.HTTPFlow) -> None:
         """Look whether the dispatch ``key`` went upstream yet (``_not_sent_yet``): while it
@@ -388,7 +392,7 @@ class InFlight:
         attempt.first_event_at = time.monotonic()
         self._streaming(attempt)
         if attempt.attempt_id is not None and attempt.first_event_timer is None:
-            attempt.first_event_timer = asyncio.get_running_loop().call_later(
+            attempt.first_event_timer = self._first_events.call_later(
                 FIRST_EVENT_DELAY_S, lambda: self._current()._record_first_event(attempt))
 
     def _coded_started(self, attempt: Attempt) -> None:
