@@ -1002,3 +1002,19 @@ async def test_a_relay_that_could_not_start_is_started_by_the_next_call():
         writer.close()
     finally:
         relay.close()
+
+
+async def test_a_cut_that_cannot_be_made_leaves_the_turn_timed_and_not_taken_for_cut(tmp_path):
+    """A silent dispatch whose upstream cannot be cut (here no proxy server to cut it on:
+    ``upstream_cut`` with ``cut`` false and ``why_not``) goes on: it is timed again and
+    tried again, and when its answer comes after all its end is what the upstream did (a
+    completed turn), never a cut that was not made."""
+    async with make_guard(tmp_path, turnguard_response_created_timeout_ms=100) as g:
+        f = make_flow()
+        await asyncio.wait_for(g.tg.request(f), WAIT_S)
+        assert f.metadata["turnguard"]["role"] == "dispatch"
+        await until(lambda: len(g.events("upstream_cut")) >= 2, "a second try at the cut")
+        assert all(not r["cut"] and r["why_not"] for r in g.events("upstream_cut"))
+        stream_response(g, f, sse_body())
+        outcome, = await until(lambda: g.events("outcome"), "the turn's end")
+        assert outcome["outcome"] == "completed", outcome

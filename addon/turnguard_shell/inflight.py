@@ -260,7 +260,13 @@ class InFlight:
                    after_ms=after_ms, headers_seen=attempt.status is not None,
                    cut=why_not is None, why_not=why_not)
         if why_not is not None:
-            logger.warning("turnguard: could not cut the upstream of %s: %s", flow.id, why_not)
+            # nothing was cut: its end is what the upstream does, and it is timed again (a
+            # cut that cannot be made now may be made later; at worst tried each timeout)
+            attempt.cut_reason = None
+            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                          STALL_GRACES)
+            logger.warning("turnguard: could not cut the upstream of %s (%s); timed again",
+                           flow.id, why_not)
         else:
             what = "reset its HTTP/2 stream" if stream_cut else "cut the upstream connection"
             self._explainer.show(flow, MARK_CUT, f"turnguard: no response event within {after_ms}"
