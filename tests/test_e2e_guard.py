@@ -34,12 +34,16 @@ HEADERS = {"authorization": f"Bearer {SECRET}", "session-id": "sess-1"}
 BODY = {"model": "gpt-test", "input": "write a haiku", "stream": True}
 
 
-def post_all(url, n, *, body=BODY, headers=HEADERS, stagger_s=0.0, first_alone_s=0.0):
-    """Send n identical requests, each on its own connection; the first alone for a moment
-    so that it is the original. Returns [(status, headers, body)] in sending order."""
+def post_all(url, up, n, *, body=BODY, headers=HEADERS, stagger_s=0.0):
+    """Send n identical requests, each on its own connection; the first alone until the
+    upstream ``up`` has its dispatch, so that it is the original (a pause of a fixed length
+    was no order: on a loaded machine the first client's thread may start later than that).
+    Returns [(status, headers, body)] in sending order."""
+    dispatched = len(up.dispatches())
     with ThreadPoolExecutor(max_workers=n) as pool:
         futures = [pool.submit(sse_post, url, body=body, headers=headers, timeout=90)]
-        time.sleep(first_alone_s)
+        wait_until(lambda: len(up.dispatches()) > dispatched or futures[0].done(), 30,
+                   what="the first request dispatched")
         for _ in range(n - 1):
             futures.append(pool.submit(sse_post, url, body=body, headers=headers, timeout=90))
             time.sleep(stagger_s)
@@ -51,7 +55,7 @@ def test_stalled_original_and_five_duplicates_give_one_dispatch_and_six_identica
 ):
     scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
-        results = post_all(proxy.url, 6, first_alone_s=0.5, stagger_s=0.1)
+        results = post_all(proxy.url, up, 6, stagger_s=0.1)
         statuses = [s for s, _, _ in results]
         bodies = {b for _, _, b in results}
         assert statuses == [200] * 6
@@ -77,7 +81,7 @@ def test_duplicates_past_the_hold_bound_get_409_with_retry_after_then_replay(tmp
     with MockUpstream(tmp_path, scenario) as up, guarded(
         tmp_path, up, turnguard_hold_timeout_ms=800
     ) as proxy:
-        results = post_all(proxy.url, 3, first_alone_s=0.4)
+        results = post_all(proxy.url, up, 3)
         assert results[0][0] == 200
         for status, headers, body in results[1:]:
             assert status == 409
@@ -105,7 +109,7 @@ def test_two_mitmdump_processes_on_one_ledger_dispatch_once(tmp_path, report):
     ) as b:
         with ThreadPoolExecutor(max_workers=4) as pool:
             first = pool.submit(sse_post, a.url, body=BODY, headers=HEADERS)
-            time.sleep(0.5)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch")  # it is the original
             dups = [pool.submit(sse_post, b.url, body=BODY, headers=HEADERS) for _ in range(3)]
             results = [first.result()] + [d.result() for d in dups]
         assert [r[0] for r in results] == [200] * 4
@@ -149,7 +153,7 @@ def test_rejected_original_lets_the_held_duplicate_go_upstream(tmp_path):
         "default": {"kind": "ok"},
     }
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
-        results = post_all(proxy.url, 2, first_alone_s=0.4)
+        results = post_all(proxy.url, up, 2)
         assert results[0][0] == 429
         assert results[1][0] == 200 and "x-turnguard" not in results[1][1]
         assert len(up.dispatches()) == 2
@@ -162,7 +166,7 @@ def test_eventless_original_failure_forwards_the_duplicate_as_a_retry(tmp_path):
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
         with ThreadPoolExecutor(max_workers=2) as pool:
             original = pool.submit(sse_post, proxy.url, body=BODY, headers=HEADERS)
-            time.sleep(0.4)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch")  # it is the original
             status, _, body = sse_post(proxy.url, body=BODY, headers=HEADERS)
             with pytest.raises(Exception):  # the upstream closed the original's stream early
                 original.result()
@@ -250,7 +254,7 @@ def test_a_held_duplicate_whose_client_leaves_is_never_dispatched(tmp_path):
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as proxy:
         with ThreadPoolExecutor(max_workers=2) as pool:
             original = pool.submit(sse_post, proxy.url, body=BODY, headers=HEADERS)
-            time.sleep(0.4)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch")  # it is the original
             with pytest.raises(Exception):
                 sse_post(proxy.url, body=BODY, headers=HEADERS, timeout=0.8)
             wait_until(lambda: turnguard_events(tmp_path, kind="hold_abandoned"), 5, what="hold_abandoned")
@@ -260,7 +264,7 @@ def test_a_held_duplicate_whose_client_leaves_is_never_dispatched(tmp_path):
 
 def test_no_secret_in_ledger_events_or_log_and_files_are_private(tmp_path):
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
-        post_all(proxy.url, 3, first_alone_s=0.2)
+        post_all(proxy.url, up, 3)
         log = proxy.log_text()
     ledger = tmp_path / "ledger.sqlite3"
     ev = tmp_path / "mitmdump-events.jsonl"
