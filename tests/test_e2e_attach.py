@@ -30,13 +30,22 @@ HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"
 BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
 
 
+def _is_dispatch(record: dict) -> bool:
+    return record.get("event") == "dispatch"
+
+
 async def stream_post(url: str, *, headers=HEADERS, body=BODY, delay_s: float = 0.0,
                       behaviour: dict | None = None, timeout: float = 60,
-                      chunked: bool = False) -> dict:
+                      chunked: bool = False, after: MockUpstream | None = None) -> dict:
     """POST on a fresh connection after ``delay_s``; read the body as it comes. Returns its
     status, headers, body, and when (monotonic) it was sent, its first body byte came and it
     ended; ``error`` is the transport error that cut it, if any. ``chunked``: the body goes
-    with ``Transfer-Encoding: chunked`` (a generator body), not a Content-Length."""
+    with ``Transfer-Encoding: chunked`` (a generator body), not a Content-Length. ``after``:
+    the mock upstream whose first dispatch (the original's) it waits for before ``delay_s``
+    (a duplicate sent after a fixed pause alone may reach the proxy first on a loaded
+    machine: it is then the original, without the original's behaviour)."""
+    if after is not None:
+        await asyncio.to_thread(after.wait_for_record, _is_dispatch, 30)
     await asyncio.sleep(delay_s)
     h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
          **(mock_behaviour(**behaviour) if behaviour else {})}
@@ -71,7 +80,7 @@ def test_duplicates_of_a_slow_stream_attach_and_get_the_same_stream_live(tmp_pat
     async def run(url):
         return await asyncio.gather(
             stream_post(url, behaviour=slow),
-            *(stream_post(url, delay_s=1.0 + 0.8 * i) for i in range(5)))
+            *(stream_post(url, delay_s=1.0 + 0.8 * i, after=up) for i in range(5)))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
                                                turnguard_hold_timeout_ms=2000) as proxy:
@@ -103,7 +112,7 @@ def test_a_duplicate_held_before_the_stream_starts_attaches_when_it_does(tmp_pat
 
     async def run(url):
         return await asyncio.gather(stream_post(url, behaviour=late),
-                                    stream_post(url, delay_s=0.4))
+                                    stream_post(url, delay_s=0.4, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -126,7 +135,7 @@ def test_an_attached_duplicate_ends_with_the_same_failure(tmp_path):
 
     async def run(url):
         return await asyncio.gather(stream_post(url, behaviour=cut),
-                                    stream_post(url, delay_s=0.6))
+                                    stream_post(url, delay_s=0.6, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -146,7 +155,7 @@ def test_with_attach_off_a_duplicate_is_held_and_replayed(tmp_path):
 
     async def run(url):
         return await asyncio.gather(stream_post(url, behaviour=slow),
-                                    stream_post(url, delay_s=0.5))
+                                    stream_post(url, delay_s=0.5, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_attach=False) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -166,7 +175,8 @@ def test_a_duplicate_of_a_compressed_stream_attaches_to_it_live(tmp_path):
 
     async def run(url):
         original = asyncio.ensure_future(stream_post(url, headers=gzip_only, behaviour=coded))
-        duplicate = await stream_post(url, headers=gzip_only, behaviour=coded, delay_s=1.0)
+        duplicate = await stream_post(url, headers=gzip_only, behaviour=coded, delay_s=1.0,
+                                     after=up)
         return await original, duplicate
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_hold_timeout_ms=1500) as proxy:
@@ -188,7 +198,8 @@ def test_a_duplicate_that_takes_another_representation_is_not_attached(tmp_path)
     async def run(url):
         return await asyncio.gather(
             stream_post(url, behaviour=varies, headers={**HEADERS, "x-client-flavour": "a"}),
-            stream_post(url, delay_s=0.5, headers={**HEADERS, "x-client-flavour": "b"}))
+            stream_post(url, delay_s=0.5, after=up,
+                        headers={**HEADERS, "x-client-flavour": "b"}))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -385,6 +396,7 @@ def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
     slow = {"kind": "ok", "events": 12, "gap_ms": 200}
 
     async def leaver(url):
+        await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)  # the original's
         await asyncio.sleep(0.6)
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
         async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
@@ -395,7 +407,7 @@ def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
 
     async def run(url):
         return await asyncio.gather(stream_post(url, behaviour=slow), leaver(url),
-                                    stream_post(url, delay_s=1.2))
+                                    stream_post(url, delay_s=1.2, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, left_as, stayed = asyncio.run(run(proxy.url))
@@ -423,7 +435,7 @@ def test_a_script_reload_mid_stream_keeps_attached_and_detached_clients_streamin
 
     async def run(p):
         original = asyncio.create_task(stream_post(p.url, behaviour=slow))
-        dup = asyncio.create_task(stream_post(p.url, delay_s=0.8))
+        dup = asyncio.create_task(stream_post(p.url, delay_s=0.8, after=up))
         await asyncio.sleep(1.3)  # both streaming; mitmproxy looks at the mtime once a second
         os.utime(script)
         await asyncio.to_thread(wait_until, lambda: p.log_text().count("turnguard: running") >= 2,
@@ -450,7 +462,7 @@ def test_a_duplicate_whose_body_is_chunked_attaches_and_gets_the_whole_stream(tm
 
     async def run(url):
         return await asyncio.gather(stream_post(url, behaviour=slow),
-                                    stream_post(url, delay_s=0.6, chunked=True))
+                                    stream_post(url, delay_s=0.6, chunked=True, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -491,6 +503,7 @@ def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
 
     async def run(url, port):
         original = asyncio.ensure_future(stream_post(url, behaviour=slow))
+        await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)
         await asyncio.sleep(0.7)
         dup = await asyncio.to_thread(_http10_post, port, BODY, HEADERS)
         return await original, dup
@@ -571,6 +584,7 @@ def test_a_request_pipelined_behind_one_answered_through_the_relay_is_answered(t
         original = None
         if how == "attached":
             original = asyncio.ensure_future(stream_post(url, behaviour=slow))
+            await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)
             await asyncio.sleep(0.7)
         answers = await asyncio.to_thread(_pipelined_posts, port, [BODY, other], HEADERS)
         return (await original if original is not None else None), answers
@@ -709,7 +723,7 @@ def test_an_attached_duplicate_keeps_its_host_and_authority_in_the_saved_flow(tm
     async def run(url):
         return await asyncio.gather(
             stream_post(url, headers=headers, behaviour=slow),
-            stream_post(url, headers=headers, delay_s=0.8))
+            stream_post(url, headers=headers, delay_s=0.8, after=up))
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, keep_host_header=True,
                                                save_stream_file=str(saved)) as proxy:
