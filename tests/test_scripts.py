@@ -115,8 +115,10 @@ class ProxyRun:
     stop_s: float
 
 
-def _start_proxy(tmp: Path, name: str, ledger: str | None = None
+def _start_proxy(tmp: Path, name: str, ledger: str | None = None, path_first: Path | None = None
                  ) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """scripts/proxy started in a session of its own; ``path_first``: a folder searched for its
+    commands before $PATH."""
     port = _free_port()
     out_path = tmp / f"{name}.out"
     cmd = [
@@ -127,7 +129,9 @@ def _start_proxy(tmp: Path, name: str, ledger: str | None = None
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
-            env=_env(TURNGUARD_STATE_DIR=str(tmp / "state")), start_new_session=True,
+            env=_env(TURNGUARD_STATE_DIR=str(tmp / "state"),
+                     **({"PATH": f"{path_first}:{os.environ['PATH']}"} if path_first else {})),
+            start_new_session=True,
         )
     return proc, out_path, port
 
@@ -412,6 +416,35 @@ def test_proxy_stops_on_a_group_sigterm_without_a_traceback_20_times(tmp_path, r
         list(pool.map(one_round, range(20)))  # (raises the first round's failure)
     report(f"scripts/proxy on Python {sys.version.split()[0]}: stopped by a group SIGTERM 20 times, "
            "no traceback, nothing left behind")
+
+
+def test_proxy_stop_bound_is_time_not_a_count_of_sleeps(tmp_path):
+    """scripts/proxy gives each child STOP_TIMEOUT_S (10 s) after its SIGTERM, then SIGKILL.
+    That bound is time: on a loaded machine each ``sleep 0.1`` of its wait takes longer (a
+    fork and an exec), and a bound counted as 100 of them stretches with it (here each takes
+    0.5 s: 50 s, past the 25 s the tests give the script). mitmdump is paused (SIGSTOP), so
+    that it does not stop on its SIGTERM; the script must still be gone within the bound."""
+    slow_bin = tmp_path / "slow-bin"
+    slow_bin.mkdir()
+    (slow_bin / "sleep").write_text("#!/bin/sh\nexec /bin/sleep 0.5  # a slow fork and exec\n")
+    (slow_bin / "sleep").chmod(0o755)
+    proc, out_path, port = _start_proxy(tmp_path, "proxy", path_first=slow_bin)
+    try:
+        _wait_listening(proc, out_path, port)
+        wait_until(lambda: "try:" in out_path.read_text(errors="replace"), START_TIMEOUT_S,
+                   0.05, "the banner")
+        [mitm] = [pid for pid, (_, line) in _session_processes(proc.pid).items()
+                  if "mitmdump" in line and "scripts/proxy" not in line]
+        os.kill(mitm, signal.SIGSTOP)
+        _stop(proc, signal.SIGTERM, group=True)  # (fails past STOP_TIMEOUT_S, 25 s)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait(10)
+    out = out_path.read_text(errors="replace")
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert f"pid {mitm} did not stop within 10s; killing it" in out, out
+    wait_until(lambda: _processes_mentioning(str(tmp_path)) == {}, 5, 0.1, "no leftovers")
 
 
 # -- scripts/ledger on the proxy's ledger ----------------------------------------------------
