@@ -97,6 +97,29 @@ async def stream_post(proxy_url: str | None, target: str, ca: str, *, headers=HE
     return out
 
 
+TURN_HEADERS = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+
+
+def h2_client(proxy: Mitmdump, via: str | None = None) -> httpx.AsyncClient:
+    """An HTTP/2 client of ``proxy`` trusting its CA (through it as a proxy: ``via``)."""
+    return httpx.AsyncClient(trust_env=False, timeout=30, http2=True, proxy=via,
+                             verify=ssl.create_default_context(cafile=ca_of(proxy)))
+
+
+async def h2_turn(c: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
+    """POST the turn ``body`` on the client ``c`` with ``headers`` beside the usual ones, read
+    as it comes: ``{"status", "body", "error"}`` (``error``: the client's error, or None)."""
+    out: dict = {"error": None, "body": b""}
+    try:
+        async with c.stream("POST", url, json=body, headers={**TURN_HEADERS, **headers}) as r:
+            out["status"] = r.status_code
+            async for chunk in r.aiter_raw():
+                out["body"] += chunk
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    return out
+
+
 def dispatches(up: MockUpstream) -> int:
     return len(up.dispatches())
 
@@ -496,23 +519,11 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
             url, via = f"https://127.0.0.1:{proxy.port}/v1/responses", None
         else:
             url, via = f"https://localhost:{front.port}/v1/responses", proxy.url
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True, proxy=via,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, behaviour):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={
-                                **h, **mock_behaviour(**behaviour)}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy, via) as c:
+                def one(body, behaviour):
+                    return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
                                                   {"kind": "ok", "events": 12, "gap_ms": 300}))
                 await asyncio.sleep(0.3)
@@ -642,23 +653,11 @@ def test_http2_a_turn_mitmproxy_queues_behind_the_upstreams_stream_limit_is_not_
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_response_created_timeout_ms=1500) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, behaviour):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={
-                                **h, **mock_behaviour(**behaviour)}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one(body, behaviour):
+                    return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 first = asyncio.create_task(one({**BODY, "input": "first"},
                                                 {"kind": "ok", "events": 12, "gap_ms": 300}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
@@ -689,22 +688,11 @@ def test_http2_a_silent_turn_cut_with_a_duplicate_on_its_connection_is_retried_o
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_response_created_timeout_ms=1500) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one():
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=BODY, headers=h) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one():
+                    return h2_turn(c, url, BODY, {})
                 original = asyncio.create_task(one())
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
                 dup = await one()
@@ -738,23 +726,11 @@ def test_http2_a_silent_turn_cut_after_a_script_reload_spares_the_turn_sharing_i
                          "ssl_verify_upstream_trusted_ca": str(front.cert),
                          "turnguard_response_created_timeout_ms": 7000}) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, behaviour):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={
-                                **h, **mock_behaviour(**behaviour)}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one(body, behaviour):
+                    return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 silent = asyncio.create_task(one({**BODY, "input": "silent"},
                                                  {"kind": "stall_before_headers", "ms": 20000}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
@@ -814,22 +790,11 @@ def test_a_turn_held_in_a_later_addons_request_hook_is_timed_from_when_it_goes_u
                          "ssl_verify_upstream_trusted_ca": str(front.cert),
                          "turnguard_response_created_timeout_ms": 1500}) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, extra):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={**h, **extra}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one(body, extra):
+                    return h2_turn(c, url, body, extra)
                 first = await one({**BODY, "input": "opens the connection"}, {})
                 held = await one({**BODY, "input": "held by a hook"},
                                  {"x-slow-hook": "3", **mock_behaviour(**behaviour)})
@@ -868,23 +833,11 @@ def test_http2_detached_a_silent_turn_cut_spares_the_turn_sharing_its_client_con
                       turnguard_detach_ms=20000,
                       turnguard_response_created_timeout_ms=1500) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, behaviour):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={
-                                **h, **mock_behaviour(**behaviour)}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one(body, behaviour):
+                    return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
                                                   {"kind": "ok", "events": 12, "gap_ms": 300}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
@@ -944,23 +897,11 @@ def test_http2_a_turn_queued_behind_a_silent_one_is_timed_from_when_it_goes_upst
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_response_created_timeout_ms=1500) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
-        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
 
         async def run():
-            async with httpx.AsyncClient(trust_env=False, timeout=30, http2=True,
-                                         verify=ssl.create_default_context(
-                                             cafile=ca_of(proxy))) as c:
-                async def one(body, behaviour):
-                    out = {"error": None, "body": b""}
-                    try:
-                        async with c.stream("POST", url, json=body, headers={
-                                **h, **mock_behaviour(**behaviour)}) as r:
-                            out["status"] = r.status_code
-                            async for chunk in r.aiter_raw():
-                                out["body"] += chunk
-                    except httpx.HTTPError as e:
-                        out["error"] = repr(e)
-                    return out
+            async with h2_client(proxy) as c:
+                def one(body, behaviour):
+                    return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 silent = asyncio.create_task(one({**BODY, "input": "silent"},
                                                  {"kind": "stall_before_headers", "ms": 8000}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)

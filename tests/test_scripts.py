@@ -149,6 +149,13 @@ def _wait_listening(proc: subprocess.Popen[bytes], out_path: Path, port: int) ->
     return wait_until(ready, START_TIMEOUT_S, 0.05, "scripts/proxy to listen")
 
 
+def _wait_banner(proc: subprocess.Popen[bytes], out_path: Path, port: int) -> None:
+    """scripts/proxy listening, and its banner (what to try) printed."""
+    _wait_listening(proc, out_path, port)
+    wait_until(lambda: "try:" in out_path.read_text(errors="replace"), START_TIMEOUT_S, 0.05,
+               "the banner")
+
+
 def _stop(proc: subprocess.Popen[bytes], sig: int, *, group: bool) -> float:
     """Send ``sig`` (to the group or to the script only); wait for the script; return seconds."""
     t0 = time.monotonic()
@@ -399,9 +406,7 @@ def test_proxy_stops_on_a_group_sigterm_without_a_traceback_20_times(tmp_path, r
         run_dir.mkdir()
         proc, out_path, port = _start_proxy(run_dir, "proxy")
         try:
-            _wait_listening(proc, out_path, port)
-            wait_until(lambda: "try:" in out_path.read_text(errors="replace"), START_TIMEOUT_S,
-                       0.05, "the banner")
+            _wait_banner(proc, out_path, port)
             _stop(proc, signal.SIGTERM, group=True)
         finally:
             if proc.poll() is None:
@@ -430,9 +435,7 @@ def test_proxy_stop_bound_is_time_not_a_count_of_sleeps(tmp_path):
     (slow_bin / "sleep").chmod(0o755)
     proc, out_path, port = _start_proxy(tmp_path, "proxy", path_first=slow_bin)
     try:
-        _wait_listening(proc, out_path, port)
-        wait_until(lambda: "try:" in out_path.read_text(errors="replace"), START_TIMEOUT_S,
-                   0.05, "the banner")
+        _wait_banner(proc, out_path, port)
         [mitm] = [pid for pid, (_, line) in _session_processes(proc.pid).items()
                   if "mitmdump" in line and "scripts/proxy" not in line]
         os.kill(mitm, signal.SIGSTOP)
