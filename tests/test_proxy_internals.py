@@ -104,6 +104,22 @@ def test_the_internals_the_http2_stream_cut_walks_still_exist():
     assert inspect.iscoroutinefunction(server.ConnectionHandler.server_event)
 
 
+def test_the_internals_the_unsent_and_reset_checks_walks_still_exist():
+    """``stream_in_request_hook`` (a layer paused on its ``HttpRequestHook``),
+    ``stream_queued_upstream`` (``Http2Client.stream_queue``) and ``stream_reset_by_upstream``
+    (mitmproxy's one wording for either side's reset, the HTTP/2 state's ``is_closed``): the
+    end-to-end proofs are in ``test_e2e_tls.py``; this fails loudly if an upgrade moves them."""
+    from mitmproxy.proxy import layer
+    from mitmproxy.proxy.layers.http import HttpRequestHook, _http2
+    from turnguard_core.proxy_internals import H2_RESET_MESSAGE
+
+    assert "self._paused" in inspect.getsource(layer.Layer.handle_event)
+    assert "self.stream_queue" in inspect.getsource(_http2.Http2Client._handle_event)
+    assert callable(_http2.Http2Connection.is_closed)
+    assert HttpRequestHook.__name__ == "HttpRequestHook"
+    assert H2_RESET_MESSAGE in inspect.getsource(_http2)
+
+
 def test_client_stream_closed_reads_the_http2_layer():
     class Stream:
         def __init__(self, flow):
