@@ -105,8 +105,8 @@ def test_the_internals_the_http2_stream_cut_walks_still_exist():
 
 
 def test_the_internals_the_unsent_and_reset_checks_walks_still_exist():
-    """``stream_in_request_hook`` (a layer paused on its ``HttpRequestHook``),
-    ``stream_queued_upstream`` (``Http2Client.stream_queue``) and ``stream_reset_by_upstream``
+    """``stream_not_sent`` (a layer paused on its ``HttpRequestHook``, or its stream in
+    ``Http2Client.stream_queue``) and ``stream_reset_by_upstream``
     (mitmproxy's one wording for either side's reset, the HTTP/2 state's ``is_closed``): the
     end-to-end proofs are in ``test_e2e_tls.py``; this fails loudly if an upgrade moves them."""
     from mitmproxy.proxy import layer

@@ -200,6 +200,13 @@ class PeersAwaited:
     live_ops: dict[str, str] = dataclasses.field(default_factory=dict)
     live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
+    def forget(self, instance_id: str) -> None:
+        """The live peer ``instance_id`` registered its attempts, or is gone: none of its
+        operations is held for it any more."""
+        self.live.pop(instance_id, None)
+        self.live_left.pop(instance_id, None)
+        self.live_ops = {op: peer for op, peer in self.live_ops.items() if peer != instance_id}
+
 
 def _awaited(name: str) -> property:
     """A field of the process's ``PeersAwaited``, read and set as the store's own."""
@@ -645,10 +652,7 @@ class FailoverStore:
                 break
         if moved or row is None or not liveness.proven_alive(
                 row, me=self._identity, start_ticks_of=liveness.probe_start_ticks):
-            # registered (the new file decides), or gone: nothing of its is held any more
-            self._live_peers.pop(peer, None)
-            self._live_peer_left.pop(peer, None)
-            self._live_peer_ops = {op: p for op, p in self._live_peer_ops.items() if p != peer}
+            self._awaited.forget(peer)  # registered (the new file decides), or gone
             return False
         return True
 

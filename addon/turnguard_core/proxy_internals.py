@@ -31,13 +31,11 @@ and gives the stream a ``ResponseProtocolError``, on which it fires the ``error`
 answers its client (a 502 before headers, a reset after). The stand-in stays the source of
 the stream's later blocking commands and passes their completions on.
 
-A stream whose ``request`` hook has not ended is paused on it (``Layer._paused``, whose
-``command`` is the ``HttpRequestHook``): ``stream_in_request_hook``.
-
-A stream the HTTP/2 upstream has no room for yet (as many open as its
-``MAX_CONCURRENT_STREAMS``) waits in its ``Http2Client``'s ``stream_queue`` (by the client's
-stream id), below ``HttpLayer.connections[server connection]`` (``ServerTLSLayer``, then
-``HttpClient``): ``stream_queued_upstream`` reads it there.
+Not sent upstream yet (``stream_not_sent``): a stream whose ``request`` hook has not ended is
+paused on it (``Layer._paused``, whose ``command`` is the ``HttpRequestHook``); a stream the
+HTTP/2 upstream has no room for yet (as many open as its ``MAX_CONCURRENT_STREAMS``) waits in
+its ``Http2Client``'s ``stream_queue`` (by the client's stream id), below
+``HttpLayer.connections[server connection]`` (``ServerTLSLayer``, then ``HttpClient``).
 
 Detached dispatches (``turnguard_detach_ms``) run on mitmproxy's own client-replay machinery,
 ``mitmproxy.addons.clientplayback.ReplayHandler(flow, options)``: a connection handler whose
@@ -96,8 +94,6 @@ layer behind a bound ``_handle_event``); from there:
 
 from __future__ import annotations
 
-import asyncio
-
 
 def cut_upstream(proxyserver, client_conn_id: str, server_conn, reason: str) -> str | None:
     """Cancel the server connection's handler task. Returns None when cut, else why not."""
@@ -120,11 +116,12 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
     done, else why not (the caller may then cut the whole connection)."""
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers import http as http_layers
+    from mitmproxy.utils import asyncio_utils
 
     handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
     if handler is None or not hasattr(handler, "server_event"):
         return "client connection is gone"
-    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    path = _flow_path(proxyserver, flow, handler)
     if path is None:
         return "no HTTP stream of this flow (mitmproxy internals changed?)"
     if not all(isinstance(getattr(layer, "command_sources", None), dict) for layer, _ in path):
@@ -151,47 +148,30 @@ def cut_http2_stream(proxyserver, flow, reason: str) -> str | None:
     for layer, leads_on in path[:-1]:  # a CONNECT's stream, with the tunnel's layers below it
         layer.command_sources[wakeup] = leads_on
     http_layer.command_sources[wakeup] = _Cut()
-    task = asyncio.get_running_loop().create_task(handler.server_event(events.Wakeup(wakeup)))
-    _INJECTING.add(task)  # (the loop keeps a weak reference only)
-    task.add_done_callback(_INJECTING.discard)
+    asyncio_utils.create_task(handler.server_event(events.Wakeup(wakeup)),
+                              name="turnguard: cut an HTTP/2 stream", keep_ref=True)
     return None
 
 
-_INJECTING: set[asyncio.Task] = set()
-
-
-def stream_in_request_hook(proxyserver, flow, handler=None) -> bool | None:
-    """Whether ``flow``'s stream still waits for its ``request`` hook to end (an addon after
-    turnguard keeps it in its own, or a user's intercept does): nothing of it has gone
-    upstream, and nothing sent to its stream now acts before the hook ends (the layer is
-    paused on ``HttpRequestHook``: what comes meanwhile waits in its queue, and the request
-    is sent first). ``handler``: the connection handler that runs the flow when it is no
-    connection of the proxy's (a detached call's ``ReplayHandler``). None when that cannot be
-    told (the flow's stream is not found: mitmproxy internals changed)."""
-    if handler is None:
-        handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
-    path = _stream_path(getattr(handler, "layer", None), flow, set())
-    if path is None:
-        return None
-    paused = getattr(path[-1][1], "_paused", False)
-    if paused is False:
-        return None
-    return type(getattr(paused, "command", None)).__name__ == "HttpRequestHook"
-
-
-def stream_queued_upstream(proxyserver, flow, handler=None) -> bool | None:
-    """Whether ``flow``'s request waits in its HTTP/2 upstream connection's queue: the
-    upstream allows so many concurrent streams (``MAX_CONCURRENT_STREAMS``) and as many are
-    open, so mitmproxy's ``Http2Client`` keeps the stream's events (``stream_queue``, by the
-    client's stream id) and sends none of them until one ends. ``handler``: as for
-    ``stream_in_request_hook``. None when that cannot be told (the flow's stream or
-    connection is not found, mitmproxy internals changed)."""
-    if handler is None:
-        handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
-    path = _stream_path(getattr(handler, "layer", None), flow, set())
+def stream_not_sent(proxyserver, flow, handler=None) -> bool | None:
+    """Whether nothing of ``flow``'s request has gone upstream yet, read on one walk to its
+    stream: its stream still waits for its ``request`` hook to end (an addon after turnguard
+    keeps it in its own, or a user's intercept does; the layer is paused on
+    ``HttpRequestHook``, what comes meanwhile waits in its queue, and the request is sent
+    first), or its request waits in its HTTP/2 upstream connection's queue (the upstream
+    allows so many concurrent streams, ``MAX_CONCURRENT_STREAMS``, and as many are open, so
+    mitmproxy's ``Http2Client`` keeps the stream's events in ``stream_queue``, by the client's
+    stream id, and sends none of them until one ends). ``handler``: the connection handler
+    that runs the flow when it is no connection of the proxy's (a detached call's
+    ``ReplayHandler``). None when that cannot be told (the flow's stream is not found:
+    mitmproxy internals changed)."""
+    path = _flow_path(proxyserver, flow, handler)
     if path is None:
         return None
     http_layer, stream = path[-1]
+    paused = getattr(stream, "_paused", False)
+    if type(getattr(paused, "command", None)).__name__ == "HttpRequestHook":
+        return True
     # HttpLayer.connections[server connection] -> its stack's top (ServerTLSLayer, then
     # HttpClient, through their child_layer) -> Http2Client
     todo, seen = [getattr(http_layer, "connections", {}).get(flow.server_conn)], set()
@@ -204,7 +184,15 @@ def stream_queued_upstream(proxyserver, flow, handler=None) -> bool | None:
         if isinstance(queue, dict):
             return stream.stream_id in queue
         todo.extend(_children(node))
-    return None
+    return None if paused is False else False
+
+
+def _flow_path(proxyserver, flow, handler=None):
+    """``_stream_path`` from the root layer of ``flow``'s connection handler (``handler``, or
+    the proxy's handler of its client connection)."""
+    if handler is None:
+        handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
+    return _stream_path(getattr(handler, "layer", None), flow, set())
 
 
 def _stream_path(node, flow, seen: set):
@@ -377,8 +365,7 @@ def stream_reset_by_upstream(proxyserver, flow) -> bool | None:
     before mitmproxy's layer forgets the stream: ``client_stream_closed`` cannot tell it
     yet). None when that cannot be told (the flow's stream is not found: mitmproxy internals
     changed, or no connection of the proxy's)."""
-    handler = getattr(proxyserver, "connections", {}).get(flow.client_conn.id)
-    path = _stream_path(getattr(handler, "layer", None), flow, set())
+    path = _flow_path(proxyserver, flow)
     if path is None:
         return None
     http_layer = path[-1][0]

@@ -31,8 +31,7 @@ from turnguard_core.proxy_internals import (
     cut_http2_stream,
     cut_upstream,
     release_killed_intercepted,
-    stream_in_request_hook,
-    stream_queued_upstream,
+    stream_not_sent,
     stream_reset_by_upstream,
 )
 from turnguard_core.tee import ResponseTee, coded_stream_events
@@ -183,6 +182,11 @@ class InFlight:
         attempt.timer = self._cuts.call_later(
             after_s, lambda: self._current()._cut_if_silent(key, flow, due, graces))
 
+    def _time_again(self, attempt: Attempt, key: str, flow: http.HTTPFlow) -> None:
+        """Time the attempt's silence again from now, for the whole timeout."""
+        self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
+                      STALL_GRACES)
+
     def _cut_if_silent(self, key: str, flow: http.HTTPFlow, due: float | None = None,
                        graces: int = 0) -> None:
         """No response event in time: cut the upstream; its end records ``unknown``. A timer
@@ -204,14 +208,12 @@ class InFlight:
             if not getattr(attempt, "unsent", False):
                 attempt.unsent = True
                 self._look_later(key, flow)
-            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                          STALL_GRACES)
+            self._time_again(attempt, key, flow)
             return
         if attempt.transport == "http" and flow.intercepted:
             # held by a user (mitmweb's intercept comes after turnguard's request hook): not
             # sent upstream yet, so no silence of the upstream; timed again from now on
-            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                          STALL_GRACES)
+            self._time_again(attempt, key, flow)
             return
         if attempt.transport == "http" and attempt.tee is None and flow.response is not None \
                 and not attempt.answered_here:
@@ -219,8 +221,7 @@ class InFlight:
             # addon before it still in its own, or one that halted it: mitmproxy then reads
             # the body whole, unseen): its events cannot be counted, so no silence can be
             # told; timed again from now on, and read whole at its end
-            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                          STALL_GRACES)
+            self._time_again(attempt, key, flow)
             return
         if due is not None and graces > 0 \
                 and asyncio.get_running_loop().time() - due > STALL_LATE_S:
@@ -263,8 +264,7 @@ class InFlight:
             # nothing was cut: its end is what the upstream does, and it is timed again (a
             # cut that cannot be made now may be made later; at worst tried each timeout)
             attempt.cut_reason = None
-            self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                          STALL_GRACES)
+            self._time_again(attempt, key, flow)
             logger.warning("turnguard: could not cut the upstream of %s (%s); timed again",
                            flow.id, why_not)
         else:
@@ -274,11 +274,11 @@ class InFlight:
 
     def _not_sent_yet(self, key: str, flow: http.HTTPFlow) -> bool:
         """Whether the dispatch ``key`` (its flow, or its detached call's) has not gone
-        upstream yet: still in its ``request`` hook (an addon after turnguard keeps it in its
-        own, or a user's intercept: ``stream_in_request_hook``), or queued by mitmproxy
-        behind its HTTP/2 upstream's stream limit (``MAX_CONCURRENT_STREAMS`` streams open:
-        ``stream_queued_upstream``). Either way a cut now would act only once it is sent:
-        its client answered 502 and its end recorded as a cut, while the upstream runs it."""
+        upstream yet (``stream_not_sent``): still in its ``request`` hook (an addon after
+        turnguard keeps it in its own, or a user's intercept), or queued by mitmproxy behind
+        its HTTP/2 upstream's stream limit (``MAX_CONCURRENT_STREAMS`` streams open). Either
+        way a cut now would act only once it is sent: its client answered 502 and its end
+        recorded as a cut, while the upstream runs it."""
         if key in self._process.detached:
             guard = self._process.guard
             handler = guard.detacher.handler(key) if guard is not None else None
@@ -287,8 +287,7 @@ class InFlight:
             proxyserver = None
         else:
             handler, proxyserver = None, flows.proxyserver()
-        return bool(stream_in_request_hook(proxyserver, flow, handler)
-                    or stream_queued_upstream(proxyserver, flow, handler))
+        return bool(stream_not_sent(proxyserver, flow, handler))
 
     def _look_later(self, key: str, flow: http.HTTPFlow) -> None:
         self._looks.call_later(UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
@@ -308,8 +307,7 @@ class InFlight:
             attempt.unsent = False
             if attempt.timer is not None:  # (still timed)
                 attempt.stop_timer()
-                self._arm_cut(attempt, key, flow, self._settings().response_created_timeout_s,
-                              STALL_GRACES)
+                self._time_again(attempt, key, flow)
 
     def release_killed(self) -> None:
         """Attempts whose flow was killed while intercepted (mitmweb's intercept runs after
@@ -666,8 +664,8 @@ def _edited_since(flow: http.HTTPFlow, sent_as: tuple | None) -> bool:
     comes after turnguard's request hook, and its editor (or the console's) saves a backup
     of the flow first (``Flow.modified``). A change by an addon that runs after turnguard
     (``map_remote``, ``modify_body``: the request was identified as they send it,
-    ``flows._as_sent``) leaves no backup and is no edit. Its response then answers that edited request only: it is neither recorded for
-    the operation nor attached to."""
+    ``flows._as_sent``) leaves no backup and is no edit. Its response then answers that
+    edited request only: it is neither recorded for the operation nor attached to."""
     if sent_as is None or flow.request is None:
         return False
     if sent_as == _request_as_is(flow):  # (a tuple compares its items by identity first)
