@@ -155,6 +155,30 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def kernel_events(pid: int) -> dict[str, int]:
+    """Counts of a process so far (all its threads; Linux): its page faults (``minor_faults``:
+    a page mapped without reading the disk, e.g. memory touched for the first time) and its
+    context switches (``voluntary_switches``: it waited, e.g. for the event loop's next
+    event; ``involuntary_switches``: the scheduler took the CPU from it)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2 :].split()
+    out = {"minor_faults": int(fields[7]), "major_faults": int(fields[9]),
+           "voluntary_switches": 0, "involuntary_switches": 0}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status", "rb") as f:
+                status = f.read()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        for line in status.splitlines():
+            if line.startswith(b"voluntary_ctxt_switches:"):
+                out["voluntary_switches"] += int(line.split()[1])
+            elif line.startswith(b"nonvoluntary_ctxt_switches:"):
+                out["involuntary_switches"] += int(line.split()[1])
+    return out
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, in bytes (Linux)."""
     with open(f"/proc/{pid}/statm", "rb") as f:

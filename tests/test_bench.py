@@ -289,6 +289,49 @@ def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
         assert counted["estimated_cycles_per_request"] > counted["per_request"]
     assert _num(data["turnguard_vs_by_estimated_cycles"]["plain_stream"])
     assert "cycles estimated" in run.stdout
+    # each count split by library: the split adds up to the count; only turnguard runs SQL
+    for counted in data["variants"].values():
+        assert sum(counted["by_library"].values()) == pytest.approx(counted["per_request"])
+        assert counted["by_library"]["libpython3." + str(sys.version_info.minor)] > 0
+    assert data["variants"]["turnguard"]["by_library"].get("libsqlite3", 0) > 0
+    assert data["variants"]["plain_stream"]["by_library"].get("libsqlite3", 0) == 0
+    assert "library (a request)" in run.stdout
+
+
+def test_instructions_are_split_by_the_library_that_ran_them():
+    """A callgrind dump's self costs summed by object file: names compressed to ``(n)`` are
+    looked up where they were first named (an ``ob=`` or a ``cob=``), and the cost line after
+    ``calls=`` (the callee's inclusive cost) is not counted again."""
+    dump = "\n".join([
+        "events: Ir",
+        "ob=(1) /usr/lib/x86_64-linux-gnu/libc.so.6",
+        "fl=(1) ???",
+        "fn=(1) memcpy",
+        "0 40",
+        "ob=(2) /opt/lib/libpython3.13.so.1.0",
+        "fn=(2) eval",
+        "0 100",
+        "+2 5",
+        "cob=(3) /usr/lib/x86_64-linux-gnu/libsqlite3.so.0.8.6",
+        "cfn=(3) sqlite3_step",
+        "calls=1 0",
+        "0 700",
+        "cob=(1)",
+        "cfn=(1)",
+        "calls=2 0",
+        "* 80",
+        "ob=(3)",
+        "fn=(3)",
+        "0 660",
+        "cob=(1)",
+        "cfn=(1)",
+        "calls=1 0",
+        "0 40",
+        "totals: 805",
+    ])
+    libs = instructions_phase.self_by_library(dump)
+    assert libs == {"libc": 40, "libpython3.13": 105, "libsqlite3": 660}
+    assert sum(libs.values()) == instructions_phase.parse_totals(dump)["Ir"]
 
 
 # -- pure parts of the suite -----------------------------------------------------------------

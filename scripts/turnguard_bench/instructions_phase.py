@@ -9,6 +9,11 @@ one with N/2, each followed by nothing until the window ends. What the process r
 (timers, turnguard's heartbeat and checkpoints) takes the same in both, so the difference of
 the two counts over N/2 is what a request costs, with nothing estimated.
 
+Each count is also split by the library that executed it (``by_library``: the self cost of
+its functions, e.g. ``libpython3.13`` for the interpreter running every Python function,
+mitmproxy's and turnguard's alike, ``libsqlite3`` for a ledger's SQL, ``libc``): so the
+instructions a variant adds are seen by what runs them.
+
 What a count leaves out: the kernel's work (system calls, the copies they make), and how fast
 the instructions run (cache misses, the other processes on the machine). So the ratios here
 are not the throughput ratios: where the two differ, the difference is in what a count leaves
@@ -106,9 +111,12 @@ async def _count(workdir: Path, up: procs.Proc, variant: str, n: int,
         halved = _dump(p, dumps)
     finally:
         p.stop()
+    (whole, whole_libs), (halved, halved_libs) = whole, halved
     per_event = {e: (whole[e] - halved.get(e, 0)) / (n - half) for e in whole}
     counted = {"per_request": per_event["Ir"], "window_s": window_s,
-               "window_with_n": whole["Ir"], "window_with_half": halved["Ir"]}
+               "window_with_n": whole["Ir"], "window_with_half": halved["Ir"],
+               "by_library": {lib: (whole_libs[lib] - halved_libs.get(lib, 0)) / (n - half)
+                              for lib in whole_libs}}
     if simulate:
         counted["simulated_per_request"] = per_event
         counted["estimated_cycles_per_request"] = estimated_cycles(per_event)
@@ -151,15 +159,62 @@ def _control(p: procs.Proc, action: str) -> None:
                    timeout=CONTROL_TIMEOUT_S, check=True)
 
 
-def _dump(p: procs.Proc, dumps: Path) -> dict[str, int]:
-    """Dump the counts since the last zeroing; their totals by event."""
+def self_by_library(dump: str) -> dict[str, int]:
+    """A callgrind dump's instructions (its first event) by the library that executed them:
+    the self cost of every function, summed by its object file (``ob=``), named without its
+    folder and from ``.so`` on (``libsqlite3.so.0.8.6`` -> ``libsqlite3``). The cost line after
+    a ``calls=`` line is the callee's inclusive cost, counted where the callee's own lines
+    are: skipped here. Names the format compresses (``ob=(3)``, named at their first ``ob=`` or
+    ``cob=``) are looked up."""
+    names: dict[str, str] = {}
+    totals: dict[str, int] = {}
+    current, after_call = "?", False
+    for line in dump.splitlines():
+        if not line:
+            continue
+        head = line[0]
+        if head.isdigit() or head in "+-*":
+            if after_call:
+                after_call = False
+                continue
+            parts = line.split()
+            if len(parts) > 1:
+                totals[current] = totals.get(current, 0) + int(parts[1])
+        elif line.startswith("ob="):
+            current = _compressed(names, line[3:])
+        elif line.startswith("cob="):  # may name an object first (used by a later ``ob=``)
+            _compressed(names, line[4:])
+        elif line.startswith("calls="):
+            after_call = True
+    return totals
+
+
+def _compressed(names: dict[str, str], ref: str) -> str:
+    """``(3) /usr/lib/libc.so.6`` (remembered as 3) or ``(3)``: the library's short name."""
+    ref = ref.strip()
+    if ref.startswith("(") and ")" in ref:
+        key, _, path = ref[1:].partition(")")
+        if path.strip():
+            names[key] = _library(path.strip())
+        return names.get(key, "?")
+    return _library(ref)
+
+
+def _library(path: str) -> str:
+    return path.rsplit("/", 1)[-1].split(".so", 1)[0] or "?"
+
+
+def _dump(p: procs.Proc, dumps: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """Dump the counts since the last zeroing: their totals by event, and the instructions
+    by library (``self_by_library``)."""
     before = set(dumps.iterdir())
     _control(p, "--dump")
     deadline = time.monotonic() + CONTROL_TIMEOUT_S
     while time.monotonic() < deadline:
         for f in set(dumps.iterdir()) - before:
-            totals = parse_totals(f.read_text(errors="replace"))
+            text = f.read_text(errors="replace")
+            totals = parse_totals(text)
             if totals is not None:
-                return totals
+                return totals, self_by_library(text)
         time.sleep(0.1)
     raise RuntimeError(f"callgrind wrote no dump for {p.name} in {CONTROL_TIMEOUT_S:.0f} s")

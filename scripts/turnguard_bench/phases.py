@@ -25,7 +25,7 @@ from typing import Callable
 
 from turnguard_bench import client, ledger_floor_addon, procs
 from turnguard_bench.stats import median, percentile, ratio, spread
-from turnguard_procs import cpu_seconds, cpu_times, rss_bytes
+from turnguard_procs import cpu_seconds, cpu_times, kernel_events, rss_bytes
 
 V_ALL = ("plain", "plain_stream", "floor", "turnguard")
 # what turnguard is compared with (ledger_floor: in the phases of dispatched requests only;
@@ -73,14 +73,23 @@ async def _measure_load(
     part) and upstream-dispatch deltas."""
     before = (await upstream_stats(up))["dispatches"]
     user0, system0 = cpu_times(p.pid)
+    events0 = kernel_events(p.pid)
     load = await client.run_load(
         p.port, make, n, c, time_limit_s=cfg.load_time_limit_s,
         request_timeout_s=cfg.request_timeout_s, hash_body=hash_body,
     )
     user1, system1 = cpu_times(p.pid)
+    events1 = kernel_events(p.pid)
     after = (await upstream_stats(up))["dispatches"]
     return load, {"cpu_s": user1 + system1 - user0 - system0, "cpu_system_s": system1 - system0,
-                  "upstream_dispatches": after - before}
+                  "upstream_dispatches": after - before,
+                  "kernel_events": {k: events1[k] - events0[k] for k in events0}}
+
+
+# what the kernel did for a request, beside its CPU time (``kernel_events``): in each row of
+# the per-request phase
+KERNEL_EVENTS = ("minor_faults_per_request", "voluntary_switches_per_request",
+                 "involuntary_switches_per_request")
 
 
 def _summary(load: client.Load, extra: dict, n: int) -> dict:
@@ -102,6 +111,8 @@ def _summary(load: client.Load, extra: dict, n: int) -> dict:
         "cpu_system_ms_per_request": (extra["cpu_system_s"] * 1000 / len(ok) if ok
                                       else float("nan")),
         "upstream_dispatches": extra["upstream_dispatches"],
+        **{f"{k}_per_request": v / len(ok) if ok else float("nan")
+           for k, v in extra.get("kernel_events", {}).items()},
     }
 
 
@@ -203,7 +214,8 @@ async def per_request(cfg, up: procs.Proc, ms: dict[str, procs.Proc]) -> dict:
 
     out: dict = {"concurrency": {
         str(c): _row(by_v, ("rps", "median_ms", "p99_ms", "cpu_ms_per_request",
-                            "cpu_system_ms_per_request"), ("rps", "median_ms"), vs)
+                            "cpu_system_ms_per_request", *KERNEL_EVENTS), ("rps", "median_ms"),
+                     vs)
         for c, by_v in runs.items()
     }}
     all_runs = _all_runs(runs)

@@ -61,6 +61,18 @@ def _ledger_floor(row: dict, key: str, ratio_key: str) -> str:
             f"{_x(row.get('turnguard_vs_ledger_floor', {}).get(ratio_key))}")
 
 
+def _libraries_shown(variants: dict) -> list[str]:
+    """The libraries that executed at least 1 % of some variant's instructions a request,
+    most first (by the largest variant's count)."""
+    shown: dict[str, float] = {}
+    for d in variants.values():
+        libs, total = d.get("by_library", {}), d.get("per_request", 0.0)
+        for lib, count in libs.items():
+            if total > 0 and count >= 0.01 * total:
+                shown[lib] = max(shown.get(lib, 0.0), count)
+    return sorted(shown, key=lambda lib: -shown[lib])
+
+
 def _section(title: str) -> str:
     return f"\n== {title} " + "=" * max(0, 90 - len(title))
 
@@ -433,6 +445,16 @@ def render(res: dict) -> str:
                                   "turnguard's added"]))
             o.append(f"({ins['requests']} requests a variant; user-space instructions only: "
                      "system calls and cache misses are not in these counts)")
+            libs = _libraries_shown(ins["variants"])
+            if libs:
+                by_lib = [[lib, *(f"{d.get('by_library', {}).get(lib, 0.0):,.0f}"
+                                  for d in ins["variants"].values())] for lib in libs]
+                by_lib.append(["other", *(
+                    f"{sum(v for k, v in d.get('by_library', {}).items() if k not in libs):,.0f}"
+                    for d in ins["variants"].values())])
+                o.append(table(by_lib, ["library (a request)", *ins["variants"]]))
+                o.append("(self instructions of each library's functions: libpython runs every "
+                         "Python function, mitmproxy's and the addon's; libsqlite3 a ledger's SQL)")
             if ins.get("simulated"):
                 by_est = ins.get("turnguard_vs_by_estimated_cycles", {})
                 sim = [[v, *(f"{d['simulated_per_request'].get(e, 0):,.0f}" for e in SIM_SHOWN),
