@@ -147,6 +147,21 @@ class MockUpstream(_ServerProcess):
         if r.status_code != 200:
             raise RuntimeError(f"set_scenario failed: {r.status_code} {r.text}")
 
+    def wait_held(self, hold: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The ``held`` record of a dispatch waiting at the hold ``hold`` (a behaviour's
+        ``hold``), waiting up to ``timeout`` seconds for it."""
+        return self.wait_for_record(lambda r: r.get("event") == "held" and r.get("hold") == hold,
+                                    timeout)
+
+    def release(self, hold: str) -> int:
+        """Release the hold ``hold``: what waits at it goes on, what reaches it later passes.
+        Returns how many dispatches were waiting at it."""
+        with httpx.Client(trust_env=False, timeout=10) as c:
+            r = c.post(f"{self.url}/_mock/release", json={"hold": hold})
+        if r.status_code != 200:
+            raise RuntimeError(f"release failed: {r.status_code} {r.text}")
+        return r.json()["waiting"]
+
     def output_text(self) -> str:
         """The subprocess's stdout and stderr so far."""
         return self.process.output()

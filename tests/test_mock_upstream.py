@@ -463,6 +463,45 @@ def test_partial_endings(up, end, outcome, error):
     assert end_rec["outcome"] == outcome
 
 
+def test_a_held_stream_waits_for_its_release_and_a_release_that_came_first_lets_it_pass(up):
+    """``hold``: the stream stops at its hold point (after ``hold_after_events`` events, or
+    before the status line) until ``POST /_mock/release`` names it; a release kept from
+    before lets a later dispatch pass; an unreleased hold ends at ``hold_ms``; a bad hold or
+    release is refused."""
+    held = {"kind": "ok", "hold": "h1", "hold_after_events": 2}
+    with socket.create_connection(("127.0.0.1", up.port), timeout=10) as s:
+        body = b'{"model":"m","stream":true}'
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n"
+                  b"x-mock-behaviour: %s\r\n\r\n%s" % (len(body), json.dumps(held).encode(), body))
+        assert up.wait_held("h1")["events_sent"] == 2
+        got = b""
+        while got.count(b"event: ") < 2:  # bounded by the socket's timeout
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        assert b"response.in_progress" in got and b"output_item" not in got
+        assert not [r for r in up.records() if r["event"] == "dispatch_end"]
+        assert up.release("h1") == 1
+        for _ in range(1000):
+            chunk = s.recv(65536)
+            got += chunk
+            if not chunk or got.endswith(b"0\r\n\r\n"):
+                break
+    assert b"event: response.completed" in got and got.endswith(b"0\r\n\r\n")  # the whole stream
+    assert [r["how"] for r in up.records() if r["event"] == "hold_end"] == ["released"]
+    # released before: passes at once; before the status line (no hold_after_events)
+    status, _, body = sse_post(up.url, headers=behaviour(kind="ok", hold="h1"))
+    assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+    status, _, body = sse_post(up.url, headers=behaviour(kind="ok", hold="h2", hold_ms=100))
+    assert status == 200 and sse_event_types(body)[-1] == "response.completed"
+    ends = [(r["hold"], r["how"]) for r in up.records() if r["event"] == "hold_end"]
+    assert ends == [("h1", "released"), ("h1", "released"), ("h2", "timed_out")]
+    assert sse_post(up.url, headers=behaviour(kind="ok", hold=""))[0] == 400
+    with httpx.Client(trust_env=False, timeout=10) as c:
+        assert c.post(up.url + "/_mock/release", json={"hold": 1}).status_code == 400
+        assert c.post(up.url + "/_mock/release", content=b"{").status_code == 400
+
+
 def test_status_extra_headers(up):
     status, headers, _ = sse_post(up.url, headers=behaviour(kind="status", code=500, headers={"x-should-retry": "false"}))
     assert status == 500 and headers["x-should-retry"] == "false"
@@ -524,6 +563,7 @@ def test_the_help_explains_every_behaviour_header_endpoint_and_scenario():
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     for needle in ("x-mock-behaviour", "/_mock/health", "/_mock/dispatches", "/_mock/scenario",
+                   "/_mock/release", "hold_after_events",
                    '"sequence"', '"sessions"', '"operations"', "stream", "400", "--log"):
         assert needle in r.stdout, needle
     import importlib.util

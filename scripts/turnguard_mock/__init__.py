@@ -39,6 +39,10 @@ Routes
     JSON list of the dispatch records so far (``GET /_mock/records``: every record).
 ``POST /_mock/scenario``
     Body: a scenario. Replaces the scenario and resets the dispatch counter to 0.
+``POST /_mock/release``
+    Body: ``{"hold": NAME}``. Releases the hold NAME (a behaviour's ``hold``): the dispatches
+    waiting at it go on, and any that reaches it later passes at once. Answers
+    ``{"ok": true, "waiting": K}``, K the dispatches that were waiting at it.
 Anything else
     404 with a JSON error.
 
@@ -53,7 +57,11 @@ Log (``--log``, JSON lines, mode 0600, flushed per line, also kept in memory)
     ``{"event": "client_gone", "n", "ts"}`` when its client disconnects before the behaviour
     finished; ``{"event": "dispatch_end", "n", "ts", "status", "events_sent", "outcome"}`` when
     it ends (``status`` is null when no status line was sent); ``{"event": "scenario", "ts"}``
-    when ``POST /_mock/scenario`` replaced the scenario; ``{"event": "invalid_body", "ts",
+    when ``POST /_mock/scenario`` replaced the scenario; ``{"event": "held", "n", "ts", "hold",
+    "events_sent"}`` when a dispatch reaches its hold point and ``{"event": "hold_end", "n",
+    "ts", "hold", "how"}`` when it goes on (``how``: released or timed_out);
+    ``{"event": "release", "ts", "hold", "waiting"}`` for ``POST /_mock/release``;
+    ``{"event": "invalid_body", "ts",
     "path", "bytes"}`` for a model request whose body is not a JSON object. The Authorization
     value is never logged.
 """

@@ -45,6 +45,8 @@ Control endpoints:
   GET  /_mock/health       200 ok
   GET  /_mock/dispatches   JSON list of the dispatch records so far (/_mock/records: all)
   POST /_mock/scenario     body: a SCENARIO; replaces it and restarts the count at n = 0
+  POST /_mock/release      body: {"hold": NAME}; what waits at the hold NAME (a behaviour's
+                           "hold") goes on, and what reaches it later passes at once
 
 SCENARIO (JSON, every key optional; --scenario FILE or POST /_mock/scenario):
   {"default": BEHAVIOUR, "sequence": [BEHAVIOUR, ...],
@@ -53,7 +55,9 @@ SCENARIO (JSON, every key optional; --scenario FILE or POST /_mock/scenario):
 
 Log (--log FILE, JSON lines, 0600): a "dispatch" record when a dispatch starts (n, ts, path,
 session, body_sha256, behaviour, ...), "client_gone" when its client left early, "dispatch_end"
-(status, events_sent, outcome), "invalid_body", "scenario". No Authorization value is logged.
+(status, events_sent, outcome), "held" and "hold_end" (a dispatch at its hold, and how it went
+on: released or timed_out), "release", "invalid_body", "scenario". No Authorization value is
+logged.
 """
 
 EXAMPLES = """\

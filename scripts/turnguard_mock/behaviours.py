@@ -8,13 +8,15 @@ with ``ClientGone`` when the client leaves, and no sleep is longer than MAX_SLEE
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import inspect
 import json
 import secrets
 import textwrap
+import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 from turnguard_sse import frame
 
@@ -25,6 +27,8 @@ from .server import LAST_CHUNK, ClientGone, Connection, Request, chunk, response
 MAX_SLEEP_MS = 3_600_000  # no behaviour sleeps longer than an hour
 SLOW_DEFAULT_DELAY_MS = 60_000
 DEFAULT_STALL_MS = 600_000
+DEFAULT_HOLD_MS = 60_000
+HOLD_POLL_S = 0.05  # a held dispatch looks for its release (and its client) this often
 
 
 def _ms(b: dict[str, Any], key: str, default: float) -> float:
@@ -52,6 +56,23 @@ def content_encode(data: bytes, coding: str) -> bytes:
     return data
 
 
+class Holds:
+    """Named holds (a behaviour's ``hold``): a dispatch that reaches its hold point waits there
+    until ``release(name)`` (``POST /_mock/release``), at most its ``hold_ms``. A release is
+    kept for the server's life: a dispatch that reaches its hold after it passes at once.
+    ``record`` logs the ``held`` and ``hold_end`` records."""
+
+    def __init__(self, record: Callable[[dict[str, Any]], None]):
+        self.record = record
+        self.released: set[str] = set()
+        self.waiting: dict[str, int] = {}
+
+    def release(self, name: str) -> int:
+        """Release ``name`` now and for later; returns the dispatches waiting at it now."""
+        self.released.add(name)
+        return self.waiting.get(name, 0)
+
+
 class Dispatch:
     """One model request being answered by one behaviour ``b``. ``status`` is the status line
     sent (None if none), ``events_sent`` the SSE events written, ``reusable`` whether the
@@ -66,6 +87,8 @@ class Dispatch:
         self.events_sent = 0
         self.reusable = False
         self.outcome = "unfinished"
+        self.holds: Holds | None = None  # set by the server that runs it (``hold``)
+        self._hold_passed = False
         # ``response_id``: every response uses this id (servers need not make them unique)
         rid = b.get("response_id")
         self.rid = rid if isinstance(rid, str) and rid else f"resp_{n}_{secrets.token_hex(8)}"
@@ -100,6 +123,35 @@ class Dispatch:
         if seconds > 0 and await self.conn.wait_gone(seconds):
             raise ClientGone()
 
+    async def _hold(self, at: int | None) -> None:
+        """Wait at the behaviour's hold point if this is it: ``at`` is None before the status
+        line, else the number of events sent so far; the point is the first one at which
+        ``hold_after_events`` events were sent (absent: before the status line). Once per
+        dispatch; ClientGone as soon as the client disconnects."""
+        name = self.b.get("hold")
+        if name is None or self.holds is None or self._hold_passed:
+            return
+        want = self.b.get("hold_after_events")
+        if (at is not None) if want is None else (at is None or at < int(want)):
+            return
+        self._hold_passed = True
+        holds = self.holds
+        holds.record({"event": "held", "n": self.n, "ts": time.time(), "hold": name,
+                      "events_sent": self.events_sent})
+        holds.waiting[name] = holds.waiting.get(name, 0) + 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ms(self.b, "hold_ms", DEFAULT_HOLD_MS)
+        try:
+            while name not in holds.released:  # bounded by the deadline
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                await self._sleep(min(HOLD_POLL_S, remaining))
+        finally:
+            holds.waiting[name] -= 1
+        holds.record({"event": "hold_end", "n": self.n, "ts": time.time(), "hold": name,
+                      "how": "released" if name in holds.released else "timed_out"})
+
     async def _send_whole(self, status: int, ctype: str, body: bytes, *more: tuple[str, str],
                           late: tuple[tuple[str, str], ...] = ()) -> None:
         """A whole response: its status line and headers (``_headers``), then ``body``."""
@@ -131,6 +183,7 @@ class Dispatch:
                 await self._sleep(gap)
             if think and i and events[i - 1][0] == "response.in_progress":
                 await self._sleep(think)
+            await self._hold(self.events_sent)
             await self._send_event(event)
 
     def _text(self) -> str:
@@ -152,6 +205,7 @@ class Dispatch:
         response object as one JSON body, like the API. With ``content_encoding`` the whole
         body is sent at once in that coding (and ``first_event_ms`` and ``gap_ms`` are
         ignored)."""
+        await self._hold(None)
         coding = self._content_coding()
         streamed = self.body.get("stream") is True  # like the API: JSON unless asked to stream
         final = json.dumps(events[-1][1]["response"]).encode()
@@ -171,6 +225,7 @@ class Dispatch:
             await self._sse_headers()
             await self._sleep(_ms(self.b, "first_event_ms", 0))
             await self._stream(events, _ms(self.b, "gap_ms", 0))
+            await self._hold(self.events_sent)  # hold_after_events: every event sent
             after = self.b.get("after_completed")
             if after == "repeat_terminal":  # a misbehaving upstream: the terminal event
                 await self._sleep(0.3)      # once more, late (a WebSocket's next call may
@@ -216,8 +271,13 @@ class Dispatch:
         ("hello"), ``delta_bytes`` (size of each delta's text; default len(text)), ``headers``
         (extra response headers), ``content_encoding`` (identity, gzip, deflate, br, zstd: the
         whole body at once in that coding; with ``coded_stream``, gzip or deflate, an event
-        stream sent as it is made, ``gap_ms`` between events). SSE stream when the body says ``"stream": true``,
-        else one JSON object (the API's default)."""
+        stream sent as it is made, ``gap_ms`` between events), ``hold`` (a name: the answer waits
+        at its hold point until ``POST /_mock/release`` names it, at most ``hold_ms``, 60000;
+        a release that came first lets it pass; also for ``tool_call`` and ``partial``),
+        ``hold_after_events`` (the hold point: once that many events of a stream were sent,
+        before the next or the stream's end; absent: before the status line; not with
+        ``content_encoding``). SSE stream when the body says ``"stream": true``, else one JSON object (the
+        API's default)."""
         deltas = int(self.b.get("events", 3))
         await self._sleep(_ms(self.b, "delay_ms", default_delay_ms))
         await self._complete(ok_events(self.rid, self.model, deltas, self._text()))
@@ -293,9 +353,11 @@ class Dispatch:
         end = self.b.get("end", "reset")
         await self._sleep(_ms(self.b, "delay_ms", 0))
         events = ok_events(self.rid, self.model, max(3, k), self._text())[:k]
+        await self._hold(None)
         await self._sse_headers()
         await self._sleep(_ms(self.b, "first_event_ms", 0))
         await self._stream(events, _ms(self.b, "gap_ms", 0))
+        await self._hold(self.events_sent)
         if end == "failed":
             await self._send_event(failed_event(self.rid, self.model, k))
             await self._end_stream()

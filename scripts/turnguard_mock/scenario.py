@@ -44,7 +44,7 @@ MAX_DELTA_BYTES = 1024 * 1024
 MAX_EVENTS = 100_000
 SCENARIO_META_KEYS = {"name", "description", "comment"}
 NUMBER_PARAMS = ("events", "gap_ms", "delay_ms", "ms", "code", "retry_after", "first_event_ms",
-                 "delta_bytes", "stall_ms", "think_ms")
+                 "delta_bytes", "stall_ms", "think_ms", "hold_ms", "hold_after_events")
 
 
 def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
@@ -66,6 +66,8 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
         raise ValueError(f"{where}: events must be <= {MAX_EVENTS}")
     if "delta_bytes" in b and int(b["delta_bytes"]) > MAX_DELTA_BYTES:
         raise ValueError(f"{where}: delta_bytes must be <= {MAX_DELTA_BYTES}")
+    if "hold" in b and not (isinstance(b["hold"], str) and b["hold"]):
+        raise ValueError(f"{where}: hold must be a non-empty string (the hold's name)")
     for key in ("text", "name", "call_id", "response_id"):
         if key in b and not isinstance(b[key], str):
             raise ValueError(f"{where}: {key} must be a string")

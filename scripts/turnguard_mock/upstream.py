@@ -10,7 +10,7 @@ import time
 import zlib
 from typing import Any
 
-from .behaviours import Dispatch
+from .behaviours import Dispatch, Holds
 from .responses_ws import serve_socket
 from .events import INVALID_BODY_ERROR
 from .scenario import DEFAULT_SCENARIO, Dispatcher, validate_behaviour
@@ -28,6 +28,7 @@ class MockUpstream:
     def __init__(self, scenario: dict[str, Any] = DEFAULT_SCENARIO, log_path: str | None = None):
         self.dispatcher = Dispatcher(scenario)
         self.records: list[dict[str, Any]] = []
+        self.holds = Holds(self.record)
         self.log_file = None
         if log_path:
             fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -70,6 +71,18 @@ class MockUpstream:
                 return not close
             self.record({"event": "scenario", "ts": time.time()})
             await conn.send_json(200, {"ok": True}, close=close)
+        elif req.method == "POST" and req.path == "/_mock/release":
+            try:
+                name = json.loads(req.body)["hold"]
+                if not (isinstance(name, str) and name):
+                    raise ValueError
+            except (ValueError, TypeError, KeyError):
+                await conn.send_json(400, json_error('body must be {"hold": NAME}', "bad_release"),
+                                     close=close)
+                return not close
+            waiting = self.holds.release(name)
+            self.record({"event": "release", "ts": time.time(), "hold": name, "waiting": waiting})
+            await conn.send_json(200, {"ok": True, "waiting": waiting}, close=close)
         else:
             await conn.send_json(404, json_error(f"no route for {req.method} {req.path}", "not_found"),
                                  close=close)
@@ -141,6 +154,7 @@ class MockUpstream:
 
     async def run(self, d: Dispatch) -> None:
         """Answer a logged dispatch with its behaviour; log how it ended."""
+        d.holds = self.holds
         try:
             await d.run()
         except ClientGone:
