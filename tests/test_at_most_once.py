@@ -549,11 +549,23 @@ def test_a_reload_while_a_turns_end_is_owed_leaves_it_to_the_new_instance(tmp_pa
 
 @pytest.mark.parametrize("cut", ["reset", "clean_close"])
 def test_a_stream_cut_after_response_completed_is_replayed_not_run_again(tmp_path, cut):
+    """The upstream sends every event, response.completed included, then breaks the transport
+    before the chunked body's end. A duplicate that attached while it streamed gets a clean
+    end, and one after it is replayed: the turn completed upstream, once. The mock holds the
+    original's stream after two events until the duplicate has attached (order, not a
+    stream long enough for the duplicate to come in time)."""
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
-        turn = {**SESSION, **behaviour(kind="ok", events=5, gap_ms=200, after_completed=cut)}
+        turn = {**SESSION, **behaviour(kind="ok", events=5, after_completed=cut,
+                                       hold="original", hold_after_events=2)}
         original = in_background(post, a.url, turn, body_of("cut after completed"))
-        wait_until(lambda: events(tmp_path, "a", "dispatch"), 10, what="the dispatch")
-        held = post(a.url, SESSION, body_of("cut after completed"))
+        up.wait_held("original", 30)
+        duplicate = in_background(post, a.url, SESSION, body_of("cut after completed"))
+        try:
+            wait_until(lambda: events(tmp_path, "a", "duplicate_attached"), 30,
+                       what="the duplicate attached to the stream")
+        finally:
+            up.release("original")
+        held = duplicate.result(30)
         original.result(30)
         later = post(a.url, SESSION, body_of("cut after completed"))
         # the duplicate attached to the stream, and ends cleanly: the turn completed upstream
