@@ -9,7 +9,9 @@ import gzip
 import json
 import os
 import signal
+import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +30,7 @@ from harness import (
 
 HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"}
 BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
+STATUS_PROBE = Path(__file__).with_name("status_probe.py")
 
 
 def _is_dispatch(record: dict) -> bool:
@@ -265,34 +268,103 @@ def test_a_detached_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
 
 
 def test_a_retry_that_came_while_the_proxy_was_paused_keeps_its_detached_call(tmp_path):
-    """The client gives up at 0.5 s (the call detaches, window 1.5 s); the proxy is paused
-    (SIGSTOP) at 0.8 s and its client retries at once, well within the window; resumed past
-    the window's end, the overdue window must not cut the call before the retry that came is
-    read (cut, the turn ran for nothing and the retry runs it again: two executions)."""
-    slow = {"kind": "ok", "events": 5, "gap_ms": 100, "delay_ms": 3000}
-
-    async def run(proxy):
-        first = asyncio.ensure_future(stream_post(proxy.url, behaviour=slow, timeout=0.5))
-        await asyncio.sleep(0.8)
-        os.kill(proxy.pid, signal.SIGSTOP)
-        try:
-            retry = asyncio.ensure_future(stream_post(proxy.url, behaviour=slow, timeout=40))
-            await asyncio.sleep(3.5)  # past the window's end (2 s)
-        finally:
-            os.kill(proxy.pid, signal.SIGCONT)
-        await first
-        return await retry
+    """The client gives up before the upstream's first byte (the call detaches, window 3 s);
+    the proxy is paused (SIGSTOP) and its client retries at once, well within the window;
+    resumed past the window's end, the overdue window must not cut the call before the retry
+    that came is read (cut, the turn ran for nothing and the retry runs it again: two
+    executions). By order, not time: the mock holds the answer until the retry is read; the
+    pause starts once the proxy counts the call as without a client, the retry is in the
+    proxy's socket before it resumes, and it resumes past the window's end. A round whose
+    pause did not start within the window of the client's leaving (a test descheduled that
+    long) shows nothing and is run again with another turn (at most 3 rounds)."""
+    window_s = 3.0
 
     with MockUpstream(tmp_path) as up, guarded(
-            tmp_path, up, turnguard_detach_ms=1500, turnguard_hold_timeout_ms=30000,
-            turnguard_response_created_timeout_ms=30000) as proxy:
-        retry = asyncio.run(run(proxy))
-        assert retry["status"] == 200 and retry["error"] is None
-        assert sse_event_types(retry["body"])[-1] == "response.completed"
-        assert len(up.dispatches()) == 1  # one execution
-        detached = wait_for_event(tmp_path, "upstream_detached")
+            tmp_path, up, turnguard_detach_ms=round(window_s * 1000),
+            turnguard_hold_timeout_ms=30000, turnguard_response_created_timeout_ms=30000,
+            extra_args=["-s", str(STATUS_PROBE)]) as proxy:
+        for round_ in range(3):
+            hold = f"answer-{round_}"
+            body = {**BODY, "input": f"a long answer, slowly ({round_})"}
+            dispatched = len(up.dispatches())
+            held = len(turnguard_events(tmp_path, kind="duplicate_held"))
+            first = _raw_post(proxy.port, {**HEADERS, **mock_behaviour(kind="ok", hold=hold)},
+                              body)
+            with first:
+                up.wait_held(hold, 30)  # dispatched: its client leaves now
+                left = time.monotonic()  # before the close: the window ends after left + window_s
+            wait_until(lambda: _status(proxy)["detached_without_client"] == 1, 30,
+                       what="the call running without its client")
+            os.kill(proxy.pid, signal.SIGSTOP)
+            in_time = time.monotonic() < left + window_s  # paused before the window's end
+            try:
+                retry = _raw_post(proxy.port, HEADERS, body)  # in its socket, not read yet
+                time.sleep(max(0.0, left + window_s + 1.0 - time.monotonic()))  # past its end
+            finally:
+                os.kill(proxy.pid, signal.SIGCONT)
+            with retry:
+                try:
+                    wait_until(lambda: len(turnguard_events(tmp_path, kind="duplicate_held"))
+                               > held or len(up.dispatches()) > dispatched + 1, 30,
+                               what="the retry read")
+                finally:
+                    up.release(hold)
+                status, answer = _read_answer(retry)
+            wait_until(lambda: _status(proxy)["detached_calls"] == 0, 30, what="the call's end")
+            if in_time:
+                break
+        else:
+            pytest.fail("the proxy could not be paused within the window in 3 rounds")
+        assert status == 200
+        assert sse_event_types(answer)[-1] == "response.completed"
+        assert len(up.dispatches()) == dispatched + 1  # one execution
+        detached = wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached")[round_:],
+                              30, what="the call's upstream_detached")[0]
         assert detached["cut"] is None
         assert_no_traceback(proxy.log_text())
+
+
+def _status(proxy) -> dict:
+    """``turnguard.status`` of a mitmdump loaded with ``status_probe.py``."""
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        r = c.get(proxy.url + "/__status")
+    r.raise_for_status()
+    return r.json()
+
+
+def _raw_post(port: int, headers: dict, body: dict = BODY) -> "socket.socket":
+    """An HTTP/1.1 POST (``connection: close``) sent whole on a raw socket, returned unread:
+    sent even while the proxy is paused (the kernel takes the connection and the bytes)."""
+    raw = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall((f"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n{head}"
+               f"content-type: application/json\r\naccept: text/event-stream\r\n"
+               f"connection: close\r\ncontent-length: {len(raw)}\r\n\r\n").encode() + raw)
+    return s
+
+
+def _read_answer(s: "socket.socket") -> tuple[int, bytes]:
+    """The status and the (de-chunked) body of the answer on ``s``, read until the proxy
+    closes it. Bounded in reads and by the socket's timeout."""
+    out = b""
+    for _ in range(10_000):
+        data = s.recv(65536)
+        if not data:
+            break
+        out += data
+    head, _, body = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+    if b"transfer-encoding: chunked" in head.lower():
+        plain = b""
+        while body:  # bounded: each turn takes a chunk off
+            size, _, rest = body.partition(b"\r\n")
+            n = int(size.split(b";")[0], 16)
+            if n == 0:
+                break
+            plain, body = plain + rest[:n], rest[n + 2:]
+        body = plain
+    return status, body
 
 
 def test_each_window_of_a_detached_call_counts_from_its_last_client_gone(tmp_path):
