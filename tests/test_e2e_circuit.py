@@ -457,28 +457,49 @@ def test_once_mode_a_retry_elsewhere_while_the_owner_is_paused_is_the_one_recove
     across its end. A retry of the turn through B just after the end goes upstream: as the
     operation's one recovery (counted), not as a plain retry. A's held request, resumed,
     finds the recovery spent (503); so does every retry after it: one dispatch after the
-    circuit opened, where there were two (B's retry, then A's recovery)."""
+    circuit opened, where there were two (B's retry, then A's recovery). By order: A is
+    paused as soon as it holds the request (not at a time computed from the cooldown's end),
+    B's retry goes once the cooldown is over by the ledger's clock, A resumes after B's
+    answer. A round in which A did not hold the request and get paused before the cooldown's
+    end (a test descheduled for the whole cooldown) shows nothing and is run again with
+    another session (at most 3 rounds)."""
     once = dict(turnguard_recovery_mode="server_anchored_replay_once")
-    with MockUpstream(tmp_path, STORM) as up, proxy(tmp_path, up, "a", **once) as a, \
+    sessions = [f"sess-storm-{r}" for r in range(3)]
+    storm = {"sessions": {s: {"sequence": STORM["sequence"]} for s in sessions},
+             "default": STORM["default"]}
+    with MockUpstream(tmp_path, storm) as up, proxy(tmp_path, up, "a", **once) as a, \
             proxy(tmp_path, up, "b", **once) as b:
-        open_circuit(a.url)
-        opened = wait_events(tmp_path, "circuit_opened", 1, "a")
-        cooldown_end = opened[0]["ts"] + COOLDOWN_MS / 1000
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            held = pool.submit(post, a.url, ANCHORED, TURN, 60)
-            wait_events(tmp_path, "wait_operation_fenced_cooldown", 1, "a")
-            time.sleep(max(0.0, cooldown_end - 0.5 - time.time()))
-            a.proc.send_signal(signal.SIGSTOP)
-            try:
-                time.sleep(max(0.0, cooldown_end + 0.2 - time.time()))
-                retried = post(b.url, {**ANCHORED, **mock_behaviour(kind="reset")})[0]
-            finally:
-                a.proc.send_signal(signal.SIGCONT)
-            assert held.result(60)[0] == 503
+        for r, session in enumerate(sessions):
+            anchored = {**ANCHORED, "session-id": session}
+            assert post(a.url, anchored)[0] == 502  # a serves the session first: a owns it
+            assert post(a.url, anchored)[0] in (0, 502)  # the circuit opens
+            open_until = wait_events(tmp_path, "circuit_opened", r + 1, "a")[r]["open_until"]
+            held_before = len(events(tmp_path, "wait_operation_fenced_cooldown", "a"))
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                held = pool.submit(post, a.url, anchored, TURN, 60)
+                wait_until(lambda: len(events(tmp_path, "wait_operation_fenced_cooldown", "a"))
+                           > held_before or held.done(), 30, what="A holding the turn")
+                a.proc.send_signal(signal.SIGSTOP)
+                in_time = not held.done() and time.time() < open_until
+                try:
+                    wait_until(lambda: time.time() > open_until, COOLDOWN_MS / 1000 + 5,
+                               what="the cooldown's end, as B reads it (the ledger's clock)")
+                    retried = post(b.url, {**anchored, **mock_behaviour(kind="reset")})[0]
+                finally:
+                    a.proc.send_signal(signal.SIGCONT)
+                held_status = held.result(60)[0]
+            if in_time:
+                break
+        else:
+            pytest.fail("A could not be paused before the cooldown's end in 3 rounds")
+        op = events(tmp_path, "wait_operation_fenced_cooldown", "a")[held_before]["op"]
+        assert held_status == 503
         assert retried in (0, 502)
-        assert [post(url)[0] for url in (a.url, b.url)] == [503, 503]
-        assert len(up.dispatches()) == 3  # the two failures, then the one recovery
-        kinds = [e["kind"] for e in events(tmp_path, "dispatch", "a") + events(tmp_path, "dispatch", "b")]
+        assert [post(url, anchored)[0] for url in (a.url, b.url)] == [503, 503]
+        # the two failures, then the one recovery
+        assert [d["session"] for d in up.dispatches()].count(session) == 3
+        kinds = [e["kind"] for name in ("a", "b") for e in events(tmp_path, "dispatch", name)
+                 if e["op"] == op]
         assert sorted(kinds) == ["original", "recovery", "retry"]
 
 
