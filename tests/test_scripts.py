@@ -450,6 +450,35 @@ def test_proxy_stop_bound_is_time_not_a_count_of_sleeps(tmp_path):
     wait_until(lambda: _processes_mentioning(str(tmp_path)) == {}, 5, 0.1, "no leftovers")
 
 
+def test_proxy_mock_start_bound_is_time_not_a_count_of_sleeps(tmp_path):
+    """scripts/proxy gives the offline mock MOCK_START_TIMEOUT_S (20 s) to print its listening
+    line, then says so and exits with status 1. That bound is time: counted as 200 sleeps of
+    0.1 s it stretches with each fork and exec of ``sleep`` on a loaded machine (here each
+    takes 0.5 s: 100 s). The mock here never starts: its log (in the state folder) is a FIFO
+    nobody reads, so it blocks opening it, before its listening line."""
+    slow_bin = tmp_path / "slow-bin"
+    slow_bin.mkdir()
+    (slow_bin / "sleep").write_text("#!/bin/sh\nexec /bin/sleep 0.5  # a slow fork and exec\n")
+    (slow_bin / "sleep").chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.mkfifo(state / "mock-upstream.jsonl", 0o600)
+    proc, out_path, _ = _start_proxy(tmp_path, "proxy", path_first=slow_bin)
+    try:
+        rc = proc.wait(START_TIMEOUT_S + 20)  # its set-up check, then the 20 s bound
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        for pgid in {pgid for pgid, _ in _session_processes(proc.pid).values()} | {proc.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)  # the script's group and its children's own
+        proc.wait(10)
+    out = out_path.read_text(errors="replace")
+    assert rc == 1, out
+    assert "the mock upstream did not start within 20s" in out, out
+    wait_until(lambda: _processes_mentioning(str(tmp_path)) == {}, 5, 0.1, "no leftovers")
+
+
 # -- scripts/ledger on the proxy's ledger ----------------------------------------------------
 
 
