@@ -571,13 +571,12 @@ def _http10_post(port: int, body: dict, headers: dict, timeout: float = 30) -> b
 def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
     """An HTTP/1.0 client knows no chunked coding: its attached answer must come as the
     original's bytes, delimited by the close, never with chunk sizes in its body."""
-    slow = {"kind": "ok", "events": 8, "gap_ms": 300}
+    held = {"kind": "ok", "events": 8, "hold": "original", "hold_after_events": 2}
 
     async def run(url, port):
-        original = asyncio.ensure_future(stream_post(url, behaviour=slow))
-        await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)
-        await asyncio.sleep(0.7)
-        dup = await asyncio.to_thread(_http10_post, port, BODY, HEADERS)
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        dup = await _while_held(tmp_path, up, "original",
+                                asyncio.to_thread(_http10_post, port, BODY, HEADERS))
         return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
@@ -590,6 +589,21 @@ def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
         assert body == original["body"]
         assert sse_event_types(body)[-1] == "response.completed"
         assert_no_traceback(proxy.log_text())
+
+
+async def _while_held(tmp_path, up: MockUpstream, hold: str, duplicate):
+    """Await ``duplicate`` (a coroutine: a client's duplicate of the original) once the mock
+    holds the original's stream at ``hold``, and release that hold once the proxy says a
+    duplicate attached to it: the duplicate finds the stream running, however late it comes
+    (order, not a stream long enough for it to come in time). Returns its result."""
+    await asyncio.to_thread(up.wait_held, hold, 30)
+    task = asyncio.ensure_future(duplicate)
+    try:
+        await asyncio.to_thread(wait_until, lambda: turnguard_events(
+            tmp_path, kind="duplicate_attached") or task.done(), 30, what="a duplicate attached")
+    finally:
+        await asyncio.to_thread(up.release, hold)
+    return await task
 
 
 def _pipelined_posts(port: int, bodies: list[dict], headers: dict, timeout: float = 30):
