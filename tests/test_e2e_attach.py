@@ -662,18 +662,17 @@ def test_a_request_pipelined_behind_one_answered_through_the_relay_is_answered(t
     close``); that is its own connection's business, not the client's: passed on, the
     client's kept-alive connection was closed after an attached (or detached) answer, and a
     request the client had pipelined behind it was never answered nor dispatched."""
-    slow = {"kind": "ok", "events": 6, "gap_ms": 250}
+    held = {"kind": "ok", "events": 6, "hold": "original", "hold_after_events": 2}
     other = {"model": "gpt-test", "input": "the next turn"}
     options = {"turnguard_detach_ms": 20000} if how == "detached" else {}
 
     async def run(url, port):
-        original = None
-        if how == "attached":
-            original = asyncio.ensure_future(stream_post(url, behaviour=slow))
-            await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)
-            await asyncio.sleep(0.7)
-        answers = await asyncio.to_thread(_pipelined_posts, port, [BODY, other], HEADERS)
-        return (await original if original is not None else None), answers
+        posts = asyncio.to_thread(_pipelined_posts, port, [BODY, other], HEADERS)
+        if how == "detached":
+            return None, await posts
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        answers = await _while_held(tmp_path, up, "original", posts)
+        return await original, answers
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, **options) as proxy:
         original, answers = asyncio.run(run(proxy.url, proxy.port))
