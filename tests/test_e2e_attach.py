@@ -465,11 +465,9 @@ def wait_for_event(tmp_path, kind, timeout=20.0):
 def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
     """A duplicate's client drops its connection mid-stream: the original and the other
     duplicate still get the whole stream; one upstream execution."""
-    slow = {"kind": "ok", "events": 12, "gap_ms": 200}
+    held = {"kind": "ok", "events": 12, "hold": "original", "hold_after_events": 2}
 
     async def leaver(url):
-        await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)  # the original's
-        await asyncio.sleep(0.6)
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
         async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
             async with c.stream("POST", url + "/v1/responses", json=BODY, headers=h) as r:
@@ -478,8 +476,20 @@ def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
                         return r.headers.get("x-turnguard")  # leaves after its first bytes
 
     async def run(url):
-        return await asyncio.gather(stream_post(url, behaviour=slow), leaver(url),
-                                    stream_post(url, delay_s=1.2, after=up))
+        # the mock holds the original's stream after two events until both duplicates came:
+        # one attaches and leaves, then the other attaches (order, not places in a 2.4 s
+        # stream)
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        await asyncio.to_thread(up.wait_held, "original", 30)
+        left_as = await leaver(url)
+        stayed = asyncio.ensure_future(stream_post(url))
+        try:
+            await asyncio.to_thread(wait_until, lambda: len(turnguard_events(
+                tmp_path, kind="duplicate_attached")) >= 2 or stayed.done(), 30,
+                what="the second duplicate attached")
+        finally:
+            await asyncio.to_thread(up.release, "original")
+        return await original, left_as, await stayed
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, left_as, stayed = asyncio.run(run(proxy.url))
