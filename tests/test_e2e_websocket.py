@@ -106,13 +106,20 @@ def test_a_call_goes_upstream_once_and_its_events_are_relayed(tmp_path):
 def test_two_sockets_sending_the_same_call_make_one_dispatch(tmp_path):
     """Same session, turn and input; another key order and start-ms: the second is held until
     the first one's response starts, then attached to it: it gets the same events."""
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 1500}}) as up, \
+    # the first call's answer waits (before its first event) until the second is held: order,
+    # not a second sent within a 1.5 s delay
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "hold": "first"}}) as up, \
             proxy(tmp_path, up) as p:
         async def both():
             first = asyncio.create_task(one_call(p.url, call([user("hi")], seed=1)))
-            await asyncio.sleep(0.5)
-            second = await one_call(p.url, call([user("hi")], seed=2))
-            return await first, second
+            await asyncio.to_thread(up.wait_held, "first", 30)
+            second = asyncio.create_task(one_call(p.url, call([user("hi")], seed=2)))
+            try:
+                await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held")
+                                        or second.done(), 30, what="the second call held")
+            finally:
+                await asyncio.to_thread(up.release, "first")
+            return await first, await second
 
         first, second = asyncio.run(both())
         assert len(ws_dispatches(up)) == 1
