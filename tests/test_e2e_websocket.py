@@ -600,19 +600,25 @@ def test_a_held_call_holds_up_nothing_else(tmp_path):
     socket that sends two calls back to back, are answered."""
     with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 300}}) as up, \
             proxy(tmp_path, up) as p:
-        up.set_scenario({"sequence": [{"kind": "ok", "delay_ms": 4000}],
+        # the first dispatch waits (before its first event) until the test releases it: the
+        # duplicate is held all along, however slowly the rest comes
+        up.set_scenario({"sequence": [{"kind": "ok", "hold": "slow"}],
                          "default": {"kind": "ok", "delay_ms": 100}})
 
         async def meanwhile():
             slow = asyncio.create_task(one_call(p.url, call([user("slow")], seed=1)))
-            await asyncio.sleep(0.5)
-            held = asyncio.create_task(one_call(p.url, call([user("slow")], seed=2)))
-            await asyncio.sleep(0.3)
-            async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("a")]))
-                await c.send(call([user("b")]))  # queued behind the first response
-                a, b = await c.response(), await c.response()
-            assert not held.done() and not slow.done()
+            try:
+                await asyncio.to_thread(up.wait_held, "slow", 30)
+                held = asyncio.create_task(one_call(p.url, call([user("slow")], seed=2)))
+                await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held")
+                                        or held.done(), 30, what="the duplicate held")
+                async with WsClient.connect(p.url, headers=HEADERS) as c:
+                    await c.send(call([user("a")]))
+                    await c.send(call([user("b")]))  # queued behind the first response
+                    a, b = await c.response(), await c.response()
+                assert not held.done() and not slow.done()
+            finally:
+                await asyncio.to_thread(up.release, "slow")
             return a, b, await slow, await held
 
         a, b, slow, held = asyncio.run(meanwhile())
