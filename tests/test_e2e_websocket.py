@@ -129,10 +129,11 @@ def test_two_sockets_sending_the_same_call_make_one_dispatch(tmp_path):
 
 
 def test_a_duplicate_call_attaches_and_gets_the_events_live(tmp_path, report):
-    """The first call streams for about 3 s; the same call on another socket 1 s later gets
-    the events so far at once and the rest as they come (its first event comes before the
-    first call's last), and its socket then carries on: its next call is a delta on it."""
-    slow = {"default": {"kind": "ok", "events": 10, "gap_ms": 300}}
+    """The first call streams (the mock holds it after four events, its first delta among
+    them, until the duplicate has attached: order, not a duplicate sent 1 s into a 3 s
+    stream); the same call on another socket gets the events so far at once and the rest as
+    they come (its first event comes before the first call's last)."""
+    slow = {"default": {"kind": "ok", "events": 10, "hold": "first", "hold_after_events": 4}}
     with MockUpstream(tmp_path, slow) as up, proxy(tmp_path, up) as p:
         async def timed(c):
             got, first = [], None
@@ -146,11 +147,17 @@ def test_a_duplicate_call_attaches_and_gets_the_events_live(tmp_path, report):
                     WsClient.connect(p.url, headers=HEADERS) as b:
                 await a.send(call([user("long")], seed=1))
                 original = asyncio.create_task(timed(a))
-                await asyncio.sleep(1.0)
+                await asyncio.to_thread(up.wait_held, "first", 30)
                 sent = loop.time()
                 await b.send(call([user("long")], seed=2))
-                dup = await timed(b)
-                return await original, dup, sent
+                dup = asyncio.create_task(timed(b))
+                try:
+                    await asyncio.to_thread(wait_until, lambda: events(
+                        tmp_path, "duplicate_attached") or dup.done(), 30,
+                        what="the duplicate attached")
+                finally:
+                    await asyncio.to_thread(up.release, "first")
+                return await original, await dup, sent
 
         loop = asyncio.new_event_loop()
         (first, _, first_end), (second, second_first, _), sent = loop.run_until_complete(both())
@@ -160,7 +167,8 @@ def test_a_duplicate_call_attaches_and_gets_the_events_live(tmp_path, report):
         assert second_first < first_end, "the duplicate's first event must come live"
         assert [e["transport"] for e in events(tmp_path, "duplicate_attached")] == ["ws"]
         assert_no_traceback(p.log_text())
-    report(f"WebSocket attach: a duplicate call 1 s into a 3 s stream got its first event after "
+    report(f"WebSocket attach: a duplicate call sent while the stream was held after four events "
+           f"got its first event after "
            f"{round((second_first - sent) * 1000)} ms, all {len(second)} events identical; "
            f"upstream dispatches={len(ws_dispatches(up))}")
 
