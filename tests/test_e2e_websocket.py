@@ -448,16 +448,23 @@ def test_a_proxy_paused_past_the_response_created_timeout_keeps_the_call_that_ca
 
 
 def test_a_client_that_leaves_while_held_ends_the_hold(tmp_path):
-    with MockUpstream(tmp_path, {"default": {"kind": "ok", "delay_ms": 2500}}) as up, \
+    # the first call's answer waits (before its first event) until the duplicate's hold ended:
+    # order, not a duplicate sent within a 2.5 s delay
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "hold": "first"}}) as up, \
             proxy(tmp_path, up) as p:
         async def leave_while_held():
             first = asyncio.create_task(one_call(p.url, call([user("hi")], seed=1)))
-            await asyncio.sleep(0.5)
-            c = await WsClient.connect(p.url, headers=HEADERS)
-            await c.send(call([user("hi")], seed=2))
-            await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held"),
-                                    what="the hold")
-            c.abort()
+            try:
+                await asyncio.to_thread(up.wait_held, "first", 30)
+                c = await WsClient.connect(p.url, headers=HEADERS)
+                await c.send(call([user("hi")], seed=2))
+                await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held"),
+                                        what="the hold")
+                c.abort()
+                await asyncio.to_thread(wait_until, lambda: events(tmp_path, "hold_abandoned"),
+                                        what="the hold ended by the client's leaving")
+            finally:
+                await asyncio.to_thread(up.release, "first")
             return await first
 
         assert types(asyncio.run(leave_while_held()))[-1] == "response.completed"
