@@ -513,15 +513,25 @@ def test_a_script_reload_mid_stream_keeps_attached_and_detached_clients_streamin
         f"__file__ = {str(ADDON)!r}\n"
         f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
     )
-    slow = {"kind": "ok", "events": 16, "gap_ms": 250}
+    # the mock holds the stream after two events until the script was reloaded with both
+    # clients streaming (order, not a reload that had to come within a 4 s stream)
+    held = {"kind": "ok", "events": 16, "hold": "original", "hold_after_events": 2}
 
     async def run(p):
-        original = asyncio.create_task(stream_post(p.url, behaviour=slow))
-        dup = asyncio.create_task(stream_post(p.url, delay_s=0.8, after=up))
-        await asyncio.sleep(1.3)  # both streaming; mitmproxy looks at the mtime once a second
-        os.utime(script)
-        await asyncio.to_thread(wait_until, lambda: p.log_text().count("turnguard: running") >= 2,
-                                15, what="the script reloaded")
+        original = asyncio.create_task(stream_post(p.url, behaviour=held))
+        try:
+            await asyncio.to_thread(up.wait_held, "original", 30)
+            dup = asyncio.create_task(stream_post(p.url))
+            await asyncio.to_thread(wait_until, lambda: turnguard_events(
+                tmp_path, kind="duplicate_attached") or dup.done(), 30,
+                what="the duplicate attached")
+            await asyncio.sleep(1.1)  # mitmproxy looks at the mtime once a second
+            os.utime(script)
+            await asyncio.to_thread(wait_until,
+                                    lambda: p.log_text().count("turnguard: running") >= 2,
+                                    15, what="the script reloaded")
+        finally:
+            await asyncio.to_thread(up.release, "original")
         return await original, await dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, addon=script,
