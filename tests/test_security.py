@@ -651,7 +651,9 @@ def test_no_secret_of_a_websocket_call_reaches_the_ledger_the_events_or_a_debug_
     frame = {"type": "response.create", "model": "gpt-test", "stream": True,
              "input": [{"type": "message", "role": "user",
                         "content": [{"type": "input_text", "text": "keep it"}]}]}
-    scenario = {"sequence": [{"kind": "ok", "think_ms": 800, "headers": {
+    # the first call's answer stops after response.in_progress until its duplicate is held
+    # (order, not a duplicate that had to come within 800 ms of thinking)
+    scenario = {"sequence": [{"kind": "ok", "hold": "first", "hold_after_events": 2, "headers": {
         "x-tenant-key": tokens["tenant"], "set-cookie": f"sid={tokens['cookie']}"}},
         {"kind": "reset"}], "default": {"kind": "ok"}}
 
@@ -662,9 +664,15 @@ def test_no_secret_of_a_websocket_call_reaches_the_ledger_the_events_or_a_debug_
                 return types(await c.response())
 
         first = asyncio.ensure_future(one(frame))
-        await asyncio.sleep(0.3)
-        dup = await one(frame)  # held or attached on another socket
-        out = [await first, dup]
+        try:
+            await asyncio.to_thread(up.wait_held, "first", 30)
+            dup = asyncio.ensure_future(one(frame))  # held, then attached, on another socket
+            await asyncio.to_thread(wait_until, lambda: dup.done() or "duplicate_held" in {
+                e["event"] for e in read_jsonl(tmp_path / "mitmdump-events.jsonl")}, 30,
+                what="the duplicate held")
+        finally:
+            await asyncio.to_thread(up.release, "first")
+        out = [await first, await dup]
         with contextlib.suppress(Exception):  # the upstream resets this one
             out.append(await one({**frame, "input": [{"type": "message", "role": "user",
                                                      "content": "fails"}]}))
