@@ -172,6 +172,22 @@ def assert_detached_call_completed(tmp_path: Path) -> None:
 
 
 SLOW = {"kind": "ok", "events": 8, "gap_ms": 250}
+HELD = {"kind": "ok", "events": 8, "hold": "original", "hold_after_events": 2}
+
+
+async def while_held(tmp_path: Path, up: MockUpstream, duplicate):
+    """Await ``duplicate`` (a coroutine: a client's duplicate of an original sent with
+    ``HELD``) once the mock holds the original's stream, and release it once the proxy's
+    events say a duplicate attached: the duplicate finds the stream running however late it
+    comes (order, not a duplicate placed within a 2 s stream). Returns its result."""
+    await asyncio.to_thread(up.wait_held, "original", 30)
+    task = asyncio.ensure_future(duplicate)
+    try:
+        await asyncio.to_thread(wait_until, lambda: turnguard_events(
+            tmp_path, kind="duplicate_attached") or task.done(), 30, what="a duplicate attached")
+    finally:
+        await asyncio.to_thread(up.release, "original")
+    return await task
 
 
 def test_regular_mode_connect_duplicates_attach_and_replay_over_tls(tmp_path):
@@ -184,10 +200,8 @@ def test_regular_mode_connect_duplicates_attach_and_replay_over_tls(tmp_path):
 
         async def run():
             first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
-                                                    behaviour=SLOW))
-            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
-            await asyncio.to_thread(wait_until, lambda: turnguard_events(tmp_path), 20)
-            dup = await stream_post(proxy.url, target, ca_of(proxy), delay_s=0.6)
+                                                    behaviour=HELD))
+            dup = await while_held(tmp_path, up, stream_post(proxy.url, target, ca_of(proxy)))
             return await first, dup
         first, dup = asyncio.run(run())
         later = asyncio.run(stream_post(proxy.url, target, ca_of(proxy)))
