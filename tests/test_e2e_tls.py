@@ -401,14 +401,12 @@ def test_regular_mode_a_kept_alive_connection_after_an_attach_reaches_the_upstre
 
         async def run():
             first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
-                                                    behaviour=SLOW, http2=http2))
-            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
+                                                    behaviour=HELD, http2=http2))
             async with httpx.AsyncClient(proxy=proxy.url, trust_env=False, timeout=30,
                                          http2=http2,
                                          verify=ssl.create_default_context(
                                              cafile=ca_of(proxy))) as c:
-                await asyncio.sleep(0.6)
-                dup = await c.post(target, headers=h, json=BODY)
+                dup = await while_held(tmp_path, up, c.post(target, headers=h, json=BODY))
                 new = await c.post(target, headers=h, json={**BODY, "input": "next turn"})
                 again = await c.post(target, headers=h, json=BODY)
             return await first, dup, new, again
