@@ -20,7 +20,8 @@ async def _until_ran(deadlines: Deadlines, bound_s: float = 5.0) -> None:
 
 async def test_callbacks_run_once_each_in_deadline_order_and_cancelled_ones_never():
     deadlines, ran = Deadlines(), []
-    later = deadlines.call_later(0.05, lambda: ran.append("later"))
+    # (delays far apart: a busy machine's pause between two lines reorders none of them)
+    later = deadlines.call_later(0.5, lambda: ran.append("later"))
     deadlines.call_later(0.03, lambda: ran.append("sooner, scheduled after"))
     cancelled = deadlines.call_later(0.01, lambda: ran.append("cancelled"))
     deadlines.call_later(0.03, lambda: ran.append("same time, second"))
@@ -46,7 +47,8 @@ async def test_callbacks_that_schedule_and_cancel_others_while_they_run():
     """A callback may schedule another (run at its own time) and cancel one not run yet,
     also when the cancel rebuilds the heap without its cancelled entries."""
     deadlines, ran = Deadlines(), []
-    victims = [deadlines.call_later(0.02, lambda: ran.append("victim")) for _ in range(300)]
+    # (due long after ``first``: however late the loop runs it, no victim is due before it)
+    victims = [deadlines.call_later(30, lambda: ran.append("victim")) for _ in range(300)]
     for v in victims[:200]:
         v.cancel()
 

@@ -369,10 +369,13 @@ def _read_answer(s: "socket.socket") -> tuple[int, bytes]:
 
 def test_each_window_of_a_detached_call_counts_from_its_last_client_gone(tmp_path):
     """Codex's pattern: a client reads the start and drops, a retry attaches and drops too, a
-    third comes back. The window (1.5 s) counts from the last client gone, not from the first:
-    the third attaches, one execution (before, the call was cut 1.5 s after the first client
-    left, 0.2 s after the second, and the third ran the turn again)."""
-    slow = {"kind": "ok", "think_ms": 4000, "events": 8, "gap_ms": 100}
+    third comes back. The window (4 s) counts from the last client gone, not from the first:
+    the third attaches, one execution (before, the call was cut 4 s after the first client
+    left, 2 s before the third came, and the third ran the turn again). The mock holds the
+    stream after its first events until the third client is attached, so the call is still
+    running whenever the clients come; each gap leaves 1.6 s to spare either way."""
+    window_s = 4.0
+    slow = {"kind": "ok", "events": 8, "gap_ms": 100, "hold": "turn", "hold_after_events": 2}
 
     async def leaves(url, after_first_s):
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS,
@@ -385,13 +388,19 @@ def test_each_window_of_a_detached_call_counts_from_its_last_client_gone(tmp_pat
 
     async def run(url):
         await leaves(url, 0.0)
-        await asyncio.sleep(1.2)
-        second = await leaves(url, 0.1)  # attached; gone 1.3 s after the first
-        await asyncio.sleep(0.9)  # 2.2 s after the first left, 0.9 s after the second
-        return second, await stream_post(url, behaviour=slow)
+        await asyncio.sleep(0.6 * window_s)  # within the window of the first client gone
+        second = await leaves(url, 0.1)  # attached
+        await asyncio.sleep(0.6 * window_s)  # past the first's window, within the second's
+        third = asyncio.create_task(stream_post(url, behaviour=slow))
+        await asyncio.to_thread(wait_until, lambda: len(turnguard_events(
+            tmp_path, kind="duplicate_attached")) == 2 or len(up.dispatches()) > 1, 10,
+            what="the third client attached (or dispatched)")
+        up.release("turn")
+        return second, await third
 
     with MockUpstream(tmp_path) as up, guarded(
-            tmp_path, up, turnguard_detach_ms=1500, turnguard_hold_timeout_ms=10000) as proxy:
+            tmp_path, up, turnguard_detach_ms=int(window_s * 1000),
+            turnguard_hold_timeout_ms=20000) as proxy:
         second, third = asyncio.run(run(proxy.url))
         assert second == "attached" and third["headers"].get("x-turnguard") == "attached"
         assert sse_event_types(third["body"])[-1] == "response.completed"
