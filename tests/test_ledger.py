@@ -552,6 +552,23 @@ def test_garbage_collection_purges_ended_operations_and_spool(ledger_backend):
         assert ledger_backend.rows(f"SELECT COUNT(*) FROM {table}") == [(0,)]
 
 
+def test_attempt_ids_never_come_again_after_garbage_collection(tmp_path):
+    """After every row was collected an attempt id is still never handed out twice (the
+    attempts table's AUTOINCREMENT): a late end of an attempt collected must never land on
+    another."""
+    a = open_ledger(tmp_path / "l.sqlite3")
+    first = admit(a, ident({"n": 1}))
+    a.finish(first.attempt_id, AttemptEnd("completed", 200, 1, None, Recording(200, (), b"x")),
+             now=1001.0)
+    assert a.collect_garbage(now=1001.0 + 3601, retention_s=3600, instance_stale_s=30) == 1
+    second = admit(a, ident({"n": 2}), now=1001.0 + 3602)
+    assert isinstance(second, policy.Dispatch) and second.attempt_id == first.attempt_id + 1
+    assert a.snapshot(ident({"n": 2}).op_key).current_attempt == second.attempt_id
+    late = a.finish(first.attempt_id, AttemptEnd("completed", 200, 1, None, None),
+                    now=1001.0 + 3603)
+    assert not late.applied and a.snapshot(ident({"n": 2}).op_key).state == "in_flight"
+
+
 def test_locked_database_raises_ledger_error(tmp_path):
     path = tmp_path / "l.sqlite3"
     a = Ledger(str(path), "a", busy_timeout_ms=50)
