@@ -7,13 +7,16 @@ shares can be checked against absolute microseconds. Each figure is the median o
 
 from __future__ import annotations
 
+import email.parser
 import hashlib
 import io
 import json
 import logging
+import re
 import statistics
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 from turnguard_bench import upstream
@@ -39,16 +42,11 @@ _OTHER_TEXT = "GET /a/b?c=d HTTP/1.1\r\nHost: x\r\n" * 40
 def _other_work() -> None:
     """Work of other code between two calls, as a proxy runs its own between two requests'
     hooks: JSON, a regular expression, zlib, an email header parse (about 0.5 ms here)."""
-    import email.parser
-    import re
-    import zlib
-
     for _ in range(3):
         json.loads(json.dumps(_OTHER_OBJECT))
         re.findall(r"(\w+)=(\w+)", _OTHER_TEXT)
         zlib.compress(_OTHER_TEXT.encode() * 20)
         email.parser.Parser().parsestr("A: b\nC: d\n\nbody")
-
 
 
 def _timed_between_other_work(fn, n: int, runs: int = 5) -> float:
