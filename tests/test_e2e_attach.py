@@ -21,6 +21,7 @@ from harness import (
     MockUpstream,
     assert_no_traceback,
     guarded,
+    ledger_query,
     mock_behaviour,
     sse_event_types,
     sse_post,
@@ -918,3 +919,51 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
         assert retry_b["status"] == 200 and sse_event_types(retry_b["body"])[-1] == "response.completed"
         assert len(up.dispatches()) == 2
         assert_no_traceback(proxy.log_text())
+
+
+def _reloadable(tmp_path):
+    script = tmp_path / "reloadable.py"
+    script.write_text(
+        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
+        f"__file__ = {str(ADDON)!r}\n"
+        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
+    )
+    return script
+
+
+def test_a_silent_detached_call_is_cut_while_a_reload_left_no_instance(tmp_path):
+    """A detached call's upstream sends nothing; mitmproxy reloads the script to a copy that
+    does not load (no instance loaded) before its response-created timeout: the timeout must
+    still cut the call (its client answered, nothing left in flight once the script loads
+    again), not raise in the timer and leave the call untimed for good (its client waits
+    for the upstream, every retry held on it)."""
+    script = _reloadable(tmp_path)
+    good = script.read_text()
+    silent = {"kind": "ok", "delay_ms": 120000}
+
+    async def run(p, up):
+        first = asyncio.ensure_future(stream_post(p.url, behaviour=silent, timeout=30))
+        await asyncio.to_thread(up.wait_for_record, _is_dispatch, 30)
+        script.write_text(good + "this is not python(\n")
+        await asyncio.to_thread(wait_until, lambda: "SyntaxError" in p.log_text(), 15,
+                                what="the reload that failed")
+        failed_at = len(p.log_text())
+        return await first, failed_at
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, addon=script, turnguard_detach_ms=30000,
+            turnguard_response_created_timeout_ms=4000) as proxy:
+        first, failed_at = asyncio.run(run(proxy, up))
+        started = proxy.log_text().count("turnguard: running")
+        script.write_text(good)
+        wait_until(lambda: proxy.log_text().count("turnguard: running") > started, 15,
+                   what="the script reloaded")
+        assert first["error"] is not None or first["status"] == 502, first
+        cut = wait_for_event(tmp_path, "upstream_cut")
+        assert cut["cut"] is True, cut
+        wait_until(lambda: not ledger_query(
+            tmp_path / "ledger.sqlite3",
+            "SELECT op_key FROM operations WHERE state='in_flight'"), 15,
+            what="nothing in flight")
+        assert len(up.dispatches()) == 1
+        assert_no_traceback(proxy.log_text()[failed_at:])

@@ -285,18 +285,6 @@ class Detacher:
                        ran_without_client_ms=round(d.orphan_total_s * 1000), used=d.used,
                        outcome=outcome, cut=d.cut_reason)
 
-    def handler(self, up_id: str) -> ReplayHandler | None:
-        """The replay handler that runs the detached call ``up_id``, if it runs."""
-        d = self._calls.get(up_id)
-        return None if d is None else d.handler
-
-    def cut(self, up_id: str, reason: str) -> str | None:
-        """Cut a detached call's upstream (the response_created timeout); why not if not."""
-        d = self._calls.get(up_id)
-        if d is None or d.handler is None:
-            return "not a running detached call"
-        return cut_handler_upstream(d.handler, d.up.server_conn, reason)
-
 
 def _log_failure(task: asyncio.Task, up_id: str) -> None:
     if not task.cancelled() and task.exception() is not None:

@@ -28,6 +28,7 @@ from turnguard_core.live import Head, LiveResponse
 from turnguard_core.machine import Ended
 from turnguard_core.proxy_internals import (
     H2_RESET_MESSAGE,
+    cut_handler_upstream,
     cut_http2_stream,
     cut_upstream,
     release_killed_intercepted,
@@ -244,7 +245,7 @@ class InFlight:
         reason = f"turnguard: {MISSING_RESPONSE_CREATED}"
         stream_cut = False
         if key in self._process.detached:  # turnguard's own call: cut on its replay handler
-            why_not = self._process.guard.detacher.cut(key, reason)
+            why_not = cut_detached(self._process.detached, key, reason)
         elif flow.server_conn.alpn == b"h2":  # shared with other streams: this one alone
             why_not = cut_http2_stream(flows.proxyserver(), flow, reason)
             stream_cut = why_not is None
@@ -279,9 +280,8 @@ class InFlight:
         its HTTP/2 upstream's stream limit (``MAX_CONCURRENT_STREAMS`` streams open). Either
         way a cut now would act only once it is sent: its client answered 502 and its end
         recorded as a cut, while the upstream runs it."""
-        if key in self._process.detached:
-            guard = self._process.guard
-            handler = guard.detacher.handler(key) if guard is not None else None
+        if key in self._process.detached:  # (the process's: read with no instance loaded too)
+            handler = self._process.detached[key].handler
             if handler is None:
                 return False
             proxyserver = None
@@ -611,6 +611,17 @@ class InFlight:
 
 
 STREAM_TAKEN_OVER = "response body streamed by another addon, unseen by turnguard"
+
+
+def cut_detached(calls: dict, up_id: str, reason: str) -> str | None:
+    """Cut the upstream of the detached call ``up_id`` of ``calls`` (the process's
+    ``detached``): on its replay handler, which is the process's, so that an instance need
+    not be loaded (a script reload to a copy that fails to load leaves none, while the
+    call's timeout still runs). Why not, if it cannot be cut."""
+    d = calls.get(up_id)
+    if d is None or d.handler is None:
+        return "not a running detached call"
+    return cut_handler_upstream(d.handler, d.up.server_conn, reason)
 
 
 def _tee_bypassed(flow: http.HTTPFlow, attempt: Attempt) -> bool:
