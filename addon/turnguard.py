@@ -128,7 +128,13 @@ class TurnGuard:
         return self.metrics_endpoint.metrics
 
     def _awaited(self, flow_id: str) -> bool:
-        """A duplicate is held waiting for the attempt of ``flow_id`` (a detached call's)."""
+        """A duplicate is held waiting for the attempt of ``flow_id`` (a detached call's), by
+        the instance that gets the hooks now: a detached call's window armed before a script
+        reload ends in the unloaded instance's ``Detacher``, while the retries held on the
+        call since are the new instance's (counted as its clients, it is not cut)."""
+        now = self._process.guard
+        if now is not None and now is not self:
+            return now._awaited(flow_id)
         attempt = self.inflight.attempt(flow_id)
         return attempt is not None and self.waiters.holding(attempt.ident.op_key)
 

@@ -931,6 +931,45 @@ def _reloadable(tmp_path):
     return script
 
 
+def test_a_retry_held_on_a_detached_call_through_a_script_reload_keeps_it_from_its_cut(
+        tmp_path):
+    """The client gives up before the upstream's first byte (the call detaches, its window
+    armed by the instance loaded then); mitmproxy reloads the script; the retry comes and is
+    held by the new instance, waiting for the call (nothing streamed yet). A retry waiting for
+    a detached call counts as its client: at the window's end the call must not be cut (cut,
+    the retry is admitted again and runs the turn a second time). The window's end asked
+    the unloaded instance, whose holds are none, whether a retry waited."""
+    script = _reloadable(tmp_path)
+    # the window (10 s) leaves the reload and the retry's hold time on a loaded machine; the
+    # upstream answers past it
+    slow = {"kind": "ok", "events": 5, "gap_ms": 100, "delay_ms": 20000}
+
+    async def run(p, up):
+        first = await stream_post(p.url, behaviour=slow, timeout=0.5)
+        assert first["error"] is not None  # gone: the call runs without a client
+        started = p.log_text().count("turnguard: running")
+        os.utime(script)
+        await asyncio.to_thread(
+            wait_until, lambda: p.log_text().count("turnguard: running") > started, 15,
+            what="the script reloaded")
+        retry = asyncio.ensure_future(stream_post(p.url, behaviour=slow, timeout=60))
+        await asyncio.to_thread(wait_for_event, tmp_path, "duplicate_held")
+        return await retry
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, addon=script, turnguard_detach_ms=10000,
+            turnguard_hold_timeout_ms=60000,
+            turnguard_response_created_timeout_ms=60000) as proxy:
+        retry = asyncio.run(run(proxy, up))
+        assert retry["status"] == 200 and retry["error"] is None, retry
+        assert sse_event_types(retry["body"])[-1] == "response.completed"
+        assert retry["headers"].get("x-turnguard") == "attached"
+        assert len(up.dispatches()) == 1  # one execution
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["used"] is True and detached["cut"] is None
+        assert_no_traceback(proxy.log_text())
+
+
 def test_a_silent_detached_call_is_cut_while_a_reload_left_no_instance(tmp_path):
     """A detached call's upstream sends nothing; mitmproxy reloads the script to a copy that
     does not load (no instance loaded) before its response-created timeout: the timeout must
