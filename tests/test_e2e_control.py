@@ -498,3 +498,37 @@ def test_a_bad_value_set_while_running_is_refused_and_the_value_in_force_kept(tm
             assert status == 409 and b"turn_in_progress" in body, (status, body[:200])
             assert original.result()[0] == 200
         assert_no_traceback(p.log_text())
+
+
+def test_the_commands_say_turnguard_is_not_loaded_while_a_reload_failed(tmp_path):
+    """mitmproxy reloads the script to a copy that does not load: no turnguard instance runs,
+    but mitmproxy keeps the commands the unloaded one registered. They must say that
+    turnguard is not loaded (a ``CommandError``), not answer from the unloaded instance: its
+    ledger closed ("ledger_ok": false, "the ledger is not usable now"), which sends the
+    operator to a ledger that is fine. Once the script loads again they answer from the new
+    instance."""
+    from test_at_most_once import reloadable
+
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up, addon=script,
+                                             extra_args=["-s", str(COMMAND_PROBE)]) as p:
+        assert post(p.url)[0] == 200
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in p.log_text(), 15, what="the reload that failed")
+        failed_at = len(p.log_text())
+        for args in (["turnguard.status"], ["turnguard.held"], ["turnguard.circuit.list"],
+                     ["turnguard.circuit.clear", "all"], ["turnguard.session.release", "s"]):
+            code, text = command(p, *args)
+            assert code == 400 and "not loaded" in json.loads(text)["error"], (args, code, text)
+        started = p.log_text().count("turnguard: running")
+        time.sleep(1.1)
+        script.write_text(good)
+        wait_until(lambda: p.log_text().count("turnguard: running") > started, 15,
+                   what="the script reloaded")
+        code, text = command(p, "turnguard.status")
+        assert code == 200 and json.loads(text)["ledger_ok"] is True, text
+        code, text = command(p, "turnguard.circuit.list")
+        assert code == 200 and json.loads(text) == [], text
+        assert_no_traceback(p.log_text()[failed_at:])

@@ -29,9 +29,26 @@ STATUS_TIMEOUT_S = 1.0  # the control commands' wait for the ledger
 STATUS_WAIT_S = 0.02
 
 
+NOT_LOADED = ("turnguard: not loaded (mitmproxy's last reload of its script failed, or the "
+              "script was unloaded); it answers again once the script loads")
+
+
 class Commands:
     def __init__(self, guard: "TurnGuard"):
         self._guard = guard
+
+    def _loaded(self) -> "TurnGuard":
+        """The addon instance that gets the hooks now. mitmproxy keeps a removed addon's
+        commands registered (a script reload that fails to load leaves these, bound to the
+        instance it unloaded, whose ledger, events file and holds are closed): with no
+        instance loaded a command raises ``CommandError`` saying so, never answers from the
+        unloaded one (a ledger "not open" that is fine, cooldowns it no longer guards)."""
+        guard = self._guard
+        if guard._unloaded:
+            guard = guard._process.guard
+            if guard is None or guard._unloaded:
+                raise exceptions.CommandError(NOT_LOADED)
+        return guard
 
     @command.command("turnguard.status")
     def status(self) -> str:
@@ -39,7 +56,7 @@ class Commands:
         its age: a large ledger is counted on a thread of its own, never holding up traffic),
         flows in flight and held, circuits cooling down, counts of its telemetry events.
         Waits at most ``STATUS_WAIT_S`` for the ledger."""
-        g = self._guard
+        g = self._loaded()
         now = time.time()
         counts, cooldowns = g.store.status(now, wait_s=STATUS_WAIT_S)
         if cooldowns is None:  # only memory can say
@@ -84,17 +101,17 @@ class Commands:
     @command.command("turnguard.held")
     def held(self) -> str:
         """One line per held flow: flow id, operation, seconds held, and what it waits for."""
-        lines = list(self._guard.waiters.describe(time.monotonic()))
+        lines = list(self._loaded().waiters.describe(time.monotonic()))
         return "\n".join(lines) if lines else "no held flows"
 
     @command.command("turnguard.circuit.list")
     def circuit_list(self) -> str:
         """Retry circuits that count failures or cool down, as JSON (from the ledger; this
         process's last known ones when it is down)."""
-        g, now = self._guard, time.time()
+        g, now = self._loaded(), time.time()
         try:
             rows = _with_carried([(r.scope, r.state) for r in self._control(
-                lambda store: store.list_circuits(now, timeout=STATUS_TIMEOUT_S))], g, now)
+                g, lambda store: store.list_circuits(now, timeout=STATUS_TIMEOUT_S))], g, now)
         except exceptions.CommandError:
             rows = [(k, v) for k, v in g.store.memory.circuits.items()
                     if v.failures or v.remaining_s(now)]
@@ -111,8 +128,8 @@ class Commands:
         with failures). Audited in the ledger; requests held through its cooldown go on to
         their recovery claim, and the next request dispatches. In once mode an operation still
         gets at most one recovery dispatch ever."""
-        g, now = self._guard, time.time()
-        actor = self._actor("turnguard.circuit.clear")
+        g, now = self._loaded(), time.time()
+        actor = self._actor(g, "turnguard.circuit.clear")
         wanted = None if scope == "all" else scope
         # a cooldown carried over from a ledger file deleted or replaced since fences its
         # scope though the ledger in use never knew the circuit: it is cleared too, by name
@@ -122,7 +139,7 @@ class Commands:
             raise exceptions.CommandError(
                 f"turnguard: circuit scope {scope!r} is ambiguous; give more of it")
         try:
-            cleared = self._control(lambda store: store.clear_circuits(
+            cleared = self._control(g, lambda store: store.clear_circuits(
                 wanted, now=now, actor=actor, timeout=STATUS_TIMEOUT_S))
         except exceptions.CommandError as e:
             if not (carried and g.store.usable and "no circuit whose scope" in str(e)):
@@ -146,9 +163,9 @@ class Commands:
         """Release a durable session (its id or a unique prefix): no process owns it, its
         epoch goes up (writes fenced with the old one fail), the next process to serve it
         takes it over. Audited in the ledger."""
-        g = self._guard
-        actor = self._actor("turnguard.session.release")
-        key, before, after = self._control(lambda store: store.release_session(
+        g = self._loaded()
+        actor = self._actor(g, "turnguard.session.release")
+        key, before, after = self._control(g, lambda store: store.release_session(
             session, now=time.time(), actor=actor, timeout=STATUS_TIMEOUT_S))
         g.sessions.forget(key)
         g.telemetry.emit("session_released", session=key, owner_was=before.owner_instance,
@@ -156,13 +173,15 @@ class Commands:
         return json.dumps({"released": key, "owner_was": before.owner_instance,
                            "epoch": after.owner_epoch}, indent=2)
 
-    def _actor(self, command_name: str) -> str:
-        return f"{command_name} (instance {self._guard.instance_id}, pid {os.getpid()})"
+    @staticmethod
+    def _actor(g: "TurnGuard", command_name: str) -> str:
+        return f"{command_name} (instance {g.instance_id}, pid {os.getpid()})"
 
-    def _control(self, action: Callable[[Store], T]) -> T:
+    @staticmethod
+    def _control(g: "TurnGuard", action: Callable[[Store], T]) -> T:
         """A control command's ledger call, waited for here (bounded)."""
         try:
-            return self._guard.store.control(action)
+            return g.store.control(action)
         except ControlError as e:
             raise exceptions.CommandError(f"turnguard: {e}") from None
 
