@@ -280,6 +280,7 @@ class TurnGuard:
                 self._emit(event, **fields)  # (with the time it was made)
             self.inflight.end_those_ended_unseen()
             self.websockets.catch_up()  # the same, for the guarded WebSockets
+            self.stop_kept_heartbeat()
             logger.info("turnguard: running (instance %s, recovery mode %s, ledger %s)",
                         self.instance_id, self.settings.recovery_mode, self.store.location)
         self.maintenance.running()
@@ -325,12 +326,31 @@ class TurnGuard:
 
     def _close(self) -> None:
         self.metrics_endpoint.close()
-        self.store.close(write_owed=_shutting_down())
+        shutting_down = _shutting_down()
+        if not shutting_down:  # a script reload: the process lives on, its lease with it
+            kept = self.store.take_heartbeat()
+            if kept is not None:
+                if self._process.heartbeat is not None:
+                    self._process.heartbeat.stop()
+                self._process.heartbeat = kept
+        elif self._process.heartbeat is not None:
+            self._process.heartbeat.stop()
+            self._process.heartbeat = None
+        self.store.close(write_owed=shutting_down)
         self.identifier.close()
         self.telemetry.close()
         self._undo_log_filter()
         if self._process.guard is self:
             self._process.guard = None
+
+    def stop_kept_heartbeat(self) -> None:
+        """Stop the heartbeat a script reload kept from the instance it unloaded, once this
+        instance's ledger renews the lease itself (at ``running``, or at the tick that opens
+        a ledger that could not be opened at once)."""
+        kept = self._process.heartbeat
+        if kept is not None and self.store.beating:
+            kept.stop()
+            self._process.heartbeat = None
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:

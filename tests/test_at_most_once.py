@@ -389,6 +389,40 @@ def test_a_turn_that_ends_while_a_reload_failed_is_recorded_once_the_script_load
         assert not in_flight(tmp_path / "ledger.sqlite3")
 
 
+@pytest.mark.slow
+def test_a_process_whose_reload_failed_keeps_its_lease_and_its_turn_runs_once(tmp_path):
+    """A's script is reloaded to a copy that does not load (an edit saved half-done) while its
+    turn is in flight, and stays so past the instance lease (15 s); B, in another pid
+    namespace (it can judge A only by its lease), holds the turn's retry. A's process is
+    alive and its turn goes on upstream: B must not reap it and run the turn again. Once the
+    script loads, A records the end and B replays it: one execution. (Before, the unloaded
+    instance's ledger closed with its heartbeat: A's lease lapsed while no instance was
+    loaded.)"""
+    prefix = another_host_prefix()
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    opts = dict(turnguard_hold_timeout_ms=90000, turnguard_instance_lease_ms=15000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", prefix=prefix, **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=35000)},
+                                 body_of("a reload that failed for a while"))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        retry = in_background(post, b.url, SESSION, body_of("a reload that failed for a while"))
+        first = original.result(90)
+        assert first[0] == 200
+        started = a.log_text().count("turnguard: running")
+        script.write_text(good)
+        reloaded(a, started)
+        again = retry.result(90)
+        assert again[0] == 200 and again[2] == first[2], again[:2]
+        assert again[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert not events(tmp_path, "b", "instance_reaped")
+
+
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
     """A's instance row is gone (as a peer's reap leaves it). A's next attempt must not look
     dead for want of a row: its heartbeat registers it again, and B holds its duplicate."""

@@ -285,6 +285,18 @@ class FailoverStore:
         return self._store is not None
 
     @property
+    def beating(self) -> bool:
+        """Its heartbeat renews this process's lease (the ledger is open, or was)."""
+        return self._heartbeat is not None
+
+    def take_heartbeat(self) -> "Heartbeat | None":
+        """The heartbeat, taken out of this store: ``close`` leaves it renewing the process's
+        lease (a script reload: the process lives on, and a reload to a script that fails to
+        load leaves no instance to renew it). Whoever takes it stops it."""
+        heartbeat, self._heartbeat = self._heartbeat, None
+        return heartbeat
+
+    @property
     def usable(self) -> bool:
         """Decisions may read the ledger: it is open, no fault was noted since it last worked,
         and it owes nothing (kept writes, attempts to register)."""

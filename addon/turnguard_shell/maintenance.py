@@ -83,6 +83,7 @@ class Maintenance:
                 g.telemetry.reopen_if_moved()
                 g.drop_deferred_problems(getattr(ctx.options, "deferred", {}))
                 await self._maintain_ledger(time.time())
+                g.stop_kept_heartbeat()  # (once the ledger opened at last has its own)
                 foreign = g.waiters.foreign()
                 recheck, g.store.recheck_foreign = g.store.recheck_foreign, False
                 if foreign and (recheck or not g.store.attempt_ends_notified):

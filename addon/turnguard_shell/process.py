@@ -3,10 +3,10 @@
 mitmproxy reloads a changed script by dropping the addon instance and making a new one, while
 flows in transit go on and their remaining hooks reach the new instance. So what belongs to the
 process, not to an addon instance, is kept on mitmproxy's master (which stays): the instance
-this process is in the ledger, its attempts in flight, the ledger writes it still owes, what
-it learned of the ledger (and the peers it waits for there), and its metrics' counters and
-telemetry event counts (a reload keeps ``turnguard_instance``, so a counter of that series
-must not start again from 0).
+this process is in the ledger (and its heartbeat, between two instances), its attempts in
+flight, the ledger writes it still owes, what it learned of the ledger (and the peers it waits
+for there), and its metrics' counters and telemetry event counts (a reload keeps
+``turnguard_instance``, so a counter of that series must not start again from 0).
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class ProcessState:
     # to load): (event, fields with their ts), written by the next instance that loads
     unwritten: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=UNWRITTEN_MAX))
+    # the heartbeat of the instance a script reload unloaded: it renews the process's lease
+    # until the next instance's ledger has a heartbeat of its own (a reload to a script that
+    # fails to load leaves none for as long as it is not fixed, while the process's attempts
+    # go on upstream: their lease must not lapse, or a peer reaps them and runs them again)
+    heartbeat: Any = None
 
     @classmethod
     def new(cls) -> "ProcessState":
