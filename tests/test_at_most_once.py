@@ -12,12 +12,15 @@ fault is over, every request answered within its budget.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +29,7 @@ import pytest
 
 from harness import (
     ADDON,
+    LoopbackServer,
     Mitmdump,
     MockUpstream,
     another_host_prefix,
@@ -41,6 +45,10 @@ from harness import (
     turnguard_events,
     wait_until,
 )
+from turnguard_mock.events import ok_events
+from turnguard_mock.server import chunk, response_head
+from turnguard_sse import frame
+
 from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
@@ -421,6 +429,163 @@ def test_a_process_whose_reload_failed_keeps_its_lease_and_its_turn_runs_once(tm
         assert again[1].get("x-turnguard") == "replayed"
         assert len(up.dispatches()) == 1
         assert not events(tmp_path, "b", "instance_reaped")
+
+
+HOOK_PROBE = Path(__file__).with_name("hook_probe.py")
+
+
+class GatedUpstream(LoopbackServer):
+    """An HTTP upstream of the test's own whose first turn goes out at the test's word: its
+    response's head (the status, the headers and ``response.created``) once ``open("head")``,
+    the rest of its events and the body's end once ``open("rest")``. Every later turn is
+    answered at once. Each turn's response has an id of its own (``resp_<n>``, n from 0);
+    ``dispatches`` counts the turns it was sent."""
+
+    def __init__(self) -> None:
+        self.dispatches = 0
+        self._gates = {"head": threading.Event(), "rest": threading.Event()}
+        super().__init__()
+
+    def open(self, gate: str) -> None:
+        self._gates[gate].set()
+
+    async def _passed(self, gate: str) -> None:
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, self._gates[gate].wait, 60), f"gate {gate}"
+
+    async def handle(self, reader, writer) -> None:
+        try:
+            for _ in range(100):  # bounded: one turn a pass, on a kept-alive connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:[ \t]*(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                n, self.dispatches = self.dispatches, self.dispatches + 1
+                events = [frame(t, d) for t, d in ok_events(f"resp_{n}", "gpt-test", 3, "hi")]
+                if n == 0:
+                    await self._passed("head")
+                writer.write(response_head(200, [("content-type", "text/event-stream"),
+                                                 ("transfer-encoding", "chunked")])
+                             + chunk(events[0]))
+                await writer.drain()
+                if n == 0:
+                    await self._passed("rest")
+                writer.write(b"".join(chunk(e) for e in events[1:]) + b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            return  # the proxy closed the connection
+        finally:
+            writer.close()
+
+
+def gated_proxy(tmp_path: Path, up: GatedUpstream, name: str, addon: bool | Path = True,
+                **options) -> Mitmdump:
+    """A guarded mitmdump in front of ``up`` (the test's ledger and events files, as
+    ``guarded``; ``addon``: another copy of turnguard's script), with ``hook_probe.py``
+    loaded beside turnguard."""
+    opts = {"turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+            "turnguard_events": str(tmp_path / f"{name}-events.jsonl"), **options}
+    return Mitmdump(tmp_path, up.url, name=name, options=opts, addon=addon,
+                    extra_args=["-s", str(HOOK_PROBE)])
+
+
+@pytest.mark.parametrize("head, end", [
+    ("while no script is loaded", "while no script is loaded"),
+    ("before the reload", "while no script is loaded"),
+    ("while no script is loaded", "once the script loads"),
+    ("before the reload", "once the script loads"),
+])
+def test_a_turn_across_a_reload_that_failed_runs_once_whenever_its_response_comes(
+        tmp_path, head, end):
+    """mitmproxy reloads A's script to a copy that does not load, then to the fixed one; the
+    upstream sends the turn's head (its headers, the first event) and its end at set points:
+    before the failed reload (turnguard's tee streams it), while no instance is loaded
+    (mitmproxy reads the body whole, unseen), or once the fixed script loads (the hooks
+    reach the new instance). A duplicate sent through B while A has no instance is held on
+    A's attempt (A lives); the turn runs upstream once: the original, the held duplicate and
+    the retries through A and B after the fix all get its bytes."""
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = f"head {head}, end {end}"
+    opts = dict(turnguard_hold_timeout_ms=60000)
+    with GatedUpstream() as up, \
+            gated_proxy(tmp_path, up, "a", addon=script, **opts) as a, \
+            gated_proxy(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, SESSION, body_of(text))
+        wait_until(lambda: up.dispatches == 1, 10, what="the original upstream")
+        if head == "before the reload":
+            up.open("head")
+            a.wait_for_log("Streaming response from")  # through turnguard's tee
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        held = in_background(post, b.url, SESSION, body_of(text))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holding it")
+        if head == "while no script is loaded":
+            up.open("head")
+            a.wait_for_log("hook_probe: responseheaders")
+        if end == "while no script is loaded":
+            up.open("rest")
+            first = original.result(30)
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)
+        script.write_text(good)
+        reloaded(a, started)
+        if end == "once the script loads":
+            up.open("rest")
+            first = original.result(30)
+        again_a = post(a.url, SESSION, body_of(text))
+        again_b = post(b.url, SESSION, body_of(text))
+        answers = [first, held.result(30), again_a, again_b]
+        assert [s for s, _, _ in answers] == [200] * 4
+        assert {response_id(body) for _, _, body in answers} == {"resp_0"}
+        assert len({body for _, _, body in answers}) == 1
+        assert [h.get("x-turnguard") for _, h, _ in answers[1:]] == ["replayed"] * 3
+        assert up.dispatches == 1
+        assert [e["outcome"] for e in events(tmp_path, "a", "outcome")] == ["completed"]
+        assert not in_flight(tmp_path / "ledger.sqlite3")
+        assert a.log_text().count("Traceback") == 1  # the broken copy's SyntaxError
+        assert_no_traceback(b.log_text())
+
+
+def test_a_turns_end_owed_across_a_reload_that_failed_is_written_once_the_script_loads(
+        tmp_path):
+    """The ledger is locked when the original completes (its end kept), mitmproxy then
+    reloads the script to a copy that does not load, and the lock goes while no instance is
+    loaded. The end lands then only if the old ticker's write of it was still waiting for the
+    lock as the script reloaded; else nothing writes it until the fixed script loads, whose
+    instance writes it. Either way a duplicate sent through B while no instance is loaded is
+    held (A lives) or replayed, never run again; it, and the retries through A and B, get
+    the original's answer; one upstream dispatch, nothing left in flight."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = "its end owed across a reload that failed"
+    opts = dict(turnguard_hold_timeout_ms=60000)
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        with its_end_kept_behind_a_lock(tmp_path, a, "a", text):
+            time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+            script.write_text(good + "this is not python(\n")
+            wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        held = in_background(post, b.url, SESSION, body_of(text))
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held")
+                   or events(tmp_path, "b", "duplicate_replayed"), 10,
+                   what="B holding or replaying it")
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)
+        script.write_text(good)
+        reloaded(a, started)
+        first = held.result(30)
+        wait_until(lambda: not in_flight(ledger), 10, what="the end written")
+        answers = [first, post(a.url, SESSION, body_of(text)), post(b.url, SESSION, body_of(text))]
+        assert [s for s, _, _ in answers] == [200] * 3
+        assert [h.get("x-turnguard") for _, h, _ in answers] == ["replayed"] * 3
+        assert len({body for _, _, body in answers}) == 1
+        assert len(up.dispatches()) == 1
+        assert [e["outcome"] for e in events(tmp_path, "a", "outcome")] == ["completed"]
+        assert a.log_text().count("Traceback") == 1  # the broken copy's SyntaxError
+        assert_no_traceback(b.log_text())
 
 
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
