@@ -584,8 +584,117 @@ def test_a_turns_end_owed_across_a_reload_that_failed_is_written_once_the_script
         assert len({body for _, _, body in answers}) == 1
         assert len(up.dispatches()) == 1
         assert [e["outcome"] for e in events(tmp_path, "a", "outcome")] == ["completed"]
+        assert not events(tmp_path, "a", "outcome_fenced_out")  # its end written once
         assert a.log_text().count("Traceback") == 1  # the broken copy's SyntaxError
         assert_no_traceback(b.log_text())
+
+
+WRITE_GATE = Path(__file__).with_name("write_gate.py")
+
+
+def gate_state(gate: Path) -> dict:
+    """``write_gate.py``'s counts: writes of an end waiting at the gate, and returned."""
+    path = gate / "state"
+    return json.loads(path.read_text()) if path.exists() else {"waiting": 0, "returned": 0}
+
+
+@pytest.mark.parametrize("reload_to", ["a copy that fails to load", "the same script"])
+def test_an_owed_end_whose_write_is_under_way_at_a_reload_is_written_once(tmp_path, reload_to):
+    """The ledger is locked when the original completes (its end kept). Once the lock goes,
+    the ticker writes the end owed, and that write is under way on the ledger's thread (held
+    at ``write_gate.py``'s gate) when mitmproxy reloads the script, which stops the ticker:
+    the write goes on and lands. The instance loaded next (at once, or once the broken copy
+    is fixed) must not write that end a second time: fenced out there, it was said as the
+    attempt ended meanwhile (``outcome_fenced_out``, "reaped"), kept as the attempt's
+    ``late_outcome``, and its recording forgotten (an end recorded whole, of an attempt
+    dispatched without the ledger, would be a second attempt, its failure fed to the retry
+    circuit twice). Its retry is replayed; one upstream dispatch."""
+    from test_e2e_bounds import STATUS_PROBE, status
+
+    ledger = tmp_path / "ledger.sqlite3"
+    gate = tmp_path / "write-gate"
+    gate.mkdir()
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = f"an owed end under way as the script reloads to {reload_to}"
+    with MockUpstream(tmp_path) as up, Mitmdump(
+            tmp_path, up.url, name="a", addon=script,
+            options={"turnguard_ledger": str(ledger),
+                     "turnguard_events": str(tmp_path / "a-events.jsonl")},
+            extra_args=["-s", str(WRITE_GATE), "-s", str(STATUS_PROBE)],
+            env={"TURNGUARD_TEST_WRITE_GATE": str(gate)}) as a:
+        with its_end_kept_behind_a_lock(tmp_path, a, "a", text):
+            (gate / "closed").touch()
+        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                   what="the owed end's write under way, at the gate")
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        if reload_to == "the same script":
+            os.utime(script)
+            reloaded(a, started)
+        else:
+            script.write_text(good + "this is not python(\n")
+            wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        (gate / "closed").unlink()
+        wait_until(lambda: not in_flight(ledger), 10, what="the end written")
+        if reload_to == "a copy that fails to load":
+            started = a.log_text().count("turnguard: running")
+            time.sleep(1.1)
+            script.write_text(good)
+            reloaded(a, started)
+        wait_until(lambda: status(a)["ledger_writes_pending"] == 0, 10,
+                   what="no ledger write owed")
+        retry = post(a.url, SESSION, body_of(text))
+        assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+        assert len(up.dispatches()) == 1
+        assert not events(tmp_path, "a", "outcome_fenced_out")
+        assert query(ledger, "SELECT outcome, late_outcome FROM attempts") == [("completed", None)]
+        assert gate_state(gate)["returned"] == 1  # the end, written once
+        tracebacks = 1 if reload_to == "a copy that fails to load" else 0  # its SyntaxError
+        assert a.log_text().count("Traceback") == tracebacks
+
+
+def test_an_owed_offline_end_under_way_at_a_reload_is_one_attempt_and_one_failure(tmp_path):
+    """A turn dispatched while another connection holds the ledger's write lock (decided in
+    memory: no row) fails without an event (the upstream resets it): its end, recorded
+    whole, is owed. The lock goes; the ticker's write of it is under way (held at
+    ``write_gate.py``'s gate) when the script reloads. It lands; the new instance must not
+    record it again: a second time it was a second attempt of the operation, and its
+    failure fed to the session's retry circuit twice, which opened it (threshold 2) from one
+    failure: the session's next request got 503 for the whole cooldown."""
+    from test_e2e_bounds import STATUS_PROBE, status
+
+    ledger = tmp_path / "ledger.sqlite3"
+    gate = tmp_path / "write-gate"
+    gate.mkdir()
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, Mitmdump(
+            tmp_path, up.url, name="a", addon=script,
+            options={"turnguard_ledger": str(ledger),
+                     "turnguard_events": str(tmp_path / "a-events.jsonl")},
+            extra_args=["-s", str(WRITE_GATE), "-s", str(STATUS_PROBE)],
+            env={"TURNGUARD_TEST_WRITE_GATE": str(gate)}) as a:
+        with write_lock(ledger, "BEGIN IMMEDIATE"):
+            failed = post(a.url, {**SESSION, **behaviour(kind="reset")},
+                          body_of("dispatched without the ledger, reset"))
+            assert failed[0] == 502
+            assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [False]
+            (gate / "closed").touch()
+        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                   what="the owed end's write under way, at the gate")
+        reloaded(a, touch_to_reload(a, script))
+        (gate / "closed").unlink()
+        wait_until(lambda: status(a)["ledger_writes_pending"] == 0, 10,
+                   what="no ledger write owed")
+        owed_end_writes = gate_state(gate)["returned"]
+        later = post(a.url, SESSION, body_of("the session's next turn"))
+        assert (later[0], later[1].get("x-turnguard")) == (200, None)
+        assert owed_end_writes == 1
+        assert query(ledger, "SELECT attempts, state FROM operations"
+                             " WHERE op_key IN (SELECT op_key FROM attempts WHERE attempt_id=1)"
+                     ) == [(1, "unknown")]
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text())
 
 
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):

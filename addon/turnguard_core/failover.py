@@ -29,7 +29,7 @@ import collections
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from . import circuit, liveness, policy
@@ -44,6 +44,7 @@ from .ledger_location import display, is_postgres
 from .ledger_runner import LedgerRunner, LedgerTimeout, contended
 from .records import record
 from .store import (
+    AppliedOnce,
     DuplicatesWrite,
     FinishWrite,
     FirstEventWrite,
@@ -130,6 +131,9 @@ class KeptWrite:
     # what to write instead into another file (an attempt's end, recorded whole); None: the
     # write is dropped there
     elsewhere: Callable[[], Write] | None = None
+    # applied at most once to a file, however often it is sent (a write of it may still be
+    # under way, and land, after the catch-up that sent it stopped waiting: ``AppliedOnce``)
+    once: AppliedOnce = field(default_factory=AppliedOnce, repr=False, compare=False)
 
     def belongs_to(self, generation: str) -> bool:
         return self.generation in (ANY_LEDGER, generation)
@@ -506,7 +510,8 @@ class FailoverStore:
             if write is not None:
                 try:
                     store.write_sync(self._as_sent(write, store.generation),
-                                     timeout=max(0.0, deadline - time.monotonic()))
+                                     timeout=max(0.0, deadline - time.monotonic()),
+                                     once=kept.once)
                 except TimeoutError:
                     break
                 except LedgerError as e:  # locked: the busy timeout waited; try until the end
@@ -744,7 +749,7 @@ class FailoverStore:
                     dropped += 1
                     continue
                 result = await store.write(self._as_sent(write, store.generation),
-                                           deadline=deadline)
+                                           deadline=deadline, once=kept.once)
                 self._pop_kept()
                 if kept.landed is not None:
                     kept.landed(result, True)

@@ -212,12 +212,14 @@ class LedgerRunner:
 
     # -- the interface ----------------------------------------------------------------------------
     async def call(self, job: Job[T], *, deadline: float | None = None,
-                   lock_wait_s: float | None = None) -> T:
+                   lock_wait_s: float | None = None, alone: bool = False) -> T:
         """Run ``job`` (now, or on the ledger's thread) and await its result; on the thread,
         bounded by ``deadline`` (see the module docstring). ``lock_wait_s``: how long it may
         wait for a lock at most, however long it was queued (a call nobody waits for, which
-        must not hold the one connection for the whole busy timeout)."""
-        if self._deferred and self._fast_path and not self._deferred_heavy \
+        must not hold the one connection for the whole busy timeout). ``alone``: never in the
+        deferred writes' transaction (they are committed first): a job that notes its own
+        effect as done (``store.AppliedOnce``) must not find it rolled back with them."""
+        if not alone and self._deferred and self._fast_path and not self._deferred_heavy \
                 and self._fast_possible():
             done, result = self._run_with_deferred(job)
             if done:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Protocol
+import threading
+from typing import Any, Callable, Protocol, TypeVar
 
 from . import circuit, liveness, policy
 from .counting import OperationCounter, OperationCounts
 from .identity import Identity
-from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, Recording
+from .ledger import AttemptEnd, FinishResult, HeartbeatResult, Ledger, LedgerError, Recording
 from .ledger_admin import CircuitRow
 from .ledger_runner import LedgerRunner
 from .records import record
@@ -163,10 +164,17 @@ class Store(Protocol):
         ...
 
     async def write(self, write: Write, *, deadline: float | None,
-                    lock_wait_s: float | None = None) -> FinishResult | None: ...
+                    lock_wait_s: float | None = None,
+                    once: "AppliedOnce | None" = None) -> FinishResult | None:
+        """Apply ``write`` and await its result. ``once``: the write owed it stands for, which
+        is applied at most once to a ledger file, however many times it is sent (a later
+        send gets the first one's result: ``AppliedOnce``)."""
+        ...
 
-    def write_sync(self, write: Write, *, timeout: float) -> FinishResult | None:
-        """``write``, waited for on the caller's thread (at close: the event loop is done)."""
+    def write_sync(self, write: Write, *, timeout: float,
+                   once: "AppliedOnce | None" = None) -> FinishResult | None:
+        """``write``, waited for on the caller's thread (at close: the event loop is done);
+        ``once`` as for ``write``."""
 
     def settle(self, timeout: float) -> None:
         """At close: the writes sent so far are run (at most ``timeout`` s) and their futures
@@ -199,6 +207,56 @@ class Store(Protocol):
     def incarnation(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+T = TypeVar("T")
+
+
+class AppliedOnce:
+    """A write owed to the ledger (``failover.KeptWrite``), applied at most once to each
+    ledger file, whoever sends it and however often. A catch-up that stops waiting for its
+    write (a script reload stops the ticker that sent it; a request's deadline passes) leaves
+    that write to run, and land, on the ledger's thread; the write stays owed, and the next
+    catch-up (this instance's, or the one a reload loads: the writes owed are the process's)
+    sends it again. Applied a second time, an attempt's end would be fenced out (said as if
+    the attempt had been reaped, and its recording forgotten), and one recorded whole (an
+    attempt dispatched without the ledger) would be a second attempt of its operation, its
+    failure fed to the retry circuit twice. So each send runs through ``apply``: under one
+    lock (a second send waits there while the first runs, as for the database's lock: at most
+    the ledger's busy timeout on its thread, not at all on the event loop, where it is
+    "locked" and the runner hands it to its thread), and a send that finds the write applied
+    to this file already gets that result without writing anything. Its job must run alone
+    (``LedgerRunner.call(alone=True)``): the result is noted once its transaction is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._applied: dict[str, Any] = {}  # the ledger file's generation -> the result
+
+    def apply(self, ledger: Ledger, write: Callable[[], T]) -> T:
+        """``write()`` on ``ledger`` (the job's), or the result it had there already."""
+        if _on_the_event_loop():
+            acquired = self._lock.acquire(blocking=False)
+        else:
+            acquired = self._lock.acquire(timeout=ledger.busy_timeout_ms / 1000)
+        if not acquired:
+            raise LedgerError("database is locked: a write of it is under way")
+        try:
+            generation = ledger.generation
+            if generation in self._applied:
+                return self._applied[generation]
+            result = write()
+            self._applied[generation] = result
+            return result
+        finally:
+            self._lock.release()
+
+
+def _on_the_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
@@ -337,12 +395,19 @@ class LedgerStore:
     def send(self, write):
         return self._runner.defer(lambda led: _apply(write, led), heavy=_heavy(write))
 
-    async def write(self, write, *, deadline, lock_wait_s=None):
-        return await self._runner.call(lambda led: _apply(write, led), deadline=deadline,
-                                       lock_wait_s=lock_wait_s)
+    async def write(self, write, *, deadline, lock_wait_s=None, once=None):
+        if once is None:
+            return await self._runner.call(lambda led: _apply(write, led), deadline=deadline,
+                                           lock_wait_s=lock_wait_s)
+        return await self._runner.call(
+            lambda led: once.apply(led, lambda: _apply(write, led)), deadline=deadline,
+            lock_wait_s=lock_wait_s, alone=True)
 
-    def write_sync(self, write, *, timeout):
-        return self._runner.call_sync(lambda led: _apply(write, led), timeout=timeout)
+    def write_sync(self, write, *, timeout, once=None):
+        if once is None:
+            return self._runner.call_sync(lambda led: _apply(write, led), timeout=timeout)
+        return self._runner.call_sync(lambda led: once.apply(led, lambda: _apply(write, led)),
+                                      timeout=timeout)
 
     def settle(self, timeout):
         self._runner.settle(timeout)
