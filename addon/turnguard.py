@@ -336,7 +336,7 @@ class TurnGuard:
         elif self._process.heartbeat is not None:
             self._process.heartbeat.stop()
             self._process.heartbeat = None
-        self.store.close(write_owed=shutting_down)
+        self.store.close(write_owed=shutting_down, final=True)
         self.identifier.close()
         self.telemetry.close()
         self._undo_log_filter()

@@ -4,7 +4,8 @@ lock) is applied once, however often it is sent: a catch-up that stops waiting f
 leaves that write to run, and land, on the ledger's thread, and the catch-up after it must
 not apply it a second time. On a real ledger file, through ``FailoverStore``, with a real lock
 held by another connection and a gate in front of the ledger's ``finish`` (order, not
-time)."""
+time). So is a request's catch-up that a script reload interrupts: the request still gets a
+decision (from memory; the instance loaded next decides it again), never an exception."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from turnguard_core.ending import AttemptEnding
 from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
 
 from store_attempt import StoreAttempt
-from test_own_replays import SCOPE, Traced, ident
+from test_own_replays import GUARD, SCOPE, Traced, ident
 
 
 class FinishGate:
@@ -110,4 +111,98 @@ async def test_an_owed_end_whose_write_outlives_its_catch_up_is_applied_once(tmp
         assert traced.store.memory.recording(turn, now=time.time(), window_s=300) == recording
     finally:
         blocker.close()
+        traced.store.close()
+
+
+async def owe_ends(traced: Traced, path: str, texts: list[str]) -> None:
+    """Turns of ``texts`` claimed, then completed while another connection holds the write
+    lock: their ends are owed (kept), and the lock is gone again."""
+    recording = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
+    claims = [(turn, await traced.admit(turn)) for turn in map(ident, texts)]
+    blocker = sqlite3.connect(path, isolation_level=None, timeout=1)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        for turn, claim in claims:
+            sent = traced.store.finish(
+                StoreAttempt(turn, claim.attempt_id, traced.store.generation,
+                             circuit_scope=SCOPE),
+                AttemptEnding("completed", recording, None, False, None, None),
+                AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
+                circuit_cfg=circuit.CircuitConfig(), base={})
+            if sent is not None:  # (the second is kept at once: the ledger is down)
+                with pytest.raises(LedgerError):
+                    await sent
+        blocker.execute("ROLLBACK")
+    finally:
+        blocker.close()
+    assert traced.store.kept_writes == len(texts)
+
+
+@pytest.mark.parametrize("owed", [1, 2])
+async def test_a_requests_catch_up_that_a_reload_interrupts_still_decides_the_request(
+        tmp_path, monkeypatch, owed):
+    """A request's admission finds ends owed to the ledger and writes them first (its
+    catch-up); the write of the first is under way (at the gate) when the addon instance is
+    unloaded (a script reload closes its store). The admission must still come back with a
+    decision, made from memory (the instance loaded next takes the request over, with the
+    ledger): it raised (the store it caught up for was gone: AttributeError; with another end
+    owed, the closed ledger's executor refused its write: RuntimeError), and the request hook
+    forwarded the request unguarded, a duplicate run upstream again. The store is not opened
+    again for the unloaded instance, and the ends still owed stay the process's."""
+    path = str(tmp_path / "ledger.sqlite3")
+    gate = FinishGate(monkeypatch)
+    traced = Traced(path)
+    try:
+        await owe_ends(traced, path, [f"owed {n}" for n in range(owed)])
+        gate.opened.clear()
+        admission = asyncio.ensure_future(traced.store.admit(
+            ident("a request whose catch-up spans a reload"), method="POST",
+            route="/v1/responses", flow_id="f2", circuit_scope=SCOPE, recovery=None,
+            once_mode=False, in_flight_here=lambda: False, guard=GUARD,
+            window_s=GUARD.replay_window_s, threshold=2, deadline=time.monotonic() + 30))
+        assert await asyncio.to_thread(gate.entered.wait, 10)  # its catch-up's write
+        traced.store.close(write_owed=False, final=True)  # the unload (a script reload)
+        gate.opened.set()
+        decision = await admission
+        assert isinstance(decision, policy.Dispatch) and decision.attempt_id is None  # memory
+        assert not traced.store.is_open  # nothing opened it again
+        assert traced.store.kept_writes == owed - 1  # the first landed; the rest still owed
+        assert read(path, "SELECT state FROM operations ORDER BY created_at") == \
+            [("completed",)] + [("in_flight",)] * (owed - 1)
+    finally:
+        traced.store.close()
+
+
+async def test_a_store_closed_at_an_unload_is_not_opened_again_by_a_call_that_fails_after(
+        tmp_path, monkeypatch):
+    """A request's ledger call (a session's claim) is under way on the ledger's thread when
+    the addon instance is unloaded (its store closed for good), and fails after that (the
+    lock it waited for stayed). That failure must not be taken for a ledger file gone: the
+    call's second go opened the ledger again, a connection and a heartbeat thread for an
+    instance no longer loaded. It is unread (decided from memory) and the store stays
+    closed."""
+    path = str(tmp_path / "ledger.sqlite3")
+    entered, fail = threading.Event(), threading.Event()
+    claim = ledger.Ledger.claim_session
+
+    def gated(led, *args, **kwargs):
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop()
+            raise LedgerError("database is locked (the claim gate)")  # to the thread
+        entered.set()
+        assert fail.wait(30)
+        raise LedgerError("database is locked")
+
+    monkeypatch.setattr(ledger.Ledger, "claim_session", gated)
+    traced = Traced(path)
+    try:
+        call = asyncio.ensure_future(traced.store.claim_session(
+            "sess", now=time.time(), lease_s=15, new_id="x", deadline=time.monotonic() + 30))
+        assert await asyncio.to_thread(entered.wait, 10)
+        traced.store.close(write_owed=False, final=True)  # the unload (a script reload)
+        monkeypatch.setattr(ledger.Ledger, "claim_session", claim)
+        fail.set()
+        assert await call is None  # unread
+        assert not traced.store.is_open
+    finally:
         traced.store.close()

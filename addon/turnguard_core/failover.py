@@ -266,6 +266,9 @@ class FailoverStore:
         self._adoption_due = False
         self._stale_attempts_due = False
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
+        # closed for good (its addon instance was unloaded: ``close(final=True)``): nothing
+        # opens a ledger for it again, not even a call of a request it was still deciding
+        self._retired = False
         # the ledger file this process left (deleted or replaced): it notes in the new one,
         # once its attempts in flight are registered there, that it has (``mark_moved``)
         self._moved_from = ""
@@ -391,7 +394,8 @@ class FailoverStore:
 
     async def reopen_if_due(self) -> None:
         """The ticker: try to open a ledger that could not be opened (or whose file is gone)."""
-        if self._store is not None or not self.path or time.monotonic() < self._reopen_at:
+        if self._store is not None or not self.path or self._retired \
+                or time.monotonic() < self._reopen_at:
             return
         self._reopen_at = time.monotonic() + REOPEN_S
         loop = asyncio.get_running_loop()
@@ -473,12 +477,17 @@ class FailoverStore:
             self._peers_behind = False
             self._peers_until = time.monotonic() + self._peers_wait_s() + REOPEN_S
 
-    def close(self, *, write_owed: bool = True) -> None:
+    def close(self, *, write_owed: bool = True, final: bool = False) -> None:
         """Close the ledger. Writes still owed (an attempt's end kept while the ledger was
         locked or full) are tried first (``write_owed``; not into a file found deleted or
         replaced), at most ``CLOSE_WRITES_S`` in all: a process that stops (SIGTERM) or is
         reloaded must not leave a completed turn to be reaped as partial and run again; what
-        still cannot be written is logged."""
+        still cannot be written is logged. ``final``: the addon instance is unloaded (a
+        script reload, or shutdown): no ledger is opened for this store again; a call of a
+        request it was still deciding (one whose catch-up spans the close) is answered
+        ``UNREAD``, decided from memory, then handed to the instance loaded next."""
+        if final:
+            self._retired = True
         if self._store is not None and _loop_running():  # (unit tests close outside a loop)
             self.write_counts()
         if write_owed and self._store is not None and (self._kept or self._sent):
@@ -776,9 +785,11 @@ class FailoverStore:
                 await self._adopt(store, attempt, deadline)
             self._adoption_due = self._attempts_elsewhere(store.generation)
         except LedgerError as e:
+            if self._store is not store:  # closed meanwhile (a reload): no fault to note;
+                return False  # what is left is owed still, to the instance loaded next
             self._down(e, "probe")
             return False
-        return True
+        return self._store is store
 
     async def _adopt(self, store: Store, attempt: AttemptInFlight, deadline: float | None) -> None:
         # the attempts of its operation whose end (or give-back) is owed to this file: ended
@@ -835,7 +846,7 @@ class FailoverStore:
         """After a call on ``store`` could not be answered: whether its file was deleted or
         replaced (then the outage is begun, ``_file_gone``, or was by another call meanwhile),
         so that the file now at the path is opened at once."""
-        if store is None:
+        if store is None or self._retired:
             return False
         if store is not self._store:
             return self._store is None or self._store.generation != store.generation
@@ -865,7 +876,7 @@ class FailoverStore:
     async def _call_once(self, during: str, call: Callable[[Store], Any], *,
                          deadline: float | None = None, on_late=None,
                          background: bool = False) -> Any:
-        if self._store is None and self.path and deadline is not None:
+        if self._store is None and self.path and deadline is not None and not self._retired:
             # the file was found gone (or could not be opened a while ago): this request
             # opens the file now at the path rather than deciding blind until the next tick
             # (another process may have registered its attempts there meanwhile); a request
@@ -879,8 +890,13 @@ class FailoverStore:
                                    timeout=max(0.0, deadline - time.monotonic()))
         if self._store is None or deadline is not None and deadline <= time.monotonic():
             return UNREAD
+        store = self._store
         if not self.usable and not self._only_locked(deadline) \
                 and not await self.recover(deadline):
+            return UNREAD
+        if self._store is not store:
+            # closed while it caught up (a script reload unloaded this instance, or the file
+            # was found gone): ``_call`` goes again on the file now at the path, if any
             return UNREAD
         started = time.monotonic()
         try:

@@ -85,6 +85,7 @@ class LedgerRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnguard-ledger"
         )
+        self._closed = False
 
     # -- the two paths ----------------------------------------------------------------------------
     def _fast_possible(self) -> bool:
@@ -93,6 +94,7 @@ class LedgerRunner:
             and self._handed == self._finished  # the thread is not using the connection
             and time.monotonic() >= self._slow_until
             and self.ledger.is_open
+            and not self._closed  # (its close may still be queued on the thread)
         )
 
     def _run(self, job: Job[T], busy_ms: float | None) -> T:
@@ -114,6 +116,8 @@ class LedgerRunner:
 
     def _queue(self, job: Job[T], deadline: float | None = None,
                lock_wait_s: float | None = None) -> concurrent.futures.Future:
+        if self._closed:  # (not the executor's RuntimeError: a caller handles a LedgerError)
+            raise LedgerError("the ledger was closed")
         self._handed += 1
         return self._pool.submit(self._run_on_thread, job, deadline, lock_wait_s)
 
@@ -264,8 +268,9 @@ class LedgerRunner:
 
     def close(self) -> None:
         """Close the connection after every queued call (deferred writes first); do not wait
-        for it."""
+        for it. A call made after this raises ``LedgerError`` (the ledger was closed)."""
         self.flush()
+        self._closed = True
         self._pool.submit(self.ledger.close)
         self._pool.shutdown(wait=False)
 
