@@ -135,11 +135,15 @@ def test_an_attached_duplicate_ends_with_the_same_failure(tmp_path):
     """The original's upstream resets mid-stream: its client and the attached duplicate both
     get the events so far, then a cut; the retry after it is dispatched again (as after any
     partial attempt)."""
-    cut = {"kind": "partial", "events": 4, "gap_ms": 400, "end": "reset"}
+    # the mock holds the original after two of its four events until the duplicate attached
+    # (order, not a duplicate that had to come within a 1.2 s stream)
+    cut = {"kind": "partial", "events": 4, "gap_ms": 100, "end": "reset",
+           "hold": "original", "hold_after_events": 2}
 
     async def run(url):
-        return await asyncio.gather(stream_post(url, behaviour=cut),
-                                    stream_post(url, delay_s=0.6, after=up))
+        original = asyncio.ensure_future(stream_post(url, behaviour=cut))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url))
+        return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
@@ -621,16 +625,18 @@ def test_an_http10_duplicate_that_attaches_gets_the_bytes_unchunked(tmp_path):
         assert_no_traceback(proxy.log_text())
 
 
-async def _while_held(tmp_path, up: MockUpstream, hold: str, duplicate):
+async def _while_held(tmp_path, up: MockUpstream, hold: str, duplicate,
+                      event: str = "duplicate_attached"):
     """Await ``duplicate`` (a coroutine: a client's duplicate of the original) once the mock
-    holds the original's stream at ``hold``, and release that hold once the proxy says a
-    duplicate attached to it: the duplicate finds the stream running, however late it comes
-    (order, not a stream long enough for it to come in time). Returns its result."""
+    holds the original's stream at ``hold``, and release that hold once the proxy's events
+    have an ``event`` (a duplicate attached to it; ``duplicate_held``: held): the duplicate
+    finds the original running, however late it comes (order, not a stream long enough for
+    it to come in time). Returns its result."""
     await asyncio.to_thread(up.wait_held, hold, 30)
     task = asyncio.ensure_future(duplicate)
     try:
         await asyncio.to_thread(wait_until, lambda: turnguard_events(
-            tmp_path, kind="duplicate_attached") or task.done(), 30, what="a duplicate attached")
+            tmp_path, kind=event) or task.done(), 30, what=f"a {event} event")
     finally:
         await asyncio.to_thread(up.release, hold)
     return await task
