@@ -110,13 +110,16 @@ def test_duplicates_of_a_slow_stream_attach_and_get_the_same_stream_live(tmp_pat
 
 
 def test_a_duplicate_held_before_the_stream_starts_attaches_when_it_does(tmp_path):
-    """The original's headers come after 1.5 s: its duplicate is held (no response yet),
-    then attaches when the stream starts, and gets it whole."""
-    late = {"kind": "ok", "events": 6, "delay_ms": 1500, "gap_ms": 200}
+    """The original's headers come late (the mock holds it before its status line until the
+    duplicate is held): its duplicate is held (no response yet), then attaches when the
+    stream starts, and gets it whole."""
+    late = {"kind": "ok", "events": 6, "gap_ms": 200, "hold": "original"}
 
     async def run(url):
-        return await asyncio.gather(stream_post(url, behaviour=late),
-                                    stream_post(url, delay_s=0.4, after=up))
+        original = asyncio.ensure_future(stream_post(url, behaviour=late))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url),
+                                event="duplicate_held")
+        return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
