@@ -234,8 +234,10 @@ def test_what_an_http_stream_sent_after_its_end_is_not_the_next_calls_on_a_socke
     (replayed from its recording, or attached to it live) gets its events up to its end and
     no further: the late one, sent on the socket after the response's end, would be read by
     the client as the answer to its next call."""
-    gap = {"gap_ms": 150} if how == "attached" else {}
-    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_terminal", **gap}],
+    # attached: the mock holds the POST after two events until the socket's call attached
+    # (order, not a socket that had to come within a stream of 150 ms gaps)
+    hold = {"hold": "post", "hold_after_events": 2} if how == "attached" else {}
+    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_terminal", **hold}],
                 "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
         frame = call([user("hi")], seed=3)
@@ -250,11 +252,16 @@ def test_what_an_http_stream_sent_after_its_end_is_not_the_next_calls_on_a_socke
             posted = None
             if how == "attached":
                 posted = asyncio.create_task(asyncio.to_thread(post))
-                await asyncio.to_thread(wait_until, lambda: up.dispatches(), 10,
-                                        what="the POST upstream")
-                await asyncio.sleep(0.3)  # its first events came
+                await asyncio.to_thread(up.wait_held, "post", 30)  # its first events came
             async with WsClient.connect(p.url, headers=HEADERS) as c:
                 await c.send(frame)
+                if how == "attached":
+                    try:
+                        await asyncio.to_thread(wait_until, lambda: events(
+                            tmp_path, "duplicate_attached") or len(up.dispatches()) > 1, 30,
+                            what="the socket's call attached")
+                    finally:
+                        await asyncio.to_thread(up.release, "post")
                 first = await c.response()
                 await c.send(call([user("next")], seed=4))
                 return first, await c.response(), posted and await posted
