@@ -1453,11 +1453,19 @@ class DeflateUpstream(LoopbackServer):
     and negotiates no extension): it accepts permessage-deflate when the socket offers it and
     answers each call, after ``delay_s``, with ``response.created``, a small delta, one delta
     of ``big_bytes`` (a few kB on the wire, deflated), ``output_item.done`` and
-    ``response.completed``. ``dispatches`` counts the calls."""
+    ``response.completed``. ``dispatches`` counts the calls. ``hold``: the first call's
+    answer waits (in place of ``delay_s``) until ``release()``, at most 60 s; ``held`` is
+    set once it waits (the test's view that the call is upstream and unanswered)."""
 
-    def __init__(self, *, big_bytes: int, delay_s: float = 0.8):
+    def __init__(self, *, big_bytes: int, delay_s: float = 0.8, hold: bool = False):
         self.big_bytes, self.delay_s, self.dispatches = big_bytes, delay_s, 0
+        self.hold, self.held = hold, threading.Event()
+        self._released = asyncio.Event()
         super().__init__()
+
+    def release(self) -> None:
+        """Let the held first call answer (from the test's thread)."""
+        self._loop.call_soon_threadsafe(self._released.set)
 
     async def handle(self, reader, writer) -> None:
         from wsproto import ConnectionType, WSConnection
@@ -1498,7 +1506,11 @@ class DeflateUpstream(LoopbackServer):
         from wsproto.events import TextMessage
         self.dispatches += 1
         rid = f"resp_{self.dispatches}"
-        await asyncio.sleep(self.delay_s)
+        if self.hold and self.dispatches == 1:
+            self.held.set()
+            await asyncio.wait_for(self._released.wait(), 60)
+        else:
+            await asyncio.sleep(self.delay_s)
         item = {"type": "message", "id": f"msg_{rid}", "role": "assistant",
                 "content": [{"type": "output_text", "text": "hi"}]}
         frames = [{"type": "response.created", "response": {"id": rid}},
@@ -1794,7 +1806,7 @@ def test_an_event_too_large_to_read_reaches_every_duplicate_or_none_is_answered_
     client gets it; a duplicate attached live gets it too, and no replay leaves it out (the
     response cannot be recorded without it: a later retry is forwarded)."""
     big = 9 * 1024 * 1024
-    with DeflateUpstream(big_bytes=big) as up, Mitmdump(tmp_path, up.url, options={
+    with DeflateUpstream(big_bytes=big, hold=True) as up, Mitmdump(tmp_path, up.url, options={
             "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
             "turnguard_events": str(tmp_path / "mitmdump-events.jsonl")}) as p:
         async def on(client, seed):
@@ -1803,10 +1815,19 @@ def test_an_event_too_large_to_read_reaches_every_duplicate_or_none_is_answered_
                 return await c.response(30)
 
         async def run():
+            # the upstream holds the first call unanswered until the second is held: it is
+            # held, then attached at the first delta (order, not a second call that had to
+            # come within 0.4 s of the first and before its answer's end)
             first = asyncio.create_task(on(DeflateClient, 1))
-            await asyncio.sleep(0.4)  # held, then attached at the first delta
-            second = await on(WsClient, 2)
-            first = await first
+            await asyncio.to_thread(wait_until, up.held.is_set, 30, what="the first call upstream")
+            second = asyncio.create_task(on(WsClient, 2))
+            try:
+                await asyncio.to_thread(wait_until, lambda: events(
+                    tmp_path, "duplicate_held") or second.done(), 30,
+                    what="the second call held")
+            finally:
+                up.release()
+            first, second = await first, await second
             return first, second, await on(DeflateClient, 3)
 
         first, attached, later = asyncio.run(run())
