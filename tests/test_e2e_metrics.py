@@ -54,18 +54,26 @@ def post(url, headers=HEADERS, body=BODY, timeout=30):
 
 
 def test_duplicate_storm_counters_match_the_upstream_log(tmp_path, report):
-    scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000}], "default": {"kind": "ok"}}
+    # the original's headers wait for its 4 s delay and then for the test's release, given
+    # once the 5 duplicates are held and have been for more than 2 s (order: they are held
+    # however late they come; the delay and the 2 s are floors the sums below check)
+    scenario = {"sequence": [{"kind": "slow", "delay_ms": 4000, "hold": "original"}],
+                "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, proxy(
         tmp_path, up, turnguard_response_created_timeout_ms=60000
     ) as p:
         url = metrics_url(p)
         with ThreadPoolExecutor(max_workers=6) as pool:
             first = pool.submit(post, p.url)
-            time.sleep(0.5)
+            up.wait_for_record(lambda r: r.get("event") == "dispatch", 30)
             dups = [pool.submit(post, p.url) for _ in range(5)]
-            during = scrape_until(
-                url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 5,
-                "5 held flows in the gauge")
+            try:
+                during = scrape_until(
+                    url, lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == 5,
+                    "5 held flows in the gauge")
+                time.sleep(2.1)  # a floor: each hold lasts more than 2 s (not a race)
+            finally:
+                up.release("original")
             statuses = [first.result()] + [d.result() for d in dups]
         assert statuses == [200] * 6
         assert metric(during, "turnguard_attempts_in_flight") == 1
