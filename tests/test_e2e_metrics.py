@@ -287,14 +287,18 @@ def test_a_websocket_client_that_leaves_during_a_cooldown_hold_is_one_abandoned_
     assert metric(s, "turnguard_cooldown_wait_seconds_count", reason="gone") == 1
 
 
-SLOW_ORIGINAL = {"sequence": [{"kind": "slow", "delay_ms": 5000}], "default": {"kind": "ok"}}
+# the first dispatch waits before its status line until the test releases the hold
+# "original" (at most 60 s): whatever the test does meanwhile, its duplicates stay held
+SLOW_ORIGINAL = {"sequence": [{"kind": "ok", "hold": "original"}], "default": {"kind": "ok"}}
 
 
-def _an_original_and_held_duplicates(pool: ThreadPoolExecutor, p, n: int):
-    """A POST through ``p`` (slow, with SLOW_ORIGINAL upstream) and ``n`` duplicates of it,
-    returned once the gauge shows the duplicates held."""
+def _an_original_and_held_duplicates(pool: ThreadPoolExecutor, p, up: MockUpstream, n: int):
+    """A POST through ``p`` (held by ``up``, a mock with SLOW_ORIGINAL, until the test calls
+    ``up.release("original")``) and ``n`` duplicates of it, sent once the mock holds it and
+    returned once the gauge shows them held (order, not duplicates sent 0.5 s into a 5 s
+    delay everything after had to fit in)."""
     first = pool.submit(post, p.url)
-    time.sleep(0.5)
+    up.wait_held("original", 30)
     dups = [pool.submit(post, p.url) for _ in range(n)]
     scrape_until(metrics_url(p),
                  lambda s: metric(s, "turnguard_flows_held", wait="duplicate") == n,
@@ -313,8 +317,11 @@ def test_holds_a_script_reload_hands_over_are_counted_once(tmp_path):
         tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
     ) as p:
         with ThreadPoolExecutor(max_workers=4) as pool:
-            first, dups = _an_original_and_held_duplicates(pool, p, 3)
-            reloaded(p, touch_to_reload(p, script))
+            first, dups = _an_original_and_held_duplicates(pool, p, up, 3)
+            try:
+                reloaded(p, touch_to_reload(p, script))
+            finally:
+                up.release("original")
             statuses = [first.result()] + [d.result() for d in dups]
         url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
         s = scrape_until(url, lambda s: metric(s, "turnguard_outcomes_total") == 1
@@ -344,14 +351,17 @@ def test_holds_let_go_by_a_reload_that_failed_reach_the_events_file_and_the_metr
         tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
     ) as p:
         with ThreadPoolExecutor(max_workers=3) as pool:
-            first, dups = _an_original_and_held_duplicates(pool, p, 2)
-            time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-            script.write_text(good + "this is not python(\n")
-            statuses = [d.result() for d in dups]
-            started = p.log_text().count("turnguard: running")
-            time.sleep(1.1)
-            script.write_text(good)
-            reloaded(p, started)
+            first, dups = _an_original_and_held_duplicates(pool, p, up, 2)
+            try:
+                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                script.write_text(good + "this is not python(\n")
+                statuses = [d.result() for d in dups]
+                started = p.log_text().count("turnguard: running")
+                time.sleep(1.1)
+                script.write_text(good)
+                reloaded(p, started)
+            finally:
+                up.release("original")
             statuses.append(first.result())
         url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
         s = scrape_until(url, lambda s: metric(s, "turnguard_holds_abandoned_total") == 2,
@@ -372,9 +382,12 @@ def test_holds_let_go_at_shutdown_reach_the_events_file(tmp_path, sig):
         tmp_path, up, turnguard_response_created_timeout_ms=60000
     ) as p:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            first, dups = _an_original_and_held_duplicates(pool, p, 1)
-            p.proc.send_signal(sig)
-            assert p.proc.wait(20) == 0
+            first, dups = _an_original_and_held_duplicates(pool, p, up, 1)
+            try:
+                p.proc.send_signal(sig)
+                assert p.proc.wait(20) == 0
+            finally:
+                up.release("original")
             first.result(), dups[0].result()
         assert_no_traceback(p.log_text())
     assert len(up.dispatches()) == 1
