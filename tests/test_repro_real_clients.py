@@ -98,7 +98,10 @@ def sdk_turn(client, headers) -> tuple[str, str]:
 
 @pytest.mark.parametrize("guard", [False, True])
 def test_openai_python_two_clients_racing_one_turn(tmp_path, guard, report):
-    scenario = {"sequence": [{"kind": "ok", "think_ms": 2000, "events": 3}], "default": {"kind": "ok", "think_ms": 500}}
+    # the first turn stops after response.in_progress until the second attached (or, without
+    # turnguard, went upstream): order, not a second client that had to come within 2 s
+    scenario = {"sequence": [{"kind": "ok", "hold": "first", "hold_after_events": 2, "events": 3}],
+                "default": {"kind": "ok", "think_ms": 500}}
     with MockUpstream(tmp_path, scenario) as up, (
         proxy(tmp_path, up, "tg") if guard else Mitmdump(tmp_path, up.url, addon=False)
     ) as p:
@@ -109,8 +112,14 @@ def test_openai_python_two_clients_racing_one_turn(tmp_path, guard, report):
 
         threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]
         threads[0].start()
-        time.sleep(0.5)
-        threads[1].start()
+        try:
+            up.wait_held("first", 30)
+            threads[1].start()
+            wait_until(lambda: len(up.dispatches()) > 1 or not threads[1].is_alive() or (
+                guard and events(tmp_path, "tg", "duplicate_attached")), 30,
+                what="the second client attached or upstream")
+        finally:
+            up.release("first")
         for t in threads:
             t.join(60)
         assert all(r is not None for r in results)
