@@ -9,13 +9,12 @@ import json
 import os
 import stat
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from harness import REPO, Mitmdump, MockUpstream, sse_post
+from harness import REPO, Mitmdump, MockUpstream, sse_post, wait_until
 
 REPRODUCE = REPO / "scripts" / "reproduce"
 CAPTURE_ADDON = REPO / "scripts" / "turnguard_repro" / "capture_addon.py"
@@ -54,7 +53,9 @@ def reproduce(*args: str) -> subprocess.CompletedProcess[str]:
 def test_capture_to_scenario_round_trip(tmp_path, report):
     flows = tmp_path / "incident.flows"
     upstream = {"sequence": [
-        {"kind": "ok", "think_ms": 1500, "events": 3},  # A, the original
+        # A, the original: it thinks, then waits for the test's release, given once A's
+        # duplicate went upstream (the overlap, by order, not a duplicate 0.3 s into 1.5 s)
+        {"kind": "ok", "think_ms": 1500, "events": 3, "hold": "A", "hold_after_events": 2},
         {"kind": "ok", "think_ms": 800, "events": 3},  # A again, while A runs: a duplicate
         {"kind": "partial", "events": 3},  # B
         {"kind": "status", "code": 429, "retry_after": 1, "headers": {"x-should-retry": "true"}},  # B again
@@ -65,8 +66,13 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
             Mitmdump(tmp_path, up.url, addon=False, extra_args=["-w", str(flows), "-s", str(CAPTURE_ADDON)]) as proxy:
         with ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(post, proxy.url, "A")
-            time.sleep(0.3)
-            second = pool.submit(post, proxy.url, "A")
+            try:
+                up.wait_for_record(lambda r: r.get("event") == "dispatch", 30)
+                second = pool.submit(post, proxy.url, "A")
+                wait_until(lambda: len(up.dispatches()) == 2 or second.done(), 30,
+                           what="A's duplicate upstream")
+            finally:
+                up.release("A")
             statuses = [first.result(), second.result()]
         statuses += [post(proxy.url, "B"), post(proxy.url, "B"), post(proxy.url, "C"), post(proxy.url, "D")]
         captured = len(up.dispatches())
