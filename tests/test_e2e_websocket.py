@@ -1384,18 +1384,25 @@ def test_a_frame_queued_while_the_client_sends_its_next_one_in_parts_goes_alone(
     only part of its next (large) frame by then, the queued call still goes upstream alone,
     and the next one whole (before, mitmproxy sent the queued call after the part, and the
     next one lost it: two errors where plain mitmdump completes three calls)."""
-    scenario = {"sequence": [{"kind": "ok", "delay_ms": 1500}], "default": {"kind": "ok"}}
+    # A's answer waits upstream until the test releases it, once B and C's first part are
+    # sent; C's rest goes once B went upstream (order, not a 1.5 s delay B had to come
+    # within and a 2.5 s pause A had to end within)
+    scenario = {"sequence": [{"kind": "ok", "hold": "A"}], "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
         frames = [json.dumps(call([user(f"{name} " + "x" * pad)], turn=f"turn-{name}", seed=i))
                   for i, (name, pad) in enumerate([("A", 0), ("B", 0), ("C", 200_000)])]
 
         async def run():
             async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(frames[0])  # slow upstream: 1.5 s
-                await asyncio.sleep(0.2)
-                await c.send(frames[1])  # queued behind A
-                rest = await c.send_in_two(frames[2], 1000)
-                await asyncio.sleep(2.5)  # A ends; B goes upstream now
+                await c.send(frames[0])  # held upstream
+                try:
+                    await asyncio.to_thread(up.wait_held, "A", 30)
+                    await c.send(frames[1])  # queued behind A
+                    rest = await c.send_in_two(frames[2], 1000)
+                finally:
+                    await asyncio.to_thread(up.release, "A")
+                await asyncio.to_thread(wait_until, lambda: len(ws_dispatches(up)) >= 2, 30,
+                                        what="B upstream")  # A ended; B went upstream
                 await rest()
                 return [await c.response(timeout=15) for _ in frames]
 
