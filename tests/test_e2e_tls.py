@@ -283,10 +283,10 @@ def test_an_http2_upstream_over_alpn_gets_one_execution_per_turn(tmp_path, mode)
             via, url = proxy.url, f"https://localhost:{front.port}/v1/responses"
 
         async def run():
-            first = asyncio.create_task(stream_post(via, url, ca_of(proxy), behaviour=SLOW,
+            first = asyncio.create_task(stream_post(via, url, ca_of(proxy), behaviour=HELD,
                                                     http2=True))
-            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
-            dup = await stream_post(via, url, ca_of(proxy), delay_s=0.6, http2=True)
+            dup = await while_held(tmp_path, up, stream_post(via, url, ca_of(proxy),
+                                                             http2=True))
             return await first, dup
         first, dup = asyncio.run(run())
         assert first["status"] == 200 and first["error"] is None, (first, proxy.log_text())
