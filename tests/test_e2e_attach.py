@@ -572,11 +572,12 @@ def test_a_duplicate_whose_body_is_chunked_attaches_and_gets_the_whole_stream(tm
     """A duplicate sent with ``Transfer-Encoding: chunked`` (a generator body): mitmproxy
     sends its body on to the relay chunked; those bytes are the request's, not the peer
     leaving, so it gets the same complete stream as the original."""
-    slow = {"kind": "ok", "events": 8, "gap_ms": 250}
+    held = {"kind": "ok", "events": 8, "hold": "original", "hold_after_events": 2}
 
     async def run(url):
-        return await asyncio.gather(stream_post(url, behaviour=slow),
-                                    stream_post(url, delay_s=0.6, chunked=True, after=up))
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url, chunked=True))
+        return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up) as proxy:
         original, dup = asyncio.run(run(proxy.url))
