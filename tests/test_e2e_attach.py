@@ -846,14 +846,14 @@ def test_an_attached_duplicate_keeps_its_host_and_authority_in_the_saved_flow(tm
     goes to another upstream."""
     from mitmproxy import io as mio
 
-    slow = {"kind": "ok", "events": 8, "gap_ms": 250}
+    held = {"kind": "ok", "events": 8, "hold": "original", "hold_after_events": 2}
     saved = tmp_path / "flows.mitm"
     headers = {**HEADERS, "host": "site-b.example"}
 
     async def run(url):
-        return await asyncio.gather(
-            stream_post(url, headers=headers, behaviour=slow),
-            stream_post(url, headers=headers, delay_s=0.8, after=up))
+        original = asyncio.ensure_future(stream_post(url, headers=headers, behaviour=held))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url, headers=headers))
+        return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, keep_host_header=True,
                                                save_stream_file=str(saved)) as proxy:
