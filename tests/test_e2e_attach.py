@@ -162,11 +162,16 @@ def test_an_attached_duplicate_ends_with_the_same_failure(tmp_path):
 
 
 def test_with_attach_off_a_duplicate_is_held_and_replayed(tmp_path):
-    slow = {"kind": "ok", "events": 6, "gap_ms": 250}
+    # the mock holds the original after two events until its duplicate is held (order, not a
+    # duplicate 0.5 s into a 2.5 s stream; one that came after the end would be replayed
+    # without the hold this test is about)
+    held = {"kind": "ok", "events": 6, "hold": "original", "hold_after_events": 2}
 
     async def run(url):
-        return await asyncio.gather(stream_post(url, behaviour=slow),
-                                    stream_post(url, delay_s=0.5, after=up))
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url),
+                                event="duplicate_held")
+        return await original, dup
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_attach=False) as proxy:
         original, dup = asyncio.run(run(proxy.url))
