@@ -175,16 +175,18 @@ SLOW = {"kind": "ok", "events": 8, "gap_ms": 250}
 HELD = {"kind": "ok", "events": 8, "hold": "original", "hold_after_events": 2}
 
 
-async def while_held(tmp_path: Path, up: MockUpstream, duplicate):
+async def while_held(tmp_path: Path, up: MockUpstream, duplicate,
+                     event: str = "duplicate_attached"):
     """Await ``duplicate`` (a coroutine: a client's duplicate of an original sent with
     ``HELD``) once the mock holds the original's stream, and release it once the proxy's
-    events say a duplicate attached: the duplicate finds the stream running however late it
-    comes (order, not a duplicate placed within a 2 s stream). Returns its result."""
+    events have an ``event`` (a duplicate attached; ``duplicate_held``: held): the duplicate
+    finds the stream running however late it comes (order, not a duplicate placed within a
+    2 s stream). Returns its result."""
     await asyncio.to_thread(up.wait_held, "original", 30)
     task = asyncio.ensure_future(duplicate)
     try:
         await asyncio.to_thread(wait_until, lambda: turnguard_events(
-            tmp_path, kind="duplicate_attached") or task.done(), 30, what="a duplicate attached")
+            tmp_path, kind=event) or task.done(), 30, what=f"a {event} event")
     finally:
         await asyncio.to_thread(up.release, "original")
     return await task
@@ -373,9 +375,9 @@ def test_upstream_mode_behind_a_proxy_duplicates_are_held_and_replayed_over_tls(
 
         async def run():
             first = asyncio.create_task(stream_post(proxy.url, target, ca_of(proxy),
-                                                    behaviour=SLOW))
-            await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
-            dup = await stream_post(proxy.url, target, ca_of(proxy), delay_s=0.6)
+                                                    behaviour=HELD))
+            dup = await while_held(tmp_path, up, stream_post(proxy.url, target, ca_of(proxy)),
+                                   event="duplicate_held")
             return await first, dup
         first, dup = asyncio.run(run())
         assert first["status"] == 200 and first["error"] is None, first
