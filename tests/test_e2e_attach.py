@@ -79,12 +79,22 @@ def test_duplicates_of_a_slow_stream_attach_and_get_the_same_stream_live(tmp_pat
     five duplicates arriving while it streams, a hold bound (2 s) shorter than the stream:
     one upstream execution, six complete and identical streams, no 409, and each duplicate's
     first byte before the original ended (live, not a replay after the end)."""
-    slow = {"kind": "ok", "events": 20, "gap_ms": 300}
+    # the mock holds the stream after four events until the five attached (they still
+    # come 0.8 s apart, but none has to come within the stream's 7 s)
+    slow = {"kind": "ok", "events": 20, "gap_ms": 300, "hold": "original",
+            "hold_after_events": 4}
 
     async def run(url):
-        return await asyncio.gather(
-            stream_post(url, behaviour=slow),
-            *(stream_post(url, delay_s=1.0 + 0.8 * i, after=up) for i in range(5)))
+        original = asyncio.ensure_future(stream_post(url, behaviour=slow))
+        dups = [asyncio.ensure_future(stream_post(url, delay_s=1.0 + 0.8 * i, after=up))
+                for i in range(5)]
+        try:
+            await asyncio.to_thread(wait_until, lambda: len(turnguard_events(
+                tmp_path, kind="duplicate_attached")) >= 5 or any(d.done() for d in dups), 60,
+                what="the five duplicates attached")
+        finally:
+            await asyncio.to_thread(up.release, "original")
+        return await original, *[await d for d in dups]
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up,
                                                turnguard_hold_timeout_ms=2000) as proxy:
