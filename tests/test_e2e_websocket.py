@@ -1146,7 +1146,10 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
     (``turnguard_detach_ms``), the call runs on as turnguard's own HTTP POST; the retry on a
     new socket (the same call: full input, another start-ms and key order) attaches to it
     and gets the whole response: one upstream execution."""
-    thinking = {"default": {"kind": "ok", "think_ms": 3000, "events": 3}}
+    # the call stops after response.created until its retry attached (order, not a retry
+    # that had to come within 3 s of thinking)
+    thinking = {"default": {"kind": "ok", "hold": "think", "hold_after_events": 1,
+                            "events": 3}}
     with MockUpstream(tmp_path, thinking) as up, proxy(
             tmp_path, up, turnguard_detach_ms=30000,
             turnguard_response_created_timeout_ms=20000) as p:
@@ -1155,9 +1158,14 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
                 await a.send(call([user("think hard")], seed=1))
                 first = json.loads(await a.recv())  # response.created, then silence
                 a.abort()  # the idle timeout: a TCP drop, no close frame
-            await asyncio.sleep(0.3)
             async with WsClient.connect(p.url, headers=HEADERS) as b:
                 await b.send(call([user("think hard")], seed=2))
+                try:
+                    await asyncio.to_thread(wait_until, lambda: events(
+                        tmp_path, "duplicate_attached") or len(up.dispatches()) > 1, 30,
+                        what="the retry attached")
+                finally:
+                    await asyncio.to_thread(up.release, "think")
                 return first, await b.response()
 
         first, retried = asyncio.run(drop_then_retry())
@@ -1170,7 +1178,7 @@ def test_a_detached_call_outlives_its_dropped_socket_and_the_retry_attaches(tmp_
                               what="upstream_detached")
         assert detached[0]["used"] is True and detached[0]["outcome"] == "completed"
         assert_no_traceback(p.log_text())
-    report(f"WebSocket call detached: socket dropped 0.0 s into a 3 s think, retry on a new "
+    report(f"WebSocket call detached: socket dropped while the upstream held it, retry on a new "
            f"socket attached; upstream dispatches={len(up.dispatches())} "
            f"(ran {detached[0]['ran_without_client_ms']} ms without a client)")
 
