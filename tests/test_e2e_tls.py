@@ -124,18 +124,26 @@ def dispatches(up: MockUpstream) -> int:
     return len(up.dispatches())
 
 
-async def dropped_then_retried(connect, text: str) -> tuple[dict, list]:
+async def dropped_then_retried(connect, text: str, tmp_path: Path, up: MockUpstream
+                               ) -> tuple[dict, list]:
     """A WebSocket call whose socket is dropped after its first event, then the same call
-    on a new socket: the first event, and the retry's whole answer."""
+    on a new socket: the first event, and the retry's whole answer. The mock holds the call
+    after that event (its behaviour's hold ``think``, ``hold_after_events`` 1) until the
+    retry attached (order, not a retry that had to come within the call's thinking)."""
     from test_e2e_websocket import call, user
 
+    attached = len(turnguard_events(tmp_path, kind="duplicate_attached"))
     async with connect() as a:
         await a.send(call([user(text)], seed=1))
         first = json.loads(await a.recv())
         a.abort()
-    await asyncio.sleep(0.3)
     async with connect() as b:
         await b.send(call([user(text)], seed=2))
+        try:
+            await asyncio.to_thread(wait_until, lambda: len(turnguard_events(
+                tmp_path, kind="duplicate_attached")) > attached, 30, what="the retry attached")
+        finally:
+            await asyncio.to_thread(up.release, "think")
         return first, await b.response()
 
 
@@ -248,7 +256,7 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
     from test_e2e_websocket import HEADERS as WS_HEADERS
     from turnguard_ws import WsClient, types
 
-    thinking = {"default": {"kind": "ok", "think_ms": 3000, "events": 3}}
+    thinking = {"default": {"kind": "ok", "hold": "think", "hold_after_events": 1, "events": 3}}
     with MockUpstream(tmp_path, thinking) as up, TlsFront(tmp_path, up) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_detach_ms=30000,
@@ -260,7 +268,8 @@ def test_wss_a_detached_call_outlives_its_dropped_socket_and_reaches_the_https_u
             return WsClient.connect(wss, headers=WS_HEADERS, ssl=tls,
                                     server_hostname="localhost")
 
-        first, retried = asyncio.run(dropped_then_retried(connect, "think over TLS"))
+        first, retried = asyncio.run(dropped_then_retried(connect, "think over TLS", tmp_path,
+                                                          up))
         assert first["type"] == "response.created"
         assert types(retried)[-1] == "response.completed", retried
         assert retried[0] == first
@@ -449,7 +458,13 @@ def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry
     from test_e2e_websocket import HEADERS as WS_HEADERS, call, user
     from turnguard_ws import WsClient, types
 
-    thinking = {"default": {"kind": "ok", "think_ms": 2000, "events": 3}}
+    # the same call stops after response.in_progress until its second socket's is held, the
+    # dropped one after response.created until its retry attached (order, not a second
+    # socket 0.5 s and a retry 0.3 s into 2 s of thinking)
+    thinking = {"sequence": [
+        {"kind": "ok", "hold": "same", "hold_after_events": 2, "events": 3},
+        {"kind": "ok", "hold": "think", "hold_after_events": 1, "events": 3}],
+        "default": {"kind": "ok", "events": 3}}
     with MockUpstream(tmp_path, thinking) as up, TlsFront(tmp_path, up) as front, \
             tls_proxy(tmp_path, front, ["regular"], turnguard_detach_ms=30000,
                       turnguard_response_created_timeout_ms=20000) as proxy:
@@ -460,13 +475,22 @@ def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry
             return WsClient.connect(wss, headers=WS_HEADERS, ssl=tls, proxy=proxy.url)
 
         async def two_then_drop_then_retry():
-            async def one(seed: int, delay: float):
-                await asyncio.sleep(delay)
+            async def one(seed: int):
                 async with connect() as c:
                     await c.send(call([user("same call")], seed=seed))
                     return await c.response()
-            both = await asyncio.gather(one(1, 0), one(2, 0.5))
-            return both, *await dropped_then_retried(connect, "think over the tunnel")
+            first = asyncio.ensure_future(one(1))
+            await asyncio.to_thread(up.wait_held, "same", 30)
+            second = asyncio.ensure_future(one(2))
+            try:
+                await asyncio.to_thread(wait_until, lambda: turnguard_events(
+                    tmp_path, kind="duplicate_held") or second.done(), 30,
+                    what="the second socket's call held")
+            finally:
+                await asyncio.to_thread(up.release, "same")
+            both = [await first, await second]
+            return both, *await dropped_then_retried(connect, "think over the tunnel",
+                                                     tmp_path, up)
 
         (one_a, one_b), first, retried = asyncio.run(two_then_drop_then_retry())
         assert one_a == one_b and types(one_a)[-1] == "response.completed", (one_a, one_b)
