@@ -12,7 +12,6 @@ reload that failed): it is a script of its own.
 - ``state`` (JSON): ``{"waiting": writes at the gate now, "returned": writes that ran and
   returned (applied or fenced out)}``."""
 
-import asyncio
 import json
 import os
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from turnguard_core import ledger
 from turnguard_core.ledger import LedgerError
+from turnguard_core.store import _on_the_event_loop
 
 HOLD_S = 30.0
 FOLDER = Path(os.environ["TURNGUARD_TEST_WRITE_GATE"])
@@ -39,14 +39,6 @@ def _note(key: str, by: int) -> None:
         tmp = FOLDER / "state.tmp"
         tmp.write_text(json.dumps(_state))
         tmp.replace(FOLDER / "state")
-
-
-def _on_the_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _gated(write):
