@@ -485,7 +485,7 @@ class FailoverStore:
         still cannot be written is logged. ``final``: the addon instance is unloaded (a
         script reload, or shutdown): no ledger is opened for this store again; a call of a
         request it was still deciding (one whose catch-up spans the close) is answered
-        ``UNREAD``, decided from memory, then handed to the instance loaded next."""
+        ``UNREAD``: that request is decided from memory, as in an outage."""
         if final:
             self._retired = True
         if self._store is not None and _loop_running():  # (unit tests close outside a loop)
