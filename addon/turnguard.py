@@ -327,15 +327,12 @@ class TurnGuard:
     def _close(self) -> None:
         self.metrics_endpoint.close()
         shutting_down = _shutting_down()
-        if not shutting_down:  # a script reload: the process lives on, its lease with it
-            kept = self.store.take_heartbeat()
-            if kept is not None:
-                if self._process.heartbeat is not None:
-                    self._process.heartbeat.stop()
-                self._process.heartbeat = kept
-        elif self._process.heartbeat is not None:
-            self._process.heartbeat.stop()
-            self._process.heartbeat = None
+        # a script reload: the process lives on, its lease with it (its heartbeat is kept)
+        kept = None if shutting_down else self.store.take_heartbeat()
+        if kept is not None or shutting_down:
+            if self._process.heartbeat is not None:
+                self._process.heartbeat.stop()
+            self._process.heartbeat = kept
         self.store.close(write_owed=shutting_down, final=True)
         self.identifier.close()
         self.telemetry.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from turnguard_core import ledger
 from turnguard_core.ledger import LedgerError
-from turnguard_core.store import _on_the_event_loop
+from turnguard_core.store import loop_running
 
 HOLD_S = 30.0
 FOLDER = Path(os.environ["TURNGUARD_TEST_WRITE_GATE"])
@@ -44,7 +44,7 @@ def _note(key: str, by: int) -> None:
 def _gated(write):
     def gated(self, *args, **kwargs):
         if _closed():
-            if _on_the_event_loop():
+            if loop_running():
                 raise LedgerError("database is locked (the write gate is closed)")
             _note("waiting", 1)
             try:

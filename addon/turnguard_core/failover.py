@@ -53,6 +53,7 @@ from .store import (
     LedgerStore,
     Store,
     Write,
+    loop_running,
 )
 
 logger = logging.getLogger("turnguard")
@@ -488,7 +489,7 @@ class FailoverStore:
         ``UNREAD``: that request is decided from memory, as in an outage."""
         if final:
             self._retired = True
-        if self._store is not None and _loop_running():  # (unit tests close outside a loop)
+        if self._store is not None and loop_running():  # (unit tests close outside a loop)
             self.write_counts()
         if write_owed and self._store is not None and (self._kept or self._sent):
             self._write_owed(time.monotonic() + CLOSE_WRITES_S)
@@ -569,7 +570,7 @@ class FailoverStore:
         self.close(write_owed=False)
         self._down(LedgerError(why), "file_check")
         self._reopen_at = 0.0  # open the new file at once
-        if _loop_running() and (self._reopening is None or self._reopening.done()):
+        if loop_running() and (self._reopening is None or self._reopening.done()):
             # not at the maintenance's next ticks: other processes hold their new turns until
             # this one's attempts in flight are registered there (``_peers_registering``)
             self._reopening = asyncio.get_running_loop().create_task(
@@ -1385,14 +1386,6 @@ def _loop() -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
     except RuntimeError:  # configured outside the loop (unit tests)
         return asyncio.get_event_loop_policy().get_event_loop()
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _loop_time(deadline: float | None) -> float | None:

@@ -234,7 +234,7 @@ class AppliedOnce:
 
     def apply(self, ledger: Ledger, write: Callable[[], T]) -> T:
         """``write()`` on ``ledger`` (the job's), or the result it had there already."""
-        if _on_the_event_loop():
+        if loop_running():
             acquired = self._lock.acquire(blocking=False)
         else:
             acquired = self._lock.acquire(timeout=ledger.busy_timeout_ms / 1000)
@@ -251,7 +251,8 @@ class AppliedOnce:
             self._lock.release()
 
 
-def _on_the_event_loop() -> bool:
+def loop_running() -> bool:
+    """Whether the caller runs on an event loop (the proxy's; not the ledger's thread)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
