@@ -12,6 +12,7 @@ import subprocess
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -369,3 +370,34 @@ def test_a_turn_of_a_conversation_sent_again_after_it_completed_goes_upstream(tm
         assert response_id(duplicate[2]) == response_id(first[2])
         assert len(up.dispatches()) == 4
         assert_no_traceback(p.log_text())
+
+
+RETENTION_PROBE = Path(__file__).with_name("retention_probe.py")
+
+
+def test_turnguard_keeps_no_flow_whose_attempt_ended(tmp_path):
+    """Once an attempt's end is recorded (its response hook ran), turnguard refers to its
+    flow no more (``retention_probe.py`` walks turnguard's objects from the addon at the
+    flow's ``response`` hook, after turnguard's). A reference kept (a timer's callback that
+    outlives the attempt) keeps the flow, with its request, response and tee, alive past the
+    garbage collector's young generations: only its full passes then free each request's
+    objects, and the whole process slows. A completed stream, a rejection, a connection
+    the upstream resets (the error hook), and a replay (no attempt) each."""
+    scenario = {"sequence": [{"kind": "ok"}, {"kind": "status", "code": 429},
+                             {"kind": "reset"}],
+                "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(RETENTION_PROBE)]) as proxy:
+        answers = [sse_post(proxy.url, body={**BODY, "input": f"turn {n}"}, headers=HEADERS)
+                   for n in range(3)]
+        answers.append(sse_post(proxy.url, body={**BODY, "input": "turn 0"}, headers=HEADERS))
+        assert [a[0] for a in answers] == [200, 429, 502, 200]
+        assert answers[3][1]["x-turnguard"] == "replayed"
+        wait_until(lambda: proxy.log_text().count("retention_probe:") == 4, 10,
+                   what="the probe's look at each flow")
+        looks = [line.split("retention_probe: ", 1)[1] for line in proxy.log_text().splitlines()
+                 if "retention_probe: " in line]
+        assert [look.split(" ", 1)[1] for look in looks] == ["let go"] * 4, looks
+        outcomes = [e["outcome"] for e in turnguard_events(tmp_path, kind="outcome")]
+        assert outcomes == ["completed", "rejected", "unknown"]
+        assert_no_traceback(proxy.log_text())

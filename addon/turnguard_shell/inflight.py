@@ -83,6 +83,7 @@ class Attempt:
     timer: Deadline | None = None  # response_created timeout
     live: LiveResponse | None = None  # its response as it arrives, for duplicates to attach
     first_event_timer: Deadline | None = None  # records the first event, if still on
+    look: Deadline | None = None  # the next look whether it went upstream (``_look_unsent``)
     flow: http.HTTPFlow | None = field(default=None, repr=False)  # its flow (HTTP), or socket's
     sent_as: tuple | None = field(default=None, repr=False)  # its request when dispatched
     edited: bool = False  # a user edited its request after it was identified
@@ -174,7 +175,7 @@ class InFlight:
         if timeout_s > 0:
             self._arm_cut(attempt, key, flow, timeout_s, STALL_GRACES)
             if ws_events is None:  # one that goes upstream late is timed from then on
-                self._look_later(key, flow)
+                self._look_later(attempt, key, flow)
         return attempt
 
     def _arm_cut(self, attempt: Attempt, key: str, flow: http.HTTPFlow, after_s: float,
@@ -208,7 +209,7 @@ class InFlight:
             # its looks (``_look_unsent``) time it in full from the first that finds it sent
             if not getattr(attempt, "unsent", False):
                 attempt.unsent = True
-                self._look_later(key, flow)
+                self._look_later(attempt, key, flow)
             self._time_again(attempt, key, flow)
             return
         if attempt.transport == "http" and flow.intercepted:
@@ -289,8 +290,12 @@ class InFlight:
             handler, proxyserver = None, flows.proxyserver()
         return bool(stream_not_sent(proxyserver, flow, handler))
 
-    def _look_later(self, key: str, flow: http.HTTPFlow) -> None:
-        self._looks.call_later(UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
+    def _look_later(self, attempt: Attempt, key: str, flow: http.HTTPFlow) -> None:
+        # cancelled when the attempt ends: the look keeps its flow, and a flow kept this
+        # long outlives the garbage collector's young generations, so every request's
+        # objects would be left for its full collections to find (much slower ones)
+        attempt.look = self._looks.call_later(
+            UNSENT_LOOK_S, lambda: self._current()._look_unsent(key, flow))
 
     def _look_unsent(self, key: str, flow: http.HTTPFlow) -> None:
         """Look whether the dispatch ``key`` went upstream yet (``_not_sent_yet``): while it
@@ -301,7 +306,7 @@ class InFlight:
             return
         if self._not_sent_yet(key, flow):
             attempt.unsent = True
-            self._look_later(key, flow)
+            self._look_later(attempt, key, flow)
             return
         if getattr(attempt, "unsent", False):
             attempt.unsent = False
@@ -493,6 +498,8 @@ class InFlight:
         attempt.stop_timer()
         if attempt.first_event_timer is not None:  # its finish records the events: no wake-up
             attempt.first_event_timer.cancel()
+        if attempt.look is not None:
+            attempt.look.cancel()
         why, recorded, facts = Ended("unknown"), None, None
         try:
             facts = facts_of(attempt)
