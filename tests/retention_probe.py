@@ -1,5 +1,6 @@
-"""A test addon for a real mitmdump, loaded after turnguard: at each flow's ``response``
-and ``error`` hook (turnguard's has run, its attempt has ended) it looks whether the flow can still be reached
+"""A test addon for a real mitmdump, loaded after turnguard: at each flow's ``response``,
+``error`` and ``websocket_end`` hook (turnguard's has run: its attempt, or its socket, has
+ended) it looks whether the flow can still be reached
 from the turnguard addon's own objects, and says so in one log line
 (``retention_probe: <flow id> kept by turnguard`` or ``... let go``).
 
@@ -63,6 +64,9 @@ class RetentionProbe:
         logger.info("retention_probe: %s %s", flow.id, "kept by turnguard" if kept else "let go")
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self.response(flow)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
         self.response(flow)
 
 

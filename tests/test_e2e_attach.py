@@ -1036,3 +1036,33 @@ def test_a_silent_detached_call_is_cut_while_a_reload_left_no_instance(tmp_path)
             what="nothing in flight")
         assert len(up.dispatches()) == 1
         assert_no_traceback(proxy.log_text()[failed_at:])
+
+
+@pytest.mark.parametrize("attach", [True, False])
+def test_turnguard_keeps_no_duplicate_or_original_once_they_ended(tmp_path, attach):
+    """A duplicate attached to the original's live stream (or, with attach off, held and
+    replayed at its end): once each flow's hooks end, turnguard refers to none of them
+    (``retention_probe.py``, as for a lone attempt in test_e2e_guard.py)."""
+    from test_e2e_guard import RETENTION_PROBE
+
+    held = {"kind": "ok", "events": 6, "hold": "original", "hold_after_events": 2}
+
+    async def run(url):
+        original = asyncio.ensure_future(stream_post(url, behaviour=held))
+        dup = await _while_held(tmp_path, up, "original", stream_post(url),
+                                event="duplicate_attached" if attach else "duplicate_held")
+        return await original, dup
+
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, turnguard_attach=attach,
+            extra_args=["-s", str(RETENTION_PROBE)]) as proxy:
+        original, dup = asyncio.run(run(proxy.url))
+        assert dup["body"] == original["body"]
+        assert dup["headers"]["x-turnguard"] == ("attached" if attach else "replayed")
+        assert len(up.dispatches()) == 1
+        wait_until(lambda: proxy.log_text().count("retention_probe:") == 2, 10,
+                   what="the probe's look at each flow")
+        looks = [line.split("retention_probe: ", 1)[1] for line in proxy.log_text().splitlines()
+                 if "retention_probe: " in line]
+        assert [look.split(" ", 1)[1] for look in looks] == ["let go"] * 2, looks
+        assert_no_traceback(proxy.log_text())
