@@ -182,6 +182,10 @@ def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run)
     # dispatch and outcome: at DEBUG, so no log record is made for them
     assert dispatch["telemetry line (JSON, log record)"]["calls"] >= 2 * m
     assert dispatch.get("log record handling (handlers)", {"calls": 0})["calls"] < m
+    # the garbage collector's passes, timed in each process (their objects are the requests')
+    for timed in (dispatch, replay, hk["replay"]["answer_floor"]):
+        passes = timed["garbage collection (every pass)"]
+        assert passes["calls"] > 0 and _num(passes["us_per_request"])
 
 
 @pytest.mark.slow

@@ -11,6 +11,10 @@ mitmproxy looks a hook up on its addon at every call, so the hooks are timed too
 suspends (awaits something that is not ready) also counts what the thread ran for other flows
 meanwhile: the parts of a replay and of a claim on an uncontended ledger never suspend.
 
+The garbage collector's passes are timed too (``gc.callbacks``), in any process that loads it:
+``GC_PART``, every pass, and ``GC_FULL_PART``, the full ones (the oldest generation). A pass
+runs within whatever allocated when it was due, so its time is also in that part.
+
 ``GET /_bench/hook_times`` (answered by this addon, never timed) returns what was timed since
 the last such request, as JSON, and starts over: ``{"addon": name, "parts": {part: {"calls":
 n, "median_us": .., "p90_us": .., "total_us": ..}}}``. Parts nest (the request hook includes
@@ -21,6 +25,7 @@ timed as a whole.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import json
 import logging
@@ -53,6 +58,9 @@ PARTS: dict[str, dict[str, str]] = {
     "answerfloor": {"request hook": "request", "response hook": "response"},
 }
 LOG_PART = "log record handling (handlers)"  # the "turnguard" logger's handle(), with turnguard
+GC_PART = "garbage collection (every pass)"
+GC_FULL_PART = "garbage collection: full passes"
+OLDEST = len(gc.get_count()) - 1  # the collector's oldest generation
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -71,6 +79,7 @@ class HookTimer:
         self.samples: dict[str, list[float]] = {}
 
     def running(self) -> None:
+        self._time_collections()
         for name, parts in PARTS.items():
             target = ctx.master.addons.get(name)
             if target is None:
@@ -92,6 +101,21 @@ class HookTimer:
                 self._wrap(logging.getLogger("turnguard"), "handle", LOG_PART)
             return
         logging.getLogger(__name__).warning("hook timer: no addon of %s loaded", list(PARTS))
+
+    def _time_collections(self) -> None:
+        every, full = (self.samples.setdefault(part, []) for part in (GC_PART, GC_FULL_PART))
+        clock, began = time.thread_time, [0.0]
+
+        def timed(phase: str, info: dict) -> None:
+            if phase == "start":
+                began[0] = clock()
+                return
+            spent = clock() - began[0]
+            every.append(spent)
+            if info["generation"] == OLDEST:
+                full.append(spent)
+
+        gc.callbacks.append(timed)
 
     def _wrap(self, owner: object, attr: str, part: str) -> None:
         func = getattr(owner, attr)
