@@ -441,13 +441,20 @@ class TurnGuard:
         answer, abandon, pass through). ``resume``: the state to begin from (a request handed
         over by a script reload), else the machine's start."""
         state: machine.State = machine.start() if resume is None else resume
+
+        def retired() -> None:
+            # a ledger call of ``state`` that the unload closed (its catch-up spanned the
+            # reload): the instance loaded now asks its ledger, not this one's memory
+            self._hand_over_if_reloaded(req, state)
+
         while True:
             deadline, now = _ledger_deadline(req.budget_deadline), time.monotonic
             if self._unloaded and isinstance(state, _ASKS):  # (a reload while it was decided)
                 self._hand_over_if_reloaded(req, state)
             match state:
                 case machine.Admit():
-                    admission = await self._admit(method, ident, req, scope, state, deadline)
+                    admission = await self._admit(method, ident, req, scope, state, deadline,
+                                                  retired)
                     state, effects = machine.on_admission(req, state, admission, now(),
                                                           ledger_down=self.store.down_reason())
                 case machine.HoldDuplicate() | machine.WaitCooldown():
@@ -471,10 +478,11 @@ class TurnGuard:
                 case machine.FetchRecording():
                     recording, readable = await self.store.recording(
                         ident, state.attempt_id, window_s=self._replay_window_s(ident),
-                        deadline=deadline)
+                        deadline=deadline, on_retired=retired)
                     state, effects = machine.on_recording(req, state, recording, readable=readable)
                 case machine.FailClosed():
-                    remaining = await self.store.circuit_remaining(scope, deadline=deadline)
+                    remaining = await self.store.circuit_remaining(scope, deadline=deadline,
+                                                                   on_retired=retired)
                     state, effects = machine.fail_closed(req, state, remaining)
                 case (machine.Forward() | machine.Replay() | machine.Attach() | machine.Respond()
                       | machine.Abandon() | machine.PassThrough()):
@@ -487,12 +495,19 @@ class TurnGuard:
         """Raise ``HandedOver`` when this instance was unloaded while it decided a request
         (over HTTP, or a call on a WebSocket) and a script reload has loaded the instance
         that takes it: its unload woke it from a hold, or a wait ended (or the ledger
-        answered) in the turn of the event loop that reloaded the script. This instance's
-        ledger is closed and nothing wakes its holds any more: the new one goes on from
-        ``state``, within what was left of the budget. A held duplicate keeps its hold
-        (admitted again, as when the attempt it waited for ends without a recording), so a
-        reload never lengthens a wait; a request held through a cooldown goes on waiting
-        for what was left of it (one wait, one ``wait_finished``)."""
+        answered) in the turn of the event loop that reloaded the script, or its ledger call
+        (an admission, a recording's read, a circuit's cooldown) went unread because the
+        unload closed this instance's ledger while the call waited for it (for a catch-up of
+        the writes owed): the new instance asks its own ledger rather than this one's memory
+        deciding it as in an outage (a duplicate of a turn another process has in flight was
+        dispatched again). This instance's ledger is closed and nothing wakes its holds any
+        more: the new one goes on from ``state``, within what was left of the budget. A
+        held duplicate keeps its hold (admitted again, as when the attempt it waited for
+        ends without a recording), so a reload never lengthens a wait; a request held
+        through a cooldown goes on waiting for what was left of it (one wait, one
+        ``wait_finished``). With no instance to take it (shutdown, a reload to a copy that
+        fails to load), or one that refused its options, it stays here (decided from memory
+        when its ledger call went unread)."""
         if not self._unloaded:
             return
         successor = self._process.guard
@@ -576,7 +591,8 @@ class TurnGuard:
                                       idempotency_key=ident.idempotency_key is not None)
 
     async def _admit(self, method: str, ident: identity.Identity, req: machine.RequestFacts,
-                     scope: str, state: machine.Admit, deadline: float):
+                     scope: str, state: machine.Admit, deadline: float,
+                     retired: Callable[[], None] | None = None):
         local = self.inflight.of_operation(ident.op_key)
         if local is not None:  # this process's attempt is in flight: hold, no ledger needed
             if local.ident.fingerprint != ident.fingerprint:  # its Idempotency-Key, another body
@@ -595,7 +611,8 @@ class TurnGuard:
             once_mode=policy.recovery_is_once(cfg.recovery_mode),
             in_flight_here=lambda: self.inflight.is_local(ident.op_key), guard=guard,
             window_s=window_s, threshold=cfg.circuit.threshold,
-            deadline=deadline, transport=req.transport, hold_until=hold_until)
+            deadline=deadline, transport=req.transport, hold_until=hold_until,
+            on_retired=retired)
 
     # -- the original's response -----------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

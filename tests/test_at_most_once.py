@@ -49,7 +49,7 @@ from turnguard_mock.events import ok_events
 from turnguard_mock.server import chunk, response_head
 from turnguard_sse import frame
 
-from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
+from test_ledger_faults import dispatches_of, fill, tiny_tmpfs, unfill, wal_at_its_end
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
 ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
@@ -695,6 +695,62 @@ def test_an_owed_offline_end_under_way_at_a_reload_is_one_attempt_and_one_failur
                      ) == [(1, "unknown")]
         assert len(up.dispatches()) == 2
         assert_no_traceback(a.log_text())
+
+
+RELOAD_PROBE = Path(__file__).with_name("reload_probe.py")
+UNSESSIONED = {"authorization": "Bearer sk-at-most-once"}  # no session: no claim to make first
+
+
+def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(tmp_path):
+    """A owes the ledger an end (its own turn completed behind another connection's write
+    lock) and its ticker's catch-up is writing it (held at ``write_gate.py``'s gate) when a
+    duplicate of a turn B has in flight (held upstream) comes to A: its admission waits for
+    that catch-up, and mitmproxy reloads A's script meanwhile (``reload_probe.py``, at that
+    moment), which closes the unloaded instance's ledger for good. The instance loaded now,
+    whose ledger is fine (the gate opens as the script reloads), must decide the duplicate:
+    B's attempt is in flight there, so it is held and gets B's answer. It was decided from
+    the unloaded instance's memory, as in a ledger outage, which knows nothing of B's turn:
+    dispatched, the turn ran upstream twice."""
+    ledger = tmp_path / "ledger.sqlite3"
+    gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
+    gate.mkdir()
+    probe.mkdir()
+    script = reloadable(tmp_path)
+    text = "B's turn in flight, its duplicate sent to A as A's script reloads"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, Mitmdump(
+            tmp_path, up.url, name="a", addon=script,
+            options={"turnguard_ledger": str(ledger),
+                     "turnguard_events": str(tmp_path / "a-events.jsonl"), **opts},
+            extra_args=["-s", str(WRITE_GATE), "-s", str(RELOAD_PROBE)],
+            env={"TURNGUARD_TEST_WRITE_GATE": str(gate),
+                 "TURNGUARD_TEST_RELOAD_PROBE": str(probe)}) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        with its_end_kept_behind_a_lock(tmp_path, a, "a", "A's own turn, its end owed"):
+            (gate / "closed").touch()
+        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                   what="A's catch-up writing the end owed, at the gate")
+        original = in_background(post, b.url, {**UNSESSIONED, **behaviour(kind="ok", hold="b")},
+                                 body_of(text))
+        up.wait_held("b", 30)
+        (probe / "reload-when-waiting").write_text(str(gate / "closed"))
+        started = a.log_text().count("turnguard: running")
+        duplicate = in_background(post, a.url, UNSESSIONED, body_of(text))
+        reloaded(a, started)
+        a.wait_for_log("reload_probe: script reloaded")
+        assert "waits for the catch-up under way" in a.log_text()
+        wait_until(lambda: events(tmp_path, "a", "duplicate_held")
+                   or dispatches_of(up, body_of(text)) > 1 or duplicate.done(), 15,
+                   what="the duplicate held, or dispatched")
+        up.release("b")
+        first, second = original.result(30), duplicate.result(30)
+        assert dispatches_of(up, body_of(text)) == 1
+        assert first[0] == second[0] == 200 and first[2] == second[2]
+        assert second[1].get("x-turnguard") == "replayed"
+        assert a.log_text().count("the addon loaded now decides it") == 1
+        wait_until(lambda: not in_flight(ledger), 10, what="every turn ended in the ledger")
+        assert gate_state(gate)["returned"] == 1  # A's end owed, written once
+        assert_no_traceback(a.log_text() + b.log_text())
 
 
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):

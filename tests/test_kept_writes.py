@@ -144,26 +144,31 @@ async def test_a_requests_catch_up_that_a_reload_interrupts_still_decides_the_re
     """A request's admission finds ends owed to the ledger and writes them first (its
     catch-up); the write of the first is under way (at the gate) when the addon instance is
     unloaded (a script reload closes its store). The admission must still come back with a
-    decision, made from memory (the instance loaded next takes the request over, with the
-    ledger): it raised (the store it caught up for was gone: AttributeError; with another end
-    owed, the closed ledger's executor refused its write: RuntimeError), and the request hook
-    forwarded the request unguarded, a duplicate run upstream again. The store is not opened
-    again for the unloaded instance, and the ends still owed stay the process's."""
+    decision: its ``on_retired`` is called first (the addon hands the request to the instance
+    a reload loaded, with its ledger: ``test_at_most_once.py``), and when that returns (no
+    instance to take it), a decision made from memory. It raised (the store it caught up
+    for was gone: AttributeError; with another end owed, the closed ledger's executor
+    refused its write: RuntimeError), and the request hook forwarded the request unguarded,
+    a duplicate run upstream again. The store is not opened again for the unloaded
+    instance, and the ends still owed stay the process's."""
     path = str(tmp_path / "ledger.sqlite3")
     gate = FinishGate(monkeypatch)
     traced = Traced(path)
     try:
         await owe_ends(traced, path, [f"owed {n}" for n in range(owed)])
         gate.opened.clear()
+        retired: list[str] = []
         admission = asyncio.ensure_future(traced.store.admit(
             ident("a request whose catch-up spans a reload"), method="POST",
             route="/v1/responses", flow_id="f2", circuit_scope=SCOPE, recovery=None,
             once_mode=False, in_flight_here=lambda: False, guard=GUARD,
-            window_s=GUARD.replay_window_s, threshold=2, deadline=time.monotonic() + 30))
+            window_s=GUARD.replay_window_s, threshold=2, deadline=time.monotonic() + 30,
+            on_retired=lambda: retired.append("the request's ledger call went unread")))
         assert await asyncio.to_thread(gate.entered.wait, 10)  # its catch-up's write
         traced.store.close(write_owed=False, final=True)  # the unload (a script reload)
         gate.opened.set()
         decision = await admission
+        assert retired == ["the request's ledger call went unread"]  # asked once, first
         assert isinstance(decision, policy.Dispatch) and decision.attempt_id is None  # memory
         assert not traced.store.is_open  # nothing opened it again
         assert traced.store.kept_writes == owed - 1  # the first landed; the rest still owed

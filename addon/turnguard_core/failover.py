@@ -341,6 +341,17 @@ class FailoverStore:
     def generation(self) -> str:
         return self._store.generation if self._store is not None else ""
 
+    def _unread_for_good(self, on_retired: Callable[[], None] | None) -> None:
+        """A request's call was answered ``UNREAD`` (its decision is about to be made from
+        memory): when this store was closed for good meanwhile (``close(final=True)``: its
+        addon instance was unloaded), ``on_retired()`` first, which may raise to have the
+        request decided elsewhere (by the instance a script reload loaded, with its own
+        ledger). Memory decides only when it returns (no instance to take the request:
+        shutdown, a reload to a copy that fails to load or refuses its options), or when the
+        ledger could not answer for another reason (an outage)."""
+        if self._retired and on_retired is not None:
+            on_retired()
+
     @property
     def location(self) -> str:
         """The ledger's location as it may be shown (a URL's password masked)."""
@@ -486,7 +497,8 @@ class FailoverStore:
         still cannot be written is logged. ``final``: the addon instance is unloaded (a
         script reload, or shutdown): no ledger is opened for this store again; a call of a
         request it was still deciding (one whose catch-up spans the close) is answered
-        ``UNREAD``: that request is decided from memory, as in an outage."""
+        ``UNREAD``: that request's ``on_retired`` is called (the instance a reload loaded
+        takes it, with its ledger), else it is decided from memory, as in an outage."""
         if final:
             self._retired = True
         if self._store is not None and loop_running():  # (unit tests close outside a loop)
@@ -936,12 +948,15 @@ class FailoverStore:
         recovery: policy.RecoveryClaim | None, once_mode: bool,
         in_flight_here: Callable[[], bool], guard: policy.GuardPolicy, window_s: float | None,
         threshold: int, deadline: float, transport: str = "http", hold_until: float | None = None,
+        on_retired: Callable[[], None] | None = None,
     ) -> policy.Admission | policy.ReplayFromMemory:
         """The ledger's decision for the request (a claim when it dispatches), or, without a
         ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
         flight now, asked after the ledger failed). A replay of one of this process's own
         recordings is the ledger's decision too, known without reading it
-        (``MemoryStore.replay``)."""
+        (``MemoryStore.replay``). ``on_retired``: called before the memory decides when the
+        ledger went unread because this store was closed for good meanwhile
+        (``_unread_for_good``)."""
         now = time.time()
         if recovery is None:  # a recovery claim reads the session's owner in the ledger
             known = self.memory.replay(ident, now=now, window_s=window_s,
@@ -979,6 +994,7 @@ class FailoverStore:
         if isinstance(admission, _Carried):
             return admission.decision
         if isinstance(admission, Unread):
+            self._unread_for_good(on_retired)
             return self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
                 once_mode=once_mode, in_flight_here=in_flight_here(), now=now, window_s=window_s,
@@ -1021,16 +1037,21 @@ class FailoverStore:
 
     async def recording(
         self, ident: Identity, attempt_id: int | None, *, window_s: float | None,
-        deadline: float,
+        deadline: float, on_retired: Callable[[], None] | None = None,
     ) -> tuple[Recording | None, bool]:
         """The recording to replay: the one in memory, else ``attempt_id``'s in the ledger.
-        (recording or None, readable): not readable when the ledger could not be read."""
+        (recording or None, readable): not readable when the ledger could not be read
+        (``on_retired`` first, when that is because this store was closed for good
+        meanwhile: ``_unread_for_good``)."""
         recording = self.memory.recording(ident, now=time.time(), window_s=window_s)
         if recording is not None or attempt_id is None:
             return recording, True
         found = await self._call("replay", lambda store: store.recording(
             attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
-        return (None, False) if isinstance(found, Unread) else (found, True)
+        if isinstance(found, Unread):
+            self._unread_for_good(on_retired)
+            return None, False
+        return found, True
 
     async def claim_session(
         self, session: str, *, now: float, lease_s: float, new_id: str, deadline: float,
@@ -1055,11 +1076,15 @@ class FailoverStore:
             session, self._instance_id, epoch))
         return None if isinstance(kept, Unread) else kept
 
-    async def circuit_remaining(self, scope: str, *, deadline: float) -> float:
-        """Seconds of cooldown left in the circuit (the memory's when the ledger cannot say)."""
+    async def circuit_remaining(self, scope: str, *, deadline: float,
+                                on_retired: Callable[[], None] | None = None) -> float:
+        """Seconds of cooldown left in the circuit (the memory's when the ledger cannot say;
+        ``on_retired`` first, when that is because this store was closed for good meanwhile:
+        ``_unread_for_good``)."""
         state = await self._call("fail_closed", lambda store: store.circuit_state(
             scope, deadline=deadline), deadline=deadline)
         if isinstance(state, Unread):
+            self._unread_for_good(on_retired)
             state = self.memory.circuit_state(scope)
         return state.remaining_s(time.time())
 
