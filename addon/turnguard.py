@@ -327,6 +327,11 @@ class TurnGuard:
     def _close(self) -> None:
         self.metrics_endpoint.close()
         shutting_down = _shutting_down()
+        if self.refused:
+            if shutting_down:
+                self._open_for_writes_owed()
+        elif self.store.path:
+            self._process.ledger = self.store.path
         # a script reload: the process lives on, its lease with it (its heartbeat is kept)
         kept = None if shutting_down else self.store.take_heartbeat()
         if kept is not None or shutting_down:
@@ -339,6 +344,20 @@ class TurnGuard:
         self._undo_log_filter()
         if self._process.guard is self:
             self._process.guard = None
+
+    def _open_for_writes_owed(self) -> None:
+        """At shutdown, in an instance refused at a script reload (turnguard was not running:
+        no ledger open) while the process owes writes to the ledger the instance before it
+        used (the end of an attempt that ended meanwhile, its hooks this instance's, kept):
+        that ledger is opened, so that they are written as it closes, as any instance's
+        writes owed are (``FailoverStore.close``). Left unwritten, a peer reaps the
+        process's attempts once it is gone and runs a completed turn again."""
+        if self.store.is_open or not self._process.ledger or not self._process.kept_writes:
+            return
+        logger.info("turnguard: opening ledger %s to write the %d writes owed before exiting",
+                    ledger_location.display(self._process.ledger),
+                    len(self._process.kept_writes))
+        self.store.open(self._process.ledger)  # (a fault is noted: nothing written then)
 
     def stop_kept_heartbeat(self) -> None:
         """Stop the heartbeat a script reload kept from the instance it unloaded, once this

@@ -753,6 +753,46 @@ def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_i
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+def test_a_turns_end_owed_while_a_reload_was_refused_is_written_as_the_process_stops(tmp_path):
+    """mitmproxy reloads A's script while A's turn is in flight, and the instance it loads is
+    refused (the events file's folder is gone: "turnguard is not running"). The turn completes
+    meanwhile: its end is kept for the ledger, and the refused instance has none open, so the
+    ledger shows the turn in flight while it is loaded (the heartbeat kept from the unloaded
+    instance renews A's lease: B holds the turn's retry and answers 409 at its hold bound,
+    never runs it again). When A stops (SIGTERM) the end must be written as A closes, as any
+    write owed is: it was not, and B, reaping A once it was gone, ran the completed turn a
+    second time upstream."""
+    ledger = tmp_path / "ledger.sqlite3"
+    folder = tmp_path / "events"
+    folder.mkdir()
+    script = reloadable(tmp_path)
+    text = "a turn that ends while a reload was refused"
+    opts = dict(turnguard_hold_timeout_ms=2000)
+    with MockUpstream(tmp_path) as up, Mitmdump(
+            tmp_path, up.url, name="a", addon=script,
+            options={"turnguard_ledger": str(ledger),
+                     "turnguard_events": str(folder / "a-events.jsonl"), **opts}) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
+                                 body_of(text))
+        up.wait_held("a", 30)
+        shutil.rmtree(folder)
+        touch_to_reload(a, script)
+        a.wait_for_log("turnguard is not running", 15)
+        up.release("a")
+        assert original.result(30)[0] == 200
+        held = post(b.url, SESSION, body_of(text))  # A lives: its turn is not reaped
+        assert (held[0], held[1].get("x-turnguard")) == (409, "turn_in_progress")
+        assert in_flight(ledger)
+        assert a.stop() == 0
+        assert not in_flight(ledger)  # written as A closed
+        retry = post(b.url, SESSION, body_of(text))
+        assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+        assert retry[2] == original.result(0)[2]
+        assert dispatches_of(up, body_of(text)) == 1
+        assert "the 1 ledger writes owed were written" in a.log_text()
+
+
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
     """A's instance row is gone (as a peer's reap leaves it). A's next attempt must not look
     dead for want of a row: its heartbeat registers it again, and B holds its duplicate."""

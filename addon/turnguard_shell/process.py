@@ -52,6 +52,10 @@ class ProcessState:
     # fails to load leaves none for as long as it is not fixed, while the process's attempts
     # go on upstream: their lease must not lapse, or a peer reaps them and runs them again)
     heartbeat: Any = None
+    # the ledger (its location) the last instance that was not refused used: an instance a
+    # script reload loads and refuses (a bad option: turnguard not running) opens it at
+    # shutdown to write what the process owes it (``TurnGuard._open_for_writes_owed``)
+    ledger: str = ""
 
     @classmethod
     def new(cls) -> "ProcessState":
