@@ -701,22 +701,27 @@ RELOAD_PROBE = Path(__file__).with_name("reload_probe.py")
 UNSESSIONED = {"authorization": "Bearer sk-at-most-once"}  # no session: no claim to make first
 
 
-def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(tmp_path):
+@pytest.mark.parametrize("waiting", ["admission", "session's claim"])
+def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(
+        tmp_path, waiting):
     """A owes the ledger an end (its own turn completed behind another connection's write
     lock) and its ticker's catch-up is writing it (held at ``write_gate.py``'s gate) when a
-    duplicate of a turn B has in flight (held upstream) comes to A: its admission waits for
-    that catch-up, and mitmproxy reloads A's script meanwhile (``reload_probe.py``, at that
-    moment), which closes the unloaded instance's ledger for good. The instance loaded now,
-    whose ledger is fine (the gate opens as the script reloads), must decide the duplicate:
-    B's attempt is in flight there, so it is held and gets B's answer. It was decided from
-    the unloaded instance's memory, as in a ledger outage, which knows nothing of B's turn:
-    dispatched, the turn ran upstream twice."""
+    duplicate of a turn B has in flight (held upstream) comes to A: its first ledger call
+    (its admission; or, in a session A does not own, the session's claim before it) waits
+    for that catch-up, and mitmproxy reloads A's script meanwhile (``reload_probe.py``, at
+    that moment), which closes the unloaded instance's ledger for good. The instance loaded
+    now, whose ledger is fine (the gate opens as the script reloads), must decide the
+    duplicate: B's attempt is in flight there, so it is held and gets B's answer. An
+    admission so interrupted was decided from the unloaded instance's memory, as in a ledger
+    outage, which knows nothing of B's turn: dispatched, the turn ran upstream twice. (A
+    session's claim so interrupted was handed over already.)"""
     ledger = tmp_path / "ledger.sqlite3"
     gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
     gate.mkdir()
     probe.mkdir()
     script = reloadable(tmp_path)
-    text = "B's turn in flight, its duplicate sent to A as A's script reloads"
+    text = f"B's turn in flight, its duplicate sent to A as A's script reloads ({waiting})"
+    headers = UNSESSIONED if waiting == "admission" else {**UNSESSIONED, "session-id": "sess-b"}
     opts = dict(turnguard_hold_timeout_ms=30000)
     with MockUpstream(tmp_path) as up, Mitmdump(
             tmp_path, up.url, name="a", addon=script,
@@ -730,12 +735,12 @@ def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_i
             (gate / "closed").touch()
         wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
                    what="A's catch-up writing the end owed, at the gate")
-        original = in_background(post, b.url, {**UNSESSIONED, **behaviour(kind="ok", hold="b")},
+        original = in_background(post, b.url, {**headers, **behaviour(kind="ok", hold="b")},
                                  body_of(text))
         up.wait_held("b", 30)
         (probe / "reload-when-waiting").write_text(str(gate / "closed"))
         started = a.log_text().count("turnguard: running")
-        duplicate = in_background(post, a.url, UNSESSIONED, body_of(text))
+        duplicate = in_background(post, a.url, headers, body_of(text))
         reloaded(a, started)
         a.wait_for_log("reload_probe: script reloaded")
         assert "waits for the catch-up under way" in a.log_text()
