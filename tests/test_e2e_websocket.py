@@ -922,6 +922,70 @@ def test_a_call_held_through_a_script_reload_is_answered_by_the_new_instance(tmp
         assert_no_traceback(p.log_text())
 
 
+def test_a_call_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(tmp_path):
+    """The WebSocket twin of ``test_at_most_once.py``'s: A owes the ledger an end (its own
+    turn completed behind another connection's write lock), its catch-up's write held at
+    ``write_gate.py``'s gate, when a duplicate of a call B has in flight (held upstream)
+    comes on a socket to A; its admission waits for that catch-up and the script reloads
+    meanwhile (``reload_probe.py``). The instance loaded now decides the call from its
+    ledger: held, then given B's events; one upstream dispatch (from the unloaded
+    instance's memory it was dispatched again)."""
+    from test_at_most_once import (RELOAD_PROBE, WRITE_GATE, gate_state, in_background,
+                                   write_lock)
+
+    ledger = tmp_path / "ledger.sqlite3"
+    gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
+    gate.mkdir()
+    probe.mkdir()
+    script = reloadable(tmp_path)
+    opts = {"turnguard_hold_timeout_ms": 30000}
+    scenario = {"default": {"kind": "ok", "hold": "b"}}
+    with MockUpstream(tmp_path, scenario) as up, Mitmdump(
+            tmp_path, up.url, name="a", addon=script,
+            options={"turnguard_ledger": str(ledger),
+                     "turnguard_events": str(tmp_path / "a-events.jsonl"), **opts},
+            extra_args=["-s", str(WRITE_GATE), "-s", str(RELOAD_PROBE)],
+            env={"TURNGUARD_TEST_WRITE_GATE": str(gate),
+                 "TURNGUARD_TEST_RELOAD_PROBE": str(probe)}) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        # A's own turn, in the calls' session (A owns it then), completes behind a lock
+        own = in_background(sse_post, a.url, "/v1/responses",
+                            {"model": "gpt-test", "input": "A's own turn", "stream": True},
+                            {**HEADERS, "x-mock-behaviour": json.dumps(
+                                {"kind": "ok", "events": 8, "gap_ms": 100})})
+        wait_until(lambda: ledger_query(ledger, "SELECT 1 FROM attempts WHERE events_seen>0"),
+                   10, what="A's own turn streaming")
+        with write_lock(ledger):
+            assert own.result(30)[0] == 200
+            wait_until(lambda: turnguard_events(tmp_path, "a", "ledger_unavailable"), 10,
+                       what="its end kept")
+            (gate / "closed").touch()
+        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                   what="A's catch-up writing the end owed, at the gate")
+
+        async def held_across_the_reload():
+            original = asyncio.create_task(one_call(b.url, call([user("held")], seed=1)))
+            await asyncio.to_thread(up.wait_held, "b", 30)
+            (probe / "reload-when-waiting").write_text(str(gate / "closed"))
+            started = a.log_text().count("turnguard: running")
+            duplicate = asyncio.create_task(one_call(a.url, call([user("held")], seed=2)))
+            await asyncio.to_thread(reloaded, a, started)
+            await asyncio.to_thread(
+                wait_until, lambda: turnguard_events(tmp_path, "a", "duplicate_held")
+                or len(ws_dispatches(up)) > 1 or duplicate.done(), 15,
+                what="the duplicate call held, or dispatched")
+            await asyncio.to_thread(up.release, "b")
+            return await original, await duplicate
+
+        original, duplicate = asyncio.run(held_across_the_reload())
+        assert "waits for the catch-up under way" in a.log_text()
+        assert len(ws_dispatches(up)) == 1
+        assert types(original)[-1] == "response.completed" and duplicate == original
+        assert a.log_text().count("the addon loaded now decides it") == 1
+        assert gate_state(gate)["returned"] == 1  # A's end owed, written once
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 def break_script(proxy: Mitmdump, script) -> str:
     """Write a syntax error into the reloadable copy of the script: mitmproxy reloads it and
     fails, and no turnguard instance gets the hooks until ``restore_script``. Its good text."""
