@@ -178,6 +178,56 @@ async def test_a_requests_catch_up_that_a_reload_interrupts_still_decides_the_re
         traced.store.close()
 
 
+class TakenElsewhere(Exception):
+    """What the addon's ``on_retired`` raises (``HandedOver``): the request goes elsewhere."""
+
+
+@pytest.mark.parametrize("call", ["admit", "recording", "circuit_remaining"])
+async def test_a_request_call_a_reload_interrupts_is_offered_to_the_next_instance_first(
+        tmp_path, monkeypatch, call):
+    """The same interruption (a catch-up's write under way as the store closes for good), for
+    each ledger call of a request's loop: its ``on_retired`` is called before memory decides,
+    and what it raises (the addon's hand-over to the instance a reload loaded) reaches the
+    caller: no decision, no 503 ``ledger_unavailable`` for a recording unread, no cooldown of
+    memory's, made for a request the next instance decides from its ledger."""
+    path = str(tmp_path / "ledger.sqlite3")
+    gate = FinishGate(monkeypatch)
+    traced = Traced(path)
+    try:
+        await owe_ends(traced, path, ["owed"])
+        gate.opened.clear()
+        turn, deadline = ident(f"a request's {call} that a reload interrupts"), \
+            time.monotonic() + 30
+        retired: list[str] = []
+
+        def on_retired() -> None:
+            retired.append(call)
+            raise TakenElsewhere(call)
+
+        asked = {
+            "admit": lambda: traced.store.admit(
+                turn, method="POST", route="/v1/responses", flow_id="f2",
+                circuit_scope=SCOPE, recovery=None, once_mode=False,
+                in_flight_here=lambda: False, guard=GUARD, window_s=GUARD.replay_window_s,
+                threshold=2, deadline=deadline, on_retired=on_retired),
+            "recording": lambda: traced.store.recording(
+                turn, 1, window_s=GUARD.replay_window_s, deadline=deadline,
+                on_retired=on_retired),
+            "circuit_remaining": lambda: traced.store.circuit_remaining(
+                SCOPE, deadline=deadline, on_retired=on_retired),
+        }[call]
+        pending = asyncio.ensure_future(asked())
+        assert await asyncio.to_thread(gate.entered.wait, 10)  # its catch-up's write
+        traced.store.close(write_owed=False, final=True)  # the unload (a script reload)
+        gate.opened.set()
+        with pytest.raises(TakenElsewhere):
+            await pending
+        assert retired == [call]
+        assert not traced.store.is_open
+    finally:
+        traced.store.close()
+
+
 async def test_a_store_closed_at_an_unload_is_not_opened_again_by_a_call_that_fails_after(
         tmp_path, monkeypatch):
     """A request's ledger call (a session's claim) is under way on the ledger's thread when
