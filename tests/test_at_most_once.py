@@ -758,7 +758,9 @@ def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_i
         assert_no_traceback(a.log_text() + b.log_text())
 
 
-def test_a_turns_end_owed_while_a_reload_was_refused_is_written_as_the_process_stops(tmp_path):
+@pytest.mark.parametrize("then", ["the process stops", "the script loads again"])
+def test_a_turns_end_owed_while_a_reload_was_refused_is_written_as_the_process_stops(tmp_path,
+                                                                                     then):
     """mitmproxy reloads A's script while A's turn is in flight, and the instance it loads is
     refused (the events file's folder is gone: "turnguard is not running"). The turn completes
     meanwhile: its end is kept for the ledger, and the refused instance has none open, so the
@@ -766,7 +768,8 @@ def test_a_turns_end_owed_while_a_reload_was_refused_is_written_as_the_process_s
     instance renews A's lease: B holds the turn's retry and answers 409 at its hold bound,
     never runs it again). When A stops (SIGTERM) the end must be written as A closes, as any
     write owed is: it was not, and B, reaping A once it was gone, ran the completed turn a
-    second time upstream."""
+    second time upstream. Reloaded again instead (the folder back), the instance that loads
+    writes it (as after a reload to a script that failed to load), and B replays it."""
     ledger = tmp_path / "ledger.sqlite3"
     folder = tmp_path / "events"
     folder.mkdir()
@@ -789,13 +792,18 @@ def test_a_turns_end_owed_while_a_reload_was_refused_is_written_as_the_process_s
         held = post(b.url, SESSION, body_of(text))  # A lives: its turn is not reaped
         assert (held[0], held[1].get("x-turnguard")) == (409, "turn_in_progress")
         assert in_flight(ledger)
-        assert a.stop() == 0
-        assert not in_flight(ledger)  # written as A closed
+        if then == "the process stops":
+            assert a.stop() == 0
+            assert not in_flight(ledger)  # written as A closed
+            assert "the 1 ledger writes owed were written" in a.log_text()
+        else:
+            folder.mkdir()
+            reloaded(a, touch_to_reload(a, script))
+            wait_until(lambda: not in_flight(ledger), 10, what="the end written")
         retry = post(b.url, SESSION, body_of(text))
         assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
         assert retry[2] == original.result(0)[2]
         assert dispatches_of(up, body_of(text)) == 1
-        assert "the 1 ledger writes owed were written" in a.log_text()
 
 
 def test_a_reaped_process_registers_again_and_is_not_reaped_on_its_next_turn(tmp_path, report):
