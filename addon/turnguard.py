@@ -160,6 +160,9 @@ class TurnGuard:
         # process's instance id and its attempts in flight (their hooks now come here).
         self._build(ProcessState.of(loader.master))
         self._process.guard = self
+        if self._process.exit_watch is not None:  # an instance is loaded: its done does that
+            self._process.exit_watch.cancel()
+            self._process.exit_watch = None
         loader.master.commands.collect_commands(self.commands)
         self._undo_log_filter = config.keep_out_of_legacy_log_events()
         for spec in options.OPTIONS:
@@ -329,7 +332,7 @@ class TurnGuard:
         shutting_down = _shutting_down()
         if self.refused:
             if shutting_down:
-                self._open_for_writes_owed()
+                self._open_for_ends_owed()  # (written as its store closes, below)
         elif self.store.path:
             self._process.ledger = self.store.path
         # a script reload: the process lives on, its lease with it (its heartbeat is kept)
@@ -344,20 +347,57 @@ class TurnGuard:
         self._undo_log_filter()
         if self._process.guard is self:
             self._process.guard = None
+        if not shutting_down:
+            self._watch_exit()
 
-    def _open_for_writes_owed(self) -> None:
-        """At shutdown, in an instance refused at a script reload (turnguard was not running:
-        no ledger open) while the process owes writes to the ledger the instance before it
-        used (the end of an attempt that ended meanwhile, its hooks this instance's, kept):
-        that ledger is opened, so that they are written as it closes, as any instance's
-        writes owed are (``FailoverStore.close``). Left unwritten, a peer reaps the
-        process's attempts once it is gone and runs a completed turn again."""
-        if self.store.is_open or not self._process.ledger or not self._process.kept_writes:
+    def _watch_exit(self) -> None:
+        """A script reload unloaded this instance: should the process exit before another
+        instance loads (the reload's script fails to load until then), this one records as it
+        exits what the next instance would have (``_open_for_ends_owed``)."""
+        should_exit = getattr(getattr(ctx, "master", None), "should_exit", None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: unit tests)
             return
-        logger.info("turnguard: opening ledger %s to write the %d writes owed before exiting",
-                    ledger_location.display(self._process.ledger),
-                    len(self._process.kept_writes))
-        self.store.open(self._process.ledger)  # (a fault is noted: nothing written then)
+        if should_exit is None:
+            return
+
+        async def watch() -> None:
+            try:
+                await should_exit.wait()
+            finally:  # (also when the loop's end cancels it, woken but not yet run)
+                if should_exit.is_set():  # (not: an instance loaded, and cancelled it)
+                    try:
+                        if self._process.heartbeat is not None:
+                            self._process.heartbeat.stop()
+                            self._process.heartbeat = None
+                        self._open_for_ends_owed()
+                        self.store.close(write_owed=True, final=True)
+                    except Exception:
+                        logger.exception("turnguard: writing the turns' ends at exit failed")
+
+        self._process.exit_watch = loop.create_task(watch(), name="turnguard-exit-watch")
+
+    def _open_for_ends_owed(self) -> None:
+        """The process exits while no instance runs turnguard: none loaded since a script
+        reload (its script failed to load: the instance it unloaded does this, ``_watch_exit``)
+        or the one loaded refused an option (it does this as it closes). The ledger the last
+        instance that ran used is opened, and the HTTP turns that ended meanwhile with their
+        hooks reaching no instance are ended, so that their ends and the writes owed (ends
+        kept, the refused instance's among them) are written as the store closes, as any
+        instance's writes owed are at shutdown (``FailoverStore.close``, up to
+        ``CLOSE_WRITES_S``). Left unwritten, a peer reaps the process once it is gone and runs
+        a completed turn again. (A WebSocket's calls that ended unseen are not read here:
+        their turns are taken for unfinished.)"""
+        path = self._process.ledger
+        if self.store.is_open or not path \
+                or not (self._process.attempts or self._process.kept_writes):
+            return
+        logger.info("turnguard: exiting while no instance runs; writing the ends of its turns "
+                    "to ledger %s", ledger_location.display(path))
+        self.store.open(path)  # (a fault is noted: nothing written then)
+        if self.store.is_open:
+            self.inflight.end_those_ended_unseen()
 
     def stop_kept_heartbeat(self) -> None:
         """Stop the heartbeat a script reload kept from the instance it unloaded, once this

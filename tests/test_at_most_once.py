@@ -397,6 +397,37 @@ def test_a_turn_that_ends_while_a_reload_failed_is_recorded_once_the_script_load
         assert not in_flight(tmp_path / "ledger.sqlite3")
 
 
+def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_first(tmp_path):
+    """mitmproxy reloads A's script to a copy that does not load while A's turn is in flight;
+    the turn completes meanwhile (its hooks reach no instance), and A stops (SIGTERM) before
+    the script is fixed. The turn's end must be written as A exits, as the next instance to
+    load would have written it: it was not (no instance's close ran), and B, reaping A once
+    it was gone, ran the completed turn a second time upstream."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = "a turn that ends while the script fails to load, then the process stops"
+    opts = dict(turnguard_hold_timeout_ms=2000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
+                                 body_of(text))
+        up.wait_held("a", 30)
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        up.release("a")
+        assert original.result(30)[0] == 200
+        held = post(b.url, SESSION, body_of(text))  # A lives: its turn is not reaped
+        assert (held[0], held[1].get("x-turnguard")) == (409, "turn_in_progress")
+        assert a.stop() == 0
+        assert not in_flight(ledger)  # written as A exited
+        retry = post(b.url, SESSION, body_of(text))
+        assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+        assert retry[2] == original.result(0)[2]
+        assert dispatches_of(up, body_of(text)) == 1
+
+
 @pytest.mark.slow
 def test_a_process_whose_reload_failed_keeps_its_lease_and_its_turn_runs_once(tmp_path):
     """A's script is reloaded to a copy that does not load (an edit saved half-done) while its

@@ -56,6 +56,10 @@ class ProcessState:
     # script reload loads and refuses (a bad option: turnguard not running) opens it at
     # shutdown to write what the process owes it (``TurnGuard._open_for_writes_owed``)
     ledger: str = ""
+    # the unloaded instance's wait for the process's exit (``TurnGuard._watch_exit``): with no
+    # instance loaded since (a reload to a script that failed to load), it writes at exit
+    # what the next instance would have; cancelled when an instance loads
+    exit_watch: Any = None
 
     @classmethod
     def new(cls) -> "ProcessState":
