@@ -387,8 +387,9 @@ class TurnGuard:
         kept, the refused instance's among them) are written as the store closes, as any
         instance's writes owed are at shutdown (``FailoverStore.close``, up to
         ``CLOSE_WRITES_S``). Left unwritten, a peer reaps the process once it is gone and runs
-        a completed turn again. (A WebSocket's calls that ended unseen are not read here:
-        their turns are taken for unfinished.)"""
+        a completed turn again. The guarded WebSockets are brought up to date the same way
+        (``WebSockets.catch_up``: a call that ended unseen is recorded as it ended), with this
+        instance as the one they report to meanwhile."""
         path = self._process.ledger
         if self.store.is_open or not path \
                 or not (self._process.attempts or self._process.kept_writes):
@@ -396,8 +397,14 @@ class TurnGuard:
         logger.info("turnguard: exiting while no instance runs; writing the ends of its turns "
                     "to ledger %s", ledger_location.display(path))
         self.store.open(path)  # (a fault is noted: nothing written then)
-        if self.store.is_open:
-            self.inflight.end_those_ended_unseen()
+        if not self.store.is_open:
+            return
+        self.inflight.end_those_ended_unseen()
+        loaded, self._process.guard = self._process.guard, self
+        try:
+            self.websockets.catch_up()
+        finally:
+            self._process.guard = loaded
 
     def stop_kept_heartbeat(self) -> None:
         """Stop the heartbeat a script reload kept from the instance it unloaded, once this

@@ -426,6 +426,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
         assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
         assert retry[2] == original.result(0)[2]
         assert dispatches_of(up, body_of(text)) == 1
+        assert a.log_text().count("Traceback") == 1  # its SyntaxError
 
 
 @pytest.mark.slow

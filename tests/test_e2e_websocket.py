@@ -1044,6 +1044,38 @@ def test_a_call_that_ends_with_its_socket_while_a_reload_failed_is_replayed_on_a
         assert_no_traceback(p.log_text()[restored:])
 
 
+def test_a_call_that_ends_while_a_reload_failed_is_written_if_the_process_stops_first(tmp_path):
+    """A call in flight through A completes, and its socket closes, while a reload to a script
+    that does not load leaves no instance; A stops (SIGTERM) before the script is fixed. The
+    call's end must be written as A exits (the unloaded instance reads the events it missed,
+    as the next instance to load would have): B replays the call on a socket of its own; one
+    upstream dispatch (unread, the call stayed in flight, and B, reaping A once it was gone,
+    ran it a second time)."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    scenario = {"default": {"kind": "ok", "hold": "a"}}
+    opts = {"turnguard_hold_timeout_ms": 2000}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        async def ends_while_unloaded():
+            async with WsClient.connect(a.url, headers=HEADERS) as c:
+                await c.send(call([user("ends unseen, then A stops")], seed=1))
+                await asyncio.to_thread(up.wait_held, "a", 30)
+                await asyncio.to_thread(break_script, a, script)
+                await asyncio.to_thread(up.release, "a")
+                return await c.response()
+
+        first = asyncio.run(ends_while_unloaded())
+        assert types(first)[-1] == "response.completed"
+        assert a.stop() == 0
+        assert not ledger_query(ledger, "SELECT op_key FROM operations WHERE state='in_flight'")
+        again = asyncio.run(one_call(b.url, call([user("ends unseen, then A stops")], seed=2)))
+        assert again == first, types(again)
+        assert len(ws_dispatches(up)) == 1
+        assert a.log_text().count("Traceback") == 1  # its SyntaxError
+
+
 def test_a_call_that_ends_while_a_reload_failed_is_replayed_on_its_open_socket(tmp_path):
     """The same, the socket still open when the next instance loads: the call it missed the
     end of is recorded completed, and the socket's next frame (the same call again) is
