@@ -54,7 +54,7 @@ class ProcessState:
     heartbeat: Any = None
     # the ledger (its location) the last instance that was not refused used: an instance a
     # script reload loads and refuses (a bad option: turnguard not running) opens it at
-    # shutdown to write what the process owes it (``TurnGuard._open_for_writes_owed``)
+    # shutdown to write what the process owes it (``TurnGuard._open_for_ends_owed``)
     ledger: str = ""
     # the unloaded instance's wait for the process's exit (``TurnGuard._watch_exit``): with no
     # instance loaded since (a reload to a script that failed to load), it writes at exit
