@@ -1,6 +1,6 @@
 """Where a request's time goes inside mitmdump (the ``hooks`` phase): turnguard's hooks and
-their parts (identity, decision, answer, telemetry line, log handlers), each timed in the
-running process by ``hook_timer_addon.py``, for two loads: replays of the 8-event SSE
+their parts (identity, decision, answer, telemetry line, log handlers) and the garbage
+collector's passes, each timed in the running process by ``hook_timer_addon.py``, for two loads: replays of the 8-event SSE
 (4 clients, as the replay phase) and new operations (8 clients, each claimed and dispatched),
 with the answer floor's hooks beside the replays. Medians per call and the mean per request;
 the parts nest (see ``hook_timer_addon``). The wrappers add about a microsecond to each timed
