@@ -1043,7 +1043,7 @@ def test_turnguard_keeps_no_duplicate_or_original_once_they_ended(tmp_path, atta
     """A duplicate attached to the original's live stream (or, with attach off, held and
     replayed at its end): once each flow's hooks end, turnguard refers to none of them
     (``retention_probe.py``, as for a lone attempt in test_e2e_guard.py)."""
-    from test_e2e_guard import RETENTION_PROBE
+    from test_e2e_guard import RETENTION_PROBE, retention_looks
 
     held = {"kind": "ok", "events": 6, "hold": "original", "hold_after_events": 2}
 
@@ -1060,9 +1060,5 @@ def test_turnguard_keeps_no_duplicate_or_original_once_they_ended(tmp_path, atta
         assert dup["body"] == original["body"]
         assert dup["headers"]["x-turnguard"] == ("attached" if attach else "replayed")
         assert len(up.dispatches()) == 1
-        wait_until(lambda: proxy.log_text().count("retention_probe:") == 2, 10,
-                   what="the probe's look at each flow")
-        looks = [line.split("retention_probe: ", 1)[1] for line in proxy.log_text().splitlines()
-                 if "retention_probe: " in line]
-        assert [look.split(" ", 1)[1] for look in looks] == ["let go"] * 2, looks
+        assert retention_looks(proxy, 2) == ["let go"] * 2
         assert_no_traceback(proxy.log_text())

@@ -375,6 +375,15 @@ def test_a_turn_of_a_conversation_sent_again_after_it_completed_goes_upstream(tm
 RETENTION_PROBE = Path(__file__).with_name("retention_probe.py")
 
 
+def retention_looks(proxy, n: int) -> list[str]:
+    """What ``retention_probe.py`` said of each flow in ``proxy`` ("let go", or "kept by
+    turnguard"), once it said it ``n`` times."""
+    wait_until(lambda: proxy.log_text().count("retention_probe:") == n, 10,
+               what="the probe's look at each flow")
+    return [line.split("retention_probe: ", 1)[1].split(" ", 1)[1]
+            for line in proxy.log_text().splitlines() if "retention_probe: " in line]
+
+
 def test_turnguard_keeps_no_flow_whose_attempt_ended(tmp_path):
     """Once an attempt's end is recorded (its response hook ran), turnguard refers to its
     flow no more (``retention_probe.py`` walks turnguard's objects from the addon at the
@@ -393,11 +402,7 @@ def test_turnguard_keeps_no_flow_whose_attempt_ended(tmp_path):
         answers.append(sse_post(proxy.url, body={**BODY, "input": "turn 0"}, headers=HEADERS))
         assert [a[0] for a in answers] == [200, 429, 502, 200]
         assert answers[3][1]["x-turnguard"] == "replayed"
-        wait_until(lambda: proxy.log_text().count("retention_probe:") == 4, 10,
-                   what="the probe's look at each flow")
-        looks = [line.split("retention_probe: ", 1)[1] for line in proxy.log_text().splitlines()
-                 if "retention_probe: " in line]
-        assert [look.split(" ", 1)[1] for look in looks] == ["let go"] * 4, looks
+        assert retention_looks(proxy, 4) == ["let go"] * 4
         outcomes = [e["outcome"] for e in turnguard_events(tmp_path, kind="outcome")]
         assert outcomes == ["completed", "rejected", "unknown"]
         assert_no_traceback(proxy.log_text())

@@ -2043,7 +2043,7 @@ def test_turnguard_keeps_no_socket_once_it_ended(tmp_path):
     """Two sockets send the same call, one after the other (the second's is replayed), and
     close: once each socket's ``websocket_end`` hook ran, turnguard refers to neither flow
     (``retention_probe.py``, as for HTTP in test_e2e_guard.py)."""
-    from test_e2e_guard import RETENTION_PROBE
+    from test_e2e_guard import RETENTION_PROBE, retention_looks
 
     with MockUpstream(tmp_path) as up, proxy(
             tmp_path, up, extra_args=["-s", str(RETENTION_PROBE)]) as p:
@@ -2052,9 +2052,5 @@ def test_turnguard_keeps_no_socket_once_it_ended(tmp_path):
         assert types(first)[-1] == types(again)[-1] == "response.completed"
         assert len(ws_dispatches(up)) == 1
         # (each flow is looked at twice: at its upgrade's response, at its socket's end)
-        wait_until(lambda: p.log_text().count("retention_probe:") == 4, 10,
-                   what="the probe's look at each socket's end")
-        looks = [line.split("retention_probe: ", 1)[1] for line in p.log_text().splitlines()
-                 if "retention_probe: " in line]
-        assert [look.split(" ", 1)[1] for look in looks] == ["let go"] * 4, looks
+        assert retention_looks(p, 4) == ["let go"] * 4
         assert_no_traceback(p.log_text())
