@@ -733,6 +733,26 @@ RELOAD_PROBE = Path(__file__).with_name("reload_probe.py")
 UNSESSIONED = {"authorization": "Bearer sk-at-most-once"}  # no session: no claim to make first
 
 
+@contextlib.contextmanager
+def reloading_beside_a_peer(tmp_path: Path, up: MockUpstream, **opts):
+    """Two turnguard mitmdumps on the ledger ``tmp_path/ledger.sqlite3``, with ``opts``: A,
+    a reloadable copy of the script with ``write_gate.py`` and ``reload_probe.py`` (their
+    folders ``tmp_path/write-gate`` and ``tmp_path/reload-probe``), and B. Yields
+    (A, B, the gate's folder, the probe's folder)."""
+    gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
+    gate.mkdir()
+    probe.mkdir()
+    with Mitmdump(
+            tmp_path, up.url, name="a", addon=reloadable(tmp_path),
+            options={"turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
+                     "turnguard_events": str(tmp_path / "a-events.jsonl"), **opts},
+            extra_args=["-s", str(WRITE_GATE), "-s", str(RELOAD_PROBE)],
+            env={"TURNGUARD_TEST_WRITE_GATE": str(gate),
+                 "TURNGUARD_TEST_RELOAD_PROBE": str(probe)}) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        yield a, b, gate, probe
+
+
 @pytest.mark.parametrize("waiting", ["admission", "session's claim"])
 def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(
         tmp_path, waiting):
@@ -748,21 +768,10 @@ def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_i
     outage, which knows nothing of B's turn: dispatched, the turn ran upstream twice. (A
     session's claim so interrupted was handed over already.)"""
     ledger = tmp_path / "ledger.sqlite3"
-    gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
-    gate.mkdir()
-    probe.mkdir()
-    script = reloadable(tmp_path)
     text = f"B's turn in flight, its duplicate sent to A as A's script reloads ({waiting})"
     headers = UNSESSIONED if waiting == "admission" else {**UNSESSIONED, "session-id": "sess-b"}
-    opts = dict(turnguard_hold_timeout_ms=30000)
-    with MockUpstream(tmp_path) as up, Mitmdump(
-            tmp_path, up.url, name="a", addon=script,
-            options={"turnguard_ledger": str(ledger),
-                     "turnguard_events": str(tmp_path / "a-events.jsonl"), **opts},
-            extra_args=["-s", str(WRITE_GATE), "-s", str(RELOAD_PROBE)],
-            env={"TURNGUARD_TEST_WRITE_GATE": str(gate),
-                 "TURNGUARD_TEST_RELOAD_PROBE": str(probe)}) as a, \
-            guarded(tmp_path, up, "b", **opts) as b:
+    with MockUpstream(tmp_path) as up, reloading_beside_a_peer(
+            tmp_path, up, turnguard_hold_timeout_ms=30000) as (a, b, gate, probe):
         with its_end_kept_behind_a_lock(tmp_path, a, "a", "A's own turn, its end owed"):
             (gate / "closed").touch()
         wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,

@@ -930,24 +930,13 @@ def test_a_call_whose_admission_a_reload_interrupts_is_decided_by_the_new_instan
     meanwhile (``reload_probe.py``). The instance loaded now decides the call from its
     ledger: held, then given B's events; one upstream dispatch (from the unloaded
     instance's memory it was dispatched again)."""
-    from test_at_most_once import (RELOAD_PROBE, WRITE_GATE, gate_state, in_background,
+    from test_at_most_once import (gate_state, in_background, reloading_beside_a_peer,
                                    write_lock)
 
     ledger = tmp_path / "ledger.sqlite3"
-    gate, probe = tmp_path / "write-gate", tmp_path / "reload-probe"
-    gate.mkdir()
-    probe.mkdir()
-    script = reloadable(tmp_path)
-    opts = {"turnguard_hold_timeout_ms": 30000}
     scenario = {"default": {"kind": "ok", "hold": "b"}}
-    with MockUpstream(tmp_path, scenario) as up, Mitmdump(
-            tmp_path, up.url, name="a", addon=script,
-            options={"turnguard_ledger": str(ledger),
-                     "turnguard_events": str(tmp_path / "a-events.jsonl"), **opts},
-            extra_args=["-s", str(WRITE_GATE), "-s", str(RELOAD_PROBE)],
-            env={"TURNGUARD_TEST_WRITE_GATE": str(gate),
-                 "TURNGUARD_TEST_RELOAD_PROBE": str(probe)}) as a, \
-            guarded(tmp_path, up, "b", **opts) as b:
+    with MockUpstream(tmp_path, scenario) as up, reloading_beside_a_peer(
+            tmp_path, up, turnguard_hold_timeout_ms=30000) as (a, b, gate, probe):
         # A's own turn, in the calls' session (A owns it then), completes behind a lock
         own = in_background(sse_post, a.url, "/v1/responses",
                             {"model": "gpt-test", "input": "A's own turn", "stream": True},
