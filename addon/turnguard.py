@@ -385,19 +385,22 @@ class TurnGuard:
         instance that ran used is opened, and the HTTP turns that ended meanwhile with their
         hooks reaching no instance are ended, so that their ends and the writes owed (ends
         kept, the refused instance's among them) are written as the store closes, as any
-        instance's writes owed are at shutdown (``FailoverStore.close``, up to
-        ``CLOSE_WRITES_S``). Left unwritten, a peer reaps the process once it is gone and runs
-        a completed turn again. The guarded WebSockets are brought up to date the same way
-        (``WebSockets.catch_up``: a call that ended unseen is recorded as it ended), with this
-        instance as the one they report to meanwhile."""
+        instance's writes owed are at shutdown (``FailoverStore.close``; a lock held by
+        another connection is waited for, the opening included, up to ``CLOSE_WRITES_S``:
+        ``FailoverStore.open_to_write_owed``). Left unwritten, a peer reaps the process once
+        it is gone and runs a completed turn again. The guarded WebSockets are brought up to
+        date the same way (``WebSockets.catch_up``: a call that ended unseen is recorded as it
+        ended), with this instance as the one they report to meanwhile."""
         path = self._process.ledger
         if self.store.is_open or not path \
                 or not (self._process.attempts or self._process.kept_writes):
             return
         logger.info("turnguard: exiting while no instance runs; writing the ends of its turns "
                     "to ledger %s", ledger_location.display(path))
-        self.store.open(path)  # (a fault is noted: nothing written then)
-        if not self.store.is_open:
+        if not self.store.open_to_write_owed(path):  # (a lock waited for, as at any close)
+            logger.warning("turnguard: exiting without writing the ends of its turns to ledger "
+                           "%s (%s); a process that reaps this one's attempts takes them as "
+                           "unfinished", ledger_location.display(path), self.store.error)
             return
         self.inflight.end_those_ended_unseen()
         loaded, self._process.guard = self._process.guard, self

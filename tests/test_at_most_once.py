@@ -429,6 +429,56 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
         assert a.log_text().count("Traceback") == 1  # its SyntaxError
 
 
+@pytest.mark.parametrize("reload", ["a copy that fails to load", "an instance refused"])
+def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock(tmp_path,
+                                                                                reload):
+    """A's turn completes while a script reload left no instance running (a copy that fails
+    to load, or an instance that refused an option: its events file's folder is gone), and
+    A is stopped (SIGTERM) while another connection holds the ledger's write lock, which goes
+    0.8 s later. As for any process stopped owing a turn's end, the end must be written as the
+    lock goes, within the close's 2 s (``CLOSE_WRITES_S``): the exit's opening of the ledger
+    (which registers the instance, a write) gave up at the ledger's busy timeout (0.5 s), so
+    nothing was written, the turn stayed in flight, and B, reaping A once it was gone, ran
+    the completed turn a second time upstream."""
+    ledger = tmp_path / "ledger.sqlite3"
+    folder = tmp_path / "events"
+    folder.mkdir()
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = f"a turn that ends while no instance runs, the ledger locked at exit ({reload})"
+    with MockUpstream(tmp_path) as up:
+        with Mitmdump(tmp_path, up.url, name="a", addon=script,
+                      options={"turnguard_ledger": str(ledger),
+                               "turnguard_events": str(folder / "a-events.jsonl")}) as a:
+            original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
+                                     body_of(text))
+            up.wait_held("a", 30)
+            if reload == "a copy that fails to load":
+                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                script.write_text(good + "this is not python(\n")
+                wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+            else:
+                shutil.rmtree(folder)
+                touch_to_reload(a, script)
+                a.wait_for_log("turnguard is not running", 15)
+            up.release("a")
+            assert original.result(30)[0] == 200
+            assert in_flight(ledger)
+            with write_lock(ledger):
+                a.proc.send_signal(signal.SIGTERM)
+                a.wait_for_log("exiting while no instance runs", 10)
+                time.sleep(0.8)  # past the ledger's busy timeout, within the close's 2 s
+            assert a.proc.wait(30) == 0
+            assert "writes owed (" not in a.log_text()  # none left unwritten
+        assert not in_flight(ledger)  # written as A exited
+        with guarded(tmp_path, up, "b") as b:
+            retry = post(b.url, SESSION, body_of(text))
+            assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+            assert retry[2] == original.result(0)[2]
+        assert dispatches_of(up, body_of(text)) == 1
+        assert a.log_text().count("Traceback") == (reload == "a copy that fails to load")
+
+
 @pytest.mark.slow
 def test_a_process_whose_reload_failed_keeps_its_lease_and_its_turn_runs_once(tmp_path):
     """A's script is reloaded to a copy that does not load (an edit saved half-done) while its

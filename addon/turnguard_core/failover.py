@@ -270,6 +270,9 @@ class FailoverStore:
         # closed for good (its addon instance was unloaded: ``close(final=True)``): nothing
         # opens a ledger for it again, not even a call of a request it was still deciding
         self._retired = False
+        # opened at shutdown only to write what is owed (``open_to_write_owed``): the close's
+        # writes have what is left of its ``CLOSE_WRITES_S`` (time.monotonic()); None: their own
+        self._writes_due_by: float | None = None
         # the ledger file this process left (deleted or replaced): it notes in the new one,
         # once its attempts in flight are registered there, that it has (``mark_moved``)
         self._moved_from = ""
@@ -384,6 +387,23 @@ class FailoverStore:
             self._down(e, "open")
             return False
         self._use(connected)
+        return True
+
+    def open_to_write_owed(self, path: str) -> bool:
+        """Open the ledger at ``path`` at shutdown only to write what the process owes it, as
+        the ``close`` that follows does (no instance runs turnguard: a script reload left
+        none, or one that refused an option). As for the writes owed at any close, a lock
+        held by another connection is waited for: the open (which registers the instance, a
+        write) is tried again as each try gives up at the busy timeout, until
+        ``CLOSE_WRITES_S`` has passed, and ``close`` then writes within what is left of that
+        bound (at least one try's wait: the lock is gone once the open got it). False: it
+        could not be opened by then (the fault noted, nothing written)."""
+        deadline = time.monotonic() + CLOSE_WRITES_S
+        while not self.open(path):
+            if self.error is None or not contended(self.error) \
+                    or time.monotonic() >= deadline:
+                return False
+        self._writes_due_by = deadline
         return True
 
     def switch(self, path: str) -> None:
@@ -504,7 +524,11 @@ class FailoverStore:
         if self._store is not None and loop_running():  # (unit tests close outside a loop)
             self.write_counts()
         if write_owed and self._store is not None and (self._kept or self._sent):
-            self._write_owed(time.monotonic() + CLOSE_WRITES_S)
+            deadline = time.monotonic() + CLOSE_WRITES_S
+            if self._writes_due_by is not None:  # (opened for them: what is left of that)
+                deadline = max(self._writes_due_by, time.monotonic() + LEDGER_BUSY_MS / 1000)
+            self._write_owed(deadline)
+        self._writes_due_by = None
         if self._listener is not None:
             self._listener.stop()
             self._listener = None
