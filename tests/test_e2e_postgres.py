@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -884,3 +885,57 @@ def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_
     assert len(up.dispatches()) == 3, "B ran the turn a second time"
     assert again == 200 and headers.get("x-turnguard") == "replayed", (again, headers)
     assert_no_traceback(log)
+
+
+@pytest.mark.parametrize("lock", ["none", "instances locked as it stops"])
+def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_process_stops(
+        tmp_path, pg_url, lock):
+    """The PostgreSQL twin of ``test_at_most_once.py``'s exit with no instance running: A's
+    script is reloaded to a copy that does not load while A's turn is held upstream, the turn
+    completes meanwhile, and A is stopped (SIGTERM) before the script is fixed (with another
+    session holding ``instances`` locked for 0.8 s as it stops, or not). The unloaded
+    instance opens the ledger as A exits and writes the turn's end there: nothing is left in
+    flight, B replays the retry (one dispatch), and the log never shows the password."""
+    from test_at_most_once import reloadable
+
+    turn = {**BODY, "input": f"a turn that ends while a reload failed, on postgres ({lock})"}
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    with MockUpstream(tmp_path) as up:
+        with guarded(tmp_path, up, "a", pg_url, addon=script) as a:
+            with ThreadPoolExecutor(1) as pool:
+                original = pool.submit(post, a.url,
+                                       {**HEADERS, **harness.mock_behaviour(kind="ok", hold="a")},
+                                       turn)
+                up.wait_held("a", 30)
+                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                script.write_text(good + "this is not python(\n")
+                wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+                up.release("a")
+                first = original.result(30)
+            assert first[0] == 200
+            assert rows(pg_url, "SELECT count(*) FROM operations WHERE state='in_flight'") == [(1,)]
+            if lock == "none":
+                assert a.stop() == 0
+            else:
+                locker = psycopg.connect(pg_url, autocommit=True)
+                try:
+                    locker.execute("BEGIN")
+                    locker.execute("LOCK TABLE instances IN ACCESS EXCLUSIVE MODE")
+                    a.proc.send_signal(signal.SIGTERM)
+                    a.wait_for_log("exiting while no instance runs", 10)
+                    time.sleep(0.8)
+                finally:
+                    locker.execute("ROLLBACK")
+                    locker.close()
+                assert a.proc.wait(30) == 0
+            log = a.log_text()
+        assert rows(pg_url, "SELECT count(*) FROM operations WHERE state='in_flight'") == [(0,)]
+        with guarded(tmp_path, up, "b", pg_url) as b:
+            retry = post(b.url, HEADERS, turn)
+            assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+            assert retry[2] == first[2]
+        assert len(up.dispatches()) == 1
+    password = re.search(r"://[^:/@]*:([^@]*)@", pg_url)
+    assert password is None or password.group(1) not in log
+    assert log.count("Traceback") == 1  # its SyntaxError
