@@ -353,7 +353,9 @@ class TurnGuard:
     def _watch_exit(self) -> None:
         """A script reload unloaded this instance: should the process exit before another
         instance loads (the reload's script fails to load until then), this one records as it
-        exits what the next instance would have (``_open_for_ends_owed``)."""
+        exits what the next instance would have: the turns' ends in the ledger
+        (``_open_for_ends_owed``), the telemetry records made meanwhile and those ends' in
+        its events file (``_reopen_events_for_unwritten``)."""
         should_exit = getattr(getattr(ctx, "master", None), "should_exit", None)
         try:
             loop = asyncio.get_running_loop()
@@ -367,6 +369,10 @@ class TurnGuard:
                 await should_exit.wait()
             finally:  # (also when the loop's end cancels it, woken but not yet run)
                 if should_exit.is_set():  # (not: an instance loaded, and cancelled it)
+                    try:  # (its own step: the ledger's below goes on whatever it does)
+                        self._reopen_events_for_unwritten()
+                    except Exception:
+                        logger.exception("turnguard: opening the events file at exit failed")
                     try:
                         if self._process.heartbeat is not None:
                             self._process.heartbeat.stop()
@@ -375,8 +381,33 @@ class TurnGuard:
                         self.store.close(write_owed=True, final=True)
                     except Exception:
                         logger.exception("turnguard: writing the turns' ends at exit failed")
+                    finally:
+                        self.telemetry.close()
 
         self._process.exit_watch = loop.create_task(watch(), name="turnguard-exit-watch")
+
+    def _reopen_events_for_unwritten(self) -> None:
+        """At exit with no instance loaded since this one was unloaded: its events file is
+        opened again for what the next instance would have written there, the records made
+        meanwhile (``ProcessState.unwritten``: the holds the reload let go, say), written
+        first, with the time each was made, then those the exit makes (the ends of the turns
+        that ended meanwhile, ``_open_for_ends_owed``). The caller closes it. A file that
+        can no longer be opened is said in the log, and the records go to the log only.
+        (Nothing to write, nothing opened: an events file removed meanwhile is not made.)"""
+        process = self._process
+        if not (process.unwritten or process.attempts or process.sockets):
+            return
+        try:
+            telemetry = config.open_events(self.telemetry.path or "")
+        except ValueError as e:
+            logger.warning("turnguard: %s; the records made while no instance was loaded go "
+                           "to the log only", e)
+            telemetry = config.telemetry()
+        telemetry.counts = self.telemetry.counts  # (the process's)
+        self.telemetry = telemetry
+        while self._process.unwritten:
+            event, fields = self._process.unwritten.popleft()
+            telemetry.emit(event, **fields)  # (with the time it was made)
 
     def _open_for_ends_owed(self) -> None:
         """The process exits while no instance runs turnguard: none loaded since a script

@@ -372,6 +372,41 @@ def test_holds_let_go_by_a_reload_that_failed_reach_the_events_file_and_the_metr
     assert metric(s, "turnguard_holds_abandoned_total", reason="unloaded") == 2
 
 
+def test_what_a_reload_that_failed_left_unwritten_reaches_the_events_file_if_the_process_stops(
+        tmp_path):
+    """As above, but the process is stopped (SIGTERM) before the script loads again, after
+    the original completed while no instance was loaded. The unloaded instance records the
+    turn's end as the process exits, as the next instance to load would have (its ledger
+    write); the records that instance would have written to the events file must be there
+    too: the two holds let go (``hold_abandoned``) and the turn's ``outcome``. Before, the
+    events file stayed closed at that exit: the holds' records, kept for an instance that
+    never came, were dropped, and the turn's outcome reached only the log."""
+    from test_at_most_once import reloadable
+
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    with MockUpstream(tmp_path, SLOW_ORIGINAL) as up, proxy(
+        tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000
+    ) as p:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            first, dups = _an_original_and_held_duplicates(pool, p, up, 2)
+            try:
+                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+                script.write_text(good + "this is not python(\n")
+                statuses = [d.result() for d in dups]
+            finally:
+                up.release("original")
+            statuses.append(first.result())
+        assert p.stop() == 0
+        log = p.log_text()
+    assert statuses == [0, 0, 200] and len(up.dispatches()) == 1
+    abandoned = turnguard_events(tmp_path, "mitmdump", "hold_abandoned")
+    assert [e["reason"] for e in abandoned] == ["turnguard unloaded"] * 2
+    assert [e["outcome"] for e in turnguard_events(tmp_path, "mitmdump", "outcome")] \
+        == ["completed"]
+    assert log.count("Traceback") == 1  # its SyntaxError
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_holds_let_go_at_shutdown_reach_the_events_file(tmp_path, sig):
     """mitmdump stopped (Ctrl-C, or SIGTERM) while a duplicate is held behind a slow original:
