@@ -429,6 +429,70 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
         assert a.log_text().count("Traceback") == 1  # its SyntaxError
 
 
+def test_turns_that_end_across_reloads_that_fail_fail_load_and_fail_are_each_written_once(
+        tmp_path):
+    """Reloads in a row: a copy that fails to load, another that fails, the good script, a
+    copy that fails again; a turn of A's ends while each failed copy is the last one loaded
+    (the first while the first two are, the second while the last is), and A is stopped
+    (SIGTERM) before the script is fixed again. The instance that loads in between writes the
+    first turn's end; the one the last failed reload unloaded (the one exit watch left) writes
+    the second's as A exits. Each end is written once (no ``outcome_fenced_out``, no
+    ``late_outcome``), each turn ran once and B replays both. (An attack that held: no test
+    ran such a series.)"""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    broken = good + "this is not python(\n"
+    texts = ["the turn that ends across the first two failed reloads",
+             "the turn that ends across the last failed reload"]
+
+    def fail(n: int) -> None:
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(broken + "#" * n + "\n")
+        wait_until(lambda: a.log_text().count("SyntaxError") >= n, 15,
+                   what=f"failed reload {n}")
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
+        first = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="first")},
+                              body_of(texts[0]))
+        up.wait_held("first", 30)
+        fail(1)
+        up.release("first")
+        assert first.result(30)[0] == 200
+        fail(2)
+        started = a.log_text().count("turnguard: running")
+        time.sleep(1.1)
+        script.write_text(good)
+        reloaded(a, started)
+        wait_until(lambda: not in_flight(ledger), 10, what="the first turn's end written")
+        second = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="second")},
+                               body_of(texts[1]))
+        up.wait_held("second", 30)
+        fail(3)
+        up.release("second")
+        assert second.result(30)[0] == 200
+        assert in_flight(ledger)
+        assert a.stop() == 0
+        log = a.log_text()
+        assert not in_flight(ledger)  # written as A exited
+        assert query(ledger, "SELECT outcome, late_outcome FROM attempts ORDER BY attempt_id") \
+            == [("completed", None), ("completed", None)]
+        assert not events(tmp_path, "a", "outcome_fenced_out")
+        assert [e["outcome"] for e in events(tmp_path, "a", "outcome")] == ["completed"] * 2
+        assert log.count("exiting while no instance runs") == 1
+        # the three SyntaxErrors, and mitmproxy's own complaint at a failed load after the
+        # first ("An addon called 'nonetype' already exists": it registers the None a failed
+        # load returns); none of turnguard's
+        assert log.count("Traceback") == log.count("SyntaxError: '(' was never closed") + \
+            log.count("AddonManagerError: An addon called 'nonetype' already exists") == 5
+        with guarded(tmp_path, up, "b") as b:
+            for text, original in zip(texts, (first, second)):
+                retry = post(b.url, SESSION, body_of(text))
+                assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+                assert retry[2] == original.result(0)[2]
+        assert [dispatches_of(up, body_of(t)) for t in texts] == [1, 1]
+
+
 @pytest.mark.parametrize("reload", ["a copy that fails to load", "an instance refused"])
 def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock(tmp_path,
                                                                                 reload):
