@@ -44,8 +44,9 @@ class MitmWeb:
     ``tmp_path``, as ``harness.guarded``), and a client of its REST API."""
 
     def __init__(self, tmp_path: Path, up: MockUpstream, name: str = "mitmweb", *,
-                 scripts: tuple[Path, ...] = (), **options: object):
-        """``scripts``: more ``-s`` scripts, loaded after turnguard's."""
+                 scripts: tuple[Path, ...] = (), addon: Path = ADDON, **options: object):
+        """``scripts``: more ``-s`` scripts, loaded after turnguard's; ``addon``: the script
+        that loads turnguard (a copy the test reloads, say)."""
         self.tmp_path = Path(tmp_path)
         self.token = f"token-{name}"
         opts: dict[str, object] = {
@@ -58,7 +59,7 @@ class MitmWeb:
             cmd = [str(MITMWEB), "--mode", f"reverse:{up.url}", "--listen-host", "127.0.0.1",
                    "--listen-port", "0", "--web-host", "127.0.0.1", "--web-port", str(web_port),
                    "--no-web-open-browser", "--set", f"confdir={self.tmp_path / (name + '-confdir')}",
-                   "--set", f"web_password={self.token}", "-s", str(ADDON)]
+                   "--set", f"web_password={self.token}", "-s", str(addon)]
             for script in scripts:
                 cmd += ["-s", str(script)]
             for key, value in opts.items():
@@ -325,3 +326,36 @@ def test_an_intercepted_dispatch_edited_in_mitmweb_is_not_replayed_for_its_first
         assert again[1].get("x-turnguard") == "replayed"
         assert len(up.dispatches()) == 2
         assert_no_traceback(web.log_text())
+
+
+def test_a_turn_that_ends_while_a_reload_failed_is_written_as_mitmweb_stops(tmp_path):
+    """The exit with no instance running, in mitmweb (its master runs its web server beside
+    the proxy, and stops both): turnguard's script is reloaded to a copy that does not load
+    while a turn is held upstream, the turn completes meanwhile, and mitmweb is stopped
+    (SIGTERM) before the script is fixed. The unloaded instance must write the turn's end as
+    mitmweb exits, as it does in mitmdump: nothing left in flight, and its outcome in the
+    events file. (An attack that held.)"""
+    from test_at_most_once import in_background, in_flight, reloadable
+
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    body = {"model": "m", "input": "a turn that ends while a reload failed, in mitmweb",
+            "stream": True}
+    with MockUpstream(tmp_path, {"sequence": [{"kind": "ok", "hold": "a"}],
+                                 "default": {"kind": "ok"}}) as up, \
+            MitmWeb(tmp_path, up, addon=script) as web:
+        original = in_background(post_turn, web.url, {"session-id": "sess-web"}, body)
+        up.wait_held("a", 30)
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in web.log_text(), 15, what="the reload that failed")
+        up.release("a")
+        assert original.result(30)[0] == 200
+        assert in_flight(ledger)
+        assert web.process.stop() == 0
+        log = web.log_text()
+    assert not in_flight(ledger)  # written as mitmweb exited
+    assert "exiting while no instance runs" in log
+    assert [e["outcome"] for e in _events(tmp_path, "outcome")] == ["completed"]
+    assert log.count("Traceback") == 1  # its SyntaxError
