@@ -493,6 +493,51 @@ def test_turns_that_end_across_reloads_that_fail_fail_load_and_fail_are_each_wri
         assert [dispatches_of(up, body_of(t)) for t in texts] == [1, 1]
 
 
+@pytest.mark.parametrize("then", ["deleted", "replaced with junk"])
+def test_a_ledger_that_goes_while_a_reload_failed_is_no_place_for_the_ends_written_at_exit(
+        tmp_path, then):
+    """A's turn completes while a script reload left no instance loaded (a copy that fails to
+    load), then the ledger file goes (deleted, or a file that is no database moved over it)
+    and A is stopped (SIGTERM). The exit opens the ledger at the path for the turn's end:
+    deleted, it makes a new ledger file there (0600) and records the turn whole in it (its
+    operation, its attempt and its end: B replays the retry, one dispatch); replaced with
+    junk, it writes nothing into that file (left as it was), says in a warning that the ends
+    were not written, and A still exits cleanly. (An attack that held, but for the warning,
+    which the exit's open, giving up, did not give before.)"""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    text = f"a turn that ends while a reload failed, its ledger then {then}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
+                                 body_of(text))
+        up.wait_held("a", 30)
+        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+        script.write_text(good + "this is not python(\n")
+        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        up.release("a")
+        assert original.result(30)[0] == 200
+        if then == "deleted":
+            delete_ledger(ledger)
+        else:
+            replace_with_junk(ledger)
+        junk = ledger.read_bytes() if then != "deleted" else None
+        assert a.stop() == 0
+        log = a.log_text()
+        assert log.count("Traceback") == 1  # its SyntaxError
+        if then == "deleted":
+            assert oct(ledger.stat().st_mode & 0o777) == "0o600"
+            assert query(ledger, "SELECT state FROM operations") == [("completed",)]
+            with guarded(tmp_path, up, "b") as b:
+                retry = post(b.url, SESSION, body_of(text))
+                assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
+                assert retry[2] == original.result(0)[2]
+            assert dispatches_of(up, body_of(text)) == 1
+        else:
+            assert ledger.read_bytes() == junk
+            assert "exiting without writing the ends of its turns" in log
+
+
 @pytest.mark.parametrize("reload", ["a copy that fails to load", "an instance refused"])
 def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock(tmp_path,
                                                                                 reload):
