@@ -538,9 +538,10 @@ def test_a_ledger_that_goes_while_a_reload_failed_is_no_place_for_the_ends_writt
             assert "exiting without writing the ends of its turns" in log
 
 
+@pytest.mark.parametrize("signals", ["SIGTERM", "SIGTERM, then SIGINT and SIGTERM"])
 @pytest.mark.parametrize("reload", ["a copy that fails to load", "an instance refused"])
 def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock(tmp_path,
-                                                                                reload):
+                                                                                reload, signals):
     """A's turn completes while a script reload left no instance running (a copy that fails
     to load, or an instance that refused an option: its events file's folder is gone), and
     A is stopped (SIGTERM) while another connection holds the ledger's write lock, which goes
@@ -548,7 +549,9 @@ def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock
     lock goes, within the close's 2 s (``CLOSE_WRITES_S``): the exit's opening of the ledger
     (which registers the instance, a write) gave up at the ledger's busy timeout (0.5 s), so
     nothing was written, the turn stayed in flight, and B, reaping A once it was gone, ran
-    the completed turn a second time upstream."""
+    the completed turn a second time upstream. A second SIGINT and SIGTERM while it waits
+    (an impatient operator, a service manager) change nothing: the exit goes on, and the end
+    is written."""
     ledger = tmp_path / "ledger.sqlite3"
     folder = tmp_path / "events"
     folder.mkdir()
@@ -576,6 +579,9 @@ def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock
             with write_lock(ledger):
                 a.proc.send_signal(signal.SIGTERM)
                 a.wait_for_log("exiting while no instance runs", 10)
+                if signals != "SIGTERM":
+                    a.proc.send_signal(signal.SIGINT)
+                    a.proc.send_signal(signal.SIGTERM)
                 time.sleep(0.8)  # past the ledger's busy timeout, within the close's 2 s
             assert a.proc.wait(30) == 0
             assert "writes owed (" not in a.log_text()  # none left unwritten
