@@ -102,6 +102,16 @@ def reloaded(proxy: Mitmdump, started: int) -> None:
                what="the script reloaded")
 
 
+def break_script(proxy: Mitmdump, script) -> str:
+    """Write a syntax error into the reloadable copy of the script: mitmproxy reloads it and
+    fails, and no turnguard instance gets the hooks until the script is written whole again. Its good text."""
+    good = script.read_text()
+    time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
+    script.write_text(good + "this is not python(\n")
+    wait_until(lambda: "SyntaxError" in proxy.log_text(), 15, what="the reload that failed")
+    return good
+
+
 def in_flight(ledger: Path) -> list[tuple]:
     return query(ledger, "SELECT op_key FROM operations WHERE state='in_flight'")
 
@@ -381,9 +391,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_recorded_once_the_script_load
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=6000)},
                                  body_of("ends while no script is loaded"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        break_script(a, script)
         first = original.result(30)
         started = a.log_text().count("turnguard: running")
         time.sleep(1.1)
@@ -405,7 +413,6 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
     it was gone, ran the completed turn a second time upstream."""
     ledger = tmp_path / "ledger.sqlite3"
     script = reloadable(tmp_path)
-    good = script.read_text()
     text = "a turn that ends while the script fails to load, then the process stops"
     opts = dict(turnguard_hold_timeout_ms=2000)
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
@@ -413,9 +420,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
                                  body_of(text))
         up.wait_held("a", 30)
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        break_script(a, script)
         up.release("a")
         assert original.result(30)[0] == 200
         held = post(b.url, SESSION, body_of(text))  # A lives: its turn is not reaped
@@ -506,15 +511,12 @@ def test_a_ledger_that_goes_while_a_reload_failed_is_no_place_for_the_ends_writt
     which the exit's open, giving up, did not give before.)"""
     ledger = tmp_path / "ledger.sqlite3"
     script = reloadable(tmp_path)
-    good = script.read_text()
     text = f"a turn that ends while a reload failed, its ledger then {then}"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
                                  body_of(text))
         up.wait_held("a", 30)
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        break_script(a, script)
         up.release("a")
         assert original.result(30)[0] == 200
         if then == "deleted":
@@ -556,7 +558,6 @@ def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock
     folder = tmp_path / "events"
     folder.mkdir()
     script = reloadable(tmp_path)
-    good = script.read_text()
     text = f"a turn that ends while no instance runs, the ledger locked at exit ({reload})"
     with MockUpstream(tmp_path) as up:
         with Mitmdump(tmp_path, up.url, name="a", addon=script,
@@ -566,9 +567,7 @@ def test_an_end_owed_at_an_exit_with_no_instance_running_waits_out_a_ledger_lock
                                      body_of(text))
             up.wait_held("a", 30)
             if reload == "a copy that fails to load":
-                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-                script.write_text(good + "this is not python(\n")
-                wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+                break_script(a, script)
             else:
                 shutil.rmtree(folder)
                 touch_to_reload(a, script)
@@ -612,9 +611,7 @@ def test_a_process_whose_reload_failed_keeps_its_lease_and_its_turn_runs_once(tm
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=35000)},
                                  body_of("a reload that failed for a while"))
         up.wait_for_record(lambda r: r.get("event") == "dispatch")
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        break_script(a, script)
         retry = in_background(post, b.url, SESSION, body_of("a reload that failed for a while"))
         first = original.result(90)
         assert first[0] == 200
@@ -712,9 +709,7 @@ def test_a_turn_across_a_reload_that_failed_runs_once_whenever_its_response_come
         if head == "before the reload":
             up.open("head")
             a.wait_for_log("Streaming response from")  # through turnguard's tee
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+        break_script(a, script)
         held = in_background(post, b.url, SESSION, body_of(text))
         wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holding it")
         if head == "while no script is loaded":
@@ -762,9 +757,7 @@ def test_a_turns_end_owed_across_a_reload_that_failed_is_written_once_the_script
             guarded(tmp_path, up, "a", addon=script, **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
         with its_end_kept_behind_a_lock(tmp_path, a, "a", text):
-            time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-            script.write_text(good + "this is not python(\n")
-            wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+            break_script(a, script)
         held = in_background(post, b.url, SESSION, body_of(text))
         wait_until(lambda: events(tmp_path, "b", "duplicate_held")
                    or events(tmp_path, "b", "duplicate_replayed"), 10,

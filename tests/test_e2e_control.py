@@ -507,16 +507,14 @@ def test_the_commands_say_turnguard_is_not_loaded_while_a_reload_failed(tmp_path
     ledger closed ("ledger_ok": false, "the ledger is not usable now"), which sends the
     operator to a ledger that is fine. Once the script loads again they answer from the new
     instance."""
-    from test_at_most_once import reloadable
+    from test_at_most_once import break_script, reloadable
 
     script = reloadable(tmp_path)
     good = script.read_text()
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up, addon=script,
                                              extra_args=["-s", str(COMMAND_PROBE)]) as p:
         assert post(p.url)[0] == 200
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in p.log_text(), 15, what="the reload that failed")
+        break_script(p, script)
         failed_at = len(p.log_text())
         for args in (["turnguard.status"], ["turnguard.held"], ["turnguard.circuit.list"],
                      ["turnguard.circuit.clear", "all"], ["turnguard.session.release", "s"]):

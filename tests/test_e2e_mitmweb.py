@@ -335,11 +335,10 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_as_mitmweb_stops(tmp_
     (SIGTERM) before the script is fixed. The unloaded instance must write the turn's end as
     mitmweb exits, as it does in mitmdump: nothing left in flight, and its outcome in the
     events file. (An attack that held.)"""
-    from test_at_most_once import in_background, in_flight, reloadable
+    from test_at_most_once import break_script, in_background, in_flight, reloadable
 
     ledger = tmp_path / "ledger.sqlite3"
     script = reloadable(tmp_path)
-    good = script.read_text()
     body = {"model": "m", "input": "a turn that ends while a reload failed, in mitmweb",
             "stream": True}
     with MockUpstream(tmp_path, {"sequence": [{"kind": "ok", "hold": "a"}],
@@ -347,9 +346,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_as_mitmweb_stops(tmp_
             MitmWeb(tmp_path, up, addon=script) as web:
         original = in_background(post_turn, web.url, {"session-id": "sess-web"}, body)
         up.wait_held("a", 30)
-        time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-        script.write_text(good + "this is not python(\n")
-        wait_until(lambda: "SyntaxError" in web.log_text(), 15, what="the reload that failed")
+        break_script(web, script)
         up.release("a")
         assert original.result(30)[0] == 200
         assert in_flight(ledger)

@@ -896,11 +896,10 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_pr
     session holding ``instances`` locked for 0.8 s as it stops, or not). The unloaded
     instance opens the ledger as A exits and writes the turn's end there: nothing is left in
     flight, B replays the retry (one dispatch), and the log never shows the password."""
-    from test_at_most_once import reloadable
+    from test_at_most_once import break_script, reloadable
 
     turn = {**BODY, "input": f"a turn that ends while a reload failed, on postgres ({lock})"}
     script = reloadable(tmp_path)
-    good = script.read_text()
     with MockUpstream(tmp_path) as up:
         with guarded(tmp_path, up, "a", pg_url, addon=script) as a:
             with ThreadPoolExecutor(1) as pool:
@@ -908,9 +907,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_pr
                                        {**HEADERS, **harness.mock_behaviour(kind="ok", hold="a")},
                                        turn)
                 up.wait_held("a", 30)
-                time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-                script.write_text(good + "this is not python(\n")
-                wait_until(lambda: "SyntaxError" in a.log_text(), 15, what="the reload that failed")
+                break_script(a, script)
                 up.release("a")
                 first = original.result(30)
             assert first[0] == 200

@@ -21,7 +21,8 @@ from harness import (ADDON, REPO, LoopbackServer, Mitmdump, MockUpstream, assert
                      guarded, ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
-from test_at_most_once import reloadable, reloaded, slow_workers, touch_to_reload
+from test_at_most_once import (break_script, reloadable, reloaded, slow_workers,
+                               touch_to_reload)
 
 SESSION = "01a22e73-8c1f-7fc3-8961-844f4a263337"
 HEADERS = {"authorization": "Bearer sk-ws-test", "session-id": SESSION}
@@ -973,16 +974,6 @@ def test_a_call_whose_admission_a_reload_interrupts_is_decided_by_the_new_instan
         assert a.log_text().count("the addon loaded now decides it") == 1
         assert gate_state(gate)["returned"] == 1  # A's end owed, written once
         assert_no_traceback(a.log_text() + b.log_text())
-
-
-def break_script(proxy: Mitmdump, script) -> str:
-    """Write a syntax error into the reloadable copy of the script: mitmproxy reloads it and
-    fails, and no turnguard instance gets the hooks until ``restore_script``. Its good text."""
-    good = script.read_text()
-    time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
-    script.write_text(good + "this is not python(\n")
-    wait_until(lambda: "SyntaxError" in proxy.log_text(), 15, what="the reload that failed")
-    return good
 
 
 async def sent_then_unloaded(c: WsClient, up: MockUpstream, proxy: Mitmdump, script,
