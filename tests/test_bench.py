@@ -183,7 +183,7 @@ def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run)
     assert dispatch["telemetry line (JSON, log record)"]["calls"] >= 2 * m
     assert dispatch.get("log record handling (handlers)", {"calls": 0})["calls"] < m
     # the garbage collector's passes, timed in each process (their objects are the requests')
-    for timed in (dispatch, replay, hk["replay"]["answer_floor"]):
+    for timed in (dispatch, replay, hk["replay"]["answer_floor"], hk["dispatch"]["plain_stream"]):
         passes = timed["garbage collection (every pass)"]
         assert passes["calls"] > 0 and _num(passes["us_per_request"])
 

@@ -100,7 +100,8 @@ class HookTimer:
             if name == "turnguard":
                 self._wrap(logging.getLogger("turnguard"), "handle", LOG_PART)
             return
-        logging.getLogger(__name__).warning("hook timer: no addon of %s loaded", list(PARTS))
+        logging.getLogger(__name__).info("hook timer: no addon of %s loaded; timing the garbage "
+                                         "collector's passes only", list(PARTS))
 
     def _time_collections(self) -> None:
         every, full = (self.samples.setdefault(part, []) for part in (GC_PART, GC_FULL_PART))

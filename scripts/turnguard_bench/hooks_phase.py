@@ -1,10 +1,11 @@
 """Where a request's time goes inside mitmdump (the ``hooks`` phase): turnguard's hooks and
 their parts (identity, decision, answer, telemetry line, log handlers) and the garbage
-collector's passes, each timed in the running process by ``hook_timer_addon.py``, for two loads: replays of the 8-event SSE
-(4 clients, as the replay phase) and new operations (8 clients, each claimed and dispatched),
-with the answer floor's hooks beside the replays. Medians per call and the mean per request;
-the parts nest (see ``hook_timer_addon``). The wrappers add about a microsecond to each timed
-call."""
+collector's passes, each timed in the running process by ``hook_timer_addon.py``, for two
+loads: replays of the 8-event SSE (4 clients, as the replay phase) and new operations (8
+clients, each claimed and dispatched), with the answer floor's hooks beside the replays and
+plain_stream beside the new operations (its collector's passes only: what any process's
+requests leave to it). Medians per call and the mean per request; the parts nest (see
+``hook_timer_addon``). The wrappers add about a microsecond to each timed call."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ async def hooks(cfg, workdir: Path, up: procs.Proc) -> dict:
     ms = procs.start_mitmdumps(workdir, up.url, {
         "hooks-turnguard": ("turnguard", {}),
         "hooks-answer_floor": ("answer_floor", {}),
+        "hooks-plain_stream": ("plain_stream", {}),  # (the collector's passes only)
     }, hook_timer=True)
     out: dict = {"replay": {}, "dispatch": {}}
     checks: dict = {}
@@ -58,18 +60,22 @@ async def hooks(cfg, workdir: Path, up: procs.Proc) -> dict:
                     r.headers.get("x-turnguard") == "replayed" for r in ok)
             log(f"hooks: {n} replays through {v} timed")
         out["replay"]["requests"] = n
-        p, n = ms["hooks-turnguard"], cfg.hooks["dispatch"]
-        await _times(p)
-        nonce = f"hk-new-{uuid.uuid4().hex[:8]}"
-        load, extra = await _measure_load(
-            p, up, lambda i: model_request(nonce, i, session=f"s{i % 64}"), n, DISPATCH_CLIENTS,
-            cfg)
-        out["dispatch"]["turnguard"] = _per_request(await _times(p), n)
+        n = cfg.hooks["dispatch"]
+        for v in ("turnguard", "plain_stream"):
+            p = ms[f"hooks-{v}"]
+            await _times(p)
+            nonce = f"hk-new-{v}-{uuid.uuid4().hex[:8]}"
+            load, extra = await _measure_load(
+                p, up, lambda i: model_request(nonce, i, session=f"s{i % 64}"), n,
+                DISPATCH_CLIENTS, cfg)
+            out["dispatch"][v] = _per_request(await _times(p), n)
+            prefix = "" if v == "turnguard" else f"{v}_"
+            checks[f"{prefix}dispatches_answered"] = sum(
+                r.error is None and r.status == 200 for r in load.results) == n
+            checks[f"{prefix}every_operation_dispatched_once"] = \
+                extra["upstream_dispatches"] == n
+            log(f"hooks: {n} new operations through {v} timed")
         out["dispatch"]["requests"] = n
-        checks["dispatches_answered"] = sum(
-            r.error is None and r.status == 200 for r in load.results) == n
-        checks["every_operation_dispatched_once"] = extra["upstream_dispatches"] == n
-        log(f"hooks: {n} new operations through turnguard timed")
     finally:
         for p in ms.values():
             p.stop()

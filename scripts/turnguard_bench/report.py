@@ -311,7 +311,7 @@ def render(res: dict) -> str:
                           "(parts nest: the request hook holds the others)"))
         rows = []
         for load in ("replay", "dispatch"):
-            for v in ("answer_floor", "turnguard"):
+            for v in ("answer_floor", "plain_stream", "turnguard"):
                 for part, t in hk[load].get(v, {}).items():
                     rows.append([load, v, part, _f(t["calls_per_request"], ".2f"),
                                  _f(t["median_us"], ".1f"), _f(t["p90_us"], ".1f"),
