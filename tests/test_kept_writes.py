@@ -261,3 +261,48 @@ async def test_a_store_closed_at_an_unload_is_not_opened_again_by_a_call_that_fa
         assert not traced.store.is_open
     finally:
         traced.store.close()
+
+
+async def test_a_request_that_comes_while_the_ledger_is_being_opened_again_waits_for_that(
+        tmp_path, monkeypatch):
+    """The ledger could not be opened (another connection held its write lock: so a script
+    reload's new instance finds it), and the ticker's next try to open it is under way as
+    the lock goes, when a request comes. The request must wait for that try (within its
+    deadline) and get the ledger's decision: it was decided from memory at once, although
+    the ledger opened a moment later (in once mode a retry got 503 ``ledger_unavailable``; a
+    duplicate of a turn another process has in flight would have been dispatched again)."""
+    from turnguard_core.failover import FailoverStore
+
+    path = str(tmp_path / "ledger.sqlite3")
+    traced = Traced(path)
+    store = traced.store
+    entered, proceed = threading.Event(), threading.Event()
+    connect = FailoverStore._connect
+
+    def gated(self, *args, **kwargs):
+        entered.set()
+        assert proceed.wait(30)
+        return connect(self, *args, **kwargs)
+
+    try:
+        store.close()
+        blocker = sqlite3.connect(path, isolation_level=None, timeout=1)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            assert not store.open(path)  # locked: noted, tried again by the ticker
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        monkeypatch.setattr(FailoverStore, "_connect", gated)
+        reopening = asyncio.ensure_future(store.reopen_if_due())  # the ticker's try
+        assert await asyncio.to_thread(entered.wait, 10)
+        admission = asyncio.ensure_future(traced.admit(ident("a request as the ledger opens")))
+        await asyncio.sleep(0.2)  # (it has come, and waits for that try)
+        proceed.set()
+        await reopening
+        decision = await admission
+        assert isinstance(decision, policy.Dispatch) and decision.attempt_id is not None
+        assert store.is_open
+    finally:
+        proceed.set()
+        store.close()

@@ -267,6 +267,8 @@ class FailoverStore:
         self._adoption_due = False
         self._stale_attempts_due = False
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
+        # a try to open it under way (the ticker's or a request's: ``reopen_if_due``)
+        self._reopen_under_way: asyncio.Future | None = None
         # closed for good (its addon instance was unloaded: ``close(final=True)``): nothing
         # opens a ledger for it again, not even a call of a request it was still deciding
         self._retired = False
@@ -431,6 +433,7 @@ class FailoverStore:
             return
         self._reopen_at = time.monotonic() + REOPEN_S
         loop = asyncio.get_running_loop()
+        self._reopen_under_way = under_way = loop.create_future()
         try:
             connected = await loop.run_in_executor(None, self._connect, self.path, loop)
         except (LedgerError, OSError) as e:
@@ -438,6 +441,9 @@ class FailoverStore:
             if contended(e):  # locked: the next tick tries again (each try waits for it)
                 self._reopen_at = 0.0
             return
+        finally:
+            under_way.set_result(None)
+            self._reopen_under_way = None
         if self._store is not None:  # opened meanwhile (a change of option)
             connected.close()
             return
@@ -917,14 +923,16 @@ class FailoverStore:
             # the file was found gone (or could not be opened a while ago): this request
             # opens the file now at the path rather than deciding blind until the next tick
             # (another process may have registered its attempts there meanwhile); a request
-            # that comes while another one's opening is under way waits for that one
-            opening = self._reopening is not None and not self._reopening.done()
+            # that comes while a try to open it is under way (another request's, or the
+            # ticker's, which may have begun as the lock that failed the last one went)
+            # waits for that one
+            opening = {f for f in (self._reopening, self._reopen_under_way)
+                       if f is not None and not f.done()}
             if not opening and time.monotonic() >= self._reopen_at:
                 self._reopening = asyncio.get_running_loop().create_task(self.reopen_if_due())
-                opening = True
+                opening = {self._reopening}
             if opening:
-                await asyncio.wait({self._reopening},
-                                   timeout=max(0.0, deadline - time.monotonic()))
+                await asyncio.wait(opening, timeout=max(0.0, deadline - time.monotonic()))
         if self._store is None or deadline is not None and deadline <= time.monotonic():
             return UNREAD
         store = self._store
