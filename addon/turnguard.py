@@ -338,9 +338,7 @@ class TurnGuard:
         # a script reload: the process lives on, its lease with it (its heartbeat is kept)
         kept = None if shutting_down else self.store.take_heartbeat()
         if kept is not None or shutting_down:
-            if self._process.heartbeat is not None:
-                self._process.heartbeat.stop()
-            self._process.heartbeat = kept
+            self._process.keep_heartbeat(kept)
         self.store.close(write_owed=shutting_down, final=True)
         self.identifier.close()
         self.telemetry.close()
@@ -374,9 +372,7 @@ class TurnGuard:
                     except Exception:
                         logger.exception("turnguard: opening the events file at exit failed")
                     try:
-                        if self._process.heartbeat is not None:
-                            self._process.heartbeat.stop()
-                            self._process.heartbeat = None
+                        self._process.keep_heartbeat(None)
                         self._open_for_ends_owed()
                         self.store.close(write_owed=True, final=True)
                     except Exception:
@@ -444,10 +440,8 @@ class TurnGuard:
         """Stop the heartbeat a script reload kept from the instance it unloaded, once this
         instance's ledger renews the lease itself (at ``running``, or at the tick that opens
         a ledger that could not be opened at once)."""
-        kept = self._process.heartbeat
-        if kept is not None and self.store.beating:
-            kept.stop()
-            self._process.heartbeat = None
+        if self.store.beating:
+            self._process.keep_heartbeat(None)
 
     # -- the guard -------------------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:

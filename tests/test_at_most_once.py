@@ -104,12 +104,29 @@ def reloaded(proxy: Mitmdump, started: int) -> None:
 
 def break_script(proxy: Mitmdump, script) -> str:
     """Write a syntax error into the reloadable copy of the script: mitmproxy reloads it and
-    fails, and no turnguard instance gets the hooks until the script is written whole again. Its good text."""
+    fails, and no turnguard instance gets the hooks until the script is written whole again.
+    Its good text."""
     good = script.read_text()
     time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
     script.write_text(good + "this is not python(\n")
     wait_until(lambda: "SyntaxError" in proxy.log_text(), 15, what="the reload that failed")
     return good
+
+
+def a_turn_that_ends_while_a_reload_failed(a: Mitmdump, up: MockUpstream, script: Path,
+                                           text: str) -> tuple:
+    """A turn (``text``) sent through ``a`` and held upstream; mitmproxy's reload of the
+    script then fails (``break_script``), and the turn completes while no instance is
+    loaded. Its answer (status, headers, body)."""
+    original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
+                             body_of(text))
+    up.wait_held("a", 30)
+    break_script(a, script)
+    up.release("a")
+    answer = original.result(30)
+    assert answer[0] == 200
+    return answer
+
 
 
 def in_flight(ledger: Path) -> list[tuple]:
@@ -417,19 +434,14 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_if_the_process_stops_
     opts = dict(turnguard_hold_timeout_ms=2000)
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
-                                 body_of(text))
-        up.wait_held("a", 30)
-        break_script(a, script)
-        up.release("a")
-        assert original.result(30)[0] == 200
+        original = a_turn_that_ends_while_a_reload_failed(a, up, script, text)
         held = post(b.url, SESSION, body_of(text))  # A lives: its turn is not reaped
         assert (held[0], held[1].get("x-turnguard")) == (409, "turn_in_progress")
         assert a.stop() == 0
         assert not in_flight(ledger)  # written as A exited
         retry = post(b.url, SESSION, body_of(text))
         assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
-        assert retry[2] == original.result(0)[2]
+        assert retry[2] == original[2]
         assert dispatches_of(up, body_of(text)) == 1
         assert a.log_text().count("Traceback") == 1  # its SyntaxError
 
@@ -513,12 +525,7 @@ def test_a_ledger_that_goes_while_a_reload_failed_is_no_place_for_the_ends_writt
     script = reloadable(tmp_path)
     text = f"a turn that ends while a reload failed, its ledger then {then}"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a:
-        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", hold="a")},
-                                 body_of(text))
-        up.wait_held("a", 30)
-        break_script(a, script)
-        up.release("a")
-        assert original.result(30)[0] == 200
+        original = a_turn_that_ends_while_a_reload_failed(a, up, script, text)
         if then == "deleted":
             delete_ledger(ledger)
         else:
@@ -533,7 +540,7 @@ def test_a_ledger_that_goes_while_a_reload_failed_is_no_place_for_the_ends_writt
             with guarded(tmp_path, up, "b") as b:
                 retry = post(b.url, SESSION, body_of(text))
                 assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
-                assert retry[2] == original.result(0)[2]
+                assert retry[2] == original[2]
             assert dispatches_of(up, body_of(text)) == 1
         else:
             assert ledger.read_bytes() == junk

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from harness import (
-    ADDON,
     MockUpstream,
     assert_no_traceback,
     guarded,
@@ -28,6 +27,7 @@ from harness import (
     turnguard_events,
     wait_until,
 )
+from test_at_most_once import reloadable
 
 HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"}
 BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
@@ -544,12 +544,7 @@ def test_a_script_reload_mid_stream_keeps_attached_and_detached_clients_streamin
     duplicate streams from it through the relay: both get the whole stream (the relay and
     the call are the process's, not the addon instance's), the new instance records the
     call's end, and a later retry is replayed from it: one upstream execution."""
-    script = tmp_path / "reloadable.py"
-    script.write_text(
-        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
-        f"__file__ = {str(ADDON)!r}\n"
-        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
-    )
+    script = reloadable(tmp_path)
     # the mock holds the stream after two events until the script was reloaded with both
     # clients streaming (order, not a reload that had to come within a 4 s stream)
     held = {"kind": "ok", "events": 16, "hold": "original", "hold_after_events": 2}
@@ -951,16 +946,6 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
         assert_no_traceback(proxy.log_text())
 
 
-def _reloadable(tmp_path):
-    script = tmp_path / "reloadable.py"
-    script.write_text(
-        "# a copy of turnguard's script that the test can touch to make mitmproxy reload it\n"
-        f"__file__ = {str(ADDON)!r}\n"
-        f"exec(compile(open(__file__).read(), __file__, 'exec'))\n"
-    )
-    return script
-
-
 def test_a_retry_held_on_a_detached_call_through_a_script_reload_keeps_it_from_its_cut(
         tmp_path):
     """The client gives up before the upstream's first byte (the call detaches, its window
@@ -969,7 +954,7 @@ def test_a_retry_held_on_a_detached_call_through_a_script_reload_keeps_it_from_i
     a detached call counts as its client: at the window's end the call must not be cut (cut,
     the retry is admitted again and runs the turn a second time). The window's end asked
     the unloaded instance, whose holds are none, whether a retry waited."""
-    script = _reloadable(tmp_path)
+    script = reloadable(tmp_path)
     # the window (10 s) leaves the reload and the retry's hold time on a loaded machine; the
     # upstream answers past it
     slow = {"kind": "ok", "events": 5, "gap_ms": 100, "delay_ms": 20000}
@@ -1006,7 +991,7 @@ def test_a_silent_detached_call_is_cut_while_a_reload_left_no_instance(tmp_path)
     still cut the call (its client answered, nothing left in flight once the script loads
     again), not raise in the timer and leave the call untimed for good (its client waits
     for the upstream, every retry held on it)."""
-    script = _reloadable(tmp_path)
+    script = reloadable(tmp_path)
     good = script.read_text()
     silent = {"kind": "ok", "delay_ms": 120000}
 

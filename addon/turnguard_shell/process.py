@@ -61,6 +61,12 @@ class ProcessState:
     # what the next instance would have; cancelled when an instance loads
     exit_watch: Any = None
 
+    def keep_heartbeat(self, heartbeat: Any) -> None:
+        """Keep ``heartbeat`` (None: none) as the process's, stopping the one kept before."""
+        if self.heartbeat is not None and self.heartbeat is not heartbeat:
+            self.heartbeat.stop()
+        self.heartbeat = heartbeat
+
     @classmethod
     def new(cls) -> "ProcessState":
         return cls(uuid.uuid4().hex[:16], liveness.read_process_identity())
