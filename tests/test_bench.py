@@ -179,6 +179,15 @@ def test_hooks_phase_times_each_part_once_per_request_inside_mitmdump(quick_run)
     for part in DISPATCH_PARTS:
         assert dispatch[part]["calls"] == m and _num(dispatch[part]["us_per_request"]), part
     assert "replay answer" not in dispatch
+    # the ledger floor's hooks beside them: its claim in the request hook, its end in the
+    # response hook, once a request each
+    # outside the hooks: every response's chunks through the tee, and the deferred writes'
+    # group commits (some commit with the next claim instead, in its decision)
+    assert dispatch["response stream (the tee, per chunk)"]["calls"] >= m
+    assert dispatch["group commit of deferred writes (after the hooks)"]["calls"] > 0
+    floor = hk["dispatch"]["ledger_floor"]
+    for part in ("request hook", "responseheaders hook", "response hook"):
+        assert floor[part]["calls"] == m and _num(floor[part]["us_per_request"]), part
     # dispatch and outcome: at DEBUG, so no log record is made for them
     assert dispatch["telemetry line (JSON, log record)"]["calls"] >= 2 * m
     assert dispatch.get("log record handling (handlers)", {"calls": 0})["calls"] < m
@@ -228,6 +237,12 @@ def test_ledger_claims_and_exactly_once(quick_run):
     for p in sc["points"]:
         assert all(_num(p[k]) and p[k] > 0 for k in ("live_bytes", "file_bytes", "admit_new_us",
                                                         "admit_replay_us"))
+    # every write commits some pages: a claim its operation and attempt rows and their
+    # indexes; the floor's claim at least its row
+    wp = le["wal_pages"]
+    assert all(_num(v) and v >= 1 for v in (*wp["turnguard"].values(), *wp["ledger_floor"].values()))
+    assert wp["turnguard"]["claim"] > wp["ledger_floor"]["claim"]
+    assert "pages written to the WAL a transaction" in quick_run[1]
 
 
 @pytest.mark.slow

@@ -54,8 +54,17 @@ PARTS: dict[str, dict[str, str]] = {
         "telemetry line (JSON, log record)": "telemetry.emit",
         "responseheaders hook": "responseheaders",
         "response hook": "response",
+        # outside the hooks: the response's chunks through the tee (mitmproxy calls it per
+        # chunk), and the group commits of the writes deferred by the hooks (an attempt's
+        # first event and end), run by the event loop after them (those a later ledger call
+        # commits with it are in that call's part)
+        "response stream (the tee, per chunk)": "turnguard_core.tee:ResponseTee.__call__",
+        "group commit of deferred writes (after the hooks)":
+            "turnguard_core.ledger_runner:LedgerRunner.flush",
     },
     "answerfloor": {"request hook": "request", "response hook": "response"},
+    "ledgerfloor": {"request hook": "request", "responseheaders hook": "responseheaders",
+                    "response hook": "response"},
 }
 LOG_PART = "log record handling (handlers)"  # the "turnguard" logger's handle(), with turnguard
 GC_PART = "garbage collection (every pass)"

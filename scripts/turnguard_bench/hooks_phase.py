@@ -2,9 +2,10 @@
 their parts (identity, decision, answer, telemetry line, log handlers) and the garbage
 collector's passes, each timed in the running process by ``hook_timer_addon.py``, for two
 loads: replays of the 8-event SSE (4 clients, as the replay phase) and new operations (8
-clients, each claimed and dispatched), with the answer floor's hooks beside the replays and
-plain_stream beside the new operations (its collector's passes only: what any process's
-requests leave to it). Medians per call and the mean per request; the parts nest (see
+clients, each claimed and dispatched), with the answer floor's hooks beside the replays, and
+beside the new operations the ledger floor's hooks (its durable claim and end: what any
+guard that runs a request at most once must do in them) and plain_stream (its collector's
+passes only: what any process's requests leave to it). Medians per call and the mean per request; the parts nest (see
 ``hook_timer_addon``). The wrappers add about a microsecond to each timed call."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ async def hooks(cfg, workdir: Path, up: procs.Proc) -> dict:
     ms = procs.start_mitmdumps(workdir, up.url, {
         "hooks-turnguard": ("turnguard", {}),
         "hooks-answer_floor": ("answer_floor", {}),
+        "hooks-ledger_floor": ("ledger_floor", {}),
         "hooks-plain_stream": ("plain_stream", {}),  # (the collector's passes only)
     }, hook_timer=True)
     out: dict = {"replay": {}, "dispatch": {}}
@@ -61,7 +63,7 @@ async def hooks(cfg, workdir: Path, up: procs.Proc) -> dict:
             log(f"hooks: {n} replays through {v} timed")
         out["replay"]["requests"] = n
         n = cfg.hooks["dispatch"]
-        for v in ("turnguard", "plain_stream"):
+        for v in ("turnguard", "ledger_floor", "plain_stream"):
             p = ms[f"hooks-{v}"]
             await _times(p)
             nonce = f"hk-new-{v}-{uuid.uuid4().hex[:8]}"

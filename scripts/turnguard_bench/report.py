@@ -311,7 +311,7 @@ def render(res: dict) -> str:
                           "(parts nest: the request hook holds the others)"))
         rows = []
         for load in ("replay", "dispatch"):
-            for v in ("answer_floor", "plain_stream", "turnguard"):
+            for v in ("answer_floor", "ledger_floor", "plain_stream", "turnguard"):
                 for part, t in hk[load].get(v, {}).items():
                     rows.append([load, v, part, _f(t["calls_per_request"], ".2f"),
                                  _f(t["median_us"], ".1f"), _f(t["p90_us"], ".1f"),
@@ -381,6 +381,14 @@ def render(res: dict) -> str:
                     for pt in sc["points"]]
             o.append(table(rows, ["operations", "live B/op", "file B/op", "admit new us",
                                   "admit replay us", "fill s"]))
+        wp = le.get("wal_pages")
+        if wp:
+            t, f = wp["turnguard"], wp["ledger_floor"]
+            o.append(f"pages written to the WAL a transaction ({wp['operations']} operations): "
+                     f"turnguard claim {t['claim']:.1f}, first event {t['first_event']:.1f}, "
+                     f"finish with the recording {t['finish']:.1f} "
+                     f"({sum(t.values()):.1f} in all); the ledger floor claim {f['claim']:.1f}, "
+                     f"end with the body {f['end']:.1f} ({sum(f.values()):.1f})")
         pg = le.get("postgres") or {}
         if "skipped" in pg:
             o.append(f"PostgreSQL ledger: skipped ({pg['skipped']})")
