@@ -936,3 +936,42 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_pr
     password = re.search(r"://[^:/@]*:([^@]*)@", pg_url)
     assert password is None or password.group(1) not in log
     assert log.count("Traceback") == 1  # its SyntaxError
+
+
+
+def test_a_turn_dispatched_while_the_server_restarts_is_registered_as_soon_as_it_is_back(
+        tmp_path, own_pg):
+    """The server is down (an immediate stop, as a crash) when A's turn comes: A decides it in
+    memory and dispatches it, and owes the ledger its row. A tries again every 0.1 s while the
+    server cannot be reached (not once a second, at the maintenance's tick), so the row lands
+    as the server is back: a duplicate sent to B shortly after is held on it and replayed,
+    never run a second time. Nothing is left in flight once the turn ended."""
+    url = own_pg.url
+    turn = {**BODY, "input": "dispatched while the server restarts"}
+    slow = {**HEADERS, **harness.mock_behaviour(kind="ok", hold="h")}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url) as a, \
+            guarded(tmp_path, up, "b", url) as b, ThreadPoolExecutor(2) as pool:
+        _warm_up(a, b)
+        own_pg.stop(mode="immediate")
+        try:
+            original = pool.submit(post, a.url, slow, turn)
+            up.wait_held("h", 10)  # dispatched from memory
+            time.sleep(1.0)  # a few of A's tries meet the server down
+        finally:
+            own_pg.start()
+        time.sleep(0.3)  # well past "about 0.1 s" of the server answering again
+        duplicate = pool.submit(post, b.url, HEADERS, turn)
+        wait_until(lambda: duplicate.done() or events(tmp_path, "b", "duplicate_held")
+                   or len(up.dispatches()) > 3, 10, what="B deciding the duplicate")
+        up.release("h")
+        first, again = original.result(30), duplicate.result(30)
+        wait_until(lambda: rows(url, "SELECT COUNT(*) FROM operations"
+                                     " WHERE state = 'in_flight'") == [(0,)],
+                   10, what="the turn's end written")
+        log = a.log_text() + b.log_text()
+    assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, False]
+    assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
+    assert first[0] == again[0] == 200
+    assert again[1].get("x-turnguard") == "replayed" and again[2] == first[2]
+    assert_no_traceback(log)
+

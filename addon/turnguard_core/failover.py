@@ -41,7 +41,7 @@ from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
-from .ledger_runner import LedgerRunner, LedgerTimeout, contended
+from .ledger_runner import LedgerRunner, LedgerTimeout, contended, unreachable
 from .records import record
 from .store import (
     AppliedOnce,
@@ -324,6 +324,17 @@ class FailoverStore:
         duplicates wait for it). The maintenance then tries again as soon as a try gave up:
         each waits for the lock in SQLite's busy handler, without using the CPU."""
         if self.error is None or not contended(self.error):
+            return False
+        return bool(self._kept) or self._attempts_elsewhere(self.generation)
+
+    @property
+    def owes_writes_while_unreachable(self) -> bool:
+        """The ledger's server could not be reached (a PostgreSQL restart, a network cut)
+        while this process owes it writes (as for ``owes_writes_behind_a_lock``). The
+        maintenance then tries again every few ticks of a second, not once a second: an
+        attempt dispatched from memory meanwhile is registered about as soon as the server
+        answers again, before a duplicate sent to another process then is taken for new."""
+        if self.error is None or not unreachable(self.error):
             return False
         return bool(self._kept) or self._attempts_elsewhere(self.generation)
 
