@@ -100,7 +100,7 @@ class TurnGuard:
             memory=process.memory, kept=process.kept_writes, attempts=lambda: self.inflight,
             on_reregistered=lambda incarnation: self.sessions.forget_all(),
             on_attempt_ended=lambda op_key, attempt_id, state: self.waiters.attempt_ended_elsewhere(
-                op_key, attempt_id, state),
+                op_key, attempt_id, state, generation=self.store.generation),
             peers_awaited=process.peers_awaited,
         )
         self.inflight = InFlight(process, self.store, self.waiters, self.explainer, self._emit,
@@ -633,8 +633,10 @@ class TurnGuard:
         # held for the peers to register in a new ledger (``request_held``), no attempt seen:
         # admitted again at least every ``PEERS_RECHECK_S``, since nothing may notify this
         # request when that wait ends (on PostgreSQL no poll runs for it, and an end notified
-        # while it still waited for the peers was spent on an admission that held it again)
-        recheck = local is None and not state.as_duplicate
+        # while it still waited for the peers was spent on an admission that held it again);
+        # also a duplicate's hold that is now such a wait (the attempt it was held on was in
+        # a ledger since made again)
+        recheck = local is None and (not state.as_duplicate or state.attempt_id is None)
         while True:  # bounded by the hold's deadline
             left = state.deadline - time.monotonic()
             woke = await self.waiters.duplicate(flow, key, ident.op_key, foreign,

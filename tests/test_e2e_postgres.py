@@ -975,3 +975,62 @@ def test_a_turn_dispatched_while_the_server_restarts_is_registered_as_soon_as_it
     assert again[1].get("x-turnguard") == "replayed" and again[2] == first[2]
     assert_no_traceback(log)
 
+
+@pytest.mark.parametrize("fault", ["restart", "pause", "drop"])
+def test_a_turn_that_ends_while_the_ledger_is_down_runs_once_and_is_left_in_flight_nowhere(
+        tmp_path, request, fault):
+    """B holds a duplicate of A's turn when the ledger goes down just before the turn's end
+    (the server stopped as a crash would, or paused by SIGSTOP: a frozen VM; or the database
+    dropped, and made again a second later): A's end cannot be written when its client gets
+    the answer, and is owed. Another duplicate comes to B once the fault is over. The turn
+    runs once and each duplicate gets the original's bytes, well within its hold bound: the
+    held one also where the database was made again (A writes the turn there whole; its
+    notification names an attempt of that ledger, which wakes the duplicate held on A's
+    attempt in the old one). Once the fault is over nothing is left in flight."""
+    server = request.getfixturevalue("own_pg") if fault != "drop" else None
+    url = server.url if server is not None else request.getfixturevalue("pg_url")
+    name, admin = url.rsplit("/", 1)[1], url.rsplit("/", 1)[0] + "/postgres"
+    turn = {**BODY, "input": f"a turn that ends while the ledger is down ({fault})"}
+    last_event = {**HEADERS, **harness.mock_behaviour(kind="ok", hold="h", hold_after_events=7)}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, **opts) as a, \
+            guarded(tmp_path, up, "b", url, **opts) as b, ThreadPoolExecutor(3) as pool:
+        _warm_up(a, b)
+        original = pool.submit(post, a.url, last_event, turn)
+        up.wait_held("h", 10)  # everything sent but response.completed
+        held = pool.submit(post, b.url, HEADERS, turn)
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 10, what="B holds it")
+        if fault == "restart":
+            server.stop(mode="immediate")
+        elif fault == "pause":
+            _pause_server(server, True)
+        else:
+            rows(admin, f"DROP DATABASE {name} WITH (FORCE)")
+        try:
+            up.release("h")
+            wait_until(original.done, 10, what="the original answered")
+            time.sleep(1.0)
+        finally:
+            if fault == "restart":
+                server.start()
+            elif fault == "pause":
+                _pause_server(server, False)
+            else:
+                rows(admin, f"CREATE DATABASE {name}")
+        later = post(b.url, HEADERS, turn)
+        first, results = original.result(30), [held.result(30), later]
+
+        def in_flight() -> int | None:
+            try:
+                return rows(url, "SELECT COUNT(*) FROM operations"
+                                 " WHERE state = 'in_flight'")[0][0]
+            except psycopg.errors.UndefinedTable:  # not made again yet
+                return None
+
+        wait_until(lambda: in_flight() == 0, 20, what="nothing in flight")
+        log = a.log_text() + b.log_text()
+    assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
+    assert first[0] == 200
+    assert [(r[0], r[1].get("x-turnguard"), r[2] == first[2]) for r in results] == [
+        (200, "replayed", True)] * 2
+    assert_no_traceback(log)

@@ -343,6 +343,26 @@ async def test_a_held_duplicate_is_woken_by_the_notification_even_if_it_came_fir
     assert type(await waiters.duplicate(Flow(), "f1", "op2", 5, timeout_s=0.05)).__name__ == "TimedOut"
 
 
+async def test_a_wait_on_an_attempt_of_a_ledger_made_again_is_woken_by_an_end_in_the_new_one():
+    """A duplicate held on attempt 3 seen in the ledger of generation g1 (a database since
+    dropped and made again): the owner's turn, written in the new ledger (g2), ends there as
+    attempt 1. That end wakes it (to be admitted again in g2); an end in g1 of another attempt
+    does not."""
+    from turnguard_shell.waiters import Waiters
+
+    class Flow:
+        id = "f1"
+
+    waiters = Waiters()
+    wait = asyncio.ensure_future(waiters.duplicate(Flow(), "f1", "op", 3, 5, "g1"))
+    await asyncio.sleep(0)
+    waiters.attempt_ended_elsewhere("op", 1, "completed", generation="g1")
+    await asyncio.sleep(0.05)
+    assert not wait.done()
+    waiters.attempt_ended_elsewhere("op", 1, "completed", generation="g2")
+    assert (await asyncio.wait_for(wait, 5)).outcome == "completed"
+
+
 # -- the control tool --------------------------------------------------------------------------------
 def test_scripts_turnguard_works_on_a_postgres_ledger_and_never_prints_the_password(pg_url):
     led = PgLedgerAdmin(pg_url, "a")

@@ -141,11 +141,16 @@ class Waiters:
             if isinstance(wait, DuplicateWait) and wait.op_key == op_key:
                 self.resolve(wait, why)
 
-    def attempt_ended_elsewhere(self, op_key: str, attempt_id: int, state: str) -> None:
-        """The ledger notified the end of an attempt (any process's): wake the duplicates held
-        on it in this process as another process's attempt (``foreign_attempt``: that attempt,
-        or 0 when its id was not known); this process's own attempts wake their waiters
-        themselves. Remembered a while, for a wait that begins just after."""
+    def attempt_ended_elsewhere(self, op_key: str, attempt_id: int, state: str, *,
+                                generation: str = "") -> None:
+        """The ledger (of ``generation``, when known) notified the end of an attempt (any
+        process's): wake the duplicates held on it in this process as another process's
+        attempt (``foreign_attempt``: that attempt, or 0 when its id was not known), and those
+        held on an attempt of the operation seen in another ledger (a database made again:
+        ids there name other attempts; the owner wrote its turn in this one, so they read it
+        again here, where they are held again if it is still in flight); this process's own
+        attempts wake their waiters themselves. Remembered a while, for a wait that begins
+        just after."""
         now = time.monotonic()
         self._recent_ends[(op_key, attempt_id)] = (state, now)
         self._recent_ends.move_to_end((op_key, attempt_id))
@@ -153,7 +158,9 @@ class Waiters:
                 iter(self._recent_ends.values()))[1] < now - RECENT_END_S):
             self._recent_ends.popitem(last=False)
         for wait in list(self._by_op.get(op_key, {}).values()):
-            if wait.foreign_attempt in (attempt_id, 0):
+            if wait.foreign_attempt in (attempt_id, 0) or (
+                    wait.foreign_attempt is not None and generation
+                    and wait.generation and wait.generation != generation):
                 self.resolve(wait, Ended(state))
 
     def ownership_lost(self, session: str, epoch: int) -> None:
