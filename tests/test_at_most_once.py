@@ -1246,6 +1246,49 @@ def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path
            "dispatches=1 per turn")
 
 
+def test_a_turn_dispatched_while_the_disk_is_full_is_registered_as_soon_as_there_is_room(
+        tmp_path, report):
+    """As behind a lock (above), with the ledger's disk full instead: A's turn is dispatched
+    from memory (its claim could not be written), and A owes the ledger its row. Until A
+    writes it, another process takes the turn for new: so while A owes rows to a ledger it
+    cannot write, it tries again every 0.1 s, not at its next maintenance tick. A duplicate
+    sent to B 0.4 s after room was made is held on A's attempt, in each of three rounds (the
+    room made at several points of A's tick). With a try per tick, this test failed in 3 runs
+    of 3 (B ran the turn a second time)."""
+    folder = tmp_path / "ledger-fs"
+    with tiny_tmpfs(folder, "8m"):  # (room for the scratch writes of wal_at_its_end)
+        ledger = folder / "ledger.sqlite3"
+        with MockUpstream(tmp_path) as up, \
+                guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
+                guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
+            assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+            for full_s in (2.3, 3.1, 3.8):
+                body = body_of(f"dispatched while the disk is full for {full_s} s")
+                before = len(up.dispatches())
+                with wal_at_its_end(ledger):
+                    fill(folder)
+                    try:
+                        original = in_background(
+                            post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
+                            body)
+                        wait_until(lambda: len(up.dispatches()) == before + 1, 10,
+                                   what="the original dispatched from memory")
+                        time.sleep(full_s)
+                    finally:
+                        unfill(folder)
+                time.sleep(0.4)  # (A tries every 0.1 s; its tick, before, every second)
+                duplicate = post(b.url, SESSION, body)
+                assert original.result(30)[0] == duplicate[0] == 200
+                assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+                assert len(up.dispatches()) == before + 1, "the turn ran twice"
+            assert events(tmp_path, "a", "ledger_unavailable")  # the full disk was met
+            wait_until(lambda: not in_flight(ledger), 10, what="the turns' ends written")
+            assert_no_traceback(a.log_text() + b.log_text())
+    report("a turn dispatched from memory while the ledger's disk was full (3 rounds of "
+           "2.3-3.8 s): its duplicate through another process 0.4 s after room was made was "
+           "held each time; upstream dispatches=1 per turn")
+
+
 def _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry) -> None:
     """Once A's ledger is back (its retry registered, its failed attempt's end written), a
     duplicate through B is held on the retry and gets its answer: the turn's third dispatch

@@ -959,7 +959,7 @@ def test_a_turn_dispatched_while_the_server_restarts_is_registered_as_soon_as_it
             time.sleep(1.0)  # a few of A's tries meet the server down
         finally:
             own_pg.start()
-        time.sleep(0.3)  # well past "about 0.1 s" of the server answering again
+        time.sleep(0.4)  # well past "about 0.1 s" of the server answering again
         duplicate = pool.submit(post, b.url, HEADERS, turn)
         wait_until(lambda: duplicate.done() or events(tmp_path, "b", "duplicate_held")
                    or len(up.dispatches()) > 3, 10, what="B deciding the duplicate")

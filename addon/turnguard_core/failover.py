@@ -329,11 +329,12 @@ class FailoverStore:
 
     @property
     def owes_writes_while_unreachable(self) -> bool:
-        """The ledger's server could not be reached (a PostgreSQL restart, a network cut)
-        while this process owes it writes (as for ``owes_writes_behind_a_lock``). The
-        maintenance then tries again every few ticks of a second, not once a second: an
-        attempt dispatched from memory meanwhile is registered about as soon as the server
-        answers again, before a duplicate sent to another process then is taken for new."""
+        """The ledger's server could not be reached (a PostgreSQL restart, a network cut), or
+        its disk was full, while this process owes it writes (as for
+        ``owes_writes_behind_a_lock``). The maintenance then tries again every tenth of a
+        second, not once a second: an attempt dispatched from memory meanwhile is registered
+        about as soon as the server answers again or room is made, before a duplicate sent
+        to another process then is taken for new."""
         if self.error is None or not unreachable(self.error):
             return False
         return bool(self._kept) or self._attempts_elsewhere(self.generation)
