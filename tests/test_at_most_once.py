@@ -49,7 +49,8 @@ from turnguard_mock.events import ok_events
 from turnguard_mock.server import chunk, response_head
 from turnguard_sse import frame
 
-from test_ledger_faults import dispatches_of, fill, tiny_tmpfs, unfill, wal_at_its_end
+from test_ledger_faults import (dispatches_of, fill, immutable, tiny_tmpfs, unfill,
+                               wal_at_its_end)
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
 ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
@@ -1246,47 +1247,62 @@ def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path
            "dispatches=1 per turn")
 
 
-def test_a_turn_dispatched_while_the_disk_is_full_is_registered_as_soon_as_there_is_room(
-        tmp_path, report):
-    """As behind a lock (above), with the ledger's disk full instead: A's turn is dispatched
-    from memory (its claim could not be written), and A owes the ledger its row. Until A
-    writes it, another process takes the turn for new: so while A owes rows to a ledger it
-    cannot write, it tries again every 0.1 s, not at its next maintenance tick. A duplicate
-    sent to B 0.4 s after room was made is held on A's attempt, in each of three rounds (the
-    room made at several points of A's tick). With a try per tick, this test failed in 3 runs
-    of 3 (B ran the turn a second time)."""
+@contextlib.contextmanager
+def _unwritable(fault: str, folder: Path, ledger: Path):
+    """The ledger cannot be written until the block ends: its disk full, or its files and
+    folder read-only (``chattr +i``; the -shm stays writable: it is mmapped, and a write
+    fault there is a SIGBUS)."""
+    if fault == "read-only":
+        with immutable(ledger, Path(f"{ledger}-wal"), folder):
+            yield
+        return
+    with wal_at_its_end(ledger):
+        fill(folder)
+        try:
+            yield
+        finally:
+            unfill(folder)
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_turn_dispatched_while_the_ledger_cannot_be_written_is_registered_as_soon_as_it_can(
+        tmp_path, fault, report):
+    """As behind a lock (above), with the ledger's disk full, or its files read-only, instead:
+    A's turn is dispatched from memory (its claim could not be written), and A owes the
+    ledger its row. Until A writes it, another process takes the turn for new: so while A
+    owes rows to a ledger it cannot write, it tries again every 0.1 s, not at its next
+    maintenance tick. A duplicate sent to B 0.4 s after the ledger can be written again is
+    held on A's attempt, in each of three rounds (the fault's end at several points of A's
+    tick). With a try per tick, this test failed in 3 runs of 3 (B ran the turn again)."""
     folder = tmp_path / "ledger-fs"
-    with tiny_tmpfs(folder, "8m"):  # (room for the scratch writes of wal_at_its_end)
+    mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
+        folder.mkdir(mode=0o700))  # (8m: room for the scratch writes of wal_at_its_end)
+    with mount:
         ledger = folder / "ledger.sqlite3"
         with MockUpstream(tmp_path) as up, \
                 guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
                 guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
             assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-            for full_s in (2.3, 3.1, 3.8):
-                body = body_of(f"dispatched while the disk is full for {full_s} s")
+            for fault_s in (2.3, 3.1, 3.8):
+                body = body_of(f"dispatched while the ledger is {fault} for {fault_s} s")
                 before = len(up.dispatches())
-                with wal_at_its_end(ledger):
-                    fill(folder)
-                    try:
-                        original = in_background(
-                            post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)},
-                            body)
-                        wait_until(lambda: len(up.dispatches()) == before + 1, 10,
-                                   what="the original dispatched from memory")
-                        time.sleep(full_s)
-                    finally:
-                        unfill(folder)
+                with _unwritable(fault, folder, ledger):
+                    original = in_background(
+                        post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=4000)}, body)
+                    wait_until(lambda: len(up.dispatches()) == before + 1, 10,
+                               what="the original dispatched from memory")
+                    time.sleep(fault_s)
                 time.sleep(0.4)  # (A tries every 0.1 s; its tick, before, every second)
                 duplicate = post(b.url, SESSION, body)
                 assert original.result(30)[0] == duplicate[0] == 200
                 assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
                 assert len(up.dispatches()) == before + 1, "the turn ran twice"
-            assert events(tmp_path, "a", "ledger_unavailable")  # the full disk was met
+            assert events(tmp_path, "a", "ledger_unavailable")  # the fault was met
             wait_until(lambda: not in_flight(ledger), 10, what="the turns' ends written")
             assert_no_traceback(a.log_text() + b.log_text())
-    report("a turn dispatched from memory while the ledger's disk was full (3 rounds of "
-           "2.3-3.8 s): its duplicate through another process 0.4 s after room was made was "
-           "held each time; upstream dispatches=1 per turn")
+    report(f"a turn dispatched from memory while the ledger was {fault} (3 rounds of 2.3-3.8 "
+           "s): its duplicate through another process 0.4 s after the fault's end was held "
+           "each time; upstream dispatches=1 per turn")
 
 
 def _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry) -> None:

@@ -41,7 +41,7 @@ from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
-from .ledger_runner import LedgerRunner, LedgerTimeout, contended, unreachable
+from .ledger_runner import LedgerRunner, LedgerTimeout, contended
 from .records import record
 from .store import (
     AppliedOnce,
@@ -328,14 +328,15 @@ class FailoverStore:
         return bool(self._kept) or self._attempts_elsewhere(self.generation)
 
     @property
-    def owes_writes_while_unreachable(self) -> bool:
-        """The ledger's server could not be reached (a PostgreSQL restart, a network cut), or
-        its disk was full, while this process owes it writes (as for
-        ``owes_writes_behind_a_lock``). The maintenance then tries again every tenth of a
-        second, not once a second: an attempt dispatched from memory meanwhile is registered
-        about as soon as the server answers again or room is made, before a duplicate sent
-        to another process then is taken for new."""
-        if self.error is None or not unreachable(self.error):
+    def owes_writes_while_down(self) -> bool:
+        """The ledger failed for another reason than another connection's lock (its disk
+        full, its files read-only, its PostgreSQL server restarting or cut off by the
+        network) while this process owes it writes (as for ``owes_writes_behind_a_lock``).
+        Such a try often fails at once, so the maintenance tries again every tenth of a
+        second, not at once and not once a second: an attempt dispatched from memory
+        meanwhile is registered about as soon as the ledger can be written again, before a
+        duplicate sent to another process then is taken for new."""
+        if self.error is None or contended(self.error):
             return False
         return bool(self._kept) or self._attempts_elsewhere(self.generation)
 

@@ -58,21 +58,6 @@ def contended(error: LedgerError | str) -> bool:
             or "statement timeout" in text)
 
 
-def unreachable(error: LedgerError | str) -> bool:
-    """Whether the ledger failed because its server could not be reached or ended the
-    connection (PostgreSQL restarted, stopped or cut off by the network; libpq's "connection
-    failed", "server closed the connection", an administrator's "terminating connection"),
-    or because its disk is full (SQLite's "database or disk is full", PostgreSQL's "No space
-    left on device"): the next try may work as soon as the server is back or room is made.
-    Such a try often fails at once (connection refused, no room), so it is tried again after
-    a short pause, not at once."""
-    text = str(error).lower()
-    return ("connection failed" in text or "server closed the connection" in text
-            or "terminating connection" in text or "connection is lost" in text
-            or "connection refused" in text
-            or "disk is full" in text or "no space left" in text)
-
-
 Job = Callable[[Ledger], T]
 """A ledger call: a function of the ledger, e.g. ``lambda ledger: ledger.admit(...)``."""
 

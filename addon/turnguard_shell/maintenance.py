@@ -37,7 +37,8 @@ logger = logging.getLogger("turnguard")
 FOREIGN_POLL_S = 0.2  # re-check an operation another process owns (issue: 100-250 ms)
 TICK_S = 1.0
 OWED_WRITES_RETRY_S = 0.01  # writes owed behind a lock: try again at once (each try waits)
-# writes owed to a server that cannot be reached: a try is refused at once, so a short pause
+# writes owed to a ledger that fails otherwise (a full disk, read-only files, a server that
+# cannot be reached): a try fails at once, so a short pause between tries
 OWED_WRITES_REDIAL_S = 0.1
 REAP_S = 5.0  # look for dead peers' attempts this often (every second when waiting on one)
 FOREIGN_REAP_S = 1.0
@@ -73,7 +74,7 @@ class Maintenance:
             poll = bool(foreign) and not g.store.attempt_ends_notified
             if g.store.owes_writes_behind_a_lock:
                 await asyncio.sleep(OWED_WRITES_RETRY_S)
-            elif g.store.owes_writes_while_unreachable:
+            elif g.store.owes_writes_while_down:
                 await asyncio.sleep(OWED_WRITES_REDIAL_S)
             else:
                 await asyncio.sleep(FOREIGN_POLL_S if poll else TICK_S)
