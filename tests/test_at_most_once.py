@@ -49,8 +49,7 @@ from turnguard_mock.events import ok_events
 from turnguard_mock.server import chunk, response_head
 from turnguard_sse import frame
 
-from test_ledger_faults import (dispatches_of, fill, immutable, tiny_tmpfs, unfill,
-                               wal_at_its_end)
+from test_ledger_faults import dispatches_of, disk_full, immutable, tiny_tmpfs
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
 ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
@@ -1099,13 +1098,9 @@ def test_a_ledger_fault_when_the_original_ends_does_not_wedge_the_turn(tmp_path,
                     status = original.result(30)[0]
                     time.sleep(6)
             else:
-                with wal_at_its_end(ledger):
-                    fill(folder)
-                    try:
-                        status = original.result(30)[0]
-                        time.sleep(2)
-                    finally:
-                        unfill(folder)
+                with disk_full(ledger):
+                    status = original.result(30)[0]
+                    time.sleep(2)
             assert status == 200
             assert events(tmp_path, "a", "ledger_unavailable")
             wait_until(lambda: not in_flight(ledger), 20, what="the kept end written")
@@ -1256,12 +1251,8 @@ def _unwritable(fault: str, folder: Path, ledger: Path):
         with immutable(ledger, Path(f"{ledger}-wal"), folder):
             yield
         return
-    with wal_at_its_end(ledger):
-        fill(folder)
-        try:
-            yield
-        finally:
-            unfill(folder)
+    with disk_full(ledger):
+        yield
 
 
 @pytest.mark.parametrize("fault", ["full", "read-only"])

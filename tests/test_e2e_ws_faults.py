@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
                      parse_sse, replace_with_junk, sse_post, turnguard_events, wait_until)
-from test_ledger_faults import fill, tiny_tmpfs, unfill, wal_at_its_end
+from test_ledger_faults import disk_full, tiny_tmpfs
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
@@ -102,12 +102,8 @@ def fault(kind, folder):
         with write_lock(ledger):
             yield
     elif kind == "full":
-        with wal_at_its_end(ledger):
-            fill(folder)
-            try:
-                yield
-            finally:
-                unfill(folder)
+        with disk_full(ledger):
+            yield
     elif kind == "replaced":  # an older copy (taken at the start) moved into its place
         replace_with_older_copy(folder)
         yield

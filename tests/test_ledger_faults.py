@@ -140,6 +140,18 @@ def unfill(folder: Path) -> None:
             (folder / name).unlink()
 
 
+@contextlib.contextmanager
+def disk_full(ledger: Path):
+    """The ledger's file system full until the block ends, and every write to the ledger
+    meeting it (``wal_at_its_end``)."""
+    with wal_at_its_end(ledger):
+        fill(ledger.parent)
+        try:
+            yield
+        finally:
+            unfill(ledger.parent)
+
+
 # -----------------------------------------------------------------------------------------------
 # Proxy and client helpers
 
