@@ -580,15 +580,19 @@ def test_expired_request_budget_fails_closed(tmp_path):
         assert len(up.dispatches()) == 2
 
 
+# long enough for a mitmdump to stop and another to start on a busy machine
+RESTART_COOLDOWN_MS = 30000
+
+
 @pytest.mark.slow
 def test_circuit_survives_a_restart_and_an_elapsed_cooldown_starts_no_new_one(tmp_path):
     with MockUpstream(tmp_path, STORM) as up:
-        with proxy(tmp_path, up, turnguard_cooldown_ms=LONG_COOLDOWN_MS) as p:
+        with proxy(tmp_path, up, turnguard_cooldown_ms=RESTART_COOLDOWN_MS) as p:
             open_circuit(p.url)
             opened_at = wait_events(tmp_path, "circuit_opened", 1)[0]["ts"]
         with proxy(tmp_path, up, name="restarted") as p:
             assert post(p.url)[0] == 503  # the cooldown is still on after the restart
-        time.sleep(max(0.0, opened_at + LONG_COOLDOWN_MS / 1000 - time.time()) + 0.2)
+        time.sleep(max(0.0, opened_at + RESTART_COOLDOWN_MS / 1000 - time.time()) + 0.2)
         with proxy(tmp_path, up, name="late") as p:
             status, _, body = post(p.url)
             assert status == 200  # the cooldown elapsed while down: the request goes through
