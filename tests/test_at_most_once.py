@@ -1801,6 +1801,32 @@ def test_what_a_process_learned_from_a_deleted_ledger_still_decides(tmp_path, fa
            f"it (answered {status}); upstream dispatches unchanged ({dispatched})")
 
 
+def test_a_recording_replayed_from_a_deleted_ledger_still_answers_there(tmp_path, report):
+    """A's turn completes; B replays it to a duplicate, read from the ledger (B never ran
+    it). The ledger file is then deleted: B still knows that recording (what a process
+    learned from the old file still decides, another process's turns included), so the next
+    duplicate through B is replayed too, never run a second time. (Before, B kept only its
+    own turns' recordings, and dispatched it again.)"""
+    ledger = tmp_path / "ledger.sqlite3"
+    body = body_of("replayed by the other process, then the ledger deleted")
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        status, _, first = post(a.url, SESSION, body)
+        assert status == 200
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
+        status, headers, again = post(b.url, SESSION, body)
+        assert status == 200 and headers.get("x-turnguard") == "replayed"
+        delete_ledger(ledger)
+        b.wait_for_log("is another file now", 15)
+        status, headers, last = post(b.url, SESSION, body)
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert response_id(last) == response_id(again) == response_id(first)
+        assert len(up.dispatches()) == 1, "the turn ran again once the ledger was deleted"
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a recording another process replayed from the ledger, the file then deleted: "
+           "its next duplicate there was replayed from memory; upstream dispatches=1")
+
+
 # -- 7. nothing a client sends holds the event loop ---------------------------------------------
 
 

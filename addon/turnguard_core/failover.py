@@ -997,8 +997,8 @@ class FailoverStore:
     ) -> policy.Admission | policy.ReplayFromMemory:
         """The ledger's decision for the request (a claim when it dispatches), or, without a
         ledger, the memory's (``in_flight_here()``: this process has an attempt of it in
-        flight now, asked after the ledger failed). A replay of one of this process's own
-        recordings is the ledger's decision too, known without reading it
+        flight now, asked after the ledger failed). A replay of a recording this process
+        made or read from the ledger is the ledger's decision too, known without reading it
         (``MemoryStore.replay``). ``on_retired``: called before the memory decides when the
         ledger went unread because this store was closed for good meanwhile
         (``_unread_for_good``)."""
@@ -1091,11 +1091,15 @@ class FailoverStore:
         recording = self.memory.recording(ident, now=time.time(), window_s=window_s)
         if recording is not None or attempt_id is None:
             return recording, True
+        generation = self.generation
         found = await self._call("replay", lambda store: store.recording(
             attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
         if isinstance(found, Unread):
             self._unread_for_good(on_retired)
             return None, False
+        if found is not None and generation == self.generation:  # (no other file meanwhile)
+            self.memory.recording_read(ident, found, attempt_id=attempt_id,
+                                       generation=generation)
         return found, True
 
     async def claim_session(

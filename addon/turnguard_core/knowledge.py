@@ -246,13 +246,14 @@ class MemoryStore:
         self, ident: Identity, *, now: float, window_s: float | None, generation: str,
     ) -> Replay | None:
         """The ledger's own decision for a request this process can answer from a recording
-        of one of its attempts, made without reading the ledger; None when it cannot tell.
+        of one of its attempts, or one it read from the ledger (``recording_read``), made
+        without reading the ledger; None when it cannot tell.
 
         Once an attempt completed with a recording, the ledger replays that attempt to every
         request of its operation with the same body until the window (``window_s``, None:
         replay is off) passes: no process dispatches it meanwhile, and no later write
         changes it. So the answer is known here from the attempt's end (remembered with the
-        ``ended_at`` the ledger was given), unless the ledger did not take that end
+        ``ended_at`` the ledger was given, or has), unless the ledger did not take that end
         (``Knowledge.superseded``) or is another file now (``generation``: the ledger's in
         use). A process whose window is longer than another's may replay a recording the
         other has since run again: an answer of the same request either way, never a
@@ -318,6 +319,19 @@ class MemoryStore:
             case Denied(reason="claim_exhausted"):
                 self.knowledge.exhausted(ident.op_key)
         self.knowledge.ended(ident.op_key)  # whatever was in flight elsewhere is over
+
+    def recording_read(self, ident: Identity, recording: Recording, *, attempt_id: int,
+                       generation: str) -> None:
+        """A recording read from the ledger (of ``generation``) to replay it, another
+        process's as much as this one's: kept as this process's own are, with the end the
+        ledger has for it (``Recording.ended_at``), so that it still answers the operation's
+        duplicates while that file cannot be read, or once it was deleted or replaced
+        (what the process learned from it still decides). A recording read without its
+        end is not kept: its window could not be told."""
+        if recording.ended_at is None:
+            return
+        self.knowledge.completed(ident.op_key, KnownRecording(
+            recording, recording.ended_at, ident.fingerprint, attempt_id, generation))
 
     def attempt_ended(
         self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,

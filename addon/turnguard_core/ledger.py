@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sqlite3
@@ -193,6 +194,9 @@ class Recording:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     vary_key: str | None = None  # see negotiation.vary_key; None: unknown
+    # when its attempt ended, as the ledger has it (read back from a ledger: ``recording``;
+    # None otherwise); not part of what the recording is
+    ended_at: float | None = dataclasses.field(default=None, compare=False)
 
 
 @record
@@ -929,7 +933,7 @@ class Ledger:
         or, with ``op_key``, the attempt is not that operation's: see ``finish``)."""
         db = self._conn()
         row = db.execute(
-            "SELECT status, headers, vary_key FROM attempts"
+            "SELECT status, headers, vary_key, ended_at FROM attempts"
             " WHERE attempt_id=? AND op_key=coalesce(?, op_key) AND replayable=1",
             (attempt_id, op_key),
         ).fetchone()
@@ -942,7 +946,7 @@ class Ledger:
             )
         )
         headers = tuple((str(k), str(v)) for k, v in json.loads(row[1] or "[]"))
-        return Recording(row[0], headers, body, row[2])
+        return Recording(row[0], headers, body, row[2], row[3])
 
     # -- duplicates (inspection only) -----------------------------------------------------------
 

@@ -869,7 +869,7 @@ class PgLedger:
         """See ``Ledger.recording``."""
         db = self._read()
         row = db.execute(
-            "SELECT status, headers, vary_key FROM attempts"
+            "SELECT status, headers, vary_key, ended_at FROM attempts"
             " WHERE attempt_id=%s AND op_key=COALESCE(%s, op_key) AND replayable=1",
             (attempt_id, op_key)).fetchone()
         if row is None:
@@ -877,7 +877,7 @@ class PgLedger:
         body = b"".join(bytes(r[0]) for r in db.execute(
             "SELECT data FROM spool WHERE attempt_id=%s ORDER BY seq", (attempt_id,)))
         headers = tuple((str(k), str(v)) for k, v in json.loads(row[1] or "[]"))
-        return Recording(row[0], headers, body, row[2])
+        return Recording(row[0], headers, body, row[2], row[3])
 
     @_wrap
     def note_duplicates(self, counts: Iterable[tuple[str, int, int]]) -> None:
