@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
                      parse_sse, replace_with_junk, sse_post, turnguard_events, wait_until)
-from test_ledger_faults import disk_full, tiny_tmpfs
+from test_ledger_faults import disk_full, immutable, tiny_tmpfs
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 
@@ -96,13 +96,17 @@ def http_call(url, frame):
 @contextlib.contextmanager
 def fault(kind, folder):
     """The ledger in ``folder`` locked (another connection's ``BEGIN IMMEDIATE``), its file
-    system full, or its file deleted, until the block ends."""
+    system full, its files read-only (``chattr +i``; the -shm stays writable: it is mmapped),
+    or its file deleted, until the block ends."""
     ledger = folder / "ledger.sqlite3"
     if kind == "locked":
         with write_lock(ledger):
             yield
     elif kind == "full":
         with disk_full(ledger):
+            yield
+    elif kind == "read-only":
+        with immutable(ledger, folder / "ledger.sqlite3-wal", folder):
             yield
     elif kind == "replaced":  # an older copy (taken at the start) moved into its place
         replace_with_older_copy(folder)
@@ -134,10 +138,13 @@ def older_copy(folder):
     os.chmod(folder / "older.sqlite3", 0o600)
 
 
-def ledger_folder(tmp_path, kind):
+def ledger_folder(tmp_path, kind, size="2m"):
+    """The folder of the ledger for a fault of ``kind``: a tmpfs of ``size`` to fill for
+    "full" (room for ``disk_full``'s scratch writes, one a round where a test fills it
+    several times: 8m)."""
     folder = tmp_path / "ledger-fs"
     if kind == "full":
-        return tiny_tmpfs(folder, "2m")
+        return tiny_tmpfs(folder, size)
     folder.mkdir(mode=0o700)
     return contextlib.nullcontext(folder)
 
@@ -578,6 +585,87 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_r
             assert retry.result(40) == got
             assert len(up.dispatches()) == 2  # the warm-up, the call
             wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+            assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("kind", ["locked", "full", "read-only"])
+def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_elsewhere_just_after(
+        tmp_path, kind):
+    """As the test above, with the retries sent 0.4 s after the fault's end, not once the
+    call's row is there: the ledger is locked, its disk full or its files read-only when a
+    call's frame reaches process a, which decides it in memory and dispatches it; until a
+    writes its row, process b takes a retry for new. So a tries again at once (behind a lock)
+    or every 0.1 s (otherwise) while it owes the row, not at its next tick: the retries
+    through b (a new socket and the POST fallback) are held on the call and answered from
+    it, in each of three rounds (the fault's end at several points of a's tick). One
+    upstream execution a call."""
+    scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 20, "gap_ms": 200}})
+    with ledger_folder(tmp_path, kind, "8m") as folder, \
+            MockUpstream(tmp_path, scenario) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
+                text = f"claimed while the ledger is {kind} for {fault_s} s"
+                frame = call([user(text)], seed=1)
+                with fault(kind, folder):
+                    original = background(ws_call, a.url, frame)
+                    dispatched = wait_until(
+                        lambda: turnguard_events(tmp_path, "a", "dispatch")[n:], 10,
+                        what="a dispatching the call")
+                    assert dispatched[0]["ledger"] is False  # decided without the ledger
+                    time.sleep(fault_s)
+                time.sleep(0.4)  # (a tries every 0.1 s, or at once behind a lock)
+                retries = [background(ws_call, b.url, call([user(text)], seed=2)),
+                           background(http_call, b.url, frame)]
+                got = original.result(30)
+                assert types(got)[-1] == "response.completed", got
+                again, (status, _, kinds) = retries[0].result(40), retries[1].result(40)
+                assert again == got, again
+                assert status == 200 and kinds == types(got), (status, kinds)
+                assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
+            wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+            assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("transport", ["ws", "http"])
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_call_run_whole_in_a_ledger_fault_is_replayed_to_a_retry_sent_elsewhere_just_after(
+        tmp_path, kind, transport):
+    """A call's frame (or its POST fallback) reaches process a while the ledger's disk is
+    full or its files read-only: a dispatches it from memory, and it completes before the
+    fault ends. a owes the ledger the call whole (its operation, its attempt, its end): until
+    it writes it, process b takes a retry for new. So a tries every 0.1 s while it owes it:
+    the retries sent through b (a new socket and the POST fallback) 0.4 s after the fault's
+    end are replayed the call's events, in each of three rounds (the fault's end at several
+    points of a's tick), never dispatched again."""
+    scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 4, "gap_ms": 50}})
+    with ledger_folder(tmp_path, kind, "8m") as folder, \
+            MockUpstream(tmp_path, scenario) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
+                text = f"run whole while the ledger is {kind} for {fault_s} s"
+                frame = call([user(text)], seed=1)
+                with fault(kind, folder):
+                    got = original_of(transport)(a.url, frame)
+                    dispatched = turnguard_events(tmp_path, "a", "dispatch")[n:]
+                    assert dispatched and dispatched[0]["ledger"] is False, dispatched
+                    time.sleep(fault_s)
+                time.sleep(0.4)  # (a tries every 0.1 s)
+                kinds = types(got) if transport == "ws" else got[2]
+                assert kinds[-1] == "response.completed", got
+                again = ws_call(b.url, call([user(text)], seed=2))
+                status, how, http_kinds = http_call(b.url, frame)
+                assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
+                assert types(again) == kinds, again
+                assert (status, how, http_kinds) == (200, "replayed", kinds)
+            assert not in_flight(ledger)
             assert_no_traceback(a.log_text() + b.log_text())
 
 
