@@ -124,6 +124,27 @@ def test_a_replay_of_its_own_recording_is_the_ledgers_decision_known_in_memory()
     assert k.replay_attempt("no-row", **ask) is None
 
 
+def test_a_recording_read_from_the_ledger_is_known_as_its_own_are_by_the_ledgers_end():
+    """A recording this process read from the ledger to replay it (another process's turn):
+    kept with the end the ledger has for it, so its replay is known without the ledger, also
+    once that file is gone, within the same window the ledger would give it; one read
+    without its end is not kept (its window could not be told)."""
+    ident = Identity("p", "u", "s", None, "/v1/responses", None, None, None, "f", "op")
+    m = MemoryStore()
+    m.recording_read(ident, Recording(200, (), b"body"), attempt_id=3, generation="gen-1")
+    assert m.knowledge.recording_bytes == 0
+    m.recording_read(ident, Recording(200, (), b"body", None, 1000.0), attempt_id=3,
+                     generation="gen-1")
+    ask = dict(now=1100.0, window_s=300, generation="gen-1")
+    assert m.replay(ident, **ask) == policy.Replay(3)
+    assert m.recording(ident, now=1100.0, window_s=300) == Recording(200, (), b"body")
+    assert m.replay(ident, **{**ask, "now": 1301.0}) is None  # past the window from its end
+    assert m.replay(ident, **{**ask, "generation": "gen-2"}) is None  # another file: asked
+    m.file_replaced(1100.0)
+    assert m.carried(ident, circuit_scope="s", once_mode=False, recovering=False, now=1100.0,
+                     window_s=300, generation="gen-2") == policy.ReplayFromMemory()
+
+
 def test_a_recording_whose_end_the_ledger_refused_is_forgotten():
     k = Knowledge()
     k.completed("op", own(attempt_id=7))
