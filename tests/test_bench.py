@@ -79,7 +79,9 @@ def test_per_request_measures_every_variant_and_answers_every_request(quick_run)
             assert all(_num(r[k]) and r[k] > 0 for k in ("rps", "median_ms", "p99_ms",
                                                          "cpu_ms_per_request"))
             assert r["p99_ms"] >= r["median_ms"]
-            assert 0 <= r["cpu_system_ms_per_request"] <= r["cpu_ms_per_request"]
+            # (each a median over the repeats, of a sum of clock ticks: equal ones may differ
+            # in their last bits)
+            assert 0 <= r["cpu_system_ms_per_request"] <= r["cpu_ms_per_request"] * (1 + 1e-9)
             for rep in r["reps"]:
                 assert rep["answers"] == rep["ok"] == rep["requests"] > 0
                 assert rep["statuses"] == [200] and rep["events_ok"]
