@@ -588,6 +588,21 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_after_it_and_holds_its_r
             assert_no_traceback(a.log_text() + b.log_text())
 
 
+@contextlib.contextmanager
+def two_warm_processes(tmp_path, kind, scenario):
+    """Processes a and b on one ledger, in a folder made for a fault of ``kind`` (a tmpfs of
+    8m for a full disk: room for the scratch writes of ``disk_full``), a's warm-up call
+    ended: yields (folder, ledger, upstream, a, b)."""
+    with ledger_folder(tmp_path, kind, "8m") as folder, \
+            MockUpstream(tmp_path, scenario) as up:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
+        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
+            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
+            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
+            yield folder, ledger, up, a, b
+
+
 @pytest.mark.parametrize("kind", ["locked", "full", "read-only"])
 def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_elsewhere_just_after(
         tmp_path, kind):
@@ -600,34 +615,28 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_else
     it, in each of three rounds (the fault's end at several points of a's tick). One
     upstream execution a call."""
     scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 20, "gap_ms": 200}})
-    with ledger_folder(tmp_path, kind, "8m") as folder, \
-            MockUpstream(tmp_path, scenario) as up:
-        ledger = folder / "ledger.sqlite3"
-        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
-        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
-            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
-            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
-            for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
-                text = f"claimed while the ledger is {kind} for {fault_s} s"
-                frame = call([user(text)], seed=1)
-                with fault(kind, folder):
-                    original = background(ws_call, a.url, frame)
-                    dispatched = wait_until(
-                        lambda: turnguard_events(tmp_path, "a", "dispatch")[n:], 10,
-                        what="a dispatching the call")
-                    assert dispatched[0]["ledger"] is False  # decided without the ledger
-                    time.sleep(fault_s)
-                time.sleep(0.4)  # (a tries every 0.1 s, or at once behind a lock)
-                retries = [background(ws_call, b.url, call([user(text)], seed=2)),
-                           background(http_call, b.url, frame)]
-                got = original.result(30)
-                assert types(got)[-1] == "response.completed", got
-                again, (status, _, kinds) = retries[0].result(40), retries[1].result(40)
-                assert again == got, again
-                assert status == 200 and kinds == types(got), (status, kinds)
-                assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
-            wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
-            assert_no_traceback(a.log_text() + b.log_text())
+    with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
+        for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
+            text = f"claimed while the ledger is {kind} for {fault_s} s"
+            frame = call([user(text)], seed=1)
+            with fault(kind, folder):
+                original = background(ws_call, a.url, frame)
+                dispatched = wait_until(
+                    lambda: turnguard_events(tmp_path, "a", "dispatch")[n:], 10,
+                    what="a dispatching the call")
+                assert dispatched[0]["ledger"] is False  # decided without the ledger
+                time.sleep(fault_s)
+            time.sleep(0.4)  # (a tries every 0.1 s, or at once behind a lock)
+            retries = [background(ws_call, b.url, call([user(text)], seed=2)),
+                       background(http_call, b.url, frame)]
+            got = original.result(30)
+            assert types(got)[-1] == "response.completed", got
+            again, (status, _, kinds) = retries[0].result(40), retries[1].result(40)
+            assert again == got, again
+            assert status == 200 and kinds == types(got), (status, kinds)
+            assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
+        wait_until(lambda: not in_flight(ledger), 20, what="nothing in flight")
+        assert_no_traceback(a.log_text() + b.log_text())
 
 
 @pytest.mark.parametrize("transport", ["ws", "http"])
@@ -642,31 +651,25 @@ def test_a_call_run_whole_in_a_ledger_fault_is_replayed_to_a_retry_sent_elsewher
     end are replayed the call's events, in each of three rounds (the fault's end at several
     points of a's tick), never dispatched again."""
     scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 4, "gap_ms": 50}})
-    with ledger_folder(tmp_path, kind, "8m") as folder, \
-            MockUpstream(tmp_path, scenario) as up:
-        ledger = folder / "ledger.sqlite3"
-        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=20000)
-        with guarded(tmp_path, up, "a", **opts) as a, guarded(tmp_path, up, "b", **opts) as b:
-            ws_call(a.url, call([user("warm")], turn="warm", seed=9))
-            wait_until(lambda: not in_flight(ledger), 10, what="the warm-up ended")
-            for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
-                text = f"run whole while the ledger is {kind} for {fault_s} s"
-                frame = call([user(text)], seed=1)
-                with fault(kind, folder):
-                    got = original_of(transport)(a.url, frame)
-                    dispatched = turnguard_events(tmp_path, "a", "dispatch")[n:]
-                    assert dispatched and dispatched[0]["ledger"] is False, dispatched
-                    time.sleep(fault_s)
-                time.sleep(0.4)  # (a tries every 0.1 s)
-                kinds = types(got) if transport == "ws" else got[2]
-                assert kinds[-1] == "response.completed", got
-                again = ws_call(b.url, call([user(text)], seed=2))
-                status, how, http_kinds = http_call(b.url, frame)
-                assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
-                assert types(again) == kinds, again
-                assert (status, how, http_kinds) == (200, "replayed", kinds)
-            assert not in_flight(ledger)
-            assert_no_traceback(a.log_text() + b.log_text())
+    with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
+        for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
+            text = f"run whole while the ledger is {kind} for {fault_s} s"
+            frame = call([user(text)], seed=1)
+            with fault(kind, folder):
+                got = original_of(transport)(a.url, frame)
+                dispatched = turnguard_events(tmp_path, "a", "dispatch")[n:]
+                assert dispatched and dispatched[0]["ledger"] is False, dispatched
+                time.sleep(fault_s)
+            time.sleep(0.4)  # (a tries every 0.1 s)
+            kinds = types(got) if transport == "ws" else got[2]
+            assert kinds[-1] == "response.completed", got
+            again = ws_call(b.url, call([user(text)], seed=2))
+            status, how, http_kinds = http_call(b.url, frame)
+            assert len(up.dispatches()) == 1 + n, "b ran the call a second time"
+            assert types(again) == kinds, again
+            assert (status, how, http_kinds) == (200, "replayed", kinds)
+        assert not in_flight(ledger)
+        assert_no_traceback(a.log_text() + b.log_text())
 
 
 @pytest.mark.parametrize("retry_via", ["ws", "http"])
