@@ -325,7 +325,7 @@ class FailoverStore:
         each waits for the lock in SQLite's busy handler, without using the CPU."""
         if self.error is None or not contended(self.error):
             return False
-        return bool(self._kept) or self._attempts_elsewhere(self.generation)
+        return self._owes_rows()
 
     @property
     def owes_writes_while_down(self) -> bool:
@@ -338,6 +338,10 @@ class FailoverStore:
         duplicate sent to another process then is taken for new."""
         if self.error is None or contended(self.error):
             return False
+        return self._owes_rows()
+
+    def _owes_rows(self) -> bool:
+        """Writes are kept for the ledger, or attempts in flight have no row in its file."""
         return bool(self._kept) or self._attempts_elsewhere(self.generation)
 
     def _attempts_elsewhere(self, generation: str) -> bool:

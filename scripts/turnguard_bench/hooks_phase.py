@@ -5,8 +5,9 @@ loads: replays of the 8-event SSE (4 clients, as the replay phase) and new opera
 clients, each claimed and dispatched), with the answer floor's hooks beside the replays, and
 beside the new operations the ledger floor's hooks (its durable claim and end: what any
 guard that runs a request at most once must do in them) and plain_stream (its collector's
-passes only: what any process's requests leave to it). Medians per call and the mean per request; the parts nest (see
-``hook_timer_addon``). The wrappers add about a microsecond to each timed call."""
+passes only: what any process's requests leave to it). Medians per call and the mean per
+request; the parts nest (see ``hook_timer_addon``). The wrappers add about a microsecond to
+each timed call."""
 
 from __future__ import annotations
 

@@ -206,8 +206,6 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
     pages (each is written to the WAL with a checksum): this says how many more a
     turnguard request writes than what any at-most-once guard must. Counted from the WAL's
     growth with checkpoints off (the file only grows), means over ``n``."""
-    import hashlib
-
     from turnguard_bench import ledger_floor_addon, upstream
     from turnguard_core import policy
     from turnguard_core.ledger import AttemptEnd, Ledger, Recording
@@ -217,6 +215,15 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
         200, (("content-type", "text/event-stream"),), body))
     guard = policy.GuardPolicy(replay=True, replay_window_s=60.0, retention_s=86400.0)
     idents = make_identities(f"wal-{uuid.uuid4().hex[:8]}", 0, n)
+    grown = {"claim": 0, "first_event": 0, "finish": 0}
+    floor_grown = {"claim": 0, "end": 0}
+
+    def grew(wal: Path, totals: dict, part: str, write) -> object:
+        before = wal.stat().st_size if wal.exists() else 0
+        result = write()
+        totals[part] += wal.stat().st_size - before
+        return result
+
     path = workdir / "ledger-wal-pages.sqlite3"
     led = Ledger(str(path), "bench-wal", checkpoint_on_commit=False)
     led.open(time.time())
@@ -224,35 +231,23 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
     page = db.execute("PRAGMA page_size").fetchone()[0] + WAL_FRAME_HEADER
     db.execute("PRAGMA wal_autocheckpoint=0")
     wal = Path(f"{path}-wal")
-    grown = {"claim": 0, "first_event": 0, "finish": 0}
-
-    def grew(part: str, write) -> object:
-        before = wal.stat().st_size
-        result = write()
-        grown[part] += wal.stat().st_size - before
-        return result
-
     for ident, scope in idents:  # bounded by n
-        claim = grew("claim", lambda: led.admit(
+        claim = grew(wal, grown, "claim", lambda: led.admit(
             ident, method="POST", path=PATH, now=time.time(), guard=guard, flow_id="bench",
             circuit_scope=scope))
-        grew("first_event", lambda: led.first_event(claim.attempt_id, ident.op_key))
-        grew("finish", lambda: led.finish(claim.attempt_id, end, now=time.time(),
-                                          op_key=ident.op_key))
+        grew(wal, grown, "first_event", lambda: led.first_event(claim.attempt_id, ident.op_key))
+        grew(wal, grown, "finish", lambda: led.finish(claim.attempt_id, end, now=time.time(),
+                                                      op_key=ident.op_key))
     led.close()
     floor_path = workdir / "ledger-floor-wal-pages.sqlite3"
     floor = ledger_floor_addon.open_db(str(floor_path))
     floor.execute("PRAGMA wal_autocheckpoint=0")
     wal = Path(f"{floor_path}-wal")
-    floor_grown = {"claim": 0, "end": 0}
     for ident, _ in idents:  # bounded by n
-        key = hashlib.sha256(ident.op_key.encode()).hexdigest()
-        before = wal.stat().st_size if wal.exists() else 0
-        ledger_floor_addon.claim(floor, key, time.time())
-        middle = wal.stat().st_size
-        ledger_floor_addon.end(floor, key, 200, body, time.time())
-        floor_grown["claim"] += middle - before
-        floor_grown["end"] += wal.stat().st_size - middle
+        grew(wal, floor_grown, "claim",
+             lambda: ledger_floor_addon.claim(floor, ident.op_key, time.time()))
+        grew(wal, floor_grown, "end",
+             lambda: ledger_floor_addon.end(floor, ident.op_key, 200, body, time.time()))
     floor.close()
     return {"operations": n,
             "turnguard": {k: v / n / page for k, v in grown.items()},
