@@ -106,6 +106,16 @@ def test_capture_to_scenario_round_trip(tmp_path, report):
     assert seqs["partial"][1]["retry_after"] == 1 and seqs["partial"][1]["headers"] == {"x-should-retry": "true"}
     assert seqs["stall_before_headers"][0]["ms"] >= 1000  # the 1,200 ms stall, as captured
     assert seqs["tool_call"][0]["name"] == "lookup"
+    # each was sent after the one before it ended (B after A and A's duplicate, B's retry
+    # after B's cut, ...), but A's duplicate while A ran
+    afters = [r.get("after") for r in reqs]
+    assert afters[:2] == [None, None] and afters[2] in (0, 1) and afters[3:] == [2, 3, 4]
+    assert all(r["after_gap_ms"] >= 0 for r in reqs[2:])
+    # the replay's timings drift from the capture's: B's stream starts 0.7 s later than it
+    # did; its retry still comes after its cut (at its recorded offset alone it would come
+    # while B streams, and be attached to B's attempt: one dispatch fewer), C after that
+    seqs["partial"][0]["delay_ms"] = seqs["partial"][0].get("delay_ms", 0) + 700
+    scenario_path.write_text(json.dumps(scen))
 
     data = json.loads(reproduce("run", str(scenario_path), "--json", "--columns", "plain,default").stdout)
     plain, default = data["columns"]["plain"]["metrics"], data["columns"]["default"]["metrics"]

@@ -5,7 +5,13 @@ What is extracted:
 
 - the client request timeline: every model request (POST .../responses or .../chat/completions)
   with its offset from the first one, its path, its headers (cleaned, below) and its body;
-  one ``timeline`` client per session (``session-id`` / ``session_id`` header);
+  one ``timeline`` client per session (``session-id`` / ``session_id`` header). A request
+  sent after an earlier one of its session had ended (a retry after a failure, the next turn
+  after the last) names the last of them to end (``after``: its index among the session's
+  requests; ``after_gap_ms``: how long after that end it was sent), so that the replay sends
+  it after that end too, however the replay's timings drift (at its offset alone, a retry of
+  a cut stream could reach turnguard while the replayed stream still runs, and be attached
+  to it);
 - the upstream's observed behaviour per dispatch, per operation (request body), in order
   (record with ``-s scripts/turnguard_repro/capture_addon.py`` to keep the events a broken
   stream sent, which mitmproxy drops otherwise):
@@ -274,6 +280,13 @@ def behaviour_of(flow, keep_bodies: bool,
             "note": f"{len(events)} events, then: {err.msg if err else 'the stream ended early'}"}
 
 
+def _end_of(flow) -> float | None:
+    """When the client's answer ended: its response's last byte, else the failure's time."""
+    if flow.response is not None and flow.response.timestamp_end is not None:
+        return flow.response.timestamp_end
+    return flow.error.timestamp if flow.error is not None else None
+
+
 def _dispatched(flow) -> bool:
     role = (flow.metadata.get("turnguard") or {}).get("role")
     return role not in ("replay", "answered")
@@ -298,19 +311,28 @@ def scenario_from_flows(path: str, *, keep_bodies: bool = False,
     cleaner = _Cleaner(keep_bodies, frozenset(credential_name(h.strip())
                                               for h in credential_headers if h.strip()))
     by_session: dict[str, list[dict[str, Any]]] = {}
+    ends: dict[str, list[float | None]] = {}  # per session, each request's end (as sent)
     operations: dict[str, dict[str, Any]] = {}
     dispatched = answered = 0
     for fl in model:
         headers = cleaner.headers(fl.request.headers)
         body_text = cleaner.body(fl.request.raw_content or b"")
         session = headers.get("session-id") or headers.get("session_id") or "no-session"
-        by_session.setdefault(session, []).append({
+        req = {
             "at_ms": _ms(t0, fl.request.timestamp_start),
             "path": cleaner.path(fl.request.path),
             "headers": headers,
             "body_text": body_text,
             "flow": fl.id,
-        })
+        }
+        reqs, session_ends = by_session.setdefault(session, []), ends.setdefault(session, [])
+        earlier = [(end, i) for i, end in enumerate(session_ends)
+                   if end is not None and end <= fl.request.timestamp_start]
+        if earlier:
+            end, i = max(earlier)
+            req["after"], req["after_gap_ms"] = i, _ms(end, fl.request.timestamp_start)
+        reqs.append(req)
+        session_ends.append(_end_of(fl))
         if _dispatched(fl):
             dispatched += 1
             key = hashlib.sha256(body_text.encode()).hexdigest()

@@ -58,7 +58,10 @@ The numbers and where they come from:
   client loses the turn mid-stream. A 5xx or transport error with nothing else in flight is
   re-sent at once while attempts remain.
 - ``timeline``: no policy of its own; sends recorded requests at their recorded offsets
-  (``reproduce from-capture``), each on a new connection, and waits for each answer.
+  (``reproduce from-capture``), each on a new connection, and waits for each answer; a
+  request recorded as sent after an earlier one had ended (``after``: a retry after a
+  failure, the next turn after the last) is sent no sooner than ``after_gap_ms`` after that
+  one's end in the replay.
 """
 
 from __future__ import annotations
@@ -619,8 +622,9 @@ async def hedged_exchange(model: Gateway, step: int, headers: dict[str, str], bo
 
 
 class Timeline(ClientModel):
-    """Sends recorded requests at their recorded offsets, each on a new connection; the turn is
-    completed when every recorded operation got one completed answer."""
+    """Sends recorded requests at their recorded offsets (and no sooner than ``after_gap_ms``
+    after the end of the request one followed, ``after``), each on a new connection;
+    the turn is completed when every recorded operation got one completed answer."""
 
     model = "timeline"
 
@@ -648,21 +652,29 @@ class Timeline(ClientModel):
         clients (``runner.turn_outcomes``): here the run always ends."""
         t0 = time.monotonic()
         turns: dict[str, dict[str, Any]] = {}
+        ended = [asyncio.Event() for _ in self.requests]
 
-        async def one(req: dict[str, Any]) -> None:
-            await asyncio.sleep(max(0.0, float(req.get("at_ms", 0)) / 1000 - (time.monotonic() - t0)))
-            headers = {k.lower(): v for k, v in (req.get("headers") or {}).items()}
-            att, ex = await self.send(0, headers, req.get("body_text", "").encode(),
-                                      headers_timeout=self.timeout_s, idle_timeout=self.timeout_s,
-                                      path=req.get("path", self.path))
-            att.note = f"recorded flow {req.get('flow', '?')}"
-            t = turns[self.turn_of(req)]
-            t["completed"] = t["completed"] or ex.completed
+        async def one(i: int, req: dict[str, Any]) -> None:
+            try:
+                await asyncio.sleep(max(0.0, float(req.get("at_ms", 0)) / 1000 - (time.monotonic() - t0)))
+                after = req.get("after")
+                if isinstance(after, int) and 0 <= after < i:  # after that one's end, as recorded
+                    await ended[after].wait()
+                    await asyncio.sleep(max(0.0, float(req.get("after_gap_ms", 0)) / 1000))
+                headers = {k.lower(): v for k, v in (req.get("headers") or {}).items()}
+                att, ex = await self.send(0, headers, req.get("body_text", "").encode(),
+                                          headers_timeout=self.timeout_s, idle_timeout=self.timeout_s,
+                                          path=req.get("path", self.path))
+                att.note = f"recorded flow {req.get('flow', '?')}"
+                t = turns[self.turn_of(req)]
+                t["completed"] = t["completed"] or ex.completed
+            finally:
+                ended[i].set()
 
         for req in self.requests:
             t = turns.setdefault(self.turn_of(req), {"requests": 0, "completed": False})
             t["requests"] += 1
-        await asyncio.gather(*(one(r) for r in self.requests))
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(self.requests)))
         self.extra["turns"] = turns
         failed = sum(1 for t in turns.values() if not t["completed"])
         return len(self.requests), (f"{failed} of {len(turns)} recorded turns did not complete"
