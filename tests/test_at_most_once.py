@@ -1244,9 +1244,15 @@ def test_a_turn_dispatched_behind_a_lock_is_registered_as_the_lock_goes(tmp_path
 
 @contextlib.contextmanager
 def _unwritable(fault: str, folder: Path, ledger: Path):
-    """The ledger cannot be written until the block ends: its disk full, or its files and
+    """The ledger cannot be written until the block ends: its disk full, its files and
     folder read-only (``chattr +i``; the -shm stays writable: it is mmapped, and a write
-    fault there is a SIGBUS)."""
+    fault there is a SIGBUS), or a file that is no database at its path (taken away at the
+    end: a new ledger is made there)."""
+    if fault == "junk":
+        replace_with_junk(ledger, keep_wal=False)  # (never opened as a ledger)
+        yield
+        delete_ledger(ledger)
+        return
     if fault == "read-only":
         with immutable(ledger, Path(f"{ledger}-wal"), folder):
             yield
@@ -1255,16 +1261,19 @@ def _unwritable(fault: str, folder: Path, ledger: Path):
         yield
 
 
-@pytest.mark.parametrize("fault", ["full", "read-only"])
+@pytest.mark.parametrize("fault", ["full", "read-only", "junk"])
 def test_a_turn_dispatched_while_the_ledger_cannot_be_written_is_registered_as_soon_as_it_can(
         tmp_path, fault, report):
-    """As behind a lock (above), with the ledger's disk full, or its files read-only, instead:
-    A's turn is dispatched from memory (its claim could not be written), and A owes the
-    ledger its row. Until A writes it, another process takes the turn for new: so while A
-    owes rows to a ledger it cannot write, it tries again every 0.1 s, not at its next
-    maintenance tick. A duplicate sent to B 0.4 s after the ledger can be written again is
-    held on A's attempt, in each of three rounds (the fault's end at several points of A's
-    tick). With a try per tick, this test failed in 3 runs of 3 (B ran the turn again)."""
+    """As behind a lock (above), with the ledger's disk full, its files read-only, or a file
+    that is no database at its path, instead: A's turn is dispatched from memory (its claim
+    could not be written), and A owes the ledger its row. Until A writes it, another process
+    takes the turn for new: so while A owes rows to a ledger it cannot write, it tries again
+    every 0.1 s (with no ledger open, to open the file at the path), not at its next
+    maintenance tick; and B, with no ledger open, tries to open the file before it decides a
+    request blind (not only every 5 s). A duplicate sent to B 0.4 s after the ledger can be
+    written again is held on A's attempt, in each of three rounds (the fault's end at several
+    points of A's tick). With a try per tick, this test failed in 3 runs of 3 (B ran the turn
+    again); with tries to open the file every 5 s, 3 of 3 with junk at its path."""
     folder = tmp_path / "ledger-fs"
     mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
         folder.mkdir(mode=0o700))  # (8m: room for the scratch writes of wal_at_its_end)

@@ -97,7 +97,8 @@ def http_call(url, frame):
 def fault(kind, folder):
     """The ledger in ``folder`` locked (another connection's ``BEGIN IMMEDIATE``), its file
     system full, its files read-only (``chattr +i``; the -shm stays writable: it is mmapped),
-    or its file deleted, until the block ends."""
+    or a file that is no database at its path (taken away at the end: a new ledger is made
+    there), until the block ends; or its file deleted."""
     ledger = folder / "ledger.sqlite3"
     if kind == "locked":
         with write_lock(ledger):
@@ -108,6 +109,10 @@ def fault(kind, folder):
     elif kind == "read-only":
         with immutable(ledger, folder / "ledger.sqlite3-wal", folder):
             yield
+    elif kind == "junk":
+        replace_with_junk(ledger, keep_wal=False)  # (never opened as a ledger)
+        yield
+        delete_ledger(ledger)
     elif kind == "replaced":  # an older copy (taken at the start) moved into its place
         replace_with_older_copy(folder)
         yield
@@ -603,14 +608,16 @@ def two_warm_processes(tmp_path, kind, scenario):
             yield folder, ledger, up, a, b
 
 
-@pytest.mark.parametrize("kind", ["locked", "full", "read-only"])
+@pytest.mark.parametrize("kind", ["locked", "full", "read-only", "junk"])
 def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_elsewhere_just_after(
         tmp_path, kind):
     """As the test above, with the retries sent 0.4 s after the fault's end, not once the
-    call's row is there: the ledger is locked, its disk full or its files read-only when a
-    call's frame reaches process a, which decides it in memory and dispatches it; until a
-    writes its row, process b takes a retry for new. So a tries again at once (behind a lock)
-    or every 0.1 s (otherwise) while it owes the row, not at its next tick: the retries
+    call's row is there: the ledger is locked, its disk full, its files read-only or a file
+    that is no database at its path when a call's frame reaches process a, which decides it
+    in memory and dispatches it; until a writes its row, process b takes a retry for new. So
+    a tries again at once (behind a lock) or every 0.1 s (otherwise; with no ledger open, a
+    try to open the file at the path) while it owes the row, not at its next tick, and b
+    tries to open the file before it decides a retry blind: the retries
     through b (a new socket and the POST fallback) are held on the call and answered from
     it, in each of three rounds (the fault's end at several points of a's tick). One
     upstream execution a call."""
@@ -640,11 +647,12 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_else
 
 
 @pytest.mark.parametrize("transport", ["ws", "http"])
-@pytest.mark.parametrize("kind", ["full", "read-only"])
+@pytest.mark.parametrize("kind", ["full", "read-only", "junk"])
 def test_a_call_run_whole_in_a_ledger_fault_is_replayed_to_a_retry_sent_elsewhere_just_after(
         tmp_path, kind, transport):
     """A call's frame (or its POST fallback) reaches process a while the ledger's disk is
-    full or its files read-only: a dispatches it from memory, and it completes before the
+    full, its files read-only or a file that is no database is at its path: a dispatches it
+    from memory, and it completes before the
     fault ends. a owes the ledger the call whole (its operation, its attempt, its end): until
     it writes it, process b takes a retry for new. So a tries every 0.1 s while it owes it:
     the retries sent through b (a new socket and the POST fallback) 0.4 s after the fault's

@@ -63,6 +63,9 @@ LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
+# ... and this often while the process owes it rows, or a request would be decided without it
+# (an SQLite file: a try to open one that is no database fails at once)
+REOPEN_SOON_S = 0.1
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
 # After the ledger file was deleted or replaced: how long decisions in the new file wait for
 # the processes that had attempts in flight in the old one to register them there (each
@@ -262,6 +265,7 @@ class FailoverStore:
         self._answering_since = float("-inf")
         self._silences = liveness.Silences()  # how long each peer was seen silent
         self._reopen_at = 0.0
+        self._opened_last = float("-inf")  # when a try to open it last began (monotonic)
         # attempts in flight that name another ledger file (a script reload opened the file
         # now at the path): registered in this one before any decision reads it
         self._adoption_due = False
@@ -341,8 +345,14 @@ class FailoverStore:
         return self._owes_rows()
 
     def _owes_rows(self) -> bool:
-        """Writes are kept for the ledger, or attempts in flight have no row in its file."""
-        return bool(self._kept) or self._attempts_elsewhere(self.generation)
+        """Writes are kept for the ledger, or attempts in flight have no row in its file;
+        with no ledger open (its file replaced by one that is no ledger, say), every attempt
+        in flight is owed to the one that opens next."""
+        if self._kept:
+            return True
+        if self._store is None:
+            return any(True for _ in self._attempts())
+        return self._attempts_elsewhere(self.generation)
 
     def _attempts_elsewhere(self, generation: str) -> bool:
         """This process has attempts in flight without a row in the ledger file of
@@ -443,12 +453,24 @@ class FailoverStore:
         self.path = path
         self._use(connected)
 
-    async def reopen_if_due(self) -> None:
-        """The ticker: try to open a ledger that could not be opened (or whose file is gone)."""
+    def _reopen_due(self, soon: bool) -> bool:
+        """A try to open the ledger is due: ``REOPEN_S`` after the last one, or, ``soon``,
+        ``REOPEN_SOON_S`` after it."""
+        now = time.monotonic()
+        return now >= self._reopen_at or soon and now >= self._opened_last + REOPEN_SOON_S
+
+    async def reopen_if_due(self, *, soon: bool = False) -> None:
+        """The ticker: try to open a ledger that could not be opened (or whose file is gone).
+        ``soon``: the process owes it rows (``owes_writes_while_down``), or a request would be
+        decided without it: tried ``REOPEN_SOON_S`` after the last try, not ``REOPEN_S``, so
+        that the fault's end (a file that is no ledger taken away) is met at once. Until its
+        attempts dispatched from memory are registered, another process takes their retries
+        for new turns and runs them again."""
         if self._store is not None or not self.path or self._retired \
-                or time.monotonic() < self._reopen_at:
+                or not self._reopen_due(soon):
             return
-        self._reopen_at = time.monotonic() + REOPEN_S
+        self._opened_last = time.monotonic()
+        self._reopen_at = self._opened_last + REOPEN_S
         loop = asyncio.get_running_loop()
         self._reopen_under_way = under_way = loop.create_future()
         try:
@@ -945,8 +967,12 @@ class FailoverStore:
             # waits for that one
             opening = {f for f in (self._reopening, self._reopen_under_way)
                        if f is not None and not f.done()}
-            if not opening and time.monotonic() >= self._reopen_at:
-                self._reopening = asyncio.get_running_loop().create_task(self.reopen_if_due())
+            # (an SQLite file soon: the request would be decided blind; a PostgreSQL server
+            # that does not answer would hold every request for its connect timeout)
+            soon = not is_postgres(self.path)
+            if not opening and self._reopen_due(soon):
+                self._reopening = asyncio.get_running_loop().create_task(
+                    self.reopen_if_due(soon=soon))
                 opening = {self._reopening}
             if opening:
                 await asyncio.wait(opening, timeout=max(0.0, deadline - time.monotonic()))

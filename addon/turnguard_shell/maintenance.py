@@ -102,7 +102,8 @@ class Maintenance:
     async def _maintain_ledger(self, now: float) -> None:
         store, settings = self._guard.store, self._guard.settings
         if not store.is_open:
-            await store.reopen_if_due()  # recover by itself once the fault is gone
+            # recover by itself once the fault is gone (soon while it owes rows)
+            await store.reopen_if_due(soon=store.owes_writes_while_down)
             if not store.is_open:
                 return
         if not store.usable and not await store.recover(None):
