@@ -532,19 +532,14 @@ def another_host_prefix() -> list[str]:
     return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
-def replace_with_junk(ledger: Path, *, keep_wal: bool = True) -> None:
-    """Move a file that is no database over a SQLite ledger under running processes, as one
-    atomic rename: an operator's mistake, a restore gone wrong. Its ``-wal`` and ``-shm``
-    are left beside it, or, not ``keep_wal``, deleted (while a WAL that holds the ledger's
-    first page is beside it, SQLite opens the junk through it as the old ledger, now and
-    then: only without them is the junk never a ledger to open)."""
+def replace_with_junk(ledger: Path) -> None:
+    """Move a file that is no database over a SQLite ledger under running processes (its
+    ``-wal`` and ``-shm`` left beside it), as one atomic rename: an operator's mistake, a
+    restore gone wrong."""
     junk = ledger.with_name(ledger.name + ".junk")
     junk.write_bytes(b"no database here\n" * 256)
     junk.chmod(0o600)
     os.replace(junk, ledger)
-    if not keep_wal:
-        for suffix in ("-wal", "-shm"):
-            Path(f"{ledger}{suffix}").unlink(missing_ok=True)
 
 
 def delete_ledger(ledger: Path) -> None:

@@ -1249,7 +1249,7 @@ def _unwritable(fault: str, folder: Path, ledger: Path):
     fault there is a SIGBUS), or a file that is no database at its path (taken away at the
     end: a new ledger is made there)."""
     if fault == "junk":
-        replace_with_junk(ledger, keep_wal=False)  # (never opened as a ledger)
+        replace_with_junk(ledger)
         yield
         delete_ledger(ledger)
         return

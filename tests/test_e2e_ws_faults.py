@@ -110,7 +110,7 @@ def fault(kind, folder):
         with immutable(ledger, folder / "ledger.sqlite3-wal", folder):
             yield
     elif kind == "junk":
-        replace_with_junk(ledger, keep_wal=False)  # (never opened as a ledger)
+        replace_with_junk(ledger)
         yield
         delete_ledger(ledger)
     elif kind == "replaced":  # an older copy (taken at the start) moved into its place

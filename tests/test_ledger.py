@@ -136,6 +136,29 @@ def test_future_schema_and_garbage_file_raise_ledger_error(tmp_path):
         open_ledger(junk)
 
 
+def test_a_file_that_is_no_database_is_not_opened_through_the_wal_left_beside_it(tmp_path):
+    """A file that is no database moved over a ledger whose WAL still holds its first page
+    (its -wal and -shm left beside it, a connection still open on the old file): read
+    through that WAL, SQLite takes the junk for the old ledger. It is refused as junk, left
+    untouched; and once it is gone, a new ledger is made at the path."""
+    path = tmp_path / "l.sqlite3"
+    a = LedgerAdmin(str(path), "a", checkpoint_on_commit=False)  # (pages stay in the WAL)
+    a.open(1000.0)
+    admit(a, ident({"n": 1}))
+    assert Path(f"{path}-wal").stat().st_size > 0
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"no database here\n" * 256)
+    junk.chmod(0o600)
+    os.replace(junk, path)
+    with pytest.raises(LedgerError, match="is not a SQLite database; left untouched"):
+        open_ledger(path, "b")
+    assert path.read_bytes() == b"no database here\n" * 256
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink()
+    b = open_ledger(path, "b")
+    assert b.generation != a.generation
+
+
 def test_claim_hold_finish_replay_cycle(ledger_backend):
     a = ledger_backend.open("a")
     b = ledger_backend.open("b")

@@ -1273,13 +1273,38 @@ def _look(path: str) -> _Found | None:
     try:
         tables = frozenset(row[0] for row in probe.execute(
             "SELECT name FROM sqlite_master WHERE type='table'"))
-        return _Found(False, probe.execute("PRAGMA user_version").fetchone()[0], tables)
+        found = _Found(False, probe.execute("PRAGMA user_version").fetchone()[0], tables)
     except sqlite3.DatabaseError as e:
         if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
             return _Found(True, 0, frozenset())
         return None
     except sqlite3.Error:
         return None
+    finally:
+        probe.close()
+    if uri.endswith("&immutable=1") or not _file_is_no_database(path):
+        return found
+    return _Found(True, 0, frozenset())
+
+
+def _file_is_no_database(path: str) -> bool:
+    """The file itself is no SQLite database, whatever the -wal beside it holds. Read through
+    a WAL that holds a ledger's first page (the -wal and -shm of a ledger that a file that is
+    no database was moved over), junk looks like that ledger: opened, its reads of the pages
+    the WAL lacks would find junk, and its checkpoints write pages into it. Read immutable,
+    SQLite ignores the -wal and reads the file's own header."""
+    try:
+        probe = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro&immutable=1",
+                                uri=True, isolation_level=None)
+    except (sqlite3.Error, OSError):
+        return False
+    try:
+        probe.execute("PRAGMA schema_version").fetchone()
+        return False
+    except sqlite3.DatabaseError as e:
+        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB
+    except sqlite3.Error:
+        return False
     finally:
         probe.close()
 
