@@ -822,8 +822,11 @@ def test_an_owed_end_whose_write_is_under_way_at_a_reload_is_written_once(tmp_pa
             env={"TURNGUARD_TEST_WRITE_GATE": str(gate)}) as a:
         with its_end_kept_behind_a_lock(tmp_path, a, "a", text):
             (gate / "closed").touch()
-        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
-                   what="the owed end's write under way, at the gate")
+            # (under the lock: a try of the write that began before the gate closed gives up
+            # behind it at its busy timeout, and the next waits at the gate; released first, it
+            # would land as the lock went, never at the gate)
+            wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                       what="the owed end's write under way, at the gate")
         started = a.log_text().count("turnguard: running")
         time.sleep(1.1)  # mitmproxy looks at the script's mtime once a second
         if reload_to == "the same script":
@@ -877,8 +880,8 @@ def test_an_owed_offline_end_under_way_at_a_reload_is_one_attempt_and_one_failur
             assert failed[0] == 502
             assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [False]
             (gate / "closed").touch()
-        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
-                   what="the owed end's write under way, at the gate")
+            wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,  # (as above)
+                       what="the owed end's write under way, at the gate")
         reloaded(a, touch_to_reload(a, script))
         (gate / "closed").unlink()
         wait_until(lambda: status(a)["ledger_writes_pending"] == 0, 10,
@@ -939,8 +942,8 @@ def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_i
             tmp_path, up, turnguard_hold_timeout_ms=30000) as (a, b, gate, probe):
         with its_end_kept_behind_a_lock(tmp_path, a, "a", "A's own turn, its end owed"):
             (gate / "closed").touch()
-        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
-                   what="A's catch-up writing the end owed, at the gate")
+            wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,  # (as above)
+                       what="A's catch-up writing the end owed, at the gate")
         original = in_background(post, b.url, {**headers, **behaviour(kind="ok", hold="b")},
                                  body_of(text))
         up.wait_held("b", 30)

@@ -950,8 +950,11 @@ def test_a_call_whose_admission_a_reload_interrupts_is_decided_by_the_new_instan
             wait_until(lambda: turnguard_events(tmp_path, "a", "ledger_unavailable"), 10,
                        what="its end kept")
             (gate / "closed").touch()
-        wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
-                   what="A's catch-up writing the end owed, at the gate")
+            # (under the lock: a try of the write that began before the gate closed gives up
+            # behind it at its busy timeout, and the next waits at the gate; released first, it
+            # would land as the lock went, never at the gate)
+            wait_until(lambda: gate_state(gate)["waiting"] == 1, 10,
+                       what="A's catch-up writing the end owed, at the gate")
 
         async def held_across_the_reload():
             original = asyncio.create_task(one_call(b.url, call([user("held")], seed=1)))
