@@ -360,6 +360,9 @@ class Ledger:
             uri, made_shm = _readonly_uri(real, owner=os.stat(real).st_uid)
         except UnsafePath as e:
             raise LedgerError(str(e)) from None
+        if not uri.endswith("&immutable=1") and _file_is_no_database(real):
+            raise LedgerError(f"{shown(self.path)} is not a SQLite database (read through the "
+                              "-wal beside it, it would pass for the ledger that -wal was of)")
         # read as immutable: read_was_stable says if a writer came meanwhile
         self._stamp = _stamp(real) if uri.endswith("&immutable=1") else None
         db = sqlite3.connect(
