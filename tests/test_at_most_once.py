@@ -1966,3 +1966,150 @@ def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
     report(f"a {len(hostile) // 2**20} MiB body of 2.6 M JSON objects: identified off the event "
            f"loop ({'in time' if identified_in_time else 'passed through past the 5 s bound'}); "
            f"{answered_meanwhile} other requests answered meanwhile")
+
+
+def _older_copy_of(ledger: Path) -> Path:
+    """A valid copy of the ledger as it is now (0600), to put back over junk later."""
+    copy = ledger.with_name("older.sqlite3")
+    with contextlib.closing(sqlite3.connect(ledger, timeout=10)) as src, \
+            contextlib.closing(sqlite3.connect(copy)) as dst:
+        src.backup(dst)
+    copy.chmod(0o600)
+    return copy
+
+
+def _take_the_junk_away(ledger: Path, older: Path | None) -> None:
+    """The junk deleted (a new ledger is made at the path), or an older copy of the ledger
+    moved over it, the old ``-wal`` and ``-shm`` deleted first (SQLite would pair them with
+    the copy)."""
+    if older is None:
+        delete_ledger(ledger)
+        return
+    for suffix in ("-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+    os.replace(older, ledger)
+
+
+def _attempts_in_flight(ledger: Path) -> list[tuple]:
+    try:
+        return query(ledger, "SELECT attempt_id FROM attempts WHERE outcome='in_flight'")
+    except sqlite3.Error:  # (the file not a ledger yet)
+        return [("?",)]
+
+
+@pytest.mark.parametrize("step, junk_s, then", [
+    ("claimed", 1.5, "deleted"),
+    ("first event", 1.5, "deleted"),
+    ("before its end", 1.5, "deleted"),
+    ("after its end", 1.5, "deleted"),
+    ("first event", 6.0, "deleted"),
+    ("after its end", 6.0, "deleted"),
+    ("first event", 1.5, "older copy"),
+    ("after its end", 1.5, "older copy"),
+])
+def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, junk_s, then,
+                                                               report):
+    """A file that is no database is moved over the ledger (its -wal and -shm left beside it)
+    at a step of A's 3 s turn: just after its claim, after its first event, just before its
+    end, or after it; it stays ``junk_s`` (past REOPEN_S: 6 s), then is deleted, or an older
+    copy of the ledger (taken before the turn) is moved back in its place. Duplicates through
+    A during the junk, through B during it while the turn is in flight (B read from the old
+    file that A had it in flight), and through A and B 0.4 s after the junk went are each
+    answered with the turn's result; one upstream execution; nothing left in flight in the
+    ledger once the turn's ends are written. (A turn that ended before the junk came is
+    retried through A alone: B never read its end, and the file that held it is gone, so
+    B's retry runs it again, as the README says.)"""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"junk {step} for {junk_s} s, then {then}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        older = _older_copy_of(ledger) if then == "older copy" else None
+        delay_ms = 1500 if step == "claimed" else 0
+        turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300, delay_ms=delay_ms)}
+        original = in_background(post, a.url, turn, body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch" and len(up.dispatches()) == 2)
+        if step in ("first event", "before its end"):
+            wait_until(lambda: query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the turn's first event")
+            if step == "before its end":
+                time.sleep(2.4)  # (its last event about 3 s after its first)
+        elif step == "after its end":
+            assert original.result(30)[0] == 200
+        in_flight_at_junk = not original.done()
+        replace_with_junk(ledger)
+        answers = [in_background(post, a.url, SESSION, body_of(text))]
+        if in_flight_at_junk:
+            wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
+                       what="B finding the ledger replaced")
+            answers.append(in_background(post, b.url, SESSION, body_of(text)))
+        time.sleep(junk_s)
+        _take_the_junk_away(ledger, older)
+        time.sleep(0.4)
+        answers.append(in_background(post, a.url, SESSION, body_of(text)))
+        if in_flight_at_junk:
+            answers.append(in_background(post, b.url, SESSION, body_of(text)))
+        status, _, first = original.result(30)
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        for answer in answers:
+            status, headers, body = answer.result(45)
+            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
+                status, headers)
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert events(tmp_path, "a", "ledger_unavailable")  # the junk was met
+        # (the turn claimed in the ledger before the junk came)
+        assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
+        wait_until(lambda: not _attempts_in_flight(ledger), 15, what="the turn's ends written")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"junk over the ledger {step} of a turn for {junk_s} s, then {then}: "
+           f"{len(answers)} duplicates answered with the turn's result; upstream dispatches=1")
+
+
+@pytest.mark.parametrize("junk_s, then", [(1.5, "deleted"), (6.0, "deleted"),
+                                          (1.5, "older copy")])
+def test_a_single_process_answers_its_own_retries_of_a_turn_streaming_as_junk_comes_and_goes(
+        tmp_path, junk_s, then, report):
+    """One process alone: a file that is no database is moved over the ledger (its -wal and
+    -shm left beside it) while its turn streams, and taken away ``junk_s`` later (deleted, or
+    an older copy of the ledger moved back). Its retries of the turn through the same process
+    during the junk and 0.4 s after it went are answered with the turn's result (from memory,
+    then from the ledger the process registered the turn in); one upstream execution, nothing
+    left in flight."""
+    ledger = tmp_path / "ledger.sqlite3"
+    text = f"one process, junk for {junk_s} s mid-stream, then {then}"
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", turnguard_hold_timeout_ms=30000) as a:
+        assert post(a.url, SESSION, body_of("the process knows the file"))[0] == 200
+        older = _older_copy_of(ledger) if then == "older copy" else None
+        turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300)}
+        original = in_background(post, a.url, turn, body_of(text))
+        wait_until(lambda: query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the turn's first event")
+        replace_with_junk(ledger)
+        retries = [in_background(post, a.url, SESSION, body_of(text))]
+        time.sleep(junk_s)
+        _take_the_junk_away(ledger, older)
+        time.sleep(0.4)
+        retries.append(in_background(post, a.url, SESSION, body_of(text)))
+        status, _, first = original.result(30)
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        retries.append(in_background(post, a.url, SESSION, body_of(text)))  # (after its end)
+        for n, retry in enumerate(retries):
+            status, headers, body = retry.result(45)
+            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
+                n, status, headers, len(up.dispatches()))
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert events(tmp_path, "a", "ledger_unavailable")  # the junk was met
+        # (the turn claimed in the ledger before the junk came)
+        assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
+        wait_until(lambda: not _attempts_in_flight(ledger), 15, what="the turn's end written")
+        assert_no_traceback(a.log_text())
+    report(f"one process, junk over the ledger mid-stream for {junk_s} s, then {then}: its "
+           "3 retries answered with the turn's result; upstream dispatches=1")
+

@@ -1259,3 +1259,82 @@ def test_a_retry_held_for_a_paused_owner_across_a_script_reload_is_not_run_again
         assert status == 200 and kinds == types(got), (status, kinds)
         assert len(up.dispatches()) == 2  # b's warm-up, and the call once
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+@pytest.mark.parametrize("step, junk_s, then", [
+    ("claimed", 1.5, "deleted"),
+    ("first event", 1.5, "deleted"),
+    ("before its end", 1.5, "deleted"),
+    ("after its end", 1.5, "deleted"),
+    ("first event", 6.0, "deleted"),
+    ("before its end", 1.5, "replaced"),
+])
+def test_junk_over_the_ledger_at_a_step_of_a_call_answers_every_retry_from_one_execution(
+        tmp_path, step, junk_s, then):
+    """A file that is no database is moved over the ledger (its -wal and -shm left beside it)
+    at a step of a call through process a: just after its claim, after its first event, just
+    before its end, or after it. It stays ``junk_s`` (past REOPEN_S: 6 s), then is deleted,
+    or an older copy of the ledger (taken before the call) is moved in its place. Retries of
+    the call (a new socket, and the POST fallback) through a during the junk, through b
+    during it while the call is in flight (b read from the old file that a had it in flight),
+    and through a and b 0.4 s after the junk went get the call's events; one upstream
+    execution; nothing in flight once its end is written. (A call that ended before the junk
+    came is retried through a alone: b never read its end, and the file that held it is
+    gone.)"""
+    scenario = after_warm_ups(1, {"default": {
+        "kind": "ok", "events": 10, "gap_ms": 300,
+        "delay_ms": 1500 if step == "claimed" else 0}})
+    with two_warm_processes(tmp_path, "junk", scenario) as (folder, ledger, up, a, b):
+        older_copy(folder)
+        text = f"junk {step} of a call for {junk_s} s, then {then}"
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
+        if step in ("first event", "before its end"):
+            wait_until(lambda: ledger_query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the call's first event")
+            if step == "before its end":
+                time.sleep(2.6)  # (its last event about 3 s after its first)
+        elif step == "after its end":
+            original.result(30)
+        in_flight_at_junk = not original.done()
+        replace_with_junk(ledger)
+        seeds = iter(range(2, 20))
+
+        def retries_through(proxy):
+            return [background(ws_call, proxy.url, call([user(text)], seed=next(seeds))),
+                    background(http_call, proxy.url, frame)]
+
+        retries = retries_through(a)
+        if in_flight_at_junk:
+            wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
+                       what="b finding the ledger replaced")
+            retries += retries_through(b)
+        time.sleep(junk_s)
+        if then == "deleted":
+            delete_ledger(ledger)
+        else:
+            replace_with_older_copy(folder)
+        time.sleep(0.4)
+        retries += retries_through(a)
+        if in_flight_at_junk:
+            retries += retries_through(b)
+        got = original.result(30)
+        assert types(got)[-1] == "response.completed", got
+        for n, retry in enumerate(retries):
+            again = retry.result(45)
+            if n % 2 == 0:
+                assert types(again) == types(got), (n, again)
+            else:
+                status, how, kinds = again
+                assert status == 200 and how in ("replayed", "attached") \
+                    and kinds == types(got), (n, again)
+        assert len(up.dispatches()) == 2, "the call ran twice upstream"  # (and the warm-up)
+        assert turnguard_events(tmp_path, "a", "ledger_unavailable")  # the junk was met
+        # (the call claimed in the ledger before the junk came)
+        assert [e["ledger"] for e in turnguard_events(tmp_path, "a", "dispatch")] == [True, True]
+        wait_until(lambda: ledger.exists() and not ledger_query(
+            ledger, "SELECT 1 FROM attempts WHERE outcome='in_flight'"), 15,
+            what="the call's end written")
+        assert_no_traceback(a.log_text() + b.log_text())
