@@ -106,14 +106,17 @@ def test_openai_python_two_clients_racing_one_turn(tmp_path, guard, report):
         proxy(tmp_path, up, "tg") if guard else Mitmdump(tmp_path, up.url, addon=False)
     ) as p:
         results: list = [None, None]
+        # made first: importing the SDK takes seconds of CPU on a busy machine, which the
+        # wait for the first turn below need not include
+        clients = [sdk(p.url), sdk(p.url)]
 
         def race(i: int) -> None:
-            results[i] = sdk_turn(sdk(p.url), {"session-id": "sess-race"})
+            results[i] = sdk_turn(clients[i], {"session-id": "sess-race"})
 
         threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]
         threads[0].start()
         try:
-            up.wait_held("first", 30)
+            up.wait_held("first", 60)
             threads[1].start()
             wait_until(lambda: len(up.dispatches()) > 1 or not threads[1].is_alive() or (
                 guard and events(tmp_path, "tg", "duplicate_attached")), 30,
