@@ -542,6 +542,28 @@ def replace_with_junk(ledger: Path) -> None:
     os.replace(junk, ledger)
 
 
+def older_copy(folder: Path) -> None:
+    """A copy (0600) of the ledger ``folder/ledger.sqlite3`` as it is now, made beside it as
+    ``older.sqlite3``, for ``replace_with_older_copy`` to put back later."""
+    src = sqlite3.connect(folder / "ledger.sqlite3")
+    dst = sqlite3.connect(folder / "older.sqlite3")
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    os.chmod(folder / "older.sqlite3", 0o600)
+
+
+def replace_with_older_copy(folder: Path) -> None:
+    """Move the copy ``older_copy`` made into the ledger's place, the old file's ``-wal`` and
+    ``-shm`` deleted first (SQLite would pair them with the copy: the README's warning)."""
+    ledger = folder / "ledger.sqlite3"
+    for suffix in ("-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+    os.replace(folder / "older.sqlite3", ledger)
+
+
 def delete_ledger(ledger: Path) -> None:
     """Delete a SQLite ledger file and its ``-wal`` and ``-shm`` under running processes (as
     an operator's ``rm`` would): whichever of them exist."""

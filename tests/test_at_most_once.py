@@ -38,8 +38,10 @@ from harness import (
     guarded,
     ledger_query,
     mock_behaviour,
+    older_copy,
     post_turn,
     replace_with_junk,
+    replace_with_older_copy,
     response_id,
     sse_event_types,
     turnguard_events,
@@ -1968,26 +1970,13 @@ def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
            f"{answered_meanwhile} other requests answered meanwhile")
 
 
-def _older_copy_of(ledger: Path) -> Path:
-    """A valid copy of the ledger as it is now (0600), to put back over junk later."""
-    copy = ledger.with_name("older.sqlite3")
-    with contextlib.closing(sqlite3.connect(ledger, timeout=10)) as src, \
-            contextlib.closing(sqlite3.connect(copy)) as dst:
-        src.backup(dst)
-    copy.chmod(0o600)
-    return copy
-
-
-def _take_the_junk_away(ledger: Path, older: Path | None) -> None:
-    """The junk deleted (a new ledger is made at the path), or an older copy of the ledger
-    moved over it, the old ``-wal`` and ``-shm`` deleted first (SQLite would pair them with
-    the copy)."""
-    if older is None:
+def _take_the_junk_away(ledger: Path, then: str) -> None:
+    """The junk deleted (a new ledger is made at the path), or the older copy of the ledger
+    (``older_copy``) moved over it."""
+    if then == "older copy":
+        replace_with_older_copy(ledger.parent)
+    else:
         delete_ledger(ledger)
-        return
-    for suffix in ("-wal", "-shm"):
-        Path(f"{ledger}{suffix}").unlink(missing_ok=True)
-    os.replace(older, ledger)
 
 
 def _attempts_in_flight(ledger: Path) -> list[tuple]:
@@ -2026,7 +2015,8 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
             guarded(tmp_path, up, "b", **opts) as b:
         assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
         assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
-        older = _older_copy_of(ledger) if then == "older copy" else None
+        if then == "older copy":
+            older_copy(tmp_path)
         delay_ms = 1500 if step == "claimed" else 0
         turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300, delay_ms=delay_ms)}
         original = in_background(post, a.url, turn, body_of(text))
@@ -2047,7 +2037,7 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
                        what="B finding the ledger replaced")
             answers.append(in_background(post, b.url, SESSION, body_of(text)))
         time.sleep(junk_s)
-        _take_the_junk_away(ledger, older)
+        _take_the_junk_away(ledger, then)
         time.sleep(0.4)
         answers.append(in_background(post, a.url, SESSION, body_of(text)))
         if in_flight_at_junk:
@@ -2084,7 +2074,8 @@ def test_a_single_process_answers_its_own_retries_of_a_turn_streaming_as_junk_co
     with MockUpstream(tmp_path) as up, \
             guarded(tmp_path, up, "a", turnguard_hold_timeout_ms=30000) as a:
         assert post(a.url, SESSION, body_of("the process knows the file"))[0] == 200
-        older = _older_copy_of(ledger) if then == "older copy" else None
+        if then == "older copy":
+            older_copy(tmp_path)
         turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300)}
         original = in_background(post, a.url, turn, body_of(text))
         wait_until(lambda: query(
@@ -2093,7 +2084,7 @@ def test_a_single_process_answers_its_own_retries_of_a_turn_streaming_as_junk_co
         replace_with_junk(ledger)
         retries = [in_background(post, a.url, SESSION, body_of(text))]
         time.sleep(junk_s)
-        _take_the_junk_away(ledger, older)
+        _take_the_junk_away(ledger, then)
         time.sleep(0.4)
         retries.append(in_background(post, a.url, SESSION, body_of(text)))
         status, _, first = original.result(30)

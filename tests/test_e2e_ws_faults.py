@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
-                     parse_sse, replace_with_junk, sse_post, turnguard_events, wait_until)
+                     older_copy, parse_sse, replace_with_junk, replace_with_older_copy,
+                     sse_post, turnguard_events, wait_until)
 from test_ledger_faults import disk_full, immutable, tiny_tmpfs
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
@@ -119,28 +120,6 @@ def fault(kind, folder):
     else:
         delete_ledger(ledger)
         yield
-
-
-def replace_with_older_copy(folder):
-    """Move the copy ``older_copy`` made into the ledger's place, the old file's ``-wal`` and
-    ``-shm`` moved away first (SQLite would pair them with the copy: the README's warning)."""
-    ledger = folder / "ledger.sqlite3"
-    for suffix in ("-wal", "-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{ledger}{suffix}")
-    os.replace(folder / "older.sqlite3", ledger)
-
-
-def older_copy(folder):
-    """A copy of the ledger as it is now, for ``fault("replaced", ...)``."""
-    src = sqlite3.connect(folder / "ledger.sqlite3")
-    dst = sqlite3.connect(folder / "older.sqlite3")
-    try:
-        src.backup(dst)
-    finally:
-        src.close()
-        dst.close()
-    os.chmod(folder / "older.sqlite3", 0o600)
 
 
 def ledger_folder(tmp_path, kind, size="2m"):
@@ -617,10 +596,10 @@ def test_a_call_claimed_in_a_ledger_fault_is_registered_before_a_retry_sent_else
     in memory and dispatches it; until a writes its row, process b takes a retry for new. So
     a tries again at once (behind a lock) or every 0.1 s (otherwise; with no ledger open, a
     try to open the file at the path) while it owes the row, not at its next tick, and b
-    tries to open the file before it decides a retry blind: the retries
-    through b (a new socket and the POST fallback) are held on the call and answered from
-    it, in each of three rounds (the fault's end at several points of a's tick). One
-    upstream execution a call."""
+    tries to open the file before it decides a retry blind: the retries through b (a new
+    socket and the POST fallback) are held on the call and answered from it, in each of
+    three rounds (the fault's end at several points of a's tick). One upstream execution a
+    call."""
     scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 20, "gap_ms": 200}})
     with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
         for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
@@ -652,12 +631,12 @@ def test_a_call_run_whole_in_a_ledger_fault_is_replayed_to_a_retry_sent_elsewher
         tmp_path, kind, transport):
     """A call's frame (or its POST fallback) reaches process a while the ledger's disk is
     full, its files read-only or a file that is no database is at its path: a dispatches it
-    from memory, and it completes before the
-    fault ends. a owes the ledger the call whole (its operation, its attempt, its end): until
-    it writes it, process b takes a retry for new. So a tries every 0.1 s while it owes it:
-    the retries sent through b (a new socket and the POST fallback) 0.4 s after the fault's
-    end are replayed the call's events, in each of three rounds (the fault's end at several
-    points of a's tick), never dispatched again."""
+    from memory, and it completes before the fault ends. a owes the ledger the call whole
+    (its operation, its attempt, its end): until it writes it, process b takes a retry for
+    new. So a tries every 0.1 s while it owes it: the retries sent through b (a new socket
+    and the POST fallback) 0.4 s after the fault's end are replayed the call's events, in
+    each of three rounds (the fault's end at several points of a's tick), never dispatched
+    again."""
     scenario = after_warm_ups(1, {"default": {"kind": "ok", "events": 4, "gap_ms": 50}})
     with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
         for n, fault_s in enumerate((1.3, 2.1, 2.7), start=1):
