@@ -1310,6 +1310,46 @@ def test_a_turn_dispatched_while_the_ledger_cannot_be_written_is_registered_as_s
            "each time; upstream dispatches=1 per turn")
 
 
+@pytest.mark.parametrize("turn", ["in flight", "ended"])
+def test_a_reload_while_junk_sits_at_the_ledgers_path_leaves_the_owed_turn_to_the_new_instance(
+        tmp_path, turn, report):
+    """A file that is no database is moved over the ledger. A dispatches a turn from memory,
+    so it owes the ledger the turn's row (``ended``: the turn also ends in the junk, and its
+    whole attempt is owed), and A's script is reloaded while the junk is there. The new
+    instance takes over what the old one owed: once the junk is taken away, it registers the
+    turn in the new file, and a duplicate sent through B 0.4 s later is held on A's one
+    execution, or replayed from it. Nothing is left in flight."""
+    folder = tmp_path / "ledger-fs"
+    folder.mkdir(mode=0o700)
+    ledger = folder / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", addon=script, turnguard_ledger=str(ledger)) as a, \
+            guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        body = body_of(f"owed across a reload behind junk ({turn})")
+        replace_with_junk(ledger)
+        original = in_background(post, a.url, {**SESSION, **behaviour(
+            kind="ok", delay_ms=9000 if turn == "in flight" else 200)}, body)
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn dispatched from memory")
+        if turn == "ended":
+            assert original.result(10)[0] == 200
+        reloaded(a, touch_to_reload(a, script))
+        time.sleep(0.5)  # the new instance tries to open the junk meanwhile
+        delete_ledger(ledger)
+        time.sleep(0.4)
+        duplicate = post(b.url, SESSION, body)
+        assert original.result(30)[0] == duplicate[0] == 200
+        assert duplicate[1].get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 2, "the turn ran twice"
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"a turn dispatched from memory with junk at the ledger's path ({turn} at the "
+           "reload), the script reloaded in the junk: its duplicate through another process "
+           f"0.4 s after the junk went was {duplicate[1].get('x-turnguard')}; upstream "
+           "dispatches=1 for the turn")
+
+
 def _a_duplicate_through_b_is_held_on_the_retry(tmp_path, up, a, b, body, retry) -> None:
     """Once A's ledger is back (its retry registered, its failed attempt's end written), a
     duplicate through B is held on the retry and gets its answer: the turn's third dispatch
