@@ -2099,6 +2099,64 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
            f"{len(answers)} duplicates answered with the turn's result; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("fault", ["locked", "full", "read-only"])
+@pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
+def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_path, fault, step,
+                                                                          report):
+    """Another connection holds the ledger's write lock, its disk fills up, or its files and
+    folder become read-only, at a step of A's 3 s turn: just after its claim, after its first
+    event, just before its end, or after it, for 2.5 s. Duplicates through A and B during the
+    fault (both read the ledger: A's turn is in flight there, or ended) and 0.4 s after it are
+    each answered with the turn's result; one upstream execution; nothing left in flight in
+    the ledger once the writes the fault kept are written."""
+    folder = tmp_path / "ledger-fs"
+    mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
+        folder.mkdir(mode=0o700))
+    text = f"the ledger {fault} {step}"
+    with mount:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+        with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+                guarded(tmp_path, up, "b", **opts) as b:
+            assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+            assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+            turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300,
+                                           delay_ms=1500 if step == "claimed" else 0)}
+            original = in_background(post, a.url, turn, body_of(text))
+            up.wait_for_record(lambda r: r.get("event") == "dispatch"
+                               and len(up.dispatches()) == 2)
+            if step in ("first event", "before its end"):
+                wait_until(lambda: query(
+                    ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                    10, what="the turn's first event")
+                if step == "before its end":
+                    time.sleep(2.4)  # (its last event about 3 s after its first)
+            elif step == "after its end":
+                assert original.result(30)[0] == 200
+            with write_lock(ledger) if fault == "locked" else _unwritable(fault, folder, ledger):
+                answers = [in_background(post, proxy.url, SESSION, body_of(text))
+                           for proxy in (a, b)]
+                time.sleep(2.5)
+            time.sleep(0.4)
+            answers += [in_background(post, proxy.url, SESSION, body_of(text))
+                        for proxy in (a, b)]
+            status, _, first = original.result(30)
+            assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+            for answer in answers:
+                status, headers, body = answer.result(45)
+                assert status == 200 and headers.get("x-turnguard") in (
+                    "replayed", "attached"), (status, headers)
+                assert response_id(body) == response_id(first)
+            assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+            assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
+            wait_until(lambda: not _attempts_in_flight(ledger), 15,
+                       what="the turn's ends written")
+            assert_no_traceback(a.log_text() + b.log_text())
+    report(f"the ledger {fault} for 2.5 s at a step of a turn ({step}): {len(answers)} "
+           "duplicates through two processes answered with the turn's result; upstream "
+           "dispatches=1")
+
+
 @pytest.mark.parametrize("junk_s, then", [(1.5, "deleted"), (6.0, "deleted"),
                                           (1.5, "older copy")])
 def test_a_single_process_answers_its_own_retries_of_a_turn_streaming_as_junk_comes_and_goes(
