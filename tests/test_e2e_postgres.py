@@ -979,6 +979,67 @@ def test_a_turn_dispatched_while_the_server_restarts_is_registered_as_soon_as_it
     assert_no_traceback(log)
 
 
+@pytest.mark.parametrize("fault", ["restart", "pause"])
+@pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
+def test_a_server_down_at_a_step_of_a_turn_runs_it_once(tmp_path, own_pg, fault, step):
+    """The server goes down for 2.5 s (an immediate stop, or paused by SIGSTOP) at a step of
+    A's turn: just after its claim, after its first event is in the ledger, with everything
+    but its terminal event sent, or after its end. A turn still running ends 1 s into the
+    outage, so what it had left to write (its first event, its end, its recording) is owed.
+    A's own retry during the outage, and retries through A and B 0.4 s after it, each get the
+    turn's bytes; the turn runs once upstream, and nothing is left in flight. (B is asked
+    only once the server is back: while it cannot read the ledger it knows nothing of A's
+    turn, the limit the README states.)"""
+    url = own_pg.url
+    turn = {**BODY, "input": f"the server down ({fault}) at a step of a turn: {step}"}
+    hold = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1},
+            "before its end": {"hold": "h", "hold_after_events": 7}}.get(step)
+    behaviour = {**HEADERS, **harness.mock_behaviour(kind="ok", **(hold or {}))}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, **opts) as a, \
+            guarded(tmp_path, up, "b", url, **opts) as b, ThreadPoolExecutor(4) as pool:
+        _warm_up(a, b)
+        original = pool.submit(post, a.url, behaviour, turn)
+        if hold is not None:
+            up.wait_held("h", 10)
+        if step == "first event":
+            wait_until(lambda: rows(url, "SELECT 1 FROM attempts WHERE events_seen > 0"
+                                         " AND outcome = 'in_flight'"), 10,
+                       what="the turn's first event in the ledger")
+        elif step == "after its end":
+            assert original.result(30)[0] == 200
+        if fault == "restart":
+            own_pg.stop(mode="immediate")
+        else:
+            _pause_server(own_pg, True)
+        try:
+            during = pool.submit(post, a.url, HEADERS, turn)
+            time.sleep(1.0)
+            if hold is not None:
+                up.release("h")
+            time.sleep(1.5)
+        finally:
+            if fault == "restart":
+                own_pg.start()
+            else:
+                _pause_server(own_pg, False)
+        time.sleep(0.4)
+        after = [pool.submit(post, proxy.url, HEADERS, turn) for proxy in (a, b)]
+        first = original.result(30)
+        results = [during.result(45), *(r.result(45) for r in after)]
+        wait_until(lambda: rows(url, "SELECT COUNT(*) FROM operations"
+                                     " WHERE state = 'in_flight'") == [(0,)],
+                   20, what="nothing in flight")
+        log = a.log_text() + b.log_text()
+    if fault == "restart":  # (a paused server's statements wait, within their bound)
+        assert events(tmp_path, "a", "ledger_unavailable"), "A never met the outage"
+    assert first[0] == 200
+    assert [(r[0], r[1].get("x-turnguard") in ("replayed", "attached"), r[2] == first[2])
+            for r in results] == [(200, True, True)] * 3
+    assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("fault", ["restart", "pause", "drop"])
 def test_a_turn_that_ends_while_the_ledger_is_down_runs_once_and_is_left_in_flight_nowhere(
         tmp_path, request, fault):
