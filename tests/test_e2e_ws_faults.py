@@ -1240,6 +1240,62 @@ def test_a_retry_held_for_a_paused_owner_across_a_script_reload_is_not_run_again
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+@pytest.mark.parametrize("kind", ["locked", "full", "read-only"])
+@pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
+def test_a_ledger_that_cannot_be_written_at_a_step_of_a_call_answers_every_retry_from_one_execution(
+        tmp_path, kind, step):
+    """The ledger is locked, its disk full or its files read-only for 2.5 s from a step of a
+    call through process a: just after its claim, after its first event, just before its
+    end, or after it. Retries of the call (a new socket, and the POST fallback) through a and
+    b during the fault (both read the ledger: the call is in flight there, or ended) and 0.4 s
+    after it get the call's events; one upstream execution; nothing in flight once the
+    writes the fault kept are written."""
+    scenario = after_warm_ups(1, {"default": {
+        "kind": "ok", "events": 10, "gap_ms": 300,
+        "delay_ms": 1500 if step == "claimed" else 0}})
+    with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
+        text = f"the ledger {kind} at a step of a call: {step}"
+        frame = call([user(text)], seed=1)
+        original = background(ws_call, a.url, frame)
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
+        if step in ("first event", "before its end"):
+            wait_until(lambda: ledger_query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the call's first event")
+            if step == "before its end":
+                time.sleep(2.6)  # (its last event about 3 s after its first)
+        elif step == "after its end":
+            original.result(30)
+        seeds = iter(range(2, 20))
+
+        def retries_through(*proxies):
+            return [r for proxy in proxies for r in (
+                background(ws_call, proxy.url, call([user(text)], seed=next(seeds))),
+                background(http_call, proxy.url, frame))]
+
+        with fault(kind, folder):
+            retries = retries_through(a, b)
+            time.sleep(2.5)
+        time.sleep(0.4)
+        retries += retries_through(a, b)
+        got = original.result(30)
+        assert types(got)[-1] == "response.completed", got
+        for n, retry in enumerate(retries):
+            again = retry.result(45)
+            if n % 2 == 0:
+                assert types(again) == types(got), (n, again)
+            else:
+                status, how, kinds = again
+                assert status == 200 and how in ("replayed", "attached") \
+                    and kinds == types(got), (n, again)
+        assert len(up.dispatches()) == 2, "the call ran twice upstream"  # (and the warm-up)
+        assert [e["ledger"] for e in turnguard_events(tmp_path, "a", "dispatch")] == [True, True]
+        wait_until(lambda: not ledger_query(
+            ledger, "SELECT 1 FROM attempts WHERE outcome='in_flight'"), 15,
+            what="the call's end written")
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 @pytest.mark.parametrize("step, junk_s, then", [
     ("claimed", 1.5, "deleted"),
     ("first event", 1.5, "deleted"),
