@@ -256,6 +256,55 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
            "the retry was replayed; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
+def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report):
+    """A's script is reloaded at a step of its turn, the turn kept there upstream until the
+    new instance runs: just after its claim (nothing sent yet), after its first event (in the
+    ledger), with all but its terminal event sent, or after its end. Retries sent through A
+    and B as the script is touched (held across the reload, or replayed) and after the turn
+    ended each get the turn's bytes; one upstream execution, ended by the new instance;
+    nothing left in flight."""
+    ledger = tmp_path / "ledger.sqlite3"
+    script = reloadable(tmp_path)
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"a script reload at a step of a turn: {step}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        hold = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1},
+                "before its end": {"hold": "h", "hold_after_events": 7}}.get(step)
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **(hold or {}))},
+                                 body_of(text))
+        if hold is not None:
+            up.wait_held("h", 10)
+        if step == "first event":
+            wait_until(lambda: query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the turn's first event")
+        elif step == "after its end":
+            assert original.result(30)[0] == 200
+        started = touch_to_reload(a, script)
+        answers = [in_background(post, proxy.url, SESSION, body_of(text)) for proxy in (a, b)]
+        reloaded(a, started)
+        if hold is not None:
+            up.release("h")
+        status, _, first = original.result(30)
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        answers += [in_background(post, proxy.url, SESSION, body_of(text)) for proxy in (a, b)]
+        for answer in answers:
+            status, headers, body = answer.result(45)
+            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
+                status, headers)
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
+        assert query(ledger, "SELECT outcome FROM attempts WHERE outcome<>'completed'") == []
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"script reloaded at a step of a turn ({step}): {len(answers)} retries through two "
+           "processes answered with the turn's result; upstream dispatches=1")
+
+
 def test_a_reload_that_upgrades_turnguard_gives_the_older_process_state_its_new_fields(
         tmp_path):
     """A script reload is also how a running proxy gets a newer turnguard: the new instance
