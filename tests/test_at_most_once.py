@@ -219,6 +219,59 @@ def test_a_paused_process_is_not_reaped_and_its_turn_runs_once(tmp_path, report)
            "another process was held and replayed; upstream dispatches=2 for 2 turns")
 
 
+@pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "as it ends"])
+def test_a_process_paused_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report):
+    """A is paused (SIGSTOP) for 3 s at a step of its turn: just after its claim (nothing sent
+    yet), after its first event (in the ledger), with all but its terminal event sent, or as
+    its client gets the answer (its end perhaps not yet written). The upstream sends the rest
+    of the turn while A is paused. A retry through B during the pause is held on A's attempt
+    (A is alive: never reaped, never run again), and retries through A and B after it are
+    replayed; all get the turn's bytes from one upstream execution; nothing left in
+    flight."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"a process paused at a step of a turn: {step}"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        hold = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1}
+                }.get(step, {"hold": "h", "hold_after_events": 7})
+        original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **hold)},
+                                 body_of(text))
+        up.wait_held("h", 10)
+        if step == "first event":
+            wait_until(lambda: query(
+                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+                10, what="the turn's first event")
+        if step == "as it ends":
+            up.release("h")
+            original.result(30)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            answers = [in_background(post, b.url, SESSION, body_of(text))]
+            if step != "as it ends":
+                up.release("h")
+            time.sleep(3.0)
+            assert len(up.dispatches()) == 2, "the turn ran twice while its process was paused"
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        status, _, first = original.result(30)
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        answers += [in_background(post, proxy.url, SESSION, body_of(text)) for proxy in (a, b)]
+        for answer in answers:
+            status, headers, body = answer.result(45)
+            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
+                status, headers)
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert not events(tmp_path, "b", "instance_reaped")
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"process paused 3 s at a step of its turn ({step}): {len(answers)} retries through "
+           "two processes answered with the turn's result; upstream dispatches=1")
+
+
 def test_a_process_in_another_pid_namespace_is_not_judged_dead(tmp_path, report):
     """Two containers on one host: B's pid namespace cannot see A's pid. B must not take that
     for A's death (it waits for A's lease instead)."""
