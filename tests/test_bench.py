@@ -21,7 +21,8 @@ SCRIPTS = REPO / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
-from turnguard_bench import instructions_phase, profiling, upstream  # noqa: E402
+from turnguard_bench import (  # noqa: E402
+    calls_phase, instructions_phase, profiling, upstream)
 
 BENCH_TIMEOUT_S = 600  # about 70 CPU s alone; a loaded CI machine took more than 400 s at twice the counts
 # turnguard_baseline: turnguard as committed at HEAD (--baseline-rev), beside the working tree's
@@ -309,6 +310,32 @@ def test_instructions_are_split_by_the_library_that_ran_them():
     libs = instructions_phase.self_by_library(dump)
     assert libs == {"libc": 40, "libpython3.13": 105, "libsqlite3": 660}
     assert sum(libs.values()) == instructions_phase.parse_totals(dump)["Ir"]
+
+
+def test_calls_are_counted_per_request_by_group_and_c_calls_by_their_caller():
+    """The calls phase's arithmetic: a request is the window with N requests less the one with
+    N/2, over N/2; a Python function counts in its file's group, a C function (``~``) in its
+    caller's, and turnguard's functions are listed with the C calls each made."""
+    tg = ("/x/addon-snapshot/turnguard_core/ledger.py", 10, "admit")
+    mitm = ("/v/site-packages/mitmproxy/addonmanager.py", 5, "trigger")
+    builtin = ("~", 0, "<built-in method builtins.len>")
+
+    def stats(tg_calls, mitm_calls, len_by_tg, len_by_mitm):
+        return {tg: (tg_calls, tg_calls, 0.0, 0.0, {mitm: (tg_calls, tg_calls, 0.0, 0.0)}),
+                mitm: (mitm_calls, mitm_calls, 0.0, 0.0, {}),
+                builtin: (0, len_by_tg + len_by_mitm, 0.0, 0.0,
+                          {tg: (0, len_by_tg, 0.0, 0.0), mitm: (0, len_by_mitm, 0.0, 0.0)})}
+
+    counted = calls_phase.per_request(stats(25, 103, 70, 9), stats(15, 53, 40, 7), 10)
+    assert counted["by_group"] == {"turnguard": {"python": 1.0, "c": 3.0},
+                                   "mitmproxy": {"python": 5.0, "c": 0.2}}
+    assert counted["per_request"] == pytest.approx(9.2)
+    assert counted["python_per_request"] == 6.0
+    assert counted["turnguard_functions"] == [
+        {"function": "turnguard_core/ledger.py:10 admit", "calls": 1.0, "c_calls": 3.0}]
+    assert calls_phase.group_of("/usr/lib/python3.13/asyncio/events.py") == "asyncio"
+    assert calls_phase.group_of("/usr/lib/python3.13/json/encoder.py") == "standard library"
+    assert calls_phase.group_of("/x/addon-snapshot/turnguard.py") == "turnguard"
 
 
 # -- pure parts of the suite -----------------------------------------------------------------

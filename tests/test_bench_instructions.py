@@ -1,8 +1,9 @@
-"""``scripts/bench --phases instructions`` end to end (its parsing is tested in test_bench.py).
+"""``scripts/bench --phases instructions`` and ``--phases calls`` end to end (their parsing
+and pure parts are tested in test_bench.py).
 
 A module of its own, apart from test_bench.py: that one runs whole on one worker (its quick
-run is made once for the module), and this test alone is minutes of valgrind; here it runs
-on another worker beside it."""
+run is made once for the module), and the instructions test alone is minutes of valgrind;
+here they run on another worker beside it."""
 
 from __future__ import annotations
 
@@ -60,3 +61,35 @@ def test_instructions_phase_counts_each_variant_under_callgrind(tmp_path):
     assert data["variants"]["turnguard"]["by_library"].get("libsqlite3", 0) > 0
     assert data["variants"]["plain_stream"]["by_library"].get("libsqlite3", 0) == 0
     assert "library (a request)" in run.stdout
+
+
+@pytest.mark.slow
+def test_calls_phase_counts_each_variants_python_calls_by_function(tmp_path):
+    """``scripts/bench --quick --phases calls``: the ledger floor and turnguard each run under
+    Python's profiler, every request answered; each has a count of calls a request (the
+    window with N requests counted more than the one with N/2), split by group, and only
+    turnguard's has calls of turnguard's functions, which it lists. The counts themselves are
+    not checked: a smoke test, like the rest of quick mode."""
+    out_json = tmp_path / "calls.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO / "addon")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "turnguard_bench", "--quick", "--phases", "calls",
+         "--json", str(out_json)],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=BENCH_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    data = json.loads(out_json.read_text())["calls"]
+    assert set(data["variants"]) == {"ledger_floor", "turnguard"}
+    for counted in data["variants"].values():
+        assert counted["per_request"] > counted["python_per_request"] > 0
+        assert counted["by_group"]["mitmproxy"]["python"] > 0
+        assert sum(g["python"] + g["c"] for g in counted["by_group"].values()) \
+            == pytest.approx(counted["per_request"])
+    ours = data["variants"]["turnguard"]
+    assert ours["by_group"]["turnguard"]["python"] > 0 and ours["by_group"]["turnguard"]["c"] > 0
+    assert "turnguard" not in data["variants"]["ledger_floor"]["by_group"]
+    assert ours["turnguard_functions"] and all(
+        f["function"].startswith("turnguard") for f in ours["turnguard_functions"])
+    assert data["turnguard_added_per_request"]["ledger_floor"]["turnguard"] > 0
+    assert data["checks"] == {"all_200": True}
+    assert "calls a request" in run.stdout and "turnguard's function" in run.stdout

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turnguard_bench import (config, hooks_phase, instructions_phase, ledger_bench, micro,
-                             phases, procs, profiling, relay_phase, report, ws_phase)
+from turnguard_bench import (calls_phase, config, hooks_phase, instructions_phase, ledger_bench,
+                             micro, phases, procs, profiling, relay_phase, report, ws_phase)
 from turnguard_bench.envinfo import environment, loadavg
 
 THROUGHPUT_PHASES = ("per_request", "streaming", "replay")
@@ -112,6 +112,9 @@ async def run_all(cfg: config.Config, workdir: Path) -> dict:
         if "instructions" in cfg.phases:
             phases.log("instructions per request, counted under callgrind")
             res["instructions"] = await instructions_phase.instructions(cfg, workdir, up)
+        if "calls" in cfg.phases:
+            phases.log("Python calls per request, counted under Python's profiler")
+            res["calls"] = await calls_phase.calls(cfg, workdir, up)
     finally:
         up.stop()
     res["duration_s"] = time.monotonic() - t0
@@ -137,7 +140,9 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--phases", metavar="LIST",
                    help=f"comma-separated subset of {','.join(config.PHASES)} (default: all "
                         "but instructions, which counts each variant's instructions per request "
-                        "under valgrind: minutes of CPU, the same counts on a busy machine)")
+                        "under valgrind: minutes of CPU, the same counts on a busy machine; and "
+                        "calls, which counts each variant's Python calls per request by "
+                        "function under Python's profiler: what runs, for a change)")
     p.add_argument("--repeats", type=int, help="override the number of repeats")
     p.add_argument("--instructions-sim", action="store_true",
                    help="with the instructions phase: also simulate the caches and the branch "

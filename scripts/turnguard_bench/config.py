@@ -8,9 +8,10 @@ KiB = 1024
 MiB = 1024 * 1024
 
 PHASES = ("per_request", "streaming", "holds", "replay", "hooks", "ws", "relay", "ledger",
-          "soak", "micro", "instructions")
-# instructions runs each variant under valgrind (minutes of CPU): only when asked for
-DEFAULT_PHASES = tuple(p for p in PHASES if p != "instructions")
+          "soak", "micro", "instructions", "calls")
+# instructions runs each variant under valgrind (minutes of CPU), calls under Python's
+# profiler (a tool for a change, not a figure of the report): only when asked for
+DEFAULT_PHASES = tuple(p for p in PHASES if p not in ("instructions", "calls"))
 INSTRUCTIONS_VARIANTS = ("plain_stream", "floor", "ledger_floor", "turnguard")
 
 
@@ -42,6 +43,8 @@ class Config:
     instructions: int = 200  # requests counted under callgrind, per variant
     instructions_variants: tuple[str, ...] = INSTRUCTIONS_VARIANTS
     instructions_sim: bool = False  # also simulate caches and branch prediction (about 2x slower)
+    calls: int = 1000  # requests counted under Python's profiler, per variant
+    calls_variants: tuple[str, ...] = ("plain_stream", "ledger_floor", "turnguard")
     request_timeout_s: float = 60.0
     load_time_limit_s: float = 120.0
     phases: tuple[str, ...] = field(default=DEFAULT_PHASES)
@@ -73,6 +76,8 @@ def quick() -> Config:
         ws={1: 20, 8: 48},
         instructions=20,
         instructions_variants=("plain_stream", "turnguard"),
+        calls=40,
+        calls_variants=("ledger_floor", "turnguard"),
         soak_checkpoints=[100, 400],
         soak_concurrency=16,
         soak_baseline=False,

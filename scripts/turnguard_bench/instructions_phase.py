@@ -95,18 +95,18 @@ async def _count(workdir: Path, up: procs.Proc, variant: str, n: int,
     try:
         nonce = f"instr-{variant}-{uuid.uuid4().hex[:8]}"
         _control(p, "--instr=on")
-        await _sequential(p, nonce, 0, max(3, n // 10), statuses)
+        await sequential(p, nonce, 0, max(3, n // 10), statuses)
         await asyncio.sleep(SETTLE_S)
         half = n // 2
         _control(p, "--zero")
         t0 = time.monotonic()
-        await _sequential(p, nonce, 1000, n, statuses)
+        await sequential(p, nonce, 1000, n, statuses)
         window_s = time.monotonic() - t0 + SETTLE_S
         await asyncio.sleep(max(0.0, t0 + window_s - time.monotonic()))
         whole = _dump(p, dumps)
         _control(p, "--zero")
         t0 = time.monotonic()
-        await _sequential(p, nonce, 1000 + n, half, statuses)
+        await sequential(p, nonce, 1000 + n, half, statuses)
         await asyncio.sleep(max(0.0, t0 + window_s - time.monotonic()))
         halved = _dump(p, dumps)
     finally:
@@ -144,7 +144,9 @@ def parse_totals(dump: str) -> dict[str, int] | None:
     return dict(zip(names, map(int, counts)))
 
 
-async def _sequential(p: procs.Proc, nonce: str, first: int, n: int, statuses: set[int]) -> None:
+async def sequential(p: procs.Proc, nonce: str, first: int, n: int, statuses: set[int]) -> None:
+    """Requests ``first`` .. ``first + n - 1`` of the per-request phase's model, one after the
+    other on one connection to ``p``; their statuses added to ``statuses``."""
     conn = await client.connect(p.port)
     try:
         for i in range(first, first + n):

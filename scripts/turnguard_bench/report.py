@@ -475,6 +475,37 @@ def render(res: dict) -> str:
                          "indirect branches; cycles = Ir + 10 Bm + 10 L1m + 100 LLm)")
             o.append(f"checks: {ins['checks']}")
 
+    ca = res.get("calls")
+    if ca:
+        o.append(_section("Python calls per request, counted (Python's profiler; one client, "
+                          "in turn)"))
+        variants = ca["variants"]
+        groups = sorted({g for d in variants.values() for g in d["by_group"]},
+                        key=lambda g: -max(sum(d["by_group"].get(g, {}).values())
+                                           for d in variants.values()))
+
+        def in_group(d: dict, g: str) -> str:
+            counts = d["by_group"].get(g)
+            return "" if counts is None else f"{counts['python']:,.0f} + {counts['c']:,.0f}"
+
+        rows = [[v, f"{d['per_request']:,.0f}", *(in_group(d, g) for g in groups)]
+                for v, d in variants.items()]
+        o.append(table(rows, ["variant", "calls a request", *groups]))
+        o.append("(by group: calls of its Python functions + calls of C functions they made)")
+        added = ca.get("turnguard_added_per_request", {})
+        if added:
+            o.append(table([[v, f"{a['all']:+,.0f}", *(f"{a[g]:+,.0f}" for g in groups)]
+                            for v, a in added.items()],
+                           ["turnguard adds to", "calls a request", *groups]))
+        ours = variants.get("turnguard", {}).get("turnguard_functions", [])
+        if ours:
+            o.append(table([[f["function"], f"{f['calls']:,.1f}", f"{f['c_calls']:,.1f}"]
+                            for f in ours],
+                           ["turnguard's function", "calls a request", "its C calls"]))
+        o.append(f"({ca['requests']} requests a variant; a count is not a time: see the hooks "
+                 "phase and --profile for where the time goes)")
+        o.append(f"checks: {ca['checks']}")
+
     tg = res.get("targets")
     if tg:
         o.append(_section("targets (issues 5 and 14)"))
