@@ -469,6 +469,33 @@ def test_live_no_replay_across_api_key_headers(live, header):
         alice[2]), f"bob ({header}: bob-key) got alice's recorded response")
 
 
+@pytest.mark.parametrize("header", identity.CREDENTIAL_HEADERS)
+def test_live_every_credential_header_keeps_its_principal_apart_and_its_value_unkept(live,
+                                                                                    header):
+    """Each built-in credential header, alone on a request: the same body under another value
+    of it is another operation (never replayed across), under the same value it is replayed;
+    the values reach neither the ledger (its -wal included), nor the events, nor the log."""
+    p, up = live
+    tokens = [f"{header}-SECRET-{secrets.token_hex(8)}" for _ in range(2)]
+    body = {"model": "m", "input": f"one question, two keys {secrets.token_hex(4)}",
+            "stream": True}
+    n = len(up.dispatches())
+    alice = post(p.url, {header: tokens[0]}, body)
+    bob = post(p.url, {header: tokens[1]}, body)
+    alice_again = post(p.url, {header: tokens[0]}, body)
+    assert alice[0] == bob[0] == alice_again[0] == 200
+    assert bob[1].get("x-turnguard") is None and response_id(bob[2]) != response_id(alice[2]), \
+        f"{header}: another value got the first one's recorded response"
+    assert alice_again[1].get("x-turnguard") == "replayed" and alice_again[2] == alice[2]
+    assert len(up.dispatches()) == n + 2
+    blobs = {str(f): f.read_bytes() for f in ledger_files(p.tmp_path / "ledger.sqlite3")}
+    blobs["events"] = (p.tmp_path / "mitmdump-events.jsonl").read_bytes()
+    blobs["log"] = p.log_text().encode()
+    for where, blob in blobs.items():
+        for token in tokens:
+            assert token.encode() not in blob, f"the {header} value is in {where}"
+
+
 # -----------------------------------------------------------------------------------------------
 # replay=false keeps no bodies; retention purges
 
