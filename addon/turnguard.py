@@ -103,6 +103,7 @@ class TurnGuard:
                 op_key, attempt_id, state, generation=self.store.generation),
             peers_awaited=process.peers_awaited,
         )
+        self.store.replay_window_of = self._replay_window_s
         self.inflight = InFlight(process, self.store, self.waiters, self.explainer, self._emit,
                                  lambda: self.settings)
         self.sessions = Sessions(self.store, self._emit)

@@ -1728,6 +1728,49 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
            "process once it ended was replayed; upstream dispatches=1")
 
 
+@pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted"])
+def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process(
+        tmp_path, then, report):
+    """A's turn ended (its end and recording in the ledger); then the ledger file is deleted,
+    an older copy (taken before the turn) is moved over it, or a file that is no database is
+    moved over it and deleted 1.5 s later. A retry sent to B just after the new file is there,
+    and another 1 s later, are replayed with the turn's bytes, never run again: A records
+    its own recordings still within the replay window in the new file as it moves there, and
+    B, which read in the file left that A had recordings there, waits for A to have moved
+    before it decides a request the new file knows nothing of. (Before, B ran the turn again:
+    only the turns in flight were moved.)"""
+    ledger = tmp_path / "ledger.sqlite3"
+    text = f"ended before the ledger went ({then})"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        if then == "older copy":
+            older_copy(tmp_path)
+        status, _, first = post(a.url, SESSION, body_of(text))
+        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
+        if then == "deleted":
+            delete_ledger(ledger)
+        elif then == "older copy":
+            replace_with_older_copy(tmp_path)
+        else:
+            replace_with_junk(ledger)
+            time.sleep(1.5)
+            delete_ledger(ledger)
+        answers = [post(b.url, SESSION, body_of(text))]
+        time.sleep(1.0)
+        answers.append(post(b.url, SESSION, body_of(text)))
+        for status, headers, body in answers:
+            assert status == 200 and headers.get("x-turnguard") == "replayed", headers
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert events(tmp_path, "a", "recordings_moved")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report(f"a turn ended, then the ledger {then}: two retries through another process "
+           "replayed its recording; upstream dispatches=1 for the turn")
+
+
 def test_a_duplicate_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_the_owner(
     tmp_path, report
 ):
@@ -2148,8 +2191,9 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
     file that A had it in flight), and through A and B 0.4 s after the junk went are each
     answered with the turn's result; one upstream execution; nothing left in flight in the
     ledger once the turn's ends are written. (A turn that ended before the junk came is
-    retried through A alone: B never read its end, and the file that held it is gone, so
-    B's retry runs it again, as the README says.)"""
+    retried through B only after it: while no ledger can be opened, B, which never read its
+    end, decides in memory, and would run it again, as the README says; once a new file is
+    there, A moves its recording into it and B waits for that.)"""
     ledger = tmp_path / "ledger.sqlite3"
     opts = dict(turnguard_hold_timeout_ms=30000)
     text = f"junk {step} for {junk_s} s, then {then}"
@@ -2182,8 +2226,7 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
         _take_the_junk_away(ledger, then)
         time.sleep(0.4)
         answers.append(in_background(post, a.url, SESSION, body_of(text)))
-        if in_flight_at_junk:
-            answers.append(in_background(post, b.url, SESSION, body_of(text)))
+        answers.append(in_background(post, b.url, SESSION, body_of(text)))
         status, _, first = original.result(30)
         assert status == 200 and sse_event_types(first)[-1] == "response.completed"
         for answer in answers:

@@ -110,6 +110,38 @@ def own(attempt_id: int | None = 7, generation: str = "gen-1") -> KnownRecording
                           attempt_id=attempt_id, generation=generation)
 
 
+def test_its_own_recordings_of_a_file_left_are_what_it_moves_to_the_new_one():
+    """The recordings a process moves into a new ledger file: its own (not those it read
+    from the ledger), of the file left, within their window; once moved, of the new file
+    (replayed from memory: their row there is not known)."""
+    from turnguard_core.knowledge import OwnEnd
+    from turnguard_core.ledger import AttemptEnd
+
+    ident = Identity("p", "u", "s", None, "/v1/responses", None, None, None, "f", "op")
+    mine = OwnEnd(ident, "POST", "/v1/responses", "original", "flow", None, "http",
+                  AttemptEnd("completed", 200, 3, None, Recording(200, (), b"x")))
+    k = Knowledge()
+    k.completed("op", KnownRecording(Recording(200, (), b"x"), 1000.0, "f", 7, "gen-1", mine))
+    k.completed("read", own(attempt_id=8))  # another process's, read from the ledger
+    k.completed("other file", KnownRecording(Recording(200, (), b"x"), 1000.0, "f", 9,
+                                             "gen-0", mine))
+    window = {"f": 300.0}
+
+    def of(generation, now=1100.0, window_of=lambda i: window[i.fingerprint]):
+        return [known.attempt_id for known in k.own_recordings_of(
+            generation, now=now, window_of=window_of)]
+
+    assert of("gen-1") == [7]
+    assert of("gen-1", now=1301.0) == []  # past its window
+    assert of("gen-1", window_of=lambda i: None) == []  # replay off
+    (known,) = k.own_recordings_of("gen-1", now=1100.0, window_of=lambda i: 300.0)
+    k.moved("op", known, "gen-2")
+    assert of("gen-1") == [] and of("gen-2") == [None]
+    assert k.recording("op", fingerprint="f", now=1100.0, window_s=300) == Recording(200, (), b"x")
+    assert k.replay_attempt("op", fingerprint="f", now=1100.0, window_s=300,
+                            generation="gen-2") is None  # replayed from memory
+
+
 def test_a_replay_of_its_own_recording_is_the_ledgers_decision_known_in_memory():
     k = Knowledge()
     k.completed("op", own())

@@ -890,6 +890,37 @@ def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_
     assert_no_traceback(log)
 
 
+@pytest.mark.parametrize("remade_by", ["another turnguard", "the processes"])
+def test_a_turn_that_ended_before_the_database_was_made_again_is_replayed_elsewhere(
+        tmp_path, pg_url, remade_by):
+    """A's turn ended (its recording in the ledger); then the ledger's tables are dropped and
+    made again (another ledger: its generation). A retry sent to B then, which never saw the
+    turn, is replayed with its bytes, never run again: A records its own recordings still
+    within the replay window in the new ledger as it moves there, and B waits for A to
+    have moved before it decides a request the new ledger knows nothing of."""
+    turn = {**BODY, "input": f"ended before the database was made again by {remade_by}"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b:
+        _warm_up(a, b)
+        status, _, first = post(a.url, HEADERS, turn)
+        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
+                                        " WHERE state = 'in_flight'") == [(0,)],
+                   10, what="the turn's end in the ledger")
+        rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        if remade_by == "another turnguard":
+            with guarded(tmp_path, up, "c", pg_url):
+                pass
+        again, headers, body = post(b.url, HEADERS, turn)
+        log = a.log_text() + b.log_text()
+    assert status == 200
+    assert len(up.dispatches()) == 3, "B ran the turn a second time"  # the warm-ups, the turn
+    assert again == 200 and headers.get("x-turnguard") == "replayed", (again, headers)
+    assert body == first
+    assert events(tmp_path, "a", "recordings_moved")
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("lock", ["none", "instances locked as it stops"])
 def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_process_stops(
         tmp_path, pg_url, lock):

@@ -218,6 +218,45 @@ def test_an_end_recorded_whole_ends_this_instances_claim_in_flight_not_another_o
     assert admit(b, retried, now=1008.0) == policy.Hold(retry.attempt_id, "a")
 
 
+def test_a_completed_attempt_moved_into_a_new_ledger_is_recorded_where_nothing_else_decides(
+        ledger_backend):
+    """A process records its own completed attempts of a ledger file since deleted or
+    replaced in the new one (``moving``): whole, where the operation is unknown, or ended
+    otherwise (an attempt an older copy showed in flight, ended since as stale); never over
+    an operation in flight (another attempt runs it) or completed (an end recorded whole
+    just before, the copy's own)."""
+    a = ledger_backend.open("a")
+    b = ledger_backend.open("b")
+    rec = Recording(200, (("content-type", "text/event-stream"),), b"data: done\n\n")
+
+    def moved(op, now):
+        return a.record_offline_attempt(
+            op, method="POST", path="/v1/responses", kind="original", flow_id="f",
+            circuit_scope=None, end=AttemptEnd("completed", 200, 3, None, rec), now=now,
+            moving=True)
+
+    unknown = ident({"input": "the new file never saw it"})
+    assert moved(unknown, 1001.0).applied
+    assert isinstance(admit(b, unknown, now=1002.0), policy.Replay)
+
+    stale = ident({"input": "the older copy shows it in flight"})
+    claim = admit(a, stale)
+    a.finish(claim.attempt_id, AttemptEnd("unknown", None, 1), now=1003.0)
+    assert moved(stale, 1004.0).applied
+    assert isinstance(admit(b, stale, now=1005.0), policy.Replay)
+
+    runs = ident({"input": "another attempt runs it"})
+    running = admit(b, runs)
+    assert not moved(runs, 1006.0).applied
+    assert admit(a, runs, now=1007.0) == policy.Hold(running.attempt_id, "b")
+
+    done = ident({"input": "its end was recorded whole just before"})
+    first = admit(a, done)
+    a.finish(first.attempt_id, AttemptEnd("completed", 200, 3, None, rec), now=1008.0)
+    assert not moved(done, 1009.0).applied
+    assert admit(b, done, now=1010.0) == policy.Replay(first.attempt_id)
+
+
 def test_adopting_a_retry_ends_the_attempt_of_this_instance_whose_end_is_owed(ledger_backend):
     """``adopt_attempt`` for a retry this instance dispatched without a row, while its
     operation is still in flight under this instance's earlier attempt whose end is owed

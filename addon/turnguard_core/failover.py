@@ -37,7 +37,7 @@ from .counting import OperationCounts
 from .ending import AttemptEnding
 from .heartbeat import Heartbeat
 from .identity import Identity
-from .knowledge import MemoryStore
+from .knowledge import MemoryStore, OwnEnd
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
@@ -68,10 +68,14 @@ REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 REOPEN_SOON_S = 0.1
 HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of its own)
 # After the ledger file was deleted or replaced: how long decisions in the new file wait for
-# the processes that had attempts in flight in the old one to register them there (each
-# notices within a second, then opens the new file and registers them at once).
+# the processes that had attempts in flight or recordings in the old one to register them
+# there (each notices within a second, then opens the new file and registers them at once).
 PEERS_REGISTERING_S = 5.0
 PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old file
+# How long a process spends recording its own recordings in the new file as it moves there
+# (newest first), before it notes that it moved: within the peers' wait, and short, since
+# its own requests are decided in memory meanwhile (``_record_own_recordings``).
+MOVE_RECORDINGS_S = 2.0
 # A request whose hold would end sooner than this is not held for them: past its hold bound a
 # held request gets 409 turn_in_progress, which is a duplicate's answer (re-admissions come
 # every 0.2 s).
@@ -282,6 +286,10 @@ class FailoverStore:
         # the ledger file this process left (deleted or replaced): it notes in the new one,
         # once its attempts in flight are registered there, that it has (``mark_moved``)
         self._moved_from = ""
+        # how long an operation's recording may be replayed (the shell's settings; None:
+        # never): this process's own recordings within it are recorded in a new file as it
+        # moves there (``_record_own_recordings``)
+        self.replay_window_of: Callable[[Identity], float | None] = lambda ident: None
         # the peers that had attempts in flight in the file left (``_left``), awaited until
         # ``_peers_until`` (monotonic) to note the same: see ``_peers_registering``; of
         # those, the ones proven alive (same host and pid namespace, their pid theirs still:
@@ -347,11 +355,16 @@ class FailoverStore:
     def _owes_rows(self) -> bool:
         """Writes are kept for the ledger, or attempts in flight have no row in its file;
         with no ledger open (its file replaced by one that is no ledger, say), every attempt
-        in flight is owed to the one that opens next."""
+        in flight is owed to the one that opens next, and so are this process's own
+        recordings of the file left that may still be replayed (other processes wait for
+        them: ``_record_own_recordings``)."""
         if self._kept:
             return True
         if self._store is None:
-            return any(True for _ in self._attempts())
+            return any(True for _ in self._attempts()) \
+                or self.memory.knowledge.has_own_recordings_of(
+                    self.memory.ledger_generation, now=time.time(),
+                    window_of=self.replay_window_of)
         return self._attempts_elsewhere(self.generation)
 
     def _attempts_elsewhere(self, generation: str) -> bool:
@@ -670,11 +683,13 @@ class FailoverStore:
 
     def _await_peers_of(self, store: Store) -> None:
         """Read from ``store``, the file being left, which live peers have attempts in flight
-        there, and of which operations. Until each has noted that it registered them in the
-        new file, or ``PEERS_REGISTERING_S`` passed (counted again from when the new file
-        opens, if it could not be opened at once: see ``_use``), the new file cannot say that
-        an operation is in flight nowhere: a request it knows nothing of waits
-        (``policy.PEERS_REGISTERING``). Those operations are noted in flight elsewhere in
+        there (and of which operations), or recordings that may still be replayed. Until each
+        has noted that it registered them in the new file (its attempts in flight, and its
+        own recordings: ``_record_own_recordings``), or ``PEERS_REGISTERING_S`` passed
+        (counted again from when the new file opens, if it could not be opened at once: see
+        ``_use``), the new file cannot say that an operation is in flight nowhere, nor that
+        it never completed: a request it knows nothing of waits
+        (``policy.PEERS_REGISTERING``). The operations in flight are noted in flight elsewhere in
         memory: while no file at the path can be opened (another file that is no ledger put
         in its place), a request of one of them decided in memory is held, never dispatched
         blind. When the old file cannot say, every request waits that long. Every peer not
@@ -686,8 +701,8 @@ class FailoverStore:
         try:
             rows, ops = store.attempts_in_flight_elsewhere_sync(timeout=PEERS_READ_S)
         except (LedgerError, TimeoutError) as e:
-            logger.warning("turnguard: cannot read which processes had turns in flight in the "
-                           "ledger file left (%s); new turns wait up to %.0f s for them", e,
+            logger.warning("turnguard: cannot read which processes had turns in the ledger "
+                           "file left (%s); new turns wait up to %.0f s for them", e,
                            self._peers_wait_s())
             rows, ops = None, []
         if rows is None:
@@ -745,9 +760,9 @@ class FailoverStore:
             if self._peers and time.monotonic() < self._peers_until:
                 return True
         if self._peers:
-            logger.warning("turnguard: %d process(es) with turns in flight in the ledger file "
-                           "left did not register them in the new one within %.0f s; deciding "
-                           "without them (but for the turns of those proven alive)",
+            logger.warning("turnguard: %d process(es) with turns in the ledger file left did "
+                           "not register them in the new one within %.0f s; deciding without "
+                           "them (but for the turns in flight of those proven alive)",
                            len(self._peers), self._peers_wait_s())
         self._peers = set()
         if peer is None or store.generation == self._left:
@@ -799,6 +814,42 @@ class FailoverStore:
             self._answering_since = time.monotonic()
         self.error = None
 
+    async def _record_own_recordings(self, store: Store, left: str,
+                                     deadline: float | None) -> None:
+        """Record in ``store`` (a new file) the attempts this process completed in the file
+        it ``left`` (deleted or replaced) whose recordings are still within the replay
+        window, each whole, as they ended: so that another process, which waits for this
+        one to note that it moved (``mark_moved``), replays such a turn from the new file
+        rather than run it again. One whose operation the new file has in flight or
+        completed (another attempt that runs, an end owed and written just before, an older
+        copy's own) is not recorded (``Ledger.record_offline_attempt``'s ``moving``), and
+        stays known as of the file left: what it learned from that file still decides.
+        Newest first, for ``MOVE_RECORDINGS_S`` at most: the rest (a backlog of thousands,
+        on a distant PostgreSQL server) is left, said in the log; this process still replays
+        those from memory."""
+        generation = store.generation
+        recorded = 0
+        until = time.monotonic() + MOVE_RECORDINGS_S
+        mine = self.memory.knowledge.own_recordings_of(left, now=time.time(),
+                                                       window_of=self.replay_window_of)
+        for n, known in enumerate(reversed(mine)):
+            if time.monotonic() > until:
+                logger.warning("turnguard: %d of this process's recordings of the ledger file "
+                               "left were not recorded in the new one (%.0f s spent); other "
+                               "processes run those turns again if retried", len(mine) - n,
+                               MOVE_RECORDINGS_S)
+                break
+            own = known.own
+            write = OfflineEndWrite(own.ident, own.method, own.route, own.kind, own.flow_id,
+                                    own.circuit_scope, own.end, known.ended_at,
+                                    transport=own.transport, moving=True)
+            result = await store.write(write, deadline=deadline)
+            if result is not None and result.applied:
+                recorded += 1
+                self.memory.knowledge.moved(own.ident.op_key, known, generation)
+        if recorded:
+            self._emit("recordings_moved", ledger_generation=generation, recordings=recorded)
+
     async def recover(self, deadline: float | None) -> bool:
         """Try to bring a ledger that failed (or owes writes) back, one try at a time, within
         ``deadline``. True: it is usable again."""
@@ -848,6 +899,7 @@ class FailoverStore:
                 self._emit("ledger_writes_dropped", writes=dropped,
                            reason="the ledger file they belong to was replaced")
             if self._moved_from:  # after the ends owed: a turn that ended meanwhile is there
+                await self._record_own_recordings(store, self._moved_from, deadline)
                 await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
                 self._moved_from = ""
             # a probe of an SQLite ledger nobody waits for (the maintenance's, a held
@@ -1264,6 +1316,9 @@ class FailoverStore:
             attempt.ident, recording=ending.recording,
             spent_once_claim=attempt.kind == "recovery" and ending.spends_once_claim, now=now,
             attempt_id=attempt.attempt_id, generation=attempt.generation,
+            own=None if end.recording is None else OwnEnd(
+                attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
+                attempt.circuit_scope, attempt.transport, end),
         )
 
         # What the callbacks of a write kept while the ledger is down need, taken out of the

@@ -16,10 +16,11 @@ decides (``MemoryStore.carried``) where the new file, which knows none of it, wo
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable, Iterator
 
 from .circuit import CircuitState
 from .identity import Identity
-from .ledger import Recording
+from .ledger import AttemptEnd, Recording
 from .policy import (
     Admission,
     Denied,
@@ -38,12 +39,29 @@ MAX_RECORDING_BYTES = 64 * 1024 * 1024
 
 
 @record
+class OwnEnd:
+    """The end of one of this process's own attempts as the ledger recorded it, its operation
+    with it: what it takes to record that attempt whole in another ledger file
+    (``store.OfflineEndWrite``), when the one that held it is deleted or replaced."""
+
+    ident: Identity
+    method: str
+    route: str
+    kind: str
+    flow_id: str | None
+    circuit_scope: str | None
+    transport: str
+    end: AttemptEnd
+
+
+@record
 class KnownRecording:
     recording: Recording
     ended_at: float  # wall clock, as the ledger's ended_at
     fingerprint: str  # of the body that produced it (an Idempotency-Key reuse must not get it)
     attempt_id: int | None = None  # its attempt's row in the ledger (None: it has none)
     generation: str = ""  # of the ledger file that holds that row
+    own: OwnEnd | None = None  # this process's attempt made it (None: read from the ledger)
 
 
 class Knowledge:
@@ -87,6 +105,35 @@ class Knowledge:
 
     def exhausted_keys(self) -> list[str]:
         return list(self._exhausted)
+
+    def own_recordings_of(
+        self, generation: str, *, now: float, window_of: Callable[[Identity], float | None],
+    ) -> list[KnownRecording]:
+        """This process's own recordings within their replay window (``window_of`` their
+        operation's identity; None: not replayed) whose attempt's row is in the ledger file
+        of ``generation`` (one since deleted or replaced): what it records in the new file,
+        so that another process replays them there rather than run them again."""
+        return list(self._own_of(generation, now, window_of))
+
+    def _own_of(self, generation: str, now: float,
+                window_of: Callable[[Identity], float | None]) -> Iterator[KnownRecording]:
+        return (known for known in self._recordings.values()
+                if known.own is not None and known.generation == generation
+                and (window_s := window_of(known.own.ident)) is not None
+                and now - known.ended_at <= window_s)
+
+    def has_own_recordings_of(
+        self, generation: str, *, now: float, window_of: Callable[[Identity], float | None],
+    ) -> bool:
+        """Whether ``own_recordings_of`` would give any."""
+        return any(True for _ in self._own_of(generation, now, window_of))
+
+    def moved(self, op_key: str, known: KnownRecording, generation: str) -> None:
+        """``known`` was recorded in the ledger file of ``generation`` (its row there is not
+        known: replays of it come from memory)."""
+        if self._recordings.get(op_key) is known:
+            self._recordings[op_key] = KnownRecording(
+                known.recording, known.ended_at, known.fingerprint, None, generation, known.own)
 
     def recorded_in_another_file(
         self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
@@ -336,13 +383,14 @@ class MemoryStore:
     def attempt_ended(
         self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,
         now: float, attempt_id: int | None = None, generation: str = "",
+        own: OwnEnd | None = None,
     ) -> None:
         """One of this process's attempts ended (``spent_once_claim``: a recovery that ended
         without a known result; ``attempt_id``: its row in the ledger file of ``generation``,
-        if it has one)."""
+        if it has one; ``own``: its end and operation, kept with its recording)."""
         if recording is not None:
             self.knowledge.completed(ident.op_key, KnownRecording(
-                recording, now, ident.fingerprint, attempt_id, generation))
+                recording, now, ident.fingerprint, attempt_id, generation, own))
             return
         self.knowledge.ended(ident.op_key)
         if spent_once_claim:

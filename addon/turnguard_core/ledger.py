@@ -724,7 +724,7 @@ class Ledger:
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         circuit_scope: str | None, end: AttemptEnd, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
-        transport: str = "http", running: tuple[int, ...] = (),
+        transport: str = "http", running: tuple[int, ...] = (), moving: bool = False,
     ) -> FinishResult:
         """Record an attempt this instance dispatched and ended while the ledger could not be
         written (it has no row): its operation, the attempt and its end, as ``finish`` would
@@ -735,9 +735,16 @@ class Ledger:
         recorded on it, unless it is one of ``running`` (the rows of this instance's attempts
         of the operation that still run: a retry dispatched after this attempt ended, and
         registered since). Nothing is recorded (``applied`` False) when the operation is in
-        flight meanwhile under another instance's attempt, or under one of ``running``."""
+        flight meanwhile under another instance's attempt, or under one of ``running``; nor,
+        ``moving`` (a completed attempt of a file since deleted or replaced, recorded in this
+        one), when the operation is in flight or completed here: an end owed and recorded
+        whole just before, the older copy's own, or another attempt that runs now decides.
+        Ended otherwise here (an attempt the older copy showed in flight, ended as stale),
+        it takes this end: the operation completed."""
         with self._tx() as db:
             snapshot = self._snapshot(db, identity.op_key)
+            if moving and snapshot is not None and snapshot.state in ("in_flight", "completed"):
+                return FinishResult(False)
             if snapshot is not None and snapshot.state == "in_flight":
                 if (snapshot.owner_instance != self.instance_id
                         or snapshot.current_attempt is None
@@ -1025,18 +1032,21 @@ class Ledger:
         return {r[0] for r in rows}
 
     @_wrap
-    def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:
-        """Other instances that own attempts still in flight (candidates for reaping). An
-        instance without a row (reaped, and not heard of since) has an empty identity, and
-        the start of its newest attempt in flight stands for its heartbeat: it made that
-        attempt, so it was alive then."""
+    def peers_with_attempts_in_flight(self, *, or_replayable: bool = False
+                                      ) -> list[liveness.PeerRow]:
+        """Other instances that own attempts still in flight (candidates for reaping); with
+        ``or_replayable``, also those that own attempts whose recordings may still be
+        replayed. An instance without a row (reaped, and not heard of since) has an empty
+        identity, and the start of its newest such attempt stands for its heartbeat: it made
+        that attempt, so it was alive then."""
         rows = self._conn().execute(
             "SELECT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
             " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
             " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM attempts a LEFT JOIN instances i"
             " ON i.instance_id = a.instance_id"
-            " WHERE a.outcome='in_flight' AND a.instance_id<>? GROUP BY a.instance_id",
-            (self.instance_id,),
+            " WHERE (a.outcome='in_flight' OR (? AND a.replayable=1)) AND a.instance_id<>?"
+            " GROUP BY a.instance_id",
+            (or_replayable, self.instance_id),
         ).fetchall()
         return [
             liveness.PeerRow(r[0], liveness.ProcessIdentity(r[1], r[2], r[3], r[4], r[5]), r[6])

@@ -371,8 +371,8 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
                 Emit("request_held", {**req.base, "reason": hold.reason,
                                       "timeout_ms": timeout_ms}),
                 Show(MARK_HELD, f"turnguard: held ({hold.reason}): the ledger file was "
-                                "replaced, and processes that had attempts in flight in the "
-                                "old one have not registered them in the new one yet"),
+                                "replaced, and processes that had turns in flight or recorded "
+                                "in the old one have not registered them in the new one yet"),
             )
     if now >= deadline:
         return _reject_in_progress(req, held_since, now, effects)

@@ -678,11 +678,13 @@ class PgLedger:
         self, identity: Identity, *, method: str, path: str, kind: str, flow_id: str | None,
         circuit_scope: str | None, end: AttemptEnd, now: float,
         circuit_cfg: circuit.CircuitConfig | None = None, eventless_failure: bool = False,
-        transport: str = "http", running: tuple[int, ...] = (),
+        transport: str = "http", running: tuple[int, ...] = (), moving: bool = False,
     ) -> FinishResult:
         """See ``Ledger.record_offline_attempt``."""
         with self._tx(lock_key("op", identity.op_key)) as tx:
             snapshot = self._snapshot(tx.db, identity.op_key)
+            if moving and snapshot is not None and snapshot.state in ("in_flight", "completed"):
+                return FinishResult(False)
             if snapshot is not None and snapshot.state == "in_flight":
                 if (snapshot.owner_instance != self.instance_id
                         or snapshot.current_attempt is None
@@ -937,16 +939,18 @@ class PgLedger:
         return {r[0] for r in rows}
 
     @_wrap
-    def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]:
+    def peers_with_attempts_in_flight(self, *, or_replayable: bool = False
+                                      ) -> list[liveness.PeerRow]:
         """See ``Ledger.peers_with_attempts_in_flight``."""
         rows = self._read().execute(
             "SELECT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
             " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
             " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM attempts a LEFT JOIN instances i"
-            " ON i.instance_id = a.instance_id WHERE a.outcome='in_flight' AND a.instance_id<>%s"
+            " ON i.instance_id = a.instance_id"
+            " WHERE (a.outcome='in_flight' OR (%s AND a.replayable=1)) AND a.instance_id<>%s"
             " GROUP BY a.instance_id, i.host, i.boot_id, i.pid_ns, i.pid, i.start_ticks,"
             " i.heartbeat_at",
-            (self.instance_id,)).fetchall()
+            (or_replayable, self.instance_id)).fetchall()
         return [liveness.PeerRow(r[0], liveness.ProcessIdentity(r[1], r[2], r[3], r[4], r[5]), r[6])
                 for r in rows]
 

@@ -105,9 +105,9 @@ class Hold:
     reason: str | None = None
 
 
-# The ledger file was deleted or replaced, and processes that had attempts in flight in the
-# old one have not registered them in the new one yet: what the new file says of an
-# operation is not known to be all there is until they have.
+# The ledger file was deleted or replaced, and processes that had attempts in flight or
+# recordings in the old one have not registered them in the new one yet: what the new file
+# says of an operation is not known to be all there is until they have.
 PEERS_REGISTERING = "ledger_peers_registering"
 
 

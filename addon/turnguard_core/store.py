@@ -56,6 +56,10 @@ class OfflineEndWrite:
     # the ids of this process's attempts of the operation in flight as it is sent: rows of
     # attempts that still run, never this end's (see ``FailoverStore._as_sent``)
     running: tuple[int, ...] = ()
+    # an own completed attempt recorded in a new file as the process moves there
+    # (``FailoverStore._record_own_recordings``): not where that file has its operation in
+    # flight or completed
+    moving: bool = False
 
 
 @record
@@ -130,9 +134,10 @@ class Store(Protocol):
     def attempts_in_flight_elsewhere_sync(
         self, *, timeout: float,
     ) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
-        """The other instances with attempts in flight (``peers_with_attempts_in_flight``)
-        and the ``(instance_id, op_key)`` of each of those attempts, read together, blocking
-        at most ``timeout`` (the file being left, read as it goes)."""
+        """The other instances with attempts in flight or recordings that may still be
+        replayed (``peers_with_attempts_in_flight``) and the ``(instance_id, op_key)`` of
+        each attempt in flight, read together, blocking at most ``timeout`` (the file being
+        left, read as it goes)."""
 
     async def mark_moved(self, from_generation: str, *, now: float,
                          deadline: float | None) -> None: ...
@@ -272,7 +277,7 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
                 flow_id=write.flow_id, circuit_scope=write.circuit_scope, end=write.end,
                 now=write.now, circuit_cfg=write.circuit_cfg,
                 eventless_failure=write.eventless_failure, transport=write.transport,
-                running=write.running)
+                running=write.running, moving=write.moving)
         case FirstEventWrite():
             ledger.first_event(write.attempt_id, write.op_key)
             return None
@@ -363,7 +368,8 @@ class LedgerStore:
 
     def attempts_in_flight_elsewhere_sync(self, *, timeout):
         return self._runner.call_sync(
-            lambda led: (led.peers_with_attempts_in_flight(), led.ops_in_flight_elsewhere()),
+            lambda led: (led.peers_with_attempts_in_flight(or_replayable=True),
+                         led.ops_in_flight_elsewhere()),
             timeout=timeout)
 
     async def mark_moved(self, from_generation, *, now, deadline):
