@@ -235,8 +235,7 @@ def test_a_process_paused_at_a_step_of_a_turn_runs_it_once(tmp_path, step, repor
             guarded(tmp_path, up, "b", **opts) as b:
         assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
         assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
-        hold = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1}
-                }.get(step, {"hold": "h", "hold_after_events": 7})
+        hold = HELD_AT.get(step, HELD_AT["before its end"])
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **hold)},
                                  body_of(text))
         up.wait_held("h", 10)
@@ -256,14 +255,9 @@ def test_a_process_paused_at_a_step_of_a_turn_runs_it_once(tmp_path, step, repor
             assert len(up.dispatches()) == 2, "the turn ran twice while its process was paused"
         finally:
             os.kill(a.pid, signal.SIGCONT)
-        status, _, first = original.result(30)
-        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        original.result(30)
         answers += [in_background(post, proxy.url, SESSION, body_of(text)) for proxy in (a, b)]
-        for answer in answers:
-            status, headers, body = answer.result(45)
-            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
-                status, headers)
-            assert response_id(body) == response_id(first)
+        _each_answered_with_the_turn(answers, original)
         assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
         assert not events(tmp_path, "b", "instance_reaped")
         wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
@@ -309,6 +303,12 @@ def test_a_script_reload_mid_turn_hands_the_attempt_over(tmp_path, report):
            "the retry was replayed; upstream dispatches=1")
 
 
+# A turn kept by the mock upstream at a step (``up.release("h")`` lets it go on): just after
+# its claim (nothing sent yet), after its first event, with all but its terminal event sent.
+HELD_AT = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1},
+           "before its end": {"hold": "h", "hold_after_events": 7}}
+
+
 @pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
 def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report):
     """A's script is reloaded at a step of its turn, the turn kept there upstream until the
@@ -325,8 +325,7 @@ def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report
             guarded(tmp_path, up, "b", **opts) as b:
         assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
         assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
-        hold = {"claimed": {"hold": "h"}, "first event": {"hold": "h", "hold_after_events": 1},
-                "before its end": {"hold": "h", "hold_after_events": 7}}.get(step)
+        hold = HELD_AT.get(step)
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **(hold or {}))},
                                  body_of(text))
         if hold is not None:
@@ -342,14 +341,9 @@ def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report
         reloaded(a, started)
         if hold is not None:
             up.release("h")
-        status, _, first = original.result(30)
-        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+        original.result(30)
         answers += [in_background(post, proxy.url, SESSION, body_of(text)) for proxy in (a, b)]
-        for answer in answers:
-            status, headers, body = answer.result(45)
-            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
-                status, headers)
-            assert response_id(body) == response_id(first)
+        _each_answered_with_the_turn(answers, original)
         assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
         wait_until(lambda: not in_flight(ledger), 10, what="the turn's end written")
         assert query(ledger, "SELECT outcome FROM attempts WHERE outcome<>'completed'") == []
@@ -2155,6 +2149,38 @@ def test_a_hostile_body_does_not_hold_the_proxy(tmp_path, report):
            f"{answered_meanwhile} other requests answered meanwhile")
 
 
+def _a_turn_run_to(step: str, up: MockUpstream, a: Mitmdump, ledger: Path, text: str):
+    """A's 3 s turn (8 events 300 ms apart, its first byte 1.5 s after its claim for
+    "claimed"), sent and let run to ``step``: just after its claim, after its first event
+    (in the ledger), just before its end, or after it. Its answer's future."""
+    turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300,
+                                   delay_ms=1500 if step == "claimed" else 0)}
+    original = in_background(post, a.url, turn, body_of(text))
+    up.wait_for_record(lambda r: r.get("event") == "dispatch" and len(up.dispatches()) == 2)
+    if step in ("first event", "before its end"):
+        wait_until(lambda: query(
+            ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+            10, what="the turn's first event")
+        if step == "before its end":
+            time.sleep(2.4)  # (its last event about 3 s after its first)
+    elif step == "after its end":
+        assert original.result(30)[0] == 200
+    return original
+
+
+def _each_answered_with_the_turn(answers: list, original) -> bytes:
+    """The turn (``original``, a future of ``post``) completed, and each of ``answers`` (its
+    retries) got its result: replayed or attached, the same response. The turn's body."""
+    status, _, first = original.result(30)
+    assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+    for answer in answers:
+        status, headers, body = answer.result(45)
+        assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
+            status, headers)
+        assert response_id(body) == response_id(first)
+    return first
+
+
 def _take_the_junk_away(ledger: Path, then: str) -> None:
     """The junk deleted (a new ledger is made at the path), or the older copy of the ledger
     (``older_copy``) moved over it."""
@@ -2203,18 +2229,7 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
         assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
         if then == "older copy":
             older_copy(tmp_path)
-        delay_ms = 1500 if step == "claimed" else 0
-        turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300, delay_ms=delay_ms)}
-        original = in_background(post, a.url, turn, body_of(text))
-        up.wait_for_record(lambda r: r.get("event") == "dispatch" and len(up.dispatches()) == 2)
-        if step in ("first event", "before its end"):
-            wait_until(lambda: query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the turn's first event")
-            if step == "before its end":
-                time.sleep(2.4)  # (its last event about 3 s after its first)
-        elif step == "after its end":
-            assert original.result(30)[0] == 200
+        original = _a_turn_run_to(step, up, a, ledger, text)
         in_flight_at_junk = not original.done()
         replace_with_junk(ledger)
         answers = [in_background(post, a.url, SESSION, body_of(text))]
@@ -2227,13 +2242,7 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
         time.sleep(0.4)
         answers.append(in_background(post, a.url, SESSION, body_of(text)))
         answers.append(in_background(post, b.url, SESSION, body_of(text)))
-        status, _, first = original.result(30)
-        assert status == 200 and sse_event_types(first)[-1] == "response.completed"
-        for answer in answers:
-            status, headers, body = answer.result(45)
-            assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), (
-                status, headers)
-            assert response_id(body) == response_id(first)
+        _each_answered_with_the_turn(answers, original)
         assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
         assert events(tmp_path, "a", "ledger_unavailable")  # the junk was met
         # (the turn claimed in the ledger before the junk came)
@@ -2265,19 +2274,7 @@ def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_pa
                 guarded(tmp_path, up, "b", **opts) as b:
             assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
             assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
-            turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300,
-                                           delay_ms=1500 if step == "claimed" else 0)}
-            original = in_background(post, a.url, turn, body_of(text))
-            up.wait_for_record(lambda r: r.get("event") == "dispatch"
-                               and len(up.dispatches()) == 2)
-            if step in ("first event", "before its end"):
-                wait_until(lambda: query(
-                    ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                    10, what="the turn's first event")
-                if step == "before its end":
-                    time.sleep(2.4)  # (its last event about 3 s after its first)
-            elif step == "after its end":
-                assert original.result(30)[0] == 200
+            original = _a_turn_run_to(step, up, a, ledger, text)
             with write_lock(ledger) if fault == "locked" else _unwritable(fault, folder, ledger):
                 answers = [in_background(post, proxy.url, SESSION, body_of(text))
                            for proxy in (a, b)]
@@ -2285,13 +2282,7 @@ def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_pa
             time.sleep(0.4)
             answers += [in_background(post, proxy.url, SESSION, body_of(text))
                         for proxy in (a, b)]
-            status, _, first = original.result(30)
-            assert status == 200 and sse_event_types(first)[-1] == "response.completed"
-            for answer in answers:
-                status, headers, body = answer.result(45)
-                assert status == 200 and headers.get("x-turnguard") in (
-                    "replayed", "attached"), (status, headers)
-                assert response_id(body) == response_id(first)
+            _each_answered_with_the_turn(answers, original)
             assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
             assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
             wait_until(lambda: not _attempts_in_flight(ledger), 15,

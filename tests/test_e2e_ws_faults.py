@@ -1240,6 +1240,56 @@ def test_a_retry_held_for_a_paused_owner_across_a_script_reload_is_not_run_again
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+def a_call_with_steps(step: str) -> dict:
+    """A scenario whose call (after a's warm-up) sends 10 events 300 ms apart, its first
+    byte 1.5 s after its claim for the step "claimed"."""
+    return after_warm_ups(1, {"default": {"kind": "ok", "events": 10, "gap_ms": 300,
+                                          "delay_ms": 1500 if step == "claimed" else 0}})
+
+
+def call_run_to(step: str, up, a, ledger, frame: str):
+    """The call ``frame`` sent through a and let run to ``step``: just after its claim, after
+    its first event (in the ledger), just before its end, or after it. Its future."""
+    original = background(ws_call, a.url, frame)
+    wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
+    if step in ("first event", "before its end"):
+        wait_until(lambda: ledger_query(
+            ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+            10, what="the call's first event")
+        if step == "before its end":
+            time.sleep(2.6)  # (its last event about 3 s after its first)
+    elif step == "after its end":
+        original.result(30)
+    return original
+
+
+def retrying(text: str, frame: str):
+    """What sends retries of the call ``frame`` through proxies: for each, one on a new
+    socket (another seed: the frame Codex would send again) and one as the POST fallback."""
+    seeds = iter(range(2, 40))
+
+    def through(*proxies) -> list:
+        return [r for proxy in proxies for r in (
+            background(ws_call, proxy.url, call([user(text)], seed=next(seeds))),
+            background(http_call, proxy.url, frame))]
+    return through
+
+
+def each_got_the_call(retries: list, original) -> None:
+    """The call completed, and each retry (``retrying``'s, in its order) got its events: on
+    a socket, the same kinds; as the POST fallback, replayed or attached."""
+    got = original.result(30)
+    assert types(got)[-1] == "response.completed", got
+    for n, retry in enumerate(retries):
+        again = retry.result(45)
+        if n % 2 == 0:
+            assert types(again) == types(got), (n, again)
+        else:
+            status, how, kinds = again
+            assert status == 200 and how in ("replayed", "attached") \
+                and kinds == types(got), (n, again)
+
+
 @pytest.mark.parametrize("kind", ["locked", "full", "read-only"])
 @pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
 def test_a_ledger_that_cannot_be_written_at_a_step_of_a_call_answers_every_retry_from_one_execution(
@@ -1250,44 +1300,18 @@ def test_a_ledger_that_cannot_be_written_at_a_step_of_a_call_answers_every_retry
     b during the fault (both read the ledger: the call is in flight there, or ended) and 0.4 s
     after it get the call's events; one upstream execution; nothing in flight once the
     writes the fault kept are written."""
-    scenario = after_warm_ups(1, {"default": {
-        "kind": "ok", "events": 10, "gap_ms": 300,
-        "delay_ms": 1500 if step == "claimed" else 0}})
+    scenario = a_call_with_steps(step)
     with two_warm_processes(tmp_path, kind, scenario) as (folder, ledger, up, a, b):
         text = f"the ledger {kind} at a step of a call: {step}"
         frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
-        if step in ("first event", "before its end"):
-            wait_until(lambda: ledger_query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the call's first event")
-            if step == "before its end":
-                time.sleep(2.6)  # (its last event about 3 s after its first)
-        elif step == "after its end":
-            original.result(30)
-        seeds = iter(range(2, 20))
-
-        def retries_through(*proxies):
-            return [r for proxy in proxies for r in (
-                background(ws_call, proxy.url, call([user(text)], seed=next(seeds))),
-                background(http_call, proxy.url, frame))]
-
+        original = call_run_to(step, up, a, ledger, frame)
+        retries_through = retrying(text, frame)
         with fault(kind, folder):
             retries = retries_through(a, b)
             time.sleep(2.5)
         time.sleep(0.4)
         retries += retries_through(a, b)
-        got = original.result(30)
-        assert types(got)[-1] == "response.completed", got
-        for n, retry in enumerate(retries):
-            again = retry.result(45)
-            if n % 2 == 0:
-                assert types(again) == types(got), (n, again)
-            else:
-                status, how, kinds = again
-                assert status == 200 and how in ("replayed", "attached") \
-                    and kinds == types(got), (n, again)
+        each_got_the_call(retries, original)
         assert len(up.dispatches()) == 2, "the call ran twice upstream"  # (and the warm-up)
         assert [e["ledger"] for e in turnguard_events(tmp_path, "a", "dispatch")] == [True, True]
         wait_until(lambda: not ledger_query(
@@ -1316,31 +1340,15 @@ def test_junk_over_the_ledger_at_a_step_of_a_call_answers_every_retry_from_one_e
     execution; nothing in flight once its end is written. (A call that ended before the junk
     came is retried through b only after it: during it b, which never read its end, decides
     in memory.)"""
-    scenario = after_warm_ups(1, {"default": {
-        "kind": "ok", "events": 10, "gap_ms": 300,
-        "delay_ms": 1500 if step == "claimed" else 0}})
+    scenario = a_call_with_steps(step)
     with two_warm_processes(tmp_path, "junk", scenario) as (folder, ledger, up, a, b):
         older_copy(folder)
         text = f"junk {step} of a call for {junk_s} s, then {then}"
         frame = call([user(text)], seed=1)
-        original = background(ws_call, a.url, frame)
-        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
-        if step in ("first event", "before its end"):
-            wait_until(lambda: ledger_query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the call's first event")
-            if step == "before its end":
-                time.sleep(2.6)  # (its last event about 3 s after its first)
-        elif step == "after its end":
-            original.result(30)
+        original = call_run_to(step, up, a, ledger, frame)
         in_flight_at_junk = not original.done()
         replace_with_junk(ledger)
-        seeds = iter(range(2, 20))
-
-        def retries_through(proxy):
-            return [background(ws_call, proxy.url, call([user(text)], seed=next(seeds))),
-                    background(http_call, proxy.url, frame)]
-
+        retries_through = retrying(text, frame)
         retries = retries_through(a)
         if in_flight_at_junk:
             wait_until(lambda: turnguard_events(tmp_path, "b", "ledger_unavailable"), 10,
@@ -1352,18 +1360,8 @@ def test_junk_over_the_ledger_at_a_step_of_a_call_answers_every_retry_from_one_e
         else:
             replace_with_older_copy(folder)
         time.sleep(0.4)
-        retries += retries_through(a)
-        retries += retries_through(b)
-        got = original.result(30)
-        assert types(got)[-1] == "response.completed", got
-        for n, retry in enumerate(retries):
-            again = retry.result(45)
-            if n % 2 == 0:
-                assert types(again) == types(got), (n, again)
-            else:
-                status, how, kinds = again
-                assert status == 200 and how in ("replayed", "attached") \
-                    and kinds == types(got), (n, again)
+        retries += retries_through(a, b)
+        each_got_the_call(retries, original)
         assert len(up.dispatches()) == 2, "the call ran twice upstream"  # (and the warm-up)
         assert turnguard_events(tmp_path, "a", "ledger_unavailable")  # the junk was met
         # (the call claimed in the ledger before the junk came)
