@@ -1722,20 +1722,23 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
            "process once it ended was replayed; upstream dispatches=1")
 
 
-@pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted"])
+@pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted",
+                                  "junk, A reloaded, then deleted"])
 def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process(
         tmp_path, then, report):
     """A's turn ended (its end and recording in the ledger); then the ledger file is deleted,
     an older copy (taken before the turn) is moved over it, or a file that is no database is
-    moved over it and deleted 1.5 s later. A retry sent to B just after the new file is there,
-    and another 1 s later, are replayed with the turn's bytes, never run again: A records
-    its own recordings still within the replay window in the new file as it moves there, and
-    B, which read in the file left that A had recordings there, waits for A to have moved
-    before it decides a request the new file knows nothing of. (Before, B ran the turn again:
-    only the turns in flight were moved.)"""
+    moved over it and deleted 1.5 s later (A's script reloaded meanwhile: the process, not
+    the addon instance, keeps what it moves). A retry sent to B just after the new file is
+    there, and another 1 s later, are replayed with the turn's bytes, never run again: A
+    records its own recordings still within the replay window in the new file as it moves
+    there, and B, which read in the file left that A had recordings there, waits for A to
+    have moved before it decides a request the new file knows nothing of. (Before, B ran the
+    turn again: only the turns in flight were moved.)"""
     ledger = tmp_path / "ledger.sqlite3"
     text = f"ended before the ledger went ({then})"
-    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a, \
             guarded(tmp_path, up, "b") as b:
         assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
         assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
@@ -1750,6 +1753,8 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
             replace_with_older_copy(tmp_path)
         else:
             replace_with_junk(ledger)
+            if "reloaded" in then:
+                reloaded(a, touch_to_reload(a, script))
             time.sleep(1.5)
             delete_ledger(ledger)
         answers = [post(b.url, SESSION, body_of(text))]
