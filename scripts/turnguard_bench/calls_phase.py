@@ -1,9 +1,13 @@
 """Python calls per request, counted by function: each mitmdump variant runs under Python's
 deterministic profiler (``calls_profiler``), which counts every call of a Python function and
 of a C function called from Python (``len``, a ``sqlite3`` cursor's ``execute``, ...) in every
-thread while it is on. Like the instructions phase, a count does not move with the machine's
-load; unlike it, it says which function runs: the instructions phase sees the interpreter as
-one library, here each of turnguard's functions and mitmproxy's has its own count.
+thread while it is on. Unlike the instructions phase, it says which function runs: that phase
+sees the interpreter as one library, here each of turnguard's functions and mitmproxy's has
+its own count. The calls of Python functions a request are the same from run to run within
+one or two; the calls of C functions move by a few hundred (a few per cent of all): how often
+the event loop polls, and what the heartbeat's thread does, follow the timing, not the
+requests. So what a change moves is read in the Python calls (``python_per_request``, and
+turnguard's own).
 
 Per variant (one at a time, one client sending one request after the other): a warm-up, then
 two windows of the same length, each counted from new counters: one with N requests, one
