@@ -365,6 +365,14 @@ def turnguard_events(tmp_path: Path, name: str = "mitmdump", kind: str | None = 
     return [r for r in recs if kind is None or r["event"] == kind]
 
 
+def wait_for_a_first_event(ledger: Path, what: str = "the turn's first event") -> None:
+    """Until the SQLite ``ledger`` shows an attempt in flight that has seen a response event
+    (a turn's first event, which turnguard records 0.1 s after it came)."""
+    wait_until(lambda: ledger_query(
+        ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
+        10, what=what)
+
+
 def ledger_query(ledger: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """A read on a ledger through a connection of the test's own (another process's view)."""
     db = sqlite3.connect(ledger, timeout=10)

@@ -45,6 +45,7 @@ from harness import (
     response_id,
     sse_event_types,
     turnguard_events,
+    wait_for_a_first_event,
     wait_until,
 )
 from turnguard_mock.events import ok_events
@@ -240,9 +241,7 @@ def test_a_process_paused_at_a_step_of_a_turn_runs_it_once(tmp_path, step, repor
                                  body_of(text))
         up.wait_held("h", 10)
         if step == "first event":
-            wait_until(lambda: query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the turn's first event")
+            wait_for_a_first_event(ledger)
         if step == "as it ends":
             up.release("h")
             original.result(30)
@@ -331,9 +330,7 @@ def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report
         if hold is not None:
             up.wait_held("h", 10)
         if step == "first event":
-            wait_until(lambda: query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the turn's first event")
+            wait_for_a_first_event(ledger)
         elif step == "after its end":
             assert original.result(30)[0] == 200
         started = touch_to_reload(a, script)
@@ -1723,14 +1720,16 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
 
 
 @pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted",
-                                  "junk, A reloaded, then deleted"])
+                                  "junk, A reloaded, then deleted",
+                                  "deleted, the new file locked"])
 def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process(
         tmp_path, then, report):
     """A's turn ended (its end and recording in the ledger); then the ledger file is deleted,
     an older copy (taken before the turn) is moved over it, or a file that is no database is
     moved over it and deleted 1.5 s later (A's script reloaded meanwhile: the process, not
-    the addon instance, keeps what it moves). A retry sent to B just after the new file is
-    there, and another 1 s later, are replayed with the turn's bytes, never run again: A
+    the addon instance, keeps what it moves), or it is deleted and the new file at its path
+    is held locked by another connection for 2 s (no process can open it, nor A record what
+    it moves, until the lock goes). A retry sent to B just after the new file is usable, and another 1 s later, are replayed with the turn's bytes, never run again: A
     records its own recordings still within the replay window in the new file as it moves
     there, and B, which read in the file left that A had recordings there, waits for A to
     have moved before it decides a request the new file knows nothing of. (Before, B ran the
@@ -1751,6 +1750,11 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
             delete_ledger(ledger)
         elif then == "older copy":
             replace_with_older_copy(tmp_path)
+        elif then == "deleted, the new file locked":
+            delete_ledger(ledger)
+            ledger.touch(mode=0o600)  # (an empty file: a new SQLite database once written)
+            with write_lock(ledger):
+                time.sleep(2.0)
         else:
             replace_with_junk(ledger)
             if "reloaded" in then:
@@ -2163,9 +2167,7 @@ def _a_turn_run_to(step: str, up: MockUpstream, a: Mitmdump, ledger: Path, text:
     original = in_background(post, a.url, turn, body_of(text))
     up.wait_for_record(lambda r: r.get("event") == "dispatch" and len(up.dispatches()) == 2)
     if step in ("first event", "before its end"):
-        wait_until(lambda: query(
-            ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-            10, what="the turn's first event")
+        wait_for_a_first_event(ledger)
         if step == "before its end":
             time.sleep(2.4)  # (its last event about 3 s after its first)
     elif step == "after its end":
@@ -2317,9 +2319,7 @@ def test_a_single_process_answers_its_own_retries_of_a_turn_streaming_as_junk_co
             older_copy(tmp_path)
         turn = {**SESSION, **behaviour(kind="ok", events=8, gap_ms=300)}
         original = in_background(post, a.url, turn, body_of(text))
-        wait_until(lambda: query(
-                ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-                10, what="the turn's first event")
+        wait_for_a_first_event(ledger)
         replace_with_junk(ledger)
         retries = [in_background(post, a.url, SESSION, body_of(text))]
         time.sleep(junk_s)

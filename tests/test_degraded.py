@@ -114,12 +114,13 @@ def test_its_own_recordings_of_a_file_left_are_what_it_moves_to_the_new_one():
     """The recordings a process moves into a new ledger file: its own (not those it read
     from the ledger), of the file left, within their window; once moved, of the new file
     (replayed from memory: their row there is not known)."""
-    from turnguard_core.knowledge import OwnEnd
     from turnguard_core.ledger import AttemptEnd
+    from turnguard_core.store import OfflineEndWrite
 
     ident = Identity("p", "u", "s", None, "/v1/responses", None, None, None, "f", "op")
-    mine = OwnEnd(ident, "POST", "/v1/responses", "original", "flow", None, "http",
-                  AttemptEnd("completed", 200, 3, None, Recording(200, (), b"x")))
+    mine = OfflineEndWrite(ident, "POST", "/v1/responses", "original", "flow", None,
+                           AttemptEnd("completed", 200, 3, None, Recording(200, (), b"x")),
+                           1000.0, moving=True)
     k = Knowledge()
     k.completed("op", KnownRecording(Recording(200, (), b"x"), 1000.0, "f", 7, "gen-1", mine))
     k.completed("read", own(attempt_id=8))  # another process's, read from the ledger

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
                      older_copy, parse_sse, replace_with_junk, replace_with_older_copy,
-                     sse_post, turnguard_events, wait_until)
+                     sse_post, turnguard_events, wait_for_a_first_event, wait_until)
 from test_ledger_faults import disk_full, immutable, tiny_tmpfs
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
@@ -1253,9 +1253,7 @@ def call_run_to(step: str, up, a, ledger, frame: str):
     original = background(ws_call, a.url, frame)
     wait_until(lambda: len(up.dispatches()) == 2, 10, what="the call dispatched")
     if step in ("first event", "before its end"):
-        wait_until(lambda: ledger_query(
-            ledger, "SELECT 1 FROM attempts WHERE events_seen>0 AND outcome='in_flight'"),
-            10, what="the call's first event")
+        wait_for_a_first_event(ledger, "the call's first event")
         if step == "before its end":
             time.sleep(2.6)  # (its last event about 3 s after its first)
     elif step == "after its end":

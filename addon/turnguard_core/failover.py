@@ -37,7 +37,7 @@ from .counting import OperationCounts
 from .ending import AttemptEnding
 from .heartbeat import Heartbeat
 from .identity import Identity
-from .knowledge import MemoryStore, OwnEnd
+from .knowledge import MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
@@ -839,14 +839,10 @@ class FailoverStore:
                                "processes run those turns again if retried", len(mine) - n,
                                MOVE_RECORDINGS_S)
                 break
-            own = known.own
-            write = OfflineEndWrite(own.ident, own.method, own.route, own.kind, own.flow_id,
-                                    own.circuit_scope, own.end, known.ended_at,
-                                    transport=own.transport, moving=True)
-            result = await store.write(write, deadline=deadline)
+            result = await store.write(known.moved, deadline=deadline)
             if result is not None and result.applied:
                 recorded += 1
-                self.memory.knowledge.moved(own.ident.op_key, known, generation)
+                self.memory.knowledge.moved(known.moved.ident.op_key, known, generation)
         if recorded:
             self._emit("recordings_moved", ledger_generation=generation, recordings=recorded)
 
@@ -1312,15 +1308,6 @@ class FailoverStore:
     ) -> asyncio.Future | None:
         """Record an attempt's end, in the ledger (kept if need be) and in memory, and say what
         it did to its retry circuit. Returns the write's future when it was sent now."""
-        self.memory.attempt_ended(
-            attempt.ident, recording=ending.recording,
-            spent_once_claim=attempt.kind == "recovery" and ending.spends_once_claim, now=now,
-            attempt_id=attempt.attempt_id, generation=attempt.generation,
-            own=None if end.recording is None else OwnEnd(
-                attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
-                attempt.circuit_scope, attempt.transport, end),
-        )
-
         # What the callbacks of a write kept while the ledger is down need, taken out of the
         # attempt and its ending: the kept write must not keep the attempt (its flow, its tee,
         # its live response) or its ending alive, only the end (and its recording, within
@@ -1330,6 +1317,13 @@ class FailoverStore:
         offline = (attempt.ident, attempt.method, attempt.route, attempt.kind, attempt.flow_id,
                    scope)
         transport = attempt.transport
+        self.memory.attempt_ended(
+            attempt.ident, recording=ending.recording,
+            spent_once_claim=attempt.kind == "recovery" and ending.spends_once_claim, now=now,
+            attempt_id=attempt.attempt_id, generation=attempt.generation,
+            moved=None if end.recording is None else OfflineEndWrite(
+                *offline, end, now, transport=transport, moving=True),
+        )
         if not self.usable:
             end = self._owed_end(end, base)
 

@@ -15,12 +15,13 @@ decides (``MemoryStore.carried``) where the new file, which knows none of it, wo
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .circuit import CircuitState
 from .identity import Identity
-from .ledger import AttemptEnd, Recording
+from .ledger import Recording
 from .policy import (
     Admission,
     Denied,
@@ -33,25 +34,12 @@ from .policy import (
 )
 from .records import record
 
+if TYPE_CHECKING:  # (only named here: a KnownRecording keeps such a write, made by the store)
+    from .store import OfflineEndWrite
+
 MAX_OPERATIONS = 10_000
 MAX_COUNTING_CIRCUITS = 10_000  # circuits that count failures but do not cool down, at most
 MAX_RECORDING_BYTES = 64 * 1024 * 1024
-
-
-@record
-class OwnEnd:
-    """The end of one of this process's own attempts as the ledger recorded it, its operation
-    with it: what it takes to record that attempt whole in another ledger file
-    (``store.OfflineEndWrite``), when the one that held it is deleted or replaced."""
-
-    ident: Identity
-    method: str
-    route: str
-    kind: str
-    flow_id: str | None
-    circuit_scope: str | None
-    transport: str
-    end: AttemptEnd
 
 
 @record
@@ -61,7 +49,10 @@ class KnownRecording:
     fingerprint: str  # of the body that produced it (an Idempotency-Key reuse must not get it)
     attempt_id: int | None = None  # its attempt's row in the ledger (None: it has none)
     generation: str = ""  # of the ledger file that holds that row
-    own: OwnEnd | None = None  # this process's attempt made it (None: read from the ledger)
+    # this process's own attempt made it: that attempt recorded whole, as it is written into
+    # another ledger file when the one that held it is deleted or replaced (None: the
+    # recording was read from the ledger)
+    moved: OfflineEndWrite | None = None
 
 
 class Knowledge:
@@ -118,8 +109,8 @@ class Knowledge:
     def _own_of(self, generation: str, now: float,
                 window_of: Callable[[Identity], float | None]) -> Iterator[KnownRecording]:
         return (known for known in self._recordings.values()
-                if known.own is not None and known.generation == generation
-                and (window_s := window_of(known.own.ident)) is not None
+                if known.moved is not None and known.generation == generation
+                and (window_s := window_of(known.moved.ident)) is not None
                 and now - known.ended_at <= window_s)
 
     def has_own_recordings_of(
@@ -132,8 +123,8 @@ class Knowledge:
         """``known`` was recorded in the ledger file of ``generation`` (its row there is not
         known: replays of it come from memory)."""
         if self._recordings.get(op_key) is known:
-            self._recordings[op_key] = KnownRecording(
-                known.recording, known.ended_at, known.fingerprint, None, generation, known.own)
+            self._recordings[op_key] = dataclasses.replace(known, attempt_id=None,
+                                                           generation=generation)
 
     def recorded_in_another_file(
         self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
@@ -383,14 +374,14 @@ class MemoryStore:
     def attempt_ended(
         self, ident: Identity, *, recording: Recording | None, spent_once_claim: bool,
         now: float, attempt_id: int | None = None, generation: str = "",
-        own: OwnEnd | None = None,
+        moved: OfflineEndWrite | None = None,
     ) -> None:
         """One of this process's attempts ended (``spent_once_claim``: a recovery that ended
         without a known result; ``attempt_id``: its row in the ledger file of ``generation``,
-        if it has one; ``own``: its end and operation, kept with its recording)."""
+        if it has one; ``moved``: the attempt recorded whole, kept with its recording)."""
         if recording is not None:
             self.knowledge.completed(ident.op_key, KnownRecording(
-                recording, now, ident.fingerprint, attempt_id, generation, own))
+                recording, now, ident.fingerprint, attempt_id, generation, moved))
             return
         self.knowledge.ended(ident.op_key)
         if spent_once_claim:
