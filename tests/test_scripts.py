@@ -888,7 +888,7 @@ def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
                    for f in written()) >= 2
 
     try:
-        # (nine interpreters importing pytest, the main run's 8 workers and itself: 3 s
+        # (thirteen interpreters importing pytest, the main run's 12 workers and itself: 3 s
         # alone, more than 80 s beside the whole suite)
         wait_until(main_run_waits, 300, 0.1, "the main run's tests")
         proc.send_signal(sig)
