@@ -227,3 +227,85 @@ async def test_a_store_made_after_a_reload_registers_attempts_of_another_file_fi
             peer.close()
     finally:
         reloaded.close()
+
+
+async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_loop_free_between(
+        tmp_path):
+    """1,000 turns this process completed, then their ledger file deleted: as it moves to the
+    new file it records every one of them there (a peer replays the oldest and the newest),
+    a hundred a transaction, and the event loop runs other tasks between the batches (one
+    transaction each held the loop for the whole backlog: up to 2 s, 10,000 recordings)."""
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    store = traced.store
+    store.replay_window_of = lambda i: GUARD.replay_window_s  # (the shell's: the guard's)
+    turns = [ident(f"backlog turn {n}") for n in range(1000)]
+    try:
+        for turn in turns:
+            claim = await traced.admit(turn)
+            assert await traced.complete(turn, claim.attempt_id, b"data: " + turn.op_key.encode()
+                                         + b"\n\n")
+        delete_ledger(path)
+        store._file_gone("ledger file deleted")  # as the heartbeat finds it
+        assert store.open(str(path))
+        statements: list[str] = []
+        store._store._runner.ledger._db.set_trace_callback(statements.append)
+        ticks = 0
+
+        async def other_task() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(other_task())
+        await asyncio.sleep(0)
+        at_start = ticks
+        assert await store.recover(time.monotonic() + 30)
+        ticked = ticks - at_start
+        ticker.cancel()
+        moved = [f for e, f in traced.events if e == "recordings_moved"]
+        assert [f["recordings"] for f in moved] == [1000]
+        transactions = sum(s.startswith("BEGIN") for s in statements)
+        assert transactions <= 1000 // 100 + 5, transactions  # (the probe, the move's mark)
+        assert ticked >= 1000 // 100 - 1, ticked
+        peer = Ledger(str(path), "peer")
+        peer.open(time.time())
+        try:
+            for turn in (turns[0], turns[-1]):
+                replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                                    guard=GUARD, flow_id="g")
+                assert isinstance(replay, policy.Replay), replay
+                assert peer.recording(replay.attempt_id, turn.op_key).body \
+                    == b"data: " + turn.op_key.encode() + b"\n\n"
+        finally:
+            peer.close()
+    finally:
+        store.close()
+
+
+def test_the_recordings_moved_are_cut_into_batches_by_count_and_by_bytes():
+    """``MOVE_BATCH`` recordings a batch at most, and ``MOVE_BATCH_BYTES`` of bodies at most
+    unless one alone is more (then alone); in their order, none left out."""
+    from turnguard_core import failover
+    from turnguard_core.knowledge import KnownRecording
+    from turnguard_core.store import OfflineEndWrite
+
+    def known(n: int, size: int) -> KnownRecording:
+        recording = Recording(200, (), b"x" * size)
+        moved = OfflineEndWrite(ident(f"turn {n}"), "POST", "/v1/responses", "original", "f",
+                                None, AttemptEnd("completed", 200, 3, None, recording), 1000.0,
+                                moving=True)
+        return KnownRecording(recording, 1000.0, "f", n, "gen-1", moved)
+
+    def sizes(batches):
+        return [[len(k.recording.body) for k in batch] for batch in batches]
+
+    small = [known(n, 10) for n in range(250)]
+    batches = list(failover._move_batches(small))
+    assert [len(b) for b in batches] == [100, 100, 50]
+    assert [k for b in batches for k in b] == small
+    mib = failover.MOVE_BATCH_BYTES
+    big = [known(0, mib // 2), known(1, mib // 2), known(2, 1), known(3, 2 * mib), known(4, 1)]
+    assert sizes(failover._move_batches(big)) == [[mib // 2, mib // 2], [1], [2 * mib], [1]]
+    assert list(failover._move_batches([])) == []

@@ -176,6 +176,14 @@ class Store(Protocol):
         send gets the first one's result: ``AppliedOnce``)."""
         ...
 
+    async def write_all(self, writes: list[Write], *, deadline: float | None
+                        ) -> list[FinishResult | None]:
+        """Apply ``writes`` in order and await their results: one call of the ledger's, in
+        one transaction where the ledger groups writes (SQLite's ``batch``: all of them, or
+        none and ``LedgerError``); on PostgreSQL each is its own (those before one that
+        failed stay applied)."""
+        ...
+
     def write_sync(self, write: Write, *, timeout: float,
                    once: "AppliedOnce | None" = None) -> FinishResult | None:
         """``write``, waited for on the caller's thread (at close: the event loop is done);
@@ -288,6 +296,13 @@ def _apply(write: Write, ledger: Ledger) -> FinishResult | None:
         case DuplicatesWrite():
             ledger.note_duplicates(write.counts)
             return None
+
+
+def _apply_all(writes: list[Write], ledger: Ledger) -> list[FinishResult | None]:
+    if isinstance(ledger, Ledger):
+        with ledger.batch():
+            return [_apply(write, ledger) for write in writes]
+    return [_apply(write, ledger) for write in writes]
 
 
 HEAVY_WRITE_BYTES = 256 * 1024  # a recording this large is written off the event loop
@@ -409,6 +424,9 @@ class LedgerStore:
         return await self._runner.call(
             lambda led: once.apply(led, lambda: _apply(write, led)), deadline=deadline,
             lock_wait_s=lock_wait_s, alone=True)
+
+    async def write_all(self, writes, *, deadline):
+        return await self._runner.call(lambda led: _apply_all(writes, led), deadline=deadline)
 
     def write_sync(self, write, *, timeout, once=None):
         if once is None:
