@@ -1774,6 +1774,47 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
            "replayed its recording; upstream dispatches=1 for the turn")
 
 
+def test_a_turn_recorded_whole_after_a_fault_is_replayed_elsewhere_once_its_file_goes_too(
+        tmp_path, report):
+    """A's turn runs whole while the ledger's files are read-only (dispatched from memory, its
+    end owed); once they can be written, A records it whole (operation, attempt, end). Then
+    that file is deleted. Two retries through B, which never saw the turn, are replayed with
+    its bytes: A moves that recording into the new file as it moves there, as it does those
+    with a row of their own. (Before, memory still took it for a recording of no file, and B
+    ran the turn again.)"""
+    folder = tmp_path / "ledger-fs"
+    folder.mkdir(mode=0o700)
+    ledger = folder / "ledger.sqlite3"
+    text = "recorded whole after a fault, then its file deleted"
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
+            guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
+        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        with _unwritable("read-only", folder, ledger):
+            status, _, first = post(a.url, SESSION, body_of(text))
+            assert status == 200 and sse_event_types(first)[-1] == "response.completed"
+            assert events(tmp_path, "a", "ledger_unavailable")  # (dispatched from memory)
+
+        def recorded() -> bool:
+            with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+                return db.execute("SELECT count(*) FROM attempts WHERE replayable = 1"
+                                  ).fetchone()[0] == 2
+        wait_until(recorded, 10, what="the turn recorded whole once the ledger can be written")
+        delete_ledger(ledger)
+        answers = [post(b.url, SESSION, body_of(text))]
+        time.sleep(1.0)
+        answers.append(post(b.url, SESSION, body_of(text)))
+        for status, headers, body in answers:
+            assert status == 200 and headers.get("x-turnguard") == "replayed", headers
+            assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a turn run whole while the ledger was read-only, recorded whole after, then the "
+           "ledger deleted: two retries through another process replayed it; upstream "
+           "dispatches=1 for the turn")
+
+
 def test_a_duplicate_sent_elsewhere_while_the_ledger_is_replaced_by_junk_waits_for_the_owner(
     tmp_path, report
 ):

@@ -309,3 +309,44 @@ def test_the_recordings_moved_are_cut_into_batches_by_count_and_by_bytes():
     big = [known(0, mib // 2), known(1, mib // 2), known(2, 1), known(3, 2 * mib), known(4, 1)]
     assert sizes(failover._move_batches(big)) == [[mib // 2, mib // 2], [1], [2 * mib], [1]]
     assert list(failover._move_batches([])) == []
+
+
+async def test_an_end_recorded_whole_in_a_new_file_moves_again_when_that_file_goes(tmp_path):
+    """An attempt's end written after its ledger file was deleted is recorded whole in the new
+    file (above); when that file goes too, the process moves the recording on into the third
+    one like any other of its own, so a peer there replays the turn rather than run it again
+    (before, memory still named the first file for it, and it was moved nowhere)."""
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    store = traced.store
+    store.replay_window_of = lambda i: GUARD.replay_window_s  # (the shell's: the guard's)
+    try:
+        turn = ident("ended after the delete, then its new file deleted")
+        claim = await traced.admit(turn)
+        first = store.generation
+        delete_ledger(path)
+        store._file_gone("ledger file deleted")  # as the heartbeat finds it
+        assert store.open(str(path))
+        recording = Recording(200, (("content-type", "text/event-stream"),), b"data: end\n\n")
+        ending = AttemptEnding("completed", recording, None, False, None, None)
+        assert store.finish(
+            StoreAttempt(turn, claim.attempt_id, first, circuit_scope=SCOPE), ending,
+            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
+            circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+        assert await store.recover(time.monotonic() + 5)
+        delete_ledger(path)
+        store._file_gone("ledger file deleted")
+        assert store.open(str(path))
+        assert await store.recover(time.monotonic() + 5)
+        assert [f["recordings"] for e, f in traced.events if e == "recordings_moved"] == [1]
+        peer = Ledger(str(path), "peer")
+        peer.open(time.time())
+        try:
+            replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                                guard=GUARD, flow_id="g")
+            assert isinstance(replay, policy.Replay), replay
+            assert peer.recording(replay.attempt_id, turn.op_key).body == b"data: end\n\n"
+        finally:
+            peer.close()
+    finally:
+        store.close()

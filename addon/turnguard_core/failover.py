@@ -899,6 +899,7 @@ class FailoverStore:
                     continue
                 result = await store.write(self._as_sent(write, store.generation),
                                            deadline=deadline, once=kept.once)
+                self._recorded_whole(write, result, store.generation)
                 self._pop_kept()
                 if kept.landed is not None:
                     kept.landed(result, True)
@@ -1276,8 +1277,8 @@ class FailoverStore:
             if kept is not None:
                 kept()
             return None
-        store = self._store
-        future = store.send(self._as_sent(write, self.generation))
+        store, sent_to = self._store, self.generation
+        future = store.send(self._as_sent(write, sent_to))
         self._sent[future] = entry
 
         def done(f: asyncio.Future) -> None:
@@ -1290,11 +1291,21 @@ class FailoverStore:
                 self._found_gone(store)  # then the new file is opened at once
                 if kept is not None:
                     kept()
-            elif landed is not None:
-                landed(f.result(), False)
+            else:
+                self._recorded_whole(write, f.result(), sent_to)
+                if landed is not None:
+                    landed(f.result(), False)
 
         future.add_done_callback(done)
         return future
+
+    def _recorded_whole(self, write: Write, result: FinishResult | None, generation: str) -> None:
+        """An end this process recorded whole (``OfflineEndWrite``) that the ledger file of
+        ``generation`` took: memory's recording of it is of that file now
+        (``Knowledge.recorded_whole``), so it moves on should that file go too."""
+        if isinstance(write, OfflineEndWrite) and not write.moving and result is not None \
+                and result.applied and write.end.recording is not None:
+            self.memory.knowledge.recorded_whole(write.ident.op_key, write.now, generation)
 
     def _as_sent(self, write: Write, generation: str) -> Write:
         """``write`` as it is sent to the ledger file of ``generation`` now: an attempt's end

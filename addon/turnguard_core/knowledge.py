@@ -126,6 +126,16 @@ class Knowledge:
             self._recordings[op_key] = dataclasses.replace(known, attempt_id=None,
                                                            generation=generation)
 
+    def recorded_whole(self, op_key: str, ended_at: float, generation: str) -> None:
+        """This process's own end of ``op_key`` at ``ended_at`` was recorded whole (an end
+        owed to a file since gone, or of an attempt dispatched without a ledger) in the
+        ledger file of ``generation``: its recording, if still the one kept, is of that file
+        now, and moves on from it should it go too (its row is not known: replays of it come
+        from memory)."""
+        known = self._recordings.get(op_key)
+        if known is not None and known.moved is not None and known.ended_at == ended_at:
+            self.moved(op_key, known, generation)
+
     def recorded_in_another_file(
         self, op_key: str, *, fingerprint: str, now: float, window_s: float, generation: str
     ) -> bool:
