@@ -426,7 +426,9 @@ class LedgerStore:
             lock_wait_s=lock_wait_s, alone=True)
 
     async def write_all(self, writes, *, deadline):
-        return await self._runner.call(lambda led: _apply_all(writes, led), deadline=deadline)
+        # alone: its own batch, which would not nest in the deferred writes' (they go first)
+        return await self._runner.call(lambda led: _apply_all(writes, led), deadline=deadline,
+                                       alone=True)
 
     def write_sync(self, write, *, timeout, once=None):
         if once is None:
