@@ -1761,17 +1761,23 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
                 reloaded(a, touch_to_reload(a, script))
             time.sleep(1.5)
             delete_ledger(ledger)
-        answers = [post(b.url, SESSION, body_of(text))]
-        time.sleep(1.0)
-        answers.append(post(b.url, SESSION, body_of(text)))
-        for status, headers, body in answers:
-            assert status == 200 and headers.get("x-turnguard") == "replayed", headers
-            assert response_id(body) == response_id(first)
-        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        _two_retries_replayed(b, up, text, first)
         assert events(tmp_path, "a", "recordings_moved")
         assert_no_traceback(a.log_text() + b.log_text())
     report(f"a turn ended, then the ledger {then}: two retries through another process "
            "replayed its recording; upstream dispatches=1 for the turn")
+
+
+def _two_retries_replayed(b: Mitmdump, up: MockUpstream, text: str, first: bytes) -> None:
+    """A retry of A's turn ``text`` (answered ``first``) sent to B, and another 1 s later: each
+    replayed with the turn's bytes, the turn dispatched once (beside the warm-up's one)."""
+    answers = [post(b.url, SESSION, body_of(text))]
+    time.sleep(1.0)
+    answers.append(post(b.url, SESSION, body_of(text)))
+    for status, headers, body in answers:
+        assert status == 200 and headers.get("x-turnguard") == "replayed", headers
+        assert response_id(body) == response_id(first)
+    assert len(up.dispatches()) == 2, "the turn ran twice upstream"
 
 
 def test_a_turn_recorded_whole_after_a_fault_is_replayed_elsewhere_once_its_file_goes_too(
@@ -1796,19 +1802,10 @@ def test_a_turn_recorded_whole_after_a_fault_is_replayed_elsewhere_once_its_file
             assert status == 200 and sse_event_types(first)[-1] == "response.completed"
             assert events(tmp_path, "a", "ledger_unavailable")  # (dispatched from memory)
 
-        def recorded() -> bool:
-            with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
-                return db.execute("SELECT count(*) FROM attempts WHERE replayable = 1"
-                                  ).fetchone()[0] == 2
-        wait_until(recorded, 10, what="the turn recorded whole once the ledger can be written")
+        wait_until(lambda: len(query(ledger, "SELECT 1 FROM attempts WHERE replayable = 1")) == 2,
+                   10, what="the turn recorded whole once the ledger can be written")
         delete_ledger(ledger)
-        answers = [post(b.url, SESSION, body_of(text))]
-        time.sleep(1.0)
-        answers.append(post(b.url, SESSION, body_of(text)))
-        for status, headers, body in answers:
-            assert status == 200 and headers.get("x-turnguard") == "replayed", headers
-            assert response_id(body) == response_id(first)
-        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        _two_retries_replayed(b, up, text, first)
         assert_no_traceback(a.log_text() + b.log_text())
     report("a turn run whole while the ledger was read-only, recorded whole after, then the "
            "ledger deleted: two retries through another process replayed it; upstream "
