@@ -526,13 +526,15 @@ class FailoverStore:
         # connection (its count of operations opens one of its own: ``counts_apart``); a
         # ledger across a network never runs a call on the event loop
         runner = LedgerRunner(ledger(admin=True), fast_path=not postgres)
+        store = LedgerStore(runner)
         heartbeat = listener = None
         try:
             runner.call_sync(lambda led: led.open(time.time()))
             heartbeat = Heartbeat(
                 ledger(admin=False), interval_s=HEARTBEAT_S,
                 on_reregistered=lambda n: loop.call_soon_threadsafe(self._reregistered, n),
-                on_file_gone=lambda why: loop.call_soon_threadsafe(self._file_gone, why),
+                on_file_gone=lambda why: loop.call_soon_threadsafe(self._heartbeat_found_gone,
+                                                                   store, why),
             )
             heartbeat.start(time.time())
             if postgres:
@@ -545,7 +547,7 @@ class FailoverStore:
                 heartbeat.stop()
             runner.close()
             raise
-        return _Opened(LedgerStore(runner), heartbeat, listener)
+        return _Opened(store, heartbeat, listener)
 
     def _use(self, opened: _Opened) -> None:
         self._store, self._heartbeat, self._listener = opened.store, opened.heartbeat, opened.listener
@@ -674,6 +676,16 @@ class FailoverStore:
             # this one's attempts in flight are registered there (``_peers_registering``)
             self._reopening = asyncio.get_running_loop().create_task(
                 self._reopen_and_catch_up())
+
+    def _heartbeat_found_gone(self, store: Store, why: str) -> None:
+        """The heartbeat of ``store`` found its file deleted or replaced: the outage begins
+        (``_file_gone``), unless ``store`` is no longer the one in use. A report made before
+        its heartbeat stopped can come after this process left that file (the outage began
+        from a request's call, or from the heartbeat's report before it): the file now at
+        the path is the new one in use, and closing it would begin an outage for nothing,
+        cutting short what the move to it was doing."""
+        if store is self._store:
+            self._file_gone(why)
 
     async def _reopen_and_catch_up(self) -> None:
         """Open the file now at the path and register this process's attempts in flight in
