@@ -73,6 +73,39 @@ class Traced:
         await landed
         return not any(event == "outcome_fenced_out" for event, _ in self.events)
 
+    def file_deleted(self, path) -> str:
+        """Delete the ledger file under the store, which moves to the new one at its path as
+        it does once the file is found gone; the generation it left."""
+        left = self.store.generation
+        delete_ledger(path)
+        self.store._file_gone("ledger file deleted")  # as the heartbeat finds it
+        assert self.store.open(str(path)) and self.store.generation != left
+        return left
+
+    def end_owed(self, i: identity.Identity, attempt_id: int, generation: str,
+                 body: bytes) -> None:
+        """End as completed, with a recording, an attempt of the file of ``generation``, since
+        left: the end is kept, owed to the ledger."""
+        recording = Recording(200, (("content-type", "text/event-stream"),), body)
+        ending = AttemptEnding("completed", recording, None, False, None, None)
+        assert self.store.finish(
+            StoreAttempt(i, attempt_id, generation, circuit_scope=SCOPE), ending,
+            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
+            circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+
+
+def replayed_by_a_peer(path, i: identity.Identity, body: bytes) -> None:
+    """A process that never saw ``i``'s turn replays it from the ledger file at ``path``."""
+    peer = Ledger(str(path), "peer")
+    peer.open(time.time())
+    try:
+        replay = peer.admit(i, method="POST", path="/v1/responses", now=time.time(),
+                            guard=GUARD, flow_id="g")
+        assert isinstance(replay, policy.Replay), replay
+        assert peer.recording(replay.attempt_id, i.op_key).body == body
+    finally:
+        peer.close()
+
 
 async def test_a_replay_of_its_own_recording_reads_nothing_and_is_the_ledgers_decision(tmp_path):
     traced = Traced(str(tmp_path / "ledger.sqlite3"))
@@ -172,27 +205,12 @@ async def test_an_end_owed_to_a_deleted_ledger_file_is_recorded_whole_in_the_new
     try:
         turn = ident("ended after the delete")
         claim = await traced.admit(turn)
-        old = store.generation
-        delete_ledger(path)
-        store._file_gone("ledger file deleted")  # as the heartbeat finds it
-        assert store.open(str(path)) and store.generation != old and store.memory.carrying
-        recording = Recording(200, (("content-type", "text/event-stream"),), b"data: end\n\n")
-        ending = AttemptEnding("completed", recording, None, False, None, None)
-        assert store.finish(
-            StoreAttempt(turn, claim.attempt_id, old, circuit_scope=SCOPE), ending,
-            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
-            circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+        old = traced.file_deleted(path)
+        assert store.memory.carrying
+        traced.end_owed(turn, claim.attempt_id, old, b"data: end\n\n")
         assert await store.recover(time.monotonic() + 5)
         assert not [e for e, _ in traced.events if e == "ledger_writes_dropped"]
-        peer = Ledger(str(path), "peer")
-        peer.open(time.time())
-        try:
-            replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
-                                guard=GUARD, flow_id="g")
-            assert isinstance(replay, policy.Replay)
-            assert peer.recording(replay.attempt_id, turn.op_key).body == b"data: end\n\n"
-        finally:
-            peer.close()
+        replayed_by_a_peer(path, turn, b"data: end\n\n")
     finally:
         store.close()
 
@@ -245,9 +263,7 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
             claim = await traced.admit(turn)
             assert await traced.complete(turn, claim.attempt_id, b"data: " + turn.op_key.encode()
                                          + b"\n\n")
-        delete_ledger(path)
-        store._file_gone("ledger file deleted")  # as the heartbeat finds it
-        assert store.open(str(path))
+        traced.file_deleted(path)
         statements: list[str] = []
         store._store._runner.ledger._db.set_trace_callback(statements.append)
         ticks = 0
@@ -269,17 +285,8 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
         transactions = sum(s.startswith("BEGIN") for s in statements)
         assert transactions <= 1000 // 100 + 5, transactions  # (the probe, the move's mark)
         assert ticked >= 1000 // 100 - 1, ticked
-        peer = Ledger(str(path), "peer")
-        peer.open(time.time())
-        try:
-            for turn in (turns[0], turns[-1]):
-                replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
-                                    guard=GUARD, flow_id="g")
-                assert isinstance(replay, policy.Replay), replay
-                assert peer.recording(replay.attempt_id, turn.op_key).body \
-                    == b"data: " + turn.op_key.encode() + b"\n\n"
-        finally:
-            peer.close()
+        for turn in (turns[0], turns[-1]):
+            replayed_by_a_peer(path, turn, b"data: " + turn.op_key.encode() + b"\n\n")
     finally:
         store.close()
 
@@ -323,31 +330,13 @@ async def test_an_end_recorded_whole_in_a_new_file_moves_again_when_that_file_go
     try:
         turn = ident("ended after the delete, then its new file deleted")
         claim = await traced.admit(turn)
-        first = store.generation
-        delete_ledger(path)
-        store._file_gone("ledger file deleted")  # as the heartbeat finds it
-        assert store.open(str(path))
-        recording = Recording(200, (("content-type", "text/event-stream"),), b"data: end\n\n")
-        ending = AttemptEnding("completed", recording, None, False, None, None)
-        assert store.finish(
-            StoreAttempt(turn, claim.attempt_id, first, circuit_scope=SCOPE), ending,
-            AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
-            circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+        first = traced.file_deleted(path)
+        traced.end_owed(turn, claim.attempt_id, first, b"data: end\n\n")
         assert await store.recover(time.monotonic() + 5)
-        delete_ledger(path)
-        store._file_gone("ledger file deleted")
-        assert store.open(str(path))
+        traced.file_deleted(path)
         assert await store.recover(time.monotonic() + 5)
         assert [f["recordings"] for e, f in traced.events if e == "recordings_moved"] == [1]
-        peer = Ledger(str(path), "peer")
-        peer.open(time.time())
-        try:
-            replay = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
-                                guard=GUARD, flow_id="g")
-            assert isinstance(replay, policy.Replay), replay
-            assert peer.recording(replay.attempt_id, turn.op_key).body == b"data: end\n\n"
-        finally:
-            peer.close()
+        replayed_by_a_peer(path, turn, b"data: end\n\n")
     finally:
         store.close()
 
@@ -363,9 +352,7 @@ async def test_a_report_of_the_file_left_from_its_heartbeat_does_not_close_the_n
     store = traced.store
     try:
         report_of_the_old_file = store._heartbeat._on_file_gone
-        delete_ledger(path)
-        store._file_gone("ledger file deleted")  # as a request's call finds it
-        assert store.open(str(path))
+        traced.file_deleted(path)
         new = store._store
         report_of_the_old_file(f"ledger file {path} was replaced by another file")
         await asyncio.sleep(0.05)  # (the report comes through the event loop)
