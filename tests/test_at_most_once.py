@@ -136,6 +136,13 @@ def in_flight(ledger: Path) -> list[tuple]:
     return query(ledger, "SELECT op_key FROM operations WHERE state='in_flight'")
 
 
+def _warm_up(a: Mitmdump, b: Mitmdump) -> None:
+    """One turn through A, its duplicate through B: both processes have used the ledger file
+    (each registered there, each knows it as the file it moves from should it go)."""
+    assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
+    assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+
+
 @contextlib.contextmanager
 def write_lock(ledger: Path, begin: str = "BEGIN EXCLUSIVE"):
     """Another process's connection holding the ledger's write lock (``begin``) until the
@@ -234,8 +241,7 @@ def test_a_process_paused_at_a_step_of_a_turn_runs_it_once(tmp_path, step, repor
     text = f"a process paused at a step of a turn: {step}"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        _warm_up(a, b)
         hold = HELD_AT.get(step, HELD_AT["before its end"])
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **hold)},
                                  body_of(text))
@@ -322,8 +328,7 @@ def test_a_script_reload_at_a_step_of_a_turn_runs_it_once(tmp_path, step, report
     text = f"a script reload at a step of a turn: {step}"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script, **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        _warm_up(a, b)
         hold = HELD_AT.get(step)
         original = in_background(post, a.url, {**SESSION, **behaviour(kind="ok", **(hold or {}))},
                                  body_of(text))
@@ -1739,8 +1744,7 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
     script = reloadable(tmp_path)
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", addon=script) as a, \
             guarded(tmp_path, up, "b") as b:
-        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        _warm_up(a, b)
         if then == "older copy":
             older_copy(tmp_path)
         status, _, first = post(a.url, SESSION, body_of(text))
@@ -1795,8 +1799,7 @@ def test_a_turn_recorded_whole_after_a_fault_is_replayed_elsewhere_once_its_file
     with MockUpstream(tmp_path) as up, \
             guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
             guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
-        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        _warm_up(a, b)
         with _unwritable("read-only", folder, ledger):
             status, _, first = post(a.url, SESSION, body_of(text))
             assert status == 200 and sse_event_types(first)[-1] == "response.completed"
@@ -2270,8 +2273,7 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
     text = f"junk {step} for {junk_s} s, then {then}"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-        assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+        _warm_up(a, b)
         if then == "older copy":
             older_copy(tmp_path)
         original = _a_turn_run_to(step, up, a, ledger, text)
@@ -2317,8 +2319,7 @@ def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_pa
         opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
         with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
                 guarded(tmp_path, up, "b", **opts) as b:
-            assert post(a.url, SESSION, body_of("both processes know the file"))[0] == 200
-            assert post(b.url, SESSION, body_of("both processes know the file"))[0] == 200
+            _warm_up(a, b)
             original = _a_turn_run_to(step, up, a, ledger, text)
             with write_lock(ledger) if fault == "locked" else _unwritable(fault, folder, ledger):
                 answers = [in_background(post, proxy.url, SESSION, body_of(text))

@@ -116,6 +116,21 @@ def test_processes_on_one_postgres_ledger_dispatch_once_and_replay_byte_identica
            f"statuses={[r[0] for r in results]}, distinct bodies=1")
 
 
+def in_flight(url: str) -> int:
+    """How many operations the ledger at ``url`` has in flight."""
+    return rows(url, "SELECT COUNT(*) FROM operations WHERE state = 'in_flight'")[0][0]
+
+
+def _made_again(tmp_path, up, pg_url: str, by: str) -> None:
+    """The ledger's tables dropped under the running processes, and made again ``by``
+    another turnguard started for it (else by the processes themselves, as they find
+    them gone)."""
+    rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    if by == "another turnguard":
+        with guarded(tmp_path, up, "c", pg_url):
+            pass
+
+
 def _warm_up(a, b, headers=HEADERS) -> None:
     """One turn through each of two processes (``headers`` its request's), answered: their
     ledger connections are made before a test's fault."""
@@ -536,9 +551,7 @@ def test_a_table_locked_under_a_replays_read_does_not_stop_the_ledger_deciding_o
         _warm_up(a, b, sessionless)
         assert post(a.url, sessionless, recorded)[0] == 200
         # its end (the recording) is written just after its client has the answer
-        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
-                                        " WHERE state = 'in_flight'") == [(0,)],
-                   10, what="the recorded turn's end written")
+        wait_until(lambda: in_flight(pg_url) == 0, 10, what="the recorded turn's end written")
         locker = psycopg.connect(pg_url, autocommit=True)
         try:
             locker.execute("BEGIN")
@@ -833,9 +846,7 @@ def test_a_duplicate_sent_elsewhere_while_another_session_locks_the_tables_again
             guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(2) as pool:
         original = pool.submit(post, a.url, slow, turn)
         wait_until(lambda: up.dispatches(), 10, what="the turn's dispatch")
-        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
-                                        " WHERE state = 'in_flight'") == [(1,)],
-                   10, what="the turn in flight in the ledger")
+        wait_until(lambda: in_flight(pg_url) == 1, 10, what="the turn in flight in the ledger")
         locker = psycopg.connect(pg_url, autocommit=True)
         try:
             locker.execute("BEGIN")
@@ -873,13 +884,8 @@ def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_
         _warm_up(a, b)
         original = pool.submit(post, a.url, slow, turn)
         wait_until(lambda: len(up.dispatches()) == 3, 10, what="the turn's dispatch")
-        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
-                                        " WHERE state = 'in_flight'") == [(1,)],
-                   10, what="the turn in flight in the ledger")
-        rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
-        if remade_by == "another turnguard":
-            with guarded(tmp_path, up, "c", pg_url):
-                pass
+        wait_until(lambda: in_flight(pg_url) == 1, 10, what="the turn in flight in the ledger")
+        _made_again(tmp_path, up, pg_url, remade_by)
         duplicate = pool.submit(post, b.url, HEADERS, turn)
         status, _, first = original.result(30)
         again, headers, body = duplicate.result(60)
@@ -904,13 +910,8 @@ def test_a_turn_that_ended_before_the_database_was_made_again_is_replayed_elsewh
             guarded(tmp_path, up, "b", pg_url, **opts) as b:
         _warm_up(a, b)
         status, _, first = post(a.url, HEADERS, turn)
-        wait_until(lambda: rows(pg_url, "SELECT COUNT(*) FROM operations"
-                                        " WHERE state = 'in_flight'") == [(0,)],
-                   10, what="the turn's end in the ledger")
-        rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
-        if remade_by == "another turnguard":
-            with guarded(tmp_path, up, "c", pg_url):
-                pass
+        wait_until(lambda: in_flight(pg_url) == 0, 10, what="the turn's end in the ledger")
+        _made_again(tmp_path, up, pg_url, remade_by)
         again, headers, body = post(b.url, HEADERS, turn)
         log = a.log_text() + b.log_text()
     assert status == 200
@@ -945,7 +946,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_pr
                 up.release("a")
                 first = original.result(30)
             assert first[0] == 200
-            assert rows(pg_url, "SELECT count(*) FROM operations WHERE state='in_flight'") == [(1,)]
+            assert in_flight(pg_url) == 1
             if lock == "none":
                 assert a.stop() == 0
             else:
@@ -961,7 +962,7 @@ def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_pr
                     locker.close()
                 assert a.proc.wait(30) == 0
             log = a.log_text()
-        assert rows(pg_url, "SELECT count(*) FROM operations WHERE state='in_flight'") == [(0,)]
+        assert in_flight(pg_url) == 0
         with guarded(tmp_path, up, "b", pg_url) as b:
             retry = post(b.url, HEADERS, turn)
             assert retry[0] == 200 and retry[1].get("x-turnguard") == "replayed"
@@ -999,9 +1000,7 @@ def test_a_turn_dispatched_while_the_server_restarts_is_registered_as_soon_as_it
                    or len(up.dispatches()) > 3, 10, what="B deciding the duplicate")
         up.release("h")
         first, again = original.result(30), duplicate.result(30)
-        wait_until(lambda: rows(url, "SELECT COUNT(*) FROM operations"
-                                     " WHERE state = 'in_flight'") == [(0,)],
-                   10, what="the turn's end written")
+        wait_until(lambda: in_flight(url) == 0, 10, what="the turn's end written")
         log = a.log_text() + b.log_text()
     assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, False]
     assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
@@ -1058,9 +1057,7 @@ def test_a_server_down_at_a_step_of_a_turn_runs_it_once(tmp_path, own_pg, fault,
         after = [pool.submit(post, proxy.url, HEADERS, turn) for proxy in (a, b)]
         first = original.result(30)
         results = [during.result(45), *(r.result(45) for r in after)]
-        wait_until(lambda: rows(url, "SELECT COUNT(*) FROM operations"
-                                     " WHERE state = 'in_flight'") == [(0,)],
-                   20, what="nothing in flight")
+        wait_until(lambda: in_flight(url) == 0, 20, what="nothing in flight")
         log = a.log_text() + b.log_text()
     if fault == "restart":  # (a paused server's statements wait, within their bound)
         assert events(tmp_path, "a", "ledger_unavailable"), "A never met the outage"
@@ -1115,14 +1112,14 @@ def test_a_turn_that_ends_while_the_ledger_is_down_runs_once_and_is_left_in_flig
         later = post(b.url, HEADERS, turn)
         first, results = original.result(30), [held.result(30), later]
 
-        def in_flight() -> int | None:
+        def in_flight_once_made() -> int | None:
             try:
                 return rows(url, "SELECT COUNT(*) FROM operations"
                                  " WHERE state = 'in_flight'")[0][0]
             except psycopg.errors.UndefinedTable:  # not made again yet
                 return None
 
-        wait_until(lambda: in_flight() == 0, 20, what="nothing in flight")
+        wait_until(lambda: in_flight_once_made() == 0, 20, what="nothing in flight")
         log = a.log_text() + b.log_text()
     assert len(up.dispatches()) == 3, "the turn ran twice"  # the warm-ups, the turn once
     assert first[0] == 200

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sqlite3
 import time
 
 from harness import delete_ledger
@@ -92,6 +93,22 @@ class Traced:
             StoreAttempt(i, attempt_id, generation, circuit_scope=SCOPE), ending,
             AttemptEnd("completed", 200, 3, None, recording), now=time.time(),
             circuit_cfg=circuit.CircuitConfig(), base={}) is None  # kept: another file
+
+
+def body_of(i: identity.Identity) -> bytes:
+    """The recorded body of ``i``'s turn in the backlog tests: its own, to tell them apart."""
+    return b"data: " + i.op_key.encode() + b"\n\n"
+
+
+async def completed_turns(traced: Traced, n: int) -> list[identity.Identity]:
+    """``n`` turns the store dispatched and completed (``body_of`` each), replayable within
+    the guard's window (as the shell says: ``replay_window_of``)."""
+    traced.store.replay_window_of = lambda i: GUARD.replay_window_s
+    turns = [ident(f"backlog turn {n}") for n in range(n)]
+    for turn in turns:
+        claim = await traced.admit(turn)
+        assert await traced.complete(turn, claim.attempt_id, body_of(turn))
+    return turns
 
 
 def replayed_by_a_peer(path, i: identity.Identity, body: bytes) -> None:
@@ -256,13 +273,8 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
     path = tmp_path / "ledger.sqlite3"
     traced = Traced(str(path))
     store = traced.store
-    store.replay_window_of = lambda i: GUARD.replay_window_s  # (the shell's: the guard's)
-    turns = [ident(f"backlog turn {n}") for n in range(1000)]
     try:
-        for turn in turns:
-            claim = await traced.admit(turn)
-            assert await traced.complete(turn, claim.attempt_id, b"data: " + turn.op_key.encode()
-                                         + b"\n\n")
+        turns = await completed_turns(traced, 1000)
         traced.file_deleted(path)
         statements: list[str] = []
         store._store._runner.ledger._db.set_trace_callback(statements.append)
@@ -286,8 +298,46 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
         assert transactions <= 1000 // 100 + 5, transactions  # (the probe, the move's mark)
         assert ticked >= 1000 // 100 - 1, ticked
         for turn in (turns[0], turns[-1]):
-            replayed_by_a_peer(path, turn, b"data: " + turn.op_key.encode() + b"\n\n")
+            replayed_by_a_peer(path, turn, body_of(turn))
     finally:
+        store.close()
+
+
+async def test_a_lock_taken_on_the_new_file_between_two_batches_of_the_move_loses_nothing(
+        tmp_path):
+    """Another connection takes the new file's write lock just before the move's third batch
+    (the ledger locked at that very step) and holds it 0.5 s: that batch waits for the lock
+    off the event loop, the move goes on once it is gone, and every recording is moved,
+    each once (a peer replays the oldest and the newest)."""
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    store = traced.store
+    locker = None
+    try:
+        turns = await completed_turns(traced, 500)
+        traced.file_deleted(path)
+        locker = sqlite3.connect(path, timeout=10, isolation_level=None)
+        moving, batches = store._store.write_all, 0
+
+        async def write_all(writes, *, deadline):
+            nonlocal batches
+            batches += 1
+            if batches == 3:
+                locker.execute("BEGIN IMMEDIATE")
+                asyncio.get_running_loop().call_later(0.5, locker.execute, "COMMIT")
+            return await moving(writes, deadline=deadline)
+
+        store._store.write_all = write_all
+        assert await store.recover(time.monotonic() + 30), (store.error, traced.events[-3:])
+        assert batches == 5
+        assert sum(f["recordings"] for e, f in traced.events if e == "recordings_moved") == 500
+        assert locker.execute("SELECT COUNT(*), COUNT(DISTINCT op_key) FROM attempts"
+                              ).fetchone() == (500, 500)
+        for turn in (turns[0], turns[-1]):
+            replayed_by_a_peer(path, turn, body_of(turn))
+    finally:
+        if locker is not None:
+            locker.close()
         store.close()
 
 
