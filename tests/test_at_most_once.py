@@ -36,6 +36,7 @@ from harness import (
     assert_no_traceback,
     delete_ledger,
     guarded,
+    ledger_integrity,
     ledger_query,
     mock_behaviour,
     older_copy,
@@ -1669,6 +1670,55 @@ def test_deleting_the_ledger_under_a_running_process_is_an_outage_not_an_empty_l
     report("ledger file deleted under a running process with a turn in flight: detected, the "
            "attempt registered in the new file; a new process held its duplicate; "
            "upstream dispatches=1")
+
+
+def test_the_ledger_file_deleted_alone_while_a_connection_keeps_it_open_is_made_anew(
+        tmp_path, report):
+    """``rm`` of the ledger file alone, its -wal and -shm left, while a connection still has
+    the file open (a backup reading it, an operator's sqlite3 shell, a paused process) and its
+    WAL holds pages. The file made at the path is not paired with the old file's -wal and -shm:
+    paired, every open of it failed (a disk I/O error) for as long as that connection stayed,
+    both processes decided in memory, and the duplicate through B of each turn through A ran
+    upstream again (3 turns of 3). Now both use the new file at once: one dispatch a turn."""
+    ledger = tmp_path / "ledger.sqlite3"
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
+            guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
+        _warm_up(a, b)
+        reader = sqlite3.connect(ledger, isolation_level=None)
+        try:
+            reader.execute("BEGIN")  # a read: the WAL's pages stay in it, not checkpointed
+            reader.execute("SELECT count(*) FROM operations").fetchone()
+            for i in range(3):
+                assert post(a.url, SESSION, body_of(f"pages in the WAL {i}"))[0] == 200
+            old_wal = os.stat(f"{ledger}-wal")
+            assert old_wal.st_size > 0
+            ledger.unlink()
+            for i in range(3):
+                body = body_of(f"a turn after the ledger file alone was deleted {i}")
+                before = len(up.dispatches())
+                original = in_background(
+                    post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=2000)}, body)
+                wait_until(lambda: len(up.dispatches()) == before + 1, 10,
+                           what="the original dispatched")
+                duplicate = post(b.url, SESSION, body)
+                assert original.result(30)[0] == duplicate[0] == 200
+                assert duplicate[1].get("x-turnguard") in ("replayed", "attached"), \
+                    f"turn {i}: B ran it again"
+                assert len(up.dispatches()) == before + 1, f"turn {i} ran twice"
+        finally:
+            reader.close()
+        new_wal = os.stat(f"{ledger}-wal")
+        assert (new_wal.st_dev, new_wal.st_ino) != (old_wal.st_dev, old_wal.st_ino)
+        for name in "ab":
+            assert events(tmp_path, name, "ledger_recovered"), f"{name} never used the new file"
+        assert ledger_integrity(ledger) == "ok"
+        log = a.log_text() + b.log_text()
+        assert "disk I/O error" not in log
+        assert_no_traceback(log)
+    report("the ledger file alone deleted while a reader kept it open: the new file made "
+           "without the old -wal and -shm; both processes used it; 3 turns through A, each "
+           "duplicate through B held or replayed; upstream dispatches=1 per turn")
 
 
 def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp_path, report):

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import sqlite3
 import stat
+import time
 import urllib.parse
 import uuid
 from typing import Iterable, Literal
@@ -32,6 +34,7 @@ from .private_files import (
     check_private_path,
     create_private_file,
     ensure_private_file,
+    open_private,
     shown,
 )
 from .records import record
@@ -50,6 +53,7 @@ BACKSTOP_CHECKPOINT_PAGES = 4096
 WAL_SIZE_LIMIT = 16 * 1024 * 1024
 PROBE_BUSY_S = 0.2  # how long check_path's look at an existing file waits for a writer
 TRUNCATE_BUSY_MS = 10  # longest ``truncate_wal`` keeps new writers waiting for readers to go
+FOLDER_LOCK_WAIT_S = 0.05  # longest a process making the ledger file waits for another's
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -289,7 +293,10 @@ class Ledger:
         if self.path != ":memory:":
             # a file that is no ledger of this turnguard's yet may be put right: an outage,
             # and neither made private nor given SQLite's files beside it meanwhile
-            found = _look(real_path) if os.path.exists(real_path) else None
+            exists = os.path.lexists(real_path)
+            found = _look(real_path) if exists else None
+            if not exists:
+                _make_file_alone(real_path)
             if found is not None and found.not_a_database:
                 raise LedgerError(f"{shown(self.path)} is not a SQLite database; left untouched "
                                   "(turnguard opens it again once it is one, or is gone)")
@@ -1202,6 +1209,46 @@ def _superseded(snapshot: policy.OperationSnapshot) -> AttemptEnd:
     return AttemptEnd("partial" if snapshot.events_seen else "unknown", None,
                       snapshot.events_seen, "superseded: a later attempt of this instance was "
                       "registered before its end could be written")
+
+
+def _make_file_alone(real: str) -> None:
+    """Make the ledger file at ``real``, where there is none, with no -wal or -shm beside it.
+    Any found there are a deleted file's (``rm`` of the ledger alone, or of a file moved over
+    it): SQLite would pair the new file with them. While a connection still has the deleted
+    file open (a paused process, a backup, an operator's shell) every open of the new file
+    then fails (a disk I/O error: its pages looked for in the old file's WAL), and each
+    process decides in memory for as long as that connection stays; once none has, SQLite
+    copies the old WAL's pages into the new file. Removing their names takes nothing from
+    the connections that have them open. Done under an exclusive lock on the folder, which
+    every process making the file takes: two that find the file gone at once make one file,
+    and neither removes the -wal or -shm of the file the other made."""
+    folder = os.open(os.path.dirname(real), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _lock_folder(folder, real)
+        if os.path.lexists(real):
+            return  # another process made it meanwhile
+        for suffix in ("-wal", "-shm"):
+            if check_private_file(real + suffix) is not None:
+                os.unlink(real + suffix)
+        os.close(open_private(real, os.O_RDWR))
+    finally:
+        os.close(folder)  # (drops the lock)
+
+
+def _lock_folder(folder: int, real: str) -> None:
+    """Take the lock of ``_make_file_alone`` on the open ``folder``: only ever held for a few
+    system calls, so it is waited for at most ``FOLDER_LOCK_WAIT_S`` (without a bound, a
+    program holding it would hold up the event loop)."""
+    give_up = time.monotonic() + FOLDER_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= give_up:
+                raise LedgerError(f"the folder of {shown(real)} is locked by another program; "
+                                  "the ledger file is made at the next try") from None
+            time.sleep(0.001)
 
 
 def _stamp(path: str) -> tuple[int, ...]:
