@@ -1721,6 +1721,67 @@ def test_the_ledger_file_deleted_alone_while_a_connection_keeps_it_open_is_made_
            "duplicate through B held or replayed; upstream dispatches=1 per turn")
 
 
+@pytest.mark.parametrize("deleted", ["-wal", "-shm", "-wal and -shm"])
+def test_the_ledgers_wal_or_shm_deleted_under_running_processes_corrupts_nothing(
+        tmp_path, deleted, report):
+    """``rm`` of the ledger's -wal or -shm (a large -wal taken for junk) while A and B have
+    the file open, A's turn in flight; a process C started just after. A and B go on with
+    the ones they have, unlinked; C, opened then, was given new ones: its rows and theirs in
+    two WALs, or one WAL read through two indexes. That corrupted the file ("database disk
+    image is malformed", peers taken for dead and reaped, 409s, turns run twice). Now C does
+    not open the file while a -wal or -shm of it is missing and a connection has it open, and
+    the first heartbeat to see one gone puts a copy of the file in its place (with none beside
+    it): every process moves to the copy as to any file put in place, A registering its
+    turn there. The duplicates through B and C are held or replayed, one dispatch a turn,
+    and the file is sound."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        _warm_up(a, b)
+        for i in range(3):  # (pages in the WAL)
+            assert post(a.url, SESSION, body_of(f"before the {deleted} went {i}"))[0] == 200
+        body = body_of(f"in flight as the {deleted} goes")
+        before = len(up.dispatches())
+        original = in_background(
+            post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=5000)}, body)
+        wait_until(lambda: len(up.dispatches()) == before + 1, 10, what="the turn dispatched")
+        for suffix in deleted.split(" and "):
+            os.unlink(f"{ledger}{suffix}")
+        with guarded(tmp_path, up, "c", **opts) as c:
+            # each heartbeat looks at the files every second (a loaded machine: later); this
+            # waits for A and B to be on the copy, and judges nothing (the answers below do)
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: all(events(tmp_path, name, "ledger_recovered")
+                                       for name in "ab"), 10, what="A and B on the copy")
+            duplicates = [post(c.url, SESSION, body), post(b.url, SESSION, body)]
+            assert original.result(30)[0] == 200
+            for status, headers, _ in duplicates:
+                assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
+            assert len(up.dispatches()) == before + 1, "the turn in flight ran twice"
+            after = body_of(f"a turn after the {deleted} went")
+            turn = in_background(post, a.url, {**SESSION, **behaviour(kind="ok",
+                                                                       delay_ms=2000)}, after)
+            wait_until(lambda: len(up.dispatches()) == before + 2, 10,
+                       what="the next turn dispatched")
+            for proxy in (c, b):
+                status, headers, _ = post(proxy.url, SESSION, after)
+                assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached")
+            assert turn.result(30)[0] == 200 and len(up.dispatches()) == before + 2
+            log = a.log_text() + b.log_text() + c.log_text()
+        made = [e for name in "ab" for e in events(tmp_path, name, "ledger_unavailable")
+                if "made anew from it" in e["error"]]
+        assert len(made) == 1, "one process makes the copy"
+        assert ledger_integrity(ledger) == "ok"
+        assert "malformed" not in log and "disk I/O error" not in log
+        assert "taken for dead" not in log
+        assert_no_traceback(log)
+    report(f"the ledger's {deleted} deleted under two processes, a turn in flight, a third "
+           "started just after: one copy of the file put in its place, every process on it; "
+           "the duplicates through the other two held or replayed, one dispatch a turn; "
+           "integrity ok")
+
+
 def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp_path, report):
     """A's original is in flight and B holds its duplicate when the ledger file is deleted.
     Whichever process opens the new file first, B does not take the attempt's absence from it

@@ -450,6 +450,42 @@ def test_closing_a_ledger_never_deletes_a_wal_or_shm_by_its_name(tmp_path):
     d.close()
 
 
+@pytest.mark.parametrize("deleted", [("-wal",), ("-shm",), ("-wal", "-shm")])
+def test_a_ledger_whose_wal_or_shm_was_deleted_under_a_connection_is_made_anew(
+        tmp_path, deleted):
+    """A connection has the file open when its -wal or -shm is deleted: no other connection
+    opens the file meanwhile (SQLite would give it new ones: two WALs, or two indexes of one
+    WAL); the connection sees it gone and puts a copy of the file, every row committed in its
+    WAL included, in its place with none beside it, which the others then open."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    a._conn().execute("PRAGMA wal_autocheckpoint=0")  # (the rows below stay in the WAL)
+    for n in range(3):
+        admit(a, ident({"n": n}))
+    assert a.sidecar_gone() is None
+    for suffix in deleted:
+        os.unlink(f"{path}{suffix}")
+    assert a.sidecar_gone() == " and ".join(deleted)
+    assert a.file_replaced() is None  # the file itself is still in place
+    with pytest.raises(LedgerError, match="was deleted while a connection has the file open"):
+        open_ledger(path, "b")
+    assert a.make_anew()
+    assert "replaced by another file" in a.file_replaced()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.sqlite3"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    b = open_ledger(path, "b")
+    assert b.counts() == {"in_flight": 3}
+    assert b.integrity_check() == "ok"
+    assert not a.make_anew()  # the file at the path is another's now
+    a.close()
+    b.close()
+    c = open_ledger(path, "c")  # with no connection on it, a file alone opens as before
+    c.close()
+    for suffix in deleted:
+        os.unlink(f"{path}{suffix}")
+    open_ledger(path, "d").close()
+
+
 def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_path):
     path = tmp_path / "l.sqlite3"
     a = open_ledger(path, "a")

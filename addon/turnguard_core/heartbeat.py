@@ -14,7 +14,8 @@ loop, e.g. with ``loop.call_soon_threadsafe``):
 
 - ``on_reregistered(incarnation)``: the instance's row was gone (a peer reaped it): it is
   registered again, and its attempts in flight must be assumed ended by the peer;
-- ``on_file_gone(reason)``: the ledger file was deleted or replaced.
+- ``on_file_gone(reason)``: the ledger file was deleted or replaced; or its -wal or -shm
+  was deleted, and the file was made anew from it (``Ledger.make_anew``).
 
 A failed renewal (locked, full) is left to the lease's margin and tried again next time.
 """
@@ -27,6 +28,7 @@ import time
 from typing import Callable
 
 from .ledger import Ledger, LedgerError, WalState
+from .private_files import shown
 
 logger = logging.getLogger("turnguard")
 
@@ -65,6 +67,7 @@ class Heartbeat:
         self._on_reregistered = on_reregistered
         self._on_file_gone = on_file_gone
         self._stop = threading.Event()
+        self._anew_failed = False
         self._thread = threading.Thread(target=self._run, name="turnguard-heartbeat", daemon=True)
 
     def start(self, now: float) -> None:
@@ -90,7 +93,7 @@ class Heartbeat:
                 if time.monotonic() < next_check:
                     continue
                 next_check = time.monotonic() + FILE_CHECK_S
-                why = self._ledger.file_replaced()
+                why = self._ledger.file_replaced() or self._made_anew()
                 if why is not None:
                     self._on_file_gone(why)
                     return
@@ -107,3 +110,23 @@ class Heartbeat:
             logger.exception("turnguard: heartbeat thread failed")
         finally:
             self._ledger.close()
+
+    def _made_anew(self) -> str | None:
+        """When the file's -wal or -shm was deleted under it: why the file is another now
+        (``Ledger.make_anew``: this process, or another, put a copy in its place), else None.
+        A copy that could not be made now (a full disk) is tried again at the next check."""
+        gone = self._ledger.sidecar_gone()
+        if gone is None:
+            return None
+        try:
+            made = self._ledger.make_anew()
+        except LedgerError as e:
+            if self._anew_failed:  # said once, not at every check while it lasts
+                return None
+            self._anew_failed = True
+            logger.warning("turnguard: the %s of ledger %s was deleted; the file could not "
+                           "be made anew yet (%s)", gone, shown(self._ledger.path), e)
+            return None
+        return (f"the {gone} of ledger file {shown(self._ledger.path)} was deleted; "
+                + ("the file was made anew from it" if made else "another process made the "
+                   "file anew"))

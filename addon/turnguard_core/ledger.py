@@ -54,6 +54,7 @@ WAL_SIZE_LIMIT = 16 * 1024 * 1024
 PROBE_BUSY_S = 0.2  # how long check_path's look at an existing file waits for a writer
 TRUNCATE_BUSY_MS = 10  # longest ``truncate_wal`` keeps new writers waiting for readers to go
 FOLDER_LOCK_WAIT_S = 0.05  # longest a process making the ledger file waits for another's
+MAKE_ANEW_LOCK_WAIT_S = 10.0  # the same, for a copy made anew (``Ledger.make_anew``)
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -278,6 +279,7 @@ class Ledger:
         self._busy_timeout_ms = busy_timeout_ms
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._sidecar_ids: dict[str, tuple[int, int] | None] = {}  # its -wal's and -shm's
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
         self._stamp: tuple[int, ...] | None = None  # the file read immutable (open_readonly)
         self.generation = ""  # this ledger file: a random id made with it, and its identity
@@ -304,6 +306,7 @@ class Ledger:
                 raise LedgerError(f"ledger schema version {found.version} is newer than this "
                                   f"turnguard ({SCHEMA_VERSION}); left untouched")
             ensure_private_file(real_path)
+            _refuse_if_sidecars_deleted(real_path, self.path)
             # SQLite keeps the -wal and -shm it finds (left by a process killed, or copied in
             # with the file: they hold its rows too, made 0600 here) and makes missing ones
             # with O_CREAT: made here first, O_EXCL|O_NOFOLLOW, so that one another user puts
@@ -337,6 +340,8 @@ class Ledger:
             if self.path != ":memory:":
                 st = os.stat(self.path)
                 self._file_id = (st.st_dev, st.st_ino)
+                self._sidecar_ids = {suffix: _file_id(real_path + suffix)
+                                     for suffix in ("-wal", "-shm")}
             self._migrate()
             if register:
                 with self._tx() as tx:
@@ -363,6 +368,7 @@ class Ledger:
         if not os.path.isfile(self.path):
             raise LedgerError(f"ledger {shown(self.path)} is not a file")
         real = os.path.realpath(self.path)  # where SQLite looks for the -wal and the -shm
+        _refuse_if_sidecars_deleted(real, self.path)
         try:
             uri, made_shm = _readonly_uri(real, owner=os.stat(real).st_uid)
         except UnsafePath as e:
@@ -514,6 +520,53 @@ class Ledger:
         if (st.st_dev, st.st_ino) != self._file_id:
             return f"ledger file {shown(self.path)} was replaced by another file"
         return None
+
+    def sidecar_gone(self) -> str | None:
+        """Which of the file's -wal and -shm were deleted or replaced since this connection
+        opened it (the file itself still in place), or None. This connection and the others
+        that had the file open go on with the ones they have, unlinked, but a connection
+        opened now would be given new ones: its rows and theirs in two WALs, or one WAL read
+        through two indexes, would corrupt the file (``make_anew``). Two stats: the
+        heartbeat's thread asks it, not a request."""
+        real = os.path.realpath(self.path)
+        gone = [suffix for suffix, was in self._sidecar_ids.items()
+                if was is not None and _file_id(real + suffix) != was]
+        return " and ".join(gone) or None
+
+    @_wrap
+    def make_anew(self) -> bool:
+        """Put a copy of the file, as this connection reads it, in its place with no -wal or
+        -shm beside it, when one of them was deleted (``sidecar_gone``): each process on the
+        file then finds it replaced and moves to the copy, as to any file put in place (it
+        registers its attempts in flight there, and records its own recordings still within
+        their window; what another committed after the copy was made is what an older copy
+        lacks), and none opens the file with new ones meanwhile (``open`` refuses while a
+        connection has it open). Under the lock on the folder that ``_make_file_alone``
+        takes: one process makes the copy. Whether this call made it (False: another process
+        did, the file at the path is no longer this connection's)."""
+        real = os.path.realpath(self.path)
+        folder = os.open(os.path.dirname(real), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _lock_folder(folder, real, MAKE_ANEW_LOCK_WAIT_S)  # (another's copy of a large file)
+            if self.file_replaced() is not None:
+                return False
+            copy = f"{real}.copy"
+            for stale in (copy, copy + "-wal", copy + "-shm", copy + "-journal"):
+                if check_private_file(stale) is not None:
+                    os.unlink(stale)
+            os.close(open_private(copy, os.O_RDWR))
+            target = sqlite3.connect(copy, isolation_level=None)
+            try:
+                self._conn().backup(target)
+            finally:
+                target.close()  # (its -wal and -shm, if any, copied in and deleted)
+            for suffix in ("-wal", "-shm"):
+                if check_private_file(real + suffix) is not None:
+                    os.unlink(real + suffix)
+            os.replace(copy, real)
+            return True
+        finally:
+            os.close(folder)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -1235,11 +1288,51 @@ def _make_file_alone(real: str) -> None:
         os.close(folder)  # (drops the lock)
 
 
-def _lock_folder(folder: int, real: str) -> None:
-    """Take the lock of ``_make_file_alone`` on the open ``folder``: only ever held for a few
-    system calls, so it is waited for at most ``FOLDER_LOCK_WAIT_S`` (without a bound, a
-    program holding it would hold up the event loop)."""
-    give_up = time.monotonic() + FOLDER_LOCK_WAIT_S
+def _file_id(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of the file at ``path``, None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _sidecars_deleted_under_a_connection(real: str) -> str | None:
+    """Which of the -wal and -shm of the existing file at ``real`` is missing while a
+    connection (of any process) has the file open, or None. Every connection in WAL mode
+    holds a lock on the file as long as it is open (Linux's ``/proc/locks`` lists it), and
+    SQLite keeps both beside the file meanwhile; so one missing then was deleted under that
+    connection, which goes on with it unlinked. Where ``/proc/locks`` cannot be read, None."""
+    missing = [suffix for suffix in ("-wal", "-shm") if not os.path.lexists(real + suffix)]
+    if not missing:
+        return None
+    try:
+        st = os.stat(real)
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            held = locks.read()
+    except OSError:
+        return None
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return " and ".join(missing) if any(field == wanted for line in held.splitlines()
+                                        for field in line.split()[4:7]) else None
+
+
+def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
+    """Raise ``LedgerError`` when a -wal or -shm of the file at ``real`` (the ledger ``path``)
+    was deleted while a connection has it open (``_sidecars_deleted_under_a_connection``):
+    SQLite would give this connection new ones."""
+    deleted = _sidecars_deleted_under_a_connection(real)
+    if deleted is not None:
+        raise LedgerError(f"the {deleted} of {shown(path)} was deleted while a connection has "
+                          "the file open; opened once a process on it made the file anew (or "
+                          "none has it open)")
+
+
+def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> None:
+    """Take the lock of ``_make_file_alone`` and ``Ledger.make_anew`` on the open ``folder``,
+    waiting for it at most ``wait_s`` (without a bound, a program holding it would hold up
+    the event loop: the file is made there; a copy, on the heartbeat's thread)."""
+    give_up = time.monotonic() + wait_s
     while True:
         try:
             fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1324,7 +1417,11 @@ def _readonly_uri(real: str, owner: int | None = None) -> tuple[str, bool]:
 def _look(path: str) -> _Found | None:
     """A read-only look at the existing file at ``path`` through SQLite (None: it cannot be
     read now, which the open reports). Never a descriptor of our own: closing one would drop
-    every lock SQLite holds on the file in this process. Read as ``_readonly_uri`` says."""
+    every lock SQLite holds on the file in this process. Read as ``_readonly_uri`` says; not
+    while a -wal or -shm of it was deleted under a connection (a -shm made for the look would
+    be another index of the WAL that connection goes on writing)."""
+    if _sidecars_deleted_under_a_connection(path) is not None:
+        return None
     try:
         uri, _ = _readonly_uri(path)
         probe = sqlite3.connect(uri, uri=True, timeout=PROBE_BUSY_S, isolation_level=None)

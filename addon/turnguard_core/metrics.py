@@ -92,7 +92,7 @@ ABANDON_REASONS = {
 WAIT_END_REASONS = ("cooldown_elapsed", "gone", "ownership_lost", "woken")
 SESSION_CLAIM_RESULTS = ("created", "taken_over")
 # (failover.WRITE_CALLS names its writes; "probe": the catch-up and heartbeat of a ledger
-# found unusable before; "file_check": the file was found deleted or replaced)
+# found unusable before; "file_check": the file was found deleted or replaced, or made anew)
 LEDGER_CALLS = (
     "open", "admit", "heartbeat", "reap", "gc", "replay", "poll", "claim_session",
     "renew_session", "fail_closed", "finish", "first_event", "recovery_decision",

@@ -488,6 +488,10 @@ class PgLedger:
         heartbeat), or None. No query of its own."""
         return self._replaced
 
+    def sidecar_gone(self) -> str | None:
+        """A server keeps no file beside the database: never (see ``Ledger.sidecar_gone``)."""
+        return None
+
     # -- admission -----------------------------------------------------------------------------
     @_wrap
     def admit(
