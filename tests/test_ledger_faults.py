@@ -213,6 +213,35 @@ def wait_ledger_used_again(tmp_path: Path, url: str, timeout: float = 20) -> Non
 # Faults during a run, under a real mitmdump
 
 
+def test_a_copy_made_anew_on_a_full_disk_leaves_no_part_and_is_made_once_there_is_room(
+        tmp_path):
+    """The ledger's -wal is deleted under its connection on a full disk: the copy put in the
+    file's place (``Ledger.make_anew``) cannot be made; the part made is removed (it would only
+    take the room other writes need), and the copy is made once there is room."""
+    from test_ledger import admit, ident, open_ledger
+    from turnguard_core.ledger import LedgerError
+
+    folder = tmp_path / "ledger-fs"
+    with tiny_tmpfs(folder, "4m"):
+        path = folder / "l.sqlite3"
+        led = open_ledger(path, "a")
+        for n in range(50):
+            admit(led, ident({"n": n, "pad": "x" * 2000}))
+        os.unlink(f"{path}-wal")
+        fill(folder)
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(LedgerError):
+            led.make_anew()
+        assert sorted(p.name for p in folder.iterdir()) == before
+        unfill(folder)
+        assert led.make_anew()
+        assert sorted(p.name for p in folder.iterdir()) == ["l.sqlite3"]
+        led.close()
+        again = open_ledger(path, "b")
+        assert again.counts() == {"in_flight": 50}
+        again.close()
+
+
 def test_disk_full_keeps_proxying_fails_closed_and_recovers(tmp_path, report):
     folder = tmp_path / "ledger-fs"
     with tiny_tmpfs(folder, "8m"):  # (room for the scratch writes of wal_at_its_end)

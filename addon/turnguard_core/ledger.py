@@ -551,15 +551,21 @@ class Ledger:
             if self.file_replaced() is not None:
                 return False
             copy = f"{real}.copy"
-            for stale in (copy, copy + "-wal", copy + "-shm", copy + "-journal"):
+            for stale in (copy, copy + "-journal", copy + "-wal", copy + "-shm"):
                 if check_private_file(stale) is not None:
                     os.unlink(stale)
             os.close(open_private(copy, os.O_RDWR))
-            target = sqlite3.connect(copy, isolation_level=None)
             try:
-                self._conn().backup(target)
-            finally:
-                target.close()  # (its -wal and -shm, if any, copied in and deleted)
+                target = sqlite3.connect(copy, isolation_level=None)
+                try:
+                    self._conn().backup(target)
+                finally:
+                    target.close()  # (its -wal and -shm, if any, copied in and deleted)
+            except BaseException:  # (a full disk: the part made would only take more room)
+                for part in (copy, copy + "-journal", copy + "-wal", copy + "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(part)
+                raise
             for suffix in ("-wal", "-shm"):
                 if check_private_file(real + suffix) is not None:
                     os.unlink(real + suffix)
