@@ -486,6 +486,38 @@ def test_a_ledger_whose_wal_or_shm_was_deleted_under_a_connection_is_made_anew(
     open_ledger(path, "d").close()
 
 
+def test_a_file_put_in_place_while_a_copy_is_made_anew_is_kept(tmp_path):
+    """An operator restores a backup (its -wal and -shm deleted first, then the backup moved
+    in): a heartbeat that saw the -wal gone in between and made a copy of the file meanwhile
+    does not put its copy over the backup."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    admit(a, ident({"n": 1}))
+    backup = tmp_path / "backup.sqlite3"
+    target = sqlite3.connect(backup)
+    a._conn().backup(target)
+    target.close()
+    os.chmod(backup, 0o600)
+    restored = os.stat(backup).st_ino
+    os.unlink(f"{path}-wal")
+    connection = a._conn()
+
+    class BackupRestoredMeanwhile:
+        def __getattr__(self, name):
+            return getattr(connection, name)
+
+        def backup(self, target):
+            connection.backup(target)
+            os.replace(backup, path)
+
+    a._db = BackupRestoredMeanwhile()
+    assert not a.make_anew()
+    a._db = connection
+    assert os.stat(path).st_ino == restored
+    assert not Path(f"{path}.copy").exists()
+    a.close()
+
+
 def test_a_deleted_or_replaced_ledger_file_is_an_error_not_an_empty_ledger(tmp_path):
     path = tmp_path / "l.sqlite3"
     a = open_ledger(path, "a")

@@ -566,6 +566,9 @@ class Ledger:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(part)
                 raise
+            if self.file_replaced() is not None:  # put in place meanwhile (a backup restored)
+                os.unlink(copy)
+                return False
             for suffix in ("-wal", "-shm"):
                 if check_private_file(real + suffix) is not None:
                     os.unlink(real + suffix)
