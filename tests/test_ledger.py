@@ -486,6 +486,28 @@ def test_a_ledger_whose_wal_or_shm_was_deleted_under_a_connection_is_made_anew(
     open_ledger(path, "d").close()
 
 
+def test_a_ledger_is_made_in_a_folder_that_takes_no_lock(tmp_path, monkeypatch):
+    """A file system without locks on a folder (some network ones refuse ``flock`` there)
+    still gets its ledger file made, and made anew, without that lock."""
+    import errno
+
+    from turnguard_core import ledger as ledger_module
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(ledger_module.fcntl, "flock", refused)
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    admit(a, ident({"n": 1}))
+    os.unlink(f"{path}-wal")
+    assert a.make_anew()
+    a.close()
+    b = open_ledger(path, "b")
+    assert b.counts() == {"in_flight": 1}
+    b.close()
+
+
 def test_a_file_put_in_place_while_a_copy_is_made_anew_is_kept(tmp_path):
     """An operator restores a backup (its -wal and -shm deleted first, then the backup moved
     in): a heartbeat that saw the -wal gone in between and made a copy of the file meanwhile

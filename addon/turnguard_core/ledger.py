@@ -1340,7 +1340,8 @@ def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
 def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> None:
     """Take the lock of ``_make_file_alone`` and ``Ledger.make_anew`` on the open ``folder``,
     waiting for it at most ``wait_s`` (without a bound, a program holding it would hold up
-    the event loop: the file is made there; a copy, on the heartbeat's thread)."""
+    the event loop: the file is made there; a copy, on the heartbeat's thread). A file system
+    that has no such lock (some network ones) goes without it, as turnguard did before it."""
     give_up = time.monotonic() + wait_s
     while True:
         try:
@@ -1351,6 +1352,8 @@ def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> 
                 raise LedgerError(f"the folder of {shown(real)} is locked by another program; "
                                   "the ledger file is made at the next try") from None
             time.sleep(0.001)
+        except OSError:  # (EBADF, ENOLCK, EOPNOTSUPP: no lock on a folder there)
+            return
 
 
 def _stamp(path: str) -> tuple[int, ...]:
