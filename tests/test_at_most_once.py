@@ -1672,6 +1672,37 @@ def test_deleting_the_ledger_under_a_running_process_is_an_outage_not_an_empty_l
            "upstream dispatches=1")
 
 
+@contextlib.contextmanager
+def _wal_kept_by_a_reader(ledger: Path):
+    """Another connection reading the ledger until the block ends (a backup, an operator's
+    shell): the pages committed meanwhile stay in its WAL, not checkpointed."""
+    reader = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM operations").fetchone()
+        yield
+    finally:
+        reader.close()
+
+
+def _each_turn_through_a_held_through_b(a: Mitmdump, b: Mitmdump, up: MockUpstream,
+                                        what: str, turns: int = 3) -> None:
+    """``turns`` turns through A (2 s each), the duplicate of each sent through B just after
+    A dispatched it: each held or replayed, one dispatch a turn."""
+    for i in range(turns):
+        body = body_of(f"{what} {i}")
+        before = len(up.dispatches())
+        original = in_background(
+            post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=2000)}, body)
+        wait_until(lambda: len(up.dispatches()) == before + 1, 10, what="the original dispatched")
+        time.sleep(0.5)
+        status, headers, _ = post(b.url, SESSION, body)
+        assert original.result(30)[0] == 200
+        assert status == 200 and headers.get("x-turnguard") in ("replayed", "attached"), \
+            f"turn {i}: {status} {headers.get('x-turnguard')}"
+        assert len(up.dispatches()) == before + 1, f"turn {i} ran twice"
+
+
 def test_the_ledger_file_deleted_alone_while_a_connection_keeps_it_open_is_made_anew(
         tmp_path, report):
     """``rm`` of the ledger file alone, its -wal and -shm left, while a connection still has
@@ -1685,29 +1716,13 @@ def test_the_ledger_file_deleted_alone_while_a_connection_keeps_it_open_is_made_
             guarded(tmp_path, up, "a", turnguard_ledger=str(ledger)) as a, \
             guarded(tmp_path, up, "b", turnguard_ledger=str(ledger)) as b:
         _warm_up(a, b)
-        reader = sqlite3.connect(ledger, isolation_level=None)
-        try:
-            reader.execute("BEGIN")  # a read: the WAL's pages stay in it, not checkpointed
-            reader.execute("SELECT count(*) FROM operations").fetchone()
+        with _wal_kept_by_a_reader(ledger):
             for i in range(3):
                 assert post(a.url, SESSION, body_of(f"pages in the WAL {i}"))[0] == 200
             old_wal = os.stat(f"{ledger}-wal")
             assert old_wal.st_size > 0
             ledger.unlink()
-            for i in range(3):
-                body = body_of(f"a turn after the ledger file alone was deleted {i}")
-                before = len(up.dispatches())
-                original = in_background(
-                    post, a.url, {**SESSION, **behaviour(kind="ok", delay_ms=2000)}, body)
-                wait_until(lambda: len(up.dispatches()) == before + 1, 10,
-                           what="the original dispatched")
-                duplicate = post(b.url, SESSION, body)
-                assert original.result(30)[0] == duplicate[0] == 200
-                assert duplicate[1].get("x-turnguard") in ("replayed", "attached"), \
-                    f"turn {i}: B ran it again"
-                assert len(up.dispatches()) == before + 1, f"turn {i} ran twice"
-        finally:
-            reader.close()
+            _each_turn_through_a_held_through_b(a, b, up, "a turn after the file alone went")
         new_wal = os.stat(f"{ledger}-wal")
         assert (new_wal.st_dev, new_wal.st_ino) != (old_wal.st_dev, old_wal.st_ino)
         for name in "ab":
@@ -1780,6 +1795,39 @@ def test_the_ledgers_wal_or_shm_deleted_under_running_processes_corrupts_nothing
            "started just after: one copy of the file put in its place, every process on it; "
            "the duplicates through the other two held or replayed, one dispatch a turn; "
            "integrity ok")
+
+
+def test_an_older_copy_moved_over_the_ledger_with_its_wal_and_shm_left_corrupts_nothing(
+        tmp_path, report):
+    """An older copy of the ledger moved over it under running processes, the old file's
+    -wal and -shm left beside it (a backup restored with ``mv`` alone), the WAL holding
+    pages. SQLite paired the copy with them: it read the old file's WAL as the copy's (409s,
+    "disk I/O error", a corrupted file). Now the first process to open the copy finds them
+    another file's (that file's connections hold the -shm, none the copy; or this process
+    left that file) and removes them first: the copy opens alone, each process moves to it,
+    and the duplicates through B of the turns through A are held or replayed."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        _warm_up(a, b)
+        older_copy(tmp_path)
+        for i in range(60):  # (copied into the file by the heartbeats' checkpoints)
+            assert post(a.url if i % 2 else b.url, SESSION, body_of(f"filler {i}"))[0] == 200
+        time.sleep(1)
+        with _wal_kept_by_a_reader(ledger):
+            for i in range(20):
+                assert post(a.url, SESSION, body_of(f"after the copy {i}"))[0] == 200
+            assert os.path.getsize(f"{ledger}-wal") > 0
+            os.replace(tmp_path / "older.sqlite3", ledger)  # (its -wal and -shm left)
+            _each_turn_through_a_held_through_b(a, b, up, "a turn after the copy was moved in")
+        log = a.log_text() + b.log_text()
+        assert ledger_integrity(ledger) == "ok"
+        assert "disk I/O error" not in log and "malformed" not in log
+        assert_no_traceback(log)
+    report("an older copy moved over the ledger with the old -wal and -shm left, the WAL "
+           "holding pages: opened without them; 3 turns through A, each duplicate through B "
+           "held or replayed; upstream dispatches=1 per turn; integrity ok")
 
 
 def test_a_duplicate_held_elsewhere_when_the_ledger_is_deleted_keeps_waiting(tmp_path, report):

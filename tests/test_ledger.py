@@ -140,8 +140,9 @@ def test_a_file_that_is_no_database_is_not_opened_through_the_wal_left_beside_it
     """A file that is no database moved over a ledger whose WAL still holds its first page
     (its -wal and -shm left beside it, a connection still open on the old file): read
     through that WAL, SQLite takes the junk for the old ledger. It is refused as junk, left
-    untouched, and a read-only open (the operator's tools) refuses it too; once it is gone,
-    a new ledger is made at the path."""
+    untouched (the -wal and -shm beside it, the old file's, are removed), and a read-only
+    open (the operator's tools) refuses it too; once it is gone, a new ledger is made at the
+    path."""
     path = tmp_path / "l.sqlite3"
     a = LedgerAdmin(str(path), "a", checkpoint_on_commit=False)  # (pages stay in the WAL)
     a.open(1000.0)
@@ -156,8 +157,8 @@ def test_a_file_that_is_no_database_is_not_opened_through_the_wal_left_beside_it
     with pytest.raises(LedgerError, match="is not a SQLite database"):  # nor read (a tool)
         LedgerAdmin(str(path), "tool").open_readonly()
     assert path.read_bytes() == b"no database here\n" * 256
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.sqlite3"]
+    path.unlink()
     b = open_ledger(path, "b")
     assert b.generation != a.generation
 
@@ -505,6 +506,38 @@ def test_a_ledger_is_made_in_a_folder_that_takes_no_lock(tmp_path, monkeypatch):
     a.close()
     b = open_ledger(path, "b")
     assert b.counts() == {"in_flight": 1}
+    b.close()
+
+
+def test_an_older_copy_moved_in_beside_the_wal_of_the_file_this_process_left_opens_alone(
+        tmp_path):
+    """An older copy moved over the ledger, the old file's -wal and -shm left, its WAL holding
+    pages; the process that had the old file open (no connection has it now) opens the copy
+    without them, where SQLite would read the old WAL's pages as the copy's."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    a._conn().execute("PRAGMA wal_autocheckpoint=0")
+    for n in range(30):
+        admit(a, ident({"n": n, "pad": "x" * 500}))
+    older = tmp_path / "older.sqlite3"
+    target = sqlite3.connect(older)
+    a._conn().backup(target)
+    target.close()
+    os.chmod(older, 0o600)
+    for n in range(30, 60):  # in the file, then in the WAL
+        admit(a, ident({"n": n, "pad": "x" * 500}))
+    a._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
+    for n in range(60, 90):
+        admit(a, ident({"n": n, "pad": "x" * 500}))
+    assert Path(f"{path}-wal").stat().st_size > 0
+    os.replace(older, path)
+    assert "replaced" in a.file_replaced()
+    a.close()
+    with pytest.raises(LedgerError, match="are another file's"):  # nor read (a tool)
+        LedgerAdmin(str(path), "tool").open_readonly()
+    b = open_ledger(path, "b")
+    assert b.counts() == {"in_flight": 30}
+    assert b.integrity_check() == "ok"
     b.close()
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import sqlite3
 import stat
+import threading
 import time
 import urllib.parse
 import uuid
@@ -292,13 +293,51 @@ class Ledger:
         (``register=False``: a control tool that serves no traffic, e.g. ``scripts/turnguard``;
         it appears in no ``instances`` row)."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
+        with _FolderLock(real_path):
+            db = self._connect(real_path)
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.execute("PRAGMA secure_delete=ON")  # purged recordings leave no bytes behind
+            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            if not self._checkpoint_on_commit:
+                db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_CHECKPOINT_PAGES}")
+            self._db = db
+            if self.path != ":memory:":
+                st = os.stat(self.path)
+                self._file_id = (st.st_dev, st.st_ino)
+                self._sidecar_ids = {suffix: _file_id(real_path + suffix)
+                                     for suffix in ("-wal", "-shm")}
+            self._migrate()
+            if register:
+                with self._tx() as tx:
+                    self.incarnation = self._register(tx, now, keep_incarnation=True)
+            with self._tx() as tx:
+                made = tx.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
+            # with the file's identity: an older copy of this very file put back in its place
+            # (a restored backup) has its id, yet not its rows since (attempt ids come again)
+            self.generation = made if self._file_id is None \
+                else f"{made}@{self._file_id[0]}:{self._file_id[1]}"
+        except BaseException:
+            db.close()
+            self._db = None
+            self._file_id = None
+            raise
+
+    def _connect(self, real_path: str) -> sqlite3.Connection:
+        """Make the file, or put right the files beside it, and connect, up to SQLite's first
+        read of it (its locks taken: on the file, and in WAL mode on the -shm). Run under the
+        folder's lock (``_FolderLock``), so that no other process of ours looks at the files
+        between that look and those locks."""
         if self.path != ":memory:":
             # a file that is no ledger of this turnguard's yet may be put right: an outage,
             # and neither made private nor given SQLite's files beside it meanwhile
-            exists = os.path.lexists(real_path)
-            found = _look(real_path) if exists else None
-            if not exists:
+            found = None
+            if not os.path.lexists(real_path):
                 _make_file_alone(real_path)
+            else:
+                _remove_stale_sidecars(real_path)
+                found = _look(real_path)
             if found is not None and found.not_a_database:
                 raise LedgerError(f"{shown(self.path)} is not a SQLite database; left untouched "
                                   "(turnguard opens it again once it is one, or is gone)")
@@ -330,33 +369,10 @@ class Ledger:
             db.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA foreign_keys=ON")
-            db.execute("PRAGMA secure_delete=ON")  # purged recordings leave no bytes behind
-            db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-            if not self._checkpoint_on_commit:
-                db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_CHECKPOINT_PAGES}")
-            self._db = db
-            if self.path != ":memory:":
-                st = os.stat(self.path)
-                self._file_id = (st.st_dev, st.st_ino)
-                self._sidecar_ids = {suffix: _file_id(real_path + suffix)
-                                     for suffix in ("-wal", "-shm")}
-            self._migrate()
-            if register:
-                with self._tx() as tx:
-                    self.incarnation = self._register(tx, now, keep_incarnation=True)
-            with self._tx() as tx:
-                made = tx.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
-            # with the file's identity: an older copy of this very file put back in its place
-            # (a restored backup) has its id, yet not its rows since (attempt ids come again)
-            self.generation = made if self._file_id is None \
-                else f"{made}@{self._file_id[0]}:{self._file_id[1]}"
         except BaseException:
             db.close()
-            self._db = None
-            self._file_id = None
             raise
+        return db
 
     @_wrap
     def open_readonly(self) -> None:
@@ -369,6 +385,9 @@ class Ledger:
             raise LedgerError(f"ledger {shown(self.path)} is not a file")
         real = os.path.realpath(self.path)  # where SQLite looks for the -wal and the -shm
         _refuse_if_sidecars_deleted(real, self.path)
+        if _stale_sidecars(real):  # (read through them, the rows would be that file's)
+            raise LedgerError(f"the -wal and -shm beside {shown(self.path)} are another "
+                              "file's (moved in with them left); read once turnguard opened it")
         try:
             uri, made_shm = _readonly_uri(real, owner=os.stat(real).st_uid)
         except UnsafePath as e:
@@ -384,7 +403,12 @@ class Ledger:
         try:
             db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             db.execute("PRAGMA query_only=ON")
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+            except sqlite3.DatabaseError as e:
+                if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_NOTADB:
+                    raise
+                raise LedgerError(f"{shown(self.path)} is not a SQLite database") from None
             if made_shm:  # SQLite gave it the file's mode as it opened it
                 os.chmod(real + "-shm", 0o600, follow_symlinks=False)
             if version != SCHEMA_VERSION:
@@ -514,10 +538,12 @@ class Ledger:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
+            _note_sidecars_left(self._sidecar_ids.values())
             return f"ledger file {shown(self.path)} was deleted"
         except OSError as e:
             return f"ledger file {shown(self.path)} cannot be checked: {e.strerror}"
         if (st.st_dev, st.st_ino) != self._file_id:
+            _note_sidecars_left(self._sidecar_ids.values())
             return f"ledger file {shown(self.path)} was replaced by another file"
         return None
 
@@ -541,13 +567,11 @@ class Ledger:
         registers its attempts in flight there, and records its own recordings still within
         their window; what another committed after the copy was made is what an older copy
         lacks), and none opens the file with new ones meanwhile (``open`` refuses while a
-        connection has it open). Under the lock on the folder that ``_make_file_alone``
-        takes: one process makes the copy. Whether this call made it (False: another process
+        connection has it open). Under the folder's lock (``_FolderLock``): one process
+        makes the copy. Whether this call made it (False: another process
         did, the file at the path is no longer this connection's)."""
         real = os.path.realpath(self.path)
-        folder = os.open(os.path.dirname(real), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            _lock_folder(folder, real, MAKE_ANEW_LOCK_WAIT_S)  # (another's copy of a large file)
+        with _FolderLock(real, MAKE_ANEW_LOCK_WAIT_S):  # (another's copy of a large file)
             if self.file_replaced() is not None:
                 return False
             copy = f"{real}.copy"
@@ -574,8 +598,6 @@ class Ledger:
                     os.unlink(real + suffix)
             os.replace(copy, real)
             return True
-        finally:
-            os.close(folder)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -1281,20 +1303,61 @@ def _make_file_alone(real: str) -> None:
     then fails (a disk I/O error: its pages looked for in the old file's WAL), and each
     process decides in memory for as long as that connection stays; once none has, SQLite
     copies the old WAL's pages into the new file. Removing their names takes nothing from
-    the connections that have them open. Done under an exclusive lock on the folder, which
-    every process making the file takes: two that find the file gone at once make one file,
-    and neither removes the -wal or -shm of the file the other made."""
-    folder = os.open(os.path.dirname(real), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _lock_folder(folder, real)
-        if os.path.lexists(real):
-            return  # another process made it meanwhile
+    the connections that have them open. Under the folder's lock (``_FolderLock``): two
+    processes that find the file gone at once make one file, and neither removes the -wal
+    or -shm of the file the other made."""
+    for suffix in ("-wal", "-shm"):
+        if check_private_file(real + suffix) is not None:
+            os.unlink(real + suffix)
+    os.close(open_private(real, os.O_RDWR))
+
+
+def _stale_sidecars(real: str) -> bool:
+    """Whether the -wal and -shm beside the existing file at ``real`` are another file's: no
+    connection has this file open, and either a connection has that -shm open (SQLite holds
+    a lock on a file as long as it has it open, and takes it before its -shm's: so the
+    -shm's connections are of another file), or this process left the file they were beside
+    (``_SIDECARS_LEFT``). That is a file put in place by a move with the old one's -wal and
+    -shm left (an older copy restored so): SQLite would read the old file's WAL as this
+    one's and corrupt it. A -wal of no other file (a process killed) holds this one's rows."""
+    sidecars = [found for found in (_file_id(real + "-wal"), _file_id(real + "-shm"))
+                if found is not None]
+    if not sidecars:
+        return False
+    file = _file_id(real)
+    locked = _locked(file, *sidecars)
+    if file in locked:
+        return False  # this file is open: what is beside it is its own
+    with _SIDECARS_LEFT_LOCK:
+        left = any(found in _SIDECARS_LEFT for found in sidecars)
+    return left or any(found in locked for found in sidecars)
+
+
+def _remove_stale_sidecars(real: str) -> None:
+    """Remove the -wal and -shm beside the file at ``real`` when they are another file's
+    (``_stale_sidecars``). Under the folder's lock (``_FolderLock``), so that no process of
+    ours opens the file between the look and the removal."""
+    if _stale_sidecars(real):
         for suffix in ("-wal", "-shm"):
             if check_private_file(real + suffix) is not None:
                 os.unlink(real + suffix)
-        os.close(open_private(real, os.O_RDWR))
-    finally:
-        os.close(folder)  # (drops the lock)
+
+
+# The -wal and -shm (device, inode) of the ledger files this process's connections found
+# deleted or replaced (``Ledger.file_replaced``): at most ``MAX_SIDECARS_LEFT``, the newest.
+_SIDECARS_LEFT: dict[tuple[int, int], None] = {}
+_SIDECARS_LEFT_LOCK = threading.Lock()  # (the heartbeat's thread notes them too)
+MAX_SIDECARS_LEFT = 64
+
+
+def _note_sidecars_left(ids: Iterable[tuple[int, int] | None]) -> None:
+    with _SIDECARS_LEFT_LOCK:
+        for found in ids:
+            if found is not None:
+                _SIDECARS_LEFT.pop(found, None)
+                _SIDECARS_LEFT[found] = None
+        while len(_SIDECARS_LEFT) > MAX_SIDECARS_LEFT:
+            del _SIDECARS_LEFT[next(iter(_SIDECARS_LEFT))]
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -1309,21 +1372,28 @@ def _file_id(path: str) -> tuple[int, int] | None:
 def _sidecars_deleted_under_a_connection(real: str) -> str | None:
     """Which of the -wal and -shm of the existing file at ``real`` is missing while a
     connection (of any process) has the file open, or None. Every connection in WAL mode
-    holds a lock on the file as long as it is open (Linux's ``/proc/locks`` lists it), and
-    SQLite keeps both beside the file meanwhile; so one missing then was deleted under that
-    connection, which goes on with it unlinked. Where ``/proc/locks`` cannot be read, None."""
+    holds a lock on the file as long as it is open, and SQLite keeps both beside the file
+    meanwhile; so one missing then was deleted under that connection, which goes on with it
+    unlinked."""
     missing = [suffix for suffix in ("-wal", "-shm") if not os.path.lexists(real + suffix)]
     if not missing:
         return None
+    found = _file_id(real)
+    return " and ".join(missing) if found is not None and found in _locked(found) else None
+
+
+def _locked(*files: tuple[int, int] | None) -> set[tuple[int, int]]:
+    """Which of ``files`` (device, inode) a process holds a lock on, as Linux's
+    ``/proc/locks`` lists them (none where it cannot be read)."""
+    wanted = {f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}": (dev, ino)
+              for dev, ino in filter(None, files)}
     try:
-        st = os.stat(real)
         with open("/proc/locks", encoding="ascii", errors="replace") as locks:
             held = locks.read()
     except OSError:
-        return None
-    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return " and ".join(missing) if any(field == wanted for line in held.splitlines()
-                                        for field in line.split()[4:7]) else None
+        return set()
+    return {wanted[field] for line in held.splitlines() for field in line.split()[4:7]
+            if field in wanted}
 
 
 def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
@@ -1335,6 +1405,31 @@ def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
         raise LedgerError(f"the {deleted} of {shown(path)} was deleted while a connection has "
                           "the file open; opened once a process on it made the file anew (or "
                           "none has it open)")
+
+
+class _FolderLock:
+    """The lock of ``Ledger._connect`` and ``Ledger.make_anew`` on the folder of the file at
+    ``real`` (none for ``:memory:``): held while a process of ours looks at, makes or
+    removes the files there, up to SQLite's first locks on them."""
+
+    def __init__(self, real: str, wait_s: float = FOLDER_LOCK_WAIT_S):
+        self.real, self.wait_s, self._folder = real, wait_s, None
+
+    def __enter__(self) -> None:
+        if self.real == ":memory:":
+            return
+        self._folder = os.open(os.path.dirname(self.real),
+                               os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _lock_folder(self._folder, self.real, self.wait_s)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self._folder is not None:
+            os.close(self._folder)  # (drops the lock)
+            self._folder = None
 
 
 def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> None:
@@ -1431,8 +1526,9 @@ def _look(path: str) -> _Found | None:
     read now, which the open reports). Never a descriptor of our own: closing one would drop
     every lock SQLite holds on the file in this process. Read as ``_readonly_uri`` says; not
     while a -wal or -shm of it was deleted under a connection (a -shm made for the look would
-    be another index of the WAL that connection goes on writing)."""
-    if _sidecars_deleted_under_a_connection(path) is not None:
+    be another index of the WAL that connection goes on writing), nor while the ones beside
+    it are another file's (``_stale_sidecars``: the look would read that file's WAL)."""
+    if _sidecars_deleted_under_a_connection(path) is not None or _stale_sidecars(path):
         return None
     try:
         uri, _ = _readonly_uri(path)
