@@ -140,9 +140,8 @@ def test_a_file_that_is_no_database_is_not_opened_through_the_wal_left_beside_it
     """A file that is no database moved over a ledger whose WAL still holds its first page
     (its -wal and -shm left beside it, a connection still open on the old file): read
     through that WAL, SQLite takes the junk for the old ledger. It is refused as junk, left
-    untouched (the -wal and -shm beside it, the old file's, are removed), and a read-only
-    open (the operator's tools) refuses it too; once it is gone, a new ledger is made at the
-    path."""
+    untouched, and a read-only open (the operator's tools) refuses it too; once it is gone,
+    a new ledger is made at the path."""
     path = tmp_path / "l.sqlite3"
     a = LedgerAdmin(str(path), "a", checkpoint_on_commit=False)  # (pages stay in the WAL)
     a.open(1000.0)
@@ -157,8 +156,8 @@ def test_a_file_that_is_no_database_is_not_opened_through_the_wal_left_beside_it
     with pytest.raises(LedgerError, match="is not a SQLite database"):  # nor read (a tool)
         LedgerAdmin(str(path), "tool").open_readonly()
     assert path.read_bytes() == b"no database here\n" * 256
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.sqlite3"]
-    path.unlink()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink()
     b = open_ledger(path, "b")
     assert b.generation != a.generation
 

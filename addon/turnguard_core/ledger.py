@@ -21,6 +21,7 @@ import json
 import os
 import sqlite3
 import stat
+import struct
 import threading
 import time
 import urllib.parse
@@ -281,6 +282,7 @@ class Ledger:
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._sidecar_ids: dict[str, tuple[int, int] | None] = {}  # its -wal's and -shm's
+        self._open_here: tuple[int, int] | None = None  # the file, in ``_OPEN_HERE``
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
         self._stamp: tuple[int, ...] | None = None  # the file read immutable (open_readonly)
         self.generation = ""  # this ledger file: a random id made with it, and its identity
@@ -308,6 +310,8 @@ class Ledger:
                 self._file_id = (st.st_dev, st.st_ino)
                 self._sidecar_ids = {suffix: _file_id(real_path + suffix)
                                      for suffix in ("-wal", "-shm")}
+                self._open_here = _note_open_here(self._file_id)
+                _forget_sidecars_left()  # (their inodes may be a new file's now)
             self._migrate()
             if register:
                 with self._tx() as tx:
@@ -322,6 +326,7 @@ class Ledger:
             db.close()
             self._db = None
             self._file_id = None
+            self._open_here = _note_closed_here(self._open_here)
             raise
 
     def _connect(self, real_path: str) -> sqlite3.Connection:
@@ -418,6 +423,8 @@ class Ledger:
                     f"reads version {SCHEMA_VERSION}{hint}"
                 )
             self._db = db
+            if self._stamp is None:  # (read through its -wal: a connection like the others)
+                self._open_here = _note_open_here(_file_id(real))
         except BaseException:
             db.close()
             self._db = None
@@ -471,6 +478,7 @@ class Ledger:
                     self.truncate_wal()
             self._db.close()
             self._db = None
+            self._open_here = _note_closed_here(self._open_here)
 
     @property
     def busy_timeout_ms(self) -> int:
@@ -1314,23 +1322,20 @@ def _make_file_alone(real: str) -> None:
 
 def _stale_sidecars(real: str) -> bool:
     """Whether the -wal and -shm beside the existing file at ``real`` are another file's: no
-    connection has this file open, and either a connection has that -shm open (SQLite holds
-    a lock on a file as long as it has it open, and takes it before its -shm's: so the
-    -shm's connections are of another file), or this process left the file they were beside
-    (``_SIDECARS_LEFT``). That is a file put in place by a move with the old one's -wal and
+    connection has this file open (``_open_anywhere``), and either another process has that
+    -shm open (SQLite holds a lock on a file as long as it has it open, and takes it before
+    its -shm's: so the -shm's connections are of another file; this process's own lock may
+    be a connection of this very file it does not track, a test's), or this process left the
+    file they were beside (``_SIDECARS_LEFT``). That is a file put in place by a move with the old one's -wal and
     -shm left (an older copy restored so): SQLite would read the old file's WAL as this
     one's and corrupt it. A -wal of no other file (a process killed) holds this one's rows."""
     sidecars = [found for found in (_file_id(real + "-wal"), _file_id(real + "-shm"))
                 if found is not None]
-    if not sidecars:
-        return False
-    file = _file_id(real)
-    locked = _locked(file, *sidecars)
-    if file in locked:
-        return False  # this file is open: what is beside it is its own
+    if not sidecars or _open_anywhere(real):
+        return False  # (this file open: what is beside it is its own)
     with _SIDECARS_LEFT_LOCK:
         left = any(found in _SIDECARS_LEFT for found in sidecars)
-    return left or any(found in locked for found in sidecars)
+    return left or bool(_locked(*sidecars, by_another_process=True))
 
 
 def _remove_stale_sidecars(real: str) -> None:
@@ -1344,7 +1349,9 @@ def _remove_stale_sidecars(real: str) -> None:
 
 
 # The -wal and -shm (device, inode) of the ledger files this process's connections found
-# deleted or replaced (``Ledger.file_replaced``): at most ``MAX_SIDECARS_LEFT``, the newest.
+# deleted or replaced (``Ledger.file_replaced``) since it last opened one: at most
+# ``MAX_SIDECARS_LEFT``, the newest. Forgotten at the next open: once deleted, their inodes
+# may be given to another file's.
 _SIDECARS_LEFT: dict[tuple[int, int], None] = {}
 _SIDECARS_LEFT_LOCK = threading.Lock()  # (the heartbeat's thread notes them too)
 MAX_SIDECARS_LEFT = 64
@@ -1358,6 +1365,11 @@ def _note_sidecars_left(ids: Iterable[tuple[int, int] | None]) -> None:
                 _SIDECARS_LEFT[found] = None
         while len(_SIDECARS_LEFT) > MAX_SIDECARS_LEFT:
             del _SIDECARS_LEFT[next(iter(_SIDECARS_LEFT))]
+
+
+def _forget_sidecars_left() -> None:
+    with _SIDECARS_LEFT_LOCK:
+        _SIDECARS_LEFT.clear()
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -1376,15 +1388,71 @@ def _sidecars_deleted_under_a_connection(real: str) -> str | None:
     meanwhile; so one missing then was deleted under that connection, which goes on with it
     unlinked."""
     missing = [suffix for suffix in ("-wal", "-shm") if not os.path.lexists(real + suffix)]
-    if not missing:
+    if not missing or not os.path.lexists(real):
         return None
+    return " and ".join(missing) if _open_anywhere(real) else None
+
+
+def _open_anywhere(real: str) -> bool:
+    """Whether a connection of this process (``_OPEN_HERE``) or of another one has the
+    existing file at ``real`` open: every connection in WAL mode holds a lock on it as long
+    as it is open. A lock ``/proc/locks`` lists was held; one it leaves out (it is read in
+    parts while others change) is asked of the kernel (``F_GETLK``: another process's, at
+    once and whole) through a descriptor of the file, opened only when no connection of this
+    process is known to have the file open: closing it drops every lock this process holds
+    on the file."""
     found = _file_id(real)
-    return " and ".join(missing) if found is not None and found in _locked(found) else None
+    if found is None:
+        return False
+    with _OPEN_HERE_LOCK:
+        if _OPEN_HERE.get(found):
+            return True
+    if _locked(found):
+        return True
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))[0] != fcntl.F_UNLCK
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
-def _locked(*files: tuple[int, int] | None) -> set[tuple[int, int]]:
-    """Which of ``files`` (device, inode) a process holds a lock on, as Linux's
-    ``/proc/locks`` lists them (none where it cannot be read)."""
+_FLOCK = "hhxxxxqqixxxx"  # struct flock (Linux): l_type, l_whence, l_start, l_len, l_pid
+
+# The ledger files (device, inode) this process's connections have open, and how many each.
+_OPEN_HERE: dict[tuple[int, int], int] = {}
+_OPEN_HERE_LOCK = threading.Lock()
+
+
+def _note_open_here(found: tuple[int, int] | None) -> tuple[int, int] | None:
+    if found is not None:
+        with _OPEN_HERE_LOCK:
+            _OPEN_HERE[found] = _OPEN_HERE.get(found, 0) + 1
+    return found
+
+
+def _note_closed_here(found: tuple[int, int] | None) -> None:
+    if found is not None:
+        with _OPEN_HERE_LOCK:
+            left = _OPEN_HERE.get(found, 0) - 1
+            if left > 0:
+                _OPEN_HERE[found] = left
+            else:
+                _OPEN_HERE.pop(found, None)
+    return None
+
+
+def _locked(*files: tuple[int, int] | None,
+            by_another_process: bool = False) -> set[tuple[int, int]]:
+    """Which of ``files`` (device, inode) a process (``by_another_process``: not this one)
+    holds a lock on, as Linux's ``/proc/locks`` lists them (none where it cannot be read). A
+    lock listed is one that was held; one left out may be held still (the list is read in
+    parts while others change)."""
     wanted = {f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}": (dev, ino)
               for dev, ino in filter(None, files)}
     try:
@@ -1392,8 +1460,14 @@ def _locked(*files: tuple[int, int] | None) -> set[tuple[int, int]]:
             held = locks.read()
     except OSError:
         return set()
-    return {wanted[field] for line in held.splitlines() for field in line.split()[4:7]
-            if field in wanted}
+    found = set()
+    for line in held.splitlines():  # "1: POSIX  ADVISORY  READ 14759 fe:00:2146459 128 128"
+        fields = line.split()  # (a lock waited for: "1: -> POSIX ...", one field more)
+        at = 6 if len(fields) > 1 and fields[1] == "->" else 5
+        if len(fields) > at and fields[at] in wanted and not (
+                by_another_process and fields[at - 1] == str(os.getpid())):
+            found.add(wanted[fields[at]])
+    return found
 
 
 def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
