@@ -564,6 +564,12 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
                     return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
                                                   {"kind": "ok", "events": 12, "gap_ms": 300}))
+                # the second turn once the first one's upstream connection is up (sent while
+                # mitmproxy still made it, on a loaded machine, it took a connection of its own)
+                for _ in range(200):  # bounded: 10 s
+                    if front.connections():
+                        break
+                    await asyncio.sleep(0.05)
                 await asyncio.sleep(0.3)
                 silent = await one({**BODY, "input": "silent"}, silent_behaviour)
                 return await streams, silent

@@ -491,12 +491,12 @@ def test_a_ledger_is_made_in_a_folder_that_takes_no_lock(tmp_path, monkeypatch):
     still gets its ledger file made, and made anew, without that lock."""
     import errno
 
-    from turnguard_core import ledger as ledger_module
+    from turnguard_core import ledger_files
 
     def refused(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(ledger_module.fcntl, "flock", refused)
+    monkeypatch.setattr(ledger_files.fcntl, "flock", refused)
     path = tmp_path / "l.sqlite3"
     a = open_ledger(path, "a")
     admit(a, ident({"n": 1}))

@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import sqlite3
 import stat
-import struct
-import threading
-import time
 import urllib.parse
 import uuid
 from typing import Iterable, Literal
 
-from . import circuit, liveness, policy
+from . import circuit, ledger_files, liveness, policy
 from .identity import Identity
 from .private_files import (
     UnsafePath,
@@ -55,8 +51,7 @@ BACKSTOP_CHECKPOINT_PAGES = 4096
 WAL_SIZE_LIMIT = 16 * 1024 * 1024
 PROBE_BUSY_S = 0.2  # how long check_path's look at an existing file waits for a writer
 TRUNCATE_BUSY_MS = 10  # longest ``truncate_wal`` keeps new writers waiting for readers to go
-FOLDER_LOCK_WAIT_S = 0.05  # longest a process making the ledger file waits for another's
-MAKE_ANEW_LOCK_WAIT_S = 10.0  # the same, for a copy made anew (``Ledger.make_anew``)
+MAKE_ANEW_LOCK_WAIT_S = 10.0  # longest a copy made anew waits for another's (a large file)
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -282,7 +277,7 @@ class Ledger:
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._sidecar_ids: dict[str, tuple[int, int] | None] = {}  # its -wal's and -shm's
-        self._open_here: tuple[int, int] | None = None  # the file, in ``_OPEN_HERE``
+        self._open_here: tuple[int, int] | None = None  # (ledger_files.note_open_here)
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
         self._stamp: tuple[int, ...] | None = None  # the file read immutable (open_readonly)
         self.generation = ""  # this ledger file: a random id made with it, and its identity
@@ -295,7 +290,7 @@ class Ledger:
         (``register=False``: a control tool that serves no traffic, e.g. ``scripts/turnguard``;
         it appears in no ``instances`` row)."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
-        with _FolderLock(real_path):
+        with ledger_files.FolderLock(real_path):
             db = self._connect(real_path)
         try:
             db.execute("PRAGMA synchronous=NORMAL")
@@ -308,10 +303,10 @@ class Ledger:
             if self.path != ":memory:":
                 st = os.stat(self.path)
                 self._file_id = (st.st_dev, st.st_ino)
-                self._sidecar_ids = {suffix: _file_id(real_path + suffix)
+                self._sidecar_ids = {suffix: ledger_files.file_id(real_path + suffix)
                                      for suffix in ("-wal", "-shm")}
-                self._open_here = _note_open_here(self._file_id)
-                _forget_sidecars_left()  # (their inodes may be a new file's now)
+                self._open_here = ledger_files.note_open_here(self._file_id)
+                ledger_files.forget_sidecars_left()  # (their inodes may be a new file's now)
             self._migrate()
             if register:
                 with self._tx() as tx:
@@ -326,22 +321,22 @@ class Ledger:
             db.close()
             self._db = None
             self._file_id = None
-            self._open_here = _note_closed_here(self._open_here)
+            self._open_here = ledger_files.note_closed_here(self._open_here)
             raise
 
     def _connect(self, real_path: str) -> sqlite3.Connection:
         """Make the file, or put right the files beside it, and connect, up to SQLite's first
         read of it (its locks taken: on the file, and in WAL mode on the -shm). Run under the
-        folder's lock (``_FolderLock``), so that no other process of ours looks at the files
+        folder's lock (``FolderLock``), so that no other process of ours looks at the files
         between that look and those locks."""
         if self.path != ":memory:":
             # a file that is no ledger of this turnguard's yet may be put right: an outage,
             # and neither made private nor given SQLite's files beside it meanwhile
             found = None
             if not os.path.lexists(real_path):
-                _make_file_alone(real_path)
+                ledger_files.make_file_alone(real_path)
             else:
-                _remove_stale_sidecars(real_path)
+                ledger_files.remove_stale_sidecars(real_path)
                 found = _look(real_path)
             if found is not None and found.not_a_database:
                 raise LedgerError(f"{shown(self.path)} is not a SQLite database; left untouched "
@@ -390,7 +385,7 @@ class Ledger:
             raise LedgerError(f"ledger {shown(self.path)} is not a file")
         real = os.path.realpath(self.path)  # where SQLite looks for the -wal and the -shm
         _refuse_if_sidecars_deleted(real, self.path)
-        if _stale_sidecars(real):  # (read through them, the rows would be that file's)
+        if ledger_files.stale_sidecars(real):  # (read through them: that file's rows)
             raise LedgerError(f"the -wal and -shm beside {shown(self.path)} are another "
                               "file's (moved in with them left); read once turnguard opened it")
         try:
@@ -424,7 +419,7 @@ class Ledger:
                 )
             self._db = db
             if self._stamp is None:  # (read through its -wal: a connection like the others)
-                self._open_here = _note_open_here(_file_id(real))
+                self._open_here = ledger_files.note_open_here(ledger_files.file_id(real))
         except BaseException:
             db.close()
             self._db = None
@@ -478,7 +473,7 @@ class Ledger:
                     self.truncate_wal()
             self._db.close()
             self._db = None
-            self._open_here = _note_closed_here(self._open_here)
+            self._open_here = ledger_files.note_closed_here(self._open_here)
 
     @property
     def busy_timeout_ms(self) -> int:
@@ -546,12 +541,12 @@ class Ledger:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            _note_sidecars_left(self._sidecar_ids.values())
+            ledger_files.note_sidecars_left(self._sidecar_ids.values())
             return f"ledger file {shown(self.path)} was deleted"
         except OSError as e:
             return f"ledger file {shown(self.path)} cannot be checked: {e.strerror}"
         if (st.st_dev, st.st_ino) != self._file_id:
-            _note_sidecars_left(self._sidecar_ids.values())
+            ledger_files.note_sidecars_left(self._sidecar_ids.values())
             return f"ledger file {shown(self.path)} was replaced by another file"
         return None
 
@@ -564,7 +559,7 @@ class Ledger:
         heartbeat's thread asks it, not a request."""
         real = os.path.realpath(self.path)
         gone = [suffix for suffix, was in self._sidecar_ids.items()
-                if was is not None and _file_id(real + suffix) != was]
+                if was is not None and ledger_files.file_id(real + suffix) != was]
         return " and ".join(gone) or None
 
     @_wrap
@@ -575,11 +570,11 @@ class Ledger:
         registers its attempts in flight there, and records its own recordings still within
         their window; what another committed after the copy was made is what an older copy
         lacks), and none opens the file with new ones meanwhile (``open`` refuses while a
-        connection has it open). Under the folder's lock (``_FolderLock``): one process
+        connection has it open). Under the folder's lock (``FolderLock``): one process
         makes the copy. Whether this call made it (False: another process
         did, the file at the path is no longer this connection's)."""
         real = os.path.realpath(self.path)
-        with _FolderLock(real, MAKE_ANEW_LOCK_WAIT_S):  # (another's copy of a large file)
+        with ledger_files.FolderLock(real, MAKE_ANEW_LOCK_WAIT_S):
             if self.file_replaced() is not None:
                 return False
             copy = f"{real}.copy"
@@ -1303,226 +1298,15 @@ def _superseded(snapshot: policy.OperationSnapshot) -> AttemptEnd:
                       "registered before its end could be written")
 
 
-def _make_file_alone(real: str) -> None:
-    """Make the ledger file at ``real``, where there is none, with no -wal or -shm beside it.
-    Any found there are a deleted file's (``rm`` of the ledger alone, or of a file moved over
-    it): SQLite would pair the new file with them. While a connection still has the deleted
-    file open (a paused process, a backup, an operator's shell) every open of the new file
-    then fails (a disk I/O error: its pages looked for in the old file's WAL), and each
-    process decides in memory for as long as that connection stays; once none has, SQLite
-    copies the old WAL's pages into the new file. Removing their names takes nothing from
-    the connections that have them open. Under the folder's lock (``_FolderLock``): two
-    processes that find the file gone at once make one file, and neither removes the -wal
-    or -shm of the file the other made."""
-    for suffix in ("-wal", "-shm"):
-        if check_private_file(real + suffix) is not None:
-            os.unlink(real + suffix)
-    os.close(open_private(real, os.O_RDWR))
-
-
-def _stale_sidecars(real: str) -> bool:
-    """Whether the -wal and -shm beside the existing file at ``real`` are another file's: no
-    connection has this file open (``_open_anywhere``), and either another process has that
-    -shm open (SQLite holds a lock on a file as long as it has it open, and takes it before
-    its -shm's: so the -shm's connections are of another file; this process's own lock may
-    be a connection of this very file it does not track, a test's), or this process left the
-    file they were beside (``_SIDECARS_LEFT``). That is a file put in place by a move with the old one's -wal and
-    -shm left (an older copy restored so): SQLite would read the old file's WAL as this
-    one's and corrupt it. A -wal of no other file (a process killed) holds this one's rows."""
-    sidecars = [found for found in (_file_id(real + "-wal"), _file_id(real + "-shm"))
-                if found is not None]
-    if not sidecars or _open_anywhere(real):
-        return False  # (this file open: what is beside it is its own)
-    with _SIDECARS_LEFT_LOCK:
-        left = any(found in _SIDECARS_LEFT for found in sidecars)
-    return left or bool(_locked(*sidecars, by_another_process=True))
-
-
-def _remove_stale_sidecars(real: str) -> None:
-    """Remove the -wal and -shm beside the file at ``real`` when they are another file's
-    (``_stale_sidecars``). Under the folder's lock (``_FolderLock``), so that no process of
-    ours opens the file between the look and the removal."""
-    if _stale_sidecars(real):
-        for suffix in ("-wal", "-shm"):
-            if check_private_file(real + suffix) is not None:
-                os.unlink(real + suffix)
-
-
-# The -wal and -shm (device, inode) of the ledger files this process's connections found
-# deleted or replaced (``Ledger.file_replaced``) since it last opened one: at most
-# ``MAX_SIDECARS_LEFT``, the newest. Forgotten at the next open: once deleted, their inodes
-# may be given to another file's.
-_SIDECARS_LEFT: dict[tuple[int, int], None] = {}
-_SIDECARS_LEFT_LOCK = threading.Lock()  # (the heartbeat's thread notes them too)
-MAX_SIDECARS_LEFT = 64
-
-
-def _note_sidecars_left(ids: Iterable[tuple[int, int] | None]) -> None:
-    with _SIDECARS_LEFT_LOCK:
-        for found in ids:
-            if found is not None:
-                _SIDECARS_LEFT.pop(found, None)
-                _SIDECARS_LEFT[found] = None
-        while len(_SIDECARS_LEFT) > MAX_SIDECARS_LEFT:
-            del _SIDECARS_LEFT[next(iter(_SIDECARS_LEFT))]
-
-
-def _forget_sidecars_left() -> None:
-    with _SIDECARS_LEFT_LOCK:
-        _SIDECARS_LEFT.clear()
-
-
-def _file_id(path: str) -> tuple[int, int] | None:
-    """The (device, inode) of the file at ``path``, None when there is none."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _sidecars_deleted_under_a_connection(real: str) -> str | None:
-    """Which of the -wal and -shm of the existing file at ``real`` is missing while a
-    connection (of any process) has the file open, or None. Every connection in WAL mode
-    holds a lock on the file as long as it is open, and SQLite keeps both beside the file
-    meanwhile; so one missing then was deleted under that connection, which goes on with it
-    unlinked."""
-    missing = [suffix for suffix in ("-wal", "-shm") if not os.path.lexists(real + suffix)]
-    if not missing or not os.path.lexists(real):
-        return None
-    return " and ".join(missing) if _open_anywhere(real) else None
-
-
-def _open_anywhere(real: str) -> bool:
-    """Whether a connection of this process (``_OPEN_HERE``) or of another one has the
-    existing file at ``real`` open: every connection in WAL mode holds a lock on it as long
-    as it is open. A lock ``/proc/locks`` lists was held; one it leaves out (it is read in
-    parts while others change) is asked of the kernel (``F_GETLK``: another process's, at
-    once and whole) through a descriptor of the file, opened only when no connection of this
-    process is known to have the file open: closing it drops every lock this process holds
-    on the file."""
-    found = _file_id(real)
-    if found is None:
-        return False
-    with _OPEN_HERE_LOCK:
-        if _OPEN_HERE.get(found):
-            return True
-    if _locked(found):
-        return True
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))[0] != fcntl.F_UNLCK
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-_FLOCK = "hhxxxxqqixxxx"  # struct flock (Linux): l_type, l_whence, l_start, l_len, l_pid
-
-# The ledger files (device, inode) this process's connections have open, and how many each.
-_OPEN_HERE: dict[tuple[int, int], int] = {}
-_OPEN_HERE_LOCK = threading.Lock()
-
-
-def _note_open_here(found: tuple[int, int] | None) -> tuple[int, int] | None:
-    if found is not None:
-        with _OPEN_HERE_LOCK:
-            _OPEN_HERE[found] = _OPEN_HERE.get(found, 0) + 1
-    return found
-
-
-def _note_closed_here(found: tuple[int, int] | None) -> None:
-    if found is not None:
-        with _OPEN_HERE_LOCK:
-            left = _OPEN_HERE.get(found, 0) - 1
-            if left > 0:
-                _OPEN_HERE[found] = left
-            else:
-                _OPEN_HERE.pop(found, None)
-    return None
-
-
-def _locked(*files: tuple[int, int] | None,
-            by_another_process: bool = False) -> set[tuple[int, int]]:
-    """Which of ``files`` (device, inode) a process (``by_another_process``: not this one)
-    holds a lock on, as Linux's ``/proc/locks`` lists them (none where it cannot be read). A
-    lock listed is one that was held; one left out may be held still (the list is read in
-    parts while others change)."""
-    wanted = {f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}": (dev, ino)
-              for dev, ino in filter(None, files)}
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
-            held = locks.read()
-    except OSError:
-        return set()
-    found = set()
-    for line in held.splitlines():  # "1: POSIX  ADVISORY  READ 14759 fe:00:2146459 128 128"
-        fields = line.split()  # (a lock waited for: "1: -> POSIX ...", one field more)
-        at = 6 if len(fields) > 1 and fields[1] == "->" else 5
-        if len(fields) > at and fields[at] in wanted and not (
-                by_another_process and fields[at - 1] == str(os.getpid())):
-            found.add(wanted[fields[at]])
-    return found
-
-
 def _refuse_if_sidecars_deleted(real: str, path: str) -> None:
     """Raise ``LedgerError`` when a -wal or -shm of the file at ``real`` (the ledger ``path``)
-    was deleted while a connection has it open (``_sidecars_deleted_under_a_connection``):
+    was deleted while a connection has it open (``sidecars_deleted_under_a_connection``):
     SQLite would give this connection new ones."""
-    deleted = _sidecars_deleted_under_a_connection(real)
+    deleted = ledger_files.sidecars_deleted_under_a_connection(real)
     if deleted is not None:
         raise LedgerError(f"the {deleted} of {shown(path)} was deleted while a connection has "
                           "the file open; opened once a process on it made the file anew (or "
                           "none has it open)")
-
-
-class _FolderLock:
-    """The lock of ``Ledger._connect`` and ``Ledger.make_anew`` on the folder of the file at
-    ``real`` (none for ``:memory:``): held while a process of ours looks at, makes or
-    removes the files there, up to SQLite's first locks on them."""
-
-    def __init__(self, real: str, wait_s: float = FOLDER_LOCK_WAIT_S):
-        self.real, self.wait_s, self._folder = real, wait_s, None
-
-    def __enter__(self) -> None:
-        if self.real == ":memory:":
-            return
-        self._folder = os.open(os.path.dirname(self.real),
-                               os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            _lock_folder(self._folder, self.real, self.wait_s)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self._folder is not None:
-            os.close(self._folder)  # (drops the lock)
-            self._folder = None
-
-
-def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> None:
-    """Take the lock of ``_make_file_alone`` and ``Ledger.make_anew`` on the open ``folder``,
-    waiting for it at most ``wait_s`` (without a bound, a program holding it would hold up
-    the event loop: the file is made there; a copy, on the heartbeat's thread). A file system
-    that has no such lock (some network ones) goes without it, as turnguard did before it."""
-    give_up = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= give_up:
-                raise LedgerError(f"the folder of {shown(real)} is locked by another program; "
-                                  "the ledger file is made at the next try") from None
-            time.sleep(0.001)
-        except OSError:  # (EBADF, ENOLCK, EOPNOTSUPP: no lock on a folder there)
-            return
 
 
 def _stamp(path: str) -> tuple[int, ...]:
@@ -1601,8 +1385,9 @@ def _look(path: str) -> _Found | None:
     every lock SQLite holds on the file in this process. Read as ``_readonly_uri`` says; not
     while a -wal or -shm of it was deleted under a connection (a -shm made for the look would
     be another index of the WAL that connection goes on writing), nor while the ones beside
-    it are another file's (``_stale_sidecars``: the look would read that file's WAL)."""
-    if _sidecars_deleted_under_a_connection(path) is not None or _stale_sidecars(path):
+    it are another file's (``stale_sidecars``: the look would read that file's WAL)."""
+    if ledger_files.sidecars_deleted_under_a_connection(path) is not None \
+            or ledger_files.stale_sidecars(path):
         return None
     try:
         uri, _ = _readonly_uri(path)
