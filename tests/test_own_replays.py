@@ -304,11 +304,15 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
 
 
 async def test_a_lock_taken_on_the_new_file_between_two_batches_of_the_move_loses_nothing(
-        tmp_path):
+        tmp_path, monkeypatch):
     """Another connection takes the new file's write lock just before the move's third batch
     (the ledger locked at that very step) and holds it 0.5 s: that batch waits for the lock
     off the event loop, the move goes on once it is gone, and every recording is moved,
-    each once (a peer replays the oldest and the newest)."""
+    each once (a peer replays the oldest and the newest). The move's bound is the test's
+    own (10 s): on a loaded machine the lock's 0.5 s and the batches once went past 2 s."""
+    from turnguard_core import failover
+
+    monkeypatch.setattr(failover, "MOVE_RECORDINGS_S", 10.0)
     path = tmp_path / "ledger.sqlite3"
     traced = Traced(str(path))
     store = traced.store
