@@ -540,6 +540,27 @@ def test_an_older_copy_moved_in_beside_the_wal_of_the_file_this_process_left_ope
     b.close()
 
 
+def test_a_ledger_dropped_without_its_close_no_longer_counts_as_having_its_file_open(tmp_path):
+    """This process's note of which file each connection has open forgets a ledger collected
+    without ``close`` (its connection closed with it): kept, a new file later given that
+    file's inode was taken for open, and refused as one whose -wal and -shm were deleted
+    under a connection (a full run's unit tests, which leave ledgers unclosed)."""
+    import gc
+
+    from turnguard_core import ledger_files
+
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    assert ledger_files.open_anywhere(str(path))
+    del a
+    gc.collect()
+    assert not ledger_files.open_anywhere(str(path))
+    b = open_ledger(path, "b")
+    assert ledger_files.open_anywhere(str(path))
+    b.close()
+    assert not ledger_files.open_anywhere(str(path))
+
+
 def test_a_file_put_in_place_while_a_copy_is_made_anew_is_kept(tmp_path):
     """An operator restores a backup (its -wal and -shm deleted first, then the backup moved
     in): a heartbeat that saw the -wal gone in between and made a copy of the file meanwhile

@@ -277,7 +277,6 @@ class Ledger:
         self._db: sqlite3.Connection | None = None
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._sidecar_ids: dict[str, tuple[int, int] | None] = {}  # its -wal's and -shm's
-        self._open_here: tuple[int, int] | None = None  # (ledger_files.note_open_here)
         self._batch: _Joined | None = None  # the transaction of batch(), while in one
         self._stamp: tuple[int, ...] | None = None  # the file read immutable (open_readonly)
         self.generation = ""  # this ledger file: a random id made with it, and its identity
@@ -305,7 +304,7 @@ class Ledger:
                 self._file_id = (st.st_dev, st.st_ino)
                 self._sidecar_ids = {suffix: ledger_files.file_id(real_path + suffix)
                                      for suffix in ("-wal", "-shm")}
-                self._open_here = ledger_files.note_open_here(self._file_id)
+                ledger_files.note_open_here(self, self._file_id)
                 ledger_files.forget_sidecars_left()  # (their inodes may be a new file's now)
             self._migrate()
             if register:
@@ -321,7 +320,7 @@ class Ledger:
             db.close()
             self._db = None
             self._file_id = None
-            self._open_here = ledger_files.note_closed_here(self._open_here)
+            ledger_files.note_closed_here(self)
             raise
 
     def _connect(self, real_path: str) -> sqlite3.Connection:
@@ -419,7 +418,7 @@ class Ledger:
                 )
             self._db = db
             if self._stamp is None:  # (read through its -wal: a connection like the others)
-                self._open_here = ledger_files.note_open_here(ledger_files.file_id(real))
+                ledger_files.note_open_here(self, ledger_files.file_id(real))
         except BaseException:
             db.close()
             self._db = None
@@ -473,7 +472,7 @@ class Ledger:
                     self.truncate_wal()
             self._db.close()
             self._db = None
-            self._open_here = ledger_files.note_closed_here(self._open_here)
+            ledger_files.note_closed_here(self)
 
     @property
     def busy_timeout_ms(self) -> int:

@@ -19,6 +19,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from typing import Iterable
 
 from .private_files import check_private_file, open_private, shown
@@ -133,7 +134,7 @@ def open_anywhere(real: str) -> bool:
     if found is None:
         return False
     with _OPEN_HERE_LOCK:
-        if _OPEN_HERE.get(found):
+        if found in _OPEN_HERE.values():
             return True
     if _locked(found):
         return True
@@ -152,27 +153,23 @@ def open_anywhere(real: str) -> bool:
 
 _FLOCK = "hhxxxxqqixxxx"  # struct flock (Linux): l_type, l_whence, l_start, l_len, l_pid
 
-# The ledger files (device, inode) this process's connections have open, and how many each.
-_OPEN_HERE: dict[tuple[int, int], int] = {}
+# The file (device, inode) each connection of this process has open, by its ledger object:
+# held weakly, so that a ledger dropped without its ``close`` (its connection closed as it is
+# collected) leaves no entry behind, which a new file given that inode would take for open.
+_OPEN_HERE: weakref.WeakKeyDictionary[object, tuple[int, int]] = weakref.WeakKeyDictionary()
 _OPEN_HERE_LOCK = threading.Lock()
 
 
-def note_open_here(found: tuple[int, int] | None) -> tuple[int, int] | None:
+def note_open_here(ledger: object, found: tuple[int, int] | None) -> None:
+    """``ledger``'s connection has the file ``found`` open (None: no file, ``:memory:``)."""
     if found is not None:
         with _OPEN_HERE_LOCK:
-            _OPEN_HERE[found] = _OPEN_HERE.get(found, 0) + 1
-    return found
+            _OPEN_HERE[ledger] = found
 
 
-def note_closed_here(found: tuple[int, int] | None) -> None:
-    if found is not None:
-        with _OPEN_HERE_LOCK:
-            left = _OPEN_HERE.get(found, 0) - 1
-            if left > 0:
-                _OPEN_HERE[found] = left
-            else:
-                _OPEN_HERE.pop(found, None)
-    return None
+def note_closed_here(ledger: object) -> None:
+    with _OPEN_HERE_LOCK:
+        _OPEN_HERE.pop(ledger, None)
 
 
 def _locked(*files: tuple[int, int] | None,
