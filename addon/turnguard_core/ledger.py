@@ -289,7 +289,9 @@ class Ledger:
         (``register=False``: a control tool that serves no traffic, e.g. ``scripts/turnguard``;
         it appears in no ``instances`` row)."""
         real_path = check_path(self.path)  # SQLite puts -wal and -shm next to the real file
-        with ledger_files.FolderLock(real_path):
+        # (as long as SQLite waits for another process's lock: an open that holds the folder's
+        # lock may wait so for SQLite's, another process's first open of a new file, say)
+        with ledger_files.FolderLock(real_path, self._busy_timeout_ms / 1000):
             db = self._connect(real_path)
         try:
             db.execute("PRAGMA synchronous=NORMAL")

@@ -24,7 +24,6 @@ from typing import Iterable
 
 from .private_files import check_private_file, open_private, shown
 
-FOLDER_LOCK_WAIT_S = 0.05  # longest an open waits for another process's hold of the folder
 
 
 class FolderBusy(OSError):
@@ -200,7 +199,7 @@ class FolderLock:
     ``real`` (none for ``:memory:``): held while a process of ours looks at, makes or
     removes the files there, up to SQLite's first locks on them."""
 
-    def __init__(self, real: str, wait_s: float = FOLDER_LOCK_WAIT_S):
+    def __init__(self, real: str, wait_s: float):
         self.real, self.wait_s, self._folder = real, wait_s, None
 
     def __enter__(self) -> None:
@@ -220,7 +219,7 @@ class FolderLock:
             self._folder = None
 
 
-def _lock_folder(folder: int, real: str, wait_s: float = FOLDER_LOCK_WAIT_S) -> None:
+def _lock_folder(folder: int, real: str, wait_s: float) -> None:
     """Take the lock of ``make_file_alone`` and ``Ledger.make_anew`` on the open ``folder``,
     waiting for it at most ``wait_s`` (without a bound, a program holding it would hold up
     the event loop: the file is made there; a copy, on the heartbeat's thread). A file system
