@@ -1641,6 +1641,53 @@ def test_the_request_budget_bounds_waits_for_a_locked_ledger(tmp_path, report):
            f"{max(took):.2f} s")
 
 
+@pytest.mark.parametrize("original", ["in flight", "completed"])
+def test_a_claim_answered_after_its_turn_went_upstream_from_memory_does_not_run_it_again(
+        tmp_path, original):
+    """The ledger write-locked by another connection: a turn waits for it (0.5 s), then goes
+    upstream decided in memory. Its duplicate, sent through the same process while that wait
+    went on, was queued for the ledger behind it; the lock goes before the duplicate's wait
+    ends (the turn still in flight, or completed), and the ledger, which has no row of the
+    turn yet, gives the duplicate a claim. The process that ran the turn does not run it a
+    second time: the claim becomes the turn's row and the duplicate is held on it, or the
+    claim is given back and the duplicate replayed (once, a lock taken and let go every
+    second or two ran such a duplicate again, and a third one attached to that second run).
+    A machine too busy for the lock to go within the duplicate's wait decides both in memory:
+    then the next turn tries again (at most 3)."""
+    ledger = tmp_path / "ledger.sqlite3"
+    sessionless = {"authorization": "Bearer sk-at-most-once"}  # the admission: its first call
+    turn = {**sessionless, **behaviour(kind="ok", events=8,
+                                       gap_ms=300 if original == "in flight" else 0)}
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+        a.wait_for_log("turnguard: running")
+        for n in range(3):
+            text = f"claimed behind a lock {n}"
+            seen = len(events(tmp_path, "a"))
+            with write_lock(ledger):
+                first = in_background(post, a.url, turn, body_of(text))
+                time.sleep(0.25)
+                duplicate = in_background(post, a.url, sessionless, body_of(text))
+                wait_until(lambda: [e for e in events(tmp_path, "a")[seen:] if e["event"] == (
+                    "dispatch" if original == "in flight" else "outcome")], 10, interval=0.005,
+                    what=f"the original decided in memory, {original}")
+            answers = [first.result(30), duplicate.result(30)]
+            assert [status for status, _, _ in answers] == [200, 200]
+            assert len(up.dispatches()) == n + 1, "the turn ran twice in the process that ran it"
+            assert answers[0][2] == answers[1][2]
+            wait_until(lambda: not in_flight(ledger), 10, what="the turn's end recorded")
+            assert query(ledger, "SELECT outcome FROM attempts") == [("completed",)] * (n + 1)
+            # the row is the duplicate's claim when the ledger answered it (else the original's)
+            (flow,), = query(ledger, "SELECT flow_id FROM attempts ORDER BY attempt_id DESC LIMIT 1")
+            dispatched = [e["flow"] for e in events(tmp_path, "a", "dispatch")]
+            if flow not in dispatched:
+                break
+        else:
+            pytest.fail("the lock never went while the duplicate's claim waited for it")
+        status, _, body = post(a.url, sessionless, body_of(text))
+        assert (status, body) == (200, answers[0][2]) and len(up.dispatches()) == n + 1
+        assert_no_traceback(a.log_text())
+
+
 # -- 6. the ledger file is watched --------------------------------------------------------------
 
 

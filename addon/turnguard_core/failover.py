@@ -1135,11 +1135,27 @@ class FailoverStore:
         known = carried()
         if known is not None:
             return known
+
+        def ran_here() -> bool:  # an attempt of it runs here, or completed here lately
+            return in_flight_here() or self.memory.recording(
+                ident, now=time.time(), window_s=window_s) is not None
+
+        ran_before = ran_here()
         admission = await self._call(
             "admit", decide, deadline=deadline,
             on_late=lambda task, generation: self._late_claim(task, ident, generation))
         if isinstance(admission, _Carried):
             return admission.decision
+        if isinstance(admission, policy.Dispatch) and admission.attempt_id is not None \
+                and not ran_before and ran_here():
+            # The claim waited for the ledger (queued behind a call that met a lock, say)
+            # while this process dispatched the operation from memory: the ledger, which has
+            # no row of that attempt yet, claimed it again. Not run twice here: the claim
+            # becomes that attempt's row, or is given back (its end owed is recorded on
+            # it), and the request is decided as memory decides it (held, or replayed).
+            self._claim_not_run(admission, ident, self.generation,
+                                "a claim made while it ran from memory")
+            admission = UNREAD
         if isinstance(admission, Unread):
             self._unread_for_good(on_retired)
             return self.memory.admit(
@@ -1169,8 +1185,14 @@ class FailoverStore:
         if task.cancelled() or task.exception() is not None:
             return
         claim = task.result()
-        if not isinstance(claim, policy.Dispatch) or claim.attempt_id is None:
-            return
+        if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
+            self._claim_not_run(claim, ident, generation, "its claim answered late")
+
+    def _claim_not_run(self, claim: policy.Dispatch, ident: Identity, generation: str,
+                       reason: str) -> None:
+        """A claim of the ledger file of ``generation`` whose request does not go upstream:
+        the row of this process's attempt of the operation that runs without one
+        (dispatched from memory; said with ``reason``), else ended at once (``rejected``)."""
         running = next((a for a in self._attempts()
                         if a.attempt_id is None and a.ident.op_key == ident.op_key), None)
         if running is not None:
@@ -1178,7 +1200,7 @@ class FailoverStore:
             self._emit("attempt_adopted", op=ident.op_id, flow=running.flow_id,
                        session=ident.session, transport=running.transport,
                        attempt=claim.attempt_id, ledger_generation=generation,
-                       reason="its claim answered late")
+                       reason=reason)
             return
         self.give_back(claim, ident.op_key, generation)
 
