@@ -1551,6 +1551,40 @@ def test_a_duplicate_sent_elsewhere_while_another_connection_holds_the_write_loc
            "dispatches=1")
 
 
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+def test_a_retry_sent_elsewhere_behind_a_lock_is_held_or_replayed_also_by_a_process_owing_writes(
+        tmp_path, turn):
+    """As above and below, but B owes the ledger a write when the retry of A's turn (in
+    flight, or completed) comes: a turn of B's own ended behind the lock (its end kept). B's
+    admission waits for that write, which waits for the lock, and was then decided in memory:
+    the retry ran a second time (a chaos run of locks taken and let go found it). B reads the
+    operation first, as a process that owes nothing does, and holds the retry on A's attempt
+    or replays its recording: one upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = f"a retry behind a write lock, its process owing a write ({turn})"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        original = in_background(post, a.url, {**SESSION, **behaviour(
+            kind="ok", delay_ms=5000 if turn == "in flight" else 0)}, body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        if turn == "completed":
+            wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
+                       10, what="the turn's end written")
+        with its_end_kept_behind_a_lock(tmp_path, b, "b", "b's own turn, ended behind the lock"):
+            retry = in_background(post, b.url, SESSION, body_of(text))
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or len(up.dispatches()) > 2, 10, what="B deciding the retry")
+            assert len(up.dispatches()) == 2, "B ran A's turn a second time behind the lock"
+        status, _, first = original.result(30)
+        assert status == 200
+        status, headers, body = retry.result(40)
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert response_id(body) == response_id(first)
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 def test_a_completed_turn_retried_elsewhere_while_another_connection_holds_the_write_lock_is_replayed(
     tmp_path, report
 ):

@@ -61,6 +61,11 @@ logger = logging.getLogger("turnguard")
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
+# Longest a request's read of an SQLite ledger behind another connection's write lock waits to
+# run (``_read_behind_a_lock``): longer than a maintenance try waits for the lock (``PROBE_S``),
+# so that a read queued behind one runs; short of a request's ledger step (0.5 s), so that one
+# queued behind a request's catch-up leaves it the time to wait for that catch-up instead.
+READ_BEHIND_A_LOCK_S = 0.15
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 # ... and this often while the process owes it rows, or a request would be decided without it
@@ -339,7 +344,8 @@ class FailoverStore:
         this process owes it writes: an attempt without a row in this file (until it is
         written, another process takes the operation for new), an attempt's end (its
         duplicates wait for it). The maintenance then tries again as soon as a try gave up:
-        each waits for the lock in SQLite's busy handler, without using the CPU."""
+        each waits for the lock in SQLite's busy handler, without using the CPU, for
+        ``PROBE_S`` at most (a request's read may be queued behind it: ``_catch_up``)."""
         if self.error is None or not contended(self.error):
             return False
         return self._owes_rows()
@@ -887,16 +893,27 @@ class FailoverStore:
     async def _catch_up(self, deadline: float | None) -> bool:
         """Register the attempts in flight it does not know (dispatched while it was down, or
         its file was replaced), then apply the kept writes in order. The first write doubles as
-        the probe; with none, a heartbeat is the probe. False: the ledger failed again (noted)."""
+        the probe; with none, a heartbeat is the probe. False: the ledger failed again (noted).
+
+        Each call of a catch-up nobody waits for (no ``deadline``: the maintenance's, a held
+        duplicate's poll) on an SQLite ledger gives up on a lock at once (``PROBE_S``): the
+        ledger's one connection runs calls in order, and a request's read queued behind it
+        (``_only_locked``, ``_read_behind_a_lock``) must not wait out a lock that may last (a
+        PostgreSQL call may need to connect again first)."""
         store = self._store
+
+        def bound() -> float | None:  # a call's
+            return deadline if deadline is not None or is_postgres(self.path) \
+                else time.monotonic() + PROBE_S
+
         try:
             for attempt in list(self._attempts()):
                 if attempt.generation != store.generation:
-                    await self._adopt(store, attempt, deadline)
+                    await self._adopt(store, attempt, bound())
             if self._stale_attempts_due:
                 moved = await store.end_stale_attempts(
                     [a.ident.op_key for a in self._attempts()], now=time.time(),
-                    deadline=deadline)
+                    deadline=bound())
                 self._stale_attempts_due = False
                 if moved:
                     self._emit("stale_attempts_ended", ops=len(moved))
@@ -910,7 +927,7 @@ class FailoverStore:
                     dropped += 1
                     continue
                 result = await store.write(self._as_sent(write, store.generation),
-                                           deadline=deadline, once=kept.once)
+                                           deadline=bound(), once=kept.once)
                 self._recorded_whole(write, result, store.generation)
                 self._pop_kept()
                 if kept.landed is not None:
@@ -922,21 +939,15 @@ class FailoverStore:
                 await self._record_own_recordings(store, self._moved_from, deadline)
                 await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
                 self._moved_from = ""
-            # a probe of an SQLite ledger nobody waits for (the maintenance's, a held
-            # duplicate's poll) gives up on a lock at once: the ledger's one connection runs
-            # calls in order, and a request's read queued behind it (``_only_locked``) must
-            # not wait out its bound (a PostgreSQL probe may need to connect again first)
-            probe_by = deadline if deadline is not None or is_postgres(self.path) \
-                else time.monotonic() + PROBE_S
             if not probed and await store.heartbeat(time.time(),
-                                                    deadline=probe_by) == "reregistered":
+                                                    deadline=bound()) == "reregistered":
                 self._reregistered(store.incarnation)
             # a dispatch decided in memory while this catch-up waited for the ledger (a
             # request whose own call met the same lock) has no row yet: registered before the
             # ledger is taken for usable, or no other process would see it in flight (one
             # dispatched during these awaits is noted due: the next try registers it)
             for attempt in [a for a in self._attempts() if a.generation != store.generation]:
-                await self._adopt(store, attempt, deadline)
+                await self._adopt(store, attempt, bound())
             self._adoption_due = self._attempts_elsewhere(store.generation)
         except LedgerError as e:
             if self._store is not store:  # closed meanwhile (a reload): no fault to note;
@@ -1136,6 +1147,14 @@ class FailoverStore:
         if known is not None:
             return known
 
+        if recovery is None and self.error is not None:  # (down: most often not)
+            read = await self._decided_elsewhere_behind_a_lock(ident, guard=guard, now=now,
+                                                               deadline=deadline)
+            if read is not None:
+                self.memory.learn(ident, read, me=self._instance_id,
+                                  circuit_scope=circuit_scope, now=now, threshold=threshold)
+                return read
+
         def ran_here() -> bool:  # an attempt of it runs here, or completed here lately
             return in_flight_here() or self.memory.recording(
                 ident, now=time.time(), window_s=window_s) is not None
@@ -1165,6 +1184,58 @@ class FailoverStore:
         self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,
                           now=now, threshold=threshold)
         return admission
+
+    async def _read_behind_a_lock(self, read: Callable[[Store, float], Any],
+                                  deadline: float | None) -> Any:
+        """``read(store, bound)`` on an SQLite ledger that is down only for another
+        connection's write lock while this process owes it writes, which ``_only_locked`` does
+        not allow (a claim must come after them): a write lock keeps the ledger from being
+        written, not read, and what such a read is used for is what other processes wrote.
+        ``UNREAD`` when the ledger is not so, or the read did not run within
+        ``READ_BEHIND_A_LOCK_S`` (the request's call then goes as before: it waits for the
+        writes owed, and is most likely decided in memory, blind to other processes)."""
+        if deadline is None or self._store is None or self.error is None or self.usable \
+                or is_postgres(self.path) or not contended(self.error) \
+                or self._only_locked(deadline):
+            return UNREAD
+        bound = min(deadline, time.monotonic() + READ_BEHIND_A_LOCK_S)
+        task = asyncio.ensure_future(read(self._store, bound))
+        if not task.done():  # (queued behind another call: not run once its bound passed)
+            await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
+            if not task.done():
+                task.add_done_callback(_settle)
+                return UNREAD
+        try:
+            return task.result()
+        except LedgerError:
+            return UNREAD
+
+    async def _decided_elsewhere_behind_a_lock(
+        self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
+    ) -> policy.Hold | policy.Replay | None:
+        """What the ledger decides for the request without a claim, read behind another
+        connection's write lock (``_read_behind_a_lock``): a hold on another process's attempt
+        in flight, or a replay of its recording; None otherwise. Only another process's
+        attempt counts: what the ledger says of this process's own may be changed by the
+        writes owed. A replay's recording is read with it (then known in memory, where
+        ``recording`` finds it: read later, it would wait for the writes owed)."""
+        generation = self.generation
+        seen = await self._read_behind_a_lock(
+            lambda store, bound: store.snapshot(ident.op_key, deadline=bound), deadline)
+        if isinstance(seen, Unread) or seen is None \
+                or seen.owner_instance in (None, self._instance_id):
+            return None
+        decision = policy.admit(seen, fingerprint=ident.fingerprint,
+                                has_idempotency_key=ident.idempotency_key is not None, now=now,
+                                policy=guard)
+        if isinstance(decision, policy.Replay):
+            found = await self._read_behind_a_lock(lambda store, bound: store.recording(
+                decision.attempt_id, ident.op_key, deadline=bound), deadline)
+            if isinstance(found, Unread) or found is None or generation != self.generation:
+                return None
+            self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
+                                       generation=generation)
+        return decision if isinstance(decision, (policy.Hold, policy.Replay)) else None
 
     def give_back(self, dispatch: policy.Dispatch, op_key: str,
                   generation: str | None = None) -> None:

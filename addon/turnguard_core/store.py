@@ -119,7 +119,8 @@ class Store(Protocol):
 
     async def circuit_state(self, scope: str, *, deadline: float | None) -> circuit.CircuitState: ...
 
-    async def snapshot(self, op_key: str) -> policy.OperationSnapshot | None: ...
+    async def snapshot(self, op_key: str, *, deadline: float | None = None
+                       ) -> policy.OperationSnapshot | None: ...
 
     async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
 
@@ -365,8 +366,8 @@ class LedgerStore:
     async def circuit_state(self, scope, *, deadline):
         return await self._runner.call(lambda led: led.circuit_state(scope), deadline=deadline)
 
-    async def snapshot(self, op_key):
-        return await self._runner.call(lambda led: led.snapshot(op_key))
+    async def snapshot(self, op_key, *, deadline=None):
+        return await self._runner.call(lambda led: led.snapshot(op_key), deadline=deadline)
 
     async def heartbeat(self, now, *, deadline):
         return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
