@@ -311,6 +311,7 @@ class FailoverStore:
         # this process (``REOPEN_S``), so the wait starts again when it opens. All kept in
         # ``self._awaited``, the process's (``PeersAwaited``)
         self._recovering = asyncio.Lock()  # one catch-up at a time
+        self._decided_in_memory = 0  # admissions decided in memory so far (``admit``)
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
         self._flushing: set[asyncio.Future] = set()  # flush_counts started by note_duplicates
 
@@ -1159,14 +1160,14 @@ class FailoverStore:
             return in_flight_here() or self.memory.recording(
                 ident, now=time.time(), window_s=window_s) is not None
 
-        ran_before = ran_here()
+        decided_in_memory = self._decided_in_memory
         admission = await self._call(
             "admit", decide, deadline=deadline,
             on_late=lambda task, generation: self._late_claim(task, ident, generation))
         if isinstance(admission, _Carried):
             return admission.decision
         if isinstance(admission, policy.Dispatch) and admission.attempt_id is not None \
-                and not ran_before and ran_here():
+                and self._decided_in_memory != decided_in_memory and ran_here():
             # The claim waited for the ledger (queued behind a call that met a lock, say)
             # while this process dispatched the operation from memory: the ledger, which has
             # no row of that attempt yet, claimed it again. Not run twice here: the claim
@@ -1177,6 +1178,7 @@ class FailoverStore:
             admission = UNREAD
         if isinstance(admission, Unread):
             self._unread_for_good(on_retired)
+            self._decided_in_memory += 1
             return self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
                 once_mode=once_mode, in_flight_here=in_flight_here(), now=now, window_s=window_s,
