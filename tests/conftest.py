@@ -48,7 +48,7 @@ TIERS = {
         "test_security", "test_startup",
     },
     "tools": {
-        "test_bench", "test_bench_instructions", "test_mock_upstream", "test_repro_capture", "test_repro_models",
+        "test_bench", "test_bench_instructions", "test_chaos", "test_mock_upstream", "test_repro_capture", "test_repro_models",
         "test_repro_real_clients", "test_repro_scenarios", "test_scripts",
     },
 }
