@@ -1026,8 +1026,9 @@ def reloading_beside_a_peer(tmp_path: Path, up: MockUpstream, **opts):
 def test_a_duplicate_whose_admission_a_reload_interrupts_is_decided_by_the_new_instance(
         tmp_path, waiting):
     """A owes the ledger an end (its own turn completed behind another connection's write
-    lock) and its ticker's catch-up is writing it (held at ``write_gate.py``'s gate) when a
-    duplicate of a turn B has in flight (held upstream) comes to A: its first ledger call
+    lock) and its ticker's catch-up is writing it (held at ``write_gate.py``'s gate, which
+    also fails the read on a connection of its own that would hold the duplicate at once) when
+    a duplicate of a turn B has in flight (held upstream) comes to A: its first ledger call
     (its admission; or, in a session A does not own, the session's claim before it) waits
     for that catch-up, and mitmproxy reloads A's script meanwhile (``reload_probe.py``, at
     that moment), which closes the unloaded instance's ledger for good. The instance loaded
@@ -1582,6 +1583,40 @@ def test_a_retry_sent_elsewhere_behind_a_lock_is_held_or_replayed_also_by_a_proc
         assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
         assert response_id(body) == response_id(first)
         assert len(up.dispatches()) == 2
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_retry_behind_a_lock_is_replayed_however_many_claims_wait_on_the_ledgers_connection(
+        tmp_path):
+    """A turn completed through A; another connection takes the ledger's write lock, and B
+    knows it (a turn of its own met it). Three new turns through B then each wait for the lock
+    on B's ledger connection, one after another (0.5 s each), when a retry of A's turn reaches
+    B: its admission's read was queued behind them, past its own 0.5 s, and the retry was
+    decided in B's memory, which knows nothing of A's turn: it ran twice (a chaos run of
+    WebSocket calls found it). B reads the ledger on a connection of its own while it is
+    locked, so the retry is replayed at once: one upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    sessionless = {"authorization": "Bearer sk-at-most-once"}
+    text = "a retry behind claims waiting for a lock"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b:
+        status, _, first = post(a.url, sessionless, body_of(text))
+        assert status == 200
+        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
+                   10, what="the turn's end written")
+        with write_lock(ledger, "BEGIN IMMEDIATE"):
+            met = in_background(post, b.url, sessionless, body_of("B meets the lock"))
+            wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
+                       what="B knowing the lock")
+            waiting = [in_background(post, b.url, sessionless, body_of(f"new turn {n}"))
+                       for n in range(3)]
+            time.sleep(0.2)  # (their claims queued on B's connection)
+            status, headers, body = post(b.url, sessionless, body_of(text))
+            assert dispatches_of(up, body_of(text)) == 1, "B ran A's turn again behind the lock"
+        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+        assert response_id(body) == response_id(first)
+        assert all(f.result(30)[0] == 200 for f in [met, *waiting])
+        assert dispatches_of(up, body_of(text)) == 1
         assert_no_traceback(a.log_text() + b.log_text())
 
 

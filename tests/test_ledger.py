@@ -791,6 +791,33 @@ def test_locked_database_raises_ledger_error(tmp_path):
     assert isinstance(admit(a, ident({"n": 1})), policy.Dispatch)
 
 
+def test_a_read_apart_answers_behind_another_connections_write_lock_and_only_of_its_file(
+        tmp_path):
+    """``read_apart`` reads on a read-only connection of its own, in one read transaction:
+    it answers while another connection holds the write lock (which this connection's claims
+    wait for), and refuses once the file at the path is another one (what it read would be
+    that file's)."""
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(str(path), "a")
+    b = open_ledger(str(path), "b")
+    claim = admit(b, ident({"n": 1}))
+    assert isinstance(claim, policy.Dispatch)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        seen = a.read_apart(lambda led: led.snapshot(ident({"n": 1}).op_key))
+        assert (seen.state, seen.current_attempt, seen.owner_instance) == (
+            "in_flight", claim.attempt_id, "b")
+        assert a.read_apart(lambda led: led.snapshot(ident({"n": 2}).op_key)) is None
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    os.replace(path, tmp_path / "moved.sqlite3")
+    open_ledger(str(path), "c").close()  # another file at the path
+    with pytest.raises(LedgerError, match="not the one in use"):
+        a.read_apart(lambda led: led.snapshot(ident({"n": 1}).op_key))
+
+
 def _race(path: str, name: str, bodies: list[dict], out):
     if path.startswith("postgresql://"):
         from turnguard_core.pg_ledger import PgLedger as Ledger

@@ -9,6 +9,9 @@ reload that failed): it is a script of its own.
 - while the file ``closed`` is there, writes wait at the gate (at most ``HOLD_S``) on the
   ledger's thread; one the event loop runs itself (the runner's fast path) fails as if the
   database were locked, so that the runner hands it to its thread, as it does for a lock;
+- while it is closed, a read on a connection of its own (``Ledger.read_apart``) fails too,
+  as one that cannot open the file does: a request's call then waits for the write under way
+  on the ledger's connection, the moment the tests that use the gate are about;
 - ``state`` (JSON): ``{"waiting": writes at the gate now, "returned": writes that ran and
   returned (applied or fenced out)}``."""
 
@@ -59,6 +62,15 @@ def _gated(write):
     return gated
 
 
+def _read_apart(read_apart):
+    def gated(self, *args, **kwargs):
+        if _closed():
+            raise LedgerError("the read apart fails while the write gate is closed")
+        return read_apart(self, *args, **kwargs)
+    return gated
+
+
+ledger.Ledger.read_apart = _read_apart(ledger.Ledger.read_apart)
 ledger.Ledger.finish = _gated(ledger.Ledger.finish)
 ledger.Ledger.record_offline_attempt = _gated(ledger.Ledger.record_offline_attempt)
 try:

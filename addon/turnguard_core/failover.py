@@ -61,10 +61,9 @@ logger = logging.getLogger("turnguard")
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
-# Longest a request's read of an SQLite ledger behind another connection's write lock waits to
-# run (``_read_behind_a_lock``): longer than a maintenance try waits for the lock (``PROBE_S``),
-# so that a read queued behind one runs; short of a request's ledger step (0.5 s), so that one
-# queued behind a request's catch-up leaves it the time to wait for that catch-up instead.
+# Longest a request waits for its read of an SQLite ledger behind another connection's write
+# lock, on a connection of its own (``_read_behind_a_lock``; a few milliseconds): short of a
+# request's ledger step (0.5 s), so that it leaves the time to go on as before.
 READ_BEHIND_A_LOCK_S = 0.15
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
@@ -898,9 +897,9 @@ class FailoverStore:
 
         Each call of a catch-up nobody waits for (no ``deadline``: the maintenance's, a held
         duplicate's poll) on an SQLite ledger gives up on a lock at once (``PROBE_S``): the
-        ledger's one connection runs calls in order, and a request's read queued behind it
-        (``_only_locked``, ``_read_behind_a_lock``) must not wait out a lock that may last (a
-        PostgreSQL call may need to connect again first)."""
+        ledger's one connection runs calls in order, and a request's call queued behind it
+        (``_only_locked``) must not wait out a lock that may last (a PostgreSQL call may need
+        to connect again first)."""
         store = self._store
 
         def bound() -> float | None:  # a call's
@@ -1187,26 +1186,24 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
-    async def _read_behind_a_lock(self, read: Callable[[Store, float], Any],
+    async def _read_behind_a_lock(self, read: Callable[[Any], Any],
                                   deadline: float | None) -> Any:
-        """``read(store, bound)`` on an SQLite ledger that is down only for another
-        connection's write lock while this process owes it writes, which ``_only_locked`` does
-        not allow (a claim must come after them): a write lock keeps the ledger from being
-        written, not read, and what such a read is used for is what other processes wrote.
-        ``UNREAD`` when the ledger is not so, or the read did not run within
-        ``READ_BEHIND_A_LOCK_S`` (the request's call then goes as before: it waits for the
-        writes owed, and is most likely decided in memory, blind to other processes)."""
-        if deadline is None or self._store is None or self.error is None or self.usable \
-                or is_postgres(self.path) or not contended(self.error) \
-                or self._only_locked(deadline):
+        """``read(ledger)`` on an SQLite ledger that is down for another connection's write
+        lock, on a read-only connection of its own (``Store.read_apart``): a write lock keeps
+        the ledger from being written, not read, and this connection's calls queue behind
+        claims that wait for the lock, one after another (up to a request's 0.5 s step
+        each), and behind the writes this process owes it. What such a read is used for is
+        what other processes wrote. ``UNREAD`` when the ledger is not so, or the read did not
+        answer within ``READ_BEHIND_A_LOCK_S`` (the request's call then goes as before)."""
+        if deadline is None or self._store is None or self.error is None \
+                or is_postgres(self.path) or not contended(self.error):
             return UNREAD
+        task = asyncio.ensure_future(self._store.read_apart(read))
         bound = min(deadline, time.monotonic() + READ_BEHIND_A_LOCK_S)
-        task = asyncio.ensure_future(read(self._store, bound))
-        if not task.done():  # (queued behind another call: not run once its bound passed)
-            await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
-            if not task.done():
-                task.add_done_callback(_settle)
-                return UNREAD
+        await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
+        if not task.done():
+            task.add_done_callback(_settle)
+            return UNREAD
         try:
             return task.result()
         except LedgerError:
@@ -1220,10 +1217,10 @@ class FailoverStore:
         in flight, or a replay of its recording; None otherwise. Only another process's
         attempt counts: what the ledger says of this process's own may be changed by the
         writes owed. A replay's recording is read with it (then known in memory, where
-        ``recording`` finds it: read later, it would wait for the writes owed)."""
+        ``recording`` finds it: read later on the ledger's own connection, it would wait
+        behind the calls queued there)."""
         generation = self.generation
-        seen = await self._read_behind_a_lock(
-            lambda store, bound: store.snapshot(ident.op_key, deadline=bound), deadline)
+        seen = await self._read_behind_a_lock(lambda led: led.snapshot(ident.op_key), deadline)
         if isinstance(seen, Unread) or seen is None \
                 or seen.owner_instance in (None, self._instance_id):
             return None
@@ -1231,8 +1228,8 @@ class FailoverStore:
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            found = await self._read_behind_a_lock(lambda store, bound: store.recording(
-                decision.attempt_id, ident.op_key, deadline=bound), deadline)
+            found = await self._read_behind_a_lock(
+                lambda led: led.recording(decision.attempt_id, ident.op_key), deadline)
             if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None
             self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,

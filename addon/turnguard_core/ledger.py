@@ -22,7 +22,7 @@ import sqlite3
 import stat
 import urllib.parse
 import uuid
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal, TypeVar
 
 from . import circuit, ledger_files, liveness, policy
 from .identity import Identity
@@ -50,6 +50,7 @@ BACKSTOP_CHECKPOINT_PAGES = 4096
 # ledger is idle (``truncate_wal``).
 WAL_SIZE_LIMIT = 16 * 1024 * 1024
 PROBE_BUSY_S = 0.2  # how long check_path's look at an existing file waits for a writer
+READ_APART_BUSY_MS = 50  # how long a read on a connection of its own waits (read_apart)
 TRUNCATE_BUSY_MS = 10  # longest ``truncate_wal`` keeps new writers waiting for readers to go
 MAKE_ANEW_LOCK_WAIT_S = 10.0  # longest a copy made anew waits for another's (a large file)
 
@@ -168,6 +169,9 @@ _MIGRATIONS: dict[int, str] = {
     CREATE INDEX attempts_replayable ON attempts(ended_at) WHERE replayable = 1;
     """,
 }
+
+
+T = TypeVar("T")
 
 
 def moved_key(from_generation: str, instance_id: str) -> str:
@@ -425,6 +429,32 @@ class Ledger:
             db.close()
             self._db = None
             raise
+
+    def read_apart(self, read: Callable[["Ledger"], T]) -> T:
+        """``read(ledger)`` on a read-only connection of its own (``open_readonly``), in one
+        read transaction, opened and closed here, from any thread: never queued behind the
+        calls on this connection (claims waiting for another connection's write lock).
+        Raises ``LedgerError``, also when the file at the path is not the one this connection
+        has open (deleted or replaced: what it says is another file's)."""
+        other = Ledger(self.path, self.instance_id, busy_timeout_ms=READ_APART_BUSY_MS,
+                       identity=self.identity)
+        other.open_readonly()
+        try:
+            if self._file_id is None \
+                    or ledger_files.file_id(os.path.realpath(self.path)) != self._file_id:
+                raise LedgerError(f"ledger file {shown(self.path)} is not the one in use")
+            db = other._conn()
+            try:
+                db.execute("BEGIN")
+                found = read(other)
+                db.execute("ROLLBACK")
+            except sqlite3.Error as e:
+                raise LedgerError(_described(e)) from e
+            if not other.read_was_stable():
+                raise LedgerError("the ledger changed while it was read")
+            return found
+        finally:
+            other.close()
 
     def read_was_stable(self) -> bool:
         """Whether what an ``open_readonly`` connection read was the file as one writer left

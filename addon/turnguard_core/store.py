@@ -119,8 +119,11 @@ class Store(Protocol):
 
     async def circuit_state(self, scope: str, *, deadline: float | None) -> circuit.CircuitState: ...
 
-    async def snapshot(self, op_key: str, *, deadline: float | None = None
-                       ) -> policy.OperationSnapshot | None: ...
+    async def snapshot(self, op_key: str) -> policy.OperationSnapshot | None: ...
+
+    async def read_apart(self, read: Callable[[Any], T]) -> T:
+        """``read(ledger)`` on a read-only connection of its own, on a thread, never queued
+        behind this store's calls (SQLite only: ``Ledger.read_apart``)."""
 
     async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
 
@@ -366,8 +369,11 @@ class LedgerStore:
     async def circuit_state(self, scope, *, deadline):
         return await self._runner.call(lambda led: led.circuit_state(scope), deadline=deadline)
 
-    async def snapshot(self, op_key, *, deadline=None):
-        return await self._runner.call(lambda led: led.snapshot(op_key), deadline=deadline)
+    async def snapshot(self, op_key):
+        return await self._runner.call(lambda led: led.snapshot(op_key))
+
+    async def read_apart(self, read):
+        return await asyncio.to_thread(self._runner.ledger.read_apart, read)
 
     async def heartbeat(self, now, *, deadline):
         return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
