@@ -1552,6 +1552,17 @@ def test_a_duplicate_sent_elsewhere_while_another_connection_holds_the_write_loc
            "dispatches=1")
 
 
+def _the_only_turn_completed_through(proxy: Mitmdump, headers: dict, text: str,
+                                     ledger: Path) -> bytes:
+    """The ledger's first turn, sent through ``proxy`` and completed, its end written: its
+    answer's body."""
+    status, _, body = post(proxy.url, headers, body_of(text))
+    assert status == 200
+    wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
+               10, what="the turn's end written")
+    return body
+
+
 @pytest.mark.parametrize("turn", ["in flight", "completed"])
 def test_a_retry_sent_elsewhere_behind_a_lock_is_held_or_replayed_also_by_a_process_owing_writes(
         tmp_path, turn):
@@ -1600,10 +1611,7 @@ def test_a_retry_behind_a_lock_is_replayed_however_many_claims_wait_on_the_ledge
     text = "a retry behind claims waiting for a lock"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
             guarded(tmp_path, up, "b") as b:
-        status, _, first = post(a.url, sessionless, body_of(text))
-        assert status == 200
-        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
-                   10, what="the turn's end written")
+        first = _the_only_turn_completed_through(a, sessionless, text, ledger)
         with write_lock(ledger, "BEGIN IMMEDIATE"):
             met = in_background(post, b.url, sessionless, body_of("B meets the lock"))
             wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
@@ -1630,10 +1638,7 @@ def test_a_completed_turn_retried_elsewhere_while_another_connection_holds_the_w
     text = "a retry behind a write lock"
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a, \
             guarded(tmp_path, up, "b") as b:
-        status, _, first = post(a.url, SESSION, body_of(text))
-        assert status == 200
-        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
-                   10, what="the turn's end written")
+        first = _the_only_turn_completed_through(a, SESSION, text, ledger)
         with write_lock(ledger, "BEGIN IMMEDIATE"):
             status, headers, body = post(b.url, SESSION, body_of(text))
             assert events(tmp_path, "b", "ledger_unavailable")  # the lock was met
