@@ -345,7 +345,7 @@ class FailoverStore:
         written, another process takes the operation for new), an attempt's end (its
         duplicates wait for it). The maintenance then tries again as soon as a try gave up:
         each waits for the lock in SQLite's busy handler, without using the CPU, for
-        ``PROBE_S`` at most (a request's read may be queued behind it: ``_catch_up``)."""
+        ``PROBE_S`` at most (a request's call may be queued behind it: ``_catch_up``)."""
         if self.error is None or not contended(self.error):
             return False
         return self._owes_rows()
