@@ -1540,16 +1540,23 @@ def test_a_duplicate_sent_elsewhere_while_another_connection_holds_the_write_loc
                        or len(up.dispatches()) > 1, 10, what="B deciding the duplicate")
             assert len(up.dispatches()) == 1, "B ran the turn a second time behind the lock"
             assert events(tmp_path, "b", "ledger_unavailable")  # the lock was met
-        status, _, first = original.result(30)
-        assert status == 200
-        status, headers, body = duplicate.result(40)
-        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
-        assert response_id(body) == response_id(first)
-        assert len(up.dispatches()) == 1
-        assert_no_traceback(a.log_text() + b.log_text())
+        _answered_once_and_replayed(original, duplicate, up, 1, a, b)
     report(f"another connection held the ledger's write lock ({begin}) while A's turn ran: a "
            "duplicate sent to B was read in flight and held, then replayed; upstream "
            "dispatches=1")
+
+
+def _answered_once_and_replayed(original, retry, up: MockUpstream, dispatches: int,
+                                *proxies: Mitmdump) -> None:
+    """The original's answer (200), and its retry's: replayed, the same response; the
+    upstream saw ``dispatches`` in all; no traceback in ``proxies``' logs."""
+    status, _, first = original.result(30)
+    assert status == 200
+    status, headers, body = retry.result(40)
+    assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
+    assert response_id(body) == response_id(first)
+    assert len(up.dispatches()) == dispatches
+    assert_no_traceback("".join(p.log_text() for p in proxies))
 
 
 def _the_only_turn_completed_through(proxy: Mitmdump, headers: dict, text: str,
@@ -1588,13 +1595,7 @@ def test_a_retry_sent_elsewhere_behind_a_lock_is_held_or_replayed_also_by_a_proc
             wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
                        or len(up.dispatches()) > 2, 10, what="B deciding the retry")
             assert len(up.dispatches()) == 2, "B ran A's turn a second time behind the lock"
-        status, _, first = original.result(30)
-        assert status == 200
-        status, headers, body = retry.result(40)
-        assert status == 200 and headers.get("x-turnguard") == "replayed", (status, headers)
-        assert response_id(body) == response_id(first)
-        assert len(up.dispatches()) == 2
-        assert_no_traceback(a.log_text() + b.log_text())
+        _answered_once_and_replayed(original, retry, up, 2, a, b)
 
 
 def test_a_retry_behind_a_lock_is_replayed_however_many_claims_wait_on_the_ledgers_connection(

@@ -1155,10 +1155,6 @@ class FailoverStore:
                                   circuit_scope=circuit_scope, now=now, threshold=threshold)
                 return read
 
-        def ran_here() -> bool:  # an attempt of it runs here, or completed here lately
-            return in_flight_here() or self.memory.recording(
-                ident, now=time.time(), window_s=window_s) is not None
-
         decided_in_memory = self._decided_in_memory
         admission = await self._call(
             "admit", decide, deadline=deadline,
@@ -1166,7 +1162,9 @@ class FailoverStore:
         if isinstance(admission, _Carried):
             return admission.decision
         if isinstance(admission, policy.Dispatch) and admission.attempt_id is not None \
-                and self._decided_in_memory != decided_in_memory and ran_here():
+                and self._decided_in_memory != decided_in_memory \
+                and (in_flight_here() or self.memory.recording(  # (it runs, or ran, here)
+                    ident, now=time.time(), window_s=window_s) is not None):
             # The claim waited for the ledger (queued behind a call that met a lock, say)
             # while this process dispatched the operation from memory: the ledger, which has
             # no row of that attempt yet, claimed it again. Not run twice here: the claim
