@@ -53,7 +53,8 @@ from turnguard_mock.events import ok_events
 from turnguard_mock.server import chunk, response_head
 from turnguard_sse import frame
 
-from test_ledger_faults import dispatches_of, disk_full, immutable, tiny_tmpfs
+from test_ledger_faults import dispatches_of, immutable, tiny_tmpfs
+from turnguard_faults import disk_full
 
 SESSION = {"authorization": "Bearer sk-at-most-once", "session-id": "sess-once"}
 ANCHORED = {**SESSION, "x-codex-turn-state": "ts_once"}
@@ -1598,6 +1599,57 @@ def test_a_retry_sent_elsewhere_behind_a_lock_is_held_or_replayed_also_by_a_proc
         _answered_once_and_replayed(original, retry, up, 2, a, b)
 
 
+@contextlib.contextmanager
+def _two_processes_on_a_ledger_of_its_own(tmp_path: Path, fault: str, **options):
+    """A and B in front of one mock upstream, on a ledger in a folder of its own: a tmpfs of
+    8 MiB when ``fault`` is "full" (room for the scratch writes of ``wal_at_its_end``).
+    Yields (up, a, b, folder, ledger)."""
+    folder = tmp_path / "ledger-fs"
+    mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
+        folder.mkdir(mode=0o700))
+    with mount:
+        ledger = folder / "ledger.sqlite3"
+        opts = dict(turnguard_ledger=str(ledger), **options)
+        with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+                guarded(tmp_path, up, "b", **opts) as b:
+            yield up, a, b, folder, ledger
+
+
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_retry_sent_elsewhere_while_the_ledger_cannot_be_written_is_held_or_replayed(
+        tmp_path, fault, turn):
+    """A's turn is in the ledger (in flight, or completed) when the ledger's disk fills up, or
+    its files become read-only. B meets the fault (a new turn of its own cannot be claimed),
+    and then decided every request in memory, which knows nothing of A's turn: a retry of it
+    through B ran a second time (a chaos run with the disk full found it). What keeps a
+    ledger from being written leaves it readable: B reads the operation on a connection of
+    its own and holds the retry on A's attempt, or replays its recording: one upstream
+    execution."""
+    sessionless = {"authorization": "Bearer sk-at-most-once"}
+    text = f"a retry sent elsewhere while the ledger is {fault} ({turn})"
+    with _two_processes_on_a_ledger_of_its_own(tmp_path, fault,
+                                               turnguard_hold_timeout_ms=30000) as setup:
+        up, a, b, folder, ledger = setup
+        original = in_background(post, a.url, {**sessionless, **behaviour(
+            kind="ok", delay_ms=5000 if turn == "in flight" else 0)}, body_of(text))
+        up.wait_for_record(lambda r: r.get("event") == "dispatch")
+        state = "in_flight" if turn == "in flight" else "completed"
+        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [(state,)],
+                   10, what=f"the turn {turn} in the ledger")
+        with _unwritable(fault, folder, ledger):
+            assert post(b.url, sessionless, body_of("B meets the fault"))[0] == 200
+            assert events(tmp_path, "b", "ledger_unavailable")
+            retry = in_background(post, b.url, sessionless, body_of(text))
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or dispatches_of(up, body_of(text)) > 1, 10,
+                       what="B deciding the retry")
+            assert dispatches_of(up, body_of(text)) == 1, \
+                f"B ran A's turn a second time while the ledger was {fault}"
+        _answered_once_and_replayed(original, retry, up, 2, a, b)
+        wait_until(lambda: not in_flight(ledger), 10, what="the turns' ends written")
+
+
 def test_a_retry_behind_a_lock_is_replayed_however_many_claims_wait_on_the_ledgers_connection(
         tmp_path):
     """A turn completed through A; another connection takes the ledger's write lock, and B
@@ -2591,30 +2643,25 @@ def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_pa
     fault (both read the ledger: A's turn is in flight there, or ended) and 0.4 s after it are
     each answered with the turn's result; one upstream execution; nothing left in flight in
     the ledger once the writes the fault kept are written."""
-    folder = tmp_path / "ledger-fs"
-    mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
-        folder.mkdir(mode=0o700))
     text = f"the ledger {fault} {step}"
-    with mount:
-        ledger = folder / "ledger.sqlite3"
-        opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
-        with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
-                guarded(tmp_path, up, "b", **opts) as b:
-            _warm_up(a, b)
-            original = _a_turn_run_to(step, up, a, ledger, text)
-            with write_lock(ledger) if fault == "locked" else _unwritable(fault, folder, ledger):
-                answers = [in_background(post, proxy.url, SESSION, body_of(text))
-                           for proxy in (a, b)]
-                time.sleep(2.5)
-            time.sleep(0.4)
-            answers += [in_background(post, proxy.url, SESSION, body_of(text))
-                        for proxy in (a, b)]
-            _each_answered_with_the_turn(answers, original)
-            assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
-            assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
-            wait_until(lambda: not _attempts_in_flight(ledger), 15,
-                       what="the turn's ends written")
-            assert_no_traceback(a.log_text() + b.log_text())
+    with _two_processes_on_a_ledger_of_its_own(tmp_path, fault,
+                                               turnguard_hold_timeout_ms=30000) as setup:
+        up, a, b, folder, ledger = setup
+        _warm_up(a, b)
+        original = _a_turn_run_to(step, up, a, ledger, text)
+        with write_lock(ledger) if fault == "locked" else _unwritable(fault, folder, ledger):
+            answers = [in_background(post, proxy.url, SESSION, body_of(text))
+                       for proxy in (a, b)]
+            time.sleep(2.5)
+        time.sleep(0.4)
+        answers += [in_background(post, proxy.url, SESSION, body_of(text))
+                    for proxy in (a, b)]
+        _each_answered_with_the_turn(answers, original)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert [e["ledger"] for e in events(tmp_path, "a", "dispatch")] == [True, True]
+        wait_until(lambda: not _attempts_in_flight(ledger), 15,
+                   what="the turn's ends written")
+        assert_no_traceback(a.log_text() + b.log_text())
     report(f"the ledger {fault} for 2.5 s at a step of a turn ({step}): {len(answers)} "
            "duplicates through two processes answered with the turn's result; upstream "
            "dispatches=1")

@@ -16,7 +16,8 @@ import pytest
 from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
                      older_copy, parse_sse, replace_with_junk, replace_with_older_copy,
                      sse_post, turnguard_events, wait_for_a_first_event, wait_until)
-from test_ledger_faults import disk_full, immutable, tiny_tmpfs
+from test_ledger_faults import immutable, tiny_tmpfs
+from turnguard_faults import disk_full
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 

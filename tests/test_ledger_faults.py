@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from turnguard_faults import fill, mount_tmpfs, unfill, unmount, wal_at_its_end
 from harness import (
     MockUpstream,
     Regression,
@@ -71,85 +72,14 @@ def immutable(*paths: Path):
 
 @contextlib.contextmanager
 def tiny_tmpfs(path: Path, size: str = "2m"):
-    path.mkdir(mode=0o700)
-    r = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path))
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        mount_tmpfs(path, size)
+    except OSError as e:
+        pytest.skip(str(e))
     try:
         yield path
     finally:
-        for _ in range(20):  # bounded: a process may still hold a file open for a moment
-            if _run("umount", str(path)).returncode == 0:
-                break
-            time.sleep(0.25)
-        else:
-            _run("umount", "-l", str(path))
-
-
-def fill(folder: Path) -> Path:
-    """Fill the file system of ``folder`` up to the last byte."""
-    filler = folder / "filler"
-    with open(filler, "wb") as f:
-        for _ in range(100_000):  # bounded: the tmpfs is a few MB
-            try:
-                f.write(b"\0" * 4096)
-                f.flush()
-            except OSError:
-                break
-    with contextlib.suppress(OSError):  # the tail of a page, if any
-        with open(folder / "filler-tail", "wb") as f:
-            for _ in range(4096):
-                f.write(b"\0")
-                f.flush()
-    return filler
-
-
-@contextlib.contextmanager
-def wal_at_its_end(ledger: Path):
-    """Until the block ends, every write to the ledger must grow its WAL file, so that a full
-    disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
-    from its start, into space the file already has: a full disk would not be noticed.) A
-    scratch write larger than the WAL file takes it past the space it had (a reader holding a
-    snapshot first keeps it from starting again under that write), and a second reader, whose
-    snapshot holds the scratch write, keeps the WAL from starting again before its end."""
-    wal = Path(f"{ledger}-wal")
-    readers = []
-    try:
-        for scratch in (True, False):
-            reader = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-            readers.append(reader)
-            reader.execute("BEGIN")
-            reader.execute("SELECT COUNT(*) FROM operations").fetchone()
-            if scratch:
-                size = max(512 * 1024, wal.stat().st_size + 64 * 1024)
-                with contextlib.closing(sqlite3.connect(ledger, timeout=10,
-                                                        isolation_level=None)) as w:
-                    w.execute("CREATE TABLE IF NOT EXISTS test_scratch (b BLOB)")
-                    w.execute("DELETE FROM test_scratch")
-                    w.execute("INSERT INTO test_scratch VALUES (zeroblob(?))", (size,))
-        yield
-    finally:
-        for reader in readers:
-            reader.execute("ROLLBACK")
-            reader.close()
-
-
-def unfill(folder: Path) -> None:
-    for name in ("filler", "filler-tail"):
-        with contextlib.suppress(FileNotFoundError):
-            (folder / name).unlink()
-
-
-@contextlib.contextmanager
-def disk_full(ledger: Path):
-    """The ledger's file system full until the block ends, and every write to the ledger
-    meeting it (``wal_at_its_end``)."""
-    with wal_at_its_end(ledger):
-        fill(ledger.parent)
-        try:
-            yield
-        finally:
-            unfill(ledger.parent)
+        unmount(path)
 
 
 # -----------------------------------------------------------------------------------------------

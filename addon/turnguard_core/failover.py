@@ -61,10 +61,11 @@ logger = logging.getLogger("turnguard")
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
-# Longest a request waits for its read of an SQLite ledger behind another connection's write
-# lock, on a connection of its own (``_read_behind_a_lock``; a few milliseconds): short of a
-# request's ledger step (0.5 s), so that it leaves the time to go on as before.
-READ_BEHIND_A_LOCK_S = 0.15
+# Longest a request waits for its read of an SQLite ledger that cannot be written (another
+# connection's write lock, a full disk, read-only files), on a connection of its own
+# (``_read_apart_while_down``; a few milliseconds): short of a request's ledger step (0.5 s),
+# so that it leaves the time to go on as before.
+READ_APART_WHILE_DOWN_S = 0.15
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 # ... and this often while the process owes it rows, or a request would be decided without it
@@ -1148,8 +1149,8 @@ class FailoverStore:
             return known
 
         if recovery is None and self.error is not None:  # (down: most often not)
-            read = await self._decided_elsewhere_behind_a_lock(ident, guard=guard, now=now,
-                                                               deadline=deadline)
+            read = await self._decided_elsewhere_while_down(ident, guard=guard, now=now,
+                                                            deadline=deadline)
             if read is not None:
                 self.memory.learn(ident, read, me=self._instance_id,
                                   circuit_scope=circuit_scope, now=now, threshold=threshold)
@@ -1184,20 +1185,23 @@ class FailoverStore:
                           now=now, threshold=threshold)
         return admission
 
-    async def _read_behind_a_lock(self, read: Callable[[Any], Any],
-                                  deadline: float | None) -> Any:
-        """``read(ledger)`` on an SQLite ledger that is down for another connection's write
-        lock, on a read-only connection of its own (``Store.read_apart``): a write lock keeps
-        the ledger from being written, not read, and this connection's calls queue behind
-        claims that wait for the lock, one after another (up to a request's 0.5 s step
-        each), and behind the writes this process owes it. What such a read is used for is
-        what other processes wrote. ``UNREAD`` when the ledger is not so, or the read did not
-        answer within ``READ_BEHIND_A_LOCK_S`` (the request's call then goes as before)."""
+    async def _read_apart_while_down(self, read: Callable[[Any], Any],
+                                     deadline: float | None) -> Any:
+        """``read(ledger)`` on an SQLite ledger that is down, on a read-only connection of its
+        own (``Store.read_apart``): what keeps a ledger from being written often leaves it
+        readable (another connection's write lock, a full disk, read-only files), and this
+        connection's calls queue behind claims that wait for a lock, one after another (up
+        to a request's 0.5 s step each), and behind the writes this process owes it; a claim
+        on a full disk or read-only files fails, and its read with it. What such a read is
+        used for is what other processes wrote. ``UNREAD`` when the ledger is not so (a file
+        deleted or replaced is never read: ``read_apart`` refuses another file than the one
+        in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
+        request's call then goes as before)."""
         if deadline is None or self._store is None or self.error is None \
-                or is_postgres(self.path) or not contended(self.error):
+                or is_postgres(self.path):
             return UNREAD
         task = asyncio.ensure_future(self._store.read_apart(read))
-        bound = min(deadline, time.monotonic() + READ_BEHIND_A_LOCK_S)
+        bound = min(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S)
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
         if not task.done():
             task.add_done_callback(_settle)
@@ -1207,18 +1211,19 @@ class FailoverStore:
         except LedgerError:
             return UNREAD
 
-    async def _decided_elsewhere_behind_a_lock(
+    async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
     ) -> policy.Hold | policy.Replay | None:
-        """What the ledger decides for the request without a claim, read behind another
-        connection's write lock (``_read_behind_a_lock``): a hold on another process's attempt
+        """What the ledger decides for the request without a claim, read while it cannot be
+        written (``_read_apart_while_down``): a hold on another process's attempt
         in flight, or a replay of its recording; None otherwise. Only another process's
         attempt counts: what the ledger says of this process's own may be changed by the
         writes owed. A replay's recording is read with it (then known in memory, where
         ``recording`` finds it: read later on the ledger's own connection, it would wait
         behind the calls queued there)."""
         generation = self.generation
-        seen = await self._read_behind_a_lock(lambda led: led.snapshot(ident.op_key), deadline)
+        seen = await self._read_apart_while_down(lambda led: led.snapshot(ident.op_key),
+                                                 deadline)
         if isinstance(seen, Unread) or seen is None \
                 or seen.owner_instance in (None, self._instance_id):
             return None
@@ -1226,7 +1231,7 @@ class FailoverStore:
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            found = await self._read_behind_a_lock(
+            found = await self._read_apart_while_down(
                 lambda led: led.recording(decision.attempt_id, ident.op_key), deadline)
             if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None

@@ -2,14 +2,17 @@
 
 Two guarded mitmdumps (A and B) share one SQLite ledger in front of the mock upstream. Each of
 --ops turns is an original, held upstream for 0.2 to 4 s, and 1 to 3 identical duplicates
-sent 0.05 to 3 s after it, each through A or B at random, on connections of their own. While
-they run, a fault from --faults comes every 0.8 to 2.5 s. Then the run checks what the
+sent 0.05 to 3 s after it, each through A or B at random, on connections of their own: HTTP
+POSTs, WebSocket calls (a ``response.create`` frame on a socket of its own, as Codex sends
+it), or either at random (--transport; a frame and its POST are one operation). While they
+run, a fault from --faults comes every 0.8 to 2.5 s. Then the run checks what the
 Guarantees table promises under those faults, and prints one line per operation that broke a
 check, and a summary; --json FILE writes it all. Everything runs on 127.0.0.1; the run is
 bounded (every wait has a timeout, the faults stop with the traffic).
 
 Checks (exit status 1 when one fails):
-  answered    every request got a 200 whose event stream ends with response.completed
+  answered    every request got a 200 (a socket: its upgrade) whose events end with
+              response.completed
   one answer  the requests of an operation dispatched once all got the same response
   once here   no process dispatched an operation twice (each process coalesces what it knows)
   no trace    no Python traceback in either process's log; both still running
@@ -38,14 +41,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from turnguard_faults import disk_full, mount_tmpfs, unmount
 from turnguard_procs import MITMDUMP_LINE, MOCK_LINE, Process, read_jsonl
 from turnguard_repro import http1
 from turnguard_repro.procs import ADDON, MOCK_UPSTREAM, mitmdump_path, option_args
+from turnguard_ws import UpgradeRejected, WsClient
 
-FAULTS = ("stop", "lock", "rm_file", "rm_wal", "rm_shm", "rm_all", "mv_older", "reload")
+FAULTS = ("stop", "lock", "full", "rm_file", "rm_wal", "rm_shm", "rm_all", "mv_older", "reload")
 FAULTS_HELP = {
     "stop": "SIGSTOP one process for 0.5-3 s, then SIGCONT",
     "lock": "another connection holds the ledger's write lock for 0.3-2 s",
+    "full": "the ledger's disk full for 0.3-2 s, every write meeting it (the ledger then "
+            "lives on a tmpfs of its own: root only)",
     "rm_file": "delete the ledger file alone (its -wal and -shm left)",
     "rm_wal": "delete the ledger's -wal",
     "rm_shm": "delete the ledger's -shm",
@@ -54,6 +61,8 @@ FAULTS_HELP = {
                 "(its -wal and -shm left)",
     "reload": "touch turnguard's script: mitmproxy reloads it in both processes",
 }
+TRANSPORTS = ("http", "ws", "mixed")
+LEDGER_TMPFS_SIZE = "64m"  # the ledger, its 16 MiB WAL and disk_full's scratch write in it
 START_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 90.0
 
@@ -68,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ops", type=int, default=30, help="operations (turns), 1-500 (default 30)")
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="comma-separated faults to draw from, or 'none' (default: all)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="http",
+                   help="how requests are sent: HTTP POSTs, WebSocket calls, or either at "
+                        "random for each request (default http)")
     p.add_argument("--sessions", action="store_true",
                    help="send every request with a session-id (5 sessions) and one of 3 keys")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
@@ -86,7 +98,8 @@ class Run:
     def __init__(self, args: argparse.Namespace, work: Path):
         self.args, self.work = args, work
         self.rng = random.Random(args.seed)
-        self.ledger = work / "ledger.sqlite3"
+        # (a folder of its own: a tmpfs with ``full``, whose fill leaves the rest alone)
+        self.ledger = work / "ledger" / "ledger.sqlite3"
         self.script = work / "addon" / "turnguard.py"  # a copy: ``reload`` touches it
         self.procs: dict[str, Process] = {}
         self.urls: dict[str, str] = {}
@@ -98,12 +111,29 @@ class Run:
         return json.dumps({"model": "m", "input": f"chaos {self.args.seed} op {op}",
                            "stream": True}).encode()
 
+    def frame(self, op: int) -> str:
+        """The operation's call on a socket: its POST's body as a ``response.create`` frame."""
+        return json.dumps({"type": "response.create", **json.loads(self.body(op))})
+
+    def bodies_sha256(self, op: int) -> tuple[str, str]:
+        """What the upstream logs of the operation's dispatches: its POST's body, its frame."""
+        return (hashlib.sha256(self.body(op)).hexdigest(),
+                hashlib.sha256(self.frame(op).encode()).hexdigest())
+
     async def start(self) -> None:
         shutil.copytree(ADDON.parent, self.script.parent,
                         ignore=shutil.ignore_patterns("__pycache__"))
-        mock = Process([sys.executable, "-u", str(MOCK_UPSTREAM), "--host", "127.0.0.1", "--port", "0", "--log",
-                        str(self.work / "upstream.jsonl")], self.work / "upstream.out",
-                       new_session=True)
+        # an operation's first dispatch is slow (its turn held upstream: its duplicates come
+        # meanwhile), any later one answered at once, by POST or on a socket alike
+        scenario = {"default": {"kind": "ok"}, "operations": {
+            sha: {"sequence": [{"kind": "slow", "delay_ms": self.rng.randint(200, 4000)}],
+                  "default": {"kind": "ok"}}
+            for op in range(self.args.ops) for sha in self.bodies_sha256(op)}}
+        (self.work / "scenario.json").write_text(json.dumps(scenario))
+        mock = Process([sys.executable, "-u", str(MOCK_UPSTREAM), "--host", "127.0.0.1",
+                        "--port", "0", "--scenario", str(self.work / "scenario.json"),
+                        "--log", str(self.work / "upstream.jsonl")],
+                       self.work / "upstream.out", new_session=True)
         self.procs["upstream"] = mock
         upstream = (await mock.await_line(MOCK_LINE, START_TIMEOUT_S, "mock upstream")).group(1)
         for name in ("A", "B"):
@@ -126,6 +156,10 @@ class Run:
             except OSError:
                 pass
             proc.stop()
+        if self.ledger.parent.is_mount():
+            if self.args.keep:  # (the tmpfs goes with the run)
+                shutil.copytree(self.ledger.parent, self.work / "ledger-kept")
+            unmount(self.ledger.parent)
 
     # -- the faults ------------------------------------------------------------------------------
     async def chaos(self, until: asyncio.Event) -> None:
@@ -163,6 +197,14 @@ class Run:
                 db.execute("ROLLBACK")
             finally:
                 db.close()
+        elif fault == "full":
+            held = self.rng.uniform(0.3, 2)
+            full = disk_full(ledger)
+            await asyncio.to_thread(full.__enter__)
+            try:
+                await asyncio.sleep(held)
+            finally:
+                await asyncio.to_thread(full.__exit__, None, None, None)
         elif fault in ("rm_file", "rm_wal", "rm_shm", "rm_all"):
             suffixes = {"rm_file": [""], "rm_wal": ["-wal"], "rm_shm": ["-shm"],
                         "rm_all": ["", "-wal", "-shm"]}[fault]
@@ -186,32 +228,56 @@ class Run:
         return False if fault == "mv_older" else copy_made
 
     # -- the traffic -----------------------------------------------------------------------------
-    async def request(self, op: int, index: int, via: str, delay: float, stall_ms: int) -> None:
+    async def request(self, op: int, index: int, via: str, delay: float, transport: str) -> None:
         await asyncio.sleep(delay)
-        headers = {"content-type": "application/json", "accept": "text/event-stream"}
-        if index == 0:
-            headers["x-mock-behaviour"] = json.dumps({"kind": "slow", "delay_ms": stall_ms})
+        headers = {}
         if self.args.sessions:
             headers.update({"authorization": f"Bearer sk-chaos-{op % 3}",
                             "session-id": f"chaos-{op % 5}"})
-        ex = http1.Exchange()
-        await http1.post(ex, self.urls[via], "/v1/responses", headers, self.body(op),
-                         headers_timeout=REQUEST_TIMEOUT_S, idle_timeout=REQUEST_TIMEOUT_S)
-        final = ex.final_response() or {}
-        self.answers[op].append({
-            "request": index, "via": via, "status": ex.status, "error": ex.error,
-            "completed": ex.completed, "response_id": final.get("id"),
-            "seconds": round((ex.t_end or time.time()) - ex.t_start, 2)})
+        started = time.time()
+        if transport == "ws":
+            answer = await self.call(op, via, headers)
+        else:
+            ex = http1.Exchange()
+            await http1.post(ex, self.urls[via], "/v1/responses",
+                             {"content-type": "application/json",
+                              "accept": "text/event-stream", **headers}, self.body(op),
+                             headers_timeout=REQUEST_TIMEOUT_S, idle_timeout=REQUEST_TIMEOUT_S)
+            final = ex.final_response() or {}
+            answer = {"status": ex.status, "error": ex.error, "completed": ex.completed,
+                      "response_id": final.get("id")}
+        self.answers[op].append({"request": index, "via": via, "transport": transport, **answer,
+                                 "seconds": round(time.time() - started, 2)})
+
+    async def call(self, op: int, via: str, headers: dict[str, str]) -> dict[str, Any]:
+        """The operation's call on a socket of its own: 200 once upgraded, completed when its
+        events end with ``response.completed``."""
+        try:
+            async with WsClient.connect(self.urls[via], headers=headers) as client:
+                await client.send(self.frame(op))
+                events = await client.response(REQUEST_TIMEOUT_S)
+        except UpgradeRejected as e:
+            return {"status": e.status, "error": str(e), "completed": False, "response_id": None}
+        except (OSError, TimeoutError, ValueError) as e:
+            return {"status": 0, "error": repr(e), "completed": False, "response_id": None}
+        last = events[-1] if events else {}
+        completed = last.get("type") == "response.completed"
+        return {"status": 200, "error": None if completed else f"ended with {last}",
+                "completed": completed,
+                "response_id": (last.get("response") or {}).get("id") if completed else None}
+
+    def transport(self) -> str:
+        return self.rng.choice(("http", "ws")) if self.args.transport == "mixed" \
+            else self.args.transport
 
     async def traffic(self) -> None:
         sends = []
         for op in range(self.args.ops):
             start = op * self.rng.uniform(0.1, 0.5)
-            sends.append(self.request(op, 0, self.rng.choice("AB"), start,
-                                      self.rng.randint(200, 4000)))
+            sends.append(self.request(op, 0, self.rng.choice("AB"), start, self.transport()))
             for index in range(1, self.rng.randint(2, 4)):
                 sends.append(self.request(op, index, self.rng.choice("AB"),
-                                          start + self.rng.uniform(0.05, 3), 0))
+                                          start + self.rng.uniform(0.05, 3), self.transport()))
         await asyncio.gather(*sends)
 
     # -- the checks ------------------------------------------------------------------------------
@@ -227,7 +293,7 @@ class Run:
         ops, violations, reported = [], collections.Counter(), 0
         for op in range(self.args.ops):
             answers = sorted(self.answers[op], key=lambda a: a["request"])
-            runs = upstream[hashlib.sha256(self.body(op)).hexdigest()]
+            runs = sum(upstream[sha] for sha in self.bodies_sha256(op))
             broken = []
             if not all(a["status"] == 200 and a["completed"] for a in answers):
                 broken.append("answered")
@@ -258,7 +324,10 @@ class Run:
             sound, left = False, str(e)
         if not sound or left:
             violations["ledger"] += 1
+        sent = collections.Counter(a["transport"] for answers in self.answers.values()
+                                   for a in answers)
         return {"seed": self.args.seed, "ops": self.args.ops, "faults": self.faults,
+                "requests": dict(sent),
                 "violations": dict(violations), "dispatched_more_than_once": reported,
                 "ledger_sound": sound, "attempts_left_in_flight": left,
                 "operations": [o for o in ops if o["broken"] or o.get("upstream_dispatches", 1) > 1]}
@@ -286,6 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="turnguard-chaos-"))
     os.chmod(work, 0o700)
     try:
+        if "full" in args.faults:
+            mount_tmpfs(work / "ledger", LEDGER_TMPFS_SIZE)
+        else:
+            (work / "ledger").mkdir(mode=0o700)
+    except OSError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"scripts/chaos: the fault full needs the ledger on a tmpfs of its own: {e}",
+              file=sys.stderr)
+        return 2
+    try:
         report = asyncio.run(run(args, work))
     finally:
         if args.keep:
@@ -295,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     for o in report["operations"]:
         print(json.dumps(o))
     print(f"faults: {' '.join(f'{t}s:{f}' for t, f in report['faults']) or 'none'}")
-    print(f"operations: {report['ops']}; dispatched upstream more than once (reported): "
+    print(f"operations: {report['ops']}; requests: "
+          f"{', '.join(f'{n} {t}' for t, n in sorted(report['requests'].items()))}; "
+          f"dispatched upstream more than once (reported): "
           f"{report['dispatched_more_than_once']}; ledger sound: {report['ledger_sound']}, "
           f"attempts left in flight: {report['attempts_left_in_flight']}")
     print(f"violations: {report['violations'] or 'none'}")

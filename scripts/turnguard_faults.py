@@ -1,0 +1,110 @@
+"""Ledger faults made for real, shared by the tests and ``scripts/chaos``: a file system of its
+own for a ledger (a tmpfs: root only) and that file system full.
+
+    mount_tmpfs(folder, "64m")        # OSError when it cannot be mounted (not root, say)
+    with disk_full(ledger):           # until the block ends, every ledger write fails: full
+        ...
+    unmount(folder)
+
+Every wait is bounded; every fault is undone when its block ends."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+FILL_PAGES_MAX = 100_000  # bounds a fill: 400 MiB, more than any tmpfs made here
+UNMOUNT_TRIES = 20
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+
+
+def mount_tmpfs(path: Path, size: str) -> None:
+    """Make ``path`` (a new folder, 0700) a tmpfs of ``size`` (mount's ``size=``: "2m").
+    Raises OSError, with mount's message, when it cannot be mounted."""
+    path.mkdir(mode=0o700)
+    r = _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path))
+    if r.returncode != 0:
+        raise OSError(f"cannot mount a tmpfs at {path}: {r.stderr.strip() or r.returncode}")
+
+
+def unmount(path: Path) -> None:
+    """Unmount ``path``, lazily if a process still holds a file of it after a few tries."""
+    for _ in range(UNMOUNT_TRIES):  # bounded: a process may hold a file open for a moment
+        if _run("umount", str(path)).returncode == 0:
+            return
+        time.sleep(0.25)
+    _run("umount", "-l", str(path))
+
+
+def fill(folder: Path) -> Path:
+    """Fill the file system of ``folder`` up to the last byte."""
+    filler = folder / "filler"
+    with open(filler, "wb") as f:
+        for _ in range(FILL_PAGES_MAX):
+            try:
+                f.write(b"\0" * 4096)
+                f.flush()
+            except OSError:
+                break
+    with contextlib.suppress(OSError):  # the tail of a page, if any
+        with open(folder / "filler-tail", "wb") as f:
+            for _ in range(4096):
+                f.write(b"\0")
+                f.flush()
+    return filler
+
+
+def unfill(folder: Path) -> None:
+    for name in ("filler", "filler-tail"):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+
+
+@contextlib.contextmanager
+def wal_at_its_end(ledger: Path):
+    """Until the block ends, every write to the ledger must grow its WAL file, so that a full
+    disk fails it. (The processes checkpoint the WAL often, and SQLite then writes it again
+    from its start, into space the file already has: a full disk would not be noticed.) A
+    scratch write larger than the WAL file takes it past the space it had (a reader holding a
+    snapshot first keeps it from starting again under that write), and a second reader, whose
+    snapshot holds the scratch write, keeps the WAL from starting again before its end. The
+    block may be entered and left on different threads."""
+    wal = Path(f"{ledger}-wal")
+    readers = []
+    try:
+        for scratch in (True, False):
+            reader = sqlite3.connect(ledger, timeout=10, isolation_level=None,
+                                     check_same_thread=False)
+            readers.append(reader)
+            reader.execute("BEGIN")
+            reader.execute("SELECT COUNT(*) FROM operations").fetchone()
+            if scratch:
+                size = max(512 * 1024, wal.stat().st_size + 64 * 1024)
+                with contextlib.closing(sqlite3.connect(ledger, timeout=10,
+                                                        isolation_level=None)) as w:
+                    w.execute("CREATE TABLE IF NOT EXISTS test_scratch (b BLOB)")
+                    w.execute("DELETE FROM test_scratch")
+                    w.execute("INSERT INTO test_scratch VALUES (zeroblob(?))", (size,))
+        yield
+    finally:
+        for reader in readers:
+            reader.execute("ROLLBACK")
+            reader.close()
+
+
+@contextlib.contextmanager
+def disk_full(ledger: Path):
+    """The ledger's file system full until the block ends, and every write to the ledger
+    meeting it (``wal_at_its_end``)."""
+    with wal_at_its_end(ledger):
+        fill(ledger.parent)
+        try:
+            yield
+        finally:
+            unfill(ledger.parent)
