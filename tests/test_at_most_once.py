@@ -2059,7 +2059,8 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
 
 @pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted",
                                   "junk, A reloaded, then deleted",
-                                  "deleted, the new file locked"])
+                                  "deleted, the new file locked",
+                                  "copied anew, then deleted"])
 def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process(
         tmp_path, then, report):
     """A's turn ended (its end and recording in the ledger); then the ledger file is deleted,
@@ -2071,7 +2072,11 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
     records its own recordings still within the replay window in the new file as it moves
     there, and B, which read in the file left that A had recordings there, waits for A to
     have moved before it decides a request the new file knows nothing of. (Before, B ran the
-    turn again: only the turns in flight were moved.)"""
+    turn again: only the turns in flight were moved.) Or the ledger's -shm is deleted, so
+    that a copy of the file, the turn's row in it, is made anew in its place, and then that
+    copy is deleted too: A still records the turn in the third file (it recorded in the new
+    file only what it had of the file just left, and the turn was of the one before: B ran
+    it again, as a chaos run found)."""
     ledger = tmp_path / "ledger.sqlite3"
     text = f"ended before the ledger went ({then})"
     script = reloadable(tmp_path)
@@ -2087,6 +2092,11 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
             delete_ledger(ledger)
         elif then == "older copy":
             replace_with_older_copy(tmp_path)
+        elif then == "copied anew, then deleted":
+            os.unlink(f"{ledger}-shm")
+            wait_until(lambda: all(events(tmp_path, name, "ledger_recovered")
+                                   for name in "ab"), 10, what="A and B on the copy")
+            delete_ledger(ledger)
         elif then == "deleted, the new file locked":
             delete_ledger(ledger)
             ledger.touch(mode=0o600)  # (an empty file: a new SQLite database once written)

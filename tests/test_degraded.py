@@ -110,10 +110,11 @@ def own(attempt_id: int | None = 7, generation: str = "gen-1") -> KnownRecording
                           attempt_id=attempt_id, generation=generation)
 
 
-def test_its_own_recordings_of_a_file_left_are_what_it_moves_to_the_new_one():
+def test_its_own_recordings_of_the_files_left_are_what_it_moves_to_the_new_one():
     """The recordings a process moves into a new ledger file: its own (not those it read
-    from the ledger), of the file left, within their window; once moved, of the new file
-    (replayed from memory: their row there is not known)."""
+    from the ledger), of any file but the one in use, within their window; once moved, of
+    the new file (replayed from memory: their row there is not known). One of a file left
+    before the last (the new file had it: a copy made from the file left) moves on too."""
     from turnguard_core.ledger import AttemptEnd
     from turnguard_core.store import OfflineEndWrite
 
@@ -128,16 +129,21 @@ def test_its_own_recordings_of_a_file_left_are_what_it_moves_to_the_new_one():
                                              "gen-0", mine))
     window = {"f": 300.0}
 
-    def of(generation, now=1100.0, window_of=lambda i: window[i.fingerprint]):
-        return [known.attempt_id for known in k.own_recordings_of(
-            generation, now=now, window_of=window_of)]
+    def outside(generation, now=1100.0, window_of=lambda i: window[i.fingerprint]):
+        return sorted((known.attempt_id for known in k.own_recordings_outside(
+            generation, now=now, window_of=window_of)), key=str)
 
-    assert of("gen-1") == [7]
-    assert of("gen-1", now=1301.0) == []  # past its window
-    assert of("gen-1", window_of=lambda i: None) == []  # replay off
-    (known,) = k.own_recordings_of("gen-1", now=1100.0, window_of=lambda i: 300.0)
+    assert outside("gen-2") == [7, 9]  # the new file: the last file's and the one before's
+    assert outside("gen-1") == [9] and outside("gen-0") == [7]
+    assert outside("") == [7, 9]  # no file in use
+    assert outside("gen-2", now=1301.0) == []  # past their window
+    assert outside("gen-2", window_of=lambda i: None) == []  # replay off
+    assert k.has_own_recordings_outside("gen-2", now=1100.0, window_of=lambda i: 300.0)
+    (known,) = [r for r in k.own_recordings_outside("gen-2", now=1100.0,
+                                                    window_of=lambda i: 300.0)
+                if r.attempt_id == 7]
     k.moved("op", known, "gen-2")
-    assert of("gen-1") == [] and of("gen-2") == [None]
+    assert outside("gen-2") == [9] and outside("gen-3") == [9, None]
     assert k.recording("op", fingerprint="f", now=1100.0, window_s=300) == Recording(200, (), b"x")
     assert k.replay_attempt("op", fingerprint="f", now=1100.0, window_s=300,
                             generation="gen-2") is None  # replayed from memory

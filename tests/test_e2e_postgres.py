@@ -506,6 +506,50 @@ def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable
     assert_no_traceback(log)
 
 
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+def test_a_retry_sent_elsewhere_while_the_database_is_read_only_is_held_or_replayed(
+        tmp_path, pg_url, turn):
+    """A's turn is in the ledger (in flight, or completed) when the database is made
+    read-only (a standby after a failover, maintenance). B meets it (a new turn of its own
+    cannot be claimed), and then decided every request in memory, which knows nothing of A's
+    turn. The database can still be read: B reads the operation before it decides from
+    memory, and holds a retry of A's turn on A's attempt or replays its recording: one
+    upstream execution."""
+    name = pg_url.rsplit("/", 1)[1]
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    body = {**BODY, "input": f"a retry while the database is read-only ({turn})"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(2) as pool:
+        original = pool.submit(post, a.url, {**sessionless, **harness.mock_behaviour(
+            kind="ok", delay_ms=5000 if turn == "in flight" else 0)}, body)
+        wait_until(lambda: up.dispatches(), 10, what="the turn's dispatch")
+        state = "in_flight" if turn == "in flight" else "completed"
+        wait_until(lambda: rows(pg_url, "SELECT state FROM operations") == [(state,)], 10,
+                   what=f"the turn {turn} in the ledger")
+        rows(admin, f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        try:
+            rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = %s", (name,))
+            assert post(b.url, sessionless, {**BODY, "input": "B meets the fault"})[0] == 200
+            wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
+                       what="B meeting the fault")
+            retry = pool.submit(post, b.url, sessionless, body)
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or len(up.dispatches()) > 2, 10, what="B deciding the retry")
+            assert len(up.dispatches()) == 2, "B ran A's turn a second time, read-only"
+        finally:
+            rows(admin, f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        status, _, first = original.result(30)
+        again, headers, replayed = retry.result(40)
+        log = a.log_text() + b.log_text()
+    assert status == again == 200 and headers.get("x-turnguard") == "replayed", headers
+    assert replayed == first
+    assert len(up.dispatches()) == 2  # the turn once, and B's own turn in the fault
+    assert_no_traceback(log)
+
+
 def test_a_nul_in_a_previous_response_id_is_stored_and_keeps_the_ledger_in_use(tmp_path, pg_url):
     """A call whose ``previous_response_id`` holds a NUL (which PostgreSQL refuses in text), on
     a WebSocket and over HTTP: its claim is written (the NUL stored as U+FFFD), never taken for

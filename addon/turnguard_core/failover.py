@@ -41,7 +41,7 @@ from .knowledge import KnownRecording, MemoryStore
 from .ledger import AttemptEnd, FinishResult, Ledger, LedgerError, Recording
 from .ledger_admin import LedgerAdmin
 from .ledger_location import display, is_postgres
-from .ledger_runner import LedgerRunner, LedgerTimeout, contended
+from .ledger_runner import LedgerRunner, LedgerTimeout, contended, writes_refused
 from .records import record
 from .store import (
     AppliedOnce,
@@ -312,6 +312,7 @@ class FailoverStore:
         # ``self._awaited``, the process's (``PeersAwaited``)
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._decided_in_memory = 0  # admissions decided in memory so far (``admit``)
+        self._reading_apart: asyncio.Future | None = None  # a PostgreSQL read apart under way
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
         self._flushing: set[asyncio.Future] = set()  # flush_counts started by note_duplicates
 
@@ -374,9 +375,8 @@ class FailoverStore:
             return True
         if self._store is None:
             return any(True for _ in self._attempts()) \
-                or self.memory.knowledge.has_own_recordings_of(
-                    self.memory.ledger_generation, now=time.time(),
-                    window_of=self.replay_window_of)
+                or self.memory.knowledge.has_own_recordings_outside(
+                    "", now=time.time(), window_of=self.replay_window_of)
         return self._attempts_elsewhere(self.generation)
 
     def _attempts_elsewhere(self, generation: str) -> bool:
@@ -838,16 +838,16 @@ class FailoverStore:
             self._answering_since = time.monotonic()
         self.error = None
 
-    async def _record_own_recordings(self, store: Store, left: str,
-                                     deadline: float | None) -> None:
-        """Record in ``store`` (a new file) the attempts this process completed in the file
-        it ``left`` (deleted or replaced) whose recordings are still within the replay
-        window, each whole, as they ended: so that another process, which waits for this
-        one to note that it moved (``mark_moved``), replays such a turn from the new file
-        rather than run it again. One whose operation the new file has in flight or
-        completed (another attempt that runs, an end owed and written just before, an older
-        copy's own) is not recorded (``Ledger.record_offline_attempt``'s ``moving``), and
-        stays known as of the file left: what it learned from that file still decides.
+    async def _record_own_recordings(self, store: Store, deadline: float | None) -> None:
+        """Record in ``store`` (a new file) the attempts this process completed in the files
+        it left (deleted or replaced) whose recordings are still within the replay window,
+        each whole, as they ended: so that another process, which waits for this one to
+        note that it moved (``mark_moved``), replays such a turn from the new file rather
+        than run it again. One whose operation the new file has in flight or completed
+        (another attempt that runs, an end owed and written just before, a copy's or an
+        older copy's own) is not recorded (``Ledger.record_offline_attempt``'s ``moving``),
+        and stays known as of the file left: what it learned from that file still decides,
+        and should the new file go too, it is recorded in the next.
         Newest first, in batches (``MOVE_BATCH``: one transaction each on SQLite, the event
         loop free between them), for ``MOVE_RECORDINGS_S`` at most: the rest (a backlog on a
         distant PostgreSQL server) is left, said in the log; this process still replays those
@@ -855,8 +855,8 @@ class FailoverStore:
         generation = store.generation
         recorded = 0
         until = time.monotonic() + MOVE_RECORDINGS_S
-        mine = self.memory.knowledge.own_recordings_of(left, now=time.time(),
-                                                       window_of=self.replay_window_of)
+        mine = self.memory.knowledge.own_recordings_outside(generation, now=time.time(),
+                                                            window_of=self.replay_window_of)
         mine.reverse()
         left_over = len(mine)
         for batch in _move_batches(mine):
@@ -937,7 +937,7 @@ class FailoverStore:
                 self._emit("ledger_writes_dropped", writes=dropped,
                            reason="the ledger file they belong to was replaced")
             if self._moved_from:  # after the ends owed: a turn that ended meanwhile is there
-                await self._record_own_recordings(store, self._moved_from, deadline)
+                await self._record_own_recordings(store, deadline)
                 await store.mark_moved(self._moved_from, now=time.time(), deadline=deadline)
                 self._moved_from = ""
             if not probed and await store.heartbeat(time.time(),
@@ -1187,20 +1187,27 @@ class FailoverStore:
 
     async def _read_apart_while_down(self, read: Callable[[Any], Any],
                                      deadline: float | None) -> Any:
-        """``read(ledger)`` on an SQLite ledger that is down, on a read-only connection of its
-        own (``Store.read_apart``): what keeps a ledger from being written often leaves it
-        readable (another connection's write lock, a full disk, read-only files), and this
+        """``read(ledger)`` on a ledger that is down, on a read-only connection of its own
+        (``Store.read_apart``): what keeps a ledger from being written often leaves it
+        readable (on SQLite another connection's write lock, a full disk, read-only files;
+        on PostgreSQL a server that refuses writes: a standby, a full disk), and this
         connection's calls queue behind claims that wait for a lock, one after another (up
         to a request's 0.5 s step each), and behind the writes this process owes it; a claim
-        on a full disk or read-only files fails, and its read with it. What such a read is
-        used for is what other processes wrote. ``UNREAD`` when the ledger is not so (a file
-        deleted or replaced is never read: ``read_apart`` refuses another file than the one
-        in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
-        request's call then goes as before)."""
-        if deadline is None or self._store is None or self.error is None \
-                or is_postgres(self.path):
+        that cannot be written fails, and its read with it. What such a read is used for is
+        what other processes wrote. ``UNREAD`` when the ledger is not so (a file deleted or
+        replaced, another database, is never read: ``read_apart`` refuses another than the
+        one in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
+        request's call then goes as before). On PostgreSQL one such read at a time (each
+        connects to the server)."""
+        if deadline is None or self._store is None or self.error is None:
+            return UNREAD
+        postgres = is_postgres(self.path)
+        if postgres and (not writes_refused(self.error) or self._reading_apart is not None
+                         and not self._reading_apart.done()):
             return UNREAD
         task = asyncio.ensure_future(self._store.read_apart(read))
+        if postgres:
+            self._reading_apart = task
         bound = min(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S)
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
         if not task.done():

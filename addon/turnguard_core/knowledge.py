@@ -97,27 +97,30 @@ class Knowledge:
     def exhausted_keys(self) -> list[str]:
         return list(self._exhausted)
 
-    def own_recordings_of(
+    def own_recordings_outside(
         self, generation: str, *, now: float, window_of: Callable[[Identity], float | None],
     ) -> list[KnownRecording]:
         """This process's own recordings within their replay window (``window_of`` their
-        operation's identity; None: not replayed) whose attempt's row is in the ledger file
-        of ``generation`` (one since deleted or replaced): what it records in the new file,
-        so that another process replays them there rather than run them again."""
-        return list(self._own_of(generation, now, window_of))
+        operation's identity; None: not replayed) whose attempt's row is in a ledger file
+        other than the one of ``generation`` (the file in use; "": none is): what it records
+        in a new file, so that another process replays them there rather than run them
+        again. Any file left, not only the last: a recording the new file had already (a
+        copy made from the file left) stays of that file, and would never move on should
+        the new file go too."""
+        return list(self._own_outside(generation, now, window_of))
 
-    def _own_of(self, generation: str, now: float,
-                window_of: Callable[[Identity], float | None]) -> Iterator[KnownRecording]:
+    def _own_outside(self, generation: str, now: float,
+                     window_of: Callable[[Identity], float | None]) -> Iterator[KnownRecording]:
         return (known for known in self._recordings.values()
-                if known.moved is not None and known.generation == generation
+                if known.moved is not None and known.generation != generation
                 and (window_s := window_of(known.moved.ident)) is not None
                 and now - known.ended_at <= window_s)
 
-    def has_own_recordings_of(
+    def has_own_recordings_outside(
         self, generation: str, *, now: float, window_of: Callable[[Identity], float | None],
     ) -> bool:
-        """Whether ``own_recordings_of`` would give any."""
-        return any(True for _ in self._own_of(generation, now, window_of))
+        """Whether ``own_recordings_outside`` would give any."""
+        return any(True for _ in self._own_outside(generation, now, window_of))
 
     def moved(self, op_key: str, known: KnownRecording, generation: str) -> None:
         """``known`` was recorded in the ledger file of ``generation`` (its row there is not

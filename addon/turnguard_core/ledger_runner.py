@@ -58,6 +58,15 @@ def contended(error: LedgerError | str) -> bool:
             or "statement timeout" in text)
 
 
+def writes_refused(error: LedgerError | str) -> bool:
+    """Whether a PostgreSQL server answered but refused to write: a read-only transaction (a
+    standby, ``default_transaction_read_only``) or a full disk. What it holds can still be
+    read."""
+    text = str(error).lower()
+    return ("read-only transaction" in text or "readonlysqltransaction" in text
+            or "diskfull" in text or "no space left on device" in text)
+
+
 Job = Callable[[Ledger], T]
 """A ledger call: a function of the ledger, e.g. ``lambda ledger: ledger.admit(...)``."""
 

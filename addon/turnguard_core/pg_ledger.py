@@ -42,7 +42,7 @@ import select
 import threading
 import time
 import uuid
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -56,6 +56,7 @@ from .ledger import (
     AttemptEnd,
     FinishResult,
     HeartbeatResult,
+    READ_APART_BUSY_MS,
     LedgerError,
     Recording,
     WalState,
@@ -72,6 +73,7 @@ from .ledger_admin import (
 from .ledger_location import display, scrub
 
 logger = logging.getLogger("turnguard")
+T = TypeVar("T")
 
 SCHEMA_VERSION = 3
 NOTIFY_CHANNEL = "turnguard_attempt_ended"
@@ -461,6 +463,28 @@ class PgLedger:
                 db.execute(
                     "INSERT INTO meta (key, value) VALUES ('schema_version', %s) ON CONFLICT (key)"
                     " DO UPDATE SET value = excluded.value", (str(version + 1),))
+
+    def read_apart(self, read: Callable[["PgLedger"], T]) -> T:
+        """``read(ledger)`` on a short-lived read-only connection of its own, from any thread
+        (see ``Ledger.read_apart``): never queued behind this connection's calls. Raises
+        ``LedgerError``, also when the database is not the one opened (another
+        generation)."""
+        return self._on_a_connection_apart(PgLedger, READ_APART_BUSY_MS, read)
+
+    def _on_a_connection_apart(self, cls: type["PgLedger"], busy_timeout_ms: int,
+                               read: Callable[["PgLedger"], T]) -> T:
+        """``read`` on a short-lived read-only connection (a ``cls``) bounded by
+        ``busy_timeout_ms``; a database that is not the one opened (another generation) is
+        an error, never read."""
+        other = cls(self._url, self.instance_id, busy_timeout_ms=busy_timeout_ms,
+                    identity=self.identity)
+        other.open_readonly()
+        try:
+            if other.generation != self.generation:
+                raise LedgerError(f"ledger database {self.path} was replaced")
+            return read(other)
+        finally:
+            other.close()
 
     def read_was_stable(self) -> bool:
         """Always: PostgreSQL's reads need no second look (see ``Ledger.read_was_stable``)."""
@@ -1111,15 +1135,8 @@ class PgLedgerAdmin(PgLedger):
         """See ``LedgerAdmin.counts_apart``: a short-lived read-only connection of its own,
         its statement bounded by ``COUNT_BOUND_MS``; a database that is not the one opened
         (another generation) is an error, never its counts."""
-        other = PgLedgerAdmin(self._url, self.instance_id, busy_timeout_ms=COUNT_BOUND_MS,
-                              identity=self.identity)
-        other.open_readonly()
-        try:
-            if other.generation != self.generation:
-                raise LedgerError(f"ledger database {self.path} was replaced")
-            return other.counts()
-        finally:
-            other.close()
+        return self._on_a_connection_apart(PgLedgerAdmin, COUNT_BOUND_MS,
+                                           lambda other: other.counts())
 
     @_wrap
     def list_operations(self, limit: int = 50) -> list[dict]:

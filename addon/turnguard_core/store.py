@@ -123,7 +123,7 @@ class Store(Protocol):
 
     async def read_apart(self, read: Callable[[Any], T]) -> T:
         """``read(ledger)`` on a read-only connection of its own, on a thread, never queued
-        behind this store's calls (SQLite only: ``Ledger.read_apart``)."""
+        behind this store's calls (``Ledger.read_apart``, ``PgLedger.read_apart``)."""
 
     async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
 

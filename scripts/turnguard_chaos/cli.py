@@ -211,7 +211,7 @@ class Run:
             for suffix in suffixes:
                 Path(f"{ledger}{suffix}").unlink(missing_ok=True)
         elif fault == "mv_older":
-            older = self.work / "older.sqlite3"
+            older = ledger.parent / "older.sqlite3"  # (one file system: moved, not copied)
             if not copy_made:
                 src = sqlite3.connect(ledger, check_same_thread=False)
                 dst = sqlite3.connect(older, check_same_thread=False)
