@@ -1681,6 +1681,46 @@ def test_a_retry_behind_a_lock_is_replayed_however_many_claims_wait_on_the_ledge
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+def test_a_retry_queued_behind_claims_that_meet_a_lock_it_did_not_know_of_is_held_or_replayed(
+        tmp_path, turn):
+    """Another connection takes the ledger's write lock; B does not know it yet when three new
+    turns reach it, each of whose claims waits for the lock on B's one connection, and a
+    retry of A's turn (in flight, or completed) right behind them. Its admission had no
+    reason to read apart (the ledger was not known to be down) and its call, queued behind
+    the claims, went unanswered within its step: it was decided in B's memory, blind to A's
+    turn, and ran a second time (a chaos run found it, with a turn's end of B's own meeting
+    the lock); or the call answered "replay", and the recording's read, queued behind the
+    claims in turn, did not: 503. Before a request is decided in memory, and when a
+    recording's read goes unanswered, B now reads the ledger apart: the retry is held on A's
+    attempt or replayed, one upstream execution."""
+    ledger = tmp_path / "ledger.sqlite3"
+    sessionless = {"authorization": "Bearer sk-at-most-once"}
+    text = f"a retry queued behind claims that meet a lock ({turn})"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        _warm_up(a, b)
+        before = len(up.dispatches())
+        original = in_background(post, a.url, {**sessionless, **behaviour(
+            kind="ok", delay_ms=4000 if turn == "in flight" else 0)}, body_of(text))
+        states = [("completed",), ("in_flight" if turn == "in flight" else "completed",)]
+        wait_until(lambda: sorted(query(ledger, "SELECT state FROM operations")) == states,
+                   10, what=f"the turn {turn} in the ledger (beside the warm-up's)")
+        with write_lock(ledger, "BEGIN IMMEDIATE"):
+            waiting = [in_background(post, b.url, sessionless, body_of(f"new turn {n}"))
+                       for n in range(3)]
+            time.sleep(0.05)  # (their claims queued on B's connection, none failed yet)
+            assert not events(tmp_path, "b", "ledger_unavailable")
+            retry = in_background(post, b.url, sessionless, body_of(text))
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or dispatches_of(up, body_of(text)) > 1, 10,
+                       what="B deciding the retry")
+            assert dispatches_of(up, body_of(text)) == 1, "B ran A's turn again behind the lock"
+        assert all(f.result(30)[0] == 200 for f in waiting)
+        _answered_once_and_replayed(original, retry, up, before + 4, a, b)
+
+
 def test_a_completed_turn_retried_elsewhere_while_another_connection_holds_the_write_lock_is_replayed(
     tmp_path, report
 ):

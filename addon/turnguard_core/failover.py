@@ -1149,11 +1149,10 @@ class FailoverStore:
             return known
 
         if recovery is None and self.error is not None:  # (down: most often not)
-            read = await self._decided_elsewhere_while_down(ident, guard=guard, now=now,
-                                                            deadline=deadline)
+            read = await self._decided_elsewhere_while_down(
+                ident, guard=guard, now=now, deadline=deadline, circuit_scope=circuit_scope,
+                threshold=threshold)
             if read is not None:
-                self.memory.learn(ident, read, me=self._instance_id,
-                                  circuit_scope=circuit_scope, now=now, threshold=threshold)
                 return read
 
         decided_in_memory = self._decided_in_memory
@@ -1176,6 +1175,16 @@ class FailoverStore:
             admission = UNREAD
         if isinstance(admission, Unread):
             self._unread_for_good(on_retired)
+            if recovery is None and self.error is not None:
+                # the ledger went down while the call waited (queued behind claims that met
+                # a lock this process did not know of yet, say): what the others wrote is
+                # read before memory, blind to it, decides (a few ms; the read's own bound)
+                read = await self._decided_elsewhere_while_down(
+                    ident, guard=guard, now=now,
+                    deadline=max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S),
+                    circuit_scope=circuit_scope, threshold=threshold)
+                if read is not None:
+                    return read
             self._decided_in_memory += 1
             return self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
@@ -1220,14 +1229,15 @@ class FailoverStore:
 
     async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
+        circuit_scope: str, threshold: int,
     ) -> policy.Hold | policy.Replay | None:
         """What the ledger decides for the request without a claim, read while it cannot be
-        written (``_read_apart_while_down``): a hold on another process's attempt
-        in flight, or a replay of its recording; None otherwise. Only another process's
-        attempt counts: what the ledger says of this process's own may be changed by the
-        writes owed. A replay's recording is read with it (then known in memory, where
-        ``recording`` finds it: read later on the ledger's own connection, it would wait
-        behind the calls queued there)."""
+        written (``_read_apart_while_down``), and learned in memory: a hold on another
+        process's attempt in flight, or a replay of its recording; None otherwise. Only
+        another process's attempt counts: what the ledger says of this process's own may be
+        changed by the writes owed. A replay's recording is read with it (then known in
+        memory, where ``recording`` finds it: read later on the ledger's own connection, it
+        would wait behind the calls queued there)."""
         generation = self.generation
         seen = await self._read_apart_while_down(lambda led: led.snapshot(ident.op_key),
                                                  deadline)
@@ -1244,7 +1254,11 @@ class FailoverStore:
                 return None
             self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
                                        generation=generation)
-        return decision if isinstance(decision, (policy.Hold, policy.Replay)) else None
+        if not isinstance(decision, (policy.Hold, policy.Replay)):
+            return None
+        self.memory.learn(ident, decision, me=self._instance_id, circuit_scope=circuit_scope,
+                          now=now, threshold=threshold)
+        return decision
 
     def give_back(self, dispatch: policy.Dispatch, op_key: str,
                   generation: str | None = None) -> None:
@@ -1291,16 +1305,32 @@ class FailoverStore:
         """The recording to replay: the one in memory, else ``attempt_id``'s in the ledger.
         (recording or None, readable): not readable when the ledger could not be read
         (``on_retired`` first, when that is because this store was closed for good
-        meanwhile: ``_unread_for_good``)."""
+        meanwhile: ``_unread_for_good``). While the ledger is down, or once it went down
+        while the call waited, the recording is read apart (``_read_apart_while_down``):
+        never queued behind claims that wait for a lock, nor failed by a full disk; a
+        completed turn whose bytes cannot be read is answered 503, never run again."""
         recording = self.memory.recording(ident, now=time.time(), window_s=window_s)
         if recording is not None or attempt_id is None:
             return recording, True
         generation = self.generation
-        found = await self._call("replay", lambda store: store.recording(
-            attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
+
+        def read(ledger):
+            return ledger.recording(attempt_id, ident.op_key)
+
+        # (read apart, only a recording found counts: no recording may be this process's
+        # own end, owed to the ledger and not written yet)
+        found = await self._read_apart_while_down(read, deadline) \
+            if self.error is not None else None
+        if found is None or isinstance(found, Unread):
+            found = await self._call("replay", lambda store: store.recording(
+                attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
         if isinstance(found, Unread):
             self._unread_for_good(on_retired)
-            return None, False
+            if self.error is not None:
+                found = await self._read_apart_while_down(
+                    read, max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S))
+            if found is None or isinstance(found, Unread):
+                return None, False
         if found is not None and generation == self.generation:  # (no other file meanwhile)
             self.memory.recording_read(ident, found, attempt_id=attempt_id,
                                        generation=generation)
