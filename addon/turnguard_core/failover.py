@@ -66,6 +66,9 @@ PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for wa
 # (``_read_apart_while_down``; a few milliseconds): short of a request's ledger step (0.5 s),
 # so that it leaves the time to go on as before.
 READ_APART_WHILE_DOWN_S = 0.15
+# At most this many such reads at a time (each opens a connection: a flood of requests in an
+# outage must not add one for each); PostgreSQL: one (each connects to the server)
+READS_APART_MAX = 4
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 # ... and this often while the process owes it rows, or a request would be decided without it
@@ -312,7 +315,7 @@ class FailoverStore:
         # ``self._awaited``, the process's (``PeersAwaited``)
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._decided_in_memory = 0  # admissions decided in memory so far (``admit``)
-        self._reading_apart: asyncio.Future | None = None  # a PostgreSQL read apart under way
+        self._reading_apart = 0  # reads apart under way (``_read_apart_while_down``)
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
         self._flushing: set[asyncio.Future] = set()  # flush_counts started by note_duplicates
 
@@ -1206,17 +1209,18 @@ class FailoverStore:
         what other processes wrote. ``UNREAD`` when the ledger is not so (a file deleted or
         replaced, another database, is never read: ``read_apart`` refuses another than the
         one in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
-        request's call then goes as before). On PostgreSQL one such read at a time (each
-        connects to the server)."""
+        request's call then goes as before). Not for an outage that says nothing of that
+        (a ledger that did not answer in time, a file that cannot be opened), nor beyond
+        ``READS_APART_MAX`` at a time (PostgreSQL: one)."""
         if deadline is None or self._store is None or self.error is None:
             return UNREAD
         postgres = is_postgres(self.path)
-        if postgres and (not writes_refused(self.error) or self._reading_apart is not None
-                         and not self._reading_apart.done()):
+        if not (writes_refused(self.error) or not postgres and contended(self.error)) \
+                or self._reading_apart >= (1 if postgres else READS_APART_MAX):
             return UNREAD
+        self._reading_apart += 1
         task = asyncio.ensure_future(self._store.read_apart(read))
-        if postgres:
-            self._reading_apart = task
+        task.add_done_callback(self._read_apart_done)
         bound = min(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S)
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
         if not task.done():
@@ -1226,6 +1230,9 @@ class FailoverStore:
             return task.result()
         except LedgerError:
             return UNREAD
+
+    def _read_apart_done(self, _task: asyncio.Future) -> None:
+        self._reading_apart -= 1
 
     async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,

@@ -59,11 +59,13 @@ def contended(error: LedgerError | str) -> bool:
 
 
 def writes_refused(error: LedgerError | str) -> bool:
-    """Whether a PostgreSQL server answered but refused to write: a read-only transaction (a
-    standby, ``default_transaction_read_only``) or a full disk. What it holds can still be
-    read."""
+    """Whether the ledger refused to write but can still be read: a full disk, read-only
+    files (SQLite: a read-only database, or a write the file system refused, as for a file
+    made immutable), a read-only transaction (a PostgreSQL standby,
+    ``default_transaction_read_only``) or a full disk on the server."""
     text = str(error).lower()
-    return ("read-only transaction" in text or "readonlysqltransaction" in text
+    return ("disk is full" in text or "readonly database" in text or "ioerr_write" in text
+            or "read-only transaction" in text or "readonlysqltransaction" in text
             or "diskfull" in text or "no space left on device" in text)
 
 
