@@ -60,6 +60,11 @@ EVERY_PYTHON_MODULES = {"test_repro_models"}
 # every other test goes to whichever worker is free (pytest_xdist_make_scheduler below).
 ONE_WORKER_MODULES = {"test_bench", "test_hostile", "test_isolation", "test_repro_real_clients",
                       "test_scripts", "test_security"}
+# Modules that load the machine whole for a minute or more (a thousand clients, the benchmark's
+# mitmdumps under load, valgrind): marked ``solo``, which `scripts/test` runs after the rest, on
+# two workers. Beside twelve other workers on a slow 2-core machine, their mitmdumps took more
+# than 30 s to start, their requests more than 90 s, and the tests beside them missed bounds.
+SOLO_MODULES = {"test_bench", "test_bench_instructions", "test_load"}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -98,6 +103,8 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
         if module in EVERY_PYTHON_MODULES:
             item.add_marker(pytest.mark.every_python)
+        if module in SOLO_MODULES:
+            item.add_marker(pytest.mark.solo)
 
 
 def pytest_configure(config):

@@ -911,6 +911,55 @@ def test_a_duplicate_sent_elsewhere_while_another_session_locks_the_tables_again
     assert_no_traceback(log)
 
 
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+def test_a_retry_queued_behind_claims_that_meet_a_table_lock_it_did_not_know_of_is_held_or_replayed(
+        tmp_path, pg_url, turn):
+    """A's turn is in the ledger (in flight, or completed) when another session locks
+    ``operations`` and ``attempts`` against writes (``EXCLUSIVE``); three new turns reach B,
+    which does not know of the lock, each of whose claims waits for it on B's one connection,
+    and a retry of A's turn right behind them. Its call, queued behind the claims, came back
+    unread, and B decided it in memory, blind to A's turn: it ran a second time (the full
+    suite on a loaded machine found it, a call of B's own meeting the lock). B now reads the
+    ledger apart (the lock lets reads through): the retry is held on A's attempt or replayed,
+    one upstream execution."""
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    body = {**BODY, "input": f"a retry queued behind claims that meet a table lock ({turn})"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    from test_ledger_faults import dispatches_of
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(5) as pool:
+        # both processes have used the ledger (B's connection is made, its session known)
+        assert post(b.url, sessionless, {**BODY, "input": "B knows the ledger"})[0] == 200
+        original = pool.submit(post, a.url, {**sessionless, **harness.mock_behaviour(
+            kind="ok", delay_ms=5000 if turn == "in flight" else 0)}, body)
+        state = "in_flight" if turn == "in flight" else "completed"
+        wait_until(lambda: sorted(rows(pg_url, "SELECT state FROM operations"))
+                   == sorted([("completed",), (state,)]), 10, what=f"the turn {turn} in the ledger")
+        locker = psycopg.connect(pg_url, autocommit=True)
+        try:
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE operations, attempts IN EXCLUSIVE MODE")
+            waiting = [pool.submit(post, b.url, sessionless, {**BODY, "input": f"new turn {n}"})
+                       for n in range(3)]
+            time.sleep(0.05)  # (their claims queued on B's connection, none failed yet)
+            retry = pool.submit(post, b.url, sessionless, body)
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or dispatches_of(up, body) > 1, 10, what="B deciding the retry")
+            assert dispatches_of(up, body) == 1, "B ran A's turn a second time behind the lock"
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        assert all(f.result(30)[0] == 200 for f in waiting)
+        status, _, first = original.result(30)
+        again, headers, replayed = retry.result(40)
+        log = a.log_text() + b.log_text()
+    assert status == again == 200 and headers.get("x-turnguard") == "replayed", headers
+    assert replayed == first
+    assert len(up.dispatches()) == 5  # B's first turn, A's turn once, B's three new turns
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("remade_by", ["another turnguard", "the processes"])
 def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_owner(
         tmp_path, pg_url, remade_by):

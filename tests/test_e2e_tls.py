@@ -40,6 +40,12 @@ import tls_front
 
 HEADERS = {"authorization": "Bearer sk-test-tls", "session-id": "sess-tls"}
 BODY = {"model": "gpt-test", "input": "over TLS", "stream": True}
+# The silent-turn tests: turnguard_response_created_timeout_ms, and how long a silent turn stays
+# silent. The timeout leaves a loaded machine seconds to carry a turn's first event (through
+# mitmdump, the TLS front and the mock: 1.5 s was too short there, the turn that streams was
+# cut, or the silent one before it reached the mock); the silence outlasts it by far.
+CUT_MS = 5000
+SILENT_MS = 30000
 
 
 class TlsFront(_ServerProcess):
@@ -548,11 +554,11 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
     alone (RST_STREAM upstream: the upstream sees its client leave) and answers it 502 (its
     stream reset once its headers went); the one that streams completes on the same
     connection, once. In regular mode the streams are in the client's ``CONNECT`` tunnel."""
-    silent_behaviour = {"kind": f"stall_{silence}", "ms": 8000}
+    silent_behaviour = {"kind": f"stall_{silence}", "ms": SILENT_MS}
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"
                                         if mode == "reverse" else "regular"],
-                      turnguard_response_created_timeout_ms=1500) as proxy:
+                      turnguard_response_created_timeout_ms=CUT_MS) as proxy:
         if mode == "reverse":
             url, via = f"https://127.0.0.1:{proxy.port}/v1/responses", None
         else:
@@ -563,7 +569,7 @@ def test_http2_upstream_a_silent_turn_cut_spares_the_turns_sharing_its_connectio
                 def one(body, behaviour):
                     return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
-                                                  {"kind": "ok", "events": 12, "gap_ms": 300}))
+                                                  {"kind": "ok", "events": 24, "gap_ms": 300}))
                 # the second turn once the first one's upstream connection is up (sent while
                 # mitmproxy still made it, on a loaded machine, it took a connection of its own)
                 for _ in range(200):  # bounded: 10 s
@@ -695,7 +701,7 @@ def test_http2_a_turn_mitmproxy_queues_behind_the_upstreams_stream_limit_is_not_
     later still sent it upstream, when mitmproxy emptied its queue)."""
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True, max_streams=1) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
-                      turnguard_response_created_timeout_ms=1500) as proxy:
+                      turnguard_response_created_timeout_ms=CUT_MS) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
 
         async def run():
@@ -703,7 +709,7 @@ def test_http2_a_turn_mitmproxy_queues_behind_the_upstreams_stream_limit_is_not_
                 def one(body, behaviour):
                     return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 first = asyncio.create_task(one({**BODY, "input": "first"},
-                                                {"kind": "ok", "events": 12, "gap_ms": 300}))
+                                                {"kind": "ok", "events": 24, "gap_ms": 300}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
                 queued = await one({**BODY, "input": "queued"}, {"kind": "ok"})
                 return await first, queued
@@ -726,11 +732,11 @@ def test_http2_a_silent_turn_cut_with_a_duplicate_on_its_connection_is_retried_o
     ``turnguard_response_created_timeout_ms``, and the duplicate, an eventless failure being
     never shared, is run once more and completes: two dispatches, one connection, no
     traceback."""
-    scenario = {"sequence": [{"kind": f"stall_{silence}", "ms": 8000}],
+    scenario = {"sequence": [{"kind": f"stall_{silence}", "ms": SILENT_MS}],
                 "default": {"kind": "ok"}}
     with MockUpstream(tmp_path, scenario) as up, TlsFront(tmp_path, up, h2=True) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
-                      turnguard_response_created_timeout_ms=1500) as proxy:
+                      turnguard_response_created_timeout_ms=CUT_MS) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
 
         async def run():
@@ -825,14 +831,14 @@ def test_a_turn_held_in_a_later_addons_request_hook_is_timed_from_when_it_goes_u
     slow = tmp_path / "slow_request_hook.py"
     slow.write_text(SLOW_REQUEST_HOOK)
     behaviour = {"kind": "ok"} if then == "answers" else {"kind": "stall_before_headers",
-                                                          "ms": 8000}
+                                                          "ms": SILENT_MS}
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=h2) as front, \
             Mitmdump(tmp_path, None, modes=[f"reverse:https://localhost:{front.port}"],
                      extra_args=["-s", str(slow)], options={
                          "turnguard_ledger": str(tmp_path / "ledger.sqlite3"),
                          "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
                          "ssl_verify_upstream_trusted_ca": str(front.cert),
-                         "turnguard_response_created_timeout_ms": 1500}) as proxy:
+                         "turnguard_response_created_timeout_ms": CUT_MS}) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
 
         async def run():
@@ -841,7 +847,7 @@ def test_a_turn_held_in_a_later_addons_request_hook_is_timed_from_when_it_goes_u
                     return h2_turn(c, url, body, extra)
                 first = await one({**BODY, "input": "opens the connection"}, {})
                 held = await one({**BODY, "input": "held by a hook"},
-                                 {"x-slow-hook": "3", **mock_behaviour(**behaviour)})
+                                 {"x-slow-hook": str(2 * CUT_MS / 1000), **mock_behaviour(**behaviour)})
                 return first, held
         first, held = asyncio.run(run())
         assert first.get("status") == 200 and first["error"] is None, first
@@ -875,7 +881,7 @@ def test_http2_detached_a_silent_turn_cut_spares_the_turn_sharing_its_client_con
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
                       turnguard_detach_ms=20000,
-                      turnguard_response_created_timeout_ms=1500) as proxy:
+                      turnguard_response_created_timeout_ms=CUT_MS) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
 
         async def run():
@@ -883,10 +889,10 @@ def test_http2_detached_a_silent_turn_cut_spares_the_turn_sharing_its_client_con
                 def one(body, behaviour):
                     return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 streams = asyncio.create_task(one({**BODY, "input": "streams"},
-                                                  {"kind": "ok", "events": 12, "gap_ms": 300}))
+                                                  {"kind": "ok", "events": 24, "gap_ms": 300}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
                 silent = await one({**BODY, "input": "silent"},
-                                   {"kind": "stall_before_headers", "ms": 8000})
+                                   {"kind": "stall_before_headers", "ms": SILENT_MS})
                 return await streams, silent
         streams, silent = asyncio.run(run())
         assert silent.get("status") == 502 or silent["error"] is not None, silent
@@ -917,11 +923,11 @@ def test_a_detached_call_held_in_a_later_addons_request_hook_is_timed_once_it_go
                          "turnguard_events": str(tmp_path / "mitmdump-events.jsonl"),
                          "ssl_verify_upstream_trusted_ca": str(front.cert),
                          "turnguard_detach_ms": 20000,
-                         "turnguard_response_created_timeout_ms": 1500}) as proxy:
+                         "turnguard_response_created_timeout_ms": CUT_MS}) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
         held = asyncio.run(stream_post(None, url, ca_of(proxy), http2=True, headers={
-            **HEADERS, "x-slow-hook": "3"}, behaviour={"kind": "stall_before_headers",
-                                                      "ms": 15000}))
+            **HEADERS, "x-slow-hook": str(2 * CUT_MS / 1000)}, behaviour={"kind": "stall_before_headers",
+                                                      "ms": SILENT_MS}))
         assert held.get("status") == 502 or held["error"] is not None, held
         assert "response.created" not in sse_event_types(held["body"]), held
         silent_n, = [d["n"] for d in up.dispatches()]
@@ -939,7 +945,7 @@ def test_http2_a_turn_queued_behind_a_silent_one_is_timed_from_when_it_goes_upst
     from when it went upstream, and completes (its first event takes 0.6 s)."""
     with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up, h2=True, max_streams=1) as front, \
             tls_proxy(tmp_path, front, [f"reverse:https://localhost:{front.port}"],
-                      turnguard_response_created_timeout_ms=1500) as proxy:
+                      turnguard_response_created_timeout_ms=CUT_MS) as proxy:
         url = f"https://127.0.0.1:{proxy.port}/v1/responses"
 
         async def run():
@@ -947,7 +953,7 @@ def test_http2_a_turn_queued_behind_a_silent_one_is_timed_from_when_it_goes_upst
                 def one(body, behaviour):
                     return h2_turn(c, url, body, mock_behaviour(**behaviour))
                 silent = asyncio.create_task(one({**BODY, "input": "silent"},
-                                                 {"kind": "stall_before_headers", "ms": 8000}))
+                                                 {"kind": "stall_before_headers", "ms": SILENT_MS}))
                 await asyncio.to_thread(wait_until, lambda: up.dispatches(), 20)
                 queued = await one({**BODY, "input": "queued"},
                                    {"kind": "ok", "first_event_ms": 600})

@@ -61,14 +61,19 @@ logger = logging.getLogger("turnguard")
 LEDGER_BUSY_MS = 500  # SQLite busy timeout: claims by other processes take milliseconds
 LEDGER_LATE_S = 0.25  # grace for a call that started in time to finish
 PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for waits for a lock
-# Longest a request waits for its read of an SQLite ledger that cannot be written (another
-# connection's write lock, a full disk, read-only files), on a connection of its own
+# Longest a request waits for its read of a ledger that cannot be written (another
+# connection's lock, a full disk, read-only files, a standby), on a connection of its own
 # (``_read_apart_while_down``; a few milliseconds): short of a request's ledger step (0.5 s),
 # so that it leaves the time to go on as before.
 READ_APART_WHILE_DOWN_S = 0.15
 # At most this many such reads at a time (each opens a connection: a flood of requests in an
-# outage must not add one for each); PostgreSQL: one (each connects to the server)
+# outage must not add one for each; on PostgreSQL each connects to the server: one at a time
+# left the requests that came together, but for the first, decided blind in memory)
 READS_APART_MAX = 4
+# A call the ledger's connection has been in this long waits for a lock (or a server): claims
+# take milliseconds. The calls queued behind it come back unread, whatever their ledger says;
+# a read apart can still answer them (a lock this process had not met yet, on PostgreSQL too).
+STUCK_CALL_S = 0.3
 CLOSE_WRITES_S = 2.0  # at close, writes still owed are tried this long at most
 REOPEN_S = 5.0  # a ledger that could not be opened is tried again this often
 # ... and this often while the process owes it rows, or a request would be decided without it
@@ -1201,8 +1206,9 @@ class FailoverStore:
                                      deadline: float | None) -> Any:
         """``read(ledger)`` on a ledger that is down, on a read-only connection of its own
         (``Store.read_apart``): what keeps a ledger from being written often leaves it
-        readable (on SQLite another connection's write lock, a full disk, read-only files;
-        on PostgreSQL a server that refuses writes: a standby, a full disk), and this
+        readable (another connection's lock against writes: SQLite's write lock, a
+        PostgreSQL ``LOCK TABLE ... EXCLUSIVE``; a full disk; read-only files; a PostgreSQL
+        server that refuses writes: a standby), and this
         connection's calls queue behind claims that wait for a lock, one after another (up
         to a request's 0.5 s step each), and behind the writes this process owes it; a claim
         that cannot be written fails, and its read with it. What such a read is used for is
@@ -1210,13 +1216,15 @@ class FailoverStore:
         replaced, another database, is never read: ``read_apart`` refuses another than the
         one in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
         request's call then goes as before). Not for an outage that says nothing of that
-        (a ledger that did not answer in time, a file that cannot be opened), nor beyond
-        ``READS_APART_MAX`` at a time (PostgreSQL: one)."""
+        (a ledger that did not answer in time on a busy machine, a file that cannot be
+        opened), unless the connection has been in one call for ``STUCK_CALL_S`` (a lock this
+        process had not met yet: the calls behind it came back unread); nor beyond
+        ``READS_APART_MAX`` at a time."""
         if deadline is None or self._store is None or self.error is None:
             return UNREAD
-        postgres = is_postgres(self.path)
-        if not (writes_refused(self.error) or not postgres and contended(self.error)) \
-                or self._reading_apart >= (1 if postgres else READS_APART_MAX):
+        readable = (writes_refused(self.error) or contended(self.error)
+                    or self._store.in_one_call_for() >= STUCK_CALL_S)
+        if not readable or self._reading_apart >= READS_APART_MAX:
             return UNREAD
         self._reading_apart += 1
         task = asyncio.ensure_future(self._store.read_apart(read))

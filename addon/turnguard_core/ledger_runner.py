@@ -87,6 +87,9 @@ class LedgerRunner:
         # (the caller's thread, the ledger's thread), so no lock is needed
         self._handed = 0
         self._finished = 0
+        # when the thread began the call it runs now (monotonic), None between calls: written
+        # by the ledger's thread alone, read on the event loop (``in_one_call_for``)
+        self._call_began: float | None = None
         self._busy_ms: int | None = None  # the busy timeout the connection has now
         # deferred writes, with the futures their callers hold, until the next flush
         self._deferred: list[tuple[Job, asyncio.Future]] = []
@@ -132,8 +135,16 @@ class LedgerRunner:
         self._handed += 1
         return self._pool.submit(self._run_on_thread, job, deadline, lock_wait_s)
 
+    def in_one_call_for(self) -> float:
+        """How long the ledger's thread has been in the call it runs now, in seconds; 0.0
+        when it runs none. Calls take milliseconds: one in for longer waits for a lock (or
+        for a server that does not answer), and every call queued behind it waits too."""
+        began = self._call_began
+        return 0.0 if began is None else max(0.0, time.monotonic() - began)
+
     def _run_on_thread(self, job: Job[T], deadline: float | None,
                        lock_wait_s: float | None = None) -> T:
+        self._call_began = time.monotonic()
         try:
             busy_ms = None
             if deadline is not None:
@@ -146,6 +157,7 @@ class LedgerRunner:
                 busy_ms = min(bound_ms, lock_wait_s * 1000)
             return self._run(job, busy_ms)
         finally:
+            self._call_began = None
             self._finished += 1
 
     # -- group commits ----------------------------------------------------------------------------

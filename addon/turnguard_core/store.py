@@ -125,6 +125,11 @@ class Store(Protocol):
         """``read(ledger)`` on a read-only connection of its own, on a thread, never queued
         behind this store's calls (``Ledger.read_apart``, ``PgLedger.read_apart``)."""
 
+    def in_one_call_for(self) -> float:
+        """How long this store's connection has been in the call it runs now (0.0: none);
+        no query (``LedgerRunner.in_one_call_for``)."""
+        ...
+
     async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
 
     async def adopt_attempt(
@@ -374,6 +379,9 @@ class LedgerStore:
 
     async def read_apart(self, read):
         return await asyncio.to_thread(self._runner.ledger.read_apart, read)
+
+    def in_one_call_for(self):
+        return self._runner.in_one_call_for()
 
     async def heartbeat(self, now, *, deadline):
         return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)

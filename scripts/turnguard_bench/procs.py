@@ -23,7 +23,9 @@ from turnguard_procs import MITMDUMP_LINE, Process
 
 PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
-START_TIMEOUT_S = 30.0
+# The bench starts its mitmdumps together, each importing mitmproxy (about 1 s of CPU alone):
+# on a loaded 2-core machine one took more than 30 s to listen.
+START_TIMEOUT_S = 120.0
 FLOOR_ADDON = Path(__file__).with_name("floor_addon.py")
 ANSWER_FLOOR_ADDON = Path(__file__).with_name("answer_floor_addon.py")
 LEDGER_FLOOR_ADDON = Path(__file__).with_name("ledger_floor_addon.py")
