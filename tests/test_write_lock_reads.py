@@ -128,3 +128,52 @@ async def test_duplicate_counts_at_their_bound_are_written_without_waiting_for_t
         with contextlib.closing(sqlite3.connect(tmp_path / "ledger.sqlite3")) as db:
             assert db.execute("SELECT duplicates_held, duplicates_replayed FROM operations "
                               "WHERE op_key=?", (turn.op_key,)).fetchall() == [(1, 1)]
+
+
+async def test_no_more_than_reads_apart_max_reads_apart_run_at_once(tmp_path, monkeypatch):
+    """Ten requests for turns another process completed come together while the lock keeps
+    the ledger from being written, once the store met it: each reads the ledger apart, on a
+    connection of its own, but no more than ``READS_APART_MAX`` such reads run at once (a
+    flood of requests in an outage must not open a connection each); every request is
+    answered, the first ones read apart replay their turns."""
+    path = str(tmp_path / "ledger.sqlite3")
+    traced = Traced(path)
+    peer = Ledger(path, "peer")
+    peer.open(time.time())
+    blocker = sqlite3.connect(path, isolation_level=None, timeout=1)
+    running, most = 0, 0
+    real = Ledger.read_apart
+
+    def counted(self, read):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            time.sleep(0.05)  # (long enough for the reads that come together to overlap)
+            return real(self, read)
+        finally:
+            running -= 1
+
+    try:
+        turns = {}
+        for n in range(10):
+            turn = ident(f"a turn completed elsewhere, {n}")
+            claim = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                               guard=GUARD, flow_id="g")
+            recording = Recording(200, (("content-type", "text/event-stream"),), b"data: x\n\n")
+            peer.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, recording),
+                        now=time.time(), op_key=turn.op_key)
+            turns[turn] = claim.attempt_id
+        blocker.execute("BEGIN IMMEDIATE")
+        assert await claim_session(traced) is None  # the store meets the lock
+        monkeypatch.setattr(Ledger, "read_apart", counted)
+        answers = await asyncio.gather(*(admit(traced, turn) for turn in turns))
+    finally:
+        blocker.close()
+        peer.close()
+        traced.store.close()
+    assert most <= failover.READS_APART_MAX, f"{most} reads apart at once"
+    assert most == failover.READS_APART_MAX, most  # (they did run together, up to the cap)
+    assert all(isinstance(a, (policy.Replay, policy.Dispatch, policy.Hold)) for a in answers)
+    replayed = [a for a, attempt in zip(answers, turns.values()) if a == policy.Replay(attempt)]
+    assert len(replayed) >= failover.READS_APART_MAX, answers

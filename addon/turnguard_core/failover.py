@@ -1239,6 +1239,12 @@ class FailoverStore:
         except LedgerError:
             return UNREAD
 
+    async def _recording_apart(self, attempt_id: int, op_key: str,
+                               deadline: float | None) -> Recording | None | Unread:
+        """``attempt_id``'s recording of ``op_key``, read apart (``_read_apart_while_down``)."""
+        return await self._read_apart_while_down(
+            lambda led: led.recording(attempt_id, op_key), deadline)
+
     def _read_apart_done(self, _task: asyncio.Future) -> None:
         self._reading_apart -= 1
 
@@ -1263,8 +1269,7 @@ class FailoverStore:
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            found = await self._read_apart_while_down(
-                lambda led: led.recording(decision.attempt_id, ident.op_key), deadline)
+            found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline)
             if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None
             self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
@@ -1328,13 +1333,9 @@ class FailoverStore:
         if recording is not None or attempt_id is None:
             return recording, True
         generation = self.generation
-
-        def read(ledger):
-            return ledger.recording(attempt_id, ident.op_key)
-
         # (read apart, only a recording found counts: no recording may be this process's
         # own end, owed to the ledger and not written yet)
-        found = await self._read_apart_while_down(read, deadline) \
+        found = await self._recording_apart(attempt_id, ident.op_key, deadline) \
             if self.error is not None else None
         if found is None or isinstance(found, Unread):
             found = await self._call("replay", lambda store: store.recording(
@@ -1342,8 +1343,9 @@ class FailoverStore:
         if isinstance(found, Unread):
             self._unread_for_good(on_retired)
             if self.error is not None:
-                found = await self._read_apart_while_down(
-                    read, max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S))
+                found = await self._recording_apart(
+                    attempt_id, ident.op_key,
+                    max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S))
             if found is None or isinstance(found, Unread):
                 return None, False
         if found is not None and generation == self.generation:  # (no other file meanwhile)
