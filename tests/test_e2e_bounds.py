@@ -129,8 +129,15 @@ def test_the_recordings_owed_to_a_locked_ledger_are_bounded_and_every_end_is_wri
 
 def _descriptor_limit_leaving_one_free(pid: int) -> int:
     """The descriptor limit under which ``pid`` has exactly one descriptor number free (the
-    next client's connection: then the proxy cannot open its upstream connection)."""
-    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    next client's connection: then the proxy cannot open its upstream connection), read once
+    its descriptors held still for 0.5 s (on a loaded machine one closed after the count, and
+    the upstream connection had a number free: the turns were answered 200)."""
+    def still() -> set[str] | None:
+        before = set(os.listdir(f"/proc/{pid}/fd"))
+        time.sleep(0.5)
+        return before if set(os.listdir(f"/proc/{pid}/fd")) == before else None
+
+    used = {int(fd) for fd in wait_until(still, 15, what="the proxy's descriptors still")}
     free = [fd for fd in range(max(used) + 3) if fd not in used]
     return free[1]
 
