@@ -150,6 +150,40 @@ def test_a_database_made_again_is_an_error_not_an_empty_ledger(pg_url):
     led.close()
 
 
+@pytest.mark.parametrize("step", ["first event", "finish", "what it left behind"])
+def test_nothing_is_written_to_nor_read_from_a_database_made_again_before_it_is_noticed(
+        pg_url, step):
+    """A's connection stayed open while the ledger's tables were dropped and made again, and
+    B claimed the same turn there (attempt ids start again: B's has A's id). Before A has
+    noticed (its next heartbeat), A's writes by attempt id fail (``replaced``) instead of
+    landing on B's attempt, and what A reads of the ledger it leaves (which peers had turns in
+    flight there) is an error, not the new tables' rows, which know nothing of A's turn."""
+    a = PgLedger(pg_url, "a")
+    a.open(1000.0)
+    turn = ident(1)
+    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+                    flow_id="f")
+    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    b = PgLedger(pg_url, "b")
+    b.open(1001.0)
+    theirs = b.admit(turn, method="POST", path="/v1/responses", now=1001.0, guard=GUARD,
+                     flow_id="g")
+    assert theirs.attempt_id == claim.attempt_id  # (the same id, another attempt)
+    step_of = {
+        "first event": lambda: a.first_event(claim.attempt_id, turn.op_key),
+        "finish": lambda: a.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, None),
+                                   now=1002.0, op_key=turn.op_key),
+        "what it left behind": lambda: a.attempts_left_behind(),
+    }
+    with pytest.raises(LedgerError, match="replaced"):
+        step_of[step]()
+    assert "replaced" in a.file_replaced()
+    assert sql(pg_url, "SELECT instance_id, outcome, events_seen FROM attempts") \
+        == [("b", "in_flight", 0)]
+    a.close()
+    b.close()
+
+
 def test_a_newer_schema_is_refused(pg_url):
     PgLedger(pg_url, "a").open(1000.0)
     sql(pg_url, "UPDATE meta SET value='99' WHERE key='schema_version'")

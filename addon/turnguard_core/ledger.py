@@ -1186,6 +1186,14 @@ class Ledger:
             " AND instance_id<>?", (self.instance_id,)).fetchall()
         return [(r[0], r[1]) for r in rows]
 
+    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+        """What the other instances have in this ledger as this process leaves it (another
+        ledger now at its path): ``peers_with_attempts_in_flight(or_replayable=True)`` and
+        ``ops_in_flight_elsewhere()``. The file this connection opened is read, whatever is
+        at its path now."""
+        return (self.peers_with_attempts_in_flight(or_replayable=True),
+                self.ops_in_flight_elsewhere())
+
     @_wrap
     def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:
         """End this instance's attempts that this file shows in flight for operations it has

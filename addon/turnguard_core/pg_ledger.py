@@ -239,11 +239,19 @@ class _Transaction:
     """``BEGIN`` with the call's timeouts (one round trip) ... ``COMMIT``; rolls back on any
     exception. ``claimed`` lists the attempts this transaction claimed (attempt id, operation):
     if the connection breaks before the commit is known to have landed, the ledger gives them
-    back later."""
+    back later.
 
-    def __init__(self, ledger: "PgLedger", lock: int | None):
+    In the same round trip as ``BEGIN`` it reads the database's generation (``checked``,
+    once the ledger has one): a database whose tables were dropped and made again while this
+    connection stayed open is another ledger, and nothing of this process is written there
+    before it has noticed (``file_replaced`` says so and this raises). Else an attempt's end
+    or first event, written by its id, would land on another attempt of the new tables (their
+    ids start again), and an end would be lost, its turn then run again elsewhere."""
+
+    def __init__(self, ledger: "PgLedger", lock: int | None, checked: bool = True):
         self.ledger = ledger
         self.lock = lock
+        self.checked = checked and bool(ledger.generation)
         self.claimed: list[tuple[int, str]] = []
 
     def __enter__(self) -> "_Transaction":
@@ -254,8 +262,10 @@ class _Transaction:
         begin = (f"BEGIN; SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
         if self.lock is not None:
             begin += f"; SELECT pg_advisory_xact_lock({int(self.lock)})"
+        if self.checked:
+            begin += "; SELECT value FROM meta WHERE key='generation'"
         try:
-            db.execute(begin)
+            cur = db.execute(begin)
         except _CONNECTION_ERRORS:
             if db is not kept or not (db.broken or db.closed):
                 raise
@@ -264,7 +274,18 @@ class _Transaction:
             # the server may well be up. Made again once, rather than deciding without it.
             ledger._drop()
             db = ledger._conn()
-            db.execute(begin)
+            cur = db.execute(begin)
+        except pg_errors.UndefinedTable:
+            ledger._rollback()
+            ledger._still_the_one_opened("")  # its tables are gone
+            raise
+        if self.checked:
+            while cur.nextset():
+                pass
+            row = cur.fetchone()
+            if (row[0] if row else "") != ledger.generation:
+                ledger._rollback()
+                ledger._still_the_one_opened(row[0] if row else "")
         self.db = db
         return self
 
@@ -332,10 +353,7 @@ class PgLedger:
             if self._readonly:
                 db.execute("SET default_transaction_read_only = on")
             generation = _generation(db)
-            if generation != self.generation:
-                self._replaced = (f"ledger database {self.path} was replaced (generation "
-                                  f"{generation or 'none'}, opened {self.generation})")
-                raise psycopg.OperationalError(self._replaced)
+            self._still_the_one_opened(generation)
         except BaseException:
             db.close()
             raise
@@ -343,6 +361,14 @@ class PgLedger:
         if self._doubtful_claims:
             self._give_back_doubtful(db)
         return db
+
+    def _still_the_one_opened(self, generation: str) -> None:
+        """Raise when ``generation``, the database's as just read, is not the one opened (its
+        tables dropped and made again): ``file_replaced`` says so from then on."""
+        if generation != self.generation:
+            self._replaced = (f"ledger database {self.path} was replaced (generation "
+                              f"{generation or 'none'}, opened {self.generation})")
+            raise psycopg.OperationalError(self._replaced)
 
     def _read(self) -> psycopg.Connection:
         """The connection for a read outside a transaction, its statements bounded by the
@@ -402,8 +428,8 @@ class PgLedger:
         except psycopg.Error:
             self._drop()
 
-    def _tx(self, lock: int | None = None) -> _Transaction:
-        return _Transaction(self, lock)
+    def _tx(self, lock: int | None = None, *, checked: bool = True) -> _Transaction:
+        return _Transaction(self, lock, checked)
 
     # -- opening -------------------------------------------------------------------------------
     @_wrap
@@ -533,14 +559,12 @@ class PgLedger:
         this raises), as an SQLite ledger's file is checked before each call. Else a duplicate
         of a turn in flight in a peer that has not registered it there yet (a peer notices at
         its next heartbeat) would be taken for new and dispatched a second time."""
-        with self._tx(lock_key("op", identity.op_key)) as tx:
+        # the generation is read with the snapshot: the claim's one read
+        with self._tx(lock_key("op", identity.op_key), checked=False) as tx:
             db = tx.db
             snapshot, state, generation = self._snapshot_and_circuit(
                 db, identity.op_key, circuit_scope)
-            if generation != self.generation:
-                self._replaced = (f"ledger database {self.path} was replaced (generation "
-                                  f"{generation or 'none'}, opened {self.generation})")
-                raise psycopg.OperationalError(self._replaced)
+            self._still_the_one_opened(generation)
             remaining = state.remaining_s(now)
             owner_ok = True
             if recovery is not None:
@@ -937,11 +961,6 @@ class PgLedger:
         """See ``Ledger.heartbeat``. Also checks that the database is still the one opened
         (its generation): if not, ``file_replaced`` says so and this raises."""
         with self._tx() as tx:
-            generation = _generation(tx.db)
-            if generation != self.generation:
-                self._replaced = (f"ledger database {self.path} was replaced (generation "
-                                  f"{generation or 'none'}, opened {self.generation})")
-                raise psycopg.OperationalError(self._replaced)
             if tx.db.execute("UPDATE instances SET heartbeat_at=%s WHERE instance_id=%s"
                              " RETURNING 1", (now, self.instance_id)).fetchone():
                 return "renewed"
@@ -989,6 +1008,18 @@ class PgLedger:
             "SELECT instance_id, op_key FROM attempts WHERE outcome='in_flight'"
             " AND instance_id<>%s", (self.instance_id,)).fetchall()
         return [(r[0], r[1]) for r in rows]
+
+    @_wrap
+    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+        """See ``Ledger.attempts_left_behind``. The database's generation is read after the
+        rows: tables dropped and made again since this process opened them (another
+        turnguard made them, or a peer found them gone) hold nothing of the turns in flight
+        in the old ones, so their rows are an error (``file_replaced``), never an answer
+        that no peer had a turn in flight."""
+        found = (self.peers_with_attempts_in_flight(or_replayable=True),
+                 self.ops_in_flight_elsewhere())
+        self._still_the_one_opened(_generation(self._read()))
+        return found
 
     @_wrap
     def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:

@@ -146,7 +146,8 @@ class Store(Protocol):
         """The other instances with attempts in flight or recordings that may still be
         replayed (``peers_with_attempts_in_flight``) and the ``(instance_id, op_key)`` of
         each attempt in flight, read together, blocking at most ``timeout`` (the file being
-        left, read as it goes)."""
+        left, read as it goes; ``attempts_left_behind``: a ledger database made again since
+        it was opened is an error)."""
 
     async def mark_moved(self, from_generation: str, *, now: float,
                          deadline: float | None) -> None: ...
@@ -397,10 +398,7 @@ class LedgerStore:
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
 
     def attempts_in_flight_elsewhere_sync(self, *, timeout):
-        return self._runner.call_sync(
-            lambda led: (led.peers_with_attempts_in_flight(or_replayable=True),
-                         led.ops_in_flight_elsewhere()),
-            timeout=timeout)
+        return self._runner.call_sync(lambda led: led.attempts_left_behind(), timeout=timeout)
 
     async def mark_moved(self, from_generation, *, now, deadline):
         return await self._runner.call(lambda led: led.mark_moved(from_generation, now),
