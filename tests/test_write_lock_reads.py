@@ -177,3 +177,63 @@ async def test_no_more_than_reads_apart_max_reads_apart_run_at_once(tmp_path, mo
     assert all(isinstance(a, (policy.Replay, policy.Dispatch, policy.Hold)) for a in answers)
     replayed = [a for a, attempt in zip(answers, turns.values()) if a == policy.Replay(attempt)]
     assert len(replayed) >= failover.READS_APART_MAX, answers
+
+
+
+async def test_a_turn_run_from_memory_while_its_duplicate_read_apart_is_not_claimed_again(
+        tmp_path, monkeypatch):
+    """The store met the lock, so a request reads the ledger apart before its claim, and again
+    once the claim came back unread. A turn's claim waits until its bound, then, after that
+    second read apart, memory decides it and it runs here (no row of it in the ledger). Its
+    duplicate, through the same process, came during that read (the turn not yet in flight)
+    and was still reading apart itself when the turn went upstream (reads that take 3 s with
+    a bound of 2 s: a busy machine's); the lock then goes, and the ledger, which has no row of
+    the turn, gives the duplicate a claim. That claim is not a second run in the process that
+    runs the turn: the duplicate is held on it. (Before, the dispatches from memory that the
+    claim may meet were counted from after the duplicate's read apart: a full run on a busy
+    machine ran such a turn twice, 11 ms apart, in
+    test_at_most_once.py::test_a_claim_answered_after_its_turn_went_upstream_from_memory_does_not_run_it_again.)"""
+    path = str(tmp_path / "ledger.sqlite3")
+    traced = Traced(path)
+    blocker = sqlite3.connect(path, isolation_level=None, timeout=1)
+    real = Ledger.read_apart
+    turn = ident("a turn run from memory while its duplicate read apart")
+    running: set[str] = set()
+
+    def slow(self, read):
+        time.sleep(3.0)
+        return real(self, read)
+
+    def admit_within(bound_s: float):
+        return traced.store.admit(
+            turn, method="POST", route="/v1/responses", flow_id="f", circuit_scope=SCOPE,
+            recovery=None, once_mode=False, in_flight_here=lambda: turn.op_key in running,
+            guard=GUARD, window_s=GUARD.replay_window_s, threshold=2,
+            deadline=time.monotonic() + bound_s)
+
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        assert await claim_session(traced) is None  # the store meets the lock
+        monkeypatch.setattr(Ledger, "read_apart", slow)
+        monkeypatch.setattr(failover, "READ_APART_WHILE_DOWN_S", 2.0)
+        original = asyncio.ensure_future(admit_within(0.5))
+        await asyncio.sleep(0.75)  # (the turn's second read apart: 0.5 s to 2.5 s)
+        duplicate = asyncio.ensure_future(admit_within(8.0))
+        assert not original.done()  # (the turn is not in flight yet as its duplicate comes)
+        first = await original
+        assert isinstance(first, policy.Dispatch) and first.attempt_id is None, first
+        running.add(turn.op_key)  # (it runs here, dispatched from memory)
+        assert not duplicate.done()  # (still reading apart: until 2.75 s)
+        blocker.execute("ROLLBACK")
+        second = await duplicate
+        claims = query_attempts(path)
+    finally:
+        blocker.close()
+        traced.store.close()
+    assert isinstance(second, policy.Hold), f"the turn ran twice here: {second}"
+    assert claims, "the ledger never answered the duplicate's claim"
+
+
+def query_attempts(path: str) -> list[tuple]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return db.execute("SELECT attempt_id, outcome FROM attempts").fetchall()

@@ -1125,6 +1125,10 @@ class FailoverStore:
         ledger went unread because this store was closed for good meanwhile
         (``_unread_for_good``)."""
         now = time.time()
+        # counted before anything here waits (a read apart, the call): a dispatch from memory
+        # that comes meanwhile (another request's, decided as this one read apart) is one the
+        # claim below may meet
+        decided_in_memory = self._decided_in_memory
         if recovery is None:  # a recovery claim reads the session's owner in the ledger
             known = self.memory.replay(ident, now=now, window_s=window_s,
                                        generation=self.generation)
@@ -1163,7 +1167,6 @@ class FailoverStore:
             if read is not None:
                 return read
 
-        decided_in_memory = self._decided_in_memory
         admission = await self._call(
             "admit", decide, deadline=deadline,
             on_late=lambda task, generation: self._late_claim(task, ident, generation))
