@@ -561,6 +561,54 @@ def test_a_ledger_dropped_without_its_close_no_longer_counts_as_having_its_file_
     assert not ledger_files.open_anywhere(str(path))
 
 
+
+def test_a_file_made_at_the_path_as_a_deleted_ones_connection_closes_is_not_taken_for_open(
+        tmp_path):
+    """The ledger file is deleted under a connection, and a new one is made at the path just
+    as that connection closes on another thread (a script reload: the new store opens the
+    path while the old one's heartbeat closes its own). Closed, the deleted file's inode is
+    free, and the new file gets it: the new file is not taken for one this process has open
+    (nor refused as one whose -wal and -shm were deleted under a connection)."""
+    import threading
+
+    from turnguard_core import ledger_files
+
+    path = tmp_path / "l.sqlite3"
+    a = open_ledger(path, "a")
+    deleted = os.stat(path).st_ino
+    for suffix in ("", "-wal", "-shm"):
+        os.unlink(f"{path}{suffix}")
+    connection, closed = a._db, threading.Event()
+
+    class PausedAfterItsClose:  # (the thread that closes it is not scheduled again at once)
+        def __getattr__(self, name):
+            return getattr(connection, name)
+
+        def close(self):
+            connection.close()
+            closed.set()
+            time.sleep(0.5)
+
+    a._db = PausedAfterItsClose()
+    closing = threading.Thread(target=a.close)
+    closing.start()
+    try:
+        assert closed.wait(10)
+        for n in range(8):  # (the files made next there, until one has the deleted one's inode)
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            if os.stat(path).st_ino == deleted:
+                break
+            os.rename(path, tmp_path / f"other-{n}")
+        else:
+            pytest.skip("this file system did not give a new file the freed inode")
+        assert not ledger_files.open_anywhere(str(path))
+        os.unlink(path)
+        b = open_ledger(path, "b")
+        b.close()
+    finally:
+        closing.join()
+
+
 def test_a_file_put_in_place_while_a_copy_is_made_anew_is_kept(tmp_path):
     """An operator restores a backup (its -wal and -shm deleted first, then the backup moved
     in): a heartbeat that saw the -wal gone in between and made a copy of the file meanwhile

@@ -80,7 +80,8 @@ class Traced:
         left = self.store.generation
         delete_ledger(path)
         self.store._file_gone("ledger file deleted")  # as the heartbeat finds it
-        assert self.store.open(str(path)) and self.store.generation != left
+        assert self.store.open(str(path)), f"the new file did not open: {self.store.error!r}"
+        assert self.store.generation != left
         return left
 
     def end_owed(self, i: identity.Identity, attempt_id: int, generation: str,

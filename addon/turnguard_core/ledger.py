@@ -323,10 +323,9 @@ class Ledger:
             self.generation = made if self._file_id is None \
                 else f"{made}@{self._file_id[0]}:{self._file_id[1]}"
         except BaseException:
-            db.close()
+            ledger_files.close_here(self, db.close)
             self._db = None
             self._file_id = None
-            ledger_files.note_closed_here(self)
             raise
 
     def _connect(self, real_path: str) -> sqlite3.Connection:
@@ -502,9 +501,8 @@ class Ledger:
             if self._file_id is not None and self.file_replaced() is None:
                 with contextlib.suppress(LedgerError):
                     self.truncate_wal()
-            self._db.close()
+            ledger_files.close_here(self, self._db.close)
             self._db = None
-            ledger_files.note_closed_here(self)
 
     @property
     def busy_timeout_ms(self) -> int:

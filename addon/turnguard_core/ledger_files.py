@@ -20,6 +20,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Iterable
 
 from .private_files import check_private_file, open_private, shown
@@ -166,9 +167,18 @@ def note_open_here(ledger: object, found: tuple[int, int] | None) -> None:
             _OPEN_HERE[ledger] = found
 
 
-def note_closed_here(ledger: object) -> None:
+def close_here(ledger: object, close: Callable[[], None]) -> None:
+    """Run ``close`` (which closes ``ledger``'s connection) and forget the file it had open,
+    as one step for ``open_anywhere``: once closed, a file deleted meanwhile is gone, and its
+    inode may be a new file's at once (ext4 gives the next file made the inode just freed); a
+    note kept a moment longer took that new file for open here, and refused it as one whose
+    -wal and -shm were deleted under a connection (a script reload that reopens the path as
+    the old connection closes on its thread)."""
     with _OPEN_HERE_LOCK:
-        _OPEN_HERE.pop(ledger, None)
+        try:
+            close()
+        finally:
+            _OPEN_HERE.pop(ledger, None)
 
 
 def _locked(*files: tuple[int, int] | None,
