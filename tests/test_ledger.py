@@ -594,7 +594,7 @@ def test_a_file_made_at_the_path_as_a_deleted_ones_connection_closes_is_not_take
     closing.start()
     try:
         assert closed.wait(10)
-        for n in range(8):  # (the files made next there, until one has the deleted one's inode)
+        for n in range(64):  # (the files made next there, until one has the deleted one's inode)
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
             if os.stat(path).st_ino == deleted:
                 break
