@@ -66,6 +66,10 @@ PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for wa
 # (``_read_apart_while_down``; a few milliseconds): short of a request's ledger step (0.5 s),
 # so that it leaves the time to go on as before.
 READ_APART_WHILE_DOWN_S = 0.15
+# ... on PostgreSQL, where each such read connects to the server first (a few ms on a quiet
+# machine, a few hundred on a busy one: past 0.15 s, the requests that met a lock there were
+# decided blind, and a retry of a completed turn ran again)
+READ_APART_WHILE_DOWN_PG_S = 0.6
 # At most this many such reads at a time (each opens a connection: a flood of requests in an
 # outage must not add one for each; on PostgreSQL each connects to the server: one at a time
 # left the requests that came together, but for the first, decided blind in memory)
@@ -1192,7 +1196,7 @@ class FailoverStore:
                 # read before memory, blind to it, decides (a few ms; the read's own bound)
                 read = await self._decided_elsewhere_while_down(
                     ident, guard=guard, now=now,
-                    deadline=max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S),
+                    deadline=max(deadline, time.monotonic() + self._read_apart_s()),
                     circuit_scope=circuit_scope, threshold=threshold)
                 if read is not None:
                     return read
@@ -1217,7 +1221,7 @@ class FailoverStore:
         that cannot be written fails, and its read with it. What such a read is used for is
         what other processes wrote. ``UNREAD`` when the ledger is not so (a file deleted or
         replaced, another database, is never read: ``read_apart`` refuses another than the
-        one in use), or the read did not answer within ``READ_APART_WHILE_DOWN_S`` (the
+        one in use), or the read did not answer within ``_read_apart_s()`` (the
         request's call then goes as before). Not for an outage that says nothing of that
         (a ledger that did not answer in time on a busy machine, a file that cannot be
         opened), unless the connection has been in one call for ``STUCK_CALL_S`` (a lock this
@@ -1232,7 +1236,7 @@ class FailoverStore:
         self._reading_apart += 1
         task = asyncio.ensure_future(self._store.read_apart(read))
         task.add_done_callback(self._read_apart_done)
-        bound = min(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S)
+        bound = min(deadline, time.monotonic() + self._read_apart_s())
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
         if not task.done():
             task.add_done_callback(_settle)
@@ -1241,6 +1245,11 @@ class FailoverStore:
             return task.result()
         except LedgerError:
             return UNREAD
+
+    def _read_apart_s(self) -> float:
+        """How long a request waits for its read apart: ``READ_APART_WHILE_DOWN_S``, on
+        PostgreSQL ``READ_APART_WHILE_DOWN_PG_S`` (each read connects first)."""
+        return READ_APART_WHILE_DOWN_PG_S if is_postgres(self.path) else READ_APART_WHILE_DOWN_S
 
     async def _recording_apart(self, attempt_id: int, op_key: str,
                                deadline: float | None) -> Recording | None | Unread:
@@ -1348,7 +1357,7 @@ class FailoverStore:
             if self.error is not None:
                 found = await self._recording_apart(
                     attempt_id, ident.op_key,
-                    max(deadline, time.monotonic() + READ_APART_WHILE_DOWN_S))
+                    max(deadline, time.monotonic() + self._read_apart_s()))
             if found is None or isinstance(found, Unread):
                 return None, False
         if found is not None and generation == self.generation:  # (no other file meanwhile)
