@@ -1822,14 +1822,15 @@ def test_a_claim_answered_after_its_turn_went_upstream_from_memory_does_not_run_
     claim is given back and the duplicate replayed (once, a lock taken and let go every
     second or two ran such a duplicate again, and a third one attached to that second run).
     A machine too busy for the lock to go within the duplicate's wait decides both in memory:
-    then the next turn tries again (at most 3)."""
+    then the next turn tries again (at most 6: a full run on a busy machine decided each of
+    3 in memory)."""
     ledger = tmp_path / "ledger.sqlite3"
     sessionless = {"authorization": "Bearer sk-at-most-once"}  # the admission: its first call
     turn = {**sessionless, **behaviour(kind="ok", events=8,
                                        gap_ms=300 if original == "in flight" else 0)}
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
         a.wait_for_log("turnguard: running")
-        for n in range(3):
+        for n in range(6):
             text = f"claimed behind a lock {n}"
             seen = len(events(tmp_path, "a"))
             with write_lock(ledger):
