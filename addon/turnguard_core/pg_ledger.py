@@ -283,9 +283,10 @@ class _Transaction:
             while cur.nextset():
                 pass
             row = cur.fetchone()
-            if (row[0] if row else "") != ledger.generation:
+            generation = row[0] if row else ""
+            if generation != ledger.generation:
                 ledger._rollback()
-                ledger._still_the_one_opened(row[0] if row else "")
+                ledger._still_the_one_opened(generation)
         self.db = db
         return self
 
