@@ -184,6 +184,38 @@ def test_nothing_is_written_to_nor_read_from_a_database_made_again_before_it_is_
     b.close()
 
 
+@pytest.mark.parametrize("connection", ["kept", "ended by the server"])
+@pytest.mark.parametrize("step", ["first event", "finish", "heartbeat"])
+def test_nothing_is_written_to_a_database_whose_tables_were_dropped_and_not_made_again(
+        pg_url, step, connection):
+    """The ledger's tables were dropped while A's connection stayed open (or the server also
+    ended that connection), and nobody has made them again yet: A's next write by attempt id
+    is refused as a ledger replaced, not read as a passing error to retry, and from then on
+    A says so (``file_replaced``) and makes no table of its own there."""
+    a = PgLedger(pg_url, "a")
+    a.open(1000.0)
+    turn = ident(1)
+    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+                    flow_id="f")
+    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    if connection == "ended by the server":
+        _end_ledger_connections(pg_url)
+    step_of = {
+        "first event": lambda: a.first_event(claim.attempt_id, turn.op_key),
+        "finish": lambda: a.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, None),
+                                   now=1002.0, op_key=turn.op_key),
+        "heartbeat": lambda: a.heartbeat(1002.0),
+    }
+    with pytest.raises(LedgerError, match="replaced"):
+        step_of[step]()
+    assert "replaced" in a.file_replaced()
+    with pytest.raises(LedgerError, match="replaced"):
+        a.admit(ident(2), method="POST", path="/v1/responses", now=1003.0, guard=GUARD,
+                flow_id="g")
+    assert sql(pg_url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+    a.close()
+
+
 def test_a_newer_schema_is_refused(pg_url):
     PgLedger(pg_url, "a").open(1000.0)
     sql(pg_url, "UPDATE meta SET value='99' WHERE key='schema_version'")

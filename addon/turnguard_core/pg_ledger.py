@@ -265,19 +265,21 @@ class _Transaction:
         if self.checked:
             begin += "; SELECT value FROM meta WHERE key='generation'"
         try:
-            cur = db.execute(begin)
-        except _CONNECTION_ERRORS:
-            if db is not kept or not (db.broken or db.closed):
-                raise
-            # A kept connection the server ended while it was idle (pg_terminate_backend, a
-            # pooler, idle_session_timeout, a restart): nothing of this transaction ran, and
-            # the server may well be up. Made again once, rather than deciding without it.
-            ledger._drop()
-            db = ledger._conn()
-            cur = db.execute(begin)
-        except pg_errors.UndefinedTable:
+            try:
+                cur = db.execute(begin)
+            except _CONNECTION_ERRORS:
+                if db is not kept or not (db.broken or db.closed):
+                    raise
+                # A kept connection the server ended while it was idle (pg_terminate_backend,
+                # a pooler, idle_session_timeout, a restart): nothing of this transaction ran,
+                # and the server may well be up. Made again once, rather than deciding
+                # without it.
+                ledger._drop()
+                db = ledger._conn()
+                cur = db.execute(begin)
+        except pg_errors.UndefinedTable:  # (on the connection made again too)
             ledger._rollback()
-            ledger._still_the_one_opened("")  # its tables are gone
+            ledger._still_the_one_opened("")  # its tables are gone: raises
             raise
         if self.checked:
             while cur.nextset():
