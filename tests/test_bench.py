@@ -246,6 +246,10 @@ def test_ledger_claims_and_exactly_once(quick_run):
     assert all(_num(v) and v >= 1 for v in (*wp["turnguard"].values(), *wp["ledger_floor"].values()))
     assert wp["turnguard"]["claim"] > wp["ledger_floor"]["claim"]
     assert "pages written to the WAL a transaction" in quick_run[1]
+    if "by_btree" in wp:  # (this SQLite has dbstat) a claim writes both rows, an end its recording
+        assert {"operations", "attempts"} <= set(wp["by_btree"]["claim"])
+        assert "spool" in wp["by_btree"]["finish"]
+        assert "turnguard's claim by table or index: " in quick_run[1]
 
 
 @pytest.mark.slow

@@ -196,6 +196,7 @@ def run(workdir: Path, cfg) -> dict:
 
 
 WAL_FRAME_HEADER = 24  # bytes before each page in a WAL file (SQLite's file format)
+WAL_HEADER = 32  # bytes before the first frame
 
 
 def wal_pages(workdir: Path, n: int = 200) -> dict:
@@ -205,7 +206,11 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
     (``ledger_floor_addon``), ``n`` operations each. What a commit costs grows with its
     pages (each is written to the WAL with a checksum): this says how many more a
     turnguard request writes than what any at-most-once guard must. Counted from the WAL's
-    growth with checkpoints off (the file only grows), means over ``n``."""
+    growth with checkpoints off (the file only grows), means over ``n``. ``by_btree``: the
+    same pages of turnguard's transactions split by the table or index each belongs to (the
+    page number in each frame's header, named by SQLite's ``dbstat``; page 1, the file's
+    header, is ``sqlite_schema``), over the last half of the operations (the tables no longer
+    empty); absent when this SQLite lacks ``dbstat``."""
     from turnguard_bench import ledger_floor_addon, upstream
     from turnguard_core import policy
     from turnguard_core.ledger import AttemptEnd, Ledger, Recording
@@ -218,10 +223,15 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
     grown = {"claim": 0, "first_event": 0, "finish": 0}
     floor_grown = {"claim": 0, "end": 0}
 
+    spans: list[tuple[str, int, int]] = []  # (part, WAL offset before, after)
+
     def grew(wal: Path, totals: dict, part: str, write) -> object:
         before = wal.stat().st_size if wal.exists() else 0
         result = write()
-        totals[part] += wal.stat().st_size - before
+        after = wal.stat().st_size
+        totals[part] += after - before
+        if totals is grown:
+            spans.append((part, before, after))
         return result
 
     path = workdir / "ledger-wal-pages.sqlite3"
@@ -238,6 +248,7 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
         grew(wal, grown, "first_event", lambda: led.first_event(claim.attempt_id, ident.op_key))
         grew(wal, grown, "finish", lambda: led.finish(claim.attempt_id, end, now=time.time(),
                                                       op_key=ident.op_key))
+    by_btree = _pages_by_btree(db, wal, page, spans[len(spans) // 2:])
     led.close()
     floor_path = workdir / "ledger-floor-wal-pages.sqlite3"
     floor = ledger_floor_addon.open_db(str(floor_path))
@@ -251,7 +262,32 @@ def wal_pages(workdir: Path, n: int = 200) -> dict:
     floor.close()
     return {"operations": n,
             "turnguard": {k: v / n / page for k, v in grown.items()},
-            "ledger_floor": {k: v / n / page for k, v in floor_grown.items()}}
+            "ledger_floor": {k: v / n / page for k, v in floor_grown.items()},
+            **({"by_btree": by_btree} if by_btree is not None else {})}
+
+
+def _pages_by_btree(db, wal: Path, frame_size: int,
+                    spans: list[tuple[str, int, int]]) -> dict | None:
+    """For each part (claim, first_event, finish), the pages a transaction wrote by the
+    b-tree they belong to, means over the operations ``spans`` cover."""
+    import sqlite3
+    import struct
+    from collections import Counter
+
+    try:
+        names = {pageno: name for name, pageno in db.execute("SELECT name, pageno FROM dbstat")}
+    except sqlite3.Error:  # (SQLite built without SQLITE_ENABLE_DBSTAT_VTAB)
+        return None
+    data = wal.read_bytes()
+    counts: dict[str, Counter] = {}
+    for part, before, after in spans:
+        c = counts.setdefault(part, Counter())
+        for at in range(max(before, WAL_HEADER), after, frame_size):
+            pageno = struct.unpack(">I", data[at:at + 4])[0]
+            c[names.get(pageno, "sqlite_schema" if pageno == 1 else "other")] += 1
+    ops = max(1, sum(1 for part, _, _ in spans if part == "claim"))
+    return {part: {name: round(k / ops, 2) for name, k in c.most_common()}
+            for part, c in counts.items()}
 
 
 def scale_curve(workdir: Path, points: list[int], *, window_s: float = 2.0,

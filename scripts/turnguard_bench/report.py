@@ -389,6 +389,9 @@ def render(res: dict) -> str:
                      f"finish with the recording {t['finish']:.1f} "
                      f"({sum(t.values()):.1f} in all); the ledger floor claim {f['claim']:.1f}, "
                      f"end with the body {f['end']:.1f} ({sum(f.values()):.1f})")
+            for part, pages in (wp.get("by_btree") or {}).items():
+                o.append(f"  turnguard's {part.replace('_', ' ')} by table or index: "
+                         + ", ".join(f"{name} {k:g}" for name, k in pages.items()))
         pg = le.get("postgres") or {}
         if "skipped" in pg:
             o.append(f"PostgreSQL ledger: skipped ({pg['skipped']})")
