@@ -150,6 +150,27 @@ def test_a_database_made_again_is_an_error_not_an_empty_ledger(pg_url):
     led.close()
 
 
+def _a_turn_claimed_then_the_tables_dropped(pg_url: str):
+    """A (``PgLedger`` "a") claims a turn; then the ledger's tables are dropped while A's
+    connection stays open. Returns A, the turn and its claim."""
+    a = PgLedger(pg_url, "a")
+    a.open(1000.0)
+    turn = ident(1)
+    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+                    flow_id="f")
+    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    return a, turn, claim
+
+
+def _writes_by_attempt_id(a: PgLedger, turn, claim) -> dict:
+    """A's writes of its claimed attempt, by step."""
+    return {
+        "first event": lambda: a.first_event(claim.attempt_id, turn.op_key),
+        "finish": lambda: a.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, None),
+                                   now=1002.0, op_key=turn.op_key),
+    }
+
+
 @pytest.mark.parametrize("step", ["first event", "finish", "what it left behind"])
 def test_nothing_is_written_to_nor_read_from_a_database_made_again_before_it_is_noticed(
         pg_url, step):
@@ -158,23 +179,14 @@ def test_nothing_is_written_to_nor_read_from_a_database_made_again_before_it_is_
     noticed (its next heartbeat), A's writes by attempt id fail (``replaced``) instead of
     landing on B's attempt, and what A reads of the ledger it leaves (which peers had turns in
     flight there) is an error, not the new tables' rows, which know nothing of A's turn."""
-    a = PgLedger(pg_url, "a")
-    a.open(1000.0)
-    turn = ident(1)
-    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
-                    flow_id="f")
-    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    a, turn, claim = _a_turn_claimed_then_the_tables_dropped(pg_url)
     b = PgLedger(pg_url, "b")
     b.open(1001.0)
     theirs = b.admit(turn, method="POST", path="/v1/responses", now=1001.0, guard=GUARD,
                      flow_id="g")
     assert theirs.attempt_id == claim.attempt_id  # (the same id, another attempt)
-    step_of = {
-        "first event": lambda: a.first_event(claim.attempt_id, turn.op_key),
-        "finish": lambda: a.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, None),
-                                   now=1002.0, op_key=turn.op_key),
-        "what it left behind": lambda: a.attempts_left_behind(),
-    }
+    step_of = {**_writes_by_attempt_id(a, turn, claim),
+               "what it left behind": lambda: a.attempts_left_behind()}
     with pytest.raises(LedgerError, match="replaced"):
         step_of[step]()
     assert "replaced" in a.file_replaced()
@@ -192,20 +204,10 @@ def test_nothing_is_written_to_a_database_whose_tables_were_dropped_and_not_made
     ended that connection), and nobody has made them again yet: A's next write by attempt id
     is refused as a ledger replaced, not read as a passing error to retry, and from then on
     A says so (``file_replaced``) and makes no table of its own there."""
-    a = PgLedger(pg_url, "a")
-    a.open(1000.0)
-    turn = ident(1)
-    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
-                    flow_id="f")
-    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    a, turn, claim = _a_turn_claimed_then_the_tables_dropped(pg_url)
     if connection == "ended by the server":
         _end_ledger_connections(pg_url)
-    step_of = {
-        "first event": lambda: a.first_event(claim.attempt_id, turn.op_key),
-        "finish": lambda: a.finish(claim.attempt_id, AttemptEnd("completed", 200, 3, None, None),
-                                   now=1002.0, op_key=turn.op_key),
-        "heartbeat": lambda: a.heartbeat(1002.0),
-    }
+    step_of = {**_writes_by_attempt_id(a, turn, claim), "heartbeat": lambda: a.heartbeat(1002.0)}
     with pytest.raises(LedgerError, match="replaced"):
         step_of[step]()
     assert "replaced" in a.file_replaced()
