@@ -11,7 +11,10 @@ import contextlib
 import sqlite3
 import time
 
+import pytest
+
 from turnguard_core import failover, policy
+from turnguard_core.ledger_runner import contended
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
 
 from test_own_replays import GUARD, SCOPE, Traced, ident
@@ -128,6 +131,61 @@ async def test_duplicate_counts_at_their_bound_are_written_without_waiting_for_t
         with contextlib.closing(sqlite3.connect(tmp_path / "ledger.sqlite3")) as db:
             assert db.execute("SELECT duplicates_held, duplicates_replayed FROM operations "
                               "WHERE op_key=?", (turn.op_key,)).fetchall() == [(1, 1)]
+
+
+@pytest.mark.parametrize("reading", ["its admission", "its recording"])
+async def test_a_request_whose_call_came_back_unread_as_the_outage_ended_still_reads_apart(
+        tmp_path, monkeypatch, reading):
+    """A request's call (the admission of a retry of a turn another process completed, or
+    the read of that turn's recording) is queued behind a session claim that waits for the
+    lock, and comes back unread once the lock failed the claim. Then, before the request
+    is decided, the outage ends: the lock goes and another request's probe writes the ledger
+    (on PostgreSQL a heartbeat writes ``instances``, which a lock of ``operations`` and
+    ``attempts`` lets through: a full run on a busy machine found it). The request is still
+    decided as in that outage: the ledger is read apart and the turn replayed, where memory,
+    blind to it, dispatched it again (the turn run twice), or answered its replay 503."""
+    with completed_elsewhere_then_locked(tmp_path, f"reading {reading} as the outage ends",
+                                         locked=False) as (traced, turn, attempt_id):
+        store = traced.store
+        blocker = sqlite3.connect(tmp_path / "ledger.sqlite3", isolation_level=None, timeout=1)
+        call = store._call
+        ended = []
+
+        async def unread_as_the_outage_ends(during, *args, **kwargs):
+            answer = await call(during, *args, **kwargs)
+            if during in ("admit", "replay") and answer is failover.UNREAD and not ended:
+                assert contended(store.error), store.error  # (the claim met the lock first)
+                blocker.execute("ROLLBACK")
+                ended.append(await store.recover(time.monotonic() + 2))
+            return answer
+
+        monkeypatch.setattr(store, "_call", unread_as_the_outage_ends)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            session = asyncio.ensure_future(claim_session(traced))  # (waits 0.5 s)
+            await asyncio.sleep(0.02)
+            # queued behind it, past its own bound (0.4 s) when the thread comes to it
+            deadline = time.monotonic() + 0.4
+            if reading == "its admission":
+                answer = await store.admit(
+                    turn, method="POST", route="/v1/responses", flow_id="f",
+                    circuit_scope=SCOPE, recovery=None, once_mode=False,
+                    in_flight_here=lambda: False, guard=GUARD,
+                    window_s=GUARD.replay_window_s, threshold=2, deadline=deadline)
+            else:
+                answer = await store.recording(turn, attempt_id,
+                                               window_s=GUARD.replay_window_s,
+                                               deadline=deadline)
+            assert await session is None
+        finally:
+            blocker.close()
+    assert ended == [True], "the request's call was answered: no outage ended as it waited"
+    assert store.error is None
+    if reading == "its admission":
+        assert answer == policy.Replay(attempt_id), f"decided blind: {answer}"
+    else:
+        recording, readable = answer
+        assert readable and recording is not None and recording.body == b"data: done\n\n"
 
 
 async def test_no_more_than_reads_apart_max_reads_apart_run_at_once(tmp_path, monkeypatch):

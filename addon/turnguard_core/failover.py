@@ -325,6 +325,9 @@ class FailoverStore:
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._decided_in_memory = 0  # admissions decided in memory so far (``admit``)
         self._reading_apart = 0  # reads apart under way (``_read_apart_while_down``)
+        # faults noted so far, and the last one's error (``_fault_since``)
+        self._faults = 0
+        self._last_fault: str | None = None
         self._duplicates: dict[str, list[int]] = {}  # op_key -> [held, replayed], unwritten
         self._flushing: set[asyncio.Future] = set()  # flush_counts started by note_duplicates
 
@@ -841,7 +844,19 @@ class FailoverStore:
             logger.warning("turnguard: ledger %s unusable (%s): %s; coalescing in memory until "
                            "it recovers", self.location, during, error)
             self._emit("ledger_unavailable", during=during, error=str(error))
-        self.error = str(error)
+        self.error = self._last_fault = str(error)
+        self._faults += 1
+
+    def _fault_since(self, faults: int) -> str | None:
+        """The fault that keeps the ledger from being used now; else, when one was noted
+        since ``faults`` (``self._faults`` then) and has ended, that one; else None. A request
+        whose call came back unread as the outage ended (another request's probe wrote the
+        ledger meanwhile: on PostgreSQL a heartbeat writes ``instances``, which a lock of
+        ``operations`` does not hold) is decided as in that outage: what the others wrote
+        is read apart first, or memory would decide it blind."""
+        if self.error is not None:
+            return self.error
+        return self._last_fault if self._faults != faults else None
 
     def _up(self) -> None:
         if self.error is not None:
@@ -1133,6 +1148,7 @@ class FailoverStore:
         # that comes meanwhile (another request's, decided as this one read apart) is one the
         # claim below may meet
         decided_in_memory = self._decided_in_memory
+        faults = self._faults
         if recovery is None:  # a recovery claim reads the session's owner in the ledger
             known = self.memory.replay(ident, now=now, window_s=window_s,
                                        generation=self.generation)
@@ -1167,7 +1183,7 @@ class FailoverStore:
         if recovery is None and self.error is not None:  # (down: most often not)
             read = await self._decided_elsewhere_while_down(
                 ident, guard=guard, now=now, deadline=deadline, circuit_scope=circuit_scope,
-                threshold=threshold)
+                threshold=threshold, fault=self.error)
             if read is not None:
                 return read
 
@@ -1190,14 +1206,16 @@ class FailoverStore:
             admission = UNREAD
         if isinstance(admission, Unread):
             self._unread_for_good(on_retired)
-            if recovery is None and self.error is not None:
+            fault = self._fault_since(faults)
+            if recovery is None and fault is not None:
                 # the ledger went down while the call waited (queued behind claims that met
-                # a lock this process did not know of yet, say): what the others wrote is
-                # read before memory, blind to it, decides (a few ms; the read's own bound)
+                # a lock this process did not know of yet, say), and may be up again by now:
+                # what the others wrote is read before memory, blind to it, decides (a few
+                # ms; the read's own bound)
                 read = await self._decided_elsewhere_while_down(
                     ident, guard=guard, now=now,
                     deadline=max(deadline, time.monotonic() + self._read_apart_s()),
-                    circuit_scope=circuit_scope, threshold=threshold)
+                    circuit_scope=circuit_scope, threshold=threshold, fault=fault)
                 if read is not None:
                     return read
             self._decided_in_memory += 1
@@ -1210,7 +1228,7 @@ class FailoverStore:
         return admission
 
     async def _read_apart_while_down(self, read: Callable[[Any], Any],
-                                     deadline: float | None) -> Any:
+                                     deadline: float | None, fault: str | None) -> Any:
         """``read(ledger)`` on a ledger that is down, on a read-only connection of its own
         (``Store.read_apart``): what keeps a ledger from being written often leaves it
         readable (another connection's lock against writes: SQLite's write lock, a
@@ -1226,10 +1244,11 @@ class FailoverStore:
         (a ledger that did not answer in time on a busy machine, a file that cannot be
         opened), unless the connection has been in one call for ``STUCK_CALL_S`` (a lock this
         process had not met yet: the calls behind it came back unread); nor beyond
-        ``READS_APART_MAX`` at a time."""
-        if deadline is None or self._store is None or self.error is None:
+        ``READS_APART_MAX`` at a time. ``fault``: the outage's error (``_fault_since``; None:
+        no outage, never read)."""
+        if deadline is None or self._store is None or fault is None:
             return UNREAD
-        readable = (writes_refused(self.error) or contended(self.error)
+        readable = (writes_refused(fault) or contended(fault)
                     or self._store.in_one_call_for() >= STUCK_CALL_S)
         if not readable or self._reading_apart >= READS_APART_MAX:
             return UNREAD
@@ -1251,18 +1270,18 @@ class FailoverStore:
         PostgreSQL ``READ_APART_WHILE_DOWN_PG_S`` (each read connects first)."""
         return READ_APART_WHILE_DOWN_PG_S if is_postgres(self.path) else READ_APART_WHILE_DOWN_S
 
-    async def _recording_apart(self, attempt_id: int, op_key: str,
-                               deadline: float | None) -> Recording | None | Unread:
+    async def _recording_apart(self, attempt_id: int, op_key: str, deadline: float | None,
+                               fault: str | None) -> Recording | None | Unread:
         """``attempt_id``'s recording of ``op_key``, read apart (``_read_apart_while_down``)."""
         return await self._read_apart_while_down(
-            lambda led: led.recording(attempt_id, op_key), deadline)
+            lambda led: led.recording(attempt_id, op_key), deadline, fault)
 
     def _read_apart_done(self, _task: asyncio.Future) -> None:
         self._reading_apart -= 1
 
     async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
-        circuit_scope: str, threshold: int,
+        circuit_scope: str, threshold: int, fault: str,
     ) -> policy.Hold | policy.Replay | None:
         """What the ledger decides for the request without a claim, read while it cannot be
         written (``_read_apart_while_down``), and learned in memory: a hold on another
@@ -1273,7 +1292,7 @@ class FailoverStore:
         would wait behind the calls queued there)."""
         generation = self.generation
         seen = await self._read_apart_while_down(lambda led: led.snapshot(ident.op_key),
-                                                 deadline)
+                                                 deadline, fault)
         if isinstance(seen, Unread) or seen is None \
                 or seen.owner_instance in (None, self._instance_id):
             return None
@@ -1281,7 +1300,8 @@ class FailoverStore:
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline)
+            found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline,
+                                                fault)
             if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None
             self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
@@ -1344,20 +1364,21 @@ class FailoverStore:
         recording = self.memory.recording(ident, now=time.time(), window_s=window_s)
         if recording is not None or attempt_id is None:
             return recording, True
-        generation = self.generation
+        generation, faults = self.generation, self._faults
         # (read apart, only a recording found counts: no recording may be this process's
         # own end, owed to the ledger and not written yet)
-        found = await self._recording_apart(attempt_id, ident.op_key, deadline) \
+        found = await self._recording_apart(attempt_id, ident.op_key, deadline, self.error) \
             if self.error is not None else None
         if found is None or isinstance(found, Unread):
             found = await self._call("replay", lambda store: store.recording(
                 attempt_id, ident.op_key, deadline=deadline), deadline=deadline)
         if isinstance(found, Unread):
             self._unread_for_good(on_retired)
-            if self.error is not None:
+            fault = self._fault_since(faults)
+            if fault is not None:
                 found = await self._recording_apart(
                     attempt_id, ident.op_key,
-                    max(deadline, time.monotonic() + self._read_apart_s()))
+                    max(deadline, time.monotonic() + self._read_apart_s()), fault)
             if found is None or isinstance(found, Unread):
                 return None, False
         if found is not None and generation == self.generation:  # (no other file meanwhile)
