@@ -1245,15 +1245,26 @@ class FailoverStore:
         opened), unless the connection has been in one call for ``STUCK_CALL_S`` (a lock this
         process had not met yet: the calls behind it came back unread); nor beyond
         ``READS_APART_MAX`` at a time. ``fault``: the outage's error (``_fault_since``; None:
-        no outage, never read)."""
-        if deadline is None or self._store is None or fault is None:
+        no outage, never read).
+
+        With no ledger open (the open met another connection's lock, or a full disk: an
+        open writes), the ledger at the path now is read so (``_read_at_path``), for such a
+        fault alone: what the processes that have it open wrote (``ledger.generation``, in
+        ``read``, says which file or database it was)."""
+        if deadline is None or fault is None:
             return UNREAD
-        readable = (writes_refused(fault) or contended(fault)
-                    or self._store.in_one_call_for() >= STUCK_CALL_S)
+        store = self._store
+        if store is not None:
+            readable = (writes_refused(fault) or contended(fault)
+                        or store.in_one_call_for() >= STUCK_CALL_S)
+        else:
+            readable = bool(self.path) and not self._retired \
+                and (writes_refused(fault) or contended(fault))
         if not readable or self._reading_apart >= READS_APART_MAX:
             return UNREAD
         self._reading_apart += 1
-        task = asyncio.ensure_future(self._store.read_apart(read))
+        task = asyncio.ensure_future(
+            store.read_apart(read) if store is not None else self._read_at_path(read))
         task.add_done_callback(self._read_apart_done)
         bound = min(deadline, time.monotonic() + self._read_apart_s())
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
@@ -1264,6 +1275,16 @@ class FailoverStore:
             return task.result()
         except LedgerError:
             return UNREAD
+
+    async def _read_at_path(self, read: Callable[[Any], Any]) -> Any:
+        """``read(ledger)`` on a read-only connection of its own to the ledger at the path
+        (``Ledger.read_at``, ``PgLedger.read_at``), on a thread."""
+        if is_postgres(self.path):
+            from .pg_ledger import PgLedger
+            return await asyncio.to_thread(PgLedger.read_at, self.path, self._instance_id,
+                                           read, identity=self._identity)
+        return await asyncio.to_thread(Ledger.read_at, self.path, self._instance_id, read,
+                                       identity=self._identity)
 
     def _read_apart_s(self) -> float:
         """How long a request waits for its read apart: ``READ_APART_WHILE_DOWN_S``, on
@@ -1289,23 +1310,31 @@ class FailoverStore:
         another process's attempt counts: what the ledger says of this process's own may be
         changed by the writes owed. A replay's recording is read with it (then known in
         memory, where ``recording`` finds it: read later on the ledger's own connection, it
-        would wait behind the calls queued there)."""
+        would wait behind the calls queued there), of the same file or database."""
         generation = self.generation
-        seen = await self._read_apart_while_down(lambda led: led.snapshot(ident.op_key),
-                                                 deadline, fault)
-        if isinstance(seen, Unread) or seen is None \
-                or seen.owner_instance in (None, self._instance_id):
+        read = await self._read_apart_while_down(
+            lambda led: (led.generation, led.snapshot(ident.op_key)), deadline, fault)
+        if isinstance(read, Unread):
+            return None
+        read_generation, seen = read
+        if seen is None or seen.owner_instance in (None, self._instance_id):
             return None
         decision = policy.admit(seen, fingerprint=ident.fingerprint,
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline,
-                                                fault)
-            if isinstance(found, Unread) or found is None or generation != self.generation:
+            attempt_id = decision.attempt_id
+            found = await self._read_apart_while_down(
+                lambda led: (led.generation, led.recording(attempt_id, ident.op_key)),
+                deadline, fault)
+            if isinstance(found, Unread) or generation != self.generation:
                 return None
-            self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
-                                       generation=generation)
+            found_generation, recording = found
+            if found_generation != read_generation or recording is None:
+                return None
+            # (no ledger open: of the file or database read, which this process opens next)
+            self.memory.recording_read(ident, recording, attempt_id=attempt_id,
+                                       generation=generation or read_generation)
         if not isinstance(decision, (policy.Hold, policy.Replay)):
             return None
         self.memory.learn(ident, decision, me=self._instance_id, circuit_scope=circuit_scope,

@@ -188,6 +188,14 @@ _INSERT_OPERATION = (
 _INSERT_OPERATION_IF_ABSENT = _INSERT_OPERATION + " ON CONFLICT(op_key) DO NOTHING"
 
 
+
+def _generation(db: sqlite3.Connection, file_id: tuple[int, int] | None) -> str:
+    """The ledger file's generation: the random id made with it, with the file's identity
+    (``file_id``; None: in memory). An older copy of this very file put back in its place (a
+    restored backup) has its id, yet not its rows since (attempt ids come again)."""
+    made = db.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
+    return made if file_id is None else f"{made}@{file_id[0]}:{file_id[1]}"
+
 class LedgerError(Exception):
     """The ledger cannot be used for this decision (locked, read-only, full, corrupt, ...)."""
 
@@ -317,11 +325,7 @@ class Ledger:
                 with self._tx() as tx:
                     self.incarnation = self._register(tx, now, keep_incarnation=True)
             with self._tx() as tx:
-                made = tx.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
-            # with the file's identity: an older copy of this very file put back in its place
-            # (a restored backup) has its id, yet not its rows since (attempt ids come again)
-            self.generation = made if self._file_id is None \
-                else f"{made}@{self._file_id[0]}:{self._file_id[1]}"
+                self.generation = _generation(tx, self._file_id)
         except BaseException:
             ledger_files.close_here(self, db.close)
             self._db = None
@@ -421,6 +425,7 @@ class Ledger:
                     f"ledger {shown(self.path)} has schema version {version}; this turnguard "
                     f"reads version {SCHEMA_VERSION}{hint}"
                 )
+            self.generation = _generation(db, ledger_files.file_id(real))
             self._db = db
             if self._stamp is None:  # (read through its -wal: a connection like the others)
                 ledger_files.note_open_here(self, ledger_files.file_id(real))
@@ -430,18 +435,33 @@ class Ledger:
             raise
 
     def read_apart(self, read: Callable[["Ledger"], T]) -> T:
-        """``read(ledger)`` on a read-only connection of its own (``open_readonly``), in one
-        read transaction, opened and closed here, from any thread: never queued behind the
-        calls on this connection (claims waiting for another connection's write lock).
-        Raises ``LedgerError``, also when the file at the path is not the one this connection
-        has open (deleted or replaced: what it says is another file's)."""
-        other = Ledger(self.path, self.instance_id, busy_timeout_ms=READ_APART_BUSY_MS,
-                       identity=self.identity)
-        other.open_readonly()
-        try:
+        """``read(ledger)`` on a read-only connection of its own (``read_at``), never queued
+        behind the calls on this connection (claims waiting for another connection's write
+        lock). Raises ``LedgerError``, also when the file at the path is not the one this
+        connection has open (deleted or replaced: what it says is another file's)."""
+        def in_use(other: Ledger) -> None:
             if self._file_id is None \
                     or ledger_files.file_id(os.path.realpath(self.path)) != self._file_id:
                 raise LedgerError(f"ledger file {shown(self.path)} is not the one in use")
+
+        return Ledger.read_at(self.path, self.instance_id, read, identity=self.identity,
+                              check=in_use)
+
+    @staticmethod
+    def read_at(path: str, instance_id: str, read: Callable[["Ledger"], T], *,
+                identity: liveness.ProcessIdentity | None = None,
+                check: Callable[["Ledger"], None] | None = None) -> T:
+        """``read(ledger)`` on a read-only connection (``open_readonly``: its ``generation``
+        is the file's) to the ledger file at ``path`` now, in one read transaction, opened and
+        closed here, from any thread, after ``check(ledger)`` (which may raise). Also for a
+        process that could not open the ledger (another connection's write lock: an open
+        writes): what the others wrote can still be read. Raises ``LedgerError``."""
+        other = Ledger(path, instance_id, busy_timeout_ms=READ_APART_BUSY_MS,
+                       identity=identity)
+        other.open_readonly()
+        try:
+            if check is not None:
+                check(other)
             db = other._conn()
             try:
                 db.execute("BEGIN")

@@ -505,12 +505,27 @@ class PgLedger:
         """``read`` on a short-lived read-only connection (a ``cls``) bounded by
         ``busy_timeout_ms``; a database that is not the one opened (another generation) is
         an error, never read."""
-        other = cls(self._url, self.instance_id, busy_timeout_ms=busy_timeout_ms,
-                    identity=self.identity)
-        other.open_readonly()
-        try:
+        def in_use(other: PgLedger) -> None:
             if other.generation != self.generation:
                 raise LedgerError(f"ledger database {self.path} was replaced")
+
+        return cls.read_at(self._url, self.instance_id, read, identity=self.identity,
+                           busy_timeout_ms=busy_timeout_ms, check=in_use)
+
+    @classmethod
+    def read_at(cls, url: str, instance_id: str, read: Callable[["PgLedger"], T], *,
+                identity: liveness.ProcessIdentity | None = None,
+                busy_timeout_ms: int = READ_APART_BUSY_MS,
+                check: Callable[["PgLedger"], None] | None = None) -> T:
+        """``read(ledger)`` on a short-lived read-only connection (``open_readonly``: its
+        ``generation`` the database's) to the ledger at ``url``, its statements bounded by
+        ``busy_timeout_ms``, after ``check(ledger)`` (which may raise); see
+        ``Ledger.read_at``. Raises ``LedgerError``."""
+        other = cls(url, instance_id, busy_timeout_ms=busy_timeout_ms, identity=identity)
+        other.open_readonly()
+        try:
+            if check is not None:
+                check(other)
             return read(other)
         finally:
             other.close()
