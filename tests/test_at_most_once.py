@@ -1811,47 +1811,47 @@ def test_the_request_budget_bounds_waits_for_a_locked_ledger(tmp_path, report):
 
 
 @pytest.mark.parametrize("original", ["in flight", "completed"])
-def test_a_process_started_while_another_connection_holds_the_write_lock_reads_what_the_others_wrote(
-        tmp_path, original):
+@pytest.mark.parametrize("fault", ["locked", "full", "read-only"])
+def test_a_process_started_while_the_ledger_cannot_be_written_reads_what_the_others_wrote(
+        tmp_path, fault, original):
     """A's turn is in the ledger (in flight, or completed) when another connection takes the
-    write lock; B starts then, and cannot open the ledger (an open writes: its instance's
-    row). A retry of A's turn sent to B is not decided blind in memory, where it ran a
-    second time: B reads the ledger at the path on a read-only connection of its own (the
-    lock lets reads through) and holds the retry on A's attempt, or replays its recording.
-    The lock goes; B opens the ledger and answers the held retry with A's result."""
-    ledger = tmp_path / "ledger.sqlite3"
+    write lock, the ledger's disk fills up, or its files become read-only; B starts then, and
+    cannot open the ledger (an open writes: its instance's row). A retry of A's turn sent to
+    B is not decided blind in memory, where it ran a second time: B reads the ledger at the
+    path on a read-only connection of its own and holds the retry on A's attempt, or replays
+    its recording. The fault ends; B opens the ledger and answers a held retry with A's
+    result."""
     sessionless = {"authorization": "Bearer sk-at-most-once"}
     turn = {**sessionless, **behaviour(kind="ok", events=8,
                                        delay_ms=4000 if original == "in flight" else 0)}
-    body = body_of(f"sent to a process started behind a lock ({original})")
+    body = body_of(f"sent to a process started while the ledger is {fault} ({original})")
     state = "in_flight" if original == "in flight" else "completed"
-    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a") as a:
+    folder = tmp_path / "ledger-fs"
+    mount = tiny_tmpfs(folder, "8m") if fault == "full" else contextlib.nullcontext(
+        folder.mkdir(mode=0o700))
+    ledger = folder / "ledger.sqlite3"
+    opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+    with mount, MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            contextlib.ExitStack() as unwritable:
         first = in_background(post, a.url, turn, body)
         wait_until(lambda: query(ledger, "SELECT state FROM operations") == [(state,)], 10,
                    what=f"A's turn {original} in the ledger")
-        blocker = sqlite3.connect(ledger, timeout=10, isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")  # (closed: rolled back, the lock gone)
-        with contextlib.closing(blocker):
-            with guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=30000) as b:
-                b.wait_for_log("turnguard: running")
-                assert [e["during"] for e in events(tmp_path, "b", "ledger_unavailable")] \
-                    == ["open"], "B opened the ledger behind the lock"
-                retry = in_background(post, b.url, sessionless, body)
-                wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
-                           or len(up.dispatches()) > 1, 10, what="B deciding the retry")
-                assert len(up.dispatches()) == 1, "B ran A's turn a second time"
-                if original == "in flight":
-                    assert not retry.done() and events(tmp_path, "b", "duplicate_held")
-                    time.sleep(0.5)  # (held on A's attempt while the lock stays)
-                    assert len(up.dispatches()) == 1 and not retry.done()
-                blocker.close()  # B opens the ledger, and finds A's end there
-                status, _, answer = first.result(30)
-                again, headers, replayed = retry.result(40)
-                log = b.log_text()
-    assert status == again == 200 and headers.get("x-turnguard") == "replayed", headers
-    assert replayed == answer
-    assert len(up.dispatches()) == 1
-    assert_no_traceback(a.log_text() + log)
+        unwritable.enter_context(write_lock(ledger, "BEGIN IMMEDIATE") if fault == "locked"
+                                 else _unwritable(fault, folder, ledger))
+        with guarded(tmp_path, up, "b", **opts) as b:
+            b.wait_for_log("turnguard: running")
+            assert [e["during"] for e in events(tmp_path, "b", "ledger_unavailable")] \
+                == ["open"], "B opened the ledger in the fault"
+            retry = in_background(post, b.url, sessionless, body)
+            wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                       or len(up.dispatches()) > 1, 10, what="B deciding the retry")
+            assert len(up.dispatches()) == 1, "B ran A's turn a second time"
+            if original == "in flight":
+                assert not retry.done() and events(tmp_path, "b", "duplicate_held")
+                time.sleep(0.5)  # (held on A's attempt while the fault lasts)
+                assert len(up.dispatches()) == 1 and not retry.done()
+            unwritable.close()  # the fault ends: B opens the ledger, finds A's end there
+            _answered_once_and_replayed(first, retry, up, 1, a, b)
 
 
 @pytest.mark.parametrize("original", ["in flight", "completed"])
