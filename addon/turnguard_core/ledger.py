@@ -188,13 +188,13 @@ _INSERT_OPERATION = (
 _INSERT_OPERATION_IF_ABSENT = _INSERT_OPERATION + " ON CONFLICT(op_key) DO NOTHING"
 
 
-
 def _generation(db: sqlite3.Connection, file_id: tuple[int, int] | None) -> str:
     """The ledger file's generation: the random id made with it, with the file's identity
     (``file_id``; None: in memory). An older copy of this very file put back in its place (a
     restored backup) has its id, yet not its rows since (attempt ids come again)."""
     made = db.execute("SELECT value FROM meta WHERE key='generation'").fetchone()[0]
     return made if file_id is None else f"{made}@{file_id[0]}:{file_id[1]}"
+
 
 class LedgerError(Exception):
     """The ledger cannot be used for this decision (locked, read-only, full, corrupt, ...)."""
@@ -425,10 +425,11 @@ class Ledger:
                     f"ledger {shown(self.path)} has schema version {version}; this turnguard "
                     f"reads version {SCHEMA_VERSION}{hint}"
                 )
-            self.generation = _generation(db, ledger_files.file_id(real))
+            file_id = ledger_files.file_id(real)
+            self.generation = _generation(db, file_id)
             self._db = db
             if self._stamp is None:  # (read through its -wal: a connection like the others)
-                ledger_files.note_open_here(self, ledger_files.file_id(real))
+                ledger_files.note_open_here(self, file_id)
         except BaseException:
             db.close()
             self._db = None
