@@ -977,6 +977,50 @@ def test_a_retry_queued_behind_claims_that_meet_a_table_lock_it_did_not_know_of_
     assert_no_traceback(log)
 
 
+@pytest.mark.parametrize("turn", ["in flight", "completed"])
+def test_a_process_started_while_another_session_locks_the_tables_holds_or_replays_a_retry(
+        tmp_path, pg_url, turn):
+    """A's turn is in the ledger (in flight, or completed) when another session locks
+    ``operations`` and ``attempts`` against writes (``EXCLUSIVE``); B starts then. Unlike
+    SQLite's write lock, which keeps a new process from opening the ledger
+    (test_at_most_once.py::test_a_process_started_while_the_ledger_cannot_be_written_reads_what_the_others_wrote),
+    this one lets B open it (its open writes ``meta`` and ``instances`` alone), and B's
+    admission reads the operation before it would claim: a retry of A's turn sent to B is
+    held on A's attempt, or replayed, by the ledger itself, never run a second time; the
+    lock gone, a held retry is answered with A's result."""
+    sessionless = {"authorization": f"Bearer {SECRET}"}
+    body = {**BODY, "input": f"sent to a process started behind a table lock ({turn})"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    from test_ledger_faults import dispatches_of
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            ThreadPoolExecutor(2) as pool:
+        original = pool.submit(post, a.url, {**sessionless, **harness.mock_behaviour(
+            kind="ok", delay_ms=4000 if turn == "in flight" else 0)}, body)
+        state = "in_flight" if turn == "in flight" else "completed"
+        wait_until(lambda: rows(pg_url, "SELECT state FROM operations") == [(state,)], 10,
+                   what=f"the turn {turn} in the ledger")
+        locker = psycopg.connect(pg_url, autocommit=True)
+        try:
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE operations, attempts IN EXCLUSIVE MODE")
+            with guarded(tmp_path, up, "b", pg_url, **opts) as b:
+                retry = pool.submit(post, b.url, sessionless, body)
+                wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
+                           or dispatches_of(up, body) > 1, 10, what="B deciding the retry")
+                assert dispatches_of(up, body) == 1, "B ran A's turn a second time"
+                locker.execute("ROLLBACK")
+                status, _, first = original.result(30)
+                again, headers, replayed = retry.result(40)
+                log = a.log_text() + b.log_text()
+        finally:
+            locker.close()
+    assert status == again == 200 and headers.get("x-turnguard") == "replayed", headers
+    assert replayed == first
+    assert dispatches_of(up, body) == 1
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("remade_by", ["another turnguard", "the processes"])
 def test_a_duplicate_sent_elsewhere_as_the_database_is_made_again_waits_for_the_owner(
         tmp_path, pg_url, remade_by):
