@@ -964,6 +964,9 @@ def test_a_retry_queued_behind_claims_that_meet_a_table_lock_it_did_not_know_of_
             wait_until(lambda: events(tmp_path, "b", "duplicate_held") or retry.done()
                        or dispatches_of(up, body) > 1, 10, what="B deciding the retry")
             assert dispatches_of(up, body) == 1, "B ran A's turn a second time behind the lock"
+            # (its probe takes the lock a claim takes: a heartbeat alone, which writes
+            # instances, took the ledger for usable while the lock held)
+            assert not events(tmp_path, "b", "ledger_recovered"), "B recovered behind the lock"
         finally:
             locker.execute("ROLLBACK")
             locker.close()

@@ -22,6 +22,7 @@ from turnguard_core.failover import FailoverStore
 from turnguard_core.knowledge import MemoryStore
 from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
 from turnguard_core.ledger_location import display, is_postgres
+from turnguard_core.ledger_runner import contended
 from turnguard_core.pg_ledger import SCHEMA_VERSION as PG_SCHEMA_VERSION
 from turnguard_core.pg_ledger import NOTIFY_CHANNEL, AttemptEndListener, PgLedger, PgLedgerAdmin
 from turnguard_shell import config
@@ -279,6 +280,71 @@ def test_a_claim_in_doubt_whose_give_back_met_a_lock_is_given_back_once_it_can_b
     assert sql(pg_url, "SELECT outcome, detail FROM attempts") == [
         ("rejected", "claim given back: the connection broke at commit")]
     led.close()
+
+
+@pytest.mark.parametrize("locked", ["operations", "attempts"])
+def test_the_probe_of_a_ledger_that_failed_fails_while_a_claim_could_not_be_written(
+        pg_url, locked):
+    """Another session locks a table a claim writes against writes (``EXCLUSIVE``: reads
+    pass). The heartbeat, which writes ``instances`` alone, still renews the lease; but the
+    probe that ends an outage (the same heartbeat, ``as_probe``) fails as a lock (after
+    ``PROBE_LOCK_WAIT_MS``), where it took the ledger for usable again while no claim could
+    be written (a full run found a retry decided blind as it did). The lock gone, it
+    passes."""
+    led = PgLedger(pg_url, "a", busy_timeout_ms=300)
+    led.open(1000.0)
+    locker = psycopg.connect(pg_url, autocommit=True)
+    try:
+        locker.execute("BEGIN")
+        locker.execute(f"LOCK TABLE {locked} IN EXCLUSIVE MODE")
+        assert led.heartbeat(1001.0) == "renewed"
+        with pytest.raises(LedgerError) as refused:
+            led.heartbeat(1002.0, as_probe=True)
+        assert contended(refused.value), refused.value
+        with pytest.raises(LedgerError):
+            led.admit(ident(1), method="POST", path="/v1/responses", now=1002.0,
+                      guard=GUARD, flow_id="f")  # (what the probe stands for)
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert led.heartbeat(1003.0, as_probe=True) == "renewed"
+    assert sql(pg_url, "SELECT heartbeat_at FROM instances") == [(1003.0,)]
+    led.close()
+
+
+async def test_an_outage_begun_by_a_table_lock_ends_only_once_a_claim_could_be_written(pg_url):
+    """Through ``FailoverStore``: another session locks ``operations`` and ``attempts``
+    against writes, and a request's claim meets the lock (an outage). The probe that would
+    end it (``recover``) fails while the lock holds, however often it is tried, and no
+    ``ledger_recovered`` is said; once the lock goes, the next probe ends the outage."""
+    emitted: list[str] = []
+    store = FailoverStore(
+        instance_id="me", identity=liveness.read_process_identity(),
+        emit=lambda event, **fields: emitted.append(event), memory=MemoryStore(),
+        kept=collections.deque(), attempts=lambda: [], on_reregistered=lambda n: None)
+    assert store.open(pg_url)
+    locker = psycopg.connect(pg_url, autocommit=True)
+    try:
+        locker.execute("BEGIN")
+        locker.execute("LOCK TABLE operations, attempts IN EXCLUSIVE MODE")
+        decided = await store.admit(
+            ident(21), method="POST", route="/v1/responses", flow_id="f",
+            circuit_scope="route:x", recovery=None, once_mode=False,
+            in_flight_here=lambda: False, guard=GUARD, window_s=300, threshold=2,
+            deadline=time.monotonic() + 0.3)
+        assert decided == policy.Dispatch("original")  # (decided in memory)
+        assert store.error is not None and contended(store.error), store.error
+        for _ in range(3):
+            assert not await store.recover(time.monotonic() + 2)
+        assert "ledger_recovered" not in emitted and not store.usable
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    try:
+        assert await store.recover(time.monotonic() + 2)
+        assert emitted.count("ledger_recovered") == 1 and store.usable
+    finally:
+        store.close()
 
 
 def test_a_connection_past_descriptor_1024_is_kept_while_the_server_keeps_it(pg_url):

@@ -140,10 +140,11 @@ async def test_a_request_whose_call_came_back_unread_as_the_outage_ended_still_r
     the read of that turn's recording) is queued behind a session claim that waits for the
     lock, and comes back unread once the lock failed the claim. Then, before the request
     is decided, the outage ends: the lock goes and another request's probe writes the ledger
-    (on PostgreSQL a heartbeat writes ``instances``, which a lock of ``operations`` and
-    ``attempts`` lets through: a full run on a busy machine found it). The request is still
-    decided as in that outage: the ledger is read apart and the turn replayed, where memory,
-    blind to it, dispatched it again (the turn run twice), or answered its replay 503."""
+    (a full run on a busy machine found it on PostgreSQL, whose probe then wrote
+    ``instances`` alone, which a lock of ``operations`` and ``attempts`` lets through). The
+    request is still decided as in that outage: the ledger is read apart and the turn
+    replayed, where memory, blind to it, dispatched it again (the turn run twice), or
+    answered its replay 503."""
     with completed_elsewhere_then_locked(tmp_path, f"reading {reading} as the outage ends",
                                          locked=False) as (traced, turn, attempt_id):
         store = traced.store

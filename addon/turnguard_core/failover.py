@@ -850,10 +850,9 @@ class FailoverStore:
     def _fault_since(self, faults: int) -> str | None:
         """The fault that keeps the ledger from being used now; else, when one was noted
         since ``faults`` (``self._faults`` then) and has ended, that one; else None. A request
-        whose call came back unread as the outage ended (another request's probe wrote the
-        ledger meanwhile: on PostgreSQL a heartbeat writes ``instances``, which a lock of
-        ``operations`` does not hold) is decided as in that outage: what the others wrote
-        is read apart first, or memory would decide it blind."""
+        whose call came back unread as the outage ended (the lock went, and another
+        request's probe wrote the ledger meanwhile) is decided as in that outage: what the
+        others wrote is read apart first, or memory would decide it blind."""
         if self.error is not None:
             return self.error
         return self._last_fault if self._faults != faults else None

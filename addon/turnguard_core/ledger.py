@@ -1138,10 +1138,12 @@ class Ledger:
         return row[0]
 
     @_wrap
-    def heartbeat(self, now: float) -> HeartbeatResult:
+    def heartbeat(self, now: float, *, as_probe: bool = False) -> HeartbeatResult:
         """Renew this instance's lease. ``reregistered`` when its row was gone (another
         process judged it dead and reaped its attempts): it is registered again under a new
-        incarnation, and the caller must assume its attempts in flight were ended."""
+        incarnation, and the caller must assume its attempts in flight were ended.
+        ``as_probe``: the probe of a ledger that failed (``PgLedger.heartbeat``); here its
+        write proves that a claim could be written too (one write lock for the file)."""
         with self._tx() as db:
             if db.execute(
                 "UPDATE instances SET heartbeat_at=? WHERE instance_id=? RETURNING 1",

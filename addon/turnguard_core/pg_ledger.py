@@ -77,6 +77,8 @@ T = TypeVar("T")
 
 SCHEMA_VERSION = 3
 NOTIFY_CHANNEL = "turnguard_attempt_ended"
+# Longest a probe of a ledger that failed waits for the lock a claim takes (``heartbeat``)
+PROBE_LOCK_WAIT_MS = 100
 MIGRATION_LOCK = 0x74675F6D6967  # pg_advisory_xact_lock key of schema migrations ("tg_mig")
 CONNECT_TIMEOUT_S = 5
 TRANSIENT_RETRIES = 3  # deadlock / serialization failure: the transaction is run again
@@ -975,10 +977,21 @@ class PgLedger:
         ).fetchone()[0]
 
     @_wrap
-    def heartbeat(self, now: float) -> HeartbeatResult:
+    def heartbeat(self, now: float, *, as_probe: bool = False) -> HeartbeatResult:
         """See ``Ledger.heartbeat``. Also checks that the database is still the one opened
-        (its generation): if not, ``file_replaced`` says so and this raises."""
+        (its generation): if not, ``file_replaced`` says so and this raises.
+
+        ``as_probe``: first takes the lock a claim takes on ``operations`` and ``attempts``,
+        waiting ``PROBE_LOCK_WAIT_MS`` at most (the call's bound, if shorter): another
+        session's lock of those against writes (``LOCK TABLE ... IN EXCLUSIVE MODE``) lets
+        ``instances`` be written, and the ledger was taken for usable again while no claim
+        could be (each then waited for the lock, and the requests queued behind it were
+        decided without the ledger)."""
         with self._tx() as tx:
+            if as_probe:
+                wait_ms = max(1, min(int(self._timeout_ms), PROBE_LOCK_WAIT_MS))
+                tx.db.execute(f"SET LOCAL lock_timeout = {wait_ms};"
+                              " LOCK TABLE operations, attempts IN ROW EXCLUSIVE MODE")
             if tx.db.execute("UPDATE instances SET heartbeat_at=%s WHERE instance_id=%s"
                              " RETURNING 1", (now, self.instance_id)).fetchone():
                 return "renewed"

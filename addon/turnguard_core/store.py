@@ -130,7 +130,9 @@ class Store(Protocol):
         no query (``LedgerRunner.in_one_call_for``)."""
         ...
 
-    async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult: ...
+    async def heartbeat(self, now: float, *, deadline: float | None) -> HeartbeatResult:
+        """The probe of a ledger that failed: this process's lease renewed, once a claim
+        could be written too (``Ledger.heartbeat``'s ``as_probe``)."""
 
     async def adopt_attempt(
         self, ident: Identity, *, method: str, route: str, kind: str, flow_id: str | None,
@@ -385,7 +387,8 @@ class LedgerStore:
         return self._runner.in_one_call_for()
 
     async def heartbeat(self, now, *, deadline):
-        return await self._runner.call(lambda led: led.heartbeat(now), deadline=deadline)
+        return await self._runner.call(lambda led: led.heartbeat(now, as_probe=True),
+                                       deadline=deadline)
 
     async def adopt_attempt(self, ident, *, method, route, kind, flow_id, now, circuit_scope,
                             deadline, transport="http", ended=()):
