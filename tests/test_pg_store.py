@@ -24,7 +24,8 @@ from turnguard_core.ledger import AttemptEnd, LedgerError, Recording
 from turnguard_core.ledger_location import display, is_postgres
 from turnguard_core.ledger_runner import contended
 from turnguard_core.pg_ledger import SCHEMA_VERSION as PG_SCHEMA_VERSION
-from turnguard_core.pg_ledger import NOTIFY_CHANNEL, AttemptEndListener, PgLedger, PgLedgerAdmin
+from turnguard_core.pg_ledger import (NOTIFY_CHANNEL, READERS_KEPT, AttemptEndListener,
+                                      PgLedger, PgLedgerAdmin)
 from turnguard_shell import config
 
 from store_attempt import StoreAttempt
@@ -149,6 +150,57 @@ def test_a_database_made_again_is_an_error_not_an_empty_ledger(pg_url):
         led.heartbeat(1002.0)
     assert "replaced" in led.file_replaced()
     led.close()
+
+
+def _turnguard_connections(pg_url: str) -> int:
+    return sql(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name='turnguard'"
+                       " AND datname=current_database()")[0][0]
+
+
+def test_reads_apart_keep_their_connections_and_never_read_a_database_made_again(pg_url):
+    """Reads apart, one after another, use one read-only connection kept for them (each used
+    to connect: a server process each time, in an outage, many at once); several at once
+    keep ``READERS_KEPT`` at most. A kept one the server ended is made again. Once the
+    ledger's tables were dropped and made again, a kept one refuses to read (the new tables
+    know nothing of the turns in flight), and ``close`` closes them all."""
+    a = PgLedger(pg_url, "a")
+    a.open(1000.0)
+    turn = ident(1)
+    claim = a.admit(turn, method="POST", path="/v1/responses", now=1000.0, guard=GUARD,
+                    flow_id="f")
+    for _ in range(5):
+        assert a.read_apart(lambda led: led.snapshot(turn.op_key)).current_attempt \
+            == claim.attempt_id
+    assert _turnguard_connections(pg_url) == 2  # (A's own, and one kept for reads apart)
+
+    together = threading.Barrier(READERS_KEPT + 2)
+
+    def read_together():
+        return a.read_apart(lambda led: (together.wait(10), led.snapshot(turn.op_key))[1])
+
+    readers = [threading.Thread(target=read_together) for _ in range(READERS_KEPT + 2)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(20)
+    assert _turnguard_connections(pg_url) == 1 + READERS_KEPT
+
+    sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
+                " application_name='turnguard' AND datname=current_database() AND pid<>%s",
+        (a._db.info.backend_pid,))
+    assert a.read_apart(lambda led: led.snapshot(turn.op_key)).current_attempt \
+        == claim.attempt_id  # (made again)
+
+    sql(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    b = PgLedger(pg_url, "b")
+    b.open(1001.0)  # another ledger there: B's claim has A's attempt id
+    assert b.admit(turn, method="POST", path="/v1/responses", now=1001.0, guard=GUARD,
+                   flow_id="g").attempt_id == claim.attempt_id
+    with pytest.raises(LedgerError, match="replaced"):
+        a.read_apart(lambda led: led.snapshot(turn.op_key))
+    b.close()
+    a.close()
+    assert _turnguard_connections(pg_url) == 0
 
 
 def _a_turn_claimed_then_the_tables_dropped(pg_url: str):

@@ -66,9 +66,9 @@ PROBE_S = 0.1  # longest a probe of a failed ledger that no request waits for wa
 # (``_read_apart_while_down``; a few milliseconds): short of a request's ledger step (0.5 s),
 # so that it leaves the time to go on as before.
 READ_APART_WHILE_DOWN_S = 0.15
-# ... on PostgreSQL, where each such read connects to the server first (a few ms on a quiet
-# machine, a few hundred on a busy one: past 0.15 s, the requests that met a lock there were
-# decided blind, and a retry of a completed turn ran again)
+# ... on PostgreSQL, where such a read may connect to the server first (a few ms on a quiet
+# machine, a few hundred on a busy one; ``PgLedger.read_apart`` keeps connections for the
+# next ones)
 READ_APART_WHILE_DOWN_PG_S = 0.6
 # At most this many such reads at a time (each opens a connection: a flood of requests in an
 # outage must not add one for each; on PostgreSQL each connects to the server: one at a time
@@ -1287,7 +1287,7 @@ class FailoverStore:
 
     def _read_apart_s(self) -> float:
         """How long a request waits for its read apart: ``READ_APART_WHILE_DOWN_S``, on
-        PostgreSQL ``READ_APART_WHILE_DOWN_PG_S`` (each read connects first)."""
+        PostgreSQL ``READ_APART_WHILE_DOWN_PG_S`` (a read may connect first)."""
         return READ_APART_WHILE_DOWN_PG_S if is_postgres(self.path) else READ_APART_WHILE_DOWN_S
 
     async def _recording_apart(self, attempt_id: int, op_key: str, deadline: float | None,
