@@ -238,6 +238,10 @@ def _wrap(fn):
     return wrapper
 
 
+class _ReaderBroke(LedgerError):
+    """A read apart failed because its connection broke (``PgLedger.read_apart``)."""
+
+
 class _Transaction:
     """``BEGIN`` with the call's timeouts (one round trip) ... ``COMMIT``; rolls back on any
     exception. ``claimed`` lists the attempts this transaction claimed (attempt id, operation):
@@ -515,9 +519,8 @@ class PgLedger:
         if reader is not None:
             try:
                 return self._read_on(reader, read)
-            except LedgerError:
-                if reader._db is not None:  # (not its connection: the read's own fault)
-                    raise
+            except _ReaderBroke:
+                pass  # (the server ended it while it was kept: a new one reads)
         reader = PgLedger(self._url, self.instance_id, busy_timeout_ms=READ_APART_BUSY_MS,
                           identity=self.identity)
         reader.open_readonly()
@@ -525,7 +528,7 @@ class PgLedger:
 
     def _read_on(self, reader: "PgLedger", read: Callable[["PgLedger"], T]) -> T:
         """``read(reader)``, once the database is still the one opened; ``reader`` kept after
-        (``READERS_KEPT``), or closed."""
+        (``READERS_KEPT``), or closed. ``_ReaderBroke`` when its connection broke."""
         kept = False
         try:
             if reader.generation_now() != self.generation:
@@ -533,6 +536,10 @@ class PgLedger:
             found = read(reader)
             kept = self._keep_reader(reader)
             return found
+        except LedgerError as e:
+            if reader._db is None:  # (dropped: its connection broke, ``_after_error``)
+                raise _ReaderBroke(str(e)) from None
+            raise
         finally:
             if not kept:
                 reader.close()
