@@ -1822,8 +1822,9 @@ def test_a_process_started_while_the_ledger_cannot_be_written_reads_what_the_oth
     its recording. The fault ends; B opens the ledger and answers a held retry with A's
     result."""
     sessionless = {"authorization": "Bearer sk-at-most-once"}
+    # (in flight: held upstream until the test lets it go, however long B takes to start)
     turn = {**sessionless, **behaviour(kind="ok", events=8,
-                                       delay_ms=4000 if original == "in flight" else 0)}
+                                       **({"hold": "a"} if original == "in flight" else {}))}
     body = body_of(f"sent to a process started while the ledger is {fault} ({original})")
     state = "in_flight" if original == "in flight" else "completed"
     folder = tmp_path / "ledger-fs"
@@ -1851,6 +1852,8 @@ def test_a_process_started_while_the_ledger_cannot_be_written_reads_what_the_oth
                 time.sleep(0.5)  # (held on A's attempt while the fault lasts)
                 assert len(up.dispatches()) == 1 and not retry.done()
             unwritable.close()  # the fault ends: B opens the ledger, finds A's end there
+            if original == "in flight":
+                up.release("a")
             _answered_once_and_replayed(first, retry, up, 1, a, b)
 
 
