@@ -1291,10 +1291,15 @@ class FailoverStore:
         return READ_APART_WHILE_DOWN_PG_S if is_postgres(self.path) else READ_APART_WHILE_DOWN_S
 
     async def _recording_apart(self, attempt_id: int, op_key: str, deadline: float | None,
-                               fault: str | None) -> Recording | None | Unread:
-        """``attempt_id``'s recording of ``op_key``, read apart (``_read_apart_while_down``)."""
-        return await self._read_apart_while_down(
-            lambda led: led.recording(attempt_id, op_key), deadline, fault)
+                               fault: str | None, *,
+                               generation: str | None = None) -> Recording | None | Unread:
+        """``attempt_id``'s recording of ``op_key``, read apart (``_read_apart_while_down``);
+        ``UNREAD`` too when read in a file or database other than ``generation`` (None: any)."""
+        read = await self._read_apart_while_down(
+            lambda led: (led.generation, led.recording(attempt_id, op_key)), deadline, fault)
+        if isinstance(read, Unread) or generation is not None and read[0] != generation:
+            return UNREAD
+        return read[1]
 
     def _read_apart_done(self, _task: asyncio.Future) -> None:
         self._reading_apart -= 1
@@ -1322,17 +1327,12 @@ class FailoverStore:
                                 has_idempotency_key=ident.idempotency_key is not None, now=now,
                                 policy=guard)
         if isinstance(decision, policy.Replay):
-            attempt_id = decision.attempt_id
-            found = await self._read_apart_while_down(
-                lambda led: (led.generation, led.recording(attempt_id, ident.op_key)),
-                deadline, fault)
-            if isinstance(found, Unread) or generation != self.generation:
-                return None
-            found_generation, recording = found
-            if found_generation != read_generation or recording is None:
+            found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline,
+                                                fault, generation=read_generation)
+            if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None
             # (no ledger open: of the file or database read, which this process opens next)
-            self.memory.recording_read(ident, recording, attempt_id=attempt_id,
+            self.memory.recording_read(ident, found, attempt_id=decision.attempt_id,
                                        generation=generation or read_generation)
         if not isinstance(decision, (policy.Hold, policy.Replay)):
             return None

@@ -556,18 +556,6 @@ class PgLedger:
         """The database's generation as it is now (one query)."""
         return _generation(self._read())
 
-    def _on_a_connection_apart(self, cls: type["PgLedger"], busy_timeout_ms: int,
-                               read: Callable[["PgLedger"], T]) -> T:
-        """``read`` on a short-lived read-only connection (a ``cls``) bounded by
-        ``busy_timeout_ms``; a database that is not the one opened (another generation) is
-        an error, never read."""
-        def in_use(other: PgLedger) -> None:
-            if other.generation != self.generation:
-                raise LedgerError(f"ledger database {self.path} was replaced")
-
-        return cls.read_at(self._url, self.instance_id, read, identity=self.identity,
-                           busy_timeout_ms=busy_timeout_ms, check=in_use)
-
     @classmethod
     def read_at(cls, url: str, instance_id: str, read: Callable[["PgLedger"], T], *,
                 identity: liveness.ProcessIdentity | None = None,
@@ -1255,8 +1243,13 @@ class PgLedgerAdmin(PgLedger):
         """See ``LedgerAdmin.counts_apart``: a short-lived read-only connection of its own,
         its statement bounded by ``COUNT_BOUND_MS``; a database that is not the one opened
         (another generation) is an error, never its counts."""
-        return self._on_a_connection_apart(PgLedgerAdmin, COUNT_BOUND_MS,
-                                           lambda other: other.counts())
+        def in_use(other: PgLedger) -> None:
+            if other.generation != self.generation:
+                raise LedgerError(f"ledger database {self.path} was replaced")
+
+        return PgLedgerAdmin.read_at(self._url, self.instance_id, lambda other: other.counts(),
+                                     identity=self.identity, busy_timeout_ms=COUNT_BOUND_MS,
+                                     check=in_use)
 
     @_wrap
     def list_operations(self, limit: int = 50) -> list[dict]:
