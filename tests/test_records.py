@@ -1,10 +1,14 @@
 """``record`` makes the class ``dataclass(frozen=True, slots=True)`` makes, with its own
-``__init__``: the same signature, values, equality, hash, repr, refusals and ``replace``."""
+``__init__`` (and, for a plain class, its own methods): the same signature, values, equality,
+hash, repr, refusals, ``replace``, pickling and dataclass fields."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import pickle
+import sys
 
 import pytest
 from hypothesis import given
@@ -91,3 +95,83 @@ def test_fields_beyond_plain_defaults_keep_the_dataclass_init():
     assert Checked(1).a == 1
     emit = machine.Emit("event")  # the addon's one record with a default factory
     assert emit.fields == {} and emit.fields is not machine.Emit("event").fields
+
+
+@record
+class NoField:
+    """A record with no field."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UsualNoField:
+    """A dataclass with no field."""
+
+
+@record
+class OneField:
+    a: object
+
+
+def test_a_plain_record_carries_what_its_dataclass_carries():
+    fast, usual = Fast(1, "x"), Usual(1, "x")
+    assert type(fast).__dict__.get("__dataclass_fields__") is not None  # made here, not by dataclass
+    assert [(f.name, f.type, f.default, f.init, f.kw_only, f.compare, f.hash, f.repr)
+            for f in dataclasses.fields(fast)] == [
+        (f.name, f.type, f.default, f.init, f.kw_only, f.compare, f.hash, f.repr)
+        for f in dataclasses.fields(usual)]
+    assert dataclasses.is_dataclass(Fast) and dataclasses.is_dataclass(fast)
+    assert repr(Fast.__dataclass_params__) == repr(Usual.__dataclass_params__)
+    assert Fast.__slots__ == Usual.__slots__ and Fast.__match_args__ == Usual.__match_args__
+    assert str(inspect.signature(Fast)) == str(inspect.signature(Usual))
+    assert dataclasses.asdict(fast) == dataclasses.asdict(usual)
+    assert copy.copy(fast) == fast and copy.deepcopy(fast) == fast
+    if sys.version_info >= (3, 13):
+        assert copy.replace(fast, a=2) == Fast(2, "x")
+        with pytest.raises(TypeError):
+            copy.replace(fast, e=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del fast.a
+    match fast:
+        case Fast(a, b, c, d):
+            assert (a, b, c, d) == (1, "x", None, 0.5)
+    assert fast != usual and fast != (1, "x", None, 0.5)
+    assert Fast(1, "x", [1]) == Fast(1, "x", [1])
+    with pytest.raises(TypeError):
+        hash(Fast(1, "x", [1]))  # an unhashable field makes the record unhashable, as there
+    nested = Fast(1, "x", Fast(2, "y"))
+    assert repr(nested) == "Fast(a=1, b='x', c=Fast(a=2, b='y', c=None, d=0.5), d=0.5)"
+
+
+def test_records_of_no_field_and_of_one_are_their_dataclasses():
+    assert repr(NoField()) == "NoField()" and NoField() == NoField()
+    assert hash(NoField()) == hash(UsualNoField()) and dataclasses.fields(NoField()) == ()
+    assert pickle.loads(pickle.dumps(NoField())) == NoField()
+    with pytest.raises(TypeError):
+        NoField(1)
+    one = OneField(3)
+    assert repr(one) == "OneField(a=3)" and hash(one) == hash((3,))
+    assert pickle.loads(pickle.dumps(one)) == one and dataclasses.replace(one, a=4) == OneField(4)
+
+
+def test_a_dataclass_may_derive_from_a_record():
+    @dataclasses.dataclass(frozen=True)
+    class Derived(Fast):
+        e: int = 0
+
+    derived = Derived(1, "x", e=3)
+    assert (derived.a, derived.e) == (1, 3) and [f.name for f in dataclasses.fields(derived)] == [
+        "a", "b", "c", "d", "e"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        derived.e = 4
+
+
+@pytest.mark.parametrize("body", [
+    "a: int = 1\n    b: str",  # a field without a default after one with
+    "a: list = []",  # a mutable default
+])
+def test_a_record_refuses_the_classes_its_dataclass_refuses(body):
+    for decorator in (record, dataclasses.dataclass(frozen=True, slots=True)):
+        namespace = {"decorator": decorator}
+        with pytest.raises((TypeError, ValueError)) as refused:
+            exec(f"@decorator\nclass Bad:\n    {body}\n", namespace)  # noqa: S102
+        assert "Bad" not in namespace, refused
