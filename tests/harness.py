@@ -64,6 +64,74 @@ DEFAULT_BODY: dict[str, Any] = {"model": "gpt-test", "input": "hello", "stream":
 _MITM_ADDRESS = re.compile(r"listening at (\[[^\]]*\]|[0-9.]+):(\d+)")
 
 
+_CA_FILES: dict[str, bytes] = {}  # this test process's CA, as mitmproxy's confdir holds it
+
+
+def seed_ca(confdir: Path) -> None:
+    """Give a new ``confdir`` this test process's CA, in the files mitmproxy makes there.
+
+    mitmproxy makes a CA in each new confdir: a 2048-bit RSA key (0.05 to 0.5 s of CPU), then
+    loads it twice as it starts, checking the key each time (0.07 s each here). That was most
+    of a forked mitmdump's start, and the suite starts about two a test. This CA's key is an
+    ECDSA P-256 one, made once per test process, with the extensions mitmproxy gives its own
+    (``certs.create_ca``); mitmproxy signs its certificates with it as with its own. A confdir
+    that already has a CA (a restart under the same name) is left as it is."""
+    if (confdir / "mitmproxy-ca.pem").exists():
+        return
+    if not _CA_FILES:
+        _CA_FILES.update(_made_ca("mitmproxy"))
+    confdir.mkdir(parents=True, exist_ok=True)
+    for name, data in _CA_FILES.items():
+        fd = os.open(confdir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+
+def _made_ca(basename: str) -> dict[str, bytes]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import pkcs12
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from mitmproxy import certs
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, basename),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, basename)])
+    now = datetime.datetime.now()
+    cert = (
+        x509.CertificateBuilder().serial_number(x509.random_serial_number())
+        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .not_valid_before(now + certs.CERT_VALIDITY_OFFSET)
+        .not_valid_after(now + certs.CERT_VALIDITY_OFFSET + certs.CA_EXPIRY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.KeyUsage(
+            digital_signature=False, content_commitment=False, key_encipherment=False,
+            data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+            encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(private_key=key, algorithm=hashes.SHA256())
+    )
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL,
+                                serialization.NoEncryption())
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    no_encryption = serialization.NoEncryption()
+    return {
+        f"{basename}-ca.pem": key_pem + cert_pem,
+        f"{basename}-ca.p12": pkcs12.serialize_key_and_certificates(
+            basename.encode(), key, cert, None, no_encryption),
+        f"{basename}-ca-cert.pem": cert_pem,
+        f"{basename}-ca-cert.cer": cert_pem,
+        f"{basename}-ca-cert.p12": pkcs12.serialize_key_and_certificates(
+            basename.encode(), None, cert, None, no_encryption),
+        f"{basename}-dhparam.pem": certs.DEFAULT_DHPARAM,
+    }
+
+
 def _unique(tmp_path: Path, name: str, suffix: str) -> Path:
     """``tmp_path/name+suffix``, or ``name-2+suffix`` ... if taken (several servers per test)."""
     p = tmp_path / f"{name}{suffix}"
@@ -188,7 +256,8 @@ class Mitmdump(_ServerProcess):
     listeners on one address, so give each its own loopback address (127.0.0.N) with port 0.
     ``ports`` and ``urls`` then list their ports and URLs, in the order of ``modes``.
 
-    Its own confdir (``tmp_path/<name>-confdir``) keeps the test's CA away from ``~/.mitmproxy``;
+    Its own confdir (``tmp_path/<name>-confdir``, given the test process's CA: ``seed_ca``)
+    keeps the test's CA away from ``~/.mitmproxy``;
     output is appended to ``tmp_path/<name>.log`` (so a restart under the same name, e.g. after
     ``kill9``, keeps one file; ``log_text`` returns this instance's part). ``env`` adds
     environment variables; ``addon`` may name another script to load; ``prefix`` goes before
@@ -211,6 +280,7 @@ class Mitmdump(_ServerProcess):
         self.name = name
         self.log_path = self.tmp_path / f"{name}.log"
         self.confdir = self.tmp_path / f"{name}-confdir"
+        seed_ca(self.confdir)
         modes = modes or [f"reverse:{upstream_url}"]
         cmd = [*(prefix or []), str(MITMDUMP)]
         for mode in modes:
