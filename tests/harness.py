@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sqlite3
 import sys
@@ -62,6 +64,15 @@ MITMDUMP_START_TIMEOUT_S = 30.0
 DEFAULT_BODY: dict[str, Any] = {"model": "gpt-test", "input": "hello", "stream": True}
 
 _MITM_ADDRESS = re.compile(r"listening at (\[[^\]]*\]|[0-9.]+):(\d+)")
+
+
+@functools.cache
+def default_tls() -> ssl.SSLContext:
+    """What an ``httpx`` client verifies a server with by default (the CA bundle it trusts),
+    made once per test process: httpx loads the bundle into a new context for every client
+    (about 40 ms of CPU here), and the tests make a client for each request (a new connection
+    each). A test that trusts another CA gives its own ``verify``."""
+    return httpx.create_ssl_context(trust_env=False)
 
 
 _CA_FILES: dict[str, bytes] = {}  # this test process's CA, as mitmproxy's confdir holds it
@@ -210,7 +221,7 @@ class MockUpstream(_ServerProcess):
 
     def set_scenario(self, scenario: dict[str, Any]) -> None:
         """Replace the running server's scenario; the dispatch counter restarts at 0."""
-        with httpx.Client(trust_env=False, timeout=10) as c:
+        with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
             r = c.post(f"{self.url}/_mock/scenario", json=scenario)
         if r.status_code != 200:
             raise RuntimeError(f"set_scenario failed: {r.status_code} {r.text}")
@@ -224,7 +235,7 @@ class MockUpstream(_ServerProcess):
     def release(self, hold: str) -> int:
         """Release the hold ``hold``: what waits at it goes on, what reaches it later passes.
         Returns how many dispatches were waiting at it."""
-        with httpx.Client(trust_env=False, timeout=10) as c:
+        with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
             r = c.post(f"{self.url}/_mock/release", json={"hold": hold})
         if r.status_code != 200:
             raise RuntimeError(f"release failed: {r.status_code} {r.text}")
@@ -499,7 +510,7 @@ def sse_post(
     Returns (status, lowercase headers, body bytes). Transport errors (reset, early close,
     timeout) propagate as httpx exceptions."""
     target, raw, h = _request(url, path, body, headers)
-    with httpx.Client(trust_env=False, timeout=timeout) as c:
+    with httpx.Client(trust_env=False, timeout=timeout, verify=default_tls()) as c:
         return _answer(c.post(target, content=raw, headers=h))
 
 
@@ -512,7 +523,7 @@ async def asse_post(
 ) -> tuple[int, dict[str, str], bytes]:
     """Async ``sse_post`` (a new httpx.AsyncClient per call) for concurrency tests."""
     target, raw, h = _request(url, path, body, headers)
-    async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, verify=default_tls()) as c:
         return _answer(await c.post(target, content=raw, headers=h))
 
 
@@ -569,7 +580,7 @@ def scrape(url: str, timeout: float = 10) -> dict[str, list[tuple[dict[str, str]
     that does not parse."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with httpx.Client(trust_env=False, timeout=timeout) as c:
+    with httpx.Client(trust_env=False, timeout=timeout, verify=default_tls()) as c:
         r = c.get(url)
     r.raise_for_status()
     out: dict[str, list[tuple[dict[str, str], float]]] = {}

@@ -34,6 +34,7 @@ from harness import (
     MockUpstream,
     another_host_prefix,
     assert_no_traceback,
+    default_tls,
     delete_ledger,
     guarded,
     ledger_integrity,
@@ -406,7 +407,7 @@ def test_a_misspelt_option_in_a_config_file_loaded_while_running_is_said_and_no_
     live_options = Path(__file__).with_name("live_options.py")
     with MockUpstream(tmp_path) as up, guarded(
             tmp_path, up, "a", addon=script, extra_args=["-s", str(live_options)]) as a:
-        r = httpx.post(a.url + "/__load", content=str(config), trust_env=False, timeout=20)
+        r = httpx.post(a.url + "/__load", content=str(config), trust_env=False, timeout=20, verify=default_tls())
         assert r.status_code in (200, 400), r.text
         line = a.wait_for_log("turnguard_hold_timout_ms", timeout=10)
         assert "did you mean turnguard_hold_timeout_ms?" in line, line

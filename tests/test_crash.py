@@ -26,6 +26,7 @@ from harness import (
     MockUpstream,
     Regression,
     assert_no_traceback,
+    default_tls,
     guarded,
     ledger_integrity,
     ledger_query,
@@ -101,7 +102,7 @@ class StreamingClient:
     def _run(self, url, headers, body, timeout):
         h = {"content-type": "application/json", "accept": "text/event-stream", **headers}
         try:
-            with httpx.Client(trust_env=False, timeout=timeout) as c:
+            with httpx.Client(trust_env=False, timeout=timeout, verify=default_tls()) as c:
                 with c.stream("POST", url + "/v1/responses", content=json.dumps(body).encode(),
                               headers=h) as r:
                     self.status = r.status_code

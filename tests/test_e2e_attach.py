@@ -19,6 +19,7 @@ import pytest
 from harness import (
     MockUpstream,
     assert_no_traceback,
+    default_tls,
     guarded,
     ledger_query,
     mock_behaviour,
@@ -54,7 +55,7 @@ async def stream_post(url: str, *, headers=HEADERS, body=BODY, delay_s: float = 
     h = {"content-type": "application/json", "accept": "text/event-stream", **headers,
          **(mock_behaviour(**behaviour) if behaviour else {})}
     out: dict = {"sent": time.monotonic(), "first": None, "error": None, "body": b""}
-    async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, verify=default_tls()) as c:
         try:
             if chunked:
                 async def parts():
@@ -354,7 +355,7 @@ def test_a_retry_that_came_while_the_proxy_was_paused_keeps_its_detached_call(tm
 
 def _status(proxy) -> dict:
     """``turnguard.status`` of a mitmdump loaded with ``status_probe.py``."""
-    with httpx.Client(trust_env=False, timeout=20) as c:
+    with httpx.Client(trust_env=False, timeout=20, verify=default_tls()) as c:
         r = c.get(proxy.url + "/__status")
     r.raise_for_status()
     return r.json()
@@ -408,7 +409,7 @@ def test_each_window_of_a_detached_call_counts_from_its_last_client_gone(tmp_pat
     async def leaves(url, after_first_s):
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS,
              **mock_behaviour(**slow)}
-        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+        async with httpx.AsyncClient(trust_env=False, timeout=30, verify=default_tls()) as c:
             async with c.stream("POST", url + "/v1/responses", json=BODY, headers=h) as r:
                 await r.aiter_raw().__anext__()
                 await asyncio.sleep(after_first_s)
@@ -506,7 +507,7 @@ def test_an_attached_client_that_leaves_takes_nothing_from_the_others(tmp_path):
 
     async def leaver(url):
         h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
-        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+        async with httpx.AsyncClient(trust_env=False, timeout=30, verify=default_tls()) as c:
             async with c.stream("POST", url + "/v1/responses", json=BODY, headers=h) as r:
                 async for chunk in r.aiter_raw():
                     if chunk:
@@ -894,7 +895,7 @@ def test_a_client_that_leaves_before_its_detached_call_answers_is_saved_with_its
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, turnguard_detach_ms=3000,
                                                save_stream_file=str(saved)) as proxy:
         with pytest.raises(httpx.HTTPError):
-            httpx.post(proxy.url + "/v1/responses", json=BODY, headers=h, timeout=0.5)
+            httpx.post(proxy.url + "/v1/responses", json=BODY, headers=h, timeout=0.5, verify=default_tls())
         wait_until(lambda: turnguard_events(tmp_path, kind="upstream_detached"), 20,
                    what="the detached call ended")
         proxy.stop()
@@ -920,7 +921,7 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
             turnguard_response_created_timeout_ms=30000) as proxy:
         async def run():
             slow_a = mock_behaviour(kind="ok", delay_ms=1500, events=10, gap_ms=400)
-            async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
+            async with httpx.AsyncClient(trust_env=False, timeout=0.5, verify=default_tls()) as c:
                 with pytest.raises(httpx.HTTPError):
                     await c.post(proxy.url + "/v1/responses", json=a_body,
                                  headers={**h, **slow_a})
@@ -929,7 +930,7 @@ def test_a_detached_call_whose_retry_attached_does_not_count_against_detach_max(
                 lambda: turnguard_events(tmp_path, kind="duplicate_attached"), 20,
                 what="A's retry attached"))
             slow_b = mock_behaviour(kind="ok", delay_ms=1500, events=3, gap_ms=100)
-            async with httpx.AsyncClient(trust_env=False, timeout=0.5) as c:
+            async with httpx.AsyncClient(trust_env=False, timeout=0.5, verify=default_tls()) as c:
                 with pytest.raises(httpx.HTTPError):
                     await c.post(proxy.url + "/v1/responses", json=b_body,
                                  headers={**h, **slow_b})

@@ -19,6 +19,7 @@ import pytest
 from harness import (
     MockUpstream,
     assert_no_traceback,
+    default_tls,
     guarded,
     ledger_query,
     post_turn,
@@ -32,7 +33,7 @@ TURN = {"model": "gpt-test", "input": "a turn of its own session", "stream": Tru
 
 def status(proxy) -> dict:
     """``turnguard.status`` of the running mitmdump (loaded with ``status_probe.py``)."""
-    with httpx.Client(trust_env=False, timeout=20) as c:
+    with httpx.Client(trust_env=False, timeout=20, verify=default_tls()) as c:
         r = c.get(proxy.url + "/__status")
     r.raise_for_status()
     return r.json()
@@ -294,7 +295,7 @@ FILLED = 300_000  # operations in the ledger before the proxy starts (a busy gat
 
 def gate(proxy, action: str = "") -> dict:
     """``count_gate.py`` of the running mitmdump: close, open, fail, or read the gate."""
-    with httpx.Client(trust_env=False, timeout=20) as c:
+    with httpx.Client(trust_env=False, timeout=20, verify=default_tls()) as c:
         r = c.post(proxy.url + "/__count_gate" + (f"/{action}" if action else ""))
     r.raise_for_status()
     return r.json()

@@ -16,6 +16,7 @@ import pytest
 from harness import (
     MockUpstream,
     assert_no_traceback,
+    default_tls,
     guarded,
     mock_behaviour,
     post_turn,
@@ -624,7 +625,7 @@ def test_the_recovery_mode_switched_during_a_cooldown_gives_one_recovery_dispatc
         else:
             assert post(p.url)[0] == 503
         r = httpx.post(p.url + "/__set", json=[f"turnguard_recovery_mode={then}"],
-                       trust_env=False, timeout=20)
+                       trust_env=False, timeout=20, verify=default_tls())
         assert r.status_code == 200, r.text
         if then == once:
             held = pool.submit(post, p.url, timeout=60)

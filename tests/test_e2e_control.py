@@ -20,6 +20,7 @@ from harness import (
     MockUpstream,
     Mitmdump,
     assert_no_traceback,
+    default_tls,
     guarded,
     mock_behaviour,
     post_turn,
@@ -275,7 +276,7 @@ LIVE_OPTIONS = Path(__file__).with_name("live_options.py")
 
 def set_live(p, *specs: str) -> tuple[int, str]:
     """Set options of the running mitmdump ``p`` (loaded with ``live_options.py``)."""
-    r = httpx.post(p.url + "/__set", json=list(specs), trust_env=False, timeout=20)
+    r = httpx.post(p.url + "/__set", json=list(specs), trust_env=False, timeout=20, verify=default_tls())
     return r.status_code, r.text
 
 
@@ -429,7 +430,7 @@ COMMAND_PROBE = Path(__file__).with_name("command_probe.py")
 def command(p, *args: str) -> tuple[int, str]:
     """Run a mitmproxy command in the running mitmdump ``p`` (loaded with ``command_probe.py``),
     as the console's ``:`` does: (200, what it returned) or (400, its error)."""
-    r = httpx.post(p.url + "/__command", json=list(args), trust_env=False, timeout=20)
+    r = httpx.post(p.url + "/__command", json=list(args), trust_env=False, timeout=20, verify=default_tls())
     return r.status_code, r.text
 
 

@@ -21,6 +21,7 @@ from harness import (
     ADDON,
     MockUpstream,
     assert_no_traceback,
+    default_tls,
     post_turn,
     turnguard_events,
     wait_until,
@@ -77,7 +78,7 @@ class MitmWeb:
         assert m, self.process.output()
         self.url = f"http://127.0.0.1:{m.group(1)}"
         self.api = httpx.Client(base_url=f"http://127.0.0.1:{web_port}", trust_env=False,
-                                timeout=20)
+                                timeout=20, verify=default_tls())
         self.api.cookies.set("_mitmproxy_xsrf", XSRF)
         self.api.get("/flows", params={"token": self.token}).raise_for_status()  # logs in
 

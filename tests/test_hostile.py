@@ -30,7 +30,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from harness import Mitmdump, assert_no_traceback, read_jsonl, rss_kb, upstream_of, wait_until
+from harness import (
+    Mitmdump,
+    assert_no_traceback,
+    default_tls,
+    read_jsonl,
+    rss_kb,
+    upstream_of,
+    wait_until,
+)
 from hypothesis_profiles import examples
 from turnguard_mock.server import LAST_CHUNK, Connection, Request, ServerThread, response_head
 from turnguard_mock.server import chunk as one_chunk
@@ -165,7 +173,7 @@ class Rig:
         except BaseException:
             self.up.stop()
             raise
-        self.client = httpx.Client(trust_env=False, timeout=60)
+        self.client = httpx.Client(trust_env=False, timeout=60, verify=default_tls())
         self.rss: dict[str, int] = {}
 
     def events(self, kind: str) -> list[dict]:

@@ -32,6 +32,7 @@ from harness import (
     Mitmdump,
     MockUpstream,
     assert_no_traceback,
+    default_tls,
     guarded,
     parse_sse,
     post_turn,
@@ -110,9 +111,9 @@ def send(rig: Rig, r: Req) -> httpx.Response:
     h = {"content-type": "application/json", "accept": "text/event-stream",
          "accept-encoding": "identity", **dict(r.headers)}
     if r.via == "reverse":
-        with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+        with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, verify=default_tls()) as c:
             return c.post(rig.reverse_urls[r.upstream] + r.path, json=r.body, headers=h)
-    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, proxy=rig.forward_proxy) as c:
+    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, proxy=rig.forward_proxy, verify=default_tls()) as c:
         return c.post(rig.ups[r.upstream].url + r.path, json=r.body, headers=h)
 
 
@@ -448,7 +449,7 @@ def with_accept(r: Req, accept: str, **changes: str) -> Req:
 def send_raw(rig: Rig, r: Req) -> tuple[int, dict, bytes]:
     """Send ``r`` and read the body as it came over the wire (content coding kept)."""
     h = {"content-type": "application/json", "accept": "text/event-stream", **dict(r.headers)}
-    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+    with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, verify=default_tls()) as c:
         with c.stream("POST", rig.reverse_urls[r.upstream] + r.path, json=r.body, headers=h) as resp:
             return resp.status_code, dict(resp.headers), b"".join(resp.iter_raw())
 
@@ -519,7 +520,7 @@ def test_a_key_in_the_url_is_not_kept(tmp_path):
         with Mitmdump(tmp_path, up.url, options=opts) as p:
             path = f"/{secret_path}/v1/responses?key={secret_query}"
             h = {"content-type": "application/json", "accept": "text/event-stream"}
-            with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as c:
+            with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S, verify=default_tls()) as c:
                 first = c.post(p.url + path, json={"model": "m", "input": "k"}, headers=h)
                 again = c.post(p.url + path, json={"model": "m", "input": "k"}, headers=h)
                 other = c.post(p.url + "/sk-OTHER/v1/responses", json={"model": "m", "input": "k"},
@@ -718,7 +719,7 @@ def test_a_detached_dispatch_goes_where_its_own_listener_sends_it(tmp_path, list
             try:
                 if reverse_first:  # the second listener is a proxy the client names
                     with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S,
-                                      proxy=proxy.urls[1]) as c:
+                                      proxy=proxy.urls[1], verify=default_tls()) as c:
                         status = c.post(up.url + "/v1/responses", json=turn).status_code
                     assert (len(contacted), len(up.dispatches())) == (1, 0), \
                         f"status {status}: the call did not go through its upstream proxy"
@@ -754,7 +755,7 @@ def test_a_recording_made_before_a_header_is_named_a_credential_never_reaches_an
         alice = post_turn(p.url, {**auth, "x-tenant": "alice"}, turn)
         assert alice[0] == 200 and alice[1].get("x-turnguard") is None
         r = httpx.post(p.url + "/__set", json=["turnguard_credential_headers=x-tenant"],
-                       trust_env=False, timeout=20)
+                       trust_env=False, timeout=20, verify=default_tls())
         assert r.status_code == 200, r.text
         answers = [post_turn(p.url, headers, turn)
                    for headers in (auth, {**auth, "x-tenant": "bob"}, auth)]
@@ -780,7 +781,7 @@ def test_a_request_modify_body_rewrites_is_identified_as_it_is_sent(tmp_path):
         first = post_turn(p.url, headers, turn)
         r = httpx.post(p.url + "/__set",
                        json=["modify_body=/~q/SYSTEM-PROMPT/answer in French"],
-                       trust_env=False, timeout=20)
+                       trust_env=False, timeout=20, verify=default_tls())
         assert r.status_code == 200, r.text
         after, again = post_turn(p.url, headers, turn), post_turn(p.url, headers, turn)
         assert [a[0] for a in (first, after, again)] == [200, 200, 200]
@@ -809,7 +810,7 @@ def test_an_answer_map_local_gives_is_never_replayed_empty_nor_after_the_rule_is
         first, retry = post_turn(p.url, headers, turn), post_turn(p.url, headers, turn)
         assert [first[0], retry[0]] == [200, 200]
         assert response_id(first[2]) == response_id(retry[2]) == "resp_local", retry
-        r = httpx.post(p.url + "/__set", json=["map_local"], trust_env=False, timeout=20)
+        r = httpx.post(p.url + "/__set", json=["map_local"], trust_env=False, timeout=20, verify=default_tls())
         assert r.status_code == 200, r.text
         after = post_turn(p.url, headers, turn)
         assert after[0] == 200 and response_id(after[2]) not in (None, "resp_local"), after

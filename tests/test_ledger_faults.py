@@ -30,6 +30,7 @@ from harness import (
     Regression,
     assert_no_traceback,
     check,
+    default_tls,
     guarded,
     ledger_integrity,
     post_turn,
@@ -245,7 +246,7 @@ def test_locked_ledger_keeps_proxying_and_recovers(tmp_path, report):
             time.sleep(0.5)
             started = time.monotonic()
             try:  # traffic turnguard does not even guard
-                with httpx.Client(trust_env=False, timeout=10) as c:
+                with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
                     assert c.get(p.url + "/_mock/health").status_code == 200
                 unrelated_s = time.monotonic() - started
             except httpx.TimeoutException:

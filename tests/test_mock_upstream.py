@@ -20,6 +20,7 @@ from harness import (
     Mitmdump,
     asse_post,
     assert_no_traceback,
+    default_tls,
     parse_sse,
     response_id,
     sse_event_types,
@@ -47,7 +48,7 @@ def stream_until_error(url: str, headers: dict[str, str], timeout: float = 10) -
     """POST, read the streamed body chunk by chunk; return (status, bytes read, the transport
     error that ended it or None)."""
     buf = b""
-    with httpx.Client(trust_env=False, timeout=timeout) as c:
+    with httpx.Client(trust_env=False, timeout=timeout, verify=default_tls()) as c:
         with c.stream("POST", url + "/v1/responses", json={"model": "m", "input": "x"}, headers=headers) as r:
             try:
                 for part in r.iter_raw():
@@ -211,7 +212,7 @@ def test_stall_before_headers_client_timeout_logs_client_gone(up):
 
 
 def test_stall_after_headers_client_disconnect_logs_client_gone(up):
-    with httpx.Client(trust_env=False, timeout=10) as c:
+    with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
         with c.stream("POST", up.url + "/v1/responses", json={}, headers=behaviour(kind="stall_after_headers")) as r:
             assert r.status_code == 200
             assert r.headers["content-type"] == "text/event-stream"
@@ -273,7 +274,8 @@ def test_bad_scenario_file_fails_start_with_the_reason(tmp_path):
 
 
 def test_bad_scenario_post_is_rejected(up):
-    r = httpx.post(up.url + "/_mock/scenario", content=b"{not json", trust_env=False)
+    r = httpx.post(up.url + "/_mock/scenario", content=b"{not json", trust_env=False,
+                   verify=default_tls())
     assert r.status_code == 400
 
 
@@ -300,13 +302,13 @@ def test_dispatch_log_contents_and_no_secret(up):
     for n in (0, 1):
         end = up.wait_for_record(lambda r: r["event"] == "dispatch_end" and r["n"] == n)
         assert (end["status"], end["events_sent"]) == (200, 8)
-    served = httpx.get(up.url + "/_mock/dispatches", trust_env=False).json()
+    served = httpx.get(up.url + "/_mock/dispatches", trust_env=False, verify=default_tls()).json()
     assert served == [d0, d1]
 
 
 def test_control_routes_are_not_dispatches_and_unknown_is_404(up):
-    assert httpx.get(up.url + "/_mock/health", trust_env=False).text == "ok"
-    r = httpx.get(up.url + "/v1/responses", trust_env=False)
+    assert httpx.get(up.url + "/_mock/health", trust_env=False, verify=default_tls()).text == "ok"
+    r = httpx.get(up.url + "/v1/responses", trust_env=False, verify=default_tls())
     assert r.status_code == 404 and "error" in r.json()
     assert sse_post(up.url, path="/v1/models")[0] == 404
     assert up.dispatches() == []
@@ -314,7 +316,7 @@ def test_control_routes_are_not_dispatches_and_unknown_is_404(up):
 
 def test_keep_alive_and_chunked_request_body(up):
     raw = b'{"model": "m", "input": "chunked"}'
-    with httpx.Client(trust_env=False, timeout=10) as c:
+    with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
         r1 = c.post(up.url + "/v1/responses", content=iter([raw[:10], raw[10:]]))
         r2 = c.post(up.url + "/v1/responses", content=raw)
     assert r1.status_code == r2.status_code == 200
@@ -497,7 +499,7 @@ def test_a_held_stream_waits_for_its_release_and_a_release_that_came_first_lets_
     ends = [(r["hold"], r["how"]) for r in up.records() if r["event"] == "hold_end"]
     assert ends == [("h1", "released"), ("h1", "released"), ("h2", "timed_out")]
     assert sse_post(up.url, headers=behaviour(kind="ok", hold=""))[0] == 400
-    with httpx.Client(trust_env=False, timeout=10) as c:
+    with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
         assert c.post(up.url + "/_mock/release", json={"hold": 1}).status_code == 400
         assert c.post(up.url + "/_mock/release", content=b"{").status_code == 400
 
@@ -513,7 +515,7 @@ def test_ok_in_a_content_coding(up, coding):
 
     h = {"content-type": "application/json", "accept": "text/event-stream",
          **behaviour(kind="ok", content_encoding=coding, headers={"vary": "x-tenant"})}
-    with httpx.Client(trust_env=False, timeout=10) as c:
+    with httpx.Client(trust_env=False, timeout=10, verify=default_tls()) as c:
         with c.stream("POST", up.url + "/v1/responses",
                       json={"model": "m", "input": "x", "stream": True}, headers=h) as r:
             raw = b"".join(r.iter_raw())
@@ -532,7 +534,7 @@ def test_mitmdump_with_several_listeners_lists_them_in_the_order_given(tmp_path)
     ]) as proxy:
         assert [u.rsplit(":", 1)[0] for u in proxy.urls] == ["http://127.0.0.2", "http://127.0.0.1"]
         assert sse_post(proxy.urls[1])[0] == 200
-        with httpx.Client(trust_env=False, timeout=10, proxy=proxy.urls[0]) as c:
+        with httpx.Client(trust_env=False, timeout=10, proxy=proxy.urls[0], verify=default_tls()) as c:
             assert c.post(up.url + "/v1/responses", json={"model": "m"}).status_code == 200
 
 

@@ -27,6 +27,7 @@ from harness import (
     MockUpstream,
     assert_no_traceback,
     check,
+    default_tls,
     guarded,
     ledger_query,
     post_turn,
@@ -159,7 +160,7 @@ def test_a_credential_header_unnamed_while_its_turn_streams_is_not_kept(tmp_path
             first = pool.submit(post, p.url, headers, body)
             up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
             r = httpx.post(p.url + "/__set", json=["turnguard_credential_headers"],
-                           trust_env=False, timeout=20)
+                           trust_env=False, timeout=20, verify=default_tls())
             assert r.status_code == 200, r.text
             assert not first.done(), "the turn ended before the change: nothing was tested"
             assert first.result()[0] == 200
@@ -541,7 +542,7 @@ def test_replay_switched_off_while_a_turn_streams_keeps_its_body_out_of_the_ledg
             wait_until(lambda: query(ledger, "SELECT MAX(events_seen) FROM attempts") == [(1,)],
                        20, what="the turn's first event")
             r = httpx.post(p.url + "/__set", json=["turnguard_replay=false"], trust_env=False,
-                           timeout=20)
+                           timeout=20, verify=default_tls())
             assert r.status_code == 200, r.text
             assert not first.done(), "the turn ended before the switch: nothing was tested"
             assert first.result()[0] == 200
