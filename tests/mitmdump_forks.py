@@ -9,11 +9,12 @@ standard streams, working directory, environment and arguments, and runs the ``m
 script of the virtual environment as ``__main__``, as ``exec`` would have; turnguard's addon is
 loaded by that mitmdump as always (``-s``). The server reaps the child and tells the test its
 exit status, so that ``ForkedPopen`` answers ``poll``, ``wait``, ``send_signal`` and ``kill``
-as ``subprocess.Popen`` does. A start then costs about 0.3 s of CPU instead of 1.3. A child
+as ``subprocess.Popen`` does. A start then costs about 0.2 s of CPU instead of 1.2. A child
 ends as the interpreter would end it (its non-daemon threads waited for, its exit handlers
 run, its status the same) but without tearing down its objects, which in a fork copies every
 page it inherited (``_run_as_main``): a mitmdump with turnguard, started and stopped, 1.5 s
-of CPU exec'd, 0.8 forked with the teardown, 0.44 without. The mock upstream
+of CPU exec'd, 0.8 forked with the teardown, 0.44 without (then 0.19 once the harness gave
+each confdir its CA, ``harness.seed_ca``, and turnguard's import got cheaper). The mock upstream
 (``python -u scripts/mock_upstream.py``) is forked the same way (0.22 -> 0.02 s a start).
 
 ``popen(cmd, **popen_kwargs)`` is what ``turnguard_procs.Process`` calls. It forks only what
