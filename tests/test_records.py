@@ -175,3 +175,13 @@ def test_a_record_refuses_the_classes_its_dataclass_refuses(body):
         with pytest.raises((TypeError, ValueError)) as refused:
             exec(f"@decorator\nclass Bad:\n    {body}\n", namespace)  # noqa: S102
         assert "Bad" not in namespace, refused
+
+
+def test_fields_named_as_the_codes_own_names_are_made_by_dataclasses():
+    @record
+    class Odd:
+        self: int
+        _s0: int = 2
+
+    odd = Odd(1)
+    assert (odd.self, odd._s0) == (1, 2) and Odd(self=3, _s0=4)._s0 == 4

@@ -47,7 +47,7 @@ def record(cls: C) -> C:
         and len(fields) == len(cls.__dataclass_fields__)  # no InitVar (nor ClassVar)
         and not hasattr(cls, "__post_init__")
     )
-    if plain and fields:
+    if plain and fields and all(_fits_the_code(f.name) for f in fields):
         init = _slot_init(cls, [(f.name, f.default) for f in fields])
         init.__annotations__ = cls.__init__.__annotations__
         init.__doc__ = cls.__init__.__doc__
@@ -101,7 +101,8 @@ def _plain_record(cls: C) -> C | None:
     for name, annotation in annotations.items():
         shown = annotation if isinstance(annotation, str) else repr(annotation)
         if ("ClassVar" in shown or "InitVar" in shown or "KW_ONLY" in shown
-                or name.startswith("__")):  # (a slot named so would be mangled)
+                or name.startswith("__")  # (a slot named so would be mangled)
+                or not _fits_the_code(name)):
             return None
         default = own.get(name, dataclasses.MISSING)
         if default is dataclasses.MISSING:
@@ -202,6 +203,12 @@ def _slot_init(cls: type, fields: list[tuple[str, object]]):
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     return init
+
+
+def _fits_the_code(name: str) -> bool:
+    """Whether a field's name can be a parameter of ``_code``'s ``__init__``: not ``self``,
+    nor a name the code reads from its globals (``_s0``, ...)."""
+    return name != "self" and not (name[:2] == "_s" and name[2:].isdigit())
 
 
 _BUILTINS = {"__builtins__": builtins}
