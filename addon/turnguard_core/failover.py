@@ -1253,12 +1253,11 @@ class FailoverStore:
         if deadline is None or fault is None:
             return UNREAD
         store = self._store
+        readable = writes_refused(fault) or contended(fault)
         if store is not None:
-            readable = (writes_refused(fault) or contended(fault)
-                        or store.in_one_call_for() >= STUCK_CALL_S)
+            readable = readable or store.in_one_call_for() >= STUCK_CALL_S
         else:
-            readable = bool(self.path) and not self._retired \
-                and (writes_refused(fault) or contended(fault))
+            readable = readable and bool(self.path) and not self._retired
         if not readable or self._reading_apart >= READS_APART_MAX:
             return UNREAD
         self._reading_apart += 1

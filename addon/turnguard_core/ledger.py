@@ -440,29 +440,25 @@ class Ledger:
         behind the calls on this connection (claims waiting for another connection's write
         lock). Raises ``LedgerError``, also when the file at the path is not the one this
         connection has open (deleted or replaced: what it says is another file's)."""
-        def in_use(other: Ledger) -> None:
-            if self._file_id is None \
-                    or ledger_files.file_id(os.path.realpath(self.path)) != self._file_id:
-                raise LedgerError(f"ledger file {shown(self.path)} is not the one in use")
-
         return Ledger.read_at(self.path, self.instance_id, read, identity=self.identity,
-                              check=in_use)
+                              generation=self.generation)
 
     @staticmethod
     def read_at(path: str, instance_id: str, read: Callable[["Ledger"], T], *,
                 identity: liveness.ProcessIdentity | None = None,
-                check: Callable[["Ledger"], None] | None = None) -> T:
+                generation: str | None = None) -> T:
         """``read(ledger)`` on a read-only connection (``open_readonly``: its ``generation``
         is the file's) to the ledger file at ``path`` now, in one read transaction, opened and
-        closed here, from any thread, after ``check(ledger)`` (which may raise). Also for a
+        closed here, from any thread; when ``generation`` is given, only if the file opened is
+        of that generation (the file, with its identity, that the caller has open). Also for a
         process that could not open the ledger (another connection's write lock: an open
         writes): what the others wrote can still be read. Raises ``LedgerError``."""
         other = Ledger(path, instance_id, busy_timeout_ms=READ_APART_BUSY_MS,
                        identity=identity)
         other.open_readonly()
         try:
-            if check is not None:
-                check(other)
+            if generation is not None and other.generation != generation:
+                raise LedgerError(f"ledger file {shown(path)} is not the one in use")
             db = other._conn()
             try:
                 db.execute("BEGIN")

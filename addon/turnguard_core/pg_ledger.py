@@ -238,6 +238,13 @@ def _wrap(fn):
     return wrapper
 
 
+def _check_generation(path: str, found: str, expected: str) -> None:
+    """Raises ``LedgerError`` when the database read (generation ``found``) is not the one
+    opened (``expected``): it was dropped and made again, what it says is another's."""
+    if found != expected:
+        raise LedgerError(f"ledger database {path} was replaced")
+
+
 class _ReaderBroke(LedgerError):
     """A read apart failed because its connection broke (``PgLedger.read_apart``)."""
 
@@ -531,8 +538,7 @@ class PgLedger:
         (``READERS_KEPT``), or closed. ``_ReaderBroke`` when its connection broke."""
         kept = False
         try:
-            if reader.generation_now() != self.generation:
-                raise LedgerError(f"ledger database {self.path} was replaced")
+            _check_generation(self.path, reader.generation_now(), self.generation)
             found = read(reader)
             kept = self._keep_reader(reader)
             return found
@@ -559,17 +565,16 @@ class PgLedger:
     @classmethod
     def read_at(cls, url: str, instance_id: str, read: Callable[["PgLedger"], T], *,
                 identity: liveness.ProcessIdentity | None = None,
-                busy_timeout_ms: int = READ_APART_BUSY_MS,
-                check: Callable[["PgLedger"], None] | None = None) -> T:
+                busy_timeout_ms: int = READ_APART_BUSY_MS, generation: str | None = None) -> T:
         """``read(ledger)`` on a short-lived read-only connection (``open_readonly``: its
         ``generation`` the database's) to the ledger at ``url``, its statements bounded by
-        ``busy_timeout_ms``, after ``check(ledger)`` (which may raise); see
-        ``Ledger.read_at``. Raises ``LedgerError``."""
+        ``busy_timeout_ms``; when ``generation`` is given, only if the database is of that
+        generation (see ``Ledger.read_at``). Raises ``LedgerError``."""
         other = cls(url, instance_id, busy_timeout_ms=busy_timeout_ms, identity=identity)
         other.open_readonly()
         try:
-            if check is not None:
-                check(other)
+            if generation is not None:
+                _check_generation(display(url), other.generation, generation)
             return read(other)
         finally:
             other.close()
@@ -1243,13 +1248,9 @@ class PgLedgerAdmin(PgLedger):
         """See ``LedgerAdmin.counts_apart``: a short-lived read-only connection of its own,
         its statement bounded by ``COUNT_BOUND_MS``; a database that is not the one opened
         (another generation) is an error, never its counts."""
-        def in_use(other: PgLedger) -> None:
-            if other.generation != self.generation:
-                raise LedgerError(f"ledger database {self.path} was replaced")
-
         return PgLedgerAdmin.read_at(self._url, self.instance_id, lambda other: other.counts(),
                                      identity=self.identity, busy_timeout_ms=COUNT_BOUND_MS,
-                                     check=in_use)
+                                     generation=self.generation)
 
     @_wrap
     def list_operations(self, limit: int = 50) -> list[dict]:
