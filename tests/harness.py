@@ -75,9 +75,6 @@ def default_tls() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
-_CA_FILES: dict[str, bytes] = {}  # this test process's CA, as mitmproxy's confdir holds it
-
-
 def seed_ca(confdir: Path) -> None:
     """Give a new ``confdir`` this test process's CA, in the files mitmproxy makes there.
 
@@ -89,16 +86,16 @@ def seed_ca(confdir: Path) -> None:
     that already has a CA (a restart under the same name) is left as it is."""
     if (confdir / "mitmproxy-ca.pem").exists():
         return
-    if not _CA_FILES:
-        _CA_FILES.update(_made_ca("mitmproxy"))
     confdir.mkdir(parents=True, exist_ok=True)
-    for name, data in _CA_FILES.items():
+    for name, data in _made_ca("mitmproxy").items():
         fd = os.open(confdir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 
 
+@functools.cache
 def _made_ca(basename: str) -> dict[str, bytes]:
+    """A CA's files as mitmproxy's ``CertStore.create_store`` names them, made once."""
     import datetime
 
     from cryptography import x509
@@ -126,11 +123,10 @@ def _made_ca(basename: str) -> dict[str, bytes]:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(private_key=key, algorithm=hashes.SHA256())
     )
-    key_pem = key.private_bytes(serialization.Encoding.PEM,
-                                serialization.PrivateFormat.TraditionalOpenSSL,
-                                serialization.NoEncryption())
-    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     no_encryption = serialization.NoEncryption()
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.TraditionalOpenSSL, no_encryption)
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     return {
         f"{basename}-ca.pem": key_pem + cert_pem,
         f"{basename}-ca.p12": pkcs12.serialize_key_and_certificates(
