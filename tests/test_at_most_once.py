@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -2154,6 +2155,7 @@ def test_a_turn_that_ends_as_the_ledger_is_deleted_is_replayed_by_another_proces
 @pytest.mark.parametrize("then", ["deleted", "older copy", "junk, then deleted",
                                   "junk, A reloaded, then deleted",
                                   "deleted, the new file locked",
+                                  "junk, then deleted, the folder locked",
                                   "copied anew, then deleted"])
 def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process(
         tmp_path, then, report):
@@ -2162,7 +2164,13 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
     moved over it and deleted 1.5 s later (A's script reloaded meanwhile: the process, not
     the addon instance, keeps what it moves), or it is deleted and the new file at its path
     is held locked by another connection for 2 s (no process can open it, nor A record what
-    it moves, until the lock goes). A retry sent to B just after the new file is usable, and another 1 s later, are replayed with the turn's bytes, never run again: A
+    it moves, until the lock goes), or the junk is deleted while another program holds the
+    lock our processes take on the folder to open a file there, for 2 s (longer than a
+    request waits for the ledger, as an open slowed down on a busy machine is: B, with no
+    file open, holds the retry for A to register its recordings rather than decide it from
+    its memory, which never saw the turn; before, it ran the turn again, as a CI run on a
+    busy machine found). A retry sent to B just after the new file is usable (or the folder
+    locked), and another 1 s later, are replayed with the turn's bytes, never run again: A
     records its own recordings still within the replay window in the new file as it moves
     there, and B, which read in the file left that A had recordings there, waits for A to
     have moved before it decides a request the new file knows nothing of. (Before, B ran the
@@ -2201,12 +2209,31 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
             if "reloaded" in then:
                 reloaded(a, touch_to_reload(a, script))
             time.sleep(1.5)
+            if "folder locked" in then:
+                folder_locked_for(tmp_path, 2.0)
             delete_ledger(ledger)
         _two_retries_replayed(b, up, text, first)
         assert events(tmp_path, "a", "recordings_moved")
         assert_no_traceback(a.log_text() + b.log_text())
     report(f"a turn ended, then the ledger {then}: two retries through another process "
            "replayed its recording; upstream dispatches=1 for the turn")
+
+
+def folder_locked_for(folder: Path, seconds: float) -> threading.Thread:
+    """The lock our processes take on the ledger's folder to make or open a file there
+    (``ledger_files.FolderLock``), held by another program for ``seconds`` from now (let go
+    by a thread): no process can open a file there meanwhile, for longer than a request
+    waits for the ledger (as an open slowed down on a busy machine would)."""
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    def let_go() -> None:
+        time.sleep(seconds)
+        os.close(held)
+
+    thread = threading.Thread(target=let_go, daemon=True)
+    thread.start()
+    return thread
 
 
 def _two_retries_replayed(b: Mitmdump, up: MockUpstream, text: str, first: bytes) -> None:

@@ -818,6 +818,14 @@ class FailoverStore:
             return False
         return True
 
+    def _peers_awaited(self, hold_until: float | None) -> bool:
+        """Peers that had turns in the ledger file this process left are still awaited to
+        register them in the new one (``_peers_registering``'s wait, not yet over), and a
+        request held until ``hold_until`` (monotonic) has ``PEERS_HOLD_MARGIN_S`` left."""
+        now = time.monotonic()
+        return bool(self._peers) and now < self._peers_until \
+            and (hold_until is None or now < hold_until - PEERS_HOLD_MARGIN_S)
+
     def _reregistered(self, incarnation: int) -> None:
         self._emit("instance_reregistered", instance=self._instance_id,
                    incarnation=incarnation,
@@ -1217,11 +1225,17 @@ class FailoverStore:
                     circuit_scope=circuit_scope, threshold=threshold, fault=fault)
                 if read is not None:
                     return read
-            self._decided_in_memory += 1
-            return self.memory.admit(
+            decision = self.memory.admit(
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
                 once_mode=once_mode, in_flight_here=in_flight_here(), now=now, window_s=window_s,
             )
+            if isinstance(decision, policy.Dispatch) and self._peers_awaited(hold_until):
+                # the new file would hold it too (``decide``): a peer may have it in flight,
+                # or its recording, which this memory never saw (an open slower than the
+                # request's wait for the ledger, or kept from the folder by another lock)
+                return policy.Hold(None, None, policy.PEERS_REGISTERING)
+            self._decided_in_memory += 1
+            return decision
         self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,
                           now=now, threshold=threshold)
         return admission
