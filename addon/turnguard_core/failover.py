@@ -728,7 +728,8 @@ class FailoverStore:
         (counted again from when the new file opens, if it could not be opened at once: see
         ``_use``), the new file cannot say that an operation is in flight nowhere, nor that
         it never completed: a request it knows nothing of waits
-        (``policy.PEERS_REGISTERING``). The operations in flight are noted in flight
+        (``policy.PEERS_REGISTERING``), and so does one that memory would dispatch meanwhile
+        (no file open yet to decide it: ``_peers_awaited``). The operations in flight are noted in flight
         elsewhere in memory: while no file at the path can be opened (another file that is
         no ledger put in its place), a request of one of them decided in memory is held,
         never dispatched blind. When the old file cannot say, every request waits that long.

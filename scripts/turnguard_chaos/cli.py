@@ -47,7 +47,8 @@ from turnguard_repro import http1
 from turnguard_repro.procs import ADDON, MOCK_UPSTREAM, mitmdump_path, option_args
 from turnguard_ws import UpgradeRejected, WsClient
 
-FAULTS = ("stop", "lock", "full", "rm_file", "rm_wal", "rm_shm", "rm_all", "mv_older", "reload")
+FAULTS = ("stop", "lock", "full", "rm_file", "rm_wal", "rm_shm", "rm_all", "mv_older", "junk",
+          "reload")
 FAULTS_HELP = {
     "stop": "SIGSTOP one process for 0.5-3 s, then SIGCONT",
     "lock": "another connection holds the ledger's write lock for 0.3-2 s",
@@ -59,6 +60,8 @@ FAULTS_HELP = {
     "rm_all": "delete the ledger and its -wal and -shm",
     "mv_older": "every other time: make a copy of the ledger; move it back over the ledger "
                 "(its -wal and -shm left)",
+    "junk": "move a file that is no database over the ledger (its -wal and -shm left) for "
+            "0.3-2 s, then delete it and them",
     "reload": "touch turnguard's script: mitmproxy reloads it in both processes",
 }
 TRANSPORTS = ("http", "ws", "mixed")
@@ -226,6 +229,15 @@ class Run:
                 os.chmod(older, 0o600)
                 return True
             os.replace(older, ledger)
+        elif fault == "junk":
+            held = self.rng.uniform(0.3, 2)
+            junk = ledger.with_name(ledger.name + ".junk")
+            junk.write_bytes(b"no database here\n" * 256)
+            os.chmod(junk, 0o600)
+            os.replace(junk, ledger)
+            await asyncio.sleep(held)
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{ledger}{suffix}").unlink(missing_ok=True)
         elif fault == "reload":
             os.utime(self.script)
         return False if fault == "mv_older" else copy_made
