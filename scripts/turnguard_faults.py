@@ -1,5 +1,6 @@
 """Ledger faults made for real, shared by the tests and ``scripts/chaos``: a file system of its
-own for a ledger (a tmpfs: root only) and that file system full.
+own for a ledger (a tmpfs: root only) and that file system full; a file that is no database
+moved over a ledger; a ledger deleted.
 
     mount_tmpfs(folder, "64m")        # OSError when it cannot be mounted (not root, say)
     with disk_full(ledger):           # until the block ends, every ledger write fails: full
@@ -115,3 +116,20 @@ def disk_full(ledger: Path):
             yield
         finally:
             unfill(ledger.parent)
+
+
+def replace_with_junk(ledger: Path) -> None:
+    """Move a file that is no database over a SQLite ledger under running processes (its
+    ``-wal`` and ``-shm`` left beside it), as one atomic rename: an operator's mistake, a
+    restore gone wrong."""
+    junk = ledger.with_name(ledger.name + ".junk")
+    junk.write_bytes(b"no database here\n" * 256)
+    junk.chmod(0o600)
+    os.replace(junk, ledger)
+
+
+def delete_ledger(ledger: Path) -> None:
+    """Delete a SQLite ledger file and its ``-wal`` and ``-shm`` under running processes (as
+    an operator's ``rm`` would): whichever of them exist."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{ledger}{suffix}").unlink(missing_ok=True)

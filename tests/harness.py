@@ -52,6 +52,8 @@ from turnguard_procs import (  # noqa: E402
 )
 from turnguard_sse import event_types as sse_event_types  # noqa: E402
 from turnguard_sse import parse_sse  # noqa: E402
+# (the tests import these two from here too)
+from turnguard_faults import delete_ledger, replace_with_junk  # noqa: E402, F401
 
 PYTHON = sys.executable
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
@@ -617,16 +619,6 @@ def another_host_prefix() -> list[str]:
     return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
-def replace_with_junk(ledger: Path) -> None:
-    """Move a file that is no database over a SQLite ledger under running processes (its
-    ``-wal`` and ``-shm`` left beside it), as one atomic rename: an operator's mistake, a
-    restore gone wrong."""
-    junk = ledger.with_name(ledger.name + ".junk")
-    junk.write_bytes(b"no database here\n" * 256)
-    junk.chmod(0o600)
-    os.replace(junk, ledger)
-
-
 def older_copy(folder: Path) -> None:
     """A copy (0600) of the ledger ``folder/ledger.sqlite3`` as it is now, made beside it as
     ``older.sqlite3``, for ``replace_with_older_copy`` to put back later."""
@@ -647,10 +639,3 @@ def replace_with_older_copy(folder: Path) -> None:
     for suffix in ("-wal", "-shm"):
         Path(f"{ledger}{suffix}").unlink(missing_ok=True)
     os.replace(folder / "older.sqlite3", ledger)
-
-
-def delete_ledger(ledger: Path) -> None:
-    """Delete a SQLite ledger file and its ``-wal`` and ``-shm`` under running processes (as
-    an operator's ``rm`` would): whichever of them exist."""
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{ledger}{suffix}").unlink(missing_ok=True)

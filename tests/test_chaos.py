@@ -1,6 +1,7 @@
 """``scripts/chaos`` end to end, through the real wrapper script: its usage, and seeded runs
 (locks, pauses and script reloads over HTTP; a full disk and locks over WebSocket calls and
-POSTs mixed; a file that is no database moved over the ledger, and the ledger deleted) whose every check passes (each check is what the README's
+POSTs mixed; a file that is no database moved over the ledger, and the ledger deleted) whose
+every check passes (each check is what the README's
 Guarantees table promises under those faults: every request answered with the whole stream,
 one answer per operation dispatched once, no operation run twice by one process, no traceback,
 a sound ledger with nothing left in flight)."""

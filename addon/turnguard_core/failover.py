@@ -729,14 +729,14 @@ class FailoverStore:
         ``_use``), the new file cannot say that an operation is in flight nowhere, nor that
         it never completed: a request it knows nothing of waits
         (``policy.PEERS_REGISTERING``), and so does one that memory would dispatch meanwhile
-        (no file open yet to decide it: ``_peers_awaited``). The operations in flight are noted in flight
-        elsewhere in memory: while no file at the path can be opened (another file that is
-        no ledger put in its place), a request of one of them decided in memory is held,
-        never dispatched blind. When the old file cannot say, every request waits that long.
-        Every peer not proven gone is waited for: how long a peer's heartbeat has been silent
-        is no proof here (only its wall clock against this one's, which step and differ
-        between hosts: a live peer's heartbeat an hour old by a clock an hour ahead); a dead
-        one costs that wait once."""
+        (no file open yet to decide it: ``_peers_awaited``). The operations in flight are
+        noted in flight elsewhere in memory: while no file at the path can be opened (another
+        file that is no ledger put in its place), a request of one of them decided in memory
+        is held, never dispatched blind. When the old file cannot say, every request waits
+        that long. Every peer not proven gone is waited for: how long a peer's heartbeat has
+        been silent is no proof here (only its wall clock against this one's, which step and
+        differ between hosts: a live peer's heartbeat an hour old by a clock an hour ahead);
+        a dead one costs that wait once."""
         now = time.time()
         try:
             rows, ops = store.attempts_in_flight_elsewhere_sync(timeout=PEERS_READ_S)

@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from turnguard_faults import disk_full, mount_tmpfs, unmount
+from turnguard_faults import (delete_ledger, disk_full, mount_tmpfs, replace_with_junk,
+                              unmount)
 from turnguard_procs import MITMDUMP_LINE, MOCK_LINE, Process, read_jsonl
 from turnguard_repro import http1
 from turnguard_repro.procs import ADDON, MOCK_UPSTREAM, mitmdump_path, option_args
@@ -231,13 +232,9 @@ class Run:
             os.replace(older, ledger)
         elif fault == "junk":
             held = self.rng.uniform(0.3, 2)
-            junk = ledger.with_name(ledger.name + ".junk")
-            junk.write_bytes(b"no database here\n" * 256)
-            os.chmod(junk, 0o600)
-            os.replace(junk, ledger)
+            replace_with_junk(ledger)
             await asyncio.sleep(held)
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{ledger}{suffix}").unlink(missing_ok=True)
+            delete_ledger(ledger)
         elif fault == "reload":
             os.utime(self.script)
         return False if fault == "mv_older" else copy_made
