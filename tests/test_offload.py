@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -45,6 +46,26 @@ async def test_a_body_too_costly_to_identify_in_time_is_passed_through(worker):
     # the worker was replaced: the next large body is identified again
     small_enough = json.dumps({"input": "y" * (INLINE_MAX_BYTES + 1)}).encode()
     assert isinstance(await worker.identify(view(small_enough), timeout_s=30), identity.Identity)
+
+
+async def test_a_body_whose_bound_ends_with_the_one_it_waited_behind_is_identified_on_the_next_worker(
+        worker):
+    """A large body queued in the worker behind one too costly to identify: its bound counts
+    its wait there, so on a busy machine it can end in the same turn of the event loop as the
+    costly one's (a full run found it: both passed through). The costly one, handled first,
+    replaces the worker; the queued one finds it replaced and is identified on the next
+    worker, as one whose call the replacement cancelled is, not passed through."""
+    costly = ('{"input":[' + ",".join('{"a":1,"b":[2]}' for _ in range(1_500_000)) + "]}").encode()
+    queued = json.dumps({"model": "m", "input": "q" * (INLINE_MAX_BYTES + 1)}).encode()
+    assert isinstance(await worker.identify(view(queued), timeout_s=30), identity.Identity)
+    first = asyncio.ensure_future(worker.identify(view(costly), timeout_s=0.3))
+    await asyncio.sleep(0)  # (its call in the worker, its bound running)
+    second = asyncio.ensure_future(worker.identify(view(queued), timeout_s=0.3))
+    await asyncio.sleep(0)
+    time.sleep(0.8)  # the event loop held past both bounds: both end in its next turn
+    costly_out, queued_out = await first, await second
+    assert isinstance(costly_out, identity.Passthrough) and "took longer" in costly_out.reason
+    assert queued_out == identity.identify(view(queued)), queued_out
 
 
 async def test_the_event_loop_runs_while_the_worker_parses(worker):

@@ -146,6 +146,11 @@ class IdentityWorker:
             return identity.Passthrough(
                 f"identity worker did not start within {bounds.start_s:.1f} s")
         except TimeoutError:
+            if pool is not self._pool and not last and bound_s >= bounds.identity_s:
+                # another call replaced the worker as this one's bound ended (in the same turn
+                # of the loop, before the cancellation reached it): its bound counts its wait
+                # behind that call, so it is not to blame, as when the cancellation came first
+                raise _Replaced from None
             self._replace(pool)  # the worker may spin for a long time more: replace it
             if bound_s < bounds.identity_s:  # the request's budget ran out first
                 return identity.Passthrough("identity of a large body did not end within the "
