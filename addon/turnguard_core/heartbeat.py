@@ -127,6 +127,9 @@ class Heartbeat:
             logger.warning("turnguard: the %s of ledger %s was deleted; the file could not "
                            "be made anew yet (%s)", gone, shown(self._ledger.path), e)
             return None
+        if made:  # (said here too: the outage's one warning may have named an earlier fault)
+            logger.warning("turnguard: the %s of ledger %s was deleted; this process made the "
+                           "file anew from its copy", gone, shown(self._ledger.path))
         return (f"the {gone} of ledger file {shown(self._ledger.path)} was deleted; "
                 + ("the file was made anew from it" if made else "another process made the "
                    "file anew"))
