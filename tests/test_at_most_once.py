@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -51,6 +50,7 @@ from harness import (
     wait_for_a_first_event,
     wait_until,
 )
+from turnguard_core import ledger_files
 from turnguard_mock.events import ok_events
 from turnguard_mock.server import chunk, response_head
 from turnguard_sse import frame
@@ -2208,7 +2208,7 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
                 reloaded(a, touch_to_reload(a, script))
             time.sleep(1.5)
             if "folder locked" in then:
-                folder_locked_for(tmp_path, 2.0)
+                folder_locked_for(ledger, 2.0)
             delete_ledger(ledger)
         _two_retries_replayed(b, up, text, first)
         assert events(tmp_path, "a", "recordings_moved")
@@ -2217,21 +2217,19 @@ def test_a_turn_that_ended_before_the_ledger_went_is_replayed_by_another_process
            "replayed its recording; upstream dispatches=1 for the turn")
 
 
-def folder_locked_for(folder: Path, seconds: float) -> threading.Thread:
+def folder_locked_for(ledger: Path, seconds: float) -> None:
     """The lock our processes take on the ledger's folder to make or open a file there
-    (``ledger_files.FolderLock``), held by another program for ``seconds`` from now (let go
-    by a thread): no process can open a file there meanwhile, for longer than a request
-    waits for the ledger (as an open slowed down on a busy machine would)."""
-    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(held, fcntl.LOCK_EX)
+    (``ledger_files.FolderLock``), taken here and held for ``seconds`` from now (let go by a
+    thread): no process can open a file there meanwhile, for longer than a request waits for
+    the ledger (as an open slowed down on a busy machine would)."""
+    lock = ledger_files.FolderLock(str(ledger), wait_s=10.0)
+    lock.__enter__()
 
     def let_go() -> None:
         time.sleep(seconds)
-        os.close(held)
+        lock.__exit__(None, None, None)
 
-    thread = threading.Thread(target=let_go, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=let_go, daemon=True).start()
 
 
 def _two_retries_replayed(b: Mitmdump, up: MockUpstream, text: str, first: bytes) -> None:
