@@ -14,13 +14,18 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 import mitmdump_forks
-from harness import REPO, Mitmdump, MockUpstream, assert_no_traceback, running, sse_post
+from harness import (ADDON, REPO, Mitmdump, MockUpstream, assert_no_traceback, running, sse_post,
+                     wait_until)
 
 # An addon that writes what the process it runs in looks like, once loaded.
 _PROBE = '''
@@ -91,6 +96,52 @@ def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
     assert facts["fork"]["env"] == "x" and facts["fork"]["stdin"] == "/dev/null"
     assert facts["fork"]["main"] == str(mitmdump_forks.MITMDUMP)
     assert not facts["fork"]["turnguard_loaded"], "the server must not have imported turnguard"
+
+
+# An addon, loaded after turnguard's script, that writes which of turnguard's modules the
+# process runs, and from which file.
+_MODULES_PROBE = '''
+import json, os, sys
+
+def running():
+    modules = {name: module.__file__ for name, module in list(sys.modules.items())
+               if name.partition(".")[0] in ("turnguard_core", "turnguard_shell")}
+    out = os.environ["TURNGUARD_PROBE_OUT"]
+    with open(out + ".part", "w") as f:
+        json.dump(modules, f)
+    os.rename(out + ".part", out)
+'''
+
+
+@pytest.mark.parametrize("tree", ["addon/", "a copy of addon/"])
+def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monkeypatch, tree):
+    """The server imported turnguard's modules from addon/: a forked mitmdump loading
+    addon/turnguard.py runs those very files, every one an exec'd one runs; one loading the
+    script of another copy of the folder runs that copy's modules, as an exec'd one does, not
+    the server's."""
+    script = ADDON
+    if tree != "addon/":
+        shutil.copytree(ADDON.parent, tmp_path / "addon",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        script = tmp_path / "addon" / "turnguard.py"
+    probe = tmp_path / "probe.py"
+    probe.write_text(_MODULES_PROBE)
+    out = tmp_path / "modules"
+    seen = {}
+    for how, proxy in _both(tmp_path, monkeypatch, addon=script, extra_args=["-s", str(probe)],
+                            env={"TURNGUARD_PROBE_OUT": str(out)}):
+        with proxy:
+            assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork")
+            seen[how] = json.loads(wait_until(out.exists, 30, what="the probe's list") and
+                                   out.read_text())
+            out.unlink()
+            assert proxy.stop() == 0, proxy.log_text()
+        assert_no_traceback(proxy.log_text())
+    assert "turnguard_core.machine" in seen["exec"]
+    assert all(Path(f).parent.parent == script.parent for f in seen["exec"].values()), seen
+    assert seen["exec"].items() <= seen["fork"].items()
+    if tree != "addon/":  # the server's dropped first: the copy's imported as asked
+        assert seen["fork"] == seen["exec"]
 
 
 _AT_EXIT_ADDON = '''

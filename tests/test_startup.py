@@ -3,7 +3,8 @@ refused ledger path with one line, the scripts find (or clearly fail to find) a 
 mitmdump stops on one signal without a traceback, on every supported Python.
 
 Each test runs real processes: ``mitmdump -s addon/turnguard.py`` from this interpreter's
-virtual environment, and the scripts' Python discovery (``scripts/_python.sh``) in bash.
+virtual environment (forked, as every test's mitmdump: ``mitmdump_forks.py``), and the scripts'
+Python discovery (``scripts/_python.sh``) in bash.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import mitmdump_forks
 from harness import ADDON, MITMDUMP, REPO, Mitmdump, assert_no_traceback
 from turnguard_core import options
 
@@ -30,17 +32,27 @@ STOP_ROUNDS_AT_ONCE = 4  # rounds are independent processes: a few at a time
 
 
 def _mitmdump_once(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess[str]:
-    """mitmdump with turnguard and the given ``--set`` values, to its exit (it must exit)."""
+    """mitmdump with turnguard and the given ``--set`` values, to its exit (it must exit),
+    forked as every test's mitmdump is (``mitmdump_forks``; it runs as an exec'd one would).
+    Its output, stdout and stderr together as a terminal shows them, is the result's stdout."""
     cmd = [
         str(MITMDUMP), "--mode", "reverse:http://127.0.0.1:9", "--listen-host", "127.0.0.1",
         "--listen-port", "0", "--set", f"confdir={tmp_path / 'confdir'}", "-s", str(ADDON),
     ]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL,
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    out = tmp_path / f"mitmdump-once-{len(list(tmp_path.glob('mitmdump-once-*')))}.out"
+    with open(out, "wb") as f:
+        proc = mitmdump_forks.popen(cmd, stdin=subprocess.DEVNULL, stdout=f,
+                                    stderr=subprocess.STDOUT, cwd=REPO,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        returncode = proc.wait(RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return subprocess.CompletedProcess(cmd, returncode, out.read_text(errors="replace"), "")
 
 
 def _turnguard_lines(text: str) -> list[str]:
