@@ -14,9 +14,9 @@ packages' modules found imported. A child that does not load ``addon/turnguard.p
 exec'd one would (a copy of the script, a test's own addon, no turnguard at all). Their
 imports cost a mitmdump with turnguard about 0.1 s of CPU, half its start (psycopg's, for a
 PostgreSQL ledger, 0.16 s more); none of them reads the environment or the process as it is
-imported (a forked child's would be the server's). The server reaps the child and tells the test its
-exit status, so that ``ForkedPopen`` answers ``poll``, ``wait``, ``send_signal`` and ``kill``
-as ``subprocess.Popen`` does. A start then costs about 0.2 s of CPU instead of 1.2. A child
+imported (a forked child's would be the server's). The server reaps the child and tells the
+test its exit status, so that ``ForkedPopen`` answers ``poll``, ``wait``, ``send_signal`` and
+``kill`` as ``subprocess.Popen`` does. A start then costs about 0.1 s of CPU instead of 1.2. A child
 ends as the interpreter would end it (its non-daemon threads waited for, its exit handlers
 run, its status the same) but without tearing down its objects, which in a fork copies every
 page it inherited (``_run_as_main``): a mitmdump with turnguard, started and stopped, 1.5 s
@@ -140,9 +140,11 @@ def _preload_turnguard() -> None:
 
     names = {"turnguard_core.pg_ledger"}
     for node in ast.walk(ast.parse(_ADDON.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module in _PACKAGES:
+        if not isinstance(node, ast.ImportFrom) or node.module is None:
+            continue
+        if node.module in _PACKAGES:  # from turnguard_core import circuit, ...
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").partition(".")[0] in _PACKAGES:
+        elif node.module.partition(".")[0] in _PACKAGES:  # from turnguard_core.ledger import ...
             names.add(node.module)
     sys.path.insert(0, str(_ADDON.parent))
     try:

@@ -113,12 +113,26 @@ def running():
 '''
 
 
+def _reaped_cpu_s() -> float:
+    """CPU seconds of the processes reaped so far by this test process (an exec'd mitmdump,
+    with what it reaped: its identity worker) and by its fork server (a forked one)."""
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server = mitmdump_forks._server
+    if server is None:
+        return own.ru_utime + own.ru_stime
+    with open(f"/proc/{server.process.pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return own.ru_utime + own.ru_stime + (int(fields[13]) + int(fields[14])) / os.sysconf(
+        "SC_CLK_TCK")  # (cutime, cstime)
+
+
 @pytest.mark.parametrize("tree", ["addon/", "a copy of addon/"])
-def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monkeypatch, tree):
+def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monkeypatch, report,
+                                                                  tree):
     """The server imported turnguard's modules from addon/: a forked mitmdump loading
     addon/turnguard.py runs those very files, every one an exec'd one runs; one loading the
     script of another copy of the folder runs that copy's modules, as an exec'd one does, not
-    the server's."""
+    the server's. Reports what each took, started and stopped."""
     script = ADDON
     if tree != "addon/":
         shutil.copytree(ADDON.parent, tmp_path / "addon",
@@ -127,21 +141,28 @@ def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monke
     probe = tmp_path / "probe.py"
     probe.write_text(_MODULES_PROBE)
     out = tmp_path / "modules"
-    seen = {}
-    for how, proxy in _both(tmp_path, monkeypatch, addon=script, extra_args=["-s", str(probe)],
-                            env={"TURNGUARD_PROBE_OUT": str(out)}):
-        with proxy:
+    seen, cpu_s = {}, {}
+    Mitmdump(tmp_path, "http://127.0.0.1:9", name="first", addon=False).stop()  # the server
+    for how in ("fork", "exec"):
+        monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "1" if how == "exec" else "0")
+        before = _reaped_cpu_s()
+        with Mitmdump(tmp_path, "http://127.0.0.1:9", name=how, addon=script,
+                      extra_args=["-s", str(probe)],
+                      env={"TURNGUARD_PROBE_OUT": str(out)}) as proxy:
             assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork")
             seen[how] = json.loads(wait_until(out.exists, 30, what="the probe's list") and
                                    out.read_text())
             out.unlink()
             assert proxy.stop() == 0, proxy.log_text()
+        cpu_s[how] = _reaped_cpu_s() - before
         assert_no_traceback(proxy.log_text())
     assert "turnguard_core.machine" in seen["exec"]
     assert all(Path(f).parent.parent == script.parent for f in seen["exec"].values()), seen
     assert seen["exec"].items() <= seen["fork"].items()
     if tree != "addon/":  # the server's dropped first: the copy's imported as asked
         assert seen["fork"] == seen["exec"]
+    report(f"a mitmdump with turnguard ({tree}) and a probe addon, started and stopped: "
+           f"{cpu_s['fork']:.2f} CPU seconds forked, {cpu_s['exec']:.2f} exec'd")
 
 
 _AT_EXIT_ADDON = '''
