@@ -95,7 +95,8 @@ def test_a_forked_mitmdump_sees_what_an_execd_one_sees(tmp_path, monkeypatch):
     assert facts["fork"] == facts["exec"]
     assert facts["fork"]["env"] == "x" and facts["fork"]["stdin"] == "/dev/null"
     assert facts["fork"]["main"] == str(mitmdump_forks.MITMDUMP)
-    assert not facts["fork"]["turnguard_loaded"], "the server must not have imported turnguard"
+    assert not facts["fork"]["turnguard_loaded"], \
+        "a mitmdump that does not load turnguard's script must not have its modules"
 
 
 # An addon, loaded after turnguard's script, that writes which of turnguard's modules the
@@ -142,7 +143,8 @@ def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monke
     probe.write_text(_MODULES_PROBE)
     out = tmp_path / "modules"
     seen, cpu_s = {}, {}
-    Mitmdump(tmp_path, "http://127.0.0.1:9", name="first", addon=False).stop()  # the server
+    # (the fork server started first: what it reaps is counted from the first reading on)
+    Mitmdump(tmp_path, "http://127.0.0.1:9", name="first", addon=False).stop()
     for how in ("fork", "exec"):
         monkeypatch.setenv("TURNGUARD_TEST_EXEC_MITMDUMP", "1" if how == "exec" else "0")
         before = _reaped_cpu_s()
@@ -150,8 +152,8 @@ def test_a_forked_mitmdump_runs_the_turnguard_its_script_imports(tmp_path, monke
                       extra_args=["-s", str(probe)],
                       env={"TURNGUARD_PROBE_OUT": str(out)}) as proxy:
             assert isinstance(proxy.proc, mitmdump_forks.ForkedPopen) == (how == "fork")
-            seen[how] = json.loads(wait_until(out.exists, 30, what="the probe's list") and
-                                   out.read_text())
+            wait_until(out.exists, 30, what="the probe's list")
+            seen[how] = json.loads(out.read_text())
             out.unlink()
             assert proxy.stop() == 0, proxy.log_text()
         cpu_s[how] = _reaped_cpu_s() - before
