@@ -144,3 +144,5 @@ def pytest_terminal_summary(terminalreporter, config):
 
 # PostgreSQL: the throwaway server, a database per test, both stores as backends (pg_fixtures.py)
 from pg_fixtures import ledger_backend, own_pg, pg_server_url, pg_url  # noqa: E402,F401
+# --cpu-per-test FILE: each test's CPU, for finding where the suite's time goes (cpu_per_test.py)
+from cpu_per_test import pytest_addoption, pytest_runtest_protocol  # noqa: E402,F401
