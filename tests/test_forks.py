@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import cpu_per_test
 import mitmdump_forks
 from harness import (ADDON, REPO, Mitmdump, MockUpstream, assert_no_traceback, running, sse_post,
                      wait_until)
@@ -116,15 +117,12 @@ def running():
 
 def _reaped_cpu_s() -> float:
     """CPU seconds of the processes reaped so far by this test process (an exec'd mitmdump,
-    with what it reaped: its identity worker) and by its fork server (a forked one)."""
+    with what it reaped: its identity worker), and of its fork server's tree (a forked one,
+    once reaped, with the fork that made it)."""
     own = resource.getrusage(resource.RUSAGE_CHILDREN)
     server = mitmdump_forks._server
-    if server is None:
-        return own.ru_utime + own.ru_stime
-    with open(f"/proc/{server.process.pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return own.ru_utime + own.ru_stime + (int(fields[13]) + int(fields[14])) / os.sysconf(
-        "SC_CLK_TCK")  # (cutime, cstime)
+    forked = 0.0 if server is None else cpu_per_test.tree_cpu_s(server.process.pid)
+    return own.ru_utime + own.ru_stime + forked
 
 
 @pytest.mark.parametrize("tree", ["addon/", "a copy of addon/"])
