@@ -61,10 +61,13 @@ EVERY_PYTHON_MODULES = {"test_repro_models"}
 ONE_WORKER_MODULES = {"test_bench", "test_hostile", "test_isolation", "test_repro_real_clients",
                       "test_scripts", "test_security"}
 # Modules that load the machine whole for a minute or more (a thousand clients, the benchmark's
-# mitmdumps under load, valgrind): marked ``solo``, which `scripts/test` runs after the rest, on
-# two workers. Beside twelve other workers on a slow 2-core machine, their mitmdumps took more
-# than 30 s to start, their requests more than 90 s, and the tests beside them missed bounds.
-SOLO_MODULES = {"test_bench", "test_bench_instructions", "test_load"}
+# mitmdumps under load): marked ``solo``, which `scripts/test` runs after the rest, on two
+# workers. Beside twelve other workers on a slow 2-core machine, their mitmdumps took more than
+# 30 s to start, their requests more than 90 s, and the tests beside them missed bounds. The
+# benchmark's callgrind and profiler phases (test_bench_instructions) count, never time, and
+# run one process at a time: they run in the main run (on one core they took a third of the
+# solo run's length, on the worker that ended it last).
+SOLO_MODULES = {"test_bench", "test_load"}
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -1,9 +1,9 @@
 """``scripts/bench --phases instructions`` and ``--phases calls`` end to end (their parsing
 and pure parts are tested in test_bench.py).
 
-A module of its own, apart from test_bench.py: that one runs whole on one worker (its quick
-run is made once for the module), and the instructions test alone is minutes of valgrind;
-here they run on another worker beside it."""
+A module of its own, apart from test_bench.py: that one runs alone on the machine, after the
+rest (``solo``: its quick run times what it measures), while these count instructions and
+calls, which a busy machine does not change: they run in the main run, among the others."""
 
 from __future__ import annotations
 

@@ -396,11 +396,18 @@ def test_proxy_with_a_bad_option_stops_with_one_line_and_no_banner(tmp_path, set
     assert _processes_mentioning(str(tmp_path)) == {}
 
 
+# The race these rounds hunt (a second SIGTERM to mitmdump racing its shutdown printed a
+# traceback) was Python 3.13's, through its signal wake-up fd; an older Python, run beside the
+# main run (scripts/test), gets a few rounds: each is an exec'd mitmdump and mock, 1.2 CPU s.
+GROUP_SIGTERM_ROUNDS = 20 if sys.version_info >= (3, 13) else 5
+
+
 @pytest.mark.every_python
 @pytest.mark.slow
 def test_proxy_stops_on_a_group_sigterm_without_a_traceback_20_times(tmp_path, report):
     """SIGTERM to the script's process group, as ^C or a supervisor sends it: the script alone
-    gets it and gives each child exactly one; no traceback, nothing left behind."""
+    gets it and gives each child exactly one; no traceback, nothing left behind (20 times on
+    Python 3.13 and newer, ``GROUP_SIGTERM_ROUNDS``)."""
     def one_round(i: int) -> None:  # (independent processes: a few rounds at a time)
         run_dir = tmp_path / f"run{i:02d}"  # (no name a prefix of another)
         run_dir.mkdir()
@@ -418,8 +425,9 @@ def test_proxy_stops_on_a_group_sigterm_without_a_traceback_20_times(tmp_path, r
         wait_until(lambda: _processes_mentioning(str(run_dir)) == {}, 5, 0.1, "no leftovers")
 
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(one_round, range(20)))  # (raises the first round's failure)
-    report(f"scripts/proxy on Python {sys.version.split()[0]}: stopped by a group SIGTERM 20 times, "
+        list(pool.map(one_round, range(GROUP_SIGTERM_ROUNDS)))  # (raises the first failure)
+    report(f"scripts/proxy on Python {sys.version.split()[0]}: stopped by a group SIGTERM "
+           f"{GROUP_SIGTERM_ROUNDS} times, "
            "no traceback, nothing left behind")
 
 
