@@ -863,17 +863,34 @@ def test_waits(i):
 '''
 
 
+@pytest.mark.parametrize("workers", ["0", "twelve", "12 -x", "-3", "1.5"])
+def test_scripts_test_refuses_a_worker_count_that_is_not_one(workers):
+    """TURNGUARD_TEST_WORKERS (the whole suite's worker processes; unset or empty: 12) must be
+    a whole number, 1 or more: anything else is one line and exit status 2, before any
+    set-up."""
+    proc = subprocess.run([str(REPO / "scripts" / "test")], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, cwd=REPO, timeout=30,
+                          env=_env(TURNGUARD_TEST_WORKERS=workers))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr == (
+        f"scripts/test: TURNGUARD_TEST_WORKERS={workers}: want a whole number of worker "
+        "processes, 1 or more\n")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
     """SIGTERM or SIGINT to scripts/test alone (not its group), during the whole-suite run:
     the main run's pytest and its workers stop with the other Pythons' run. The main run was
     a foreground command the script did not stop: SIGTERM left it running, orphaned, and SIGINT
-    did nothing until it ended. (The whole suite is two waiting tests here, PYTEST_ADDOPTS.)"""
+    did nothing until it ended. (The whole suite is two waiting tests here, PYTEST_ADDOPTS,
+    on two workers: the twelve of a real run stop as the two do, and the two tests here cost
+    the machine 6 CPU s rather than 12.)"""
     (tmp_path / "test_waiting.py").write_text(_WAITING_TESTS)
     pids = tmp_path / "pids"
     pids.mkdir()
     env = _env(PYTEST_ADDOPTS=f"{tmp_path / 'test_waiting.py'} -p no:randomly -p no:cacheprovider",
-               TURNGUARD_TEST_PG="postgresql://turnguard@127.0.0.1:9/none")  # none started
+               TURNGUARD_TEST_PG="postgresql://turnguard@127.0.0.1:9/none",  # none started
+               TURNGUARD_TEST_WORKERS="2")  # (one a waiting test: both wait at once)
     out = tmp_path / "out"
     with open(out, "wb") as log:
         # (SIGINT as a terminal's ^C finds it, whatever this run inherited: a shell's
@@ -896,8 +913,8 @@ def test_scripts_test_interrupted_stops_every_pytest_it_started(tmp_path, sig):
                    for f in written()) >= 2
 
     try:
-        # (thirteen interpreters importing pytest, the main run's 12 workers and itself: 3 s
-        # alone, more than 80 s beside the whole suite)
+        # (interpreters importing pytest, the main run's workers and itself, beside the other
+        # Pythons' run: seconds alone, more than 80 s beside the whole suite)
         wait_until(main_run_waits, 300, 0.1, "the main run's tests")
         proc.send_signal(sig)
         assert proc.wait(30) in (128 + sig, -sig), out.read_text(errors="replace")
