@@ -5,13 +5,15 @@
 
 appends a line per test to FILE: CPU seconds of the test's whole process tree (its pytest
 worker, the fork server, the mitmdumps, mock upstreams and tools it started, and what each of
-them reaped), CPU seconds of the worker alone, wall seconds, and the test's id, tab-separated.
+them reaped), CPU seconds of the worker alone, wall seconds, the test's id, its worker
+(``gw0``..., ``main`` without xdist) and when it began (Unix seconds), tab-separated.
 The tree is read from ``/proc`` before and after each test (setup and teardown included). A
 process that left the tree before it ended (one that daemonized itself) is not counted; one
 still running when the test ends is counted up to then. Workers append to the one file, a line
 at a time.
 
     sort -rn FILE | head -40                  # the costliest tests
+    sort -t$'\\t' -k6 -n FILE | tail -40         # the last to begin: what the run ends with
     awk -F'\\t' '{split($4, a, "::"); cpu[a[1]] += $1} END {for (m in cpu) print cpu[m], m}' \\
         FILE | sort -rn                       # by module
 """
@@ -29,7 +31,7 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cpu-per-test", metavar="FILE", default=None,
                      help="append each test's CPU seconds (its process tree, its worker alone), "
-                          "wall seconds and id to FILE, tab-separated")
+                          "wall seconds, id, worker and start time to FILE, tab-separated")
 
 
 def tree_cpu_s(root: int) -> float:
@@ -56,8 +58,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
         return
     pid = os.getpid()
+    began = time.time()
     tree, own, wall = tree_cpu_s(pid), sum(os.times()[:2]), time.monotonic()
     yield
     tree, own, wall = tree_cpu_s(pid) - tree, sum(os.times()[:2]) - own, time.monotonic() - wall
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"{tree:.2f}\t{own:.2f}\t{wall:.1f}\t{item.nodeid}\n")
+        f.write(f"{tree:.2f}\t{own:.2f}\t{wall:.1f}\t{item.nodeid}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{began:.1f}\n")
