@@ -49,8 +49,15 @@ def test_list_show_and_usage_errors():
 
 
 def test_duplicate_storm(tmp_path, report):
-    svg, flows = tmp_path / "dup.svg", tmp_path / "dup.flows"
-    data = json.loads(reproduce("duplicate-storm", "--json", "--timeline", str(svg), "-w", str(flows)).stdout)
+    """The scenario as ``scripts/reproduce duplicate-storm`` runs it: its results (written
+    with ``--save-json`` beside the table it prints), its timeline and saved flows, and the
+    table the README shows."""
+    svg, flows, results = tmp_path / "dup.svg", tmp_path / "dup.flows", tmp_path / "dup.json"
+    proc = reproduce("duplicate-storm", "--save-json", str(results), "--timeline", str(svg),
+                     "-w", str(flows))
+    assert f"results as JSON: {results}" in proc.stdout
+    assert_the_readme_shows(_table(proc.stdout), "duplicate-storm")
+    data = json.loads(results.read_text())
     cols = data["columns"]
     assert list(cols) == ["plain", "guard409", "default", "once"]
     plain, g409, default, once = (cols[c]["metrics"] for c in cols)
@@ -92,8 +99,9 @@ def test_cooldown_503_storm(tmp_path, report):
     # a cooldown longer than the scenario's 3 s: the desktop's ten tries, 200 ms apart, all
     # fall inside it on a loaded machine too (in 3 s, the last of them met a closed circuit)
     cooldown = ("--set", "turnguard_cooldown_ms=8000")
+    results = tmp_path / "storm.json"
     proc = reproduce("cooldown-503-storm", "--columns", "default,once", "--timeline", str(svg),
-                     *cooldown)
+                     "--save-json", str(results), *cooldown)
     table = proc.stdout
     assert "turnguard default: desktop lost the turn: retry budget spent" in table
     # the header shows the values in force, an override included
@@ -103,8 +111,7 @@ def test_cooldown_503_storm(tmp_path, report):
     text = svg.read_text()
     # one per turnguard column (the bar's tooltip: its label is drawn only where it fits)
     assert text.count("outcome cut by turnguard (no response event in time)") >= 2
-    data = json.loads(reproduce("cooldown-503-storm", "--json", "--columns", "default,once",
-                                *cooldown).stdout)
+    data = json.loads(results.read_text())  # (the same run's)
     default, once = data["columns"]["default"]["metrics"], data["columns"]["once"]["metrics"]
     assert default["outcomes"] == {"desktop": "lost"}
     assert default["errors"].get("503", 0) >= 7  # every retry inside the cooldown
@@ -135,11 +142,13 @@ def test_crossing_scenarios(name, check):
     assert check(metrics), json.dumps(metrics, indent=1)
 
 
+@pytest.mark.parametrize("option", ["--timeline", "--save-json"])
 @pytest.mark.parametrize("kind", ["missing folder", "fifo", "symlink"])
-def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, kind):
+def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, kind,
+                                                                          option):
     """--timeline was written with Path.write_text after the whole run: a missing folder
     lost the run's results to a traceback, a FIFO blocked for ever, a symlink was written
-    through. Now one line before anything runs, and nothing is changed."""
+    through. Now one line before anything runs, and nothing is changed; --save-json alike."""
     svg = tmp_path / "t.svg"
     target = tmp_path / "victim.txt"
     if kind == "missing folder":
@@ -149,12 +158,11 @@ def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_pa
     else:
         target.write_text("keep me\n")
         svg.symlink_to(target)
-    proc = reproduce("duplicate-storm", "--columns", "plain", "--timeline", str(svg),
-                     check=False)
+    proc = reproduce("duplicate-storm", "--columns", "plain", option, str(svg), check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
         proc.stderr
-    assert "--timeline" in proc.stderr and proc.stdout == ""
+    assert option in proc.stderr and proc.stdout == ""
     if kind == "symlink":
         assert target.read_text() == "keep me\n"
 
@@ -211,18 +219,22 @@ def _table(text: str) -> dict[str, list[str]]:
 TIMED_ROWS = {"max hold", "wall time", "turnguard answers"}
 
 
-@pytest.mark.parametrize("name", ["duplicate-storm", "cooldown-503-storm"])
-def test_the_readmes_sample_table_is_what_the_scenario_prints(name):
-    """The README shows what ``scripts/reproduce NAME`` prints: the same rows, and in each
-    row that is not a timing the same cells."""
+def assert_the_readme_shows(printed: dict[str, list[str]], name: str) -> None:
+    """The README shows what ``scripts/reproduce NAME`` prints (``printed``: its ``_table``):
+    the same rows, and in each row that is not a timing the same cells."""
     readme = (REPO / "README.md").read_text()
     sample = readme.split(f"\n    scenario {name} (", 1)[1].split("\n\n", 1)[0]
     documented = _table("\n".join(line[4:] for line in sample.splitlines()))
-    printed = _table(reproduce(name).stdout)
     assert list(documented) == list(printed)
     for label, cells in printed.items():
         if label not in TIMED_ROWS:
             assert documented[label] == cells, label
+
+
+def test_the_readmes_sample_table_is_what_the_scenario_prints():
+    """The cooldown storm's table as the README shows it: the scenario's own columns and
+    options (its test above runs others; the duplicate storm's table is checked there)."""
+    assert_the_readme_shows(_table(reproduce("cooldown-503-storm").stdout), "cooldown-503-storm")
 
 
 def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_run():

@@ -1,7 +1,7 @@
 """``scripts/reproduce``: recreate a turnguard incident on one machine, with and without turnguard.
 
     scripts/reproduce --list
-    scripts/reproduce duplicate-storm [--json] [-w FILE.flows] [--timeline FILE.svg]
+    scripts/reproduce duplicate-storm [--json] [--save-json FILE] [-w FILE.flows] [--timeline FILE.svg]
     scripts/reproduce cooldown-503-storm --columns default,once
     scripts/reproduce show NAME > my-scenario.json       # a built-in scenario as a file
     scripts/reproduce run my-scenario.json
@@ -91,6 +91,8 @@ def _load(path: str) -> dict:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--save-json", metavar="FILE",
+                   help="also write the results as JSON to FILE (the table is printed as usual)")
     p.add_argument("-w", "--save-flows", metavar="FILE", help="save each column's flows (mitmdump -w)")
     p.add_argument("--timeline", metavar="FILE.svg", help="write an SVG timeline of every column")
     p.add_argument("--columns", help="comma-separated columns to run (default: the scenario's)")
@@ -98,6 +100,28 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="extra turnguard option for every turnguard column (repeatable)")
     p.add_argument("--serial", action="store_true", help="run the columns one after the other")
     p.add_argument("--keep", metavar="DIR", help="keep every log, ledger and events file in DIR")
+
+
+def _open_output(option: str, path: str) -> int | None:
+    """The file ``option`` names, opened to be written once the run ends (its descriptor),
+    or None once a line said why it cannot be: never through a symlink, never a device or
+    FIFO (see from-capture's -o)."""
+    from turnguard_core.private_files import UnsafePath, open_private, shown
+
+    try:
+        return open_private(path, os.O_WRONLY, kind="file")
+    except UnsafePath as e:
+        print(f"reproduce: {option} refused: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"reproduce: {option}: cannot write {shown(path)}: {e.strerror}", file=sys.stderr)
+    return None
+
+
+def _write_output(fd: int, text: str) -> None:
+    """Write ``text`` over what the file ``fd`` held, and close it."""
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.truncate(0)
+        out.write(text)
 
 
 def _stop_on_sigterm() -> list[bool]:
@@ -224,19 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"unknown columns {bad} (known: {', '.join(scenarios.COLUMNS)})")
     extra = _parse_sets(a.set)
-    svg = None
-    if a.timeline:  # opened before the run: a path it cannot write stops it, not its end
-        from turnguard_core.private_files import UnsafePath, open_private, shown
-
-        try:  # never through a symlink, never a device or FIFO (see from-capture's -o)
-            svg = open_private(a.timeline, os.O_WRONLY, kind="file")
-        except UnsafePath as e:
-            print(f"reproduce: --timeline refused: {e}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            print(f"reproduce: --timeline: cannot write {shown(a.timeline)}: {e.strerror}",
-                  file=sys.stderr)
-            return 2
+    # the output files are opened before the run: a path it cannot write stops it, not its end
+    outputs: dict[str, int] = {}
+    for option, path in (("--timeline", a.timeline), ("--save-json", a.save_json)):
+        if path:
+            opened = _open_output(option, path)
+            if opened is None:
+                for fd in outputs.values():
+                    os.close(fd)
+                return 2
+            outputs[option] = opened
+    svg, results_file = outputs.get("--timeline"), outputs.get("--save-json")
     tmp = None
     if a.keep:
         workdir = Path(a.keep)
@@ -245,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"reproduce: --keep {a.keep}: cannot make it: {e.strerror or e}",
                   file=sys.stderr)
-            if svg is not None:
-                os.close(svg)
+            for fd in outputs.values():
+                os.close(fd)
             return 2
     else:
         tmp = tempfile.mkdtemp(prefix="turnguard-repro-")
@@ -266,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             print("reproduce: stopped", file=sys.stderr)
             return 128 + (signal.SIGTERM if stopped else signal.SIGINT)
         if svg is not None:
-            os.ftruncate(svg, 0)
-            with os.fdopen(svg, "w", encoding="utf-8") as out:
-                svg = None
-                out.write(timeline.render_svg(scen, results))
+            _write_output(outputs.pop("--timeline"), timeline.render_svg(scen, results))
+        as_json = json.dumps(runner.to_json(scen, results, extra), indent=2)
+        if results_file is not None:
+            _write_output(outputs.pop("--save-json"), as_json + "\n")
         if a.json:
-            print(json.dumps(runner.to_json(scen, results, extra), indent=2))
+            print(as_json)
         else:
             print(runner.render_table(scen, results, extra))
             for r in results:
@@ -279,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  flows of {r.title}: {r.flows_file}  (mitmweb -r {r.flows_file})")
             if a.timeline:
                 print(f"  timeline: {a.timeline}")
+            if a.save_json:
+                print(f"  results as JSON: {a.save_json}")
             if a.keep:
                 print(f"  logs, ledgers and events files: {workdir}")
     finally:
-        if svg is not None:  # the run stopped before the timeline was written
-            os.close(svg)
+        for fd in outputs.values():  # the run stopped before they were written
+            os.close(fd)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
