@@ -144,8 +144,8 @@ def test_crossing_scenarios(name, check):
 
 @pytest.mark.parametrize("option", ["--timeline", "--save-json"])
 @pytest.mark.parametrize("kind", ["missing folder", "fifo", "symlink"])
-def test_a_timeline_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, kind,
-                                                                          option):
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, kind,
+                                                                         option):
     """--timeline was written with Path.write_text after the whole run: a missing folder
     lost the run's results to a traceback, a FIFO blocked for ever, a symlink was written
     through. Now one line before anything runs, and nothing is changed; --save-json alike."""
