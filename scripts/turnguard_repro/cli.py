@@ -258,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
                     os.close(fd)
                 return 2
             outputs[option] = opened
-    svg, results_file = outputs.get("--timeline"), outputs.get("--save-json")
     tmp = None
     if a.keep:
         workdir = Path(a.keep)
@@ -287,10 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             # stopped on the way out (CancelledError: by SIGTERM, see _stoppable)
             print("reproduce: stopped", file=sys.stderr)
             return 128 + (signal.SIGTERM if stopped else signal.SIGINT)
-        if svg is not None:
-            _write_output(outputs.pop("--timeline"), timeline.render_svg(scen, results))
+        if "--timeline" in outputs:
+            drawn = timeline.render_svg(scen, results)
+            _write_output(outputs.pop("--timeline"), drawn)
         as_json = json.dumps(runner.to_json(scen, results, extra), indent=2)
-        if results_file is not None:
+        if "--save-json" in outputs:
             _write_output(outputs.pop("--save-json"), as_json + "\n")
         if a.json:
             print(as_json)
