@@ -864,7 +864,7 @@ def test_waits(i):
 
 
 @pytest.mark.parametrize("workers", ["0", "twelve", "12 -x", "-3", "1.5"])
-def test_scripts_test_refuses_a_worker_count_that_is_not_one(workers):
+def test_scripts_test_refuses_a_worker_count_that_is_not_a_whole_number_from_one(workers):
     """TURNGUARD_TEST_WORKERS (the whole suite's worker processes; unset or empty: 12) must be
     a whole number, 1 or more: anything else is one line and exit status 2, before any
     set-up."""
