@@ -75,6 +75,15 @@ def sql(url: str, query: str, args=()) -> list[tuple]:
     # password is the password's
     ("postgresql://tg:12?34@h/l", "postgresql://tg:***@h/l"),
     ("postgresql://tg:ab#cd@h:5432/l?sslmode=disable", "postgresql://tg:***@h:5432/l?sslmode=disable"),
+    # a raw "/", "@" or "&" in a password: libpq reads part of it as the host, the port, the
+    # database or a query word (such a URL is refused); the password is still all kept back
+    ("postgresql://tg:ab/cd@h:5432/l", "postgresql://tg:***@h:5432/l"),
+    ("postgresql://tg:ab@cd@h/l", "postgresql://tg:***@h/l"),
+    ("postgresql://tg:ab?cd/ef@h/l", "postgresql://tg:***@h/l"),
+    ("postgresql://tg@h/l?password=ab&cd", "postgresql://tg@h/l?password=***&***"),
+    # a key/value string libpq would not parse: from the password on, nothing is shown
+    ('host=db password="p w" dbname=l', "host=db password=***"),
+    ("host=db password=pw dbname", "host=db password=***"),
 ])
 def test_the_location_is_shown_without_its_password(location, shown):
     assert display(location) == shown
@@ -93,6 +102,17 @@ def test_a_url_with_a_raw_question_mark_or_hash_in_its_password_never_shows_it(u
         assert "ab" not in str(e) and "cd" not in str(e), e
     password = url.split("tg:", 1)[1].split("@", 1)[0]
     assert "ab" not in display(url) and scrub(f"pw was {password}", url) == "pw was ***"
+
+
+@pytest.mark.parametrize("url", ["postgresql://tg:ab@cd@h/l", "postgresql://tg:ab?cd/ef@h/l"])
+def test_every_part_of_a_password_libpq_would_misread_is_scrubbed(url):
+    """What libpq reads as the password and what the URL meant as one overlap (``ab`` and
+    ``ab@cd``): every character either covers is hidden, not only the first one found."""
+    from turnguard_core.ledger_location import scrub
+
+    scrubbed = scrub(f"invalid value {url!r}", url)
+    assert scrubbed.startswith("invalid value 'postgresql://tg:***"), scrubbed
+    assert "ab" not in scrubbed and "cd" not in scrubbed, scrubbed
 
 
 def test_turnguard_ledger_takes_a_postgres_url_and_refuses_a_bad_one_without_its_password(tmp_path):

@@ -377,12 +377,19 @@ def test_a_refused_ledger_option_never_shows_its_password(tmp_path, sets):
     assert PG_SECRET not in r.stdout + r.stderr, line
 
 
-def test_a_libpq_key_value_connection_string_is_refused_without_its_password(tmp_path):
+@pytest.mark.parametrize("password", [
+    PG_SECRET,
+    f'"{PG_SECRET} x"',  # in double quotes, as a shell would have it: libpq has no such quote
+    f"{PG_SECRET} dbname",  # a word without "=" after it
+    f"{PG_SECRET}\u00a0x=y",  # a no-break space: no space to libpq, the password's
+], ids=["plain", "double quotes", "a word without =", "a no-break space"])
+def test_a_libpq_key_value_connection_string_is_refused_without_its_password(tmp_path, password):
     """``host=... password=...`` (libpq's other form) is no URL: taken for an SQLite path it
     made a file named after the password in the working folder and logged that name with
     every start. It is refused, one line, the password as ***, and no file is made; the
-    control tool refuses it the same way."""
-    conninfo = f"host=127.0.0.1 port=1 dbname=ledger user=tg password={PG_SECRET}"
+    control tool refuses it the same way. So is one that libpq would not parse (a password
+    in double quotes, a word without a value): it is still no file's name."""
+    conninfo = f"host=127.0.0.1 port=1 dbname=ledger user=tg password={password}"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     cmd = [str(MITMDUMP), "--mode", "reverse:http://127.0.0.1:9", "--listen-host",
@@ -403,6 +410,31 @@ def test_a_libpq_key_value_connection_string_is_refused_without_its_password(tmp
     assert tool.returncode == 1 and PG_SECRET not in tool.stdout + tool.stderr, tool.stderr
     assert "password=***" in tool.stderr and "postgresql://" in tool.stderr, tool.stderr
     assert not list(cwd.iterdir())
+
+
+@pytest.mark.parametrize("url, parts", [
+    ("postgresql://tg:Xq7/{s}@127.0.0.1:1/ledger", ["Xq7", PG_SECRET]),  # a raw "/"
+    ("postgresql://tg:Xq7@{s}@127.0.0.1:1/ledger", ["Xq7", PG_SECRET]),  # a raw "@"
+    ("postgresql://tg@127.0.0.1:1/ledger?password=Xq7&{s}", ["Xq7", PG_SECRET]),  # a raw "&"
+    ("postgresql://tg:Xq7?{s}/x@127.0.0.1:1/ledger", ["Xq7", PG_SECRET]),  # "?", then "/"
+], ids=["slash", "at", "ampersand", "question mark and slash"])
+def test_a_url_whose_password_has_a_raw_delimiter_is_refused_without_any_of_it(
+        tmp_path, url, parts):
+    """A password with an unencoded ``/``, ``@`` or ``&`` is read by libpq as part of the
+    host, the port, the database or a query word, which its errors (and urllib's) quote:
+    such a URL was shown and reported with the rest of the password in clear. It is refused,
+    one line, and no part of the password is in what the proxy or the control tool says."""
+    url = url.format(s=PG_SECRET)
+    r = _mitmdump_once(tmp_path, f"turnguard_ledger={url}")
+    line = _assert_refused(r, "turnguard_ledger=postgresql://", "not a valid PostgreSQL URL")
+    for part in parts:
+        assert part not in r.stdout + r.stderr, line
+    tool = subprocess.run([str(REPO / "scripts" / "turnguard"), "--ledger", url, "status"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert tool.returncode == 1 and "not a valid PostgreSQL URL" in tool.stderr, tool.stderr
+    for part in parts:
+        assert part not in tool.stdout + tool.stderr, tool.stderr
 
 
 def _text(out: bytes | str | None) -> str:

@@ -13,6 +13,7 @@ after the password) and shown with its password as ``***``.
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 
 from . import private_files
@@ -42,6 +43,11 @@ _CONNINFO_KEYWORDS = frozenset({
 })
 
 
+# what libpq's parser takes for a space (C's isspace): not Python's wider str.isspace (a
+# no-break space in a password is the password's)
+_SPACES = frozenset(" \t\n\r\f\v")
+
+
 def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
     """``(keyword, start, end)`` of each value of ``text`` read as libpq reads a key/value
     connection string (``keyword = value``, a value in single quotes or up to the next space,
@@ -49,7 +55,7 @@ def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
     pairs: list[tuple[str, int, int]] = []
     i, n = 0, len(text)
     while True:
-        while i < n and text[i].isspace():
+        while i < n and text[i] in _SPACES:
             i += 1
         if i == n:
             return pairs or None
@@ -57,12 +63,12 @@ def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
         while i < n and (text[i].isalnum() or text[i] == "_"):
             i += 1
         keyword = text[start:i]
-        while i < n and text[i].isspace():
+        while i < n and text[i] in _SPACES:
             i += 1
         if not keyword or i == n or text[i] != "=":
             return None
         i += 1
-        while i < n and text[i].isspace():
+        while i < n and text[i] in _SPACES:
             i += 1
         value_start = i
         quoted = i < n and text[i] == "'"
@@ -72,7 +78,7 @@ def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
             if text[i] == "\\":
                 i += 2
                 continue
-            if (text[i] == "'") if quoted else text[i].isspace():
+            if (text[i] == "'") if quoted else text[i] in _SPACES:
                 break
             i += 1
         if quoted:
@@ -82,12 +88,25 @@ def _conninfo_pairs(text: str) -> list[tuple[str, int, int]] | None:
         pairs.append((keyword.lower(), value_start, min(i, n)))
 
 
+# a libpq keyword and its "=" at the start or after a space: what marks a key/value string
+# that libpq would not parse (a password in double quotes, a word without "=") as one all
+# the same, so that it is refused rather than taken for a file named after its password
+_CONNINFO_KEY = re.compile(
+    r"(?:^|[ \t\n\r\f\v])("
+    + "|".join(sorted(_CONNINFO_KEYWORDS, key=len, reverse=True))
+    + r")[ \t\n\r\f\v]*=[ \t\n\r\f\v]*",
+    re.IGNORECASE)
+
+
 def is_conninfo(location: str) -> bool:
     """Whether ``location`` is a libpq key/value connection string (``host=... dbname=...``):
-    ``keyword=value`` pairs, one of them a libpq keyword. A path never is one unless a name
-    in it is such a pair (``./host=db`` is a path)."""
+    ``keyword=value`` pairs, one of them a libpq keyword; or, where it does not parse as
+    pairs, a libpq keyword and its ``=`` at its start or after a space. A path never is one
+    unless a name in it is such a pair (``./host=db`` is a path)."""
     pairs = _conninfo_pairs(location)
-    return pairs is not None and any(k in _CONNINFO_KEYWORDS for k, _, _ in pairs)
+    if pairs is None:
+        return _CONNINFO_KEY.search(location) is not None
+    return any(k in _CONNINFO_KEYWORDS for k, _, _ in pairs)
 
 
 CONNINFO_REFUSED = (
@@ -97,9 +116,15 @@ CONNINFO_REFUSED = (
 
 
 def _conninfo_secrets(location: str) -> list[tuple[int, int]]:
-    """The spans of the secret values of a key/value connection string."""
-    pairs = _conninfo_pairs(location) or []
-    return [(start, end) for k, start, end in pairs if k in _SECRET_PARAMS and end > start]
+    """The spans of the secret values of a key/value connection string; of one that does not
+    parse, all from the first secret's value to the end (where its value ends is unknown)."""
+    pairs = _conninfo_pairs(location)
+    if pairs is not None:
+        return [(start, end) for k, start, end in pairs if k in _SECRET_PARAMS and end > start]
+    for key in _CONNINFO_KEY.finditer(location):
+        if key.group(1).lower() in _SECRET_PARAMS and key.end() < len(location):
+            return [(key.end(), len(location))]
+    return []
 
 
 def shown_value(value: object) -> object:
@@ -125,7 +150,12 @@ def display(location: str) -> str:
                 location = f"{location[:start]}***{location[end:]}"
         return private_files.shown(location)
     scheme, _, rest = location.strip().partition("://")
-    userinfo, after = _credentials(rest)
+    try:
+        check_postgres_url(location)
+    except ValueError:  # libpq's reading of it may not be what was meant: keep more back
+        userinfo, after = _any_credentials(rest)
+    else:
+        userinfo, after = _credentials(rest)
     shown = "" if userinfo is None else (
         f"{userinfo.split(':', 1)[0]}:***@" if ":" in userinfo else f"{userinfo}@")
     hostport, sep, tail = _split_authority(after)
@@ -139,8 +169,12 @@ def display(location: str) -> str:
 
 
 def _masked(param: str) -> str:
+    """A query parameter as shown: a secret's value as ``***``, and a word without ``=``
+    (libpq refuses it; a raw ``&`` in a password leaves one) as ``***``."""
     key, eq, _ = param.partition("=")
-    if eq and urllib.parse.unquote_plus(key).strip().lower() in _SECRET_PARAMS:
+    if not eq:
+        return "***" if param else param
+    if urllib.parse.unquote_plus(key).strip().lower() in _SECRET_PARAMS:
         return f"{key}=***"
     return param
 
@@ -155,21 +189,36 @@ def _secrets_of(location: str) -> list[str]:
     userinfo, after = _credentials(rest)
     query = urllib.parse.urlsplit(f"{scheme}://{after}").query
     for param in query.split("&"):  # as libpq reads it: a "+" is a "+", never a space
-        key, _, value = param.partition("=")
+        key, eq, value = param.partition("=")
         if urllib.parse.unquote(key).strip().lower() in _SECRET_PARAMS and value:
             found.append(value)
-    if userinfo is not None and ":" in userinfo and userinfo.split(":", 1)[1]:
-        found.append(userinfo.split(":", 1)[1])
+        elif param and not eq:  # a word without "=": maybe the rest of a password
+            found.append(param)
+    for credentials in (userinfo, _any_credentials(rest)[0]):
+        if credentials is not None and ":" in credentials and credentials.split(":", 1)[1]:
+            found.append(credentials.split(":", 1)[1])
     return found
 
 
 def scrub(text: str, location: str) -> str:
-    """``text`` (an error message) without the secrets of ``location``, raw or URL-decoded."""
-    for password in _secrets_of(location):
-        for secret in {password, urllib.parse.unquote(password)}:
-            if secret:
-                text = text.replace(secret, "***")
-    return text
+    """``text`` (an error message) without the secrets of ``location``, raw or URL-decoded:
+    every character any of them covers (they may overlap: libpq's reading of a password and
+    a longer one) is in a ``***``."""
+    secrets = {s for found in _secrets_of(location)
+               for s in (found, urllib.parse.unquote(found)) if s}
+    spans = sorted((m.start(), m.start() + len(secret)) for secret in secrets
+                   for m in re.finditer(f"(?={re.escape(secret)})", text))
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    parts, shown_to = [], 0
+    for start, end in merged:
+        parts += [text[shown_to:start], "***"]
+        shown_to = end
+    return "".join(parts) + text[shown_to:]
 
 
 def scrub_options(text: str, values) -> str:
@@ -195,6 +244,15 @@ def _credentials(rest: str) -> tuple[str | None, str]:
     return None, rest
 
 
+def _any_credentials(rest: str) -> tuple[str | None, str]:
+    """(user[:password] or None, what follows it) of a URL after its ``scheme://``, read as
+    a password with a raw ``@``, ``/``, ``?`` or ``#`` in it would make it: the credentials
+    end at the last ``@``. More than libpq reads as the credentials, for a URL it does not
+    read as meant."""
+    credentials, at, after = rest.rpartition("@")
+    return (credentials, after) if at else (None, rest)
+
+
 def _split_authority(rest: str) -> tuple[str, str, str]:
     """(authority, separator, the rest) of a URL after its ``scheme://``."""
     for i, ch in enumerate(rest):
@@ -204,15 +262,25 @@ def _split_authority(rest: str) -> tuple[str, str, str]:
 
 
 def check_postgres_url(location: str) -> str:
-    """The URL, stripped, if libpq can parse it; raises ``ValueError`` (the message shows no
-    password) otherwise."""
+    """The URL, stripped, if libpq can parse it as it was meant; raises ``ValueError`` (the
+    message shows no password) otherwise, also for an ``@`` after the credentials or a query
+    word without ``=`` (a password's raw ``@``, ``/`` or ``&``)."""
     url = location.strip()
     scheme, _, rest = url.partition("://")
+    after = _credentials(rest)[1]
+    if "@" in after.partition("?")[0].partition("#")[0]:
+        # a host never has one: a password's raw "@" or "/" (libpq would read part of the
+        # password as the host, the port or the database, and its errors would quote it)
+        raise ValueError("not a valid PostgreSQL URL: an '@' after its credentials (in a user"
+                         " name or password, write '@' as %40, '/' as %2F)")
     try:  # the hosts and the rest, checked without the credentials (never quoted)
-        parsed = urllib.parse.urlsplit(f"{scheme}://{_credentials(rest)[1]}")
+        parsed = urllib.parse.urlsplit(f"{scheme}://{after}")
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError as e:
-        raise ValueError(f"not a valid PostgreSQL URL: {e}") from None
+    except ValueError as e:  # (its port's text is not quoted: it may be a password's start)
+        raise ValueError(f"not a valid PostgreSQL URL: {str(e).partition(' as ')[0]}") from None
     if parsed.fragment:
         raise ValueError("not a valid PostgreSQL URL: it has a #fragment")
+    if any(param and "=" not in param for param in parsed.query.split("&")):
+        raise ValueError("not a valid PostgreSQL URL: a query parameter without '=' (in a"
+                         " value, write '&' as %26)")
     return url
