@@ -512,6 +512,20 @@ def test_sse_split_at_every_byte(rig, eol, framing):
     _check_scripted(rig, script, f"bytewise {framing}")
 
 
+def test_a_stream_whose_terminal_name_comes_without_data_is_not_replayed(rig):
+    """`event: response.completed` with no `data:` line is no event (the SSE standard; a
+    client's parser dispatches nothing for it): the stream did not complete, and its retry
+    goes upstream again, as through plain mitmdump, rather than getting the broken stream."""
+    body = sse("response.created", {"type": "response.created"}) + b"event: response.completed\n\n"
+    script = {"status": 200, "headers": [("content-type", "text/event-stream")],
+              "parts": [body], "framing": "chunked", "_body": body, "_encoded": body,
+              "_encoding": "identity", "_ctype": "text/event-stream"}
+    (first, second, sid), evs = _send_scripted(rig, script, "terminal name without data")
+    assert first[2] == body and second[2] == body and "x-turnguard" not in second[1]
+    assert [e["outcome"] for e in evs if e["event"] == "outcome"] == ["partial"]
+    assert rig.up.hits[sid] == 2
+
+
 def test_huge_event_passes_and_is_not_kept_for_replay(rig):
     huge = b"data: " + b"x" * (12 * 1024 * 1024) + b"\n\n"
     body = sse("response.created", {"type": "response.created"}) + huge + sse(
@@ -719,6 +733,64 @@ def test_hostile_frames_on_a_guarded_websocket_pass_untouched(rig):
     reasons = [json.loads(line).get("reason", "") for line in
                rig.events_path.read_text().splitlines() if '"passthrough"' in line]
     assert any(r.startswith("upstream frame is not a Responses event") for r in reasons)
+
+
+def _exchange(rig: Rig, head: bytes, body: bytes) -> bytes:
+    """One raw HTTP/1.1 request (``head`` without its Content-Length) on a connection of its
+    own, and all the proxy sent back until it closed it."""
+    port = int(rig.proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_method_in_another_case_is_its_own_operation(rig):
+    """HTTP's methods are case-sensitive: an origin may answer `post` with 405. A `post` of a
+    body whose `POST` completed is sent upstream, not answered from the `POST`'s recording
+    (it is guarded as its own operation: its own repeat is replayed)."""
+    sid = rig.up.add(_default_script("POST"))
+    body = json.dumps({"model": "m", "input": f"method case {sid}"}).encode()
+    answers = [_exchange(rig, method + b" /v1/responses HTTP/1.1\r\nhost: h\r\n"
+                         b"content-type: application/json\r\nx-script: " + sid.encode()
+                         + b"\r\n", body)
+               for method in (b"POST", b"post", b"post")]
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+    replayed = [b"x-turnguard: replayed" in a.partition(b"\r\n\r\n")[0] for a in answers]
+    assert replayed == [False, False, True] and rig.up.hits[sid] == 2
+
+
+def test_a_replayed_204_gets_no_content_length(rig):
+    """A 204 has no body and must not carry a Content-Length (RFC 9110 8.6): its replay is
+    the recorded answer, without one added."""
+    sid = rig.up.add({"status": 204, "headers": [("x-a", "1")], "parts": [], "framing": "close"})
+    body = json.dumps({"model": "m", "input": f"no content {sid}"}).encode()
+    heads = [_exchange(rig, b"POST /v1/responses HTTP/1.1\r\nhost: h\r\ncontent-type: "
+                       b"application/json\r\nx-script: " + sid.encode() + b"\r\n", body
+                       ).partition(b"\r\n\r\n")[0].lower() for _ in range(2)]
+    assert all(h.startswith(b"http/1.1 204") and b"x-a: 1" in h for h in heads), heads
+    assert b"x-turnguard: replayed" in heads[1] and rig.up.hits[sid] == 1, heads
+    assert b"content-length" not in heads[0] and b"content-length" not in heads[1], heads
+
+
+def test_a_body_with_infinity_is_no_json_and_passes_untouched(rig):
+    """`Infinity` is no JSON (Python reads it): as a float it made the body one operation with
+    `1e400`, and it was answered from that body's recording where an origin refuses it."""
+    sid = rig.up.add(_default_script("POST"))
+    h = {"content-type": "application/json", "x-script": sid}
+    number = f'{{"model":"m","input":"infinity {sid}","temperature":%s}}'
+
+    def passthroughs() -> int:
+        return sum(e.get("reason") == "body is not JSON" for e in rig.events("passthrough"))
+
+    before = passthroughs()
+    for literal in ("1e400", "1e400", "Infinity"):
+        r = rig.client.post(rig.proxy.url + "/v1/responses", content=number % literal, headers=h)
+        assert r.status_code == 200
+    assert "x-turnguard" not in r.headers and rig.up.hits[sid] == 2  # 1e400 replayed once
+    wait_until(lambda: passthroughs() == before + 1, 10, what="the passthrough record")
 
 
 def test_get_and_head_pass_untouched(rig):

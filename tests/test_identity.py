@@ -347,9 +347,19 @@ def test_different_path_differs(p1, p2):
     assert ident(path=p1).op_key != ident(path=p2).op_key
 
 
-def test_method_case_does_not_matter_but_method_does():
-    assert ident(method="post").op_key == ident(method="POST").op_key
+def test_the_method_is_case_sensitive_as_in_http():
+    """`post` is not `POST` to an origin (it may answer 405): never one operation."""
+    assert ident(method="post").op_key != ident(method="POST").op_key
     assert ident(method="PUT").op_key != ident(method="POST").op_key
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_are_no_json(literal):
+    """Python reads them, JSON has no such value: as floats, `Infinity` would be one body with
+    `1e400`, which an origin may take where it refuses `Infinity`."""
+    r = identify(req(body=b'{"model":"m","temperature":' + literal + b"}"))
+    assert isinstance(r, Passthrough) and r.reason == "body is not JSON", r
+    assert ident(body=b'{"model":"m","temperature":1e400}').op_key
 
 
 @given(header_text, json_objects, json_objects)

@@ -85,7 +85,7 @@ def streams(draw):
         lines.extend([""] * draw(st.integers(1, 2)))  # extra blank lines dispatch nothing
         if ident is not None:
             last_id = ident
-        if data or event is not None:
+        if data:  # a block without a data line is no event, whatever its name
             expected.append(SseEvent(event, "\n".join(data), last_id))
         maybe_comments()
     # An unterminated last block is never dispatched.
@@ -259,10 +259,25 @@ def test_id_persists_and_nul_id_is_ignored():
     assert [e.id for e in parse([raw])[1]] == ["1", "1", "1", ""]
 
 
-def test_event_only_block_is_an_event_and_empty_blocks_are_not():
-    p, out = parse([b"event: ping\n\n\n\nid: 5\n\n: just a comment\n\n"])
-    assert out == [SseEvent("ping", "", None)]
-    assert p.events_seen == 1
+def test_a_block_without_a_data_line_is_no_event_whatever_its_name():
+    """The standard dispatches nothing for a block whose data buffer is empty: a name alone
+    (`event: response.completed` with no `data:`) is no terminal event, so such a stream is
+    never taken for a completed one (and replayed); an empty `data:` line is data."""
+    raw = (b"event: ping\n\n\n\nid: 5\n\n: just a comment\n\n"
+           b"event: response.completed\n\nevent: response.completed\n: ping\n\n"
+           b"event: response.completed\nid: 6\n\n")
+    p, out = parse([raw])
+    assert out == [] and p.events_seen == 0
+    kinds = SseKinds()
+    assert [kinds.take(raw[i:i + 1]) for i in range(len(raw))] == [None] * len(raw)
+    # and through the tee's fast paths (a chunk of one event, a chunk of whole events)
+    for chunk in (b"event: response.completed\n: ping\n\n", b"event: response.completed\nid: 7\n\n",
+                  b"event: response.completed\n\nevent: response.failed\nid: 8\n\n"):
+        assert kinds.take(chunk) is None and kinds.feed(chunk) == []
+    assert kinds.events_seen == 0
+    assert kinds.take(b"event: response.completed\ndata:\n\n") == "success"
+    p, out = parse([b"event: response.completed\ndata:\n\n"])
+    assert out == [SseEvent("response.completed", "", None)] and p.events_seen == 1
 
 
 def test_close_never_dispatches_an_unterminated_event():

@@ -364,7 +364,7 @@ def _identify(
         "op",
         scope,
         session or "",
-        request.method.upper(),
+        request.method,  # case-sensitive, as HTTP's: `post` is not `POST` to an origin
         target.route,
         f"idem:{idempotency_key}" if idempotency_key else f"body:{fingerprint}",
     )
@@ -498,7 +498,15 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-_BODY_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)  # what json.loads would make
+def _not_json(constant: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are no JSON (RFC 8259), though Python reads
+    them: as floats they would be one body with ``1e400`` (a number an origin may take where
+    it refuses ``Infinity``)."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+# what json.loads would make, refusing what is no JSON
+_BODY_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_not_json)
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

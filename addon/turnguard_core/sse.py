@@ -322,7 +322,10 @@ class SseParser:
         self.overflowed = True
 
     def _dispatch(self) -> SseEvent | None:
-        if not self._data and not self._truncated and self._event is None:
+        if not self._data and not self._truncated:
+            # no data line: no event (the standard's "data buffer is empty"), whatever its
+            # name says; a name alone (`event: response.completed`) is no terminal event
+            self._reset_event()
             return None
         ev = SseEvent(self._event, "\n".join(self._data), self._last_id, self._truncated)
         self._reset_event()
@@ -358,7 +361,8 @@ class SseKinds(SseParser):
         return value  # decoded only when the event's type is asked of its data
 
     def _dispatch(self):
-        if not self._data and not self._truncated and self._event is None:
+        if not self._data and not self._truncated:
+            self._reset_event()
             return None
         kind = None
         if self._event:
@@ -378,7 +382,7 @@ class SseKinds(SseParser):
         if self._clean and chunk[-2:] == b"\n\n" and len(chunk) <= self.max_event_bytes:
             lines = chunk.splitlines()  # the line parser's split: CR, LF and CRLF
             if (len(lines) == 3 and lines[0][:7] == b"event: " and len(lines[0]) > 7
-                    and lines[1] and lines[1][:5] != b"event"):
+                    and (lines[1][:5] == b"data:" or lines[1] == b"data")):
                 self.events_seen += 1
                 return _KIND_OF_NAME.get(lines[0][7:])  # type: ignore[return-value]
         kind = None
@@ -412,8 +416,8 @@ class SseKinds(SseParser):
         but those ending events) with nothing pending before it (it leaves nothing pending
         either). Each block between blank lines is one event's lines; as in the line parser,
         the last ``event`` field and the ``data`` fields count (a field name is what precedes
-        the first colon, one space after it is dropped), and a block with neither dispatches
-        nothing."""
+        the first colon, one space after it is dropped), and a block without a ``data`` field
+        dispatches nothing."""
         kinds: list[Literal["success", "failure", "other"]] = []
         for block in chunk[:-2].split(b"\n\n"):
             event: bytes | None = None
@@ -429,7 +433,7 @@ class SseKinds(SseParser):
                         data.append(value)
                 elif line[:6] == b"event:" or line == b"event":
                     event = line[7:] if line[6:7] == b" " else line[6:]
-            if event is None and data is None:
+            if data is None:
                 continue
             self.events_seen += 1
             kind = _KIND_OF_NAME.get(event) if event else _data_kind(data or ())

@@ -116,7 +116,9 @@ def request_view(flow: http.HTTPFlow, max_body: int) -> identity.RequestView | i
         except ValueError:
             body, codings = None, ()
     headers = request_headers(flow) if sent is None else headers_of(sent)
-    return _view(flow, req.method, headers, body, codings, target=sent)
+    # the method as sent: mitmproxy's ``method`` upper-cases it, and `post` is not `POST`
+    method = req.data.method.decode("ascii", "surrogateescape")
+    return _view(flow, method, headers, body, codings, target=sent)
 
 
 # mitmproxy's addons that add credentials to a request in their ``request`` hook (after
@@ -259,7 +261,8 @@ def replay(flow: http.HTTPFlow, op_id: str, status: int, headers, body: bytes, *
     """Answer the flow from a recording (or, ``how`` "attached", from the whole response of
     the attempt it attached to): the bytes as given (never re-encoded by mitmproxy)."""
     resp = _response(status, _headers(headers), body)
-    resp.headers["content-length"] = str(len(body))
+    if status >= 200 and status not in (204, 304):  # (those have no body to measure)
+        resp.headers["content-length"] = str(len(body))
     resp.headers["x-turnguard"] = how
     flow.response = resp
     flow.metadata["turnguard"] = {"role": "replay" if how == "replayed" else how, "op": op_id}
