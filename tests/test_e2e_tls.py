@@ -456,6 +456,47 @@ def test_regular_mode_a_detached_call_keeps_the_tunnels_sni_when_the_host_names_
 
 
 
+def _post_through_tunnel(proxy: Mitmdump, port: int, sni: str, body: bytes) -> bytes:
+    """POST ``body`` through a ``CONNECT`` tunnel to 127.0.0.1:``port``, TLS with the server
+    name ``sni``, ``Host: gateway.test``: all that came back until the proxy closed."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as raw:
+        raw.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n"
+                    .encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += raw.recv(1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        with ssl.create_default_context(cafile=ca_of(proxy)).wrap_socket(
+                raw, server_hostname=sni) as tls:
+            tls.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: gateway.test\r\n"
+                        b"authorization: Bearer sk-test-tls\r\ncontent-type: application/json"
+                        b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_regular_mode_two_server_names_to_one_address_are_two_upstreams(tmp_path):
+    """A front that routes by the TLS server name sends two names to two sites, though they
+    come to one address with one Host header: the same request through tunnels with two
+    server names (mitmproxy gives each upstream connection the client's) is run once for
+    each, never answered from the other name's recording."""
+    with MockUpstream(tmp_path) as up, TlsFront(tmp_path, up) as front, \
+            tls_proxy(tmp_path, front, ["regular"], ssl_insecure=True) as proxy:
+        body = json.dumps({"model": "m", "input": "two server names"}).encode()
+        answers = [_post_through_tunnel(proxy, front.port, sni, body)
+                   for sni in ("a.test", "b.test", "b.test")]
+        heads = [a.partition(b"\r\n\r\n")[0].lower() for a in answers]
+        assert all(h.startswith(b"http/1.1 200") for h in heads), heads
+        assert [b"x-turnguard: replayed" in h for h in heads] == [False, False, True], heads
+        assert dispatches(up) == 2
+        assert {c["sni"] for c in front.connections()} == {"a.test", "b.test"}
+        assert_no_traceback(proxy.log_text())
+
+
 def test_wss_through_a_connect_tunnel_one_dispatch_per_call_and_a_detached_retry(tmp_path):
     """Codex over ``wss://`` through a regular-mode proxy (CONNECT, TLS intercepted): two
     sockets sending the same call make one dispatch; a socket dropped mid-call leaves its

@@ -246,6 +246,9 @@ def test_credential_fields_do_not_bleed_into_each_other():
     Upstream("https", "api.openai.com", 443, host_header="other.example"),
     Upstream("https", "api.openai.com", 443, host_header="api.openai.com:444"),
     Upstream("https", "api.openai.com", 443, via="http://127.0.0.1:3128"),
+    # a TLS server name that names another host (a front that routes by it)
+    Upstream("https", "api.openai.com", 443, sni="b.example"),
+    Upstream("https", "api.openai.com", 443, host_header="a.example", sni="b.example"),
     None,
 ])
 def test_another_upstream_is_another_scope_session_and_operation(other):
@@ -260,9 +263,19 @@ def test_another_upstream_is_another_scope_session_and_operation(other):
     Upstream("HTTPS", "API.OpenAI.com", 443),
     Upstream("https", "api.openai.com", 443, host_header="api.openai.com"),
     Upstream("https", "api.openai.com", 443, host_header="API.openai.com:443"),
+    # the server name of the host connected to, or of the Host header's: no other site
+    Upstream("https", "api.openai.com", 443, sni="API.openai.com"),
 ])
 def test_the_same_upstream_spelled_differently_is_the_same(same):
     assert ident(upstream=same) == ident()
+
+
+def test_a_server_name_counts_only_over_tls_and_when_it_names_another_host():
+    named = Upstream("https", "10.0.0.1", 443, host_header="gateway.example", sni="gateway.example")
+    assert named.parts() == Upstream("https", "10.0.0.1", 443, host_header="gateway.example").parts()
+    assert Upstream("http", "h", 80, sni="x").parts() == Upstream("http", "h", 80).parts()
+    other = Upstream("https", "10.0.0.1", 443, host_header="gateway.example", sni="a.example")
+    assert other.parts()[-2:] == ("sni", "a.example")
 
 
 def test_ipv6_upstreams():

@@ -132,8 +132,9 @@ class Upstream:
     """Where the proxy sends a request: the address it connects to (scheme, host, port), the
     Host header it sends (``host_header``), the authority of an absolute-form request target
     it sends as it came (``authority``: a reverse proxy forwards ``POST http://a.example/...``
-    so, and the origin then takes the host from it, not from Host), and the upstream proxy in
-    between (``via``, e.g. ``"http://127.0.0.1:3128"``), if any."""
+    so, and the origin then takes the host from it, not from Host), the upstream proxy in
+    between (``via``, e.g. ``"http://127.0.0.1:3128"``), if any, and the TLS server name it
+    sends (``sni``: a front that routes by it sends two names to two sites)."""
 
     scheme: str
     host: str
@@ -141,15 +142,19 @@ class Upstream:
     host_header: str | None = None
     via: str | None = None
     authority: str | None = None
+    sni: str | None = None
 
     def parts(self) -> tuple[str, ...]:
         """The canonical parts that identify it. The Host header and the target's authority
         count only when they name another host or port than the one connected to (an
-        authority that does not adds no part: the same parts as without one)."""
+        authority that does not adds no part: the same parts as without one); the server
+        name only over TLS, and when it names another host than both."""
         scheme, host = self.scheme.lower(), _bare_host(self.host)
         vhost = ""
+        named_host = host
         if self.host_header:
             named = _parse_authority(self.host_header, _DEFAULT_PORTS.get(scheme))
+            named_host = _bare_host(named[0])
             if named != (host, self.port):
                 vhost = self.host_header.lower()
         parts = (scheme, host, str(int(self.port)), vhost, (self.via or "").lower())
@@ -157,6 +162,10 @@ class Upstream:
             named = _parse_authority(self.authority, _DEFAULT_PORTS.get(scheme))
             if named != (host, self.port):
                 parts += ("authority", self.authority.lower())
+        if self.sni and scheme == "https":
+            sni = self.sni.lower()
+            if sni not in (host, named_host):
+                parts += ("sni", sni)
         return parts
 
 

@@ -5,7 +5,7 @@ mitmproxy closes a flow's server connection with its client's connection. For a 
 dispatch the request is copied into a flow of turnguard's own (its metadata says
 ``detached``), which mitmproxy's own client-replay handler runs (``ReplayHandler``: the same
 upstream, TLS settings, HTTP/2 and addons as any flow, and the TLS server name the client's
-flow would send, ``server_name``; mitmweb shows it as a replay). That
+flow would send, ``flows.server_name``; mitmweb shows it as a replay). That
 flow is the attempt; the client's flow attaches to its live response through the relay, as a
 duplicate does, from its first byte. When every client has left before the end, the call goes
 on without one for ``turnguard_detach_ms``, so that a retry attaches to it (or, once it
@@ -37,6 +37,7 @@ from mitmproxy.addons.clientplayback import ReplayHandler
 from turnguard_core.live import LiveResponse
 from turnguard_core.proxy_internals import cut_handler_upstream, set_replay_server_name
 
+from . import flows
 from .inflight import STALL_GRACE_S, STALL_GRACES, STALL_LATE_S
 
 logger = logging.getLogger("turnguard")
@@ -87,22 +88,6 @@ class Detached:
     window_s: float = 0.0  # how long it goes on without a client
     cut_reason: str | None = None
     timer: asyncio.TimerHandle | None = None
-
-
-def server_name(flow: http.HTTPFlow) -> str:
-    """The TLS server name (SNI) mitmproxy gives ``flow``'s own upstream connection, which its
-    detached call must send too (mitmproxy's ``HttpLayer.get_connection``): when the request
-    goes where the flow's connection goes (a ``CONNECT`` tunnel's target, a reverse or
-    transparent mode's upstream), that connection's name (the client's SNI, a reverse mode's
-    host), else the client's SNI, else the host connected to; a request sent elsewhere, the
-    host connected to. ``ReplayHandler`` names the ``Host`` header's host instead: a request
-    naming a virtual host (``Host`` other than the tunnel's target) went out with another SNI,
-    which the upstream's certificate need not cover (the call failed where the flow's own
-    would work), or which selects another site."""
-    req, server = flow.request, flow.server_conn
-    if server.address is not None and tuple(server.address) == (req.host, req.port):
-        return server.sni or flow.client_conn.sni or req.host
-    return req.host
 
 
 def why_not_detached(flow: http.HTTPFlow) -> str | None:
@@ -197,7 +182,7 @@ class Detacher:
                              "without one for turnguard_detach_ms)")
         d.handler = ReplayHandler(up, _ListenerOptions(ctx.options, up))
         if up.request.scheme == "https":
-            why_not = set_replay_server_name(d.handler, server_name(up))
+            why_not = set_replay_server_name(d.handler, flows.server_name(up))
             if why_not is not None:
                 logger.warning("turnguard: the detached call of %s goes with mitmproxy's "
                                "server name (%s)", d.client_flow_id, why_not)

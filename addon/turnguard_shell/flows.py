@@ -201,10 +201,26 @@ def _view(flow: http.HTTPFlow, method: str, headers: tuple[tuple[str, str], ...]
         body_codings=body_codings,
         upstream=identity.Upstream(
             scheme=req.scheme, host=req.host, port=req.port, host_header=req.host_header,
-            via=_via(flow), authority=req.authority or None,
+            via=_via(flow), authority=req.authority or None, sni=server_name(flow, req),
         ),
         proxy_auth=proxy_auth,
     )
+
+
+def server_name(flow: http.HTTPFlow, req: http.Request | None = None) -> str:
+    """The TLS server name (SNI) mitmproxy gives the upstream connection of ``flow``'s request
+    (``req``: the request as it will be sent, when an addon sends it elsewhere) (mitmproxy's
+    ``HttpLayer.get_connection``): when the request goes where the flow's connection goes (a
+    ``CONNECT`` tunnel's target, a reverse or transparent mode's upstream), that connection's
+    name (the client's SNI, a reverse mode's host), else the client's SNI, else the host
+    connected to; a request sent elsewhere, the host connected to. ``ReplayHandler`` names the
+    ``Host`` header's host instead: a request naming a virtual host (``Host`` other than the
+    tunnel's target) went out with another SNI, which the upstream's certificate need not
+    cover (the call failed where the flow's own would work), or which selects another site."""
+    req, server = req or flow.request, flow.server_conn
+    if server.address is not None and tuple(server.address) == (req.host, req.port):
+        return server.sni or flow.client_conn.sni or req.host
+    return req.host
 
 
 def _via(flow: http.HTTPFlow) -> str | None:
