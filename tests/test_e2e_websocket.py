@@ -597,6 +597,45 @@ def test_a_client_that_queues_too_many_frames_is_let_go_with_its_frames_in_order
         assert_no_traceback(p.log_text())
 
 
+@pytest.mark.parametrize("why", ["frames queued", "budget"])
+def test_a_socket_let_go_while_its_call_runs_upstream_never_runs_it_twice(tmp_path, why):
+    """A socket is let go while its call runs upstream (its client queued more frames than
+    turnguard keeps behind it, or one frame waited past the request budget): its frames go on
+    untouched from then, but the call goes on too. Its response is still read to its end:
+    the same call held on another socket is answered from it, never run again, and the
+    let-go is no eventless failure for the circuit."""
+    options = {"turnguard_request_budget_ms": 2000} if why == "budget" else {}
+    with MockUpstream(tmp_path, {"default": {"kind": "ok", "hold": "run"}}) as up, \
+            proxy(tmp_path, up, **options) as p:
+        async def both():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(call([user("run me once")], seed=1))
+                await asyncio.to_thread(up.wait_held, "run", 30)
+                for _ in range(MAX_QUEUED_FRAMES + 6 if why == "frames queued" else 1):
+                    await a.send({"type": "keepalive"})
+                await asyncio.to_thread(
+                    wait_until, lambda: [e for e in events(tmp_path, "passthrough")
+                                         if "frames queued" in e["reason"]
+                                         or "within turnguard_request_budget_ms" in e["reason"]],
+                    30, what="the socket let go")
+                async with WsClient.connect(p.url, headers=HEADERS) as b:
+                    await b.send(call([user("run me once")], seed=2))
+                    try:
+                        await asyncio.to_thread(  # (or run again: a failure, told below)
+                            wait_until, lambda: events(tmp_path, "duplicate_held")
+                            or len(ws_dispatches(up)) > 1, 30, what="the same call held")
+                    finally:
+                        await asyncio.to_thread(up.release, "run")
+                    return await a.response(), await b.response()
+
+        first, second = asyncio.run(both())
+        assert types(first)[-1] == "response.completed" and first == second
+        assert len(ws_dispatches(up)) == 1
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"]
+        assert events(tmp_path, "eventless_failure") == [] and events(tmp_path, "duplicate_forwarded") == []
+        assert_no_traceback(p.log_text())
+
+
 def test_a_continuation_after_partial_output_is_a_new_operation(tmp_path):
     """Output that reached the client before a failure is Codex's: its next call carries it in
     the input. That is another operation: dispatched, never answered from the old one."""

@@ -84,6 +84,9 @@ class Socket:
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)  # (content, is_text) | None
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # no response in flight
     current: Response | None = None
+    # let go while its call ran upstream: that response is still read to its end, whose
+    # events end its attempt (ended at the let-go, its duplicates would run it again)
+    followed: Response | None = None
     calls: int = 0
     seen: int = 0  # how many of the flow's messages turnguard's hooks saw (``catch_up``)
     closed: bool = False
@@ -185,7 +188,9 @@ class WebSockets:
                 sock.current.message = message  # the response's frame, ours, on its way
             return
         if not message.from_client:
-            return self._upstream_frame(sock, message) if sock.guarded else None
+            if sock.guarded or sock.followed is not None:
+                self._upstream_frame(sock, message)
+            return
         self.drop_unsent(sock)  # (the frame before this one had all its hooks)
         if message.dropped:
             # an addon that runs before turnguard dropped it (a content filter): it never goes
@@ -239,10 +244,14 @@ class WebSockets:
         data = flow.websocket
         by_client = bool(data and data.closed_by_client)
         code = data.close_code if data else None
+        side = "client" if by_client else "upstream"
         if sock.current is not None:
-            side = "client" if by_client else "upstream"
             self._response_ended(sock, error=f"websocket closed by {side} (code {code})",
                                  client_gone=by_client)
+        if sock.followed is not None:
+            followed, sock.followed = sock.followed, None
+            self._close(sock, followed, error=f"websocket closed by {side} (code {code})",
+                        client_gone=by_client)
         self._guard.waiters.gone(flow.id, "websocket closed")
         sock.idle.set()
 
@@ -257,10 +266,10 @@ class WebSockets:
         every second, and the response-created timer before it cuts a call.)"""
         for s in ([sock] if sock is not None else list(self._sockets.values())):
             data = s.flow.websocket
-            if data is None or not s.guarded:
+            if data is None or not (s.guarded or s.followed is not None):
                 continue
             messages = data.messages
-            while s.seen < len(messages) and s.guarded:
+            while s.seen < len(messages) and (s.guarded or s.followed is not None):
                 message = messages[s.seen]
                 if message.from_client and not message.injected \
                         and s.seen == len(messages) - 1:
@@ -552,13 +561,14 @@ class WebSockets:
         # a response attached to (another socket's call, or this one's detached call) is not
         # this socket's upstream's: what its upstream sends meanwhile (a late event of an
         # earlier response) answers no frame in flight, as when no response is
-        current = sock.current if sock.attached is None else None
+        followed = not sock.guarded  # (then ``sock.followed`` is set: see ``message``)
+        current = sock.followed if followed else sock.current if sock.attached is None else None
         try:
             speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
             if not speaks:
                 if current is None:
                     return self._unsolicited(sock, message)
-                if current.events.events_seen > 0:
+                if followed or current.events.events_seen > 0:
                     return self._pass_over(sock, current, message)
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
@@ -577,7 +587,10 @@ class WebSockets:
                 self._guard.inflight.ws_event(
                     current.attempt_key, output_before == 0 < current.events.output_seen,
                     message.text)
-            if current.events.ended:
+            if current.events.ended and followed:
+                sock.followed = None
+                self._close(sock, current)
+            elif current.events.ended:
                 self._response_ended(sock)
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
@@ -618,9 +631,11 @@ class WebSockets:
 
     def _let_go(self, sock: Socket, reason: str, *, not_responses: bool = False) -> None:
         """Stop guarding the socket: the frames it queued, and all later ones, go on untouched.
-        Its attempt in flight ends as it stands (``partial`` with output, else ``unknown``),
-        or, when the socket does not speak the Responses API (``not_responses``), as a
-        rejection (no circuit, not replayable)."""
+        Its call in flight goes on upstream: its response is still read to its end
+        (``Socket.followed``), which ends its attempt (its duplicates held meanwhile, then
+        answered from it, never running it again; a let-go is no upstream failure); or, when
+        the socket does not speak the Responses API (``not_responses``), its attempt ends now
+        as a rejection (no circuit, not replayable)."""
         if not sock.guarded:
             sock.finish()  # (a budget past on a socket let go: the frame behind goes on)
             return
@@ -638,21 +653,27 @@ class WebSockets:
                     " the response in flight ends here; retry the call.", retry_after_s=1)
                 inject(sock.flow, ws.error_frame(502, ended.body), to_client=True)
         response = sock.finish()
-        if response is not None and response.attempt_key is not None:
-            headers = flows.request_headers(sock.flow)
-
-            def facts(attempt: "Attempt") -> EndFacts:
-                ended = _end_facts(attempt, response.events, headers, reason, False)
-                return replace(ended, status=502, events_seen=0, terminal=None) \
-                    if not_responses else ended
-
-            self._guard.inflight.close(response.attempt_key, facts)
+        if response is None or response.attempt_key is None:
+            return
+        if not not_responses:
+            sock.followed = response
+            return
+        headers = flows.request_headers(sock.flow)
+        self._guard.inflight.close(
+            response.attempt_key,
+            lambda attempt: replace(_end_facts(attempt, response.events, headers, reason, False),
+                                    status=502, events_seen=0, terminal=None))
 
     def _response_ended(self, sock: Socket, *, error: str | None = None,
                         client_gone: bool = False) -> None:
         response = sock.finish()
-        if response is None:
-            return
+        if response is not None:
+            self._close(sock, response, error=error, client_gone=client_gone)
+
+    def _close(self, sock: Socket, response: Response, *, error: str | None = None,
+               client_gone: bool = False) -> None:
+        """The response ended (its terminal event, or its socket's close): remembered in the
+        socket's record, its attempt ended by what it was."""
         if response.request is not None:
             sock.record.remember(response.request, response.events, from_upstream=True)
         if response.attempt_key is not None:
