@@ -308,6 +308,34 @@ def test_a_delta_after_a_replayed_response_goes_upstream_with_its_full_input(tmp
         assert len(events(tmp_path, "ws_full_input_sent")) == 1
 
 
+@pytest.mark.parametrize("strings", ["first", "delta", "both"])
+def test_a_delta_whose_input_is_a_string_after_a_replayed_response_goes_with_its_full_input(
+        tmp_path, strings):
+    """The API takes a string for ``input`` (one user message): a call or a delta made so is
+    remembered and rebuilt as one made of items, so a delta naming a response turnguard
+    replayed never goes upstream as is (where it is unknown: 400
+    ``previous_response_not_found``)."""
+    with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
+        first_input = "say hi" if strings in ("first", "both") else [user("say hi")]
+        first = asyncio.run(one_call(p.url, call(first_input, seed=1)))
+        rid = first[-1]["response"]["id"]
+
+        async def replay_then_follow_up():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call(first_input, seed=2))  # a new socket: replayed
+                replayed = await c.response()
+                delta = "go on" if strings in ("delta", "both") else [user("go on")]
+                await c.send(call(delta, seed=3, previous_response_id=rid))
+                return replayed, await c.response()
+
+        replayed, follow_up = asyncio.run(replay_then_follow_up())
+        assert replayed == first and types(follow_up)[-1] == "response.completed"
+        sent = ws_dispatches(up)
+        assert len(sent) == 2 and sent[1]["previous_response_id"] is None
+        assert sent[1]["input_items"] == 3  # the first call's message, its answer, the delta
+        assert events(tmp_path, "ws_unknown_previous_response") == []
+
+
 def test_a_delta_on_the_socket_that_produced_its_response_is_sent_as_a_delta(tmp_path):
     with MockUpstream(tmp_path) as up, proxy(tmp_path, up) as p:
         async def turn():

@@ -146,6 +146,16 @@ class FullRequest:
         return canonical_json(socket_call_body(self.body))
 
 
+def as_items(value: Any) -> list[Any] | None:
+    """A request's ``input`` as a list of items: a string is one user message, as the API
+    reads it (``{"role": "user", "content": ...}``); None for anything else."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return None
+
+
 @dataclass(slots=True)
 class _Remembered:
     input: list[Any]  # the full input of the request
@@ -164,8 +174,8 @@ class SocketRecord:
         if not (isinstance(prev, str) and prev):
             return FullRequest(body, rebuilt=False)
         known = self._responses.get(prev)
-        delta = body.get("input", [])
-        if known is None or not isinstance(delta, list):
+        delta = as_items(body.get("input", []))
+        if known is None or delta is None:
             return FullRequest(body, rebuilt=False, unresolved=prev)
         full = {k: v for k, v in body.items() if k != "previous_response_id"}
         full["input"] = [*known.input, *known.output, *delta]
@@ -186,8 +196,8 @@ class SocketRecord:
                  from_upstream: bool) -> None:
         """``events`` answered ``request`` (a full request) on this socket: by the upstream
         (``from_upstream``), or by turnguard from a recording."""
-        rid, items = events.response_id, request.get("input", [])
-        if (rid is None or events.terminal != "success" or not isinstance(items, list)
+        rid, items = events.response_id, as_items(request.get("input", []))
+        if (rid is None or events.terminal != "success" or items is None
                 or events.output_items is None):
             return
         self._responses[rid] = _Remembered(list(items), list(events.output_items))
