@@ -870,6 +870,32 @@ def test_a_late_event_of_a_response_that_ended_is_not_the_next_calls(tmp_path):
         assert_no_traceback(p.log_text())
 
 
+def test_a_late_output_event_naming_no_response_is_not_the_next_calls(tmp_path):
+    """The API's output events name their item, not their response: an upstream that sends a
+    response's last ``output_item.done`` once more, late, while the socket's next call waits
+    for its first event, must not have it taken for that call's (recorded as its output, its
+    retry replayed the other call's message before its own)."""
+    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_output"},
+                             {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
+        async def two_calls():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send(call([user("A")], seed=1))
+                first = await c.response()
+                await c.send(call([user("B")], seed=2))
+                return first, await c.response()  # the late event first, as the upstream sent
+
+        first, second = asyncio.run(two_calls())
+        late = second[0]
+        assert late["type"] == "response.output_item.done" and "response" not in late
+        assert late["item"] == next(e["item"] for e in first
+                                    if e["type"] == "response.output_item.done")
+        retried = asyncio.run(one_call(p.url, call([user("B")], seed=3)))
+        assert retried == second[1:] and len(ws_dispatches(up)) == 2
+        assert len(events(tmp_path, "duplicate_replayed")) == 1
+        assert_no_traceback(p.log_text())
+
+
 def test_an_upstream_that_reuses_one_response_id_has_each_call_guarded(tmp_path):
     """Response ids need not be unique (Codex takes any): an upstream that answers every call
     with the same id still has each call's events read as that call's. Not: the second call's

@@ -108,9 +108,12 @@ class Socket:
     # failed), unguarded: the next instance lets the socket go (``catch_up``)
     sent_unguarded: bool = False
     unsolicited: bool = False  # the upstream sent a frame that is no event between responses
-    # the ids of the responses that ended on it lately: a late event of one is not the next's
+    # the ids of the responses that ended on it lately, and of their output items: a late
+    # event of one is not the next's
     ended_responses: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=16))
+    ended_items: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=64))
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -131,6 +134,9 @@ class Socket:
         self.idle.set()
         if current is not None and current.events.response_id is not None:
             self.ended_responses.append(current.events.response_id)
+        for item in (current.events.output_items or ()) if current is not None else ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                self.ended_items.append(item["id"])
         return current
 
 
@@ -576,6 +582,12 @@ class WebSockets:
             if current is None:
                 return
             rid = ws.event_response_id(event)
+            if (rid is None and not followed and current.events.events_seen == 0
+                    and _item_id(event) in sock.ended_items):
+                # an output event names its item, not its response: one of an item of a
+                # response that ended, before the response in flight began (its first event
+                # names it), is a late one of that response, not this one's
+                return
             if rid is not None and (rid != current.events.response_id
                                     if current.events.response_id is not None
                                     else _stray(current.events, event, rid,
@@ -786,6 +798,15 @@ async def _parsed(content: bytes, is_text: bool) -> ws.Call | ws.Prewarm | ws.No
     if len(content) <= INLINE_MAX_BYTES:
         return ws.parse_client_frame(content, is_text)
     return await asyncio.to_thread(ws.parse_client_frame, content, is_text)
+
+
+def _item_id(event: dict | None) -> str | None:
+    """The output item an event names (``item_id``, or its ``item``'s id), or None."""
+    if event is None:
+        return None
+    item = event.get("item")
+    named = event.get("item_id", item.get("id") if isinstance(item, dict) else None)
+    return named if isinstance(named, str) else None
 
 
 def _stray(events: ws.ResponseEvents, event: dict, rid: str, ended) -> bool:

@@ -230,6 +230,10 @@ class Dispatch:
             if after == "repeat_terminal":  # a misbehaving upstream: the terminal event
                 await self._sleep(0.3)      # once more, late (a WebSocket's next call may
                 await self._stream(events[-1:], 0)  # be in flight by then)
+            elif after == "repeat_output":  # the last output event once more, late, as the
+                await self._sleep(0.3)      # API sends one: naming its item, not its response
+                kind, payload = events[-2]
+                await self._stream([(kind, {k: v for k, v in payload.items() if k != "response"})], 0)
             if after in ("reset", "clean_close"):
                 # every event, response.completed included, then a broken transport: the
                 # chunked body never ends
@@ -264,7 +268,9 @@ class Dispatch:
         """``ok``: params ``events`` (deltas, 3), ``gap_ms`` (between events, 0), ``after_completed``
         (``reset`` or ``clean_close``: the transport breaks after the last event, before the
         end of the chunked body; ``repeat_terminal``: the last event again 300 ms later, as a
-        misbehaving upstream might), ``delay_ms``
+        misbehaving upstream might; ``repeat_output``: the last output event, the item's done,
+        again 300 ms later, without the response id the mock's events carry, as the API sends
+        it), ``delay_ms``
         (before the headers, 0), ``first_event_ms`` (headers to first event, 0), ``think_ms``
         (after response.created and response.in_progress, before the output: a turn that
         started and then stalls; 0; also for ``tool_call`` and ``partial``), ``text``

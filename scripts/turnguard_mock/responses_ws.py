@@ -13,7 +13,8 @@ for each, the response's events back, one JSON event per text frame:
 
   ``ok``, ``tool_call``, ``slow``  the events as frames (same parameters as over HTTP);
       ``after_completed``: ``reset`` (RST) or ``clean_close`` (a close frame, 1000), or
-      ``repeat_terminal`` (the terminal event again 300 ms later); ``response_id``: the id
+      ``repeat_terminal`` (the terminal event again 300 ms later), or ``repeat_output`` (the
+      item's ``output_item.done`` again 300 ms later, naming no response); ``response_id``: the id
       every response gets instead of a fresh one (ids need not be unique)
   ``stall_before_headers``, ``stall_after_headers``  nothing for ``ms``, then the TCP
       connection ends without a close frame

@@ -78,9 +78,9 @@ def validate_behaviour(b: Any, where: str = "behaviour") -> dict[str, Any]:
     if "end" in b and b["end"] not in PARTIAL_ENDS:
         raise ValueError(f"{where}: end must be one of {list(PARTIAL_ENDS)}")
     if "after_completed" in b and b["after_completed"] not in (
-            "reset", "clean_close", "repeat_terminal"):
-        raise ValueError(f"{where}: after_completed must be reset, clean_close or "
-                         "repeat_terminal")
+            "reset", "clean_close", "repeat_terminal", "repeat_output"):
+        raise ValueError(f"{where}: after_completed must be reset, clean_close, "
+                         "repeat_terminal or repeat_output")
     if "headers" in b:
         h = b["headers"]
         if not isinstance(h, dict) or not all(
