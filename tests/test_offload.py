@@ -9,8 +9,11 @@ import time
 
 import pytest
 
+import slow_identity
 from turnguard_core import identity
 from turnguard_core.offload import INLINE_MAX_BYTES, IdentityWorker
+
+_REAL_IDENTIFY = identity.identify
 
 UPSTREAM = identity.Upstream("https", "api.example", 443)
 
@@ -68,24 +71,31 @@ async def test_a_body_whose_bound_ends_with_the_one_it_waited_behind_is_identifi
     assert queued_out == identity.identify(view(queued)), queued_out
 
 
-def _objects(n: int, tag: int = 0) -> bytes:
-    """A body of ``n`` small objects: about 0.1 s to identify per 25,000 here."""
-    return ('{"tag":%d,"input":[' % tag + ",".join('{"a":1,"b":[2]}' for _ in range(n))
-            + "]}").encode()
+@pytest.fixture
+def slow_identify(monkeypatch):
+    """The worker's function takes ``slow_identity.DELAY_S`` more (a sleep): a bound set
+    against it holds however busy the machine is."""
+    monkeypatch.setattr(identity, "identify", slow_identity.identify)
+    return slow_identity.DELAY_S
 
 
-async def test_bodies_queued_behind_each_other_each_get_their_whole_bound(worker):
+def _body(tag: int) -> bytes:
+    return json.dumps({"model": "m", "tag": tag, "input": "w" * (INLINE_MAX_BYTES + 1)}).encode()
+
+
+async def test_bodies_queued_behind_each_other_each_get_their_whole_bound(worker, slow_identify):
     """Large bodies that come together (a gateway's retries of one long turn) wait in turn for
     the worker: the bound is each one's own identity, not its wait behind the others, which
     passed the last ones through unguarded (their duplicate then ran again upstream)."""
-    bodies = [_objects(25_000, tag) for tag in range(8)]
+    bodies = [_body(tag) for tag in range(8)]  # 0.8 s in the worker in all, each 0.1 s
     assert isinstance(await worker.identify(view(bodies[0]), timeout_s=30), identity.Identity)
-    outs = await asyncio.gather(*(worker.identify(view(b), timeout_s=0.5, within_s=60)
-                                  for b in bodies))
-    assert outs == [identity.identify(view(b)) for b in bodies]
+    outs = await asyncio.gather(*(worker.identify(view(b), timeout_s=5 * slow_identify,
+                                                  within_s=60) for b in bodies))
+    assert outs == [_REAL_IDENTIFY(view(b)) for b in bodies]
 
 
-async def test_a_wait_that_ends_late_because_the_process_was_paused_gets_its_bound_again(worker):
+async def test_a_wait_that_ends_late_because_the_process_was_paused_gets_its_bound_again(
+        worker, slow_identify):
     """The process paused with its worker (a SIGSTOP of the group): the wait's bound ran out
     while neither ran, so the body had no time to be identified. The wait that ends late is
     given its bound once more, as the response-created timer is; the body is identified, not
@@ -93,17 +103,18 @@ async def test_a_wait_that_ends_late_because_the_process_was_paused_gets_its_bou
     import os
     import signal
 
-    body = _objects(25_000)
+    body = _body(0)
     assert isinstance(await worker.identify(view(body), timeout_s=30), identity.Identity)
     pid = next(iter(worker._pool._processes))
-    call = asyncio.ensure_future(worker.identify(view(body), timeout_s=1.0, within_s=60))
+    call = asyncio.ensure_future(worker.identify(view(body), timeout_s=10 * slow_identify,
+                                                 within_s=60))
     await asyncio.sleep(0)  # (its call in the worker, its bound running)
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(1.5)  # the event loop stopped too, past the bound
+        time.sleep(15 * slow_identify)  # the event loop stopped too, past the bound
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert await call == identity.identify(view(body))
+    assert await call == _REAL_IDENTIFY(view(body))
 
 
 async def test_the_event_loop_runs_while_the_worker_parses(worker):

@@ -276,7 +276,8 @@ def test_a_sticky_shared_folder_like_tmp_is_accepted(tmp_path):
 
 TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=16)
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, width=32)
+    st.none() | st.booleans() | st.integers(-5, 5)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)  # (JSON has neither)
     | st.text(max_size=6),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
     max_leaves=8,
