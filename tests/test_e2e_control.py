@@ -492,6 +492,15 @@ def test_a_bad_value_set_while_running_is_refused_and_the_value_in_force_kept(tm
                        "is kept" in p.log_text(), 10, what=f"the warning line for {spec}")
         status, text = set_live(p, "turnguard_hold_timeout_ms=abc")
         assert status == 400 and "turnguard_hold_timeout_ms" in text, text
+        # a bool where a number goes (mitmweb's options editor sends JSON, a config file
+        # loaded while running holds YAML): mitmproxy lets it pass as an int, True as 1
+        typed = tmp_path / "typed.yaml"
+        typed.write_text("turnguard_hold_timeout_ms: true\n")
+        r = httpx.post(p.url + "/__load", content=str(typed), trust_env=False, timeout=20,
+                       verify=default_tls())
+        assert r.status_code == 400 and "turnguard_hold_timeout_ms" in r.text, r.text
+        wait_until(lambda: "turnguard_hold_timeout_ms=True is not an integer" in p.log_text(),
+                   10, what="the warning line for a bool")
         with ThreadPoolExecutor(1) as pool:
             original = pool.submit(post, p.url, slow, 30, turn)
             up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)

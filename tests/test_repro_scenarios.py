@@ -10,6 +10,7 @@ import re
 import os
 import subprocess
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -237,12 +238,16 @@ def test_the_readmes_sample_table_is_what_the_scenario_prints():
     assert_the_readme_shows(_table(reproduce("cooldown-503-storm").stdout), "cooldown-503-storm")
 
 
-def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_run():
-    """--keep DIR that cannot be made (here under /proc) ended in a traceback; now one line
-    before anything runs."""
-    proc = reproduce("duplicate-storm", "--columns", "plain", "--keep", "/proc/no-such-folder",
-                     check=False)
+@pytest.mark.parametrize("where", ["under /proc", "a file"])
+def test_a_keep_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path, where):
+    """--keep DIR that cannot be made (under /proc), or that names a file, ended in a
+    traceback; now one line before anything runs (the file left as it was)."""
+    keep = tmp_path / "a-file" if where == "a file" else Path("/proc/no-such-folder")
+    if where == "a file":
+        keep.write_text("mine")
+    proc = reproduce("duplicate-storm", "--columns", "plain", "--keep", str(keep), check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
         proc.stderr
     assert "--keep" in proc.stderr and proc.stdout == ""
+    assert where != "a file" or keep.read_text() == "mine"

@@ -126,15 +126,17 @@ def test_a_refused_ledger_path_stops_mitmdump_with_one_line_and_no_traceback(tmp
             "a FIFO": "not a regular file"}[case] in line
 
 
-@pytest.mark.parametrize("user_version", [0, 3])
+@pytest.mark.parametrize("user_version, tables", [(0, True), (3, True), (-1, True), (-1, False)])
 def test_a_ledger_path_naming_another_programs_database_is_refused_and_left_untouched(
-        tmp_path, user_version):
+        tmp_path, user_version, tables):
     """turnguard would add its tables to it (or make it 0600 and WAL before its migration
-    failed): many programs set a schema version of their own."""
+    failed): many programs set a schema version of their own. A negative one is never
+    turnguard's, even without tables (its migration from it failed with a traceback)."""
     path = tmp_path / "notes.db"
     db = sqlite3.connect(path)
-    db.execute("CREATE TABLE notes (body TEXT)")
-    db.execute("INSERT INTO notes VALUES ('keep me')")
+    if tables:
+        db.execute("CREATE TABLE notes (body TEXT)")
+        db.execute("INSERT INTO notes VALUES ('keep me')")
     db.execute(f"PRAGMA user_version={user_version}")
     db.commit()
     db.close()
@@ -351,6 +353,20 @@ def test_a_refused_path_with_a_newline_or_a_terminal_escape_is_one_line_and_writ
     line = _assert_refused(r, option, "not a regular file")
     assert "\x1b" not in r.stdout + r.stderr, line
     assert stat.S_ISFIFO(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("option", ["turnguard_ledger", "turnguard_events", "turnguard_metrics"])
+def test_a_value_with_a_nul_from_the_config_file_is_refused_in_one_line_naming_it(
+        tmp_path, option):
+    """A YAML string may hold a NUL (``"\\0"``), which no command line can: the system calls
+    and the socket refuse it with messages that name no option (or a traceback, for the
+    metrics' host). It is refused in one line naming the option."""
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    value = "127.0.0.1\\0:9464" if option == "turnguard_metrics" else f"{tmp_path}/x\\0y"
+    (confdir / "config.yaml").write_text(f'{option}: "{value}"\n')
+    r = _mitmdump_once(tmp_path)
+    _assert_refused(r, option)
 
 
 PG_SECRET = "pg-SECRET-hunter2"

@@ -542,6 +542,9 @@ class Ledger:
                         f"ledger schema version {version} is newer than this turnguard "
                         f"({SCHEMA_VERSION})"
                     )
+                if version < 0:  # (never turnguard's: another program's database)
+                    raise sqlite3.DatabaseError(f"ledger schema version {version} is not "
+                                                "turnguard's")
                 if version == SCHEMA_VERSION:
                     return
                 for statement in _split_sql(_MIGRATIONS[version + 1]):
@@ -1412,9 +1415,9 @@ class _Found:
     def foreign(self) -> bool:
         """Another program's database: tables, and no schema version of ours; or a version
         this turnguard knows without turnguard's first tables (many programs set
-        ``user_version`` too). A newer version is not called foreign: it may be a newer
-        turnguard's ledger."""
-        return bool(self.tables) and (self.version == 0 or (
+        ``user_version`` too); or a negative version, which turnguard never sets. A newer
+        version is not called foreign: it may be a newer turnguard's ledger."""
+        return self.version < 0 or bool(self.tables) and (self.version == 0 or (
             self.version <= SCHEMA_VERSION and not _FIRST_TABLES <= self.tables))
 
 

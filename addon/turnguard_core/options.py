@@ -215,6 +215,8 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
     that names the option."""
     for spec in OPTIONS:
         value = values[spec.name]
+        # (mitmproxy lets a bool pass as an int when it is set while running: True is 1)
+        check_value_type(spec, value)
         if spec.minimum is not None and value < spec.minimum:
             raise ValueError(f"{spec.name} must be >= {spec.minimum}, not {value}")
         if spec.choices is not None and value not in spec.choices:
@@ -282,7 +284,7 @@ def parse_listen_address(text: str) -> tuple[str, int] | None:
         raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
-    if any(c.isspace() or c in "/?#@" for c in host):
+    if any(c.isspace() or c in "/?#@" or not c.isprintable() for c in host):
         raise ValueError(f"{text!r}: {host!r} is not a host name or address")
     return host, int(port_text)
 

@@ -98,6 +98,8 @@ def telemetry(path: str | None = None) -> Telemetry:
 
 def open_events(path: str) -> Telemetry:
     """The telemetry sink: the events file at ``path`` (empty: the log only)."""
+    if "\0" in path:  # (the system calls refuse it with a message that names no option)
+        raise ValueError(f"turnguard_events={path!r} is refused: a path holds no NUL character")
     try:
         return telemetry(os.path.expanduser(path) or None)
     except UnsafePath as e:
@@ -120,6 +122,9 @@ def ledger_path(option: str, confdir: str) -> str:
             return check_postgres_url(option)
         except ValueError as e:
             raise ValueError(f"turnguard_ledger={display(option)} is refused: {e}") from None
+    if "\0" in option:  # (the system calls refuse it with a message that names no option)
+        raise ValueError(f"turnguard_ledger={display(option)} is refused: a path holds no NUL"
+                         " character")
     try:
         if option:
             path = os.path.abspath(os.path.expanduser(option))

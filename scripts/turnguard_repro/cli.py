@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(a.keep)
         try:
             runner.private_folder(workdir)  # 0700 if made here, whatever the umask
+            if not workdir.is_dir():  # (a file there: the run would fail at its first write)
+                raise NotADirectoryError(errno.ENOTDIR, "it is not a folder")
         except OSError as e:
             print(f"reproduce: --keep {a.keep}: cannot make it: {e.strerror or e}",
                   file=sys.stderr)
