@@ -473,10 +473,15 @@ def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path
 
 
 def test_a_detached_call_answers_its_client_as_a_direct_one_would(tmp_path):
-    """Detached or not, the client gets the same status, events and end; the upstream sees
-    one request."""
+    """Detached or not, the client gets the same status, headers, events and end (the
+    headers no replay repeats included: a cookie, a credential the upstream echoes: they are
+    its own call's); the upstream sees one request."""
+    echoed = {"set-cookie": "sid=abc; Path=/", "openai-organization": "org-test",
+              "openai-project": "proj-test"}
+
     async def run(url):
-        return await stream_post(url, behaviour={"kind": "ok", "events": 4, "gap_ms": 50})
+        return await stream_post(url, behaviour={"kind": "ok", "events": 4, "gap_ms": 50,
+                                                 "headers": echoed})
 
     with MockUpstream(tmp_path) as up, guarded(tmp_path, up, name="direct") as direct:
         plain = asyncio.run(run(direct.url))
@@ -488,6 +493,8 @@ def test_a_detached_call_answers_its_client_as_a_direct_one_would(tmp_path):
     assert detached["error"] is None
     assert sse_event_types(detached["body"]) == sse_event_types(plain["body"])
     assert detached["headers"]["content-type"] == plain["headers"]["content-type"]
+    for name, value in echoed.items():
+        assert detached["headers"].get(name) == plain["headers"].get(name) == value, name
 
 
 def wait_for_event(tmp_path, kind, timeout=20.0):

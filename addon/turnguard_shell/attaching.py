@@ -130,7 +130,7 @@ class Attacher:
         self._detacher.start(up)
         flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
                                       "attempt": dispatch.attempt_id, "detached": up.id}
-        relay.route(flow, live, lambda end, sent: self._ended(flow, live, end, sent))
+        relay.route(flow, live, lambda end, sent: self._ended(flow, live, end, sent), own=True)
         return True
 
     @staticmethod

@@ -57,6 +57,9 @@ class Route:
     # mitmproxy closes the connection itself once the response is done (the flow's client
     # speaks HTTP/2 or 3: mitmproxy sends such a flow on an HTTP/1 connection of its own)
     peer_closes: bool = False
+    # the client of the call itself (a detached call's), not a duplicate's: it gets every
+    # header the upstream sent, as it would without the relay (cookies, echoed credentials)
+    own: bool = False
 
 
 class Relay:
@@ -92,13 +95,15 @@ class Relay:
         return self.port
 
     def route(self, flow: http.HTTPFlow, live: LiveResponse,
-              on_end: Callable[[End | None, int], None]) -> None:
+              on_end: Callable[[End | None, int], None], *, own: bool = False) -> None:
         """Send ``flow`` here instead of upstream, to be answered from ``live`` (the relay must
-        be started). ``on_end`` is called once the flow's answer ended (or its client left)."""
+        be started). ``on_end`` is called once the flow's answer ended (or its client left).
+        ``own``: ``flow`` is the client of the call itself (``Route.own``)."""
         assert self.port is not None, "route() before ensure_started()"
         token = secrets.token_urlsafe(18)
         route = Route(live, on_end, flow=flow,
-                      peer_closes=flow.request.http_version not in ("HTTP/1.0", "HTTP/1.1"))
+                      peer_closes=flow.request.http_version not in ("HTTP/1.0", "HTTP/1.1"),
+                      own=own)
         self._routes[token] = route
         self._arm_expiry(token, route)
         req = flow.request
@@ -242,7 +247,8 @@ class Relay:
                 item = await queue.get()
                 match item:
                     case ("head", h):
-                        writer.write(_response_head(h.status, _attached_headers(h, chunked_body)))
+                        writer.write(_response_head(
+                            h.status, _attached_headers(h, chunked_body, own=route.own)))
                         sent_head = True
                     case ("piece", piece):
                         data = piece if isinstance(piece, bytes) else piece.encode()
@@ -341,9 +347,20 @@ def _token_and_length(head: bytes) -> tuple[str | None, int, bool]:
     return token, length, chunked
 
 
-def _attached_headers(head: Head, chunked: bool = True) -> tuple[tuple[str, str], ...]:
+# the relay's own framing and connection: never passed on from the upstream's head
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding",
+                         "content-length", "upgrade", "te", "trailer"})
+
+
+def _attached_headers(head: Head, chunked: bool = True, *,
+                      own: bool = False) -> tuple[tuple[str, str], ...]:
+    """The head's headers as an attached client gets them: a duplicate's as a replay repeats
+    them (no cookie nor echoed credential of another client's call); the call's own client
+    (``own``) every one but the hop-by-hop ones."""
     framing = (("transfer-encoding", "chunked"),) if chunked else ()
-    return (*recordable_headers(head.headers), ("x-turnguard", "attached"), *framing)
+    headers = (tuple((k, v) for k, v in head.headers if k.lower() not in _HOP_BY_HOP) if own
+               else recordable_headers(head.headers))
+    return (*headers, ("x-turnguard", "attached"), *framing)
 
 
 def _response_head(status: int, headers, *, length: int | None = None) -> bytes:
