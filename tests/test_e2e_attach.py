@@ -461,6 +461,38 @@ def test_eventless_failures_of_detached_calls_open_the_circuit(tmp_path, kind):
         assert_no_traceback(proxy.log_text())
 
 
+def test_detached_calls_whose_clients_leave_within_milliseconds_are_cut_after_the_window(
+        tmp_path):
+    """Clients that leave a few milliseconds after their request: one leaves before
+    mitmproxy follows its flow's route to the relay (the route was kept until it expired,
+    60 s, its call counting a client all that time), one before its call's server connection
+    opened (the cut was lost). Each call streamed on, past its window and past
+    ``turnguard_detach_max``. Every call is cut once its window passes, or at once past the
+    cap."""
+    stream = {"default": {"kind": "ok", "events": 50, "gap_ms": 200}}  # 10 s each
+    with MockUpstream(tmp_path, stream) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1000, turnguard_detach_max=1) as proxy:
+        port = int(proxy.url.rsplit(":", 1)[1])
+        for i in range(3):
+            body = json.dumps({**BODY, "input": f"leaves within milliseconds {i}"}).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: h\r\ncontent-type: "
+                          b"application/json\r\naccept: text/event-stream\r\n"
+                          b"authorization: Bearer sk-test\r\ncontent-length: %d\r\n\r\n"
+                          % len(body) + body)
+                time.sleep(0.005)
+            time.sleep(0.05)
+        # (a client may leave before its call is decided: then nothing goes upstream for it)
+        wait_until(lambda: up.dispatches(), 10, what="the calls upstream")
+
+        def ends():
+            e = [r for r in up.records() if r.get("event") == "dispatch_end"]
+            return e if len(e) == len(up.dispatches()) else None
+
+        ended = wait_until(ends, 5, what="every call cut well before its 10 s stream ends")
+        assert all(r.get("outcome") != "completed" for r in ended), ended
+
+
 def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path):
     stall = {"default": {"kind": "ok", "delay_ms": 8000}}
     with MockUpstream(tmp_path, stall) as up, guarded(

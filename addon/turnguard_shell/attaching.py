@@ -151,13 +151,15 @@ class Attacher:
         Relay.restore(flow)
         return True
 
-    @staticmethod
-    def error(flow: http.HTTPFlow) -> None:
+    def error(self, flow: http.HTTPFlow) -> None:
         """An attached flow failed before its response (the relay's) started (its client
-        left, a kill): put its destination back all the same, and drop the relay's token,
-        for what mitmweb shows, a saved flow says and a replay of it sends (the upstream, not
-        the relay)."""
+        left, a kill): its route is dropped, which ends it as a client that left (a detached
+        call's window starts now, not when an unused route expires); and its destination is
+        put back all the same, and the relay's token dropped, for what mitmweb shows, a saved
+        flow says and a replay of it sends (the upstream, not the relay)."""
         if (flow.metadata.get("turnguard") or {}).get("role") == "attached":
+            if self._process.relay is not None:
+                self._process.relay.abandon(flow)
             Relay.restore(flow)
 
     def _ended(self, flow: http.HTTPFlow, live: LiveResponse, end: str | None,

@@ -45,6 +45,8 @@ logger = logging.getLogger("turnguard")
 MARK_DETACHED = ":satellite:"
 AWAITED_RECHECK_S = 0.5  # a call without a client that a held retry waits for: checked again
 RECOVERY_WINDOW_S = 10.0  # a once-mode recovery goes on this long at least without a client
+CUT_AGAIN_S = 0.05  # a cut before the call's server connection opened: tried again so often,
+CUT_TRIES = 40  # this many times (2 s)
 # a WebSocket handshake's headers that the same call sent as an HTTP POST does not carry
 _HANDSHAKE_ONLY = ("upgrade", "connection", "sec-websocket-key", "sec-websocket-version",
                    "sec-websocket-extensions", "sec-websocket-protocol", "openai-beta",
@@ -247,15 +249,26 @@ class Detacher:
             d.orphan_since = None
         d.used = d.used or d.live.attached_total > d.attached_at_orphan
 
-    def _cut(self, d: Detached, reason: str) -> None:
-        d.cut_reason = reason
-        d.up.metadata.setdefault("turnguard", {})["detached_cut"] = reason
+    def _cut(self, d: Detached, reason: str, tries: int = CUT_TRIES) -> None:
+        """Cut the call's upstream. One whose server connection is not open yet (its client
+        left within milliseconds of the decision) has its task cancelled, and the cut is
+        tried again every ``CUT_AGAIN_S`` while the call runs (at most ``tries`` times more):
+        a connection mitmproxy was opening meanwhile carries the call on otherwise."""
+        if tries == CUT_TRIES:
+            d.cut_reason = reason
+            d.up.metadata.setdefault("turnguard", {})["detached_cut"] = reason
+            logger.info("turnguard: cut the detached upstream call of %s (%s)",
+                        d.client_flow_id, reason)
         why_not = cut_handler_upstream(d.handler, d.up.server_conn, f"turnguard: {reason}") \
             if d.handler is not None else "not started"
-        if why_not is not None and d.task is not None and not d.task.done():
+        if why_not is None:
+            return
+        if d.task is not None and not d.task.done():
             d.task.cancel(f"turnguard: {reason}")  # before it has a server connection
-        logger.info("turnguard: cut the detached upstream call of %s (%s)", d.client_flow_id,
-                    reason)
+        if tries > 0:
+            asyncio.get_running_loop().call_later(
+                CUT_AGAIN_S, lambda: self._calls.get(d.up.id) is d and d.live.end is None
+                and self._cut(d, reason, tries - 1))
 
     def ended(self, up_id: str, outcome: str) -> None:
         """The call's attempt ended (``outcome``): forget it; say what it was worth."""

@@ -139,6 +139,20 @@ class Relay:
         del self._routes[token]
         _call_end(route, None, 0)
 
+    def abandon(self, flow: http.HTTPFlow) -> None:
+        """``flow`` failed before mitmproxy followed its route (its client left within
+        milliseconds, a kill): the route is dropped and ended as a client that left. Kept
+        until it expired (``ROUTE_TTL_S``), the call it attached to counted a client for a
+        minute more: a detached call ran that long past its window, uncounted by
+        ``turnguard_detach_max``. (A route followed already is the relay connection's.)"""
+        token = flow.request.headers.get(TOKEN_HEADER)
+        route = self._routes.pop(token, None) if token else None
+        if route is None:
+            return
+        if route.handle is not None:
+            route.handle.cancel()
+        _call_end(route, None, 0)
+
     @staticmethod
     def restore(flow: http.HTTPFlow) -> None:
         """Put a relayed flow's destination back (what mitmweb shows, what a saved flow says):
