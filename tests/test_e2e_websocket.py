@@ -844,22 +844,32 @@ def test_a_socket_let_go_while_its_attached_response_streams_gets_one_response_a
         assert_no_traceback(p.log_text())
 
 
+def late_event_after(after_completed: str) -> dict:
+    """A scenario whose first call's upstream sends an event of it again, late (the mock's
+    ``after_completed``), while the second call waits 1 s for its first event."""
+    return {"sequence": [{"kind": "ok", "after_completed": after_completed},
+                         {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
+
+
+async def a_then_b(url: str, reads: int) -> list[list[dict]]:
+    """Call A, then call B on the same socket: A's events, then the ``reads`` responses read
+    after B was sent (a late event of A's comes first, relayed as the upstream sent it)."""
+    async with WsClient.connect(url, headers=HEADERS) as c:
+        await c.send(call([user("A")], seed=1))
+        out = [await c.response()]
+        await c.send(call([user("B")], seed=2))
+        for _ in range(reads):
+            out.append(await c.response())
+        return out
+
+
 def test_a_late_event_of_a_response_that_ended_is_not_the_next_calls(tmp_path):
     """A misbehaving upstream sends a response's terminal event once more, late, while the
     socket's next call is in flight: it is not taken for that call's end (its retry on a new
     socket is replayed its own events, with its output)."""
-    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_terminal"},
-                             {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
-        async def two_calls():
-            async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("A")], seed=1))
-                first = await c.response()
-                await c.send(call([user("B")], seed=2))
-                stray = await c.response()  # relayed as the upstream sent it
-                return first, stray, await c.response()
-
-        first, stray, second = asyncio.run(two_calls())
+    with MockUpstream(tmp_path, late_event_after("repeat_terminal")) as up, \
+            proxy(tmp_path, up) as p:
+        first, stray, second = asyncio.run(a_then_b(p.url, 2))
         ids = [{e["response"]["id"] for e in r if "response" in e} for r in (first, second)]
         assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
         assert stray == first[-1:]
@@ -875,17 +885,9 @@ def test_a_late_output_event_naming_no_response_is_not_the_next_calls(tmp_path):
     response's last ``output_item.done`` once more, late, while the socket's next call waits
     for its first event, must not have it taken for that call's (recorded as its output, its
     retry replayed the other call's message before its own)."""
-    scenario = {"sequence": [{"kind": "ok", "after_completed": "repeat_output"},
-                             {"kind": "ok", "delay_ms": 1000}], "default": {"kind": "ok"}}
-    with MockUpstream(tmp_path, scenario) as up, proxy(tmp_path, up) as p:
-        async def two_calls():
-            async with WsClient.connect(p.url, headers=HEADERS) as c:
-                await c.send(call([user("A")], seed=1))
-                first = await c.response()
-                await c.send(call([user("B")], seed=2))
-                return first, await c.response()  # the late event first, as the upstream sent
-
-        first, second = asyncio.run(two_calls())
+    with MockUpstream(tmp_path, late_event_after("repeat_output")) as up, \
+            proxy(tmp_path, up) as p:
+        first, second = asyncio.run(a_then_b(p.url, 1))
         late = second[0]
         assert late["type"] == "response.output_item.done" and "response" not in late
         assert late["item"] == next(e["item"] for e in first
