@@ -132,12 +132,18 @@ class TurnGuard:
         """A duplicate is held waiting for the attempt of ``flow_id`` (a detached call's), by
         the instance that gets the hooks now: a detached call's window armed before a script
         reload ends in the unloaded instance's ``Detacher``, while the retries held on the
-        call since are the new instance's (counted as its clients, it is not cut)."""
+        call since are the new instance's (counted as its clients, it is not cut); or one
+        decided to attach to it is on its way to the relay (no listener until it gets
+        there)."""
         now = self._process.guard
         if now is not None and now is not self:
             return now._awaited(flow_id)
         attempt = self.inflight.attempt(flow_id)
-        return attempt is not None and self.waiters.holding(attempt.ident.op_key)
+        if attempt is None:
+            return False
+        relay = self._process.relay
+        return self.waiters.holding(attempt.ident.op_key) or (
+            relay is not None and attempt.live is not None and relay.routed_to(attempt.live))
 
     def _emit(self, event: str, **fields) -> None:
         if self._unloaded:

@@ -493,6 +493,34 @@ def test_detached_calls_whose_clients_leave_within_milliseconds_are_cut_after_th
         assert all(r.get("outcome") != "completed" for r in ended), ended
 
 
+def test_a_retry_on_its_way_to_the_relay_as_the_window_ends_keeps_the_detached_call(tmp_path):
+    """A retry decided to attach to a detached call is no listener until mitmproxy follows
+    its route to the relay (here an addon after turnguard keeps it 0.8 s in its ``request``
+    hook): the call's window that ended meanwhile cut the call with the retry attached, its
+    answer cut short (and its client's next retry ran the turn again). The window counts it
+    as a client: the retry gets the whole stream, from one execution."""
+    later = tmp_path / "later_addon.py"
+    later.write_text("import asyncio\n\nclass Later:\n    async def request(self, flow):\n"
+                     "        if 'x-later' in flow.request.headers:\n"
+                     "            await asyncio.sleep(0.8)\n\naddons = [Later()]\n")
+    stream = {"default": {"kind": "ok", "events": 12, "gap_ms": 200}}  # 2.4 s
+    with MockUpstream(tmp_path, stream) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1000, extra_args=["-s", str(later)]) as proxy:
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+        with httpx.Client(trust_env=False, timeout=30, verify=default_tls()) as c, \
+                c.stream("POST", proxy.url + "/v1/responses", json=BODY, headers=h) as r:
+            next(r.iter_raw())  # its first event: then it leaves
+        time.sleep(0.6)  # the window (1 s from the client's leaving) ends in the retry's wait
+        h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS,
+             "x-later": "1"}
+        status, headers, body = sse_post(proxy.url, body=BODY, headers=h, timeout=30)
+        assert status == 200 and headers.get("x-turnguard") == "attached", headers
+        assert sse_event_types(body)[-1] == "response.completed"
+        assert len(up.dispatches()) == 1
+        detached = wait_for_event(tmp_path, "upstream_detached")
+        assert detached["cut"] is None and detached["used"] is True, detached
+
+
 def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path):
     stall = {"default": {"kind": "ok", "delay_ms": 8000}}
     with MockUpstream(tmp_path, stall) as up, guarded(

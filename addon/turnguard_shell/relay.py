@@ -139,6 +139,11 @@ class Relay:
         del self._routes[token]
         _call_end(route, None, 0)
 
+    def routed_to(self, live: LiveResponse) -> bool:
+        """Whether a flow is on its way to the relay to attach to ``live``: routed, not
+        connected yet (it is no listener of ``live`` until it connects)."""
+        return any(route.live is live for route in self._routes.values())
+
     def abandon(self, flow: http.HTTPFlow) -> None:
         """``flow`` failed before mitmproxy followed its route (its client left within
         milliseconds, a kill): the route is dropped and ended as a client that left. Kept
