@@ -464,7 +464,8 @@ def test_status_event_counts_go_on_like_the_metrics_across_a_new_events_file_and
     """``turnguard.status``'s ``events`` counts what this process did, as
     ``turnguard_events_total`` does: neither a new events file (``turnguard_events`` set while
     running, as mitmweb's options editor or ``:set`` do) nor a script reload may start it
-    again from 0 while the metrics of the same process go on."""
+    again from 0 while the metrics of the same process go on; nor may metrics switched off
+    and on again miss what happened meanwhile."""
     from test_at_most_once import reloadable, reloaded, touch_to_reload
     from test_e2e_bounds import STATUS_PROBE, status
     from test_e2e_control import set_live, LIVE_OPTIONS
@@ -493,6 +494,14 @@ def test_status_event_counts_go_on_like_the_metrics_across_a_new_events_file_and
         url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
         assert post(p.url) == 200  # replayed
         agree(p, url, 1)
+        # metrics switched off, then on again: the counters counted meanwhile too
+        assert set_live(p, "turnguard_metrics=")[0] == 200
+        assert post(p.url, body={**BODY, "input": "while the metrics are off"}) == 200
+        assert set_live(p, "turnguard_metrics=127.0.0.1:0")[0] == 200
+        url = re.findall(r"turnguard: metrics at (http://\S+/metrics)", p.log_text())[-1]
+        wait_until(lambda: metric(scrape(url), "turnguard_outcomes_total") == 2, 10,
+                   what="the outcome counted")
+        agree(p, url, 2)
         assert_no_traceback(p.log_text())
 
 

@@ -62,12 +62,12 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         """Stop serving (frees the address: a reloaded script binds it again). The counters
-        stay with the process (``ProcessState.metrics``)."""
+        stay with the process (``ProcessState.metrics``), and go on counting this
+        instance's records: served again, they agree with the events file."""
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
         self._serving = None
-        self._guard.telemetry.sink = None
 
     def _gauges(self) -> "GaugeState":
         from turnguard_core.metrics import GaugeState
