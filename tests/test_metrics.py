@@ -10,6 +10,7 @@ import socket
 import struct
 import time
 
+import httpx
 import pytest
 from mitmproxy import exceptions
 
@@ -217,8 +218,10 @@ async def test_a_bad_address_while_running_keeps_the_endpoint_in_use(tmp_path):
         with pytest.raises(exceptions.OptionsError, match="turnguard_metrics"):
             g.tctx.configure(g.tg, turnguard_metrics="nonsense")
         assert metric(await asyncio.to_thread(scrape, url), "turnguard_ledger_up") == 1
-        g.tctx.configure(g.tg, turnguard_metrics="")  # off
-        assert g.tg.telemetry.sink is None
+        g.tctx.configure(g.tg, turnguard_metrics="")  # off: no longer served, still counted
+        assert g.tg.metrics is None and g.tg.telemetry.sink is not None
+        with pytest.raises(httpx.ConnectError):
+            await asyncio.to_thread(scrape, url)
 
 
 async def test_metrics_off_by_default_and_nothing_listens(tmp_path):
