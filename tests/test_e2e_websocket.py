@@ -625,27 +625,31 @@ def test_a_client_that_queues_too_many_frames_is_let_go_with_its_frames_in_order
         assert_no_traceback(p.log_text())
 
 
-@pytest.mark.parametrize("why", ["frames queued", "budget"])
+@pytest.mark.parametrize("why", ["frames queued", "budget", "frames queued, then a reload"])
 def test_a_socket_let_go_while_its_call_runs_upstream_never_runs_it_twice(tmp_path, why):
     """A socket is let go while its call runs upstream (its client queued more frames than
     turnguard keeps behind it, or one frame waited past the request budget): its frames go on
-    untouched from then, but the call goes on too. Its response is still read to its end:
-    the same call held on another socket is answered from it, never run again, and the
-    let-go is no eventless failure for the circuit."""
+    untouched from then, but the call goes on too. Its response is still read to its end
+    (also by the instance a script reload loads meanwhile): the same call held on another
+    socket is answered from it, never run again, and the let-go is no eventless failure for
+    the circuit."""
     options = {"turnguard_request_budget_ms": 2000} if why == "budget" else {}
+    script = reloadable(tmp_path)
     with MockUpstream(tmp_path, {"default": {"kind": "ok", "hold": "run"}}) as up, \
-            proxy(tmp_path, up, **options) as p:
+            proxy(tmp_path, up, addon=script, **options) as p:
         async def both():
             async with WsClient.connect(p.url, headers=HEADERS) as a:
                 await a.send(call([user("run me once")], seed=1))
                 await asyncio.to_thread(up.wait_held, "run", 30)
-                for _ in range(MAX_QUEUED_FRAMES + 6 if why == "frames queued" else 1):
+                for _ in range(MAX_QUEUED_FRAMES + 6 if why != "budget" else 1):
                     await a.send({"type": "keepalive"})
                 await asyncio.to_thread(
                     wait_until, lambda: [e for e in events(tmp_path, "passthrough")
                                          if "frames queued" in e["reason"]
                                          or "within turnguard_request_budget_ms" in e["reason"]],
                     30, what="the socket let go")
+                if why.endswith("reload"):  # the followed call's end is the new instance's
+                    await asyncio.to_thread(lambda: reloaded(p, touch_to_reload(p, script)))
                 async with WsClient.connect(p.url, headers=HEADERS) as b:
                     await b.send(call([user("run me once")], seed=2))
                     try:

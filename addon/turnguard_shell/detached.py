@@ -249,16 +249,18 @@ class Detacher:
             d.orphan_since = None
         d.used = d.used or d.live.attached_total > d.attached_at_orphan
 
-    def _cut(self, d: Detached, reason: str, tries: int = CUT_TRIES) -> None:
-        """Cut the call's upstream. One whose server connection is not open yet (its client
-        left within milliseconds of the decision) has its task cancelled, and the cut is
-        tried again every ``CUT_AGAIN_S`` while the call runs (at most ``tries`` times more):
-        a connection mitmproxy was opening meanwhile carries the call on otherwise."""
-        if tries == CUT_TRIES:
-            d.cut_reason = reason
-            d.up.metadata.setdefault("turnguard", {})["detached_cut"] = reason
-            logger.info("turnguard: cut the detached upstream call of %s (%s)",
-                        d.client_flow_id, reason)
+    def _cut(self, d: Detached, reason: str) -> None:
+        d.cut_reason = reason
+        d.up.metadata.setdefault("turnguard", {})["detached_cut"] = reason
+        logger.info("turnguard: cut the detached upstream call of %s (%s)", d.client_flow_id,
+                    reason)
+        self._cut_upstream(d, reason, CUT_TRIES)
+
+    def _cut_upstream(self, d: Detached, reason: str, tries: int) -> None:
+        """Cut the call's upstream connection. One not open yet (its client left within
+        milliseconds of the decision) has its task cancelled, and the cut is tried again
+        every ``CUT_AGAIN_S`` while the call runs (at most ``tries`` times more): a
+        connection mitmproxy was opening meanwhile carries the call on otherwise."""
         why_not = cut_handler_upstream(d.handler, d.up.server_conn, f"turnguard: {reason}") \
             if d.handler is not None else "not started"
         if why_not is None:
@@ -268,7 +270,7 @@ class Detacher:
         if tries > 0:
             asyncio.get_running_loop().call_later(
                 CUT_AGAIN_S, lambda: self._calls.get(d.up.id) is d and d.live.end is None
-                and self._cut(d, reason, tries - 1))
+                and self._cut_upstream(d, reason, tries - 1))
 
     def ended(self, up_id: str, outcome: str) -> None:
         """The call's attempt ended (``outcome``): forget it; say what it was worth."""

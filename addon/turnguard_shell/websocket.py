@@ -122,6 +122,12 @@ class Socket:
         self.current = response
         self.idle.clear()
 
+    @property
+    def reads_upstream(self) -> bool:
+        """Whether the upstream's frames are read: guarded, or let go while a call ran
+        (``followed``), until that call's response ends."""
+        return self.guarded or self.followed is not None
+
     def unread_upstream(self) -> bool:
         """Whether the upstream sent messages that no hook read (while a script reload that
         failed left no addon instance)."""
@@ -194,7 +200,7 @@ class WebSockets:
                 sock.current.message = message  # the response's frame, ours, on its way
             return
         if not message.from_client:
-            if sock.guarded or sock.followed is not None:
+            if sock.reads_upstream:
                 self._upstream_frame(sock, message)
             return
         self.drop_unsent(sock)  # (the frame before this one had all its hooks)
@@ -272,10 +278,10 @@ class WebSockets:
         every second, and the response-created timer before it cuts a call.)"""
         for s in ([sock] if sock is not None else list(self._sockets.values())):
             data = s.flow.websocket
-            if data is None or not (s.guarded or s.followed is not None):
+            if data is None or not s.reads_upstream:
                 continue
             messages = data.messages
-            while s.seen < len(messages) and (s.guarded or s.followed is not None):
+            while s.seen < len(messages) and s.reads_upstream:
                 message = messages[s.seen]
                 if message.from_client and not message.injected \
                         and s.seen == len(messages) - 1:
