@@ -1283,3 +1283,35 @@ def test_a_turn_that_ends_while_the_ledger_is_down_runs_once_and_is_left_in_flig
     assert [(r[0], r[1].get("x-turnguard"), r[2] == first[2]) for r in results] == [
         (200, "replayed", True)] * 2
     assert_no_traceback(log)
+
+
+def test_a_claim_whose_commit_answer_was_lost_while_its_turn_runs_is_never_given_back(
+        tmp_path, pg_url):
+    """A's claim is committed, but the connection breaks before the server's answer: A
+    cannot know the claim landed, decides in memory and dispatches. B sees the turn in flight
+    under A and holds a duplicate. When A's connection is made again, the claim in doubt is
+    the row of the turn that runs here: given back (``rejected``), it woke B, which ran the
+    turn a second time."""
+    from pg_cut import PgCut
+
+    with MockUpstream(tmp_path) as up, PgCut(pg_url) as cut, \
+            guarded(tmp_path, up, "a", cut.url) as a, guarded(tmp_path, up, "b", pg_url) as b, \
+            ThreadPoolExecutor(2) as pool:
+        _warm_up(a, b)
+        slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=4000)}
+        body = {**BODY, "input": "its claim's commit answer is lost"}
+        cut.arm()
+        original = pool.submit(post, a.url, slow, body)
+        assert cut.wait_cut(15), "no claim was cut at its commit"
+        wait_until(lambda: len(up.dispatches()) == 3, 15, what="the turn dispatched by A")
+        duplicate = pool.submit(post, b.url, slow, body)
+        wait_until(lambda: events(tmp_path, "b", "duplicate_held"), 15, what="B holds it")
+        cut.let_in()  # A connects again while its turn runs, B's duplicate held on its claim
+        status, headers, answer = duplicate.result(60)
+        assert original.result(60)[0] == status == 200
+        assert headers.get("x-turnguard") in ("replayed", "attached")
+        assert len(up.dispatches()) == 3  # the two warm-ups, and this turn once
+        assert in_flight(pg_url) == 0
+        assert [e["reason"] for e in events(tmp_path, "a", "attempt_adopted")
+                if e.get("reason")] == ["its claim's commit was in doubt"]
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -325,28 +325,29 @@ def _end_ledger_connections(pg_url: str) -> None:
         time.sleep(0.02)
 
 
-def test_a_claim_in_doubt_when_the_connection_broke_is_given_back(pg_url):
+def test_a_claim_in_doubt_when_the_connection_broke_is_told_once_never_given_back_alone(pg_url):
+    """A claim whose commit's answer was lost stays in flight when the connection is made
+    again (its request may run, decided in memory: given back, a duplicate held elsewhere
+    would run it again); ``claims_in_doubt`` tells it, once, for the caller to settle."""
     led = PgLedger(pg_url, "a")
     led.open(1000.0)
-    i = ident(1)
+    i, j = ident(1), ident(2)
     claim = led.admit(i, method="POST", path="/v1/responses", now=1000.0, guard=GUARD, flow_id="f")
     led._doubtful_claims.append((claim.attempt_id, i.op_key))  # as if the COMMIT's answer was lost
+    led._doubtful_claims.append((claim.attempt_id + 1, j.op_key))  # one that never landed
+    assert led.claims_in_doubt_pending
     _end_ledger_connections(pg_url)
-    # the connection the server ended is noticed before it is used: made again, and the claim
-    # in doubt given back first
-    assert led.snapshot(i.op_key).state == "rejected"
-    assert sql(pg_url, "SELECT outcome, detail FROM attempts") == [
-        ("rejected", "claim given back: the connection broke at commit")]
-    again = led.admit(i, method="POST", path="/v1/responses", now=1001.0, guard=GUARD, flow_id="f")
-    assert isinstance(again, policy.Dispatch) and again.kind == "retry"
+    assert led.snapshot(i.op_key).state == "in_flight"  # made again: nothing given back
+    assert led.claims_in_doubt() == [(claim.attempt_id, i.op_key)]
+    assert not led.claims_in_doubt_pending and led.claims_in_doubt() == []
+    assert sql(pg_url, "SELECT outcome FROM attempts") == [("in_flight",)]
     led.close()
 
 
-def test_a_claim_in_doubt_whose_give_back_met_a_lock_is_given_back_once_it_can_be(pg_url):
+def test_claims_in_doubt_that_cannot_be_read_are_told_once_they_can_be(pg_url):
     """The connection broke at a claim's commit, and when it is made again another session
-    keeps ``attempts`` locked: the give-back cannot be written then (the call fails). It is
-    tried again by the next call, or the claim would stay in flight for good for a live
-    process that never dispatched it (its duplicates held, then 409, for ever)."""
+    keeps ``operations`` locked against reads: the claims in doubt cannot be told then (the
+    call fails). They are still pending, and told by the next call that can read."""
     led = PgLedger(pg_url, "a", busy_timeout_ms=300)
     led.open(1000.0)
     i = ident(1)
@@ -356,15 +357,14 @@ def test_a_claim_in_doubt_whose_give_back_met_a_lock_is_given_back_once_it_can_b
     locker = psycopg.connect(pg_url, autocommit=True)
     try:
         locker.execute("BEGIN")
-        locker.execute("LOCK TABLE attempts IN EXCLUSIVE MODE")  # reads pass, writes wait
+        locker.execute("LOCK TABLE operations IN ACCESS EXCLUSIVE MODE")
         with pytest.raises(LedgerError):
-            led.snapshot(i.op_key)  # made again; the give-back waits for the lock, gives up
+            led.claims_in_doubt()
     finally:
         locker.execute("ROLLBACK")
         locker.close()
-    assert led.snapshot(i.op_key).state == "rejected"
-    assert sql(pg_url, "SELECT outcome, detail FROM attempts") == [
-        ("rejected", "claim given back: the connection broke at commit")]
+    assert led.claims_in_doubt_pending
+    assert led.claims_in_doubt() == [(claim.attempt_id, i.op_key)]
     led.close()
 
 

@@ -351,9 +351,9 @@ class FailoverStore:
     @property
     def usable(self) -> bool:
         """Decisions may read the ledger: it is open, no fault was noted since it last worked,
-        and it owes nothing (kept writes, attempts to register)."""
+        and it owes nothing (kept writes, attempts to register, claims in doubt to settle)."""
         return (self._store is not None and self.error is None and not self._kept
-                and not self._adoption_due)
+                and not self._adoption_due and not self._store.claims_in_doubt_pending)
 
     @property
     def owes_writes_behind_a_lock(self) -> bool:
@@ -407,7 +407,9 @@ class FailoverStore:
             return self.error
         if self._kept:
             return "writes owed"
-        return "attempts in flight to register" if self._adoption_due else "ledger not open"
+        if self._adoption_due:
+            return "attempts in flight to register"
+        return "claims in doubt to settle" if self._store is not None else "ledger not open"
 
     @property
     def generation(self) -> str:
@@ -946,6 +948,11 @@ class FailoverStore:
             for attempt in list(self._attempts()):
                 if attempt.generation != store.generation:
                     await self._adopt(store, attempt, bound())
+            # (after the adoptions: an attempt that runs on a claim in doubt found its
+            # operation in flight under that claim, and is registered without a row)
+            for attempt_id, op_key in await store.claims_in_doubt(deadline=bound()):
+                self._claim_not_run(attempt_id, op_key, store.generation,
+                                    "its claim's commit was in doubt")
             if self._stale_attempts_due:
                 moved = await store.end_stale_attempts(
                     [a.ident.op_key for a in self._attempts()], now=time.time(),
@@ -1209,7 +1216,7 @@ class FailoverStore:
             # no row of that attempt yet, claimed it again. Not run twice here: the claim
             # becomes that attempt's row, or is given back (its end owed is recorded on
             # it), and the request is decided as memory decides it (held, or replayed).
-            self._claim_not_run(admission, ident, self.generation,
+            self._claim_not_run(admission.attempt_id, ident.op_key, self.generation,
                                 "a claim made while it ran from memory")
             admission = UNREAD
         if isinstance(admission, Unread):
@@ -1374,23 +1381,25 @@ class FailoverStore:
             return
         claim = task.result()
         if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
-            self._claim_not_run(claim, ident, generation, "its claim answered late")
+            self._claim_not_run(claim.attempt_id, ident.op_key, generation,
+                                "its claim answered late")
 
-    def _claim_not_run(self, claim: policy.Dispatch, ident: Identity, generation: str,
+    def _claim_not_run(self, attempt_id: int, op_key: str, generation: str,
                        reason: str) -> None:
-        """A claim of the ledger file of ``generation`` whose request does not go upstream:
-        the row of this process's attempt of the operation that runs without one
-        (dispatched from memory; said with ``reason``), else ended at once (``rejected``)."""
+        """A claim (``attempt_id`` of ``op_key``) of the ledger file of ``generation`` whose
+        request does not go upstream: the row of this process's attempt of the operation
+        that runs without one (dispatched from memory; said with ``reason``), else ended
+        (``rejected``), after the ends owed to that file: an attempt of the operation that
+        ran here without a row and ended has its end recorded on the claim first."""
         running = next((a for a in self._attempts()
-                        if a.attempt_id is None and a.ident.op_key == ident.op_key), None)
+                        if a.attempt_id is None and a.ident.op_key == op_key), None)
         if running is not None:
-            running.attempt_id, running.generation = claim.attempt_id, generation
-            self._emit("attempt_adopted", op=ident.op_id, flow=running.flow_id,
-                       session=ident.session, transport=running.transport,
-                       attempt=claim.attempt_id, ledger_generation=generation,
-                       reason=reason)
+            running.attempt_id, running.generation = attempt_id, generation
+            self._emit("attempt_adopted", op=running.ident.op_id, flow=running.flow_id,
+                       session=running.ident.session, transport=running.transport,
+                       attempt=attempt_id, ledger_generation=generation, reason=reason)
             return
-        self.give_back(claim, ident.op_key, generation)
+        self.write(generation, GiveBackWrite(attempt_id, op_key, time.time()))
 
     async def recording(
         self, ident: Identity, attempt_id: int | None, *, window_s: float | None,

@@ -580,6 +580,12 @@ class Ledger:
         if why is not None:
             raise sqlite3.OperationalError(why)
 
+    claims_in_doubt_pending = False  # a claim's commit in SQLite is never in doubt
+
+    def claims_in_doubt(self) -> list[tuple[int, str]]:
+        """See ``PgLedger.claims_in_doubt``: none here (a commit that fails rolled back)."""
+        return []
+
     def file_replaced(self) -> str | None:
         """Why the file at ``path`` is no longer the one this connection opened (deleted, or
         replaced by another file), or None. Writing on would go to a file nobody else sees, and

@@ -23,9 +23,10 @@ hosts, since PostgreSQL does not serialize writers the way SQLite's ``BEGIN IMME
   database's ``generation`` (a database dropped and made again is another ledger: kept writes
   for the old one are never applied to it);
 - a connection that broke (a PostgreSQL restart, a network fault) is made again on the next
-  call; a claim whose commit may or may not have landed when the connection broke is given
-  back (ended ``rejected``: it was never dispatched) as soon as the connection is back, or it
-  would stay in flight for a live process that never dispatched it.
+  call; a claim whose commit may or may not have landed when the connection broke is a claim
+  in doubt: ``claims_in_doubt`` tells which of them landed and are still in flight, for the
+  caller to settle (the row of the attempt it runs without one, else given back), never the
+  ledger alone: its request may have been dispatched meanwhile, decided without the ledger.
 
 Raises ``LedgerError`` (never a bare ``psycopg`` error); deadlocks and serialization failures
 are retried a few times first. The URL's password is never shown: ``path`` is the URL as
@@ -378,8 +379,6 @@ class PgLedger:
             db.close()
             raise
         self._db = db
-        if self._doubtful_claims:
-            self._give_back_doubtful(db)
         return db
 
     def _still_the_one_opened(self, generation: str) -> None:
@@ -408,15 +407,28 @@ class PgLedger:
             db.execute(f"SET statement_timeout = {ms}; SET lock_timeout = {ms}")
             self._session_ms = ms
 
-    def _give_back_doubtful(self, db: psycopg.Connection) -> None:
-        """End the claims whose commit was in doubt when the connection broke: their requests
-        were decided without them (in memory), so they were never dispatched."""
+    @property
+    def claims_in_doubt_pending(self) -> bool:
+        """Claims are in doubt (``claims_in_doubt`` has not told of them yet); read from any
+        thread."""
+        return bool(self._doubtful_claims)
+
+    @_wrap
+    def claims_in_doubt(self) -> list[tuple[int, str]]:
+        """The claims whose commit was in doubt when the connection broke that landed and are
+        still their operation's attempt in flight, as ``(attempt_id, op_key)``; told once.
+        Their requests were decided without them (in memory), and may be running: the caller
+        makes each the row of the attempt it runs of the operation, or gives it back."""
         doubtful = list(self._doubtful_claims)
-        end = AttemptEnd("rejected", None, 0, "claim given back: the connection broke at commit")
+        landed = []
         with self._tx() as tx:
             for attempt_id, op_key in doubtful:
-                self._finish(tx, attempt_id, end, time.time(), None, False, op_key)
+                if tx.db.execute(
+                        "SELECT 1 FROM operations WHERE op_key=%s AND state='in_flight'"
+                        " AND current_attempt=%s", (op_key, attempt_id)).fetchone():
+                    landed.append((attempt_id, op_key))
         del self._doubtful_claims[:len(doubtful)]
+        return landed
 
     def _drop(self) -> None:
         self._session_ms = None

@@ -140,6 +140,14 @@ class Store(Protocol):
         ended: tuple[int, ...] = (),
     ) -> int | None: ...
 
+    @property
+    def claims_in_doubt_pending(self) -> bool:
+        """A claim's commit was in doubt when the connection broke, and ``claims_in_doubt``
+        has not told of it yet (no query)."""
+
+    async def claims_in_doubt(self, *, deadline: float | None) -> list[tuple[int, str]]:
+        """``PgLedger.claims_in_doubt``: the claims in doubt that landed and are in flight."""
+
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
 
     def attempts_in_flight_elsewhere_sync(
@@ -396,6 +404,13 @@ class LedgerStore:
             ident, method=method, path=route, kind=kind, flow_id=flow_id, now=now,
             circuit_scope=circuit_scope, transport=transport, ended=ended,
         ), deadline=deadline)
+
+    @property
+    def claims_in_doubt_pending(self):
+        return self._runner.ledger.claims_in_doubt_pending
+
+    async def claims_in_doubt(self, *, deadline):
+        return await self._runner.call(lambda led: led.claims_in_doubt(), deadline=deadline)
 
     async def peers_with_attempts_in_flight(self):
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())
