@@ -205,9 +205,11 @@ class TurnGuard:
             logger.error("turnguard: %s; ignored, the value in force is kept", message)
 
     def configure(self, updated: set[str]) -> None:
-        if self.refused:
-            return
         o = ctx.options
+        if self.refused:  # turnguard is off: a bad option at start-up
+            if not self._running:
+                self._refuse_other_bad_values(o)
+            return
         try:
             self.settings = options.settings_from({s.name: getattr(o, s.name) for s in options.OPTIONS})
             if "turnguard_filter" in updated:
@@ -267,15 +269,35 @@ class TurnGuard:
                 f" ({self.store.location}) must end there first; set it again once they have"
                 " ended (turnguard.status shows them)")
 
+    def _refuse_other_bad_values(self, o) -> None:
+        """At start-up, once a bad option has turned turnguard off (an unknown name, a value
+        of the wrong type: said as the script loaded), the values mitmproxy then applies are
+        still checked, so that one start names every bad option, not one per try. Only the
+        checks that touch nothing (the numbers and choices, the filter): no file is opened."""
+        try:
+            options.settings_from({s.name: getattr(o, s.name) for s in options.OPTIONS})
+            config.parse_filter(o.turnguard_filter)
+        except ValueError as e:
+            message = ledger_location.scrub_options(
+                str(e), [getattr(o, s.name) for s in options.OPTIONS])
+            if message not in self.refused:  # (configure runs more than once at start-up)
+                self._refuse(message)
+
     def _refuse(self, message: str) -> None:
         """A bad option. While mitmproxy starts: one error line naming it, turnguard stays off
         and mitmproxy exits (an error logged during start-up stops it). Later (an option changed
         in mitmweb or the console, a config file loaded): ``OptionsError``, so mitmproxy keeps
         the previous value, and a warning line: whoever set it sees mitmproxy's error, but
-        nothing else says it in the log (mitmdump has no other place to show it)."""
+        nothing else says it in the log (mitmdump has no other place to show it). An unknown
+        ``turnguard_*`` name (a typo) in the same update (a config file loaded) is named too,
+        in the error and in an error line of its own: mitmproxy drops it with the refused
+        update before it would set it aside, so nothing else would ever say it."""
         if self._running:
             logger.warning("turnguard: %s; refused, the value in force is kept", message)
-            raise exceptions.OptionsError(message)
+            typos = options.deferred_problems(config.names_unknown_in_update_under_way(ctx.options))
+            for typo in typos.values():
+                logger.error("turnguard: %s; ignored, the value in force is kept", typo)
+            raise exceptions.OptionsError("; ".join([message, *typos.values()]))
         self.refused.append(message)
         logger.error("turnguard: %s; turnguard is not running", message)
 

@@ -369,6 +369,26 @@ def test_a_value_with_a_nul_from_the_config_file_is_refused_in_one_line_naming_i
     _assert_refused(r, option)
 
 
+def test_a_config_file_with_a_misspelt_option_and_a_bad_value_names_both_at_start_up(tmp_path):
+    """A config file holding a misspelt turnguard name and a bad value for a real one: the
+    start stops (exit status non-zero) naming both, one line each, not one per try (the
+    misspelling turned turnguard off as the script loaded, and the bad value that mitmproxy
+    applied next was never checked)."""
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    (confdir / "config.yaml").write_text(
+        "turnguard_hold_timout_ms: 5\nturnguard_hold_timeout_ms: -3\n")
+    r = _mitmdump_once(tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out
+    lines = _turnguard_lines(out)
+    assert len(lines) == 2, out
+    assert any("unknown option turnguard_hold_timout_ms=5" in line
+               and "did you mean turnguard_hold_timeout_ms?" in line for line in lines), out
+    assert any("turnguard_hold_timeout_ms must be >= 0, not -3" in line for line in lines), out
+    assert "turnguard: running" not in out
+
+
 PG_SECRET = "pg-SECRET-hunter2"
 
 
