@@ -9,14 +9,18 @@ a sound ledger with nothing left in flight)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from harness import REPO
+from harness import REPO, wait_until
 
 CHAOS = REPO / "scripts" / "chaos"
 TIMEOUT_S = 300
+STOPPED_WITHIN_S = 45  # its processes stopped one after the other, each up to 10 s
 
 
 def chaos(*args: str) -> subprocess.CompletedProcess[str]:
@@ -82,3 +86,82 @@ def test_a_run_with_junk_over_the_ledger_and_deletions_passes_every_check(tmp_pa
     report(f"scripts/chaos --seed 3 --ops 12 --faults junk,rm_all --transport mixed --sessions: "
            f"{len(data['faults'])} faults, no check failed, "
            f"{data['dispatched_more_than_once']} operations dispatched more than once")
+
+
+def _proc_stat(pid: str) -> tuple[int, int, str] | None:
+    """(parent pid, process group, state) of a live process, from /proc; None once gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # (the command's name may hold spaces)
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def _group_leaders_started_by(parent: int) -> set[int]:
+    """The children of ``parent`` that lead a process group of their own (what the chaos run
+    starts: the mock upstream and the two mitmdumps, each in a session of its own)."""
+    leaders = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _proc_stat(pid)
+        if stat is not None and stat[0] == parent and stat[1] == int(pid):
+            leaders.add(int(pid))
+    return leaders
+
+
+def _alive_in_groups(groups: set[int]) -> list[int]:
+    """The processes (not yet dead: zombies are) in any of the process groups ``groups``."""
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+            if (stat := _proc_stat(pid)) is not None and stat[1] in groups
+            and stat[2] not in ("Z", "X")]
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+            if line.split()[1].startswith(f"{folder}/")]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_a_signal_leaves_no_process_and_no_mount(tmp_path, stop_signal):
+    """``scripts/chaos`` stopped by SIGTERM (or SIGINT) while its turns run: the processes it
+    started (the mock upstream and the two mitmdumps, each in a process group of its own that
+    the signal does not reach) are stopped, the ledger's tmpfs (with root: every fault, full
+    included) is unmounted, and it exits 128 + the signal. (A SIGTERM ended it at once: all
+    of them, and the mount, were left behind.)"""
+    out = tmp_path / "chaos.out"
+    with open(out, "wb") as f:
+        run = subprocess.Popen([str(CHAOS), "--seed", "1", "--ops", "30"], stdout=f,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
+    groups: set[int] = set()
+    try:
+        def both_proxies_listen() -> bool:
+            groups.update(_group_leaders_started_by(run.pid))
+            assert run.poll() is None, out.read_text()
+            logs = list(tmp_path.glob("turnguard-chaos-*/[AB].log"))
+            return len(groups) == 3 and len(logs) == 2 and all(
+                "listening at" in log.read_text(errors="replace") for log in logs)
+
+        wait_until(both_proxies_listen, 60, interval=0.1, what="the chaos run's processes")
+        mounted = _mounts_under(tmp_path)
+        assert mounted or "the fault full is left out" in out.read_text(), out.read_text()
+        run.send_signal(stop_signal)
+        status = run.wait(STOPPED_WITHIN_S)
+        wait_until(lambda: not _alive_in_groups(groups), 10, interval=0.1,
+                   what=f"the processes of groups {sorted(groups)} gone")
+        assert not _mounts_under(tmp_path), (mounted, out.read_text())
+        assert status == 128 + stop_signal, out.read_text()
+        assert not list(tmp_path.glob("turnguard-chaos-*")), "the work folder is left"
+        text = out.read_text()
+        assert f"stopped by {stop_signal.name}" in text and "Traceback" not in text, text
+    finally:  # (what the run left, if it did: only what it started)
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for mount in _mounts_under(tmp_path):
+            subprocess.run(["umount", "-l", mount], check=False, timeout=30)

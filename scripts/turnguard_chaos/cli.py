@@ -69,6 +69,19 @@ TRANSPORTS = ("http", "ws", "mixed")
 LEDGER_TMPFS_SIZE = "64m"  # the ledger, its 16 MiB WAL and disk_full's scratch write in it
 START_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 90.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The run was stopped by ``signum`` (SIGTERM, SIGINT): its clean-up ran."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -346,6 +359,20 @@ class Run:
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The run, its processes stopped (and the ledger's tmpfs unmounted) however it ends. A
+    SIGTERM or SIGINT meanwhile cancels it (a handler on the loop: the signal interrupts no
+    clean-up) and it raises ``Stopped`` once its processes are gone."""
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    assert main is not None
+    stopped_by: list[int] = []
+
+    def stop_on(signum: int) -> None:
+        if not stopped_by:
+            stopped_by.append(signum)
+            main.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop_on, signum)
     chaos_run = Run(args, work)
     try:
         await chaos_run.start()
@@ -358,35 +385,32 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             await faults
         await asyncio.sleep(3)  # what was owed is written, the last ends land
         return chaos_run.report()
+    except asyncio.CancelledError:
+        if stopped_by:
+            raise Stopped(stopped_by[0]) from None
+        raise
     finally:
         chaos_run.stop()
+        for signum in STOP_SIGNALS:  # (the loop's close would set them back to the default)
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, _raise_stopped)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The run; its exit status. Stopped by SIGTERM or SIGINT, it stops the processes it
+    started (each in a process group of its own, which a signal to this one does not reach),
+    unmounts the ledger's tmpfs and removes its work folder, and exits 128 + the signal."""
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="turnguard-chaos-"))
-    os.chmod(work, 0o700)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
     try:
-        if "full" in args.faults:
-            mount_tmpfs(work / "ledger", LEDGER_TMPFS_SIZE)
-        else:
-            (work / "ledger").mkdir(mode=0o700)
-    except OSError as e:
-        if not args.all_faults:
-            shutil.rmtree(work, ignore_errors=True)
-            print(f"scripts/chaos: the fault full needs the ledger on a tmpfs of its own: {e}",
-                  file=sys.stderr)
-            return 2
-        print(f"the fault full is left out (it needs the ledger on a tmpfs of its own: {e})")
-        args.faults.remove("full")
-        (work / "ledger").mkdir(mode=0o700, exist_ok=True)
-    try:
-        report = asyncio.run(run(args, work))
-    finally:
-        if args.keep:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        report = _run_in_work_folder(args)
+    except Stopped as e:
+        print(f"scripts/chaos: stopped by {e}; the processes it started are stopped",
+              file=sys.stderr)
+        return 128 + e.signum
+    if report is None:
+        return 2
     for o in report["operations"]:
         print(json.dumps(o))
     print(f"faults: {' '.join(f'{t}s:{f}' for t, f in report['faults']) or 'none'}")
@@ -399,3 +423,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 1 if report["violations"] else 0
+
+
+def _run_in_work_folder(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The run's report, in a work folder of its own that is removed after (unless --keep),
+    its ledger's tmpfs (with ``full``) unmounted first however the run ends; None when
+    ``full`` was asked for and no tmpfs can be mounted."""
+    work, keep = Path(tempfile.mkdtemp(prefix="turnguard-chaos-")), args.keep
+    try:
+        os.chmod(work, 0o700)
+        try:
+            if "full" in args.faults:
+                mount_tmpfs(work / "ledger", LEDGER_TMPFS_SIZE)
+            else:
+                (work / "ledger").mkdir(mode=0o700)
+        except OSError as e:
+            if not args.all_faults:
+                keep = False  # (nothing ran)
+                print(f"scripts/chaos: the fault full needs the ledger on a tmpfs of its own: "
+                      f"{e}", file=sys.stderr)
+                return None
+            print(f"the fault full is left out (it needs the ledger on a tmpfs of its own: {e})")
+            args.faults.remove("full")
+            (work / "ledger").mkdir(mode=0o700, exist_ok=True)
+        return asyncio.run(run(args, work))
+    finally:
+        if (work / "ledger").is_mount():  # (stopped before the run could unmount it)
+            unmount(work / "ledger")
+        if keep:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
