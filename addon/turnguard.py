@@ -288,16 +288,10 @@ class TurnGuard:
         and mitmproxy exits (an error logged during start-up stops it). Later (an option changed
         in mitmweb or the console, a config file loaded): ``OptionsError``, so mitmproxy keeps
         the previous value, and a warning line: whoever set it sees mitmproxy's error, but
-        nothing else says it in the log (mitmdump has no other place to show it). An unknown
-        ``turnguard_*`` name (a typo) in the same update (a config file loaded) is named too,
-        in the error and in an error line of its own: mitmproxy drops it with the refused
-        update before it would set it aside, so nothing else would ever say it."""
+        nothing else says it in the log (mitmdump has no other place to show it)."""
         if self._running:
             logger.warning("turnguard: %s; refused, the value in force is kept", message)
-            typos = options.deferred_problems(config.names_unknown_in_update_under_way(ctx.options))
-            for typo in typos.values():
-                logger.error("turnguard: %s; ignored, the value in force is kept", typo)
-            raise exceptions.OptionsError("; ".join([message, *typos.values()]))
+            raise exceptions.OptionsError(message)
         self.refused.append(message)
         logger.error("turnguard: %s; turnguard is not running", message)
 

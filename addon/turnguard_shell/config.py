@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
-from typing import Any, Callable
+from typing import Callable
 
-from mitmproxy import flowfilter, http, optmanager
+from mitmproxy import flowfilter, http
 from mitmproxy import log as mitmproxy_log
 
 from turnguard_core.ledger import LedgerError, check_path
@@ -90,33 +89,6 @@ def keep_out_of_legacy_log_events() -> Callable[[], None]:
     for handler in handlers:
         handler.addFilter(not_ours)
     return lambda: [handler.removeFilter(not_ours) for handler in handlers]  # type: ignore[func-returns-value]
-
-
-# how far up the stack the update being applied is looked for (mitmproxy's own calls between
-# ``OptManager.update_known`` and a ``configure`` hook are about a dozen)
-UPDATE_FRAMES_SEARCHED = 100
-
-
-def names_unknown_in_update_under_way(opts: optmanager.OptManager) -> dict[str, Any]:
-    """The names ``opts`` does not know, with their values, in the options update being applied
-    to it now (on this thread's stack: a config file loaded while running, mitmweb's options
-    editor); empty when there is none. mitmproxy's ``OptManager.update_known`` applies the
-    names it knows first and sets the others aside (``deferred``) only once those are
-    applied: when a ``configure`` hook refuses a value, the others go with the whole update,
-    never said. They are read from that call's arguments, the one place mitmproxy holds
-    them (anything else found there: empty)."""
-    update_known = getattr(getattr(optmanager.OptManager, "update_known", None), "__code__", None)
-    frame = sys._getframe(1)
-    for _ in range(UPDATE_FRAMES_SEARCHED):
-        if frame is None or update_known is None:
-            break
-        if frame.f_code is update_known and frame.f_locals.get("self") is opts:
-            names = frame.f_locals.get("kwargs")
-            if not isinstance(names, dict):
-                break
-            return {k: v for k, v in names.items() if isinstance(k, str) and k not in opts}
-        frame = frame.f_back
-    return {}
 
 
 def telemetry(path: str | None = None) -> Telemetry:
