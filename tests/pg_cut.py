@@ -11,6 +11,9 @@ made it cannot know whether it was: a claim in doubt.
         cut.wait_cut(10)
         ...                    # what happens while the process cannot connect again
         cut.let_in()
+
+``isolate`` cuts a process off its ledger but for its notifications: every connection through
+the relay but the one that sent ``LISTEN`` is closed, new ones refused until ``let_in``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ class PgCut:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._stopped = False
-        self._refusing = False
+        self._refusing = False  # after the cut (``arm``)
+        self._refusing_all = False  # (``isolate``)
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._listening: set[tuple[socket.socket, socket.socket]] = set()
 
     def __enter__(self) -> "PgCut":
         threading.Thread(target=self._accept, daemon=True).start()
@@ -64,9 +70,20 @@ class PgCut:
         self._refusing = True
         self._armed.set()
 
+    def isolate(self) -> None:
+        """Close every connection through the relay but those that listen for notifications
+        (they sent ``LISTEN``), and refuse new ones until ``let_in``: the process can no
+        longer read or write the ledger, yet it is still told of the ends of attempts."""
+        with self._lock:
+            self._refusing_all = True
+            for client, server in list(self._pairs):
+                if (client, server) not in self._listening:
+                    _close(client)
+                    _close(server)
+
     def let_in(self) -> None:
         """New connections pass again."""
-        self._refusing = False
+        self._refusing = self._refusing_all = False
 
     def wait_cut(self, timeout: float) -> bool:
         return self._cut.wait(timeout)
@@ -77,7 +94,7 @@ class PgCut:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            if self._refusing and self._cut.is_set():
+            if self._refusing_all or self._refusing and self._cut.is_set():
                 _close(client)
                 continue
             try:
@@ -88,6 +105,7 @@ class PgCut:
             server.settimeout(None)
             with self._lock:
                 self._sockets += [client, server]
+                self._pairs.append((client, server))
             cutting = threading.Event()
             threading.Thread(target=self._upward, args=(client, server, cutting),
                              daemon=True).start()
@@ -105,6 +123,9 @@ class PgCut:
                 break
             if not data:
                 break
+            if b"LISTEN " in data:
+                with self._lock:
+                    self._listening.add((client, server))
             if self._armed.is_set() and CLAIM in data:
                 claiming = True
             prepared.update(m.group(1) for m in COMMIT_PARSE.finditer(data))

@@ -65,6 +65,32 @@ def test_knowledge_learns_and_forgets_as_the_ledger_would():
     assert k.facts("spent", in_flight_here=False, fingerprint="f", now=0, window_s=1).exhausted
 
 
+def test_a_turn_completed_elsewhere_within_its_window_is_never_dispatched_again_blind():
+    """The ledger notified that another process's attempt completed; its recording is in the
+    ledger only. While the ledger cannot be read, a duplicate is failed closed (503), as a
+    completed turn whose bytes cannot be read is, until the window passes or a new attempt of
+    the operation is known."""
+    assert decide(MemoryFacts(completed_elsewhere=True)) == policy.Denied(
+        "upstream_request_timeout", "ledger_unavailable")
+    k = Knowledge()
+
+    def facts(now=1100.0, window_s=300):
+        return k.facts("op", in_flight_here=False, fingerprint="f", now=now, window_s=window_s)
+
+    k.in_flight_elsewhere("op", 7)
+    k.completed_elsewhere("op", 1000.0)
+    assert facts().completed_elsewhere and not facts().in_flight_elsewhere
+    assert not facts(now=1400.0).completed_elsewhere  # past its window: a new turn
+    assert not facts(window_s=None).completed_elsewhere  # replay off: the ledger dispatches too
+    k.in_flight_elsewhere("op", 8)  # run again elsewhere (past the window there)
+    assert not facts().completed_elsewhere and facts().in_flight_elsewhere
+    k.completed_elsewhere("op", 1000.0)
+    k.completed("op", rec())  # its recording read: replayed from memory
+    assert facts().replayable and not facts().completed_elsewhere
+    k.completed_elsewhere("op", 1050.0)  # (its own end, notified too)
+    assert facts().replayable and not facts().completed_elsewhere
+
+
 def test_remembered_circuits_are_bounded_and_idle_ones_forgotten():
     """Of the circuits a process noted, a refresh from the ledger keeps the cooling ones (the
     ledger's and those carried from a replaced file) and of the rest only those that count

@@ -1315,3 +1315,33 @@ def test_a_claim_whose_commit_answer_was_lost_while_its_turn_runs_is_never_given
         assert [e["reason"] for e in events(tmp_path, "a", "attempt_adopted")
                 if e.get("reason")] == ["its claim's commit was in doubt"]
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_duplicate_woken_by_a_completed_end_while_its_process_cannot_reach_the_ledger_is_not_run_again(
+        tmp_path, pg_url):
+    """A holds a duplicate of B's turn. A is cut off its ledger (its connections closed, new
+    ones refused) but for the connection that listens for notifications. B's turn completes:
+    the notification wakes A's duplicate, which cannot read the recording nor the operation.
+    A knows from the notification that the turn completed: the duplicate is failed closed
+    (503, as a completed turn whose bytes cannot be read), never run again."""
+    from pg_cut import PgCut
+
+    with MockUpstream(tmp_path) as up, PgCut(pg_url) as cut, \
+            guarded(tmp_path, up, "a", cut.url) as a, guarded(tmp_path, up, "b", pg_url) as b, \
+            ThreadPoolExecutor(2) as pool:
+        _warm_up(a, b)
+        slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=3000)}
+        body = {**BODY, "input": "its end is told, its recording cannot be read"}
+        original = pool.submit(post, b.url, slow, body)
+        wait_until(lambda: len(up.dispatches()) == 3, 15, what="the turn dispatched by B")
+        duplicate = pool.submit(post, a.url, slow, body)
+        wait_until(lambda: events(tmp_path, "a", "duplicate_held"), 15, what="A holds it")
+        cut.isolate()
+        try:
+            assert original.result(60)[0] == 200
+            status, headers, _ = duplicate.result(60)
+        finally:
+            cut.let_in()
+        assert len(up.dispatches()) == 3  # the two warm-ups, and this turn once
+        assert status == 503 or (status == 200 and headers.get("x-turnguard") == "replayed")
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -665,7 +665,10 @@ class FailoverStore:
 
     def _attempt_ended(self, op_key: str, attempt_id: int, state: str) -> None:
         """A process sharing the ledger ended an attempt (notified, on the event loop)."""
-        self.memory.knowledge.ended(op_key)
+        if state == "completed":
+            self.memory.knowledge.completed_elsewhere(op_key, time.time())
+        else:
+            self.memory.knowledge.ended(op_key)
         if self._on_attempt_ended is not None:
             self._on_attempt_ended(op_key, attempt_id, state)
 

@@ -63,17 +63,30 @@ class Knowledge:
         self._max_bytes = max_bytes
         self._elsewhere: OrderedDict[str, int | None] = OrderedDict()  # op -> attempt id
         self._exhausted: OrderedDict[str, None] = OrderedDict()
+        # op -> when another process's attempt of it completed (wall clock), as notified: its
+        # recording is in the ledger, not here
+        self._completed_elsewhere: OrderedDict[str, float] = OrderedDict()
         self._recordings: OrderedDict[str, KnownRecording] = OrderedDict()
         self._bytes = 0
 
     # -- learning ------------------------------------------------------------------------------
     def in_flight_elsewhere(self, op_key: str, attempt_id: int | None) -> None:
         """The ledger said another process has an attempt of ``op_key`` in flight."""
+        self._completed_elsewhere.pop(op_key, None)
         self._put(self._elsewhere, op_key, attempt_id)
 
     def ended(self, op_key: str) -> None:
         """The operation's attempt in flight (here or elsewhere) is known to have ended."""
         self._elsewhere.pop(op_key, None)
+        self._completed_elsewhere.pop(op_key, None)
+
+    def completed_elsewhere(self, op_key: str, ended_at: float) -> None:
+        """Another process's attempt of ``op_key`` completed at ``ended_at`` (the ledger
+        notified it): replayed from the ledger, never dispatched again from memory while the
+        recording cannot be read."""
+        self.ended(op_key)
+        if op_key not in self._recordings:
+            self._put(self._completed_elsewhere, op_key, ended_at)
 
     def exhausted(self, op_key: str) -> None:
         """Its once-only recovery claim is spent (it never becomes available again)."""
@@ -194,11 +207,14 @@ class Knowledge:
         replayable = window_s is not None and self.recording(
             op_key, fingerprint=fingerprint, now=now, window_s=window_s
         ) is not None
+        completed_at = self._completed_elsewhere.get(op_key)
         return MemoryFacts(
             in_flight_here=in_flight_here,
             in_flight_elsewhere=op_key in self._elsewhere,
             exhausted=op_key in self._exhausted,
             replayable=replayable,
+            completed_elsewhere=not replayable and window_s is not None
+            and completed_at is not None and now - completed_at <= window_s,
         )
 
     @property

@@ -262,6 +262,9 @@ class MemoryFacts:
     in_flight_elsewhere: bool = False  # the ledger last said another process has one
     exhausted: bool = False  # its once-only recovery was spent on an unknown/partial end
     replayable: bool = False  # a completed recording within its window is in memory
+    # another process's attempt completed within the replay window (the ledger notified it):
+    # its recording is in the ledger only
+    completed_elsewhere: bool = False
 
 
 def admit_without_ledger(
@@ -277,6 +280,8 @@ def admit_without_ledger(
 
     - an attempt in flight here or elsewhere: ``Hold`` (never a second dispatch of it);
     - a recording in memory: ``ReplayFromMemory``;
+    - another process's completed recording, within its window, that cannot be read now:
+      ``Denied`` (503, as a completed turn whose bytes cannot be read: never run again);
     - once mode: an operation of a session (only those can ever have a recovery dispatch)
       has a recovery state that cannot be read now, so it fails closed: ``Denied`` (and an
       exhausted one says so);
@@ -286,6 +291,8 @@ def admit_without_ledger(
         return Hold(None, None)
     if facts.replayable:
         return ReplayFromMemory()
+    if facts.completed_elsewhere:
+        return Denied("upstream_request_timeout", "ledger_unavailable")
     if once_mode and facts.exhausted:
         return Denied("upstream_operation_status_unknown", "claim_exhausted")
     if once_mode and has_session:
