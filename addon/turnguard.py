@@ -230,7 +230,7 @@ class TurnGuard:
                 if self._running and self.store.path and location != self.store.path:
                     self._switch_ledger(location)
                 elif not (self._running and self.store.is_open and location == self.store.path):
-                    self.store.open(location)
+                    self.store.open(location, traffic_flows=self._process.ran)
                 # (else the ledger in use, set again: mitmproxy's roll-back of a refused
                 # change configures the old value again; closing and opening it would cost
                 # the event loop the owed writes' wait, and fail behind another's lock)

@@ -1345,3 +1345,35 @@ def test_a_duplicate_woken_by_a_completed_end_while_its_process_cannot_reach_the
         assert len(up.dispatches()) == 3  # the two warm-ups, and this turn once
         assert status == 503 or (status == 200 and headers.get("x-turnguard") == "replayed")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_script_reload_while_the_server_hangs_does_not_hold_the_proxy(tmp_path, own_pg):
+    """The server hangs (SIGSTOP) and A's script is reloaded: the instance loaded opens the
+    ledger on a thread, never on the event loop, where the connect would hold every flow
+    for its timeout. It runs before that try gives up (its log line comes first), a turn sent
+    meanwhile is answered, decided in memory, and once the server answers again the ledger
+    is used, nothing left in flight."""
+    from test_at_most_once import reloadable, touch_to_reload
+
+    url = own_pg.url
+    script = reloadable(tmp_path)
+    body = {**BODY, "input": "sent while the reloaded script's ledger opens"}
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, "a", url, addon=script, turnguard_request_budget_ms=6000) as a:
+        _warm_up(a, a)
+        _pause_server(own_pg, True)
+        try:
+            started = touch_to_reload(a, script)
+            wait_until(lambda: a.log_text().count("turnguard: running") > started, 15,
+                       what="the script reloaded")
+            answer = post(a.url, HEADERS, body)
+            log = wait_until(lambda: (t := a.log_text()).count("unusable (open)") and t, 15,
+                             what="the reloaded instance's try to open the ledger given up")
+        finally:
+            _pause_server(own_pg, False)
+        wait_until(lambda: "usable again" in a.log_text(), 30, what="the ledger used again")
+        assert answer[0] == 200
+        reloaded_at = log.rindex("turnguard: running")
+        assert reloaded_at < log.index("unusable (open)"), log[-3000:]
+        assert in_flight(url) == 0
+        assert_no_traceback(a.log_text())

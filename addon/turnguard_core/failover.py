@@ -447,11 +447,19 @@ class FailoverStore:
         return self._kept_bytes
 
     # -- opening and closing -------------------------------------------------------------------
-    def open(self, path: str) -> bool:
+    def open(self, path: str, *, traffic_flows: bool = False) -> bool:
         """Open the ledger at ``path`` now (start-up, a change of option); a fault is noted
-        and the ledger is tried again later (``reopen_if_due``)."""
+        and the ledger is tried again later (``reopen_if_due``). ``traffic_flows`` (a script
+        reload: the proxy serves meanwhile): a PostgreSQL ledger is opened on a thread, as a
+        reopen is, and False returned at once; a server that does not answer would hold the
+        event loop, and every flow, for its connect timeout. Until it is open, a request's
+        call waits for that try within its own bound."""
         self.close()
         self.path = path
+        if traffic_flows and is_postgres(path) and loop_running():
+            self._reopen_at = 0.0
+            self._reopening = asyncio.get_running_loop().create_task(self.reopen_if_due())
+            return False
         try:
             connected = self._connect(path, _loop())
         except (LedgerError, OSError) as e:
