@@ -296,6 +296,9 @@ class FailoverStore:
         # now at the path): registered in this one before any decision reads it
         self._adoption_due = False
         self._stale_attempts_due = False
+        # claims in doubt that landed, not settled yet: (attempt id, operation, generation)
+        self._claims_in_doubt: list[tuple[int, str, str]] = []
+        self._deciding: dict[str, int] = {}  # operations being decided here (``admit``)
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
         # a try to open it under way (the ticker's or a request's: ``reopen_if_due``)
         self._reopen_under_way: asyncio.Future | None = None
@@ -353,7 +356,8 @@ class FailoverStore:
         """Decisions may read the ledger: it is open, no fault was noted since it last worked,
         and it owes nothing (kept writes, attempts to register, claims in doubt to settle)."""
         return (self._store is not None and self.error is None and not self._kept
-                and not self._adoption_due and not self._store.claims_in_doubt_pending)
+                and not self._adoption_due and not self._claims_in_doubt
+                and not self._store.claims_in_doubt_pending)
 
     @property
     def owes_writes_behind_a_lock(self) -> bool:
@@ -961,9 +965,9 @@ class FailoverStore:
                     await self._adopt(store, attempt, bound())
             # (after the adoptions: an attempt that runs on a claim in doubt found its
             # operation in flight under that claim, and is registered without a row)
-            for attempt_id, op_key in await store.claims_in_doubt(deadline=bound()):
-                self._claim_not_run(attempt_id, op_key, store.generation,
-                                    "its claim's commit was in doubt")
+            self._claims_in_doubt += [(attempt_id, op_key, store.generation) for attempt_id, op_key
+                                      in await store.claims_in_doubt(deadline=bound())]
+            self._settle_claims_in_doubt()
             if self._stale_attempts_due:
                 moved = await store.end_stale_attempts(
                     [a.ident.op_key for a in self._attempts()], now=time.time(),
@@ -1155,7 +1159,20 @@ class FailoverStore:
                 self._answering_since = time.monotonic()
 
     # -- decisions -----------------------------------------------------------------------------
-    async def admit(
+    async def admit(self, ident: Identity, **kwargs) -> policy.Admission | policy.ReplayFromMemory:
+        """``_admit``, the operation counted as being decided here meanwhile (a claim of it
+        in doubt is settled once it is decided: ``_settle_claims_in_doubt``)."""
+        deciding = self._deciding
+        deciding[ident.op_key] = deciding.get(ident.op_key, 0) + 1
+        try:
+            return await self._admit(ident, **kwargs)
+        finally:
+            if deciding[ident.op_key] == 1:
+                del deciding[ident.op_key]
+            else:
+                deciding[ident.op_key] -= 1
+
+    async def _admit(
         self, ident: Identity, *, method: str, route: str, flow_id: str, circuit_scope: str,
         recovery: policy.RecoveryClaim | None, once_mode: bool,
         in_flight_here: Callable[[], bool], guard: policy.GuardPolicy, window_s: float | None,
@@ -1394,6 +1411,22 @@ class FailoverStore:
         if isinstance(claim, policy.Dispatch) and claim.attempt_id is not None:
             self._claim_not_run(claim.attempt_id, ident.op_key, generation,
                                 "its claim answered late")
+
+    def _settle_claims_in_doubt(self) -> None:
+        """The claims in doubt that landed (``Store.claims_in_doubt``), each the row of the
+        attempt this process runs of its operation, or given back (``_claim_not_run``);
+        but not while a request of the operation is being decided here: the request whose
+        claim it was may be about to dispatch from memory (a read apart under way, say), and
+        the claim given back first would let a duplicate held elsewhere run it too. Those
+        are settled by a later catch-up (the ledger is not usable meanwhile)."""
+        later = []
+        for attempt_id, op_key, generation in self._claims_in_doubt:
+            if op_key in self._deciding:
+                later.append((attempt_id, op_key, generation))
+            else:
+                self._claim_not_run(attempt_id, op_key, generation,
+                                    "its claim's commit was in doubt")
+        self._claims_in_doubt = later
 
     def _claim_not_run(self, attempt_id: int, op_key: str, generation: str,
                        reason: str) -> None:
