@@ -113,7 +113,8 @@ class TurnGuard:
         self.websockets = WebSockets(process)
         self.detacher = Detacher(process.detached, self._emit, self.explainer,
                                  lambda: self.settings, self._awaited)
-        self.attacher = Attacher(process, self.inflight, self.detacher, lambda: self.settings)
+        self.attacher = Attacher(process, self.inflight, self.detacher, lambda: self.settings,
+                                 self.clients.gone)
         # no sub-addons (``addons``): mitmproxy walks an addon's sub-addons on every event of
         # every flow; the maintenance's hooks are called from this instance's, and the
         # commands are registered at load

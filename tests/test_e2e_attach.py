@@ -29,6 +29,7 @@ from harness import (
     wait_until,
 )
 from test_at_most_once import reloadable
+from test_e2e_http2 import HAS_H2, RawH2
 
 HEADERS = {"authorization": "Bearer sk-test-attach", "session-id": "sess-attach"}
 BODY = {"model": "gpt-test", "input": "a long answer, slowly", "stream": True}
@@ -492,6 +493,41 @@ def test_detached_calls_whose_clients_leave_within_milliseconds_are_cut_after_th
 
         ended = wait_until(ends, 5, what="every call cut well before its 10 s stream ends")
         assert all(r.get("outcome") != "completed" for r in ended), ended
+
+
+@pytest.mark.skipif(not HAS_H2, reason="needs the h2 package for a raw HTTP/2 client")
+def test_detached_http2_calls_whose_streams_are_reset_with_their_requests_are_cut_after_the_window(
+        tmp_path):
+    """HTTP/2 clients that reset their streams in the same write as their requests, on a
+    connection they keep open: mitmproxy never tells of such a reset (no ``error`` hook: its
+    HTTP/2 layer forgets the stream at the request's end, then ignores the reset), so each
+    client's flow, routed to the relay, counted as its detached call's client as long as the
+    connection stayed open (or, never sent to the relay, until its route expired, 60 s): the
+    calls streamed on past their window and past ``turnguard_detach_max``. Every call is cut
+    once its window passes, or at once past the cap, while the connection stays open."""
+    stream = {"default": {"kind": "ok", "events": 50, "gap_ms": 200}}  # 10 s each
+    h = {"content-type": "application/json", "accept": "text/event-stream", **HEADERS}
+    with MockUpstream(tmp_path, stream) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=1000, turnguard_detach_max=1) as proxy:
+        client = RawH2(proxy.port)
+        try:
+            for i in range(5):
+                body = json.dumps({**BODY, "input": f"reset with its request {i}"}).encode()
+                client.post(1 + 2 * i, "/v1/responses", body, h, reset=True)
+            wait_until(lambda: len(up.dispatches()) == 5, 20, what="the five calls upstream")
+
+            def ends():
+                e = [r for r in up.records() if r.get("event") == "dispatch_end"]
+                return e if len(e) == 5 else None
+
+            ended = wait_until(ends, 5, what="every call cut well before its 10 s stream ends")
+        finally:
+            client.close()
+        assert all(r.get("outcome") != "completed" for r in ended), ended
+        detached = wait_until(
+            lambda: (d := turnguard_events(tmp_path, kind="upstream_detached")) and len(d) == 5
+            and d, 10, what="the five calls' upstream_detached")
+        assert all(d["cut"] is not None and d["used"] is False for d in detached), detached
 
 
 def test_a_retry_on_its_way_to_the_relay_as_the_window_ends_keeps_the_detached_call(tmp_path):

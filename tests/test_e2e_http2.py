@@ -320,7 +320,11 @@ class RawH2:
             self.sock.sendall(data)
 
     def post(self, stream_id: int, path: str, body: bytes, headers: dict[str, str],
-             trailers: dict[str, str] | None = None) -> None:
+             trailers: dict[str, str] | None = None, *, reset: bool = False) -> None:
+        """Send a request on ``stream_id``; ``reset``: and reset the stream in the same write
+        (one TLS record, which mitmproxy reads at once)."""
+        import h2.errors
+
         hdrs = [(":method", "POST"), (":path", path), (":scheme", "https"),
                 (":authority", f"127.0.0.1:{self.port}"), ("content-length", str(len(body)))]
         hdrs += list(headers.items())
@@ -328,6 +332,8 @@ class RawH2:
         self.conn.send_data(stream_id, body, end_stream=not trailers)
         if trailers:
             self.conn.send_headers(stream_id, list(trailers.items()), end_stream=True)
+        if reset:
+            self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
         self._flush()
 
     def reset(self, stream_id: int) -> None:

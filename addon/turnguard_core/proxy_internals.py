@@ -84,7 +84,10 @@ for any flow killed in a hook (the ``error`` hook fires, the client's connection
 HTTP/2 streams. While a request hook holds a flow, mitmproxy queues that stream's RST_STREAM
 until the hook returns, and the client connection stays open, so neither ``flow.error`` nor
 ``client_conn.connected`` says that the client gave up. The HTTP/2 connection layer, though,
-forgets a reset stream at once. ``find_http_layer`` finds the connection's ``HttpLayer`` below
+forgets a reset stream at once. A stream reset in the same read as its request's end is
+forgotten before the request hook runs and never reported at all (h2 has it closed at its
+``StreamEnded``, so ``Http2Connection`` drops it there and ignores the ``StreamReset``): no
+``error`` hook ever fires for that flow; only its absence from ``Http2Server.streams`` tells. ``find_http_layer`` finds the connection's ``HttpLayer`` below
 the connection handler's root layer (``NextLayer.layer``, a layer's ``child_layer``, or the
 layer behind a bound ``_handle_event``); from there:
 

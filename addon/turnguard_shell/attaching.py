@@ -29,11 +29,15 @@ logger = logging.getLogger("turnguard")
 
 class Attacher:
     def __init__(self, process: ProcessState, inflight: InFlight, detacher: Detacher,
-                 settings: Callable[[], options.Settings]):
+                 settings: Callable[[], options.Settings],
+                 gone: Callable[[http.HTTPFlow], str | None] = lambda flow: None):
+        """``gone(flow)``: why ``flow``'s client no longer wants an answer (None: it does;
+        ``flows.ClientWatch.gone``)."""
         self._process = process
         self._inflight = inflight
         self._detacher = detacher
         self._settings = settings
+        self._gone = gone
         self._relay_start: asyncio.Future | None = None
 
     def start_relay_early(self) -> None:
@@ -131,7 +135,24 @@ class Attacher:
         flow.metadata["turnguard"] = {"role": "attached", "op": ident.op_id,
                                       "attempt": dispatch.attempt_id, "detached": up.id}
         relay.route(flow, live, lambda end, sent: self._ended(flow, live, end, sent), own=True)
+        self._let_go_if_gone(flow)
         return True
+
+    def _let_go_if_gone(self, flow: http.HTTPFlow) -> None:
+        """A detached call's client flow, just routed to the relay, whose client is gone
+        already is killed: its ``error`` hook then drops the route as a client that left
+        (``error``), so that the call starts its window now, or is cut past the cap.
+        mitmproxy never tells of an HTTP/2 stream the client reset in the same read as the
+        request's end (its connection layer forgets a stream h2 reports closed at its
+        ``StreamEnded``, and ignores the ``StreamReset`` that follows): followed, the route
+        was a listener of the call until the client's whole connection closed (and a route
+        mitmproxy had not followed yet was kept until it expired, ``ROUTE_TTL_S``). (A
+        duplicate so reset is let go from its hold at once: ``ClientWatch.gone``.)"""
+        reason = self._gone(flow)
+        if reason is not None and flow.killable:
+            logger.info("turnguard: %s left before it was sent to the relay (%s)", flow.id,
+                        reason)
+            flow.kill()
 
     @staticmethod
     def responseheaders(flow: http.HTTPFlow) -> bool:
