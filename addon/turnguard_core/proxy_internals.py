@@ -87,9 +87,10 @@ until the hook returns, and the client connection stays open, so neither ``flow.
 forgets a reset stream at once. A stream reset in the same read as its request's end is
 forgotten before the request hook runs and never reported at all (h2 has it closed at its
 ``StreamEnded``, so ``Http2Connection`` drops it there and ignores the ``StreamReset``): no
-``error`` hook ever fires for that flow; only its absence from ``Http2Server.streams`` tells. ``find_http_layer`` finds the connection's ``HttpLayer`` below
-the connection handler's root layer (``NextLayer.layer``, a layer's ``child_layer``, or the
-layer behind a bound ``_handle_event``); from there:
+``error`` hook ever fires for that flow; only its absence from ``Http2Server.streams`` tells.
+``find_http_layer`` finds the connection's ``HttpLayer`` below the connection handler's root
+layer (``NextLayer.layer``, a layer's ``child_layer``, or the layer behind a bound
+``_handle_event``); from there:
 
     HttpLayer.streams[stream id]             -> HttpStream (its .flow is our flow)
     HttpLayer.connections[client connection] -> Http2Server, whose .streams holds the open ids
