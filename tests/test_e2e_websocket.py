@@ -2137,3 +2137,79 @@ def test_turnguard_keeps_no_socket_once_it_ended(tmp_path):
         # (each flow is looked at twice: at its upgrade's response, at its socket's end)
         assert retention_looks(p, 4) == ["let go"] * 4
         assert_no_traceback(p.log_text())
+
+
+
+PONG, REFUSED = {"type": "pong"}, {"type": "error", "status": 400}
+
+
+@pytest.mark.parametrize("answer, late", [([PONG], False), ([PONG], True), ([REFUSED], True),
+                                          ([], False)],
+                         ids=["pong", "late-pong", "late-error", "silent"])
+def test_a_call_behind_a_frame_that_is_no_call_waits_for_no_answer_to_it(tmp_path, answer,
+                                                                          late):
+    """A client's ``ping`` (a JSON frame that is no call) goes upstream untouched, and the
+    upstream answers it with a ``pong``, an ``error`` or nothing (``late``: only once the
+    call came, before the call's events): the call the client sends next waits for no answer
+    to it (the budget is ten minutes: the call is answered within the test's bound only if it
+    waits for nothing), and the ``pong`` or ``error`` is passed on, never taken for the
+    call's; the socket stays guarded (the call's retry on a new socket is replayed)."""
+    scripts = [[], [*answer, *scripted_response()]] if late else [answer, scripted_response()]
+    with ScriptedUpstream(scripts) as up, \
+            proxy(tmp_path, up, turnguard_request_budget_ms=600_000) as p:
+        async def ping_then_call():
+            async with WsClient.connect(p.url, headers=HEADERS) as c:
+                await c.send({"type": "ping"})
+                await c.send(call([user("one")], seed=1))
+                got = []
+                for _ in range(10):  # bounded: the answer, then the call's events
+                    got.append(json.loads(await asyncio.wait_for(c.recv(), 60)))
+                    if got[-1]["type"] == "response.completed":
+                        return got
+                return got
+
+        got = asyncio.run(ping_then_call())
+        assert got[:len(answer)] == answer
+        answered = got[len(answer):]
+        assert types(answered)[-1] == "response.completed" and up.calls == 2
+        assert asyncio.run(one_call(p.url, call([user("one")], seed=2))) == answered
+        assert up.calls == 2 and len(events(tmp_path, "duplicate_replayed")) == 1
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"]
+        assert not any("turnguard_request_budget_ms" in e["reason"]
+                       for e in events(tmp_path, "passthrough"))
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("keepalive", ["keepalive", {"type": "keepalive"}, b"\x00"],
+                         ids=["text", "json", "binary"])
+def test_a_keepalive_before_a_calls_first_event_does_not_run_its_duplicate_again(
+        tmp_path, keepalive):
+    """An upstream (a gateway) that sends a keepalive of its own (text, a JSON frame of
+    another type, binary) before the call's first event: it answers no call, so it is passed
+    on and the call stays guarded. The same call sent on another socket once the keepalive
+    reached the first one's client is held, then attached: one upstream execution, both
+    clients get the response, and it is recorded."""
+    scripts = [[keepalive, 2.0, *scripted_response()]]
+    with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
+        async def both():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(call([user("hi")], seed=1))
+                first = [await asyncio.wait_for(a.recv(), 60)]
+                duplicate = asyncio.create_task(messages_of_one_call(
+                    p.url, call([user("hi")], seed=2)))
+                for _ in range(10):  # bounded: up to the terminal event
+                    first.append(await asyncio.wait_for(a.recv(), 60))
+                    if "response.completed" in first[-1]:
+                        break
+                return first, await duplicate
+
+        first, second = asyncio.run(both())
+        expected = keepalive if not isinstance(keepalive, dict) else json.dumps(keepalive)
+        assert first[0] == expected and json.loads(first[-1])["type"] == "response.completed"
+        assert up.calls == 1
+        assert second == first[1:]
+        outcome = events(tmp_path, "outcome")
+        assert [(o["outcome"], o["replayable"]) for o in outcome] == [("completed", True)]
+        assert any("before the response's first event" in e["reason"]
+                   for e in events(tmp_path, "passthrough"))
+        assert_no_traceback(p.log_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -98,17 +99,19 @@ def test_what_a_client_frame_is():
     prewarm = frame_of(post_body([], generate=False))
     prewarm["client_metadata"]["turn_id"] = ""
     assert isinstance(ws.parse_client_frame(json.dumps(prewarm).encode(), True), ws.Prewarm)
-    untouched = {
-        b"\x00\x01": (False, "binary frame"),
-        b"\xff\xfe": (True, "frame is not UTF-8"),
-        b"not json": (True, "frame is not JSON"),
-        b"[1]": (True, "frame is not a JSON object"),
-        b'{"type":"a","type":"b"}': (True, "duplicate keys in JSON frame"),
-        b'{"type":"response.cancel"}': (True, "frame type 'response.cancel' is not response.create"),
-        b'{"input":[]}': (True, "frame type 'None' is not response.create"),
+    untouched = {  # (awaits: the upstream may read a call in it, so its answer is awaited)
+        b"\x00\x01": (False, "binary frame", True),
+        b"\xff\xfe": (True, "frame is not UTF-8", True),
+        b"not json": (True, "frame is not JSON", True),
+        b"[1]": (True, "frame is not a JSON object", True),
+        b'{"type":"a","type":"b"}': (True, "duplicate keys in JSON frame", True),
+        b'{"type":"response.cancel"}': (True, "frame type 'response.cancel' is not "
+                                              "response.create", False),
+        b'{"type":"ping"}': (True, "frame type 'ping' is not response.create", False),
+        b'{"input":[]}': (True, "frame type 'None' is not response.create", False),
     }
-    for content, (is_text, reason) in untouched.items():
-        assert ws.parse_client_frame(content, is_text) == ws.NotACall(reason)
+    for content, (is_text, reason, awaits) in untouched.items():
+        assert ws.parse_client_frame(content, is_text) == ws.NotACall(reason, awaits)
     deep = b'{"type":"response.create","x":' + b"[" * 300 + b"]" * 300 + b"}"
     assert ws.parse_client_frame(deep, True) == ws.NotACall("JSON nesting too deep")
     assert isinstance(ws.parse_client_frame(b"{}", True, max_bytes=1), ws.NotACall)
@@ -323,3 +326,25 @@ def test_a_recording_replays_on_a_socket_up_to_its_first_terminal_event():
     late = '{"type":"error","status":500}'
     body = f"data: {done}\n\ndata: {late}\n\ndata: {done}\n\n".encode()
     assert ws.frames_of_recording(body) == [done]
+
+
+@pytest.mark.parametrize("text, unanswered, kind", [
+    ('{"type":"response.created","response":{"id":"r"}}', True, "begins"),
+    ('{"type":"response.output_text.delta","delta":"x"}', False, "begins"),
+    ('{"type":"error","status":400}', False, "begins"),
+    ('{"type":"error","status":400}', True, "passes"),
+    ('{"type":"keepalive"}', False, "passes"),
+    ('{"type":"pong"}', False, "passes"),
+    ("keepalive", False, "passes"),
+    ('{"no":"type"}', False, "passes"),
+    ('{"type":"response.create","input":[]}', False, "echo"),
+    ('{"type":"response.cancel"}', False, "echo"),
+])
+def test_first_frame_tells_a_calls_answer_from_what_answers_no_call(text, unanswered, kind):
+    speaks, event = ws.upstream_event(text)
+    assert ws.first_frame(speaks, event, unanswered=unanswered) == kind
+
+
+def test_a_first_frame_too_large_to_read_begins_the_answer_and_a_binary_one_passes():
+    assert ws.first_frame(*ws.upstream_event("x" * 20, max_bytes=10), unanswered=True) == "begins"
+    assert ws.first_frame(False, None, unanswered=False) == "passes"

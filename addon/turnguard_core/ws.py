@@ -14,6 +14,10 @@ Contract
   the socket and is never an operation) or ``NotACall`` with the reason (binary, not UTF-8, not
   a JSON object, duplicate keys, too deep or too large, more than ``MAX_FRAME_CONTAINERS``
   objects and arrays or ``MAX_FRAME_VALUES`` values, another ``type``). Never raises.
+  ``NotACall.awaits_answer``: whether the upstream may still read the frame as a call (binary,
+  not JSON, unreadable here: another parser may read a ``response.create`` in it), so that its
+  answer is waited for as a call's; a JSON object of another ``type`` (a ``ping``, a ``pong``)
+  is no call to any Responses upstream, which may answer it or not.
 * ``SocketRecord`` is one client socket's memory: the responses it carried (their full input
   and their output items, the last ``MAX_REMEMBERED`` of them) and which of them the upstream
   socket knows (it produced them; a replayed one it never saw). ``full_request(body)`` rebuilds
@@ -30,6 +34,12 @@ Contract
   the socket speaks something else (an echo, another protocol): the shell then stops guarding
   that socket. ``upstream_event(text)`` says the same with the event it read, which
   ``feed(text, event)`` then takes without reading the frame again.
+* ``first_frame(speaks, event, unanswered=...)`` says what an upstream frame that comes
+  before a call's first event is: ``begins`` (the call's answer: a ``response.*`` event, or
+  ``error``), ``passes`` (no answer of the call's: binary, not JSON, a JSON frame of another
+  type such as a gateway's ``keepalive`` or a ``pong``; and an ``error`` when a client frame
+  that is no call went upstream before the call with no answer yet: that frame's answer) or
+  ``echo`` (a client frame's own type: the upstream speaks no Responses).
 * ``frames_of_recording(body)`` turns a recorded SSE body back into event frames;
   ``error_frame`` is turnguard's own answer on this transport: an ``error`` event that always
   carries a numeric ``status`` (Codex ignores one without and hangs).
@@ -56,6 +66,7 @@ __all__ = [
     "SocketRecord",
     "error_frame",
     "event_response_id",
+    "first_frame",
     "frames_of_recording",
     "parse_client_frame",
     "speaks_responses",
@@ -104,6 +115,7 @@ class Prewarm:
 @record
 class NotACall:
     reason: str
+    awaits_answer: bool = True  # (see the module's contract)
 
 
 def parse_client_frame(content: bytes, is_text: bool, *,
@@ -121,7 +133,8 @@ def parse_client_frame(content: bytes, is_text: bool, *,
         return NotACall(parsed.reason.replace("body", "frame"))
     kind = parsed.get("type")
     if kind != WS_FRAME_TYPE:
-        return NotACall(f"frame type {str(kind)[:40]!r} is not {WS_FRAME_TYPE}")
+        return NotACall(f"frame type {str(kind)[:40]!r} is not {WS_FRAME_TYPE}",
+                        awaits_answer=False)
     if parsed.get("generate") is False:
         return Prewarm(parsed)
     meta = parsed.get("client_metadata")
@@ -333,6 +346,28 @@ def upstream_event(text: str, max_bytes: int = 8 * 1024 * 1024
         return True, None
     event = _parse_event(text, max_bytes)
     return event is not None and event["type"] != WS_FRAME_TYPE, event
+
+
+# The types of the frames a client sends: one of them from the upstream is an echo.
+CLIENT_TYPES = frozenset({WS_FRAME_TYPE, "response.cancel"})
+
+
+def first_frame(speaks: bool, event: dict[str, Any] | None, *,
+                unanswered: bool) -> Literal["begins", "passes", "echo"]:
+    """What an upstream frame before a call's first event is (see the module's contract):
+    ``speaks`` and ``event`` as ``upstream_event`` read it; ``unanswered``: a client frame
+    that is no call went upstream before the call and its answer may still come (the
+    upstream answers in order: that answer comes before the call's, and an ``error`` then
+    is taken for it, never for the call's). A frame too large to read begins the call's
+    answer (the benefit of the doubt, as ``speaks_responses`` gives it)."""
+    if event is None:
+        return "begins" if speaks else "passes"
+    kind = event["type"]
+    if kind in CLIENT_TYPES:
+        return "echo"
+    if kind == "error":
+        return "passes" if unanswered else "begins"
+    return "begins" if kind.startswith("response.") else "passes"
 
 
 def event_response_id(event: dict[str, Any] | None) -> str | None:

@@ -18,14 +18,20 @@ the same ledger, as an HTTP request:
     PassThrough  the frame goes upstream untouched, no attempt
     Abandon      nothing is sent upstream; a client still there gets a 503 ``error`` event
 
-Frames that are not calls (a prewarm, binary, not JSON, other types) go upstream untouched,
-in order, and are named in the telemetry; like a call, each waits for the answer to the frame
-before it, and the upstream's answer to it is its own (never taken for the next call's). An
-upstream that answers with something that is no Responses event (binary, not JSON, an echo of
-the frame) does not speak this protocol: the socket is no longer guarded (its attempt in
-flight ends as rejected, its queued frames go on untouched, in order, before any later one).
-So is a socket whose client sends more than ``MAX_QUEUED_FRAMES`` frames ahead of the
-response in flight. A frame is never lost: if guarding it fails, it is forwarded. The
+Frames that are not calls go upstream untouched, in order, and are named in the telemetry;
+each waits for the answer to the frame before it. One the upstream may read as a call
+(binary, not JSON, unreadable here: ``NotACall.awaits_answer``) has its answer waited for as
+a call's, and that answer is its own (never taken for the next call's). One of another type
+(a ``ping``) may be answered or not (a ``pong``, or nothing): the frame behind it goes on at
+once, and an ``error`` before the next response's first ``response.*`` event is taken for
+the earlier frame's answer (``Socket.unanswered``). A prewarm is forwarded, and answered, as a
+call is. Upstream frames before a call's first event that are no Responses event (a gateway's
+keepalive, binary, not JSON, a ``pong``) are passed on and answer nothing (``ws.first_frame``).
+An upstream that echoes a call (a frame of the client's type), or whose first answer to a
+frame that is no call is no Responses event, does not speak this protocol: the socket is no
+longer guarded (its attempt in flight ends as rejected, its queued frames go on untouched, in
+order, before any later one). So is a socket whose client sends more than
+``MAX_QUEUED_FRAMES`` frames ahead of the response in flight. A frame is never lost: if guarding it fails, it is forwarded. The
 socket's ``SocketRecord`` remembers the responses it carried, so that a delta frame
 (``previous_response_id`` + new items) has the same identity as its full resend on a new
 socket or as the HTTP POST fallback.
@@ -107,7 +113,16 @@ class Socket:
     # a queued frame went upstream while no addon instance was loaded (a reload that
     # failed), unguarded: the next instance lets the socket go (``catch_up``)
     sent_unguarded: bool = False
-    unsolicited: bool = False  # the upstream sent a frame that is no event between responses
+    # where the upstream sent a frame that is no event outside a response (named once each)
+    unsolicited: set = field(default_factory=set)
+    # a client frame of another type than a call's went upstream, and neither a frame while
+    # nothing was in flight nor a response's first ``response.*`` event came since: an
+    # ``error`` before the next response's first event is that frame's answer
+    # (``ws.first_frame``)
+    unanswered: bool = False
+    # frames that are no call turnguard injected whose hooks have not come yet (their message
+    # is not the message of a response in flight: ``message``)
+    injected_not_calls: int = 0
     # the ids of the responses that ended on it lately, and of their output items: a late
     # event of one is not the next's
     ended_responses: collections.deque = field(
@@ -195,7 +210,9 @@ class WebSockets:
             self._say_halted(sock, unseen)
         sock.seen = len(flow.websocket.messages)
         if message.injected:
-            if message.from_client and sock.current is not None \
+            if message.from_client and sock.injected_not_calls > 0:
+                sock.injected_not_calls -= 1  # (a frame that is no call: no response's)
+            elif message.from_client and sock.current is not None \
                     and sock.current.message is None:
                 sock.current.message = message  # the response's frame, ours, on its way
             return
@@ -453,9 +470,19 @@ class WebSockets:
         if self._guard is None or not sock.guarded:  # unloaded, or let go, while it was read
             return self._forward(sock, content, is_text)
         match frame:
-            case ws.NotACall(reason=reason):
+            case ws.NotACall(reason=reason, awaits_answer=True):
+                # the upstream may read a call in it: its answer is its own, not the next's
                 self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
                 self._forward(sock, content, is_text, Response(None, self._events(), None))
+            case ws.NotACall(reason=reason):
+                # another type (a ping): no response in flight for it, so the frame behind it
+                # waits for no answer that may never come (``Socket.unanswered`` keeps an
+                # answer that does come from being taken for the next call's)
+                self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
+                sock.unanswered = True
+                if sock.inline is None and not sock.closed:
+                    sock.injected_not_calls += 1
+                self._forward(sock, content, is_text)
             case ws.Prewarm(body=body):
                 full = sock.record.full_request(body)
                 self._forward(sock, content, is_text, Response(full.body, self._events(), None))
@@ -577,14 +604,31 @@ class WebSockets:
         current = sock.followed if followed else sock.current if sock.attached is None else None
         try:
             speaks, event = ws.upstream_event(message.text) if message.is_text else (False, None)
-            if not speaks:
-                if current is None:
-                    return self._unsolicited(sock, message)
-                if followed or current.events.events_seen > 0:
-                    return self._pass_over(sock, current, message)
+            if current is not None and current.request is None and not speaks \
+                    and current.events.events_seen == 0:
+                # the first answer to a frame that is no call (binary, not JSON) is none of
+                # the protocol's: the upstream speaks another (no call is in flight to follow)
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
                                     not_responses=True)
+            if current is None:  # (an answer to a frame that is no call came, if any)
+                sock.unanswered = False
+            elif not followed and current.events.events_seen == 0:
+                match ws.first_frame(speaks, event, unanswered=sock.unanswered):
+                    case "echo":
+                        return self._let_go(sock, "upstream frame is not a Responses event "
+                                                  "(text): an echo of the client's",
+                                            not_responses=True)
+                    case "passes":
+                        return self._unsolicited(sock, message, "before the response's "
+                                                                "first event")
+                    case _ if event is None or event["type"] != "error":
+                        # a response began: it comes after every answer to an earlier frame
+                        sock.unanswered = False
+            if not speaks:
+                if current is None:
+                    return self._unsolicited(sock, message, "while no response is in flight")
+                return self._pass_over(sock, current, message)
             if current is None:
                 return
             rid = ws.event_response_id(event)
@@ -613,19 +657,19 @@ class WebSockets:
         except Exception:  # the client's frames matter more than our bookkeeping
             logger.exception("turnguard: reading an event of %s failed", sock.flow.id)
 
-    def _unsolicited(self, sock: Socket, message) -> None:
+    def _unsolicited(self, sock: Socket, message, where: str) -> None:
         """A frame that is no Responses event while no response is in flight (a gateway's
-        keepalive text on an idle socket): it answers no frame of the client's, so it says
-        nothing of the protocol the upstream speaks (an echo, another protocol's answer, comes
-        as a frame's response). It goes on untouched, named in the telemetry (once per
-        socket), and the socket stays guarded."""
-        if not sock.unsolicited:
-            sock.unsolicited = True
+        keepalive text on an idle socket), or before the first event of the response in flight
+        (a keepalive, a ``pong``, the answer to a frame that is no call: ``ws.first_frame``):
+        it answers no call. It goes on untouched, named in the telemetry (once per socket and
+        ``where``), and the socket stays guarded; a response in flight is still timed as
+        silent until its first event (``turnguard_response_created_timeout_ms``)."""
+        if where not in sock.unsolicited:
+            sock.unsolicited.add(where)
             self._guard._emit(
                 "passthrough", flow=sock.flow.id, transport="ws",
                 reason="upstream frame is not a Responses event "
-                       f"({'text' if message.is_text else 'binary'}) while no response is in "
-                       "flight: passed on")
+                       f"({'text' if message.is_text else 'binary'}) {where}: passed on")
 
     def _pass_over(self, sock: Socket, current: Response, message) -> None:
         """A frame that is no Responses event (a gateway's keepalive text, a binary frame)
