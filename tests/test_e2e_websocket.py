@@ -2122,6 +2122,38 @@ def test_a_frame_that_inflates_to_millions_of_objects_passes_without_being_read(
         assert_no_traceback(p.log_text())
 
 
+
+def test_a_small_deflated_frame_of_many_values_is_identified_off_the_event_loop(
+        tmp_path, monkeypatch):
+    """A call frame of 60,000 empty JSON objects: 180 kB inflated (under the 256 KiB read on
+    the event loop by size), a few hundred bytes deflated. Read and identified on the loop it
+    held it ~150 ms (24 of them held another client's handshake for seconds): it goes to the
+    identity worker (which a ``sitecustomize`` marks as started: it starts only for a body it
+    is handed), and the call is still guarded: answered once, its retry replayed."""
+    started = tmp_path / "worker-started"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'spawn_main' in ' '.join(getattr(sys, 'orig_argv', [])):\n"
+        f"    open({str(started)!r}, 'a').close()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    dense = [user("dense"), *([{}] * 60_000)]
+    with DeflateUpstream(big_bytes=0, delay_s=0) as up, proxy(tmp_path, up) as p:
+        async def twice():
+            answers = []
+            for seed in (1, 2):  # the call, then its retry on a new socket
+                async with DeflateClient.connect(p.url, headers=HEADERS) as c:
+                    frame = json.dumps(call(dense, seed=seed), separators=(",", ":"))
+                    assert len(frame) < 256 * 1024
+                    await c.send(frame)
+                    answers.append(await c.response(120))
+            return answers
+
+        first, retried = asyncio.run(twice())
+        assert types(first)[-1] == "response.completed" and retried == first
+        assert up.dispatches == 1 and len(events(tmp_path, "duplicate_replayed")) == 1
+        assert started.exists(), "the identity worker was never started: read on the loop"
+        assert_no_traceback(p.log_text())
+
 def test_turnguard_keeps_no_socket_once_it_ended(tmp_path):
     """Two sockets send the same call, one after the other (the second's is replayed), and
     close: once each socket's ``websocket_end`` hook ran, turnguard refers to neither flow

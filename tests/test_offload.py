@@ -182,3 +182,14 @@ async def test_the_start_and_the_identity_together_stay_within_the_request_budge
         assert waited < 4.0 + 1.0, f"waited {waited:.1f} s on a budget of 4.0 s"
     finally:
         identifier.close()
+
+
+def test_a_body_is_read_inline_only_when_small_and_of_few_values():
+    """Reading costs per JSON value: a body under ``INLINE_MAX_BYTES`` of more than
+    ``INLINE_MAX_VALUES`` values (a few hundred bytes deflated on a WebSocket) is read off the
+    event loop too; a realistic body of that size is read inline."""
+    from turnguard_core.offload import INLINE_MAX_VALUES, read_inline
+    few = json.dumps({"input": [{"role": "user", "content": "x" * 200_000}]}).encode()
+    many = json.dumps({"input": [{}] * (INLINE_MAX_VALUES // 2 + 1)}).encode()
+    assert read_inline(few) and len(many) < INLINE_MAX_BYTES and not read_inline(many)
+    assert not read_inline(b" " * (INLINE_MAX_BYTES + 1))

@@ -14,7 +14,7 @@ from turnguard_core.identity_memo import IdentityMemo
 from turnguard_core.ledger import Recording
 from turnguard_core.codec import BoundedCodec
 from turnguard_core.failover import FailoverStore
-from turnguard_core.offload import INLINE_MAX_BYTES, START_TIMEOUT_S, IdentityWorker
+from turnguard_core.offload import START_TIMEOUT_S, IdentityWorker, read_inline
 
 from . import flows
 
@@ -49,7 +49,7 @@ class Identifier:
         if isinstance(view, identity.Passthrough):
             return view
         kwargs = dict(max_body_bytes=MAX_GUARDED_BODY, credential_headers=credential_headers)
-        if view.body is None or len(view.body) <= INLINE_MAX_BYTES and not view.body_codings:
+        if view.body is None or read_inline(view.body) and not view.body_codings:
             return self._memo.identify(view, **kwargs)
         return await self._worker.identify(view, timeout_s=IDENTITY_TIMEOUT_S,
                                            start_timeout_s=START_TIMEOUT_S, within_s=timeout_s,

@@ -52,7 +52,7 @@ from mitmproxy.proxy.layers import websocket as websocket_layer
 from turnguard_core import answers, circuit, identity, machine, negotiation, proxy_internals, ws
 from turnguard_core.ending import EndFacts
 from turnguard_core.live import Listener
-from turnguard_core.offload import INLINE_MAX_BYTES, WorkerStopped
+from turnguard_core.offload import WorkerStopped, read_inline
 
 from . import flows
 from .answering import MAX_GUARDED_BODY, negotiated
@@ -842,10 +842,12 @@ class WebSockets:
 
 
 async def _parsed(content: bytes, is_text: bool) -> ws.Call | ws.Prewarm | ws.NotACall:
-    """What a client frame is (``ws.parse_client_frame``); a large one is read on a thread:
-    a frame of millions of tiny JSON objects (a few kB deflated) takes seconds to read, and
-    the event loop serves every other flow meanwhile."""
-    if len(content) <= INLINE_MAX_BYTES:
+    """What a client frame is (``ws.parse_client_frame``); a large one, or one of many JSON
+    values (``offload.read_inline``), is read on a thread: a frame of millions of tiny JSON
+    objects (a few kB deflated) takes seconds to read, and the event loop serves every other
+    flow meanwhile. The frame is the message as mitmproxy inflated it (permessage-deflate):
+    its size on the wire says nothing of the work."""
+    if read_inline(content):
         return ws.parse_client_frame(content, is_text)
     return await asyncio.to_thread(ws.parse_client_frame, content, is_text)
 
