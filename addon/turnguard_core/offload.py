@@ -3,8 +3,9 @@
 Parsing and canonicalising JSON holds the interpreter for as long as it takes: a few
 milliseconds for a realistic body, but a hostile one (a megabyte of tiny objects, say) could
 hold the proxy's event loop, and every other flow with it, for seconds. A thread would not help
-(the JSON parser never lets go of the GIL). So bodies that ``read_inline`` refuses (above ``INLINE_MAX_BYTES``, or
-holding more than ``INLINE_MAX_VALUES`` JSON values) go to a worker process: the event loop only waits for the answer, and a body that takes longer than the
+(the JSON parser never lets go of the GIL). So bodies that ``read_inline`` refuses (above
+``INLINE_MAX_BYTES``, or holding more than ``INLINE_MAX_VALUES`` JSON values) go to a worker
+process: the event loop only waits for the answer, and a body that takes longer than the
 caller's bound is passed through (the worker is then replaced, so it stops burning a CPU).
 Starting the worker (a new interpreter: a few hundred milliseconds, seconds on a loaded machine)
 has a bound of its own: a busy machine must not turn a request's guard off only because the
@@ -44,6 +45,8 @@ def read_inline(body: bytes) -> bool:
     ``INLINE_MAX_BYTES`` holding at most ``INLINE_MAX_VALUES`` JSON values; else off it."""
     return len(body) <= INLINE_MAX_BYTES and (
         body.count(b"{") + body.count(b"[") + body.count(b",") <= INLINE_MAX_VALUES)
+
+
 START_TIMEOUT_S = 30.0  # a worker not running by then: the machine is far past its capacity
 # A wait for the worker that ended this much past its bound: the event loop itself stalled
 # (the process was paused, its worker with it, a SIGSTOP of the group), so the bound did not

@@ -31,8 +31,8 @@ An upstream that echoes a call (a frame of the client's type), or whose first an
 frame that is no call is no Responses event, does not speak this protocol: the socket is no
 longer guarded (its attempt in flight ends as rejected, its queued frames go on untouched, in
 order, before any later one). So is a socket whose client sends more than
-``MAX_QUEUED_FRAMES`` frames ahead of the response in flight. A frame is never lost: if guarding it fails, it is forwarded. The
-socket's ``SocketRecord`` remembers the responses it carried, so that a delta frame
+``MAX_QUEUED_FRAMES`` frames ahead of the response in flight. A frame is never lost: if
+guarding it fails, it is forwarded. The socket's ``SocketRecord`` remembers the responses it carried, so that a delta frame
 (``previous_response_id`` + new items) has the same identity as its full resend on a new
 socket or as the HTTP POST fallback.
 """
