@@ -138,6 +138,12 @@ def test_the_passthrough_reasons_of_the_code_map_to_their_own_labels():
                "response content-encoding gzip: events not counted"]
     labels = [m.passthrough_label(r) for r in reasons]
     assert m.OTHER not in labels and len(set(labels)) == len(labels)
+    # a socket let go, and an upstream frame passed on with the socket still guarded
+    assert m.passthrough_label("upstream frame is not a Responses event (binary)") \
+        == "not_responses"
+    assert m.passthrough_label("upstream frame passed on: not a Responses event (text) "
+                               "inside a response; the response is not recorded") \
+        == "frame_passed_on"
 
 
 def test_every_passthrough_reason_written_in_the_code_has_its_label():

@@ -133,6 +133,8 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("more than ", "frames_queued"),
     ("a response did not end within", "response_timeout"),
     ("upstream frame is not a Responses event", "not_responses"),
+    # an upstream frame that is no Responses event, passed on with the socket still guarded
+    ("upstream frame passed on", "frame_passed_on"),
     # a WebSocket mitmproxy relays as raw TCP (its websocket option off): turnguard.py
     ("websocket option is off", "websocket_off"),
     # a request (or a client's WebSocket frame) whose hook an earlier addon halted: turnguard.py

@@ -668,8 +668,8 @@ class WebSockets:
             sock.unsolicited.add(where)
             self._guard._emit(
                 "passthrough", flow=sock.flow.id, transport="ws",
-                reason="upstream frame is not a Responses event "
-                       f"({'text' if message.is_text else 'binary'}) {where}: passed on")
+                reason="upstream frame passed on: not a Responses event "
+                       f"({'text' if message.is_text else 'binary'}) {where}")
 
     def _pass_over(self, sock: Socket, current: Response, message) -> None:
         """A frame that is no Responses event (a gateway's keepalive text, a binary frame)
@@ -683,9 +683,9 @@ class WebSockets:
         if events.unreadable == 0:
             self._guard._emit(
                 "passthrough", flow=sock.flow.id, transport="ws",
-                reason="upstream frame is not a Responses event "
-                       f"({'text' if message.is_text else 'binary'}) inside a response: "
-                       "passed on; the response is not recorded")
+                reason="upstream frame passed on: not a Responses event "
+                       f"({'text' if message.is_text else 'binary'}) inside a response; "
+                       "the response is not recorded")
         events.pass_over()
         if current.attempt_key is not None:
             self._guard.inflight.ws_event(current.attempt_key, False,
