@@ -2245,3 +2245,105 @@ def test_a_keepalive_before_a_calls_first_event_does_not_run_its_duplicate_again
         assert any("before the response's first event" in e["reason"]
                    for e in events(tmp_path, "passthrough"))
         assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("scripts, before", [
+    # the first ping answered at once, the second only once the call came
+    ([[REFUSED], [], [REFUSED, 1.0, *scripted_response()]], ["ping", "ping"]),
+    # a keepalive while the socket is idle answers no ping: the ping's answer comes later
+    ([["keepalive"], [REFUSED, 1.0, *scripted_response()]], ["ping"]),
+    ([[{"type": "keepalive"}], [REFUSED, 1.0, *scripted_response()]], ["ping"]),
+], ids=["two pings", "a keepalive while idle (text)", "a keepalive while idle (json)"])
+def test_a_pings_late_answer_is_never_taken_for_the_calls_behind_it(tmp_path, scripts, before):
+    """A client sends pings (frames that are no call) and, once something came back, a call.
+    The upstream answers in order, each ping with an ``error`` (or not at once): an ``error``
+    before the call's first event answers a ping still unanswered (they are counted, and a
+    keepalive answers none), never the call, which runs on. Taken for the call's, it ended
+    the call's attempt as rejected while the call ran upstream, and its duplicate on another
+    socket ran it a second time."""
+    with ScriptedUpstream(scripts) as up, \
+            proxy(tmp_path, up, turnguard_request_budget_ms=600_000) as p:
+        async def pings_then_call():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                for _ in before:
+                    await a.send({"type": "ping"})
+                first = await asyncio.wait_for(a.recv(), 60)
+                await a.send(call([user("hi")], seed=1))
+                for _ in range(100):  # bounded: until the call went upstream
+                    if up.calls == len(before) + 1:
+                        break
+                    await asyncio.sleep(0.02)
+                duplicate = asyncio.create_task(messages_of_one_call(
+                    p.url, call([user("hi")], seed=2), delay=0.3))
+                got = [first]
+                for _ in range(10):  # bounded: up to the terminal event
+                    got.append(await asyncio.wait_for(a.recv(), 60))
+                    if "response.completed" in got[-1]:
+                        break
+                return got, await duplicate
+
+        got, duplicate = asyncio.run(pings_then_call())
+        assert json.loads(got[-1])["type"] == "response.completed"
+        assert up.calls == len(before) + 1  # the pings, and the call once
+        assert duplicate[-1] == got[-1]
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"]
+        assert_no_traceback(p.log_text())
+
+
+def test_a_calls_error_after_a_pong_ends_the_call_and_its_retry_goes_on(tmp_path):
+    """A ping goes upstream, then a call; the upstream answers the ping with a ``pong`` once
+    the call came, then refuses the call (``error`` 429). The ``pong`` answered the ping, so
+    the ``error`` is the call's: the call ends at once (the circuit learns the 429), and its
+    retry on the same socket goes upstream and is answered (taken for the ping's, the call
+    stayed in flight until it was cut as silent, its retry queued behind it)."""
+    limited = {"type": "error", "status": 429, "error": {"code": "rate_limit_exceeded"}}
+    scripts = [[], [PONG, limited], scripted_response()]
+    with ScriptedUpstream(scripts) as up, proxy(
+            tmp_path, up, turnguard_request_budget_ms=600_000,
+            turnguard_response_created_timeout_ms=600_000) as p:
+        async def ping_call_retry():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send({"type": "ping"})
+                await a.send(call([user("limited")], seed=1))
+                got = [json.loads(await asyncio.wait_for(a.recv(), 60)) for _ in range(2)]
+                await a.send(call([user("limited")], seed=2))
+                for _ in range(10):  # bounded: up to the retry's terminal event
+                    got.append(json.loads(await asyncio.wait_for(a.recv(), 60)))
+                    if got[-1]["type"] == "response.completed":
+                        break
+                return got
+
+        got = asyncio.run(ping_call_retry())
+        assert [e["type"] for e in got[:2]] == ["pong", "error"]
+        assert got[-1]["type"] == "response.completed" and up.calls == 3
+        assert [o["outcome"] for o in events(tmp_path, "outcome")][-1] == "completed"
+        assert any(o.get("status") == 429 for o in events(tmp_path, "outcome"))
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("stray", [PONG, {"type": "keepalive"}], ids=["pong", "json keepalive"])
+def test_a_json_frame_of_another_type_inside_a_response_is_none_of_its_events(tmp_path, stray):
+    """A ``pong`` or a gateway's JSON keepalive inside a response (after its first event) is
+    passed on to the socket's own client only: a duplicate attached to the response, and one
+    replayed later, get the response's events without it (before, it was relayed, recorded and
+    counted as output)."""
+    with ScriptedUpstream([scripted_response(1.0, stray)]) as up, proxy(tmp_path, up) as p:
+        async def three():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(call([user("hi")], seed=1))
+                first = [await asyncio.wait_for(a.recv(), 60)]
+                attached = asyncio.create_task(messages_of_one_call(
+                    p.url, call([user("hi")], seed=2)))
+                for _ in range(10):  # bounded: up to the terminal event
+                    first.append(await asyncio.wait_for(a.recv(), 60))
+                    if "response.completed" in first[-1]:
+                        break
+                attached = await attached
+            return first, attached, await messages_of_one_call(p.url, call([user("hi")], seed=3))
+
+        first, attached, replayed = asyncio.run(three())
+        assert json.dumps(stray) in first
+        without = [m for m in first if m != json.dumps(stray)]
+        assert attached == without and replayed == without
+        assert up.calls == 1 and len(events(tmp_path, "duplicate_replayed")) == 1
+        assert_no_traceback(p.log_text())

@@ -348,3 +348,20 @@ def test_first_frame_tells_a_calls_answer_from_what_answers_no_call(text, unansw
 def test_a_first_frame_too_large_to_read_begins_the_answer_and_a_binary_one_passes():
     assert ws.first_frame(*ws.upstream_event("x" * 20, max_bytes=10), unanswered=True) == "begins"
     assert ws.first_frame(False, None, unanswered=False) == "passes"
+
+
+@pytest.mark.parametrize("text, answers, of_a_response", [
+    ('{"type":"pong"}', True, False),
+    ('{"type":"error","status":400}', True, True),
+    ('{"type":"keepalive"}', False, False),
+    ('{"type":"response.created","response":{"id":"r"}}', False, True),
+    ('{"type":"response.output_text.delta","delta":"x"}', False, True),
+])
+def test_what_answers_a_frame_that_is_no_call_and_what_belongs_to_a_response(
+        text, answers, of_a_response):
+    """A ``pong`` or an ``error`` may answer a client's ``ping`` (a keepalive answers
+    nothing); inside a response only ``response.*`` events and its ``error`` are its own."""
+    event = ws.upstream_event(text)[1]
+    assert ws.answers_a_frame(event) is answers
+    assert ws.is_response_event(event) is of_a_response
+    assert not ws.answers_a_frame(None)

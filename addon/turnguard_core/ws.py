@@ -66,7 +66,9 @@ __all__ = [
     "SocketRecord",
     "error_frame",
     "event_response_id",
+    "answers_a_frame",
     "first_frame",
+    "is_response_event",
     "frames_of_recording",
     "parse_client_frame",
     "speaks_responses",
@@ -350,16 +352,34 @@ def upstream_event(text: str, max_bytes: int = 8 * 1024 * 1024
 
 # The types of the frames a client sends: one of them from the upstream is an echo.
 CLIENT_TYPES = frozenset({WS_FRAME_TYPE, "response.cancel"})
+# The types of the frames an upstream may answer a client frame that is no call with (a
+# ``ping``: a ``pong``, or an ``error`` for a type it does not know).
+ANSWER_TYPES = frozenset({"pong", "error"})
+
+
+def answers_a_frame(event: dict[str, Any] | None) -> bool:
+    """Whether an upstream frame may be the answer to a client frame that is no call (a
+    ``pong``, an ``error``); a keepalive answers nothing."""
+    return event is not None and event["type"] in ANSWER_TYPES
+
+
+def is_response_event(event: dict[str, Any]) -> bool:
+    """Whether an upstream event belongs to a response (a ``response.*`` event, or its
+    ``error``); another type inside one (a ``pong``, a gateway's ``keepalive``) is none of
+    its events: passed on, never relayed, counted or recorded as the response's."""
+    kind = event["type"]
+    return kind == "error" or kind.startswith("response.")
 
 
 def first_frame(speaks: bool, event: dict[str, Any] | None, *,
                 unanswered: bool) -> Literal["begins", "passes", "echo"]:
     """What an upstream frame before a call's first event is (see the module's contract):
-    ``speaks`` and ``event`` as ``upstream_event`` read it; ``unanswered``: a client frame
-    that is no call went upstream before the call and its answer may still come (the
-    upstream answers in order: that answer comes before the call's, and an ``error`` then
-    is taken for it, never for the call's). A frame too large to read begins the call's
-    answer (the benefit of the doubt, as ``speaks_responses`` gives it)."""
+    ``speaks`` and ``event`` as ``upstream_event`` read it; ``unanswered``: client frames
+    that are no call went upstream before the call and not all of them were answered (the
+    upstream answers in order: such an answer comes before the call's, and an ``error`` then
+    is taken for it, never for the call's: taken for the call's, it would end an attempt
+    that runs, and its duplicates would run it again). A frame too large to read begins the
+    call's answer (the benefit of the doubt, as ``speaks_responses`` gives it)."""
     if event is None:
         return "begins" if speaks else "passes"
     kind = event["type"]

@@ -115,11 +115,12 @@ class Socket:
     sent_unguarded: bool = False
     # where the upstream sent a frame that is no event outside a response (named once each)
     unsolicited: set = field(default_factory=set)
-    # a client frame of another type than a call's went upstream, and neither a frame while
-    # nothing was in flight nor a response's first ``response.*`` event came since: an
-    # ``error`` before the next response's first event is that frame's answer
-    # (``ws.first_frame``)
-    unanswered: bool = False
+    # client frames of another type than a call's (a ``ping``) that went upstream since the
+    # last response began, less the answers (``ws.answers_a_frame``: a ``pong``, an ``error``)
+    # that came: an ``error`` before the next response's first event is such a frame's
+    # answer (``ws.first_frame``); the upstream answers in order, so none comes once a
+    # response began
+    unanswered: int = 0
     # frames that are no call turnguard injected whose hooks have not come yet (their message
     # is not the message of a response in flight: ``message``)
     injected_not_calls: int = 0
@@ -479,7 +480,7 @@ class WebSockets:
                 # waits for no answer that may never come (``Socket.unanswered`` keeps an
                 # answer that does come from being taken for the next call's)
                 self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
-                sock.unanswered = True
+                sock.unanswered += 1
                 if sock.inline is None and not sock.closed:
                     sock.injected_not_calls += 1
                 self._forward(sock, content, is_text)
@@ -611,26 +612,32 @@ class WebSockets:
                 return self._let_go(sock, "upstream frame is not a Responses event "
                                           f"({'binary' if not message.is_text else 'text'})",
                                     not_responses=True)
-            if current is None:  # (an answer to a frame that is no call came, if any)
-                sock.unanswered = False
+            if current is None:
+                if sock.unanswered and ws.answers_a_frame(event):
+                    sock.unanswered -= 1  # (the answer to a frame that is no call)
             elif not followed and current.events.events_seen == 0:
-                match ws.first_frame(speaks, event, unanswered=sock.unanswered):
+                match ws.first_frame(speaks, event, unanswered=sock.unanswered > 0):
                     case "echo":
                         return self._let_go(sock, "upstream frame is not a Responses event "
                                                   "(text): an echo of the client's",
                                             not_responses=True)
                     case "passes":
+                        if sock.unanswered and ws.answers_a_frame(event):
+                            sock.unanswered -= 1
                         return self._unsolicited(sock, message, "before the response's "
                                                                 "first event")
                     case _ if event is None or event["type"] != "error":
                         # a response began: it comes after every answer to an earlier frame
-                        sock.unanswered = False
+                        sock.unanswered = 0
             if not speaks:
                 if current is None:
                     return self._unsolicited(sock, message, "while no response is in flight")
                 return self._pass_over(sock, current, message)
             if current is None:
                 return
+            if event is not None and not ws.is_response_event(event):
+                # a ``pong``, a gateway's JSON keepalive: none of the response's events
+                return self._unsolicited(sock, message, "inside a response")
             rid = ws.event_response_id(event)
             if (rid is None and not followed and current.events.events_seen == 0
                     and _item_id(event) in sock.ended_items):
