@@ -97,7 +97,8 @@ class TurnGuard:
         self.explainer = flows.Explainer()
         self.store = FailoverStore(
             instance_id=process.instance_id, identity=process.identity, emit=self._emit,
-            memory=process.memory, kept=process.kept_writes, attempts=lambda: self.inflight,
+            memory=process.memory, kept=process.kept_writes,
+            claims_in_doubt=process.claims_in_doubt, attempts=lambda: self.inflight,
             on_reregistered=lambda incarnation: self.sessions.forget_all(),
             on_attempt_ended=lambda op_key, attempt_id, state: self.waiters.attempt_ended_elsewhere(
                 op_key, attempt_id, state, generation=self.store.generation),

@@ -1377,3 +1377,119 @@ def test_a_script_reload_while_the_server_hangs_does_not_hold_the_proxy(tmp_path
         assert reloaded_at < log.index("unusable (open)"), log[-3000:]
         assert in_flight(url) == 0
         assert_no_traceback(a.log_text())
+
+
+def test_a_claim_in_doubt_whose_request_never_ran_is_given_back_after_a_script_reload(
+        tmp_path, pg_url):
+    """Once mode: A's claim is committed but its answer lost, and memory fails the request
+    closed (503: nothing runs upstream). A's script is reloaded before A can connect again.
+    The claim in doubt is the process's, not the unloaded instance's: the instance loaded
+    gives it back once it can, so a retry through B runs the turn (before, it stayed in
+    flight for A's live instance: every retry held, then 409, for as long as A lived)."""
+    from pg_cut import PgCut
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, PgCut(pg_url) as cut, \
+            guarded(tmp_path, up, "a", cut.url, addon=script, turnguard_recovery_mode=ONCE) as a, \
+            guarded(tmp_path, up, "b", pg_url, turnguard_recovery_mode=ONCE) as b:
+        _warm_up(a, b)
+        body = {**BODY, "input": "its claim in doubt, failed closed, then a reload"}
+        cut.arm()
+        assert post(a.url, HEADERS, body)[0] == 503
+        assert cut.wait_cut(15)
+        assert len(up.dispatches()) == 2  # (failed closed: nothing ran)
+        reloaded(a, touch_to_reload(a, script))
+        cut.let_in()
+        wait_until(lambda: in_flight(pg_url) == 0, 20, what="the claim given back")
+        status, headers, _ = post(b.url, HEADERS, body)
+        assert status == 200 and headers.get("x-turnguard") is None
+        assert len(up.dispatches()) == 3
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def _local_tcp_ports(pid: int) -> set[int]:
+    """The local ports of the TCP sockets process ``pid`` has open (from /proc)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _ledger_connections(url: str, pid_of_client_port) -> int:
+    """turnguard's connections to the database at ``url`` whose client is the process whose
+    client ports ``pid_of_client_port`` says."""
+    ports = rows(url, "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
+                      " AND application_name LIKE 'turnguard%%' AND pid <> pg_backend_pid()")
+    return sum(1 for (port,) in ports if pid_of_client_port(port))
+
+
+def test_a_second_reload_while_the_first_reloads_open_is_under_way_leaks_no_connection(
+        tmp_path, own_pg):
+    """The server hangs and A's script is reloaded twice: the first instance loaded is
+    unloaded while its ledger opens on a thread. That open, once the server answers, is
+    closed, never used by a store closed for good (its ledger, heartbeat and listener
+    connections were left open for the life of the process)."""
+    from test_at_most_once import reloadable, reloaded, touch_to_reload
+
+    url = own_pg.url
+    script = reloadable(tmp_path)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", url, addon=script) as a:
+        _warm_up(a, a)
+
+        def of_a(port: int) -> bool:
+            return port in _local_tcp_ports(a.pid)
+
+        before = _ledger_connections(url, of_a)
+        opened = a.log_text().count("turnguard: ledger postgresql")
+        _pause_server(own_pg, True)
+        try:
+            reloaded(a, touch_to_reload(a, script))
+            reloaded(a, touch_to_reload(a, script))
+        finally:
+            _pause_server(own_pg, False)
+        wait_until(lambda: a.log_text().count("turnguard: ledger postgresql") > opened, 30,
+                   what="the ledger opened by the instance loaded last")
+        assert post(a.url, HEADERS, {**BODY, "input": "after two reloads"})[0] == 200
+        wait_until(lambda: _ledger_connections(url, of_a) <= before, 15, interval=0.5,
+                   what=f"no more than the {before} ledger connections of one instance")
+        assert_no_traceback(a.log_text())
+
+
+def test_a_duplicate_of_a_turn_completed_without_a_recording_is_dispatched_not_failed_closed(
+        tmp_path, pg_url):
+    """B's turn completes too large to record (``turnguard_replay_max_bytes``): its
+    duplicates are dispatched, as the ledger decides. A learns the end from its notification
+    while A cannot read the ledger: a retry through A is dispatched from memory, never failed
+    closed as a completed turn whose bytes cannot be read (there are none)."""
+    from pg_cut import PgCut
+
+    with MockUpstream(tmp_path) as up, PgCut(pg_url) as cut, \
+            guarded(tmp_path, up, "a", cut.url) as a, \
+            guarded(tmp_path, up, "b", pg_url, turnguard_replay_max_bytes=10) as b:
+        _warm_up(a, b)
+        body = {**BODY, "input": "completed, too large to record"}
+        assert post(b.url, HEADERS, body)[0] == 200
+        time.sleep(0.5)  # (its notification reaches A: without it A decides blind anyway)
+        cut.isolate()
+        try:
+            status, headers, _ = post(a.url, HEADERS, body)
+        finally:
+            cut.let_in()
+        assert status == 200 and headers.get("x-turnguard") is None
+        assert len(up.dispatches()) == 4
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -511,6 +511,22 @@ async def test_other_processes_attempt_ends_are_notified_and_the_fallback_is_pol
         peer.finish(claim.attempt_id, AttemptEnd("unknown", None, 0), now=time.time())
         await _until(lambda: ended)
         assert ended == [(i.op_key, claim.attempt_id, "unknown")]
+        # a completed end is told apart by whether it has a recording to replay: without one
+        # (too large to keep, say) its duplicates are dispatched, never failed closed
+        recorded, unrecorded = ident(8), ident(9)
+        for turn, recording in ((recorded, Recording(200, (), b"ok")), (unrecorded, None)):
+            claim = peer.admit(turn, method="POST", path="/v1/responses", now=time.time(),
+                               guard=GUARD, flow_id="f")
+            peer.finish(claim.attempt_id, AttemptEnd("completed", 200, 1, recording=recording),
+                        now=time.time())
+        await _until(lambda: len(ended) == 3)
+        assert [(op, state) for op, _, state in ended[1:]] == [
+            (recorded.op_key, "completed"), (unrecorded.op_key, "completed_unrecorded")]
+        now = time.time()
+        facts = [store.memory.knowledge.facts(turn.op_key, in_flight_here=False,
+                                              fingerprint=turn.fingerprint, now=now,
+                                              window_s=300) for turn in (recorded, unrecorded)]
+        assert [f.completed_elsewhere for f in facts] == [True, False]
         # the listener's connection is lost: polling until it is back, then one re-check
         sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE application_name='turnguard-listen' AND datname=current_database()")

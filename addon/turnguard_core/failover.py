@@ -264,6 +264,7 @@ class FailoverStore:
         on_reregistered: Callable[[int], None],
         on_attempt_ended: Callable[[str, int, str], None] | None = None,
         peers_awaited: PeersAwaited | None = None,
+        claims_in_doubt: list[tuple[int, str, str]] | None = None,
     ):
         # the process's (kept across script reloads): see ``PeersAwaited``
         self._awaited = PeersAwaited() if peers_awaited is None else peers_awaited
@@ -296,8 +297,11 @@ class FailoverStore:
         # now at the path): registered in this one before any decision reads it
         self._adoption_due = False
         self._stale_attempts_due = False
-        # claims in doubt that landed, not settled yet: (attempt id, operation, generation)
-        self._claims_in_doubt: list[tuple[int, str, str]] = []
+        # claims in doubt not settled yet, (attempt id, operation, generation): those the
+        # store told landed, and those of a store closed before it told (which may not have:
+        # settling one that did not is giving back nothing). The process's: a script reload
+        # closes the store, and the instance loaded settles them.
+        self._claims_in_doubt = [] if claims_in_doubt is None else claims_in_doubt
         self._deciding: dict[str, int] = {}  # operations being decided here (``admit``)
         self._reopening: asyncio.Task | None = None  # a request's try to open the ledger
         # a try to open it under way (the ticker's or a request's: ``reopen_if_due``)
@@ -537,7 +541,9 @@ class FailoverStore:
         finally:
             under_way.set_result(None)
             self._reopen_under_way = None
-        if self._store is not None:  # opened meanwhile (a change of option)
+        if self._store is not None or self._retired:
+            # opened meanwhile (a change of option), or this store was closed for good (a
+            # script reload while the try was under way: the instance loaded opens its own)
             connected.close()
             return
         self._use(connected)
@@ -638,6 +644,8 @@ class FailoverStore:
             self._heartbeat = None
         if self._store is not None:
             self._store.close()
+            self._claims_in_doubt += [(attempt_id, op_key, self._store.generation)
+                                      for attempt_id, op_key in self._store.claims_in_doubt_left()]
             self._store = None
 
     def _write_owed(self, deadline: float) -> None:
@@ -677,7 +685,7 @@ class FailoverStore:
 
     def _attempt_ended(self, op_key: str, attempt_id: int, state: str) -> None:
         """A process sharing the ledger ended an attempt (notified, on the event loop)."""
-        if state == "completed":
+        if state == "completed":  # (with a recording: ``pg_ledger`` says completed_unrecorded)
             self.memory.knowledge.completed_elsewhere(op_key, time.time())
         else:
             self.memory.knowledge.ended(op_key)
@@ -1426,7 +1434,7 @@ class FailoverStore:
             else:
                 self._claim_not_run(attempt_id, op_key, generation,
                                     "its claim's commit was in doubt")
-        self._claims_in_doubt = later
+        self._claims_in_doubt[:] = later
 
     def _claim_not_run(self, attempt_id: int, op_key: str, generation: str,
                        reason: str) -> None:

@@ -586,6 +586,9 @@ class Ledger:
         """See ``PgLedger.claims_in_doubt``: none here (a commit that fails rolled back)."""
         return []
 
+    def claims_in_doubt_left(self) -> list[tuple[int, str]]:
+        return []
+
     def file_replaced(self) -> str | None:
         """Why the file at ``path`` is no longer the one this connection opened (deleted, or
         replaced by another file), or None. Writing on would go to a file nobody else sees, and

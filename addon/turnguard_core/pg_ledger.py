@@ -16,8 +16,9 @@ hosts, since PostgreSQL does not serialize writers the way SQLite's ``BEGIN IMME
   never moves an open cooldown's end earlier (no replica can shorten another's cooldown, whatever
   its clock or its ``turnguard_cooldown_ms``);
 - an operation that leaves ``in_flight`` sends ``NOTIFY turnguard_attempt_ended`` with
-  ``OP_KEY ATTEMPT_ID STATE`` (delivered on commit): processes holding its duplicates are woken
-  by ``AttemptEndListener`` instead of polling;
+  ``OP_KEY ATTEMPT_ID STATE`` (delivered on commit; ``completed_unrecorded`` for a completed
+  end with no recording to replay): processes holding its duplicates are woken by
+  ``AttemptEndListener`` instead of polling;
 - schema migrations run one versioned step per transaction under an advisory lock, so
   processes that start together migrate once; ``meta`` holds the schema version and the
   database's ``generation`` (a database dropped and made again is another ledger: kept writes
@@ -412,6 +413,13 @@ class PgLedger:
         """Claims are in doubt (``claims_in_doubt`` has not told of them yet); read from any
         thread."""
         return bool(self._doubtful_claims)
+
+    def claims_in_doubt_left(self) -> list[tuple[int, str]]:
+        """The claims in doubt ``claims_in_doubt`` has not told, taken out of this ledger (it
+        is closed: another connection settles them)."""
+        left = list(self._doubtful_claims)
+        del self._doubtful_claims[:len(left)]
+        return left
 
     @_wrap
     def claims_in_doubt(self) -> list[tuple[int, str]]:
@@ -1426,8 +1434,13 @@ class AttemptEndListener:
 
 
 # In the RETURNING list of an UPDATE of operations that moves one out of in_flight: tells the
-# listeners, on commit, which attempt of which operation ended and how.
-_NOTIFY = (f"pg_notify('{NOTIFY_CHANNEL}', op_key || ' ' || current_attempt::text || ' ' || state)")
+# listeners, on commit, which attempt of which operation ended and how. A completed end with
+# no recording to replay (too large, say) is ``completed_unrecorded``: its duplicates are
+# dispatched, where one with a recording is replayed and never run again. (One word: a
+# listener of an older version takes any third word for an end.)
+_NOTIFY = (f"pg_notify('{NOTIFY_CHANNEL}', op_key || ' ' || current_attempt::text || ' ' ||"
+           " CASE WHEN state = 'completed' AND replay_attempt IS NULL"
+           " THEN 'completed_unrecorded' ELSE state END)")
 
 
 def _text(value: str | None) -> str | None:

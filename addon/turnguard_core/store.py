@@ -148,6 +148,10 @@ class Store(Protocol):
     async def claims_in_doubt(self, *, deadline: float | None) -> list[tuple[int, str]]:
         """``PgLedger.claims_in_doubt``: the claims in doubt that landed and are in flight."""
 
+    def claims_in_doubt_left(self) -> list[tuple[int, str]]:
+        """The claims in doubt ``claims_in_doubt`` has not told (once this store is closed:
+        whoever settles them does not know whether they landed)."""
+
     async def peers_with_attempts_in_flight(self) -> list[liveness.PeerRow]: ...
 
     def attempts_in_flight_elsewhere_sync(
@@ -411,6 +415,9 @@ class LedgerStore:
 
     async def claims_in_doubt(self, *, deadline):
         return await self._runner.call(lambda led: led.claims_in_doubt(), deadline=deadline)
+
+    def claims_in_doubt_left(self):
+        return self._runner.ledger.claims_in_doubt_left()
 
     async def peers_with_attempts_in_flight(self):
         return await self._runner.call(lambda led: led.peers_with_attempts_in_flight())

@@ -31,6 +31,8 @@ class ProcessState:
     by_op: dict = field(default_factory=dict)  # op key -> flow id of an attempt in flight
     sockets: dict = field(default_factory=dict)  # flow id -> websocket.Socket (guarded)
     kept_writes: collections.deque = field(default_factory=collections.deque)
+    # claims in doubt not settled yet (FailoverStore: they outlive a script reload too)
+    claims_in_doubt: list = field(default_factory=list)
     memory: MemoryStore = field(default_factory=MemoryStore)
     # the peers awaited in a ledger file opened after one was left (a reload goes on waiting)
     peers_awaited: PeersAwaited = field(default_factory=PeersAwaited)
