@@ -23,18 +23,20 @@ each waits for the answer to the frame before it. One the upstream may read as a
 (binary, not JSON, unreadable here: ``NotACall.awaits_answer``) has its answer waited for as
 a call's, and that answer is its own (never taken for the next call's). One of another type
 (a ``ping``) may be answered or not (a ``pong``, or nothing): the frame behind it goes on at
-once, and an ``error`` before the next response's first ``response.*`` event is taken for
-the earlier frame's answer (``Socket.unanswered``). A prewarm is forwarded, and answered, as a
-call is. Upstream frames before a call's first event that are no Responses event (a gateway's
-keepalive, binary, not JSON, a ``pong``) are passed on and answer nothing (``ws.first_frame``).
+once, and while such frames are unanswered (``Socket.unanswered`` counts them) an ``error``
+before the next response's first ``response.*`` event is taken for such a frame's answer. A
+prewarm is forwarded, and answered, as a call is. Upstream frames before a call's first event
+that are no Responses event (a gateway's keepalive, binary, not JSON, a ``pong``) are passed
+on and answer no call (``ws.first_frame``); inside a response, a JSON frame of another type
+(a ``pong``, a keepalive) is none of its events (``ws.is_response_event``).
 An upstream that echoes a call (a frame of the client's type), or whose first answer to a
 frame that is no call is no Responses event, does not speak this protocol: the socket is no
 longer guarded (its attempt in flight ends as rejected, its queued frames go on untouched, in
 order, before any later one). So is a socket whose client sends more than
 ``MAX_QUEUED_FRAMES`` frames ahead of the response in flight. A frame is never lost: if
-guarding it fails, it is forwarded. The socket's ``SocketRecord`` remembers the responses it carried, so that a delta frame
-(``previous_response_id`` + new items) has the same identity as its full resend on a new
-socket or as the HTTP POST fallback.
+guarding it fails, it is forwarded. The socket's ``SocketRecord`` remembers the responses it
+carried, so that a delta frame (``previous_response_id`` + new items) has the same identity
+as its full resend on a new socket or as the HTTP POST fallback.
 """
 
 from __future__ import annotations
