@@ -2247,35 +2247,41 @@ def test_a_keepalive_before_a_calls_first_event_does_not_run_its_duplicate_again
         assert_no_traceback(p.log_text())
 
 
-@pytest.mark.parametrize("scripts, before", [
+@pytest.mark.parametrize("scripts, pings, wait", [
     # the first ping answered at once, the second only once the call came
-    ([[REFUSED], [], [REFUSED, 1.0, *scripted_response()]], ["ping", "ping"]),
-    # a keepalive while the socket is idle answers no ping: the ping's answer comes later
-    ([["keepalive"], [REFUSED, 1.0, *scripted_response()]], ["ping"]),
-    ([[{"type": "keepalive"}], [REFUSED, 1.0, *scripted_response()]], ["ping"]),
-], ids=["two pings", "a keepalive while idle (text)", "a keepalive while idle (json)"])
-def test_a_pings_late_answer_is_never_taken_for_the_calls_behind_it(tmp_path, scripts, before):
-    """A client sends pings (frames that are no call) and, once something came back, a call.
-    The upstream answers in order, each ping with an ``error`` (or not at once): an ``error``
-    before the call's first event answers a ping still unanswered (they are counted, and a
-    keepalive answers none), never the call, which runs on. Taken for the call's, it ended
-    the call's attempt as rejected while the call ran upstream, and its duplicate on another
-    socket ran it a second time."""
+    ([[REFUSED], [], [REFUSED, 1.0, *scripted_response()]], 2, True),
+    # a keepalive, or a pong sent unasked (a heartbeat), while the socket is idle answers no
+    # ping: the ping's answer comes later
+    ([["keepalive"], [REFUSED, 1.0, *scripted_response()]], 1, True),
+    ([[{"type": "keepalive"}], [REFUSED, 1.0, *scripted_response()]], 1, True),
+    ([[PONG], [REFUSED, 1.0, *scripted_response()]], 1, True),
+    # a ping answered with a pong, then an error, once the call came
+    ([[], [PONG, REFUSED, 1.0, *scripted_response()]], 1, False),
+], ids=["two pings", "a keepalive while idle (text)", "a keepalive while idle (json)",
+        "a pong while idle", "a pong then an error"])
+def test_a_pings_late_answer_is_never_taken_for_the_calls_behind_it(tmp_path, scripts, pings,
+                                                                     wait):
+    """A client sends pings (frames that are no call) and a call (once something came back,
+    ``wait``). The upstream answers in order, each ping with an ``error`` (or not at once): an
+    ``error`` before the call's first event answers a ping still unanswered (they are
+    counted; a keepalive or a ``pong`` answers none: an upstream may send a ``pong`` unasked,
+    or before the ``error`` that answers the same ping), never the call, which runs on. Taken
+    for the call's, it ended the call's attempt as rejected while the call ran upstream, and
+    its duplicate on another socket ran it a second time."""
     with ScriptedUpstream(scripts) as up, \
             proxy(tmp_path, up, turnguard_request_budget_ms=600_000) as p:
         async def pings_then_call():
             async with WsClient.connect(p.url, headers=HEADERS) as a:
-                for _ in before:
+                for _ in range(pings):
                     await a.send({"type": "ping"})
-                first = await asyncio.wait_for(a.recv(), 60)
+                got = [await asyncio.wait_for(a.recv(), 60)] if wait else []
                 await a.send(call([user("hi")], seed=1))
                 for _ in range(100):  # bounded: until the call went upstream
-                    if up.calls == len(before) + 1:
+                    if up.calls == pings + 1:
                         break
                     await asyncio.sleep(0.02)
                 duplicate = asyncio.create_task(messages_of_one_call(
                     p.url, call([user("hi")], seed=2), delay=0.3))
-                got = [first]
                 for _ in range(10):  # bounded: up to the terminal event
                     got.append(await asyncio.wait_for(a.recv(), 60))
                     if "response.completed" in got[-1]:
@@ -2284,28 +2290,73 @@ def test_a_pings_late_answer_is_never_taken_for_the_calls_behind_it(tmp_path, sc
 
         got, duplicate = asyncio.run(pings_then_call())
         assert json.loads(got[-1])["type"] == "response.completed"
-        assert up.calls == len(before) + 1  # the pings, and the call once
+        assert up.calls == pings + 1  # the pings, and the call once
         assert duplicate[-1] == got[-1]
         assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"]
         assert_no_traceback(p.log_text())
 
 
-def test_a_calls_error_after_a_pong_ends_the_call_and_its_retry_goes_on(tmp_path):
-    """A ping goes upstream, then a call; the upstream answers the ping with a ``pong`` once
-    the call came, then refuses the call (``error`` 429). The ``pong`` answered the ping, so
-    the ``error`` is the call's: the call ends at once (the circuit learns the 429), and its
-    retry on the same socket goes upstream and is answered (taken for the ping's, the call
-    stayed in flight until it was cut as silent, its retry queued behind it)."""
+def test_a_stray_end_of_the_last_response_does_not_make_a_pings_answer_the_next_calls(
+        tmp_path):
+    """A call completes; the client sends a ping and a second call; the upstream repeats the
+    first response's ``response.completed`` (a stray, passed over), then answers the ping with
+    an ``error``, then the second call. The stray is no beginning of the second response: the
+    ping is still unanswered when its ``error`` comes, so the second call runs on (before, the
+    stray counted as the response's beginning, the ``error`` ended the second call's attempt
+    while it ran, and its duplicate ran it again)."""
+    item = {"type": "message", "id": "msg_resp_0", "role": "assistant",
+            "content": [{"type": "output_text", "text": "hi"}]}
+    stray = {"type": "response.completed", "response": {"id": "resp_0", "output": [item]}}
+    scripts = [scripted_response(), [], [stray, REFUSED, 1.0, *scripted_response()]]
+    with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
+        async def two_calls():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(call([user("one")], seed=1))
+                for _ in range(10):  # bounded: up to the first call's terminal event
+                    if "response.completed" in await asyncio.wait_for(a.recv(), 60):
+                        break
+                await a.send({"type": "ping"})
+                await a.send(call([user("two")], turn="turn-2", seed=2))
+                for _ in range(100):  # bounded: until the second call went upstream
+                    if up.calls == 3:
+                        break
+                    await asyncio.sleep(0.02)
+                duplicate = asyncio.create_task(messages_of_one_call(
+                    p.url, call([user("two")], turn="turn-2", seed=3), delay=0.3))
+                got = []
+                for _ in range(10):  # bounded: the stray, the error, then the second call
+                    got.append(json.loads(await asyncio.wait_for(a.recv(), 60)))
+                    if got[-1]["type"] == "response.completed" \
+                            and got[-1]["response"]["id"] == "resp_2":
+                        break
+                return got, await duplicate
+
+        got, duplicate = asyncio.run(two_calls())
+        assert got[-1]["response"]["id"] == "resp_2"
+        assert up.calls == 3  # the first call, the ping, the second call once
+        assert json.loads(duplicate[-1])["response"]["id"] == "resp_2"
+        assert [o["outcome"] for o in events(tmp_path, "outcome")] == ["completed"] * 2
+        assert_no_traceback(p.log_text())
+
+
+def test_a_calls_error_after_its_ping_was_answered_ends_the_call_and_its_retry_goes_on(
+        tmp_path):
+    """A ping goes upstream and is answered (an ``error``); the client's call is then refused
+    (``error`` 429). No ping is unanswered, so the ``error`` is the call's: the call ends at
+    once (the circuit learns the 429), and its retry on the same socket goes upstream and is
+    answered (had the ``error`` been taken for the ping's, the call would have stayed in
+    flight until cut as silent, its retry queued behind it)."""
     limited = {"type": "error", "status": 429, "error": {"code": "rate_limit_exceeded"}}
-    scripts = [[], [PONG, limited], scripted_response()]
+    scripts = [[REFUSED], [limited], scripted_response()]
     with ScriptedUpstream(scripts) as up, proxy(
             tmp_path, up, turnguard_request_budget_ms=600_000,
             turnguard_response_created_timeout_ms=600_000) as p:
         async def ping_call_retry():
             async with WsClient.connect(p.url, headers=HEADERS) as a:
                 await a.send({"type": "ping"})
+                got = [json.loads(await asyncio.wait_for(a.recv(), 60))]
                 await a.send(call([user("limited")], seed=1))
-                got = [json.loads(await asyncio.wait_for(a.recv(), 60)) for _ in range(2)]
+                got.append(json.loads(await asyncio.wait_for(a.recv(), 60)))
                 await a.send(call([user("limited")], seed=2))
                 for _ in range(10):  # bounded: up to the retry's terminal event
                     got.append(json.loads(await asyncio.wait_for(a.recv(), 60)))
@@ -2314,7 +2365,7 @@ def test_a_calls_error_after_a_pong_ends_the_call_and_its_retry_goes_on(tmp_path
                 return got
 
         got = asyncio.run(ping_call_retry())
-        assert [e["type"] for e in got[:2]] == ["pong", "error"]
+        assert [e.get("status") for e in got[:2]] == [400, 429]
         assert got[-1]["type"] == "response.completed" and up.calls == 3
         assert [o["outcome"] for o in events(tmp_path, "outcome")][-1] == "completed"
         assert any(o.get("status") == 429 for o in events(tmp_path, "outcome"))

@@ -351,7 +351,7 @@ def test_a_first_frame_too_large_to_read_begins_the_answer_and_a_binary_one_pass
 
 
 @pytest.mark.parametrize("text, answers, of_a_response", [
-    ('{"type":"pong"}', True, False),
+    ('{"type":"pong"}', False, False),  # (one may come unasked: a heartbeat)
     ('{"type":"error","status":400}', True, True),
     ('{"type":"keepalive"}', False, False),
     ('{"type":"response.created","response":{"id":"r"}}', False, True),
@@ -359,8 +359,9 @@ def test_a_first_frame_too_large_to_read_begins_the_answer_and_a_binary_one_pass
 ])
 def test_what_answers_a_frame_that_is_no_call_and_what_belongs_to_a_response(
         text, answers, of_a_response):
-    """A ``pong`` or an ``error`` may answer a client's ``ping`` (a keepalive answers
-    nothing); inside a response only ``response.*`` events and its ``error`` are its own."""
+    """An ``error`` is taken for the answer to a client's ``ping`` (a ``pong``, which may come
+    unasked, or a keepalive answer nothing); inside a response only ``response.*`` events and
+    its ``error`` are its own."""
     event = ws.upstream_event(text)[1]
     assert ws.answers_a_frame(event) is answers
     assert ws.is_response_event(event) is of_a_response

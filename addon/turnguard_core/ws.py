@@ -352,15 +352,14 @@ def upstream_event(text: str, max_bytes: int = 8 * 1024 * 1024
 
 # The types of the frames a client sends: one of them from the upstream is an echo.
 CLIENT_TYPES = frozenset({WS_FRAME_TYPE, "response.cancel"})
-# The types of the frames an upstream may answer a client frame that is no call with (a
-# ``ping``: a ``pong``, or an ``error`` for a type it does not know).
-ANSWER_TYPES = frozenset({"pong", "error"})
-
-
 def answers_a_frame(event: dict[str, Any] | None) -> bool:
-    """Whether an upstream frame may be the answer to a client frame that is no call (a
-    ``pong``, an ``error``); a keepalive answers nothing."""
-    return event is not None and event["type"] in ANSWER_TYPES
+    """Whether an upstream frame is taken for the answer to a client frame that is no call
+    (a ``ping``): an ``error`` (for a type the upstream does not know) is. A ``pong`` is not:
+    an upstream may send one unasked (a heartbeat), or before an ``error`` for the same
+    ``ping``; counted as an answer, it would leave that ``error`` to be taken for the call's,
+    ending the attempt of a call that runs (its duplicates would run it again). A keepalive
+    answers nothing."""
+    return event is not None and event["type"] == "error"
 
 
 def is_response_event(event: dict[str, Any]) -> bool:

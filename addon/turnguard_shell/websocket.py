@@ -118,10 +118,9 @@ class Socket:
     # where the upstream sent a frame that is no event outside a response (named once each)
     unsolicited: set = field(default_factory=set)
     # client frames of another type than a call's (a ``ping``) that went upstream since the
-    # last response began, less the answers (``ws.answers_a_frame``: a ``pong``, an ``error``)
-    # that came: an ``error`` before the next response's first event is such a frame's
-    # answer (``ws.first_frame``); the upstream answers in order, so none comes once a
-    # response began
+    # last response began, less the answers (``ws.answers_a_frame``: an ``error``) that came:
+    # an ``error`` before the next response's first event is such a frame's answer
+    # (``ws.first_frame``); the upstream answers in order, so none comes once a response began
     unanswered: int = 0
     # frames that are no call turnguard injected whose hooks have not come yet (their message
     # is not the message of a response in flight: ``message``)
@@ -628,9 +627,6 @@ class WebSockets:
                             sock.unanswered -= 1
                         return self._unsolicited(sock, message, "before the response's "
                                                                 "first event")
-                    case _ if event is None or event["type"] != "error":
-                        # a response began: it comes after every answer to an earlier frame
-                        sock.unanswered = 0
             if not speaks:
                 if current is None:
                     return self._unsolicited(sock, message, "while no response is in flight")
@@ -652,6 +648,11 @@ class WebSockets:
                                     else _stray(current.events, event, rid,
                                                 sock.ended_responses)):
                 return  # another response's event (a stray one of one that ended)
+            if not followed and current.events.events_seen == 0 \
+                    and (event is None or event["type"] != "error"):
+                # the response in flight began (a stray of an ended one does not come here): it
+                # comes after every answer to an earlier frame
+                sock.unanswered = 0
             output_before = current.events.output_seen
             current.events.feed(message.text, event)
             if current.attempt_key is not None:  # (one too large to read reaches them too)
