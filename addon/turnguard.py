@@ -239,6 +239,8 @@ class TurnGuard:
         except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
             self._refuse(ledger_location.scrub_options(
                 str(e), [getattr(o, s.name) for s in options.OPTIONS]))
+            if not self._running:  # (start-up stops: every other bad option is said too)
+                self._refuse_other_bad_values(o)
             return
         if self._running:
             self.attacher.start_relay_early()
@@ -275,13 +277,20 @@ class TurnGuard:
         """At start-up, once a bad option has turned turnguard off (an unknown name, a value
         of the wrong type: said as the script loaded), the values mitmproxy then applies are
         still checked, so that one start names every bad option, not one per try. Only the
-        checks that touch nothing (the numbers and choices, the filter): no file is opened."""
-        try:
-            options.settings_from({s.name: getattr(o, s.name) for s in options.OPTIONS})
-            config.parse_filter(o.turnguard_filter)
-        except ValueError as e:
-            message = ledger_location.scrub_options(
-                str(e), [getattr(o, s.name) for s in options.OPTIONS])
+        checks that touch nothing (the numbers and choices, the filter, a ledger location
+        given): no file is opened, no folder made."""
+        values = [getattr(o, s.name) for s in options.OPTIONS]
+        found = options.problems({s.name: getattr(o, s.name) for s in options.OPTIONS})
+        checks = [lambda: config.parse_filter(o.turnguard_filter)]
+        if o.turnguard_ledger:  # (the default one is a folder to make: it is checked at open)
+            checks.append(lambda: config.ledger_path(o.turnguard_ledger, o.confdir))
+        for check in checks:
+            try:
+                check()
+            except ValueError as e:
+                found.append(str(e))
+        for message in found:
+            message = ledger_location.scrub_options(message, values)
             if message not in self.refused:  # (configure runs more than once at start-up)
                 self._refuse(message)
 

@@ -569,6 +569,33 @@ def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path
         assert detached["ran_without_client_ms"] < 60000
 
 
+def test_past_turnguard_detach_max_a_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
+    """The cap (1) is full with another call without a client; a turn's client leaves while
+    its retry is held waiting for the turn's first event. The call has a client (the retry):
+    it is not cut at once past the cap, and the retry is answered from it (before, it was cut,
+    and the retry ran the turn a second time)."""
+    slow = {"default": {"kind": "ok", "events": 15, "gap_ms": 200, "first_event_ms": 1500}}
+    with MockUpstream(tmp_path, slow) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=5000, turnguard_detach_max=1) as proxy:
+        other = _raw_post(proxy.port, HEADERS, {**BODY, "input": "another turn, its client gone"})
+        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the other turn upstream")
+        other.close()
+        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
+        original = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn upstream")
+        retry = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+        wait_until(lambda: turnguard_events(tmp_path, kind="duplicate_held"), 10,
+                   what="its retry held")
+        original.close()  # its client leaves while the retry waits for the call
+        status, got = _read_answer(retry)
+        retry.close()
+        assert status == 200
+        assert b"response.completed" in got
+        assert len({d.get("body_sha256") for d in up.dispatches()}) == 2
+        assert len(up.dispatches()) == 2  # each turn once
+        assert_no_traceback(proxy.log_text())
+
+
 def test_a_detached_call_answers_its_client_as_a_direct_one_would(tmp_path):
     """Detached or not, the client gets the same status, headers, events and end (the
     headers no replay repeats included: a cookie, a credential the upstream echoes: they are

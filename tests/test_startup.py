@@ -389,6 +389,47 @@ def test_a_config_file_with_a_misspelt_option_and_a_bad_value_names_both_at_star
     assert "turnguard: running" not in out
 
 
+@pytest.mark.parametrize("config, sets, named", [
+    ("turnguard_hold_timeout_ms: -3\nturnguard_detach_max: -1\n", (),
+     ["turnguard_hold_timeout_ms must be >= 0", "turnguard_detach_max must be >= 0"]),
+    ("turnguard_hold_timout_ms: 5\nturnguard_hold_timeout_ms: -3\nturnguard_detach_max: -1\n",
+     (), ["unknown option turnguard_hold_timout_ms", "turnguard_hold_timeout_ms must be >= 0",
+          "turnguard_detach_max must be >= 0"]),
+    ("turnguard_detach_max: -1\n", ("turnguard_filter=~q(",),
+     ["turnguard_detach_max must be >= 0", "turnguard_filter"]),
+    ("turnguard_ledgr: 5\n", ("turnguard_ledger=postgresql://u:p@ss@127.0.0.1/db",),
+     ["unknown option turnguard_ledgr", "turnguard_ledger="]),
+], ids=["two bad values", "a typo and two bad values", "a bad value and a bad filter",
+        "a typo and a refused ledger"])
+def test_every_bad_option_is_named_at_start_up(tmp_path, config, sets, named):
+    """Start-up names every bad option, one line each (not one per try): the values
+    turnguard refuses, a filter that does not parse, a ledger location refused, beside a
+    typo; it stops (exit status non-zero) without a traceback or a password."""
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    (confdir / "config.yaml").write_text(config)
+    r = _mitmdump_once(tmp_path, *sets)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out
+    lines = _turnguard_lines(out)
+    assert len(lines) == len(named), out
+    for needle in named:
+        assert any(needle in line for line in lines), (needle, out)
+    assert "p@ss" not in out and "turnguard: running" not in out
+
+
+def test_a_misspelt_option_whose_value_is_a_mapping_never_shows_it(tmp_path):
+    """A config file's misspelt ``turnguard_ledger`` whose value is a mapping (a URL and a
+    password under keys of their own): named, its value shown by its kind only."""
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    (confdir / "config.yaml").write_text(
+        'turnguard_ledgr: {url: "postgresql://tg:hunter2@127.0.0.1/db", password: hunter2}\n')
+    r = _mitmdump_once(tmp_path)
+    out = _assert_refused(r, "unknown option turnguard_ledgr", "<mapping>")
+    assert "hunter2" not in r.stdout + r.stderr, out
+
+
 PG_SECRET = "pg-SECRET-hunter2"
 
 

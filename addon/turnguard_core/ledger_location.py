@@ -130,12 +130,15 @@ def _conninfo_secrets(location: str) -> list[tuple[int, int]]:
 def shown_value(value: object) -> object:
     """An option's value as a message may show it: a string that names a PostgreSQL ledger
     (a URL or a key/value connection string) as ``display`` shows it, a list of strings
-    likewise; anything else as it is."""
+    likewise; a number, a bool or None as it is; anything else (a mapping from a config file,
+    whose values may hold a password under any key) by its kind only, as ``<mapping>``."""
     if isinstance(value, str) and (is_postgres(value) or is_conninfo(value)):
         return display(value)
     if isinstance(value, (list, tuple)):
         return type(value)(shown_value(v) for v in value)
-    return value
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return f"<{'mapping' if isinstance(value, dict) else type(value).__name__}>"
 
 
 def display(location: str) -> str:

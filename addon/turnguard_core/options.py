@@ -210,37 +210,54 @@ class Settings:
     metrics: tuple[str, int] | None = None  # (host, port) to serve /metrics on; None: off
 
 
-def settings_from(values: Mapping[str, Any]) -> Settings:
-    """Validate the option values and derive the settings. Raises ``ValueError`` with a message
-    that names the option."""
+def problems(values: Mapping[str, Any]) -> list[str]:
+    """Every problem of the option values, each a message that names its option (empty: none;
+    the checks between two options only once each is right alone)."""
+    found = []
     for spec in OPTIONS:
         value = values[spec.name]
-        # (mitmproxy lets a bool pass as an int when it is set while running: True is 1)
-        check_value_type(spec, value)
+        try:
+            # (mitmproxy lets a bool pass as an int when it is set while running: True is 1)
+            check_value_type(spec, value)
+        except ValueError as e:
+            found.append(str(e))
+            continue
         if spec.minimum is not None and value < spec.minimum:
-            raise ValueError(f"{spec.name} must be >= {spec.minimum}, not {value}")
+            found.append(f"{spec.name} must be >= {spec.minimum}, not {value}")
         if spec.choices is not None and value not in spec.choices:
             # mitmproxy checks choices= for command-line flags only, not for --set
-            raise ValueError(f"{spec.name} must be one of {', '.join(spec.choices)}, not {value!r}")
+            found.append(f"{spec.name} must be one of {', '.join(spec.choices)}, not {value!r}")
+    if found:
+        return found
+    v = values
+    for name in v["turnguard_credential_headers"]:
+        if not _HEADER_NAME.fullmatch(name):
+            found.append(f"turnguard_credential_headers: {name!r} is not a header name")
+            break
+    try:
+        parse_listen_address(v["turnguard_metrics"])
+    except ValueError as e:
+        found.append(f"turnguard_metrics: {e}")
+    if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
+        found.append(
+            "turnguard_retention_ms must be >= turnguard_replay_window_ms "
+            f"({v['turnguard_retention_ms']} < {v['turnguard_replay_window_ms']})")
+    if v["turnguard_cooldown_max_ms"] < v["turnguard_cooldown_ms"]:
+        found.append(
+            "turnguard_cooldown_max_ms must be >= turnguard_cooldown_ms "
+            f"({v['turnguard_cooldown_max_ms']} < {v['turnguard_cooldown_ms']})")
+    return found
+
+
+def settings_from(values: Mapping[str, Any]) -> Settings:
+    """Validate the option values and derive the settings. Raises ``ValueError`` with a message
+    that names the option (the first of ``problems``)."""
+    found = problems(values)
+    if found:
+        raise ValueError(found[0])
     v = values
     credential_headers = tuple(v["turnguard_credential_headers"])
-    for name in credential_headers:
-        if not _HEADER_NAME.fullmatch(name):
-            raise ValueError(f"turnguard_credential_headers: {name!r} is not a header name")
-    try:
-        metrics = parse_listen_address(v["turnguard_metrics"])
-    except ValueError as e:
-        raise ValueError(f"turnguard_metrics: {e}") from None
-    if v["turnguard_retention_ms"] < v["turnguard_replay_window_ms"]:
-        raise ValueError(
-            "turnguard_retention_ms must be >= turnguard_replay_window_ms "
-            f"({v['turnguard_retention_ms']} < {v['turnguard_replay_window_ms']})"
-        )
-    if v["turnguard_cooldown_max_ms"] < v["turnguard_cooldown_ms"]:
-        raise ValueError(
-            "turnguard_cooldown_max_ms must be >= turnguard_cooldown_ms "
-            f"({v['turnguard_cooldown_max_ms']} < {v['turnguard_cooldown_ms']})"
-        )
+    metrics = parse_listen_address(v["turnguard_metrics"])
     return Settings(
         guard=GuardPolicy(
             replay=v["turnguard_replay"],
@@ -345,7 +362,7 @@ def deferred_problems(deferred: Mapping[str, Any]) -> dict[str, str]:
     word. ``deferred`` maps a name to its raw ``--set`` strings (a list) or, from a config
     file, a value. Returns name -> one-line message naming the option and the value (never
     a PostgreSQL password: a misspelt ``turnguard_ledger`` is still one)."""
-    problems: dict[str, str] = {}
+    found: dict[str, str] = {}
     for name, raw in deferred.items():
         if not name.startswith(PREFIX):
             continue
@@ -357,7 +374,7 @@ def deferred_problems(deferred: Mapping[str, Any]) -> dict[str, str]:
                 name.removeprefix(PREFIX), [n.removeprefix(PREFIX) for n in _SPECS], n=1
             )
             hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
-            problems[name] = f"unknown option {name}={shown}{hint}"
+            found[name] = f"unknown option {name}={shown}{hint}"
             continue
         try:
             if isinstance(raw, list):
@@ -365,5 +382,5 @@ def deferred_problems(deferred: Mapping[str, Any]) -> dict[str, str]:
             else:
                 check_value_type(spec, raw)
         except ValueError as e:
-            problems[name] = str(e)
-    return problems
+            found[name] = str(e)
+    return found

@@ -195,7 +195,7 @@ class Detacher:
         """A client or duplicate attached to ``live`` left (or got its answer): a detached
         call without any client starts its window (again, when a retry attached since the
         last one started and has left too: each window counts from the last client gone), or
-        is cut at once past the cap."""
+        is cut at once past the cap, unless a retry is held waiting for it."""
         d = next((d for d in self._calls.values() if d.live is live), None)
         if d is None or live.end is not None or live.listeners > 0:
             return
@@ -209,7 +209,9 @@ class Detacher:
         settings = self._settings()
         d.orphan_since, d.ever_orphaned = time.monotonic(), True
         d.attached_at_orphan = live.attached_total
-        if self.without_client() > settings.detach_max:
+        if self.without_client() > settings.detach_max and not self._awaited(d.up.id):
+            # (a retry held waiting for it is its client: its window, which counts that
+            # retry when it ends, decides instead)
             return self._cut(d, "turnguard_detach_max")
         self._arm_window(d, max(d.window_s, settings.detach_s))
 
