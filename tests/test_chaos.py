@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -121,13 +122,19 @@ def _mounts_under(folder: Path) -> list[str]:
             if line.split()[1].startswith(f"{folder}/")]
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_run_stopped_by_a_signal_leaves_no_process_and_no_mount(tmp_path, stop_signal):
-    """``scripts/chaos`` stopped by SIGTERM (or SIGINT) while its turns run: the processes it
-    started (the mock upstream and the two mitmdumps, each in a process group of its own that
-    the signal does not reach) are stopped, the ledger's tmpfs (with root: every fault, full
-    included) is unmounted, and it exits 128 + the signal. (A SIGTERM ended it at once: all
-    of them, and the mount, were left behind.)"""
+@pytest.mark.parametrize("stop_signal, barrage", [
+    (signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGHUP, False),
+    (signal.SIGTERM, True)], ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGTERM every 5 ms"])
+def test_a_run_stopped_by_a_signal_leaves_no_process_and_no_mount(tmp_path, stop_signal,
+                                                                  barrage):
+    """``scripts/chaos`` stopped by SIGTERM (or SIGINT, or SIGHUP: its terminal closed) while
+    its turns run: the processes it started (the mock upstream and the two mitmdumps, each in
+    a process group of its own that the signal does not reach) are stopped, the ledger's tmpfs
+    (with root: every fault, full included) is unmounted, the work folder removed, and it
+    exits 128 + the signal; also when more signals come during its clean-up (``barrage``:
+    one every 5 ms until it exits). (A SIGTERM ended it at once: all of them, and the mount,
+    were left behind; a SIGHUP still does so; a second SIGTERM during the clean-up left the
+    work folder half removed.)"""
     out = tmp_path / "chaos.out"
     with open(out, "wb") as f:
         run = subprocess.Popen([str(CHAOS), "--seed", "1", "--ops", "30"], stdout=f,
@@ -146,6 +153,11 @@ def test_a_run_stopped_by_a_signal_leaves_no_process_and_no_mount(tmp_path, stop
         mounted = _mounts_under(tmp_path)
         assert mounted or "the fault full is left out" in out.read_text(), out.read_text()
         run.send_signal(stop_signal)
+        for _ in range(4000 if barrage else 0):  # bounded: 20 s at most
+            if run.poll() is not None:
+                break
+            run.send_signal(stop_signal)
+            time.sleep(0.005)
         status = run.wait(STOPPED_WITHIN_S)
         wait_until(lambda: not _alive_in_groups(groups), 10, interval=0.1,
                    what=f"the processes of groups {sorted(groups)} gone")

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from turnguard_faults import (delete_ledger, disk_full, mount_tmpfs, replace_with_junk,
                               unmount)
@@ -69,19 +69,29 @@ TRANSPORTS = ("http", "ws", "mixed")
 LEDGER_TMPFS_SIZE = "64m"  # the ledger, its 16 MiB WAL and disk_full's scratch write in it
 START_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 90.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: its terminal closed)
 
 
 class Stopped(Exception):
-    """The run was stopped by ``signum`` (SIGTERM, SIGINT): its clean-up ran."""
+    """The run was stopped by ``signum`` (SIGTERM, SIGINT, SIGHUP): its clean-up ran."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-def _raise_stopped(signum: int, _frame: object) -> None:
-    raise Stopped(signum)
+# The first stop signal received, and what receiving one does besides (the run under way:
+# cancel it). The handler only notes it: a signal never interrupts a clean-up (a process group
+# stopped, the tmpfs unmounted, the work folder removed), however many come.
+_stop_noted: list[int] = []
+_on_stop: list[Callable[[], None]] = []
+
+
+def _note_stop(signum: int, _frame: object) -> None:
+    if not _stop_noted:
+        _stop_noted.append(signum)
+        for act in _on_stop:
+            act()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -360,19 +370,13 @@ class Run:
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The run, its processes stopped (and the ledger's tmpfs unmounted) however it ends. A
-    SIGTERM or SIGINT meanwhile cancels it (a handler on the loop: the signal interrupts no
-    clean-up) and it raises ``Stopped`` once its processes are gone."""
+    stop signal meanwhile (``_note_stop``) cancels it, and it raises ``Stopped`` once its
+    processes are gone."""
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
     assert main is not None
-    stopped_by: list[int] = []
-
-    def stop_on(signum: int) -> None:
-        if not stopped_by:
-            stopped_by.append(signum)
-            main.cancel()
-
-    for signum in STOP_SIGNALS:
-        loop.add_signal_handler(signum, stop_on, signum)
+    _on_stop.append(lambda: loop.call_soon_threadsafe(main.cancel))
+    if _stop_noted:  # (before the loop ran)
+        main.cancel()
     chaos_run = Run(args, work)
     try:
         await chaos_run.start()
@@ -386,29 +390,32 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await asyncio.sleep(3)  # what was owed is written, the last ends land
         return chaos_run.report()
     except asyncio.CancelledError:
-        if stopped_by:
-            raise Stopped(stopped_by[0]) from None
+        if _stop_noted:
+            raise Stopped(_stop_noted[0]) from None
         raise
     finally:
+        _on_stop.clear()
         chaos_run.stop()
-        for signum in STOP_SIGNALS:  # (the loop's close would set them back to the default)
-            loop.remove_signal_handler(signum)
-            signal.signal(signum, _raise_stopped)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The run; its exit status. Stopped by SIGTERM or SIGINT, it stops the processes it
-    started (each in a process group of its own, which a signal to this one does not reach),
+    """The run; its exit status. Stopped by SIGTERM, SIGINT or SIGHUP, it stops the processes
+    it started (each in a process group of its own, which a signal to this one does not reach),
     unmounts the ledger's tmpfs and removes its work folder, and exits 128 + the signal."""
     args = parse_args(argv)
     for signum in STOP_SIGNALS:
-        signal.signal(signum, _raise_stopped)
+        signal.signal(signum, _note_stop)
     try:
         report = _run_in_work_folder(args)
-    except Stopped as e:
-        print(f"scripts/chaos: stopped by {e}; the processes it started are stopped",
-              file=sys.stderr)
-        return 128 + e.signum
+    except Stopped:
+        report = None
+    finally:  # the clean-up is over: one more signal must not end the exit (Python sets the
+        for signum in STOP_SIGNALS:  # handlers back to the default as it exits)
+            signal.signal(signum, signal.SIG_IGN)
+    if _stop_noted:  # (also one that came as the run ended, or during its clean-up)
+        print(f"scripts/chaos: stopped by {signal.Signals(_stop_noted[0]).name}; the "
+              "processes it started are stopped", file=sys.stderr)
+        return 128 + _stop_noted[0]
     if report is None:
         return 2
     for o in report["operations"]:
@@ -446,6 +453,8 @@ def _run_in_work_folder(args: argparse.Namespace) -> dict[str, Any] | None:
             print(f"the fault full is left out (it needs the ledger on a tmpfs of its own: {e})")
             args.faults.remove("full")
             (work / "ledger").mkdir(mode=0o700, exist_ok=True)
+        if _stop_noted:  # stopped while the folder was made: nothing to run
+            return None
         return asyncio.run(run(args, work))
     finally:
         if (work / "ledger").is_mount():  # (stopped before the run could unmount it)
