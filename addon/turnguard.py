@@ -541,6 +541,8 @@ class TurnGuard:
             case machine.Abandon():
                 if flow.killable:  # never dispatch it
                     flow.kill()
+                # (once its wait is gone: a detached call it kept past the cap is cut now)
+                asyncio.get_running_loop().call_soon(self.detacher.retry_left)
             case machine.PassThrough():
                 pass  # forwarded untouched
             case _:

@@ -1179,3 +1179,32 @@ def test_turnguard_keeps_no_duplicate_or_original_once_they_ended(tmp_path, atta
         assert len(up.dispatches()) == 1
         assert retention_looks(proxy, 2) == ["let go"] * 2
         assert_no_traceback(proxy.log_text())
+
+
+def test_past_turnguard_detach_max_a_call_kept_for_its_retry_is_cut_once_the_retry_leaves(
+        tmp_path):
+    """The cap (1) is full with another call without a client; a turn's client leaves while
+    its retry waits (the call is kept: it has a client), then the retry leaves too: the call
+    now runs without any client past the cap, and is cut then (before, nothing looked at the
+    cap again: two calls ran without a client until their windows ended)."""
+    slow = {"default": {"kind": "ok", "events": 3, "gap_ms": 100, "first_event_ms": 6000}}
+    with MockUpstream(tmp_path, slow) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=20000, turnguard_detach_max=1,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        other = _raw_post(proxy.port, HEADERS, {**BODY, "input": "another turn, its client gone"})
+        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the other turn upstream")
+        other.close()
+        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
+        original = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn upstream")
+        retry = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+        wait_until(lambda: turnguard_events(tmp_path, kind="duplicate_held"), 10,
+                   what="its retry held")
+        original.close()
+        time.sleep(0.5)  # (kept: its retry waits for it)
+        retry.close()
+        cut = wait_until(lambda: [e for e in turnguard_events(tmp_path, kind="upstream_detached")
+                                  if e.get("cut") == "turnguard_detach_max"], 5,
+                         what="a call cut past the cap once the retry left")
+        assert len(cut) == 1 and len(up.dispatches()) == 2
+        assert_no_traceback(proxy.log_text())

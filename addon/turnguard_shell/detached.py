@@ -215,6 +215,26 @@ class Detacher:
             return self._cut(d, "turnguard_detach_max")
         self._arm_window(d, max(d.window_s, settings.detach_s))
 
+    def retry_left(self) -> None:
+        """A retry held waiting for a call (possibly a detached one) left: a call it kept from
+        its cut past the cap (``listener_left``), running on without a client or a retry
+        waiting for it now, is cut while the cap is exceeded (the last to lose its client
+        first)."""
+        self.without_client()  # (brought up to date: a call a retry attached to has a client)
+        orphans = sorted((d for d in self._calls.values()
+                          if d.orphan_since is not None and d.cut_reason is None),
+                         key=lambda d: d.orphan_since, reverse=True)
+        over = len(orphans) - self._settings().detach_max
+        for d in orphans:
+            if over <= 0:
+                return
+            if d.live.end is None and d.live.listeners == 0 and not self._awaited(d.up.id):
+                if d.timer is not None:
+                    d.timer.cancel()
+                    d.timer = None
+                self._cut(d, "turnguard_detach_max")
+                over -= 1
+
     def wanted(self, up_id: str) -> None:
         """A duplicate (a retry) of the call came: if it runs without a client, it is used."""
         d = self._calls.get(up_id)

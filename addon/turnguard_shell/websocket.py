@@ -576,6 +576,7 @@ class WebSockets:
                     503, "turnguard_hold_released", f"turnguard let this request go ({reason});"
                     " nothing was sent upstream; retry it.", retry_after_s=1)
                 inject(flow, ws.error_frame(503, released.body), to_client=True)
+                asyncio.get_running_loop().call_soon(guard.detacher.retry_left)
             case _:
                 raise AssertionError(f"unexpected terminal state {state!r}")
 
