@@ -478,10 +478,20 @@ class TurnGuard:
             self._process.keep_heartbeat(None)
 
     # -- the guard -------------------------------------------------------------------------------
+    def _filter_matches(self, flow: http.HTTPFlow) -> bool:
+        """``turnguard_filter`` on ``flow``. One that fails on it (it should not: one that
+        nests too deep is refused) lets the flow go by unguarded, said in a ``passthrough``
+        record, never an exception out of a hook."""
+        try:
+            return bool(self.filter(flow))
+        except Exception as e:
+            self._emit("passthrough", flow=flow.id, reason=f"turnguard_filter failed: {e!r}")
+            return False
+
     async def request(self, flow: http.HTTPFlow) -> None:
         setattr(flow, REQUEST_SEEN, True)
         if self.refused or self.filter is None or flow.response is not None or not flow.live \
-                or not self.filter(flow):
+                or not self._filter_matches(flow):
             return  # (not live: a flow read from a file, ``mitmdump -nr`` or opened in
             # mitmweb, whose hooks run with nothing sent: no dispatch, attempt or answer)
         if flow.id in self._process.detached:
@@ -795,7 +805,7 @@ class TurnGuard:
             return
         probe = flow.copy()  # (as mitmproxy would have made it: a WebSocket flow)
         probe.websocket = WebSocketData()
-        if self.filter(probe):
+        if self._filter_matches(probe):
             self._emit("passthrough", flow=flow.id, transport="ws", reason=WEBSOCKET_OFF)
 
     async def error(self, flow: http.HTTPFlow) -> None:
@@ -813,7 +823,7 @@ class TurnGuard:
 
     # -- Responses over WebSocket (turnguard_shell.websocket) --------------------------------------
     def websocket_start(self, flow: http.HTTPFlow) -> None:
-        if self.refused or self.filter is None or not flow.live or not self.filter(flow):
+        if self.refused or self.filter is None or not flow.live or not self._filter_matches(flow):
             return  # (not live: a socket read from a file, its messages replayed to the hooks)
         try:
             self.maintenance.ensure_running()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from harness import (
     REPO,
@@ -361,6 +362,36 @@ def test_a_value_refused_while_running_is_said_in_the_log(tmp_path):
         p.wait_for_log("turnguard: turnguard_ledger=", timeout=10)
         assert "hunter2" not in p.log_text()
         assert post_turn(p.url, {"authorization": "Bearer k"}, TURN)[0] == 200  # still guarded
+        assert len(events(tmp_path, "dispatch")) == 1
+        assert_no_traceback(p.log_text())
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("turnguard_filter=" + "!" * 1200 + "(~m POST)", "nests deeper than 100"),
+    ("turnguard_ledger=postgresql://bob:hunter2@[::1/db", "turnguard_ledger"),
+    ('turnguard_filter=~u "postgresql://bob:hunter2@127.0.0.1/db" & ~u [', "turnguard_filter"),
+], ids=["a filter nested too deep", "a URL whose host does not parse",
+        "a password in a filter that does not parse"])
+def test_a_hostile_value_set_while_running_is_refused_in_one_line_without_its_password(
+        tmp_path, value, needle):
+    """Values found by attacking the options of a running proxy: a filter nested so deep
+    that it failed on every request (a RecursionError out of the request hook, every turn
+    unguarded), a ledger URL whose bracketed host does not parse (the refusal's own scrub
+    raised: a traceback, the value kept in the options and every later refusal lost), a
+    password inside a filter that does not parse (shown in the refusal). Each is refused: the
+    value in force is kept, one log line names the option, no password, and turns are still
+    guarded."""
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        status, text = set_live(p, value)
+        assert status == 400 and needle in text and "hunter2" not in text, text
+        assert "turnguard: " in p.wait_for_log(needle, timeout=10)
+        headers = {"authorization": "Bearer k"}
+        assert post_turn(p.url, headers, TURN)[0] == 200
+        again = post_turn(p.url, headers, TURN)
+        assert again[0] == 200 and again[1].get("x-turnguard") == "replayed"
+        assert status == 400 and set_live(p, "turnguard_hold_timeout_ms=-5")[0] == 400
+        assert "hunter2" not in p.log_text()
         assert len(events(tmp_path, "dispatch")) == 1
         assert_no_traceback(p.log_text())
 

@@ -190,7 +190,8 @@ def _secrets_of(location: str) -> list[str]:
     found = []
     scheme, _, rest = location.strip().partition("://")
     userinfo, after = _credentials(rest)
-    query = urllib.parse.urlsplit(f"{scheme}://{after}").query
+    # (as urlsplit would read it, which raises for some hosts: "[::1" is no IPv6 address)
+    query = after.partition("#")[0].partition("?")[2]
     for param in query.split("&"):  # as libpq reads it: a "+" is a "+", never a space
         key, eq, value = param.partition("=")
         if urllib.parse.unquote(key).strip().lower() in _SECRET_PARAMS and value:
@@ -224,14 +225,24 @@ def scrub(text: str, location: str) -> str:
     return "".join(parts) + text[shown_to:]
 
 
+# a PostgreSQL URL inside a longer text (a filter's expression, say), up to a blank or a quote
+_EMBEDDED_URL = re.compile(r"postgres(?:ql)?://[^\s'\"]+", re.IGNORECASE)
+
+
 def scrub_options(text: str, values) -> str:
     """``text`` (a refused option's message) without the secrets of any of ``values`` (the
-    options' values) that names a PostgreSQL database, a URL or a key/value string: a
-    ledger URL put in another option by mistake (``turnguard_events``, ``turnguard_metrics``)
-    is quoted in that option's refusal, its password included."""
+    options' values, a list's items too) that names a PostgreSQL database, a URL or a
+    key/value string, or holds such a URL (a filter ``~u "postgresql://..."``): a ledger URL
+    put in another option by mistake (``turnguard_events``, ``turnguard_metrics``,
+    ``turnguard_filter``) is quoted in that option's refusal, its password included."""
     for value in values:
-        if isinstance(value, str) and (is_postgres(value) or is_conninfo(value)):
-            text = scrub(text, value)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if not isinstance(item, str):
+                continue
+            if is_postgres(item) or is_conninfo(item):
+                text = scrub(text, item)
+            for url in _EMBEDDED_URL.findall(item):
+                text = scrub(text, url)
     return text
 
 

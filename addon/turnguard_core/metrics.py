@@ -118,6 +118,7 @@ PASSTHROUGH_REASONS: tuple[tuple[str, str], ...] = (
     ("identity of a large body", "identity_timeout"),
     ("turnguard unloaded while identifying", "unloaded"),  # a script reload meanwhile
     ("internal error", "internal_error"),
+    ("turnguard_filter failed", "filter_failed"),  # (turnguard.py: it should never)
     ("recording missing", "recording_missing"),
     ("response content-encoding", "response_encoded"),
     # a WebSocket frame (ws.parse_client_frame says "frame" where a body's reason says "body")

@@ -24,12 +24,37 @@ from turnguard_core.private_files import UnsafePath
 from turnguard_core.telemetry import Telemetry
 
 
+# how deep ``turnguard_filter``'s expression may nest (``!``, ``&``, ``|``, parentheses): each
+# level is a Python call or two as the filter decides a flow, in the request hook's own
+MAX_FILTER_DEPTH = 100
+
+
 def parse_filter(expression: str) -> flowfilter.TFilter:
+    """``turnguard_filter`` parsed; ``ValueError`` naming the option for one that does not
+    parse, or that nests deeper than ``MAX_FILTER_DEPTH`` (it would fail on every request,
+    past Python's recursion limit)."""
     try:
         parsed = flowfilter.parse(expression)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"turnguard_filter={expression!r} is not valid: {e}") from None
+    if _depth(parsed) > MAX_FILTER_DEPTH:
+        raise ValueError(f"turnguard_filter={expression[:60]!r}... nests deeper than "
+                         f"{MAX_FILTER_DEPTH} levels")
     return DefaultFilter(parsed) if expression == DEFAULT_FILTER else parsed
+
+
+def _depth(parsed: object) -> int:
+    """How deep a parsed filter nests (its ``itm`` and ``lst`` parts), walked without
+    recursion."""
+    deepest, stack = 0, [(parsed, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_FILTER_DEPTH:
+            break
+        inner = getattr(node, "lst", None) or [getattr(node, "itm", None)]
+        stack.extend((child, depth + 1) for child in inner if child is not None)
+    return deepest
 
 
 class DefaultFilter:
