@@ -38,6 +38,7 @@ def test_listen_addresses_parse(text, want):
 
 
 @pytest.mark.parametrize("text", ["9464", ":9464", "::1:9464", "[::1:9", "h:65536", "h:x", "a b:1",
+                                  "h:\u0669\u0664\u0666\u0664", "h:2\u00b2",
                                   "h/x:1"])
 def test_bad_listen_addresses_say_why(text):
     with pytest.raises(ValueError):

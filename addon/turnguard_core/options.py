@@ -299,7 +299,8 @@ def parse_listen_address(text: str) -> tuple[str, int] | None:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9464")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    # (ASCII digits only: "٩٤٦٤" and "2²" are digits to str.isdigit, and int() reads the first)
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
     if any(c.isspace() or c in "/?#@" or not c.isprintable() for c in host):
         raise ValueError(f"{text!r}: {host!r} is not a host name or address")
