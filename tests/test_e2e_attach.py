@@ -569,6 +569,21 @@ def test_past_turnguard_detach_max_a_call_is_cut_when_its_client_leaves(tmp_path
         assert detached["ran_without_client_ms"] < 60000
 
 
+def _cap_full_and_a_retry_waiting(tmp_path, up: MockUpstream, proxy) -> tuple:
+    """Another turn whose client left fills the cap (1); then a turn is sent and its retry
+    held waiting for it: (the turn's socket, the retry's socket)."""
+    other = _raw_post(proxy.port, HEADERS, {**BODY, "input": "another turn, its client gone"})
+    wait_until(lambda: len(up.dispatches()) == 1, 10, what="the other turn upstream")
+    other.close()
+    time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
+    original = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+    wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn upstream")
+    retry = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
+    wait_until(lambda: turnguard_events(tmp_path, kind="duplicate_held"), 10,
+               what="its retry held")
+    return original, retry
+
+
 def test_past_turnguard_detach_max_a_call_whose_retry_waits_for_it_is_not_cut(tmp_path):
     """The cap (1) is full with another call without a client; a turn's client leaves while
     its retry is held waiting for the turn's first event. The call has a client (the retry):
@@ -577,15 +592,7 @@ def test_past_turnguard_detach_max_a_call_whose_retry_waits_for_it_is_not_cut(tm
     slow = {"default": {"kind": "ok", "events": 15, "gap_ms": 200, "first_event_ms": 1500}}
     with MockUpstream(tmp_path, slow) as up, guarded(
             tmp_path, up, turnguard_detach_ms=5000, turnguard_detach_max=1) as proxy:
-        other = _raw_post(proxy.port, HEADERS, {**BODY, "input": "another turn, its client gone"})
-        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the other turn upstream")
-        other.close()
-        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
-        original = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
-        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn upstream")
-        retry = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
-        wait_until(lambda: turnguard_events(tmp_path, kind="duplicate_held"), 10,
-                   what="its retry held")
+        original, retry = _cap_full_and_a_retry_waiting(tmp_path, up, proxy)
         original.close()  # its client leaves while the retry waits for the call
         status, got = _read_answer(retry)
         retry.close()
@@ -1191,15 +1198,7 @@ def test_past_turnguard_detach_max_a_call_kept_for_its_retry_is_cut_once_the_ret
     with MockUpstream(tmp_path, slow) as up, guarded(
             tmp_path, up, turnguard_detach_ms=20000, turnguard_detach_max=1,
             turnguard_response_created_timeout_ms=30000) as proxy:
-        other = _raw_post(proxy.port, HEADERS, {**BODY, "input": "another turn, its client gone"})
-        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the other turn upstream")
-        other.close()
-        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
-        original = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
-        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the turn upstream")
-        retry = _raw_post(proxy.port, HEADERS, {**BODY, "input": "the turn"})
-        wait_until(lambda: turnguard_events(tmp_path, kind="duplicate_held"), 10,
-                   what="its retry held")
+        original, retry = _cap_full_and_a_retry_waiting(tmp_path, up, proxy)
         original.close()
         time.sleep(0.5)  # (kept: its retry waits for it)
         retry.close()

@@ -1774,6 +1774,15 @@ def scripted_response(*middle) -> list:
             {"type": "response.completed", "response": {"id": "RID", "output": [item]}}]
 
 
+async def _rest_of_response(client: WsClient, got: list) -> list:
+    """``got`` with the messages ``client`` gets next, up to a ``response.completed``."""
+    for _ in range(10):  # bounded: up to the terminal event
+        got.append(await asyncio.wait_for(client.recv(), 60))
+        if "response.completed" in got[-1]:
+            break
+    return got
+
+
 async def messages_of_one_call(url: str, frame: dict, delay: float = 0.0) -> list:
     """The messages a socket gets for one call, as they come (text or bytes), up to its
     terminal event."""
@@ -2229,10 +2238,7 @@ def test_a_keepalive_before_a_calls_first_event_does_not_run_its_duplicate_again
                 first = [await asyncio.wait_for(a.recv(), 60)]
                 duplicate = asyncio.create_task(messages_of_one_call(
                     p.url, call([user("hi")], seed=2)))
-                for _ in range(10):  # bounded: up to the terminal event
-                    first.append(await asyncio.wait_for(a.recv(), 60))
-                    if "response.completed" in first[-1]:
-                        break
+                await _rest_of_response(a, first)
                 return first, await duplicate
 
         first, second = asyncio.run(both())
@@ -2385,10 +2391,7 @@ def test_a_json_frame_of_another_type_inside_a_response_is_none_of_its_events(tm
                 first = [await asyncio.wait_for(a.recv(), 60)]
                 attached = asyncio.create_task(messages_of_one_call(
                     p.url, call([user("hi")], seed=2)))
-                for _ in range(10):  # bounded: up to the terminal event
-                    first.append(await asyncio.wait_for(a.recv(), 60))
-                    if "response.completed" in first[-1]:
-                        break
+                await _rest_of_response(a, first)
                 attached = await attached
             return first, attached, await messages_of_one_call(p.url, call([user("hi")], seed=3))
 
