@@ -685,7 +685,7 @@ class FailoverStore:
 
     def _attempt_ended(self, op_key: str, attempt_id: int, state: str) -> None:
         """A process sharing the ledger ended an attempt (notified, on the event loop)."""
-        if state == "completed":  # (with a recording: ``pg_ledger`` says completed_unrecorded)
+        if state == "completed":  # (with a recording: one without is completed_unrecorded)
             self.memory.knowledge.completed_elsewhere(op_key, time.time())
         else:
             self.memory.knowledge.ended(op_key)
