@@ -1207,3 +1207,35 @@ def test_past_turnguard_detach_max_a_call_kept_for_its_retry_is_cut_once_the_ret
                          what="a call cut past the cap once the retry left")
         assert len(cut) == 1 and len(up.dispatches()) == 2
         assert_no_traceback(proxy.log_text())
+
+
+def test_a_held_request_let_go_cuts_no_call_within_the_cap(tmp_path):
+    """The cap (1) holds one call alone (its client gone, no retry); another turn's client
+    leaves while two retries wait for it (it has clients), then one of them leaves: the other
+    still waits, so only one call runs without anyone, within the cap, and nothing is cut; the
+    first turn's retry is answered from its call (before, the let-go cut the lone call, and its
+    retry ran the turn again)."""
+    slow = {"default": {"kind": "ok", "events": 3, "gap_ms": 100, "first_event_ms": 6000}}
+    with MockUpstream(tmp_path, slow) as up, guarded(
+            tmp_path, up, turnguard_detach_ms=20000, turnguard_detach_max=1,
+            turnguard_response_created_timeout_ms=30000) as proxy:
+        alone, other = ({**BODY, "input": "a turn alone"}, {**BODY, "input": "a turn waited for"})
+        lone = _raw_post(proxy.port, HEADERS, alone)
+        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the lone turn upstream")
+        lone.close()
+        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
+        original = _raw_post(proxy.port, HEADERS, other)
+        wait_until(lambda: len(up.dispatches()) == 2, 10, what="the other turn upstream")
+        first, second = (_raw_post(proxy.port, HEADERS, other) for _ in range(2))
+        wait_until(lambda: len(turnguard_events(tmp_path, kind="duplicate_held")) == 2, 10,
+                   what="its two retries held")
+        original.close()
+        time.sleep(0.5)
+        first.close()  # one retry leaves, the other still waits
+        time.sleep(1.0)
+        retry_of_alone = _raw_post(proxy.port, HEADERS, alone)
+        assert _read_answer(retry_of_alone)[0] == 200 and _read_answer(second)[0] == 200
+        assert not [e for e in turnguard_events(tmp_path, kind="upstream_detached")
+                    if e.get("cut")]
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(proxy.log_text())

@@ -370,8 +370,12 @@ def test_a_value_refused_while_running_is_said_in_the_log(tmp_path):
     ("turnguard_filter=" + "!" * 1200 + "(~m POST)", "nests deeper than 100"),
     ("turnguard_ledger=postgresql://bob:hunter2@[::1/db", "turnguard_ledger"),
     ('turnguard_filter=~u "postgresql://bob:hunter2@127.0.0.1/db" & ~u [', "turnguard_filter"),
+    ("turnguard_filter=~u \"postgresql://bob:hunter2'x@127.0.0.1/db\" ((", "turnguard_filter"),
+    ('turnguard_filter=~u "postgresql://bob:hunter2@h/db" & ' + "!" * 150 + "~q",
+     "nests deeper than 100"),
 ], ids=["a filter nested too deep", "a URL whose host does not parse",
-        "a password in a filter that does not parse"])
+        "a password in a filter that does not parse", "a password with a quote in a filter",
+        "a password in a filter nested too deep"])
 def test_a_hostile_value_set_while_running_is_refused_in_one_line_without_its_password(
         tmp_path, value, needle):
     """Values found by attacking the options of a running proxy: a filter nested so deep

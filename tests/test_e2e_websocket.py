@@ -2401,3 +2401,42 @@ def test_a_json_frame_of_another_type_inside_a_response_is_none_of_its_events(tm
         assert attached == without and replayed == without
         assert up.calls == 1 and len(events(tmp_path, "duplicate_replayed")) == 1
         assert_no_traceback(p.log_text())
+
+
+def test_a_detached_call_kept_for_a_retry_on_a_socket_is_cut_past_the_cap_once_that_socket_drops(
+        tmp_path):
+    """The cap (1) is full with an HTTP call whose client left. A call's socket drops while
+    its retry, on another socket, is held waiting for it (it is kept: it has a client); then
+    the retry's socket drops too: the call now runs without anyone past the cap, and is cut
+    (before, a retry leaving by its socket's drop was never heard: two calls ran without a
+    client until their windows ended)."""
+    from test_e2e_attach import BODY as HTTP_BODY, _raw_post
+
+    slow = {"default": {"kind": "ok", "events": 3, "gap_ms": 100, "first_event_ms": 6000}}
+    with MockUpstream(tmp_path, slow) as up, proxy(
+            tmp_path, up, turnguard_detach_ms=20000, turnguard_detach_max=1,
+            turnguard_response_created_timeout_ms=30000) as p:
+        lone = _raw_post(p.port, HEADERS, {**HTTP_BODY, "input": "a turn alone"})
+        wait_until(lambda: len(up.dispatches()) == 1, 10, what="the lone turn upstream")
+        lone.close()
+        time.sleep(0.5)  # (the proxy sees its client gone: it runs without one)
+
+        async def drops():
+            a = await WsClient.connect(p.url, headers=HEADERS)
+            await a.send(call([user("kept for its retry")], seed=1))
+            await asyncio.to_thread(wait_until, lambda: len(up.dispatches()) == 2, 10,
+                                    what="the call upstream")
+            b = await WsClient.connect(p.url, headers=HEADERS)
+            await b.send(call([user("kept for its retry")], seed=2))
+            await asyncio.to_thread(wait_until, lambda: events(tmp_path, "duplicate_held"), 10,
+                                    what="its retry held")
+            a.abort()
+            await asyncio.sleep(0.5)
+            b.abort()
+
+        asyncio.run(drops())
+        cut = wait_until(lambda: [e for e in events(tmp_path, "upstream_detached")
+                                  if e.get("cut") == "turnguard_detach_max"], 10,
+                         what="a call cut past the cap once its retry's socket dropped")
+        assert len(cut) == 1 and len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())

@@ -225,8 +225,9 @@ def scrub(text: str, location: str) -> str:
     return "".join(parts) + text[shown_to:]
 
 
-# a PostgreSQL URL inside a longer text (a filter's expression, say), up to a blank or a quote
-_EMBEDDED_URL = re.compile(r"postgres(?:ql)?://[^\s'\"]+", re.IGNORECASE)
+# a PostgreSQL URL inside a longer text (a filter's expression, say), up to a blank or a
+# double quote (a password may hold a single one)
+_EMBEDDED_URL = re.compile(r'postgres(?:ql)?://[^\s"]+', re.IGNORECASE)
 
 
 def scrub_options(text: str, values) -> str:

@@ -18,6 +18,7 @@ from turnguard_core.ledger_location import (
     display,
     is_conninfo,
     is_postgres,
+    scrub_options,
 )
 from turnguard_core.options import DEFAULT_FILTER, DEFAULT_FILTER_ROUTES
 from turnguard_core.private_files import UnsafePath
@@ -33,13 +34,17 @@ def parse_filter(expression: str) -> flowfilter.TFilter:
     """``turnguard_filter`` parsed; ``ValueError`` naming the option for one that does not
     parse, or that nests deeper than ``MAX_FILTER_DEPTH`` (it would fail on every request,
     past Python's recursion limit)."""
+    # (shown without the password of a ledger URL in it, scrubbed before it is quoted: the
+    # quoting escapes a quote or a backslash in it, and the scrub would no longer find it;
+    # the parser's message, which quotes part of it as it likes, only when nothing was)
+    shown = scrub_options(expression, [expression])
     try:
         parsed = flowfilter.parse(expression)
     except (ValueError, RecursionError) as e:
-        raise ValueError(f"turnguard_filter={expression!r} is not valid: {e}") from None
+        why = e if shown == expression else "it does not parse"
+        raise ValueError(f"turnguard_filter={shown!r} is not valid: {why}") from None
     if _depth(parsed) > MAX_FILTER_DEPTH:
-        raise ValueError(f"turnguard_filter={expression[:60]!r}... nests deeper than "
-                         f"{MAX_FILTER_DEPTH} levels")
+        raise ValueError(f"turnguard_filter nests deeper than {MAX_FILTER_DEPTH} levels")
     return DefaultFilter(parsed) if expression == DEFAULT_FILTER else parsed
 
 

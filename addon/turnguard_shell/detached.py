@@ -216,24 +216,22 @@ class Detacher:
         self._arm_window(d, max(d.window_s, settings.detach_s))
 
     def retry_left(self) -> None:
-        """A retry held waiting for a call (possibly a detached one) left: a call it kept from
-        its cut past the cap (``listener_left``), running on without a client or a retry
-        waiting for it now, is cut while the cap is exceeded (the last to lose its client
-        first)."""
+        """A retry held waiting for a call (possibly a detached one) left: the calls running
+        without a client or a retry waiting for them (one kept from its cut past the cap by
+        such a retry, ``listener_left``) are cut past ``turnguard_detach_max`` of them, the
+        last to lose its client first; a call a retry still waits for counts as one with a
+        client, never toward the cap."""
         self.without_client()  # (brought up to date: a call a retry attached to has a client)
-        orphans = sorted((d for d in self._calls.values()
-                          if d.orphan_since is not None and d.cut_reason is None),
-                         key=lambda d: d.orphan_since, reverse=True)
-        over = len(orphans) - self._settings().detach_max
-        for d in orphans:
-            if over <= 0:
-                return
-            if d.live.end is None and d.live.listeners == 0 and not self._awaited(d.up.id):
-                if d.timer is not None:
-                    d.timer.cancel()
-                    d.timer = None
-                self._cut(d, "turnguard_detach_max")
-                over -= 1
+        alone = sorted((d for d in self._calls.values()
+                        if d.orphan_since is not None and d.cut_reason is None
+                        and d.live.end is None and d.live.listeners == 0
+                        and not self._awaited(d.up.id)),
+                       key=lambda d: d.orphan_since, reverse=True)
+        for d in alone[:max(0, len(alone) - self._settings().detach_max)]:
+            if d.timer is not None:
+                d.timer.cancel()
+                d.timer = None
+            self._cut(d, "turnguard_detach_max")
 
     def wanted(self, up_id: str) -> None:
         """A duplicate (a retry) of the call came: if it runs without a client, it is used."""

@@ -544,6 +544,8 @@ class WebSockets:
             # claim made for it is given back, or it would stay in flight for no one
             if isinstance(state, machine.Forward):
                 guard.store.give_back(state.dispatch, ident.op_key)
+            if sock.closed:  # (a call held on a detached one, say: that one may be alone now)
+                asyncio.get_running_loop().call_soon(guard.detacher.retry_left)
             if sock.closed and not isinstance(state, machine.Abandon):
                 # (an Abandon was a hold, and its end has its record already)
                 guard._emit("hold_abandoned", op=ident.op_id, flow=key, transport="ws",
