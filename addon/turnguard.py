@@ -552,7 +552,7 @@ class TurnGuard:
                 if flow.killable:  # never dispatch it
                     flow.kill()
                 # (once its wait is gone: a detached call it kept past the cap is cut now)
-                asyncio.get_running_loop().call_soon(self.detacher.retry_left)
+                asyncio.get_running_loop().call_soon(self.detacher.enforce_cap)
             case machine.PassThrough():
                 pass  # forwarded untouched
             case _:

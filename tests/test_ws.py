@@ -366,3 +366,9 @@ def test_what_answers_a_frame_that_is_no_call_and_what_belongs_to_a_response(
     assert ws.answers_a_frame(event) is answers
     assert ws.is_response_event(event) is of_a_response
     assert not ws.answers_a_frame(None)
+
+
+def test_an_error_answers_one_frame_that_is_no_call_and_nothing_else_does():
+    error, pong = (ws.upstream_event(t)[1] for t in ('{"type":"error"}', '{"type":"pong"}'))
+    assert ws.unanswered_after(2, error) == 1 and ws.unanswered_after(0, error) == 0
+    assert ws.unanswered_after(2, pong) == 2 and ws.unanswered_after(2, None) == 2

@@ -40,6 +40,9 @@ Contract
   type such as a gateway's ``keepalive`` or a ``pong``; and an ``error`` when a client frame
   that is no call went upstream before the call with no answer yet: that frame's answer) or
   ``echo`` (a client frame's own type: the upstream speaks no Responses).
+  ``unanswered_after(n, event)`` counts the client's frames that are no call still
+  unanswered (an ``error`` answers one: ``answers_a_frame``); ``is_response_event`` tells a
+  response's own events from other JSON frames inside it.
 * ``frames_of_recording(body)`` turns a recorded SSE body back into event frames;
   ``error_frame`` is turnguard's own answer on this transport: an ``error`` event that always
   carries a numeric ``status`` (Codex ignores one without and hangs).
@@ -69,6 +72,7 @@ __all__ = [
     "answers_a_frame",
     "first_frame",
     "is_response_event",
+    "unanswered_after",
     "frames_of_recording",
     "parse_client_frame",
     "speaks_responses",
@@ -362,6 +366,12 @@ def answers_a_frame(event: dict[str, Any] | None) -> bool:
     return event is not None and event["type"] == "error"
 
 
+def unanswered_after(unanswered: int, event: dict[str, Any] | None) -> int:
+    """How many client frames that are no call stay unanswered once an upstream frame
+    (``event``, as ``upstream_event`` read it) that begins no response came."""
+    return unanswered - 1 if unanswered and answers_a_frame(event) else unanswered
+
+
 def is_response_event(event: dict[str, Any]) -> bool:
     """Whether an upstream event belongs to a response (a ``response.*`` event, or its
     ``error``); another type inside one (a ``pong``, a gateway's ``keepalive``) is none of
@@ -386,7 +396,7 @@ def first_frame(speaks: bool, event: dict[str, Any] | None, *,
         return "echo"
     if kind == "error":
         return "passes" if unanswered else "begins"
-    return "begins" if kind.startswith("response.") else "passes"
+    return "begins" if is_response_event(event) else "passes"
 
 
 def event_response_id(event: dict[str, Any] | None) -> str | None:

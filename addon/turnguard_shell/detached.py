@@ -195,7 +195,7 @@ class Detacher:
         """A client or duplicate attached to ``live`` left (or got its answer): a detached
         call without any client starts its window (again, when a retry attached since the
         last one started and has left too: each window counts from the last client gone), or
-        is cut at once past the cap, unless a retry is held waiting for it."""
+        is cut at once past the cap (``enforce_cap``)."""
         d = next((d for d in self._calls.values() if d.live is live), None)
         if d is None or live.end is not None or live.listeners > 0:
             return
@@ -209,18 +209,15 @@ class Detacher:
         settings = self._settings()
         d.orphan_since, d.ever_orphaned = time.monotonic(), True
         d.attached_at_orphan = live.attached_total
-        if self.without_client() > settings.detach_max and not self._awaited(d.up.id):
-            # (a retry held waiting for it is its client: its window, which counts that
-            # retry when it ends, decides instead)
-            return self._cut(d, "turnguard_detach_max")
         self._arm_window(d, max(d.window_s, settings.detach_s))
+        self.enforce_cap()  # (this call first, the last to lose its client)
 
-    def retry_left(self) -> None:
-        """A retry held waiting for a call (possibly a detached one) left: the calls running
-        without a client or a retry waiting for them (one kept from its cut past the cap by
-        such a retry, ``listener_left``) are cut past ``turnguard_detach_max`` of them, the
-        last to lose its client first; a call a retry still waits for counts as one with a
-        client, never toward the cap."""
+    def enforce_cap(self) -> None:
+        """Cut the calls running without a client or a retry waiting for them past
+        ``turnguard_detach_max`` of them, the last to lose its client first. A call a retry
+        still waits for counts as one with a client, never toward the cap (its window, which
+        counts that retry when it ends, decides). Called when a client leaves a call
+        (``listener_left``) and when a held retry is let go (one kept a call from its cut)."""
         self.without_client()  # (brought up to date: a call a retry attached to has a client)
         alone = sorted((d for d in self._calls.values()
                         if d.orphan_since is not None and d.cut_reason is None

@@ -545,7 +545,7 @@ class WebSockets:
             if isinstance(state, machine.Forward):
                 guard.store.give_back(state.dispatch, ident.op_key)
             if sock.closed:  # (a call held on a detached one, say: that one may be alone now)
-                asyncio.get_running_loop().call_soon(guard.detacher.retry_left)
+                asyncio.get_running_loop().call_soon(guard.detacher.enforce_cap)
             if sock.closed and not isinstance(state, machine.Abandon):
                 # (an Abandon was a hold, and its end has its record already)
                 guard._emit("hold_abandoned", op=ident.op_id, flow=key, transport="ws",
@@ -578,7 +578,7 @@ class WebSockets:
                     503, "turnguard_hold_released", f"turnguard let this request go ({reason});"
                     " nothing was sent upstream; retry it.", retry_after_s=1)
                 inject(flow, ws.error_frame(503, released.body), to_client=True)
-                asyncio.get_running_loop().call_soon(guard.detacher.retry_left)
+                asyncio.get_running_loop().call_soon(guard.detacher.enforce_cap)
             case _:
                 raise AssertionError(f"unexpected terminal state {state!r}")
 
@@ -617,8 +617,7 @@ class WebSockets:
                                           f"({'binary' if not message.is_text else 'text'})",
                                     not_responses=True)
             if current is None:
-                if sock.unanswered and ws.answers_a_frame(event):
-                    sock.unanswered -= 1  # (the answer to a frame that is no call)
+                sock.unanswered = ws.unanswered_after(sock.unanswered, event)
             elif not followed and current.events.events_seen == 0:
                 match ws.first_frame(speaks, event, unanswered=sock.unanswered > 0):
                     case "echo":
@@ -626,8 +625,7 @@ class WebSockets:
                                                   "(text): an echo of the client's",
                                             not_responses=True)
                     case "passes":
-                        if sock.unanswered and ws.answers_a_frame(event):
-                            sock.unanswered -= 1
+                        sock.unanswered = ws.unanswered_after(sock.unanswered, event)
                         return self._unsolicited(sock, message, "before the response's "
                                                                 "first event")
             if not speaks:
