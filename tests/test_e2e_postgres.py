@@ -491,7 +491,10 @@ def test_a_database_made_read_only_for_a_while_is_used_again_once_it_is_writable
              (name,))
         time.sleep(1)
         assert post(a.url, sessionless, {**BODY, "input": "read-only"})[0] == 200
-        wait_until(lambda: "ReadOnlySqlTransaction" in a.log_text(), 10, what="a write refused")
+        # the outage begins with whichever call meets it first: a request's write, refused
+        # (ReadOnlySqlTransaction), or the ticker's call on a connection just terminated
+        wait_until(lambda: events(tmp_path, "a", "ledger_unavailable"), 10,
+                   what="a meeting the outage")
         rows(admin, f"ALTER DATABASE {name} RESET default_transaction_read_only")
         time.sleep(12)  # two heartbeats and reopen intervals
         body = {**BODY, "input": "writable again"}
