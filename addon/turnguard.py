@@ -26,6 +26,7 @@ from turnguard_core import circuit, identity, ledger_location, machine, options,
 from turnguard_core.failover import FailoverStore  # noqa: E402
 from turnguard_core.ledger import LedgerError  # noqa: E402
 from turnguard_core.offload import WorkerStopped  # noqa: E402
+from turnguard_core.telemetry import Telemetry  # noqa: E402
 from turnguard_shell import config, flows  # noqa: E402
 from turnguard_shell.answering import Identifier, Replayer  # noqa: E402
 from turnguard_shell.attaching import Attacher  # noqa: E402
@@ -216,26 +217,41 @@ class TurnGuard:
             self.settings = options.settings_from({s.name: getattr(o, s.name) for s in options.OPTIONS})
             if "turnguard_filter" in updated:
                 self.filter = config.parse_filter(o.turnguard_filter)
-            if "turnguard_events" in updated:
-                telemetry = config.open_events(o.turnguard_events)
-                telemetry.sink = self.telemetry.sink
-                telemetry.counts = self.telemetry.counts  # a new file: the counts go on
-                self.telemetry.close()
-                self.telemetry = telemetry
-            if "turnguard_metrics" in updated:  # before the ledger: a port in use stops start-up
-                self.metrics_endpoint.configure(self.settings.metrics, o.turnguard_metrics)
-            if "turnguard_ledger" in updated or "confdir" in updated:
-                # a refused path leaves the ledger in use; a fault at open is noted and the
-                # ledger tried again later
+            ledger_changed = "turnguard_ledger" in updated or "confdir" in updated
+            if ledger_changed:  # (the checks that touch nothing: before any file is opened)
                 location = config.ledger_path(o.turnguard_ledger, o.confdir)
                 self._check_ledger_change(location)
-                if self._running and self.store.path and location != self.store.path:
-                    self._switch_ledger(location)
-                elif not (self._running and self.store.is_open and location == self.store.path):
-                    self.store.open(location, traffic_flows=self._process.ran)
-                # (else the ledger in use, set again: mitmproxy's roll-back of a refused
-                # change configures the old value again; closing and opening it would cost
-                # the event loop the owed writes' wait, and fail behind another's lock)
+            events = None  # (while running) another events file, in use once all is accepted
+            if "turnguard_events" in updated \
+                    and config.events_path(o.turnguard_events) != self.telemetry.path:
+                # (the same path, set again, keeps the file open: mitmproxy's roll-back of a
+                # refused update configures it again, and it may no longer open, a symlink now)
+                events = config.open_events(o.turnguard_events)
+                if not self._running:  # (start-up rolls nothing back; the ledger's opening
+                    self._use_events(events)  # records go there)
+                    events = None
+            accepted = False
+            try:
+                # (the metrics before the ledger: a port in use stops start-up)
+                if "turnguard_metrics" in updated:
+                    self.metrics_endpoint.configure(self.settings.metrics, o.turnguard_metrics)
+                if ledger_changed:
+                    # a refused path leaves the ledger in use; a fault at open is noted and the
+                    # ledger tried again later
+                    if self._running and self.store.path and location != self.store.path:
+                        self._switch_ledger(location)
+                    elif not (self._running and self.store.is_open
+                              and location == self.store.path):
+                        self.store.open(location, traffic_flows=self._process.ran)
+                    # (else the ledger in use, set again: mitmproxy's roll-back of a refused
+                    # change configures the old value again; closing and opening it would cost
+                    # the event loop the owed writes' wait, and fail behind another's lock)
+                accepted = True
+            finally:
+                if events is not None and accepted:
+                    self._use_events(events)
+                elif events is not None:  # refused: mitmproxy rolls it back, the file in force
+                    events.discard()  # stays in use; the one named is left as it was
         except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
             self._refuse(ledger_location.scrub_options(
                 str(e), [getattr(o, s.name) for s in options.OPTIONS]))
@@ -244,6 +260,14 @@ class TurnGuard:
             return
         if self._running:
             self.attacher.start_relay_early()
+
+    def _use_events(self, telemetry: Telemetry) -> None:
+        """Records go to ``telemetry``'s events file from now on (the one in use closed), with
+        the metrics and the counts they went to."""
+        telemetry.sink = self.telemetry.sink
+        telemetry.counts = self.telemetry.counts  # a new file: the counts go on
+        self.telemetry.close()
+        self.telemetry = telemetry
 
     def _switch_ledger(self, location: str) -> None:
         """Another ledger while running: one that cannot be opened (but for a lock) is

@@ -459,6 +459,85 @@ def test_a_ledger_change_refused_while_a_turn_runs_leaves_the_ledger_in_use_alon
         assert_no_traceback(p.log_text())
 
 
+@pytest.mark.parametrize("refused_by", ["a turn in flight", "a ledger URL refused",
+                                        "a ledger that cannot be opened"])
+@pytest.mark.parametrize("named", ["a new file", "an existing events file"])
+def test_an_update_refused_with_a_new_events_file_leaves_that_file_as_it_was(
+        tmp_path, refused_by, named):
+    """One update (a config file loaded, mitmweb's options, ``set`` of several options)
+    names another events file together with a value turnguard refuses: the update is
+    refused whole, so the file it names is never made, opened or written (one that existed
+    before keeps its bytes), and every later record goes to the events file in force."""
+    in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
+    junk = tmp_path / "notes.txt"
+    junk.write_bytes(b"these are my notes, not a database\n")
+    junk.chmod(0o600)
+    before = b'{"ts":1.0,"event":"dispatch"}\n'
+    if named == "an existing events file":
+        named_file.write_bytes(before)
+        named_file.chmod(0o600)
+    ledger = {"a turn in flight": str(tmp_path / "other.sqlite3"),
+              "a ledger URL refused": "host=127.0.0.1 password=hunter2",
+              "a ledger that cannot be opened": str(junk)}[refused_by]
+    headers = {"authorization": "Bearer sk-refused-events"}
+    turn = {**TURN, "input": "an events file named in a refused update"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        in_flight = refused_by == "a turn in flight"  # (else it ends before the update)
+        with ThreadPoolExecutor(1) as pool:
+            original = pool.submit(post_turn, p.url, {**headers, **mock_behaviour(
+                kind="ok", delay_ms=3000 if in_flight else 0)}, turn)
+            if in_flight:
+                up.wait_for_record(lambda r: r.get("event") == "dispatch", timeout=20)
+            else:
+                assert original.result(60)[0] == 200
+            status, text = set_live(p, f"turnguard_events={named_file}",
+                                    f"turnguard_ledger={ledger}")
+            assert status == 400 and "turnguard_ledger" in text, text
+            if in_flight:
+                assert not original.done(), "the turn ended before the update: nothing tested"
+            assert original.result(60)[0] == 200
+        assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
+        wait_until(lambda: len(events(tmp_path, "dispatch")) == 2, 10,
+                   what="both dispatches in the events file in force")
+        assert_no_traceback(p.log_text())
+    if named == "a new file":
+        assert not named_file.exists()
+    else:
+        assert named_file.read_bytes() == before
+    assert len(events(tmp_path, "outcome")) == 2  # the turn in flight's end, and the next's
+    assert in_force.exists() and junk.read_bytes() == b"these are my notes, not a database\n"
+
+
+def test_an_update_refused_while_the_events_file_in_force_is_a_symlink_keeps_it_in_use(
+        tmp_path):
+    """The events file in force was replaced by a symbolic link (it cannot be opened again:
+    the private-file rules refuse it), then an update naming another events file is refused:
+    mitmproxy rolls it back and configures the old path again. The handle in use is kept
+    (the path did not change: nothing to reopen), never the refused file, and the records
+    after the refusal go on into the file in force."""
+    in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
+    moved = tmp_path / "moved-events.jsonl"
+    headers = {"authorization": "Bearer sk-refused-events-symlink"}
+    turn = {**TURN, "input": "the events file in force became a symlink"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        assert post_turn(p.url, headers, turn)[0] == 200
+        wait_until(lambda: len(events(tmp_path, "outcome")) == 1, 10, what="the first outcome")
+        in_force.rename(moved)
+        in_force.symlink_to(moved)
+        p.wait_for_log("not reopened", timeout=10)  # the rotation check refused the symlink
+        status, text = set_live(p, f"turnguard_events={named_file}",
+                                "turnguard_ledger=host=127.0.0.1 password=hunter2")
+        assert status == 400, text
+        assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
+        wait_until(lambda: len([r for r in read_jsonl(moved) if r["event"] == "outcome"]) == 2,
+                   10, what="the second outcome in the file in force")
+        assert "hunter2" not in p.log_text()
+        assert_no_traceback(p.log_text())
+    assert not named_file.exists()
+
+
 COMMAND_PROBE = Path(__file__).with_name("command_probe.py")
 
 

@@ -62,6 +62,7 @@ class Telemetry:
         self._file = None
         self._refused: str | None = None  # why the moved events file was not reopened
         self._write_failing = False  # a write failed (said once) and none succeeded since
+        self._made = False  # the file did not exist: this opening made it (see ``discard``)
         self.path = path or None
         # records by event name; the owner may hand in another (the shell keeps one per
         # process, so that a new events file or a script reload does not count from 0)
@@ -70,7 +71,7 @@ class Telemetry:
         self.sink: Callable[[str, dict], None] | None = None
         if self.path:
             check_private_path(self.path)
-            self._file = _open_events(self.path)
+            self._file, self._made = _open_events(self.path)
 
     def emit(self, event: str, **fields: object) -> None:
         self.counts[event] += 1
@@ -116,7 +117,7 @@ class Telemetry:
             pass
         try:
             check_private_path(self.path)
-            file = _open_events(self.path)
+            file, _ = _open_events(self.path)
         except (OSError, ValueError) as e:
             if str(e) != self._refused:  # said once, not at every check while it lasts
                 self._refused = str(e)
@@ -129,6 +130,24 @@ class Telemetry:
         self._write_failing = False
         logger.info("turnguard: events file %s was moved or deleted; writing to a new one",
                     shown(self.path))
+
+    def discard(self) -> None:
+        """Close a file never put in use (the option update that named it was refused), and
+        remove it if this opening made it and nothing was written to it since: a refused
+        update leaves no file behind. A file that was there before is someone's data, never
+        removed."""
+        if self._file is None:
+            return
+        if self._made:
+            try:
+                mine = os.fstat(self._file.fileno())
+                at_path = os.stat(self.path, follow_symlinks=False)
+                if (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino) \
+                        and mine.st_size == 0:
+                    os.unlink(self.path)
+            except OSError:  # (gone or replaced meanwhile: not the file made here)
+                pass
+        self.close()
 
     def close(self) -> None:
         if self._file is not None:
@@ -153,15 +172,20 @@ EVENTS_FILE_START = b'{"ts":'
 
 
 def _open_events(path: str):
-    """The events file at ``path``, opened to append. One whose last line was cut (a full
-    disk, a process killed mid-write) gets a line end first: the next record starts a line
-    of its own, never glued to the cut one, where no reader could parse it."""
-    fd = open_private(path, os.O_RDWR | os.O_APPEND, starts_with=EVENTS_FILE_START,
-                      kind="turnguard events file")
+    """The events file at ``path``, opened to append, and whether this opening made it. One
+    whose last line was cut (a full disk, a process killed mid-write) gets a line end first:
+    the next record starts a line of its own, never glued to the cut one, where no reader
+    could parse it."""
+    flags = os.O_RDWR | os.O_APPEND
+    try:  # (O_EXCL: made here, not by another process between a look and the opening)
+        fd, made = open_private(path, flags | os.O_EXCL), True
+    except FileExistsError:  # (a symbolic link too: refused as one below)
+        fd, made = open_private(path, flags, starts_with=EVENTS_FILE_START,
+                                kind="turnguard events file"), False
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             os.write(fd, b"\n")
     except OSError:  # (a full disk: the first record says so when it cannot be written)
         pass
-    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8"), made

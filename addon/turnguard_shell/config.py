@@ -126,12 +126,18 @@ def telemetry(path: str | None = None) -> Telemetry:
     return Telemetry(path, ignored_handlers=IGNORED_LOG_HANDLERS)
 
 
+def events_path(option: str) -> str | None:
+    """The events file ``turnguard_events`` names, as ``Telemetry.path`` holds it (None: the
+    log only)."""
+    return os.path.expanduser(option) or None
+
+
 def open_events(path: str) -> Telemetry:
     """The telemetry sink: the events file at ``path`` (empty: the log only)."""
     if "\0" in path:  # (the system calls refuse it with a message that names no option)
         raise ValueError(f"turnguard_events={path!r} is refused: a path holds no NUL character")
     try:
-        return telemetry(os.path.expanduser(path) or None)
+        return telemetry(events_path(path))
     except UnsafePath as e:
         raise ValueError(f"turnguard_events={path!r} is refused: {e}") from None
     except OSError as e:
