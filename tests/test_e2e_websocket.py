@@ -20,7 +20,7 @@ import pytest
 from harness import (ADDON, REPO, LoopbackServer, Mitmdump, MockUpstream, assert_no_traceback,
                      guarded, ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
-from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
+from turnguard_ws import Closed, WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
 from test_at_most_once import (break_script, reloadable, reloaded, slow_workers,
                                touch_to_reload)
 
@@ -2439,4 +2439,50 @@ def test_a_detached_call_kept_for_a_retry_on_a_socket_is_cut_past_the_cap_once_t
                                   if e.get("cut") == "turnguard_detach_max"], 10,
                          what="a call cut past the cap once its retry's socket dropped")
         assert len(cut) == 1 and len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
+
+
+def test_a_prewarm_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout(
+        tmp_path):
+    """A client sends a ``ping`` the upstream never answers, then a prewarm the upstream
+    refuses with an ``error``. The ``error`` comes while the ping is unanswered, so it is
+    taken for the ping's (an ``error`` names no frame), and the prewarm stays in flight with
+    no event. It is timed as a call is: at ``turnguard_response_created_timeout_ms`` its
+    upstream is cut and the socket closes, the call the client sent behind it never having
+    gone upstream; its retry on a new socket runs once. Before, a prewarm had no such timer:
+    the call behind it waited ``turnguard_request_budget_ms`` (here ten minutes), then went
+    upstream unguarded, the socket let go; nothing closed the socket meanwhile (the test
+    client's read gives up after 15 s, and reports that as a close, 1006)."""
+    refused = {"type": "error", "status": 400, "error": {"code": "prewarm_refused"}}
+    scripts = [[], [refused], scripted_response()]
+    with ScriptedUpstream(scripts) as up, proxy(
+            tmp_path, up, turnguard_response_created_timeout_ms=3000,
+            turnguard_request_budget_ms=600_000) as p:
+        async def ping_prewarm_call():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send({"type": "ping"})
+                await a.send(PREWARM)
+                got = [await a.recv(30)]
+                await a.send(call([user("behind a prewarm")], seed=1))
+                for _ in range(10):  # bounded: up to the socket's end or a terminal event
+                    try:
+                        got.append(await a.recv(30))
+                    except TimeoutError:
+                        return [*got, "no answer within 30 s"]
+                    if not isinstance(got[-1], str) or "response.completed" in got[-1]:
+                        break
+                return got
+
+        got = asyncio.run(ping_prewarm_call())
+        assert json.loads(got[0]) == refused
+        assert len(got) == 2 and isinstance(got[1], Closed), got  # cut: nothing else came
+        assert up.calls == 2  # the ping, the prewarm; the call behind them never went up
+        cut = events(tmp_path, "upstream_cut")
+        assert [(c["reason"], c["prewarm"], c["cut"], c["after_ms"]) for c in cut] == \
+            [("missing_response_created_timeout", True, True, 3000)]
+        assert not events(tmp_path, "outcome")  # a prewarm is no operation
+        retry = asyncio.run(one_call(p.url, call([user("behind a prewarm")], seed=2)))
+        assert types(retry)[-1] == "response.completed" and up.calls == 3
+        assert not any("turnguard_request_budget_ms" in e["reason"]
+                       for e in events(tmp_path, "passthrough"))
         assert_no_traceback(p.log_text())
