@@ -80,6 +80,9 @@ class TurnGuard:
         self.settings = options.settings_from(options.DEFAULTS)
         self.filter: flowfilter.TFilter | None = None
         self.telemetry = config.telemetry()
+        # another events file an update named while running, accepted by turnguard: in use on
+        # the loop's next turn if the update is still in force then (``_settle_events``)
+        self._events_pending: Telemetry | None = None
         self._undo_log_filter: Callable[[], object] = lambda: None
         self._running = False  # set by the running hook: start-up is over
         self._unloaded = False  # set by done: the process's next instance writes telemetry
@@ -222,14 +225,20 @@ class TurnGuard:
                 location = config.ledger_path(o.turnguard_ledger, o.confdir)
                 self._check_ledger_change(location)
             events = None  # (while running) another events file, in use once all is accepted
-            if "turnguard_events" in updated \
-                    and config.events_path(o.turnguard_events) != self.telemetry.path:
+            if "turnguard_events" in updated:
+                path = config.events_path(o.turnguard_events)
+                pending = self._events_pending
+                if pending is not None and pending.path != path:
+                    # (mitmproxy's roll-back of an update refused by an addon after turnguard)
+                    self._events_pending = None
+                    pending.discard()
                 # (the same path, set again, keeps the file open: mitmproxy's roll-back of a
                 # refused update configures it again, and it may no longer open, a symlink now)
-                events = config.open_events(o.turnguard_events)
-                if not self._running:  # (start-up rolls nothing back; the ledger's opening
-                    self._use_events(events)  # records go there)
-                    events = None
+                if path != self.telemetry.path and self._events_pending is None:
+                    events = config.open_events(o.turnguard_events)
+                    if not self._running:  # (start-up rolls nothing back; the ledger's
+                        self._use_events(events)  # opening records go there)
+                        events = None
             accepted = False
             try:
                 # (the metrics before the ledger: a port in use stops start-up)
@@ -249,7 +258,7 @@ class TurnGuard:
                 accepted = True
             finally:
                 if events is not None and accepted:
-                    self._use_events(events)
+                    self._use_events_once_in_force(events)
                 elif events is not None:  # refused: mitmproxy rolls it back, the file in force
                     events.discard()  # stays in use; the one named is left as it was
         except ValueError as e:  # (a PostgreSQL password in any option's value: ***)
@@ -260,6 +269,33 @@ class TurnGuard:
             return
         if self._running:
             self.attacher.start_relay_early()
+
+    def _use_events_once_in_force(self, telemetry: Telemetry) -> None:
+        """An update that turnguard accepted while running named ``telemetry``'s events file:
+        an addon that mitmproxy configures after turnguard (mitmdump's own dumper, another
+        script) may still refuse it, and mitmproxy then rolls the update back, configuring the
+        path in force again. So the file is put in use on the loop's next turn, once the update
+        is over, and only if its path is still the option's value then (``_settle_events``)."""
+        self._events_pending = telemetry
+        try:
+            asyncio.get_running_loop().call_soon(self._settle_events)
+        except RuntimeError:  # (no loop: nothing configures after this; unit tests)
+            self._settle_events()
+
+    def _settle_events(self) -> None:
+        """Put the pending events file in use if the update that named it is in force, else
+        discard it (``Telemetry.discard``: a file this opening made is removed if empty)."""
+        pending, self._events_pending = self._events_pending, None
+        if pending is None:
+            return
+        try:
+            if not self._unloaded \
+                    and config.events_path(ctx.options.turnguard_events) == pending.path:
+                self._use_events(pending)
+            else:
+                pending.discard()
+        except Exception as e:  # (a callback of the loop's: said in one line)
+            logger.error("turnguard: putting the events file named in use failed: %r", e)
 
     def _use_events(self, telemetry: Telemetry) -> None:
         """Records go to ``telemetry``'s events file from now on (the one in use closed), with
@@ -399,6 +435,7 @@ class TurnGuard:
             self._process.keep_heartbeat(kept)
         self.store.close(write_owed=shutting_down, final=True)
         self.identifier.close()
+        self._settle_events()  # (unloaded: a pending events file is discarded)
         self.telemetry.close()
         self._undo_log_filter()
         if self._process.guard is self:

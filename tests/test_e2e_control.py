@@ -538,6 +538,40 @@ def test_an_update_refused_while_the_events_file_in_force_is_a_symlink_keeps_it_
     assert not named_file.exists()
 
 
+def test_an_update_refused_by_an_addon_after_turnguard_leaves_the_events_file_in_force(
+        tmp_path):
+    """An update names another events file, which turnguard accepts, and a value an addon
+    that mitmproxy configures after turnguard refuses (mitmdump's own dumper: a bad
+    ``dumper_filter``): mitmproxy rolls the whole update back. The file named is never made,
+    and every record goes on into the file in force, also when that one cannot be opened again
+    (a symbolic link now). Before, turnguard put the named file in use at once: the roll-back
+    reopened the old path, which failed for the symlink, so the refused file kept every later
+    record. An update accepted by all is still followed: its file is in use from then on."""
+    in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
+    moved = tmp_path / "moved-events.jsonl"
+    headers = {"authorization": "Bearer sk-refused-after-turnguard"}
+    turn = {**TURN, "input": "an update refused by a later addon"}
+    with MockUpstream(tmp_path) as up, guarded(
+            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        assert post_turn(p.url, headers, turn)[0] == 200
+        wait_until(lambda: len(events(tmp_path, "outcome")) == 1, 10, what="the first outcome")
+        in_force.rename(moved)
+        in_force.symlink_to(moved)
+        p.wait_for_log("not reopened", timeout=10)  # the rotation check refused the symlink
+        status, text = set_live(p, f"turnguard_events={named_file}", "dumper_filter=~q(")
+        assert status == 400 and "Invalid filter expression" in text, text
+        assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
+        wait_until(lambda: len([r for r in read_jsonl(moved) if r["event"] == "outcome"]) == 2,
+                   10, what="the second outcome in the file in force")
+        assert not named_file.exists()
+        assert set_live(p, f"turnguard_events={named_file}")[0] == 200  # accepted by all
+        assert post_turn(p.url, headers, {**turn, "input": "after the change"})[0] == 200
+        wait_until(lambda: [r["event"] for r in read_jsonl(named_file)].count("outcome") == 1,
+                   10, what="the third outcome in the file named")
+        assert [r["event"] for r in read_jsonl(moved)].count("outcome") == 2
+        assert_no_traceback(p.log_text())
+
+
 COMMAND_PROBE = Path(__file__).with_name("command_probe.py")
 
 
@@ -654,3 +688,4 @@ def test_the_commands_say_turnguard_is_not_loaded_while_a_reload_failed(tmp_path
         code, text = command(p, "turnguard.circuit.list")
         assert code == 200 and json.loads(text) == [], text
         assert_no_traceback(p.log_text()[failed_at:])
+
