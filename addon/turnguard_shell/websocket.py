@@ -27,7 +27,7 @@ once, and while such frames are unanswered (``Socket.unanswered`` counts them) a
 before the next response's first ``response.*`` event is taken for such a frame's answer. A
 prewarm is forwarded, and answered, as a call is, and timed as one: with no event of its own
 within ``turnguard_response_created_timeout_ms`` its upstream is cut (``_cut_if_silent``; it
-is no operation, so nothing else ends). Upstream frames before a call's first event
+is no operation, so nothing else ends); so is a frame that may be a call. Upstream frames before a call's first event
 that are no Responses event (a gateway's keepalive, binary, not JSON, a ``pong``) are passed
 on and answer no call (``ws.first_frame``); inside a response, a JSON frame of another type
 (a ``pong``, a keepalive) is none of its events (``ws.is_response_event``).
@@ -87,8 +87,9 @@ class Response:
     # the client message that carries it upstream (the frame's own, or the one turnguard
     # injected, once its hook came): an addon after turnguard may drop it (``drop_unsent``)
     message: object | None = None
-    # a prewarm's response-created timeout (``WebSockets._time_prewarm``): cancelled at its
-    # end, so that an ended socket's flow is not kept until it is due
+    # the response-created timeout of a response that is no operation (a prewarm's, or a
+    # frame's that may be a call: ``WebSockets._time_no_operation``): cancelled at its end, so
+    # that an ended socket's flow is not kept until it is due
     silence: Deadline | None = None
 
 
@@ -191,7 +192,7 @@ class WebSockets:
     def __init__(self, process) -> None:
         self._process = process
         self._sockets: dict[str, Socket] = process.sockets
-        self._silences = Deadlines()  # the response-created timeouts of prewarms
+        self._silences = Deadlines()  # the response-created timeouts of no operations
         why_not = proxy_internals.mend_websocket_layer(websocket_layer)
         if why_not is not None:
             logger.warning("turnguard: %s: a text message turnguard sends may have characters "
@@ -486,7 +487,11 @@ class WebSockets:
             case ws.NotACall(reason=reason, awaits_answer=True):
                 # the upstream may read a call in it: its answer is its own, not the next's
                 self._guard._emit("passthrough", flow=sock.flow.id, transport="ws", reason=reason)
-                self._forward(sock, content, is_text, Response(None, self._events(), None))
+                unread = Response(None, self._events(), None)
+                self._forward(sock, content, is_text, unread)
+                self._time_no_operation(sock, unread,
+                                        self._guard.settings.response_created_timeout_s,
+                                        STALL_GRACES)
             case ws.NotACall(reason=reason):
                 # another type (a ping): no response in flight for it, so the frame behind it
                 # waits for no answer that may never come (``Socket.unanswered`` keeps an
@@ -500,58 +505,62 @@ class WebSockets:
                 full = sock.record.full_request(body)
                 prewarm = Response(full.body, self._events(), None)
                 self._forward(sock, content, is_text, prewarm)
-                self._time_prewarm(sock, prewarm, self._guard.settings.response_created_timeout_s,
-                                   STALL_GRACES)
+                self._time_no_operation(sock, prewarm,
+                                        self._guard.settings.response_created_timeout_s,
+                                        STALL_GRACES)
             case ws.Call():
                 await self._call(sock, frame, content)
 
-    def _time_prewarm(self, sock: Socket, prewarm: Response, after_s: float,
-                      graces: int) -> None:
-        """Cut the prewarm's upstream if it is still in flight without an event ``after_s``
-        from now (``_cut_if_silent``); 0: never."""
-        if after_s <= 0 or sock.current is not prewarm:
+    def _time_no_operation(self, sock: Socket, response: Response, after_s: float,
+                           graces: int) -> None:
+        """Cut the upstream of ``response``, which is no operation (a prewarm's, or a frame's
+        that may be a call), if it is still in flight without an event ``after_s`` from now
+        (``_cut_if_silent``); 0: never."""
+        if after_s <= 0 or sock.current is not response:
             return
         due = asyncio.get_running_loop().time() + after_s
-        prewarm.silence = self._silences.call_later(after_s, lambda: self._now()._cut_if_silent(
-            sock, prewarm, due, graces))
+        response.silence = self._silences.call_later(after_s, lambda: self._now()._cut_if_silent(
+            sock, response, due, graces))
 
     def _now(self) -> "WebSockets":
         """The sockets of the addon instance loaded now (another one after a script reload)."""
         guard = self._process.guard
         return guard.websockets if guard is not None else self
 
-    def _cut_if_silent(self, sock: Socket, prewarm: Response, due: float, graces: int) -> None:
-        """A prewarm still in flight without an event of its own (its upstream refused it
-        with an ``error`` taken for the answer to a ``ping`` before it, or sent nothing): cut
-        its upstream, as a silent call's is (``turnguard_response_created_timeout_ms``), so
-        the client's next frame does not wait for it until ``turnguard_request_budget_ms``
-        (then sent unguarded). Ending the prewarm instead would take its answer, if it came
-        late, for the next call's. A prewarm is no operation: no attempt ends, no circuit
-        counts it. A timer that fires late first lets the loop read what came meanwhile (as a
-        call's does); one that fires with no instance loaded is looked at again shortly, and
-        one that cannot cut is timed again in full."""
-        prewarm.silence = None
-        if sock.closed or sock.current is not prewarm or prewarm.events.events_seen > 0:
+    def _cut_if_silent(self, sock: Socket, response: Response, due: float, graces: int) -> None:
+        """The response to a prewarm, or to a frame that may be a call (binary, not JSON),
+        still in flight without an event of its own (its upstream refused the frame with an
+        ``error`` taken for the answer to a ``ping`` before it, or sent nothing): cut its
+        upstream, as a silent call's is (``turnguard_response_created_timeout_ms``), so the
+        client's next frame does not wait for it until ``turnguard_request_budget_ms`` (then
+        sent unguarded). Ending it instead would take its answer, if it came late, for the
+        next call's. It is no operation: no attempt ends, no circuit counts it. A timer that
+        fires late first lets the loop read what came meanwhile (as a call's does); one that
+        fires with no instance loaded is looked at again shortly, and one that cannot cut is
+        timed again in full."""
+        response.silence = None
+        if sock.closed or sock.current is not response or response.events.events_seen > 0:
             return
         if self._guard is None:  # no instance loaded to read what came: looked at again
-            return self._time_prewarm(sock, prewarm, STALL_GRACE_S, 0)
+            return self._time_no_operation(sock, response, STALL_GRACE_S, 0)
         if graces > 0 and asyncio.get_running_loop().time() - due > STALL_LATE_S:
-            return self._time_prewarm(sock, prewarm, STALL_GRACE_S, graces - 1)
+            return self._time_no_operation(sock, response, STALL_GRACE_S, graces - 1)
         self.drop_unsent(sock)  # (never sent: not silent)
         self.read_unread_upstream(sock)  # (what reached the client past an earlier addon)
-        if sock.current is not prewarm or prewarm.events.events_seen > 0:
+        if sock.current is not response or response.events.events_seen > 0:
             return
         timeout_s, flow = self._guard.settings.response_created_timeout_s, sock.flow
         why_not = proxy_internals.cut_upstream(flows.proxyserver(), flow.client_conn.id,
                                                flow.server_conn,
                                                f"turnguard: {MISSING_RESPONSE_CREATED}")
-        self._guard._emit("upstream_cut", flow=flow.id, transport="ws", prewarm=True,
+        self._guard._emit("upstream_cut", flow=flow.id, transport="ws",
+                          prewarm=response.request is not None,  # (else a frame that is no call)
                           reason=MISSING_RESPONSE_CREATED, after_ms=round(timeout_s * 1000),
                           headers_seen=True, cut=why_not is None, why_not=why_not)
         if why_not is not None:
             logger.warning("turnguard: could not cut the upstream of %s (%s); timed again",
                            flow.id, why_not)
-            self._time_prewarm(sock, prewarm, timeout_s, STALL_GRACES)
+            self._time_no_operation(sock, response, timeout_s, STALL_GRACES)
 
     def _events(self, keep: bool = False, guard=None) -> ws.ResponseEvents:
         """A response's events reader; ``keep``: kept for a replay, as the settings of
