@@ -282,14 +282,18 @@ class TurnGuard:
         except RuntimeError:  # (no loop: nothing configures after this; unit tests)
             self._settle_events()
 
-    def _settle_events(self) -> None:
+    def _settle_events(self, *, unloading: bool = False) -> None:
         """Put the pending events file in use if the update that named it is in force, else
-        discard it (``Telemetry.discard``: a file this opening made is removed if empty)."""
+        discard it (``Telemetry.discard``: a file this opening made is removed if empty). An
+        instance unloaded discards it, but for its own unload (``unloading``, from ``_close``,
+        which closes the file in use right after): the update is in force, so its file is the
+        one the exit writes to after a reload that failed (``_watch_exit``: what the next
+        instance would have written, and that one opens the option's file)."""
         pending, self._events_pending = self._events_pending, None
         if pending is None:
             return
         try:
-            if not self._unloaded \
+            if (unloading or not self._unloaded) \
                     and config.events_path(ctx.options.turnguard_events) == pending.path:
                 self._use_events(pending)
             else:
@@ -435,7 +439,7 @@ class TurnGuard:
             self._process.keep_heartbeat(kept)
         self.store.close(write_owed=shutting_down, final=True)
         self.identifier.close()
-        self._settle_events()  # (unloaded: a pending events file is discarded)
+        self._settle_events(unloading=True)  # (then closed below, as the file in use)
         self.telemetry.close()
         self._undo_log_filter()
         if self._process.guard is self:

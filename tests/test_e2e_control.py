@@ -572,6 +572,45 @@ def test_an_update_refused_by_an_addon_after_turnguard_leaves_the_events_file_in
         assert_no_traceback(p.log_text())
 
 
+
+def test_an_events_file_named_right_before_a_reload_that_failed_gets_what_the_exit_writes(
+        tmp_path):
+    """An update names another events file, accepted by all, and turnguard's script is
+    reloaded in the same turn of the event loop (before the file is put in use), to a script
+    that fails to load. The process then exits while no instance is loaded: the unloaded
+    instance writes what the next instance would have (the end of the turn that completed
+    meanwhile) to the events file in force, the one the update named. Before, the unload
+    discarded the file named (removed: made for the update, still empty), and the exit wrote
+    the turn's end to the file the update had replaced."""
+    from test_at_most_once import reloadable
+
+    in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
+    script = reloadable(tmp_path)
+    good = script.read_text()
+    headers = {"authorization": "Bearer sk-events-then-reload"}
+    slow_original = {"sequence": [{"kind": "ok", "hold": "original"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, slow_original) as up, guarded(
+            tmp_path, up, addon=script, turnguard_response_created_timeout_ms=60000,
+            extra_args=["-s", str(LIVE_OPTIONS)]) as p:
+        with ThreadPoolExecutor(1) as pool:
+            original = pool.submit(post_turn, p.url, headers, {**TURN, "input": "a slow turn"})
+            try:
+                up.wait_held("original", 30)
+                mtime = script.stat()
+                script.write_text(good + "this is not python(\n")  # (as it was: only this
+                os.utime(script, ns=(mtime.st_atime_ns, mtime.st_mtime_ns))  # reload fails)
+                r = httpx.post(p.url + "/__set_then_reload", json=[f"turnguard_events={named_file}"],
+                               trust_env=False, timeout=20, verify=default_tls())
+                assert r.status_code == 200, r.text
+                p.wait_for_log("SyntaxError", timeout=10)
+            finally:
+                up.release("original")
+            assert original.result(60)[0] == 200
+        assert p.stop() == 0
+    assert [r["event"] for r in read_jsonl(named_file)].count("outcome") == 1
+    assert "outcome" not in [r["event"] for r in read_jsonl(in_force)]
+
+
 COMMAND_PROBE = Path(__file__).with_name("command_probe.py")
 
 
