@@ -300,6 +300,8 @@ class TurnGuard:
                 pending.discard()
         except Exception as e:  # (a callback of the loop's: said in one line)
             logger.error("turnguard: putting the events file named in use failed: %r", e)
+            if self.telemetry is not pending:  # (not in use: its descriptor is not kept)
+                pending.close()
 
     def _use_events(self, telemetry: Telemetry) -> None:
         """Records go to ``telemetry``'s events file from now on (the one in use closed), with
