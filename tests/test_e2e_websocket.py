@@ -2533,3 +2533,27 @@ def test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_
                                                  seed=2)))
         assert types(retry)[-1] == "response.completed" and up.calls == 3
         assert_no_traceback(p.log_text())
+
+
+def test_a_binary_frame_the_upstream_never_answers_with_nothing_behind_it_leaves_the_socket_open(
+        tmp_path):
+    """A client's binary frame (a keepalive, say) that its upstream never answers, with no
+    frame behind it: the socket stays open past ``turnguard_response_created_timeout_ms``, as
+    it does without turnguard; the frame is timed only for a frame that waits behind it
+    (``test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout``).
+    Before, its upstream was cut as silent at the timeout, and the socket closed, every time
+    such a frame went unanswered."""
+    with ScriptedUpstream([[]]) as up, proxy(
+            tmp_path, up, turnguard_response_created_timeout_ms=1000) as p:
+        async def keepalive_then_listen():
+            async with WsClient.connect(p.url, headers=HEADERS) as a:
+                await a.send(b"\x00keepalive")
+                try:
+                    return await a.recv(5)  # five timeouts and more: a cut would have come
+                except TimeoutError:
+                    return "nothing came, the socket open"
+
+        assert asyncio.run(keepalive_then_listen()) == "nothing came, the socket open"
+        assert up.calls == 1
+        assert not events(tmp_path, "upstream_cut")
+        assert_no_traceback(p.log_text())

@@ -27,7 +27,9 @@ once, and while such frames are unanswered (``Socket.unanswered`` counts them) a
 before the next response's first ``response.*`` event is taken for such a frame's answer. A
 prewarm is forwarded, and answered, as a call is, and timed as one: with no event of its own
 within ``turnguard_response_created_timeout_ms`` its upstream is cut (``_cut_if_silent``; it
-is no operation, so nothing else ends); so is a frame that may be a call. Upstream frames before a call's first event
+is no operation, so nothing else ends); so is a frame that may be a call, once a frame waits
+behind it (with none, the socket is as it would be without turnguard). Upstream frames before
+a call's first event
 that are no Responses event (a gateway's keepalive, binary, not JSON, a ``pong``) are passed
 on and answer no call (``ws.first_frame``); inside a response, a JSON frame of another type
 (a ``pong``, a keepalive) is none of its events (``ws.is_response_event``).
@@ -534,10 +536,12 @@ class WebSockets:
         upstream, as a silent call's is (``turnguard_response_created_timeout_ms``), so the
         client's next frame does not wait for it until ``turnguard_request_budget_ms`` (then
         sent unguarded). Ending it instead would take its answer, if it came late, for the
-        next call's. It is no operation: no attempt ends, no circuit counts it. A timer that
-        fires late first lets the loop read what came meanwhile (as a call's does); one that
-        fires with no instance loaded is looked at again shortly, and one that cannot cut is
-        timed again in full."""
+        next call's. A frame that is no call is cut only with a frame waiting behind it (a
+        protocol may answer none of them: a binary keepalive); until then it is looked at
+        again each timeout. It is no operation: no attempt ends, no circuit counts it. A
+        timer that fires late first lets the loop read what came meanwhile (as a call's does);
+        one that fires with no instance loaded is looked at again shortly, and one that cannot
+        cut is timed again in full."""
         response.silence = None
         if sock.closed or sock.current is not response or response.events.events_seen > 0:
             return
@@ -550,6 +554,10 @@ class WebSockets:
         if sock.current is not response or response.events.events_seen > 0:
             return
         timeout_s, flow = self._guard.settings.response_created_timeout_s, sock.flow
+        if response.request is None and sock.frames.empty() and not sock.serving:
+            # a frame that is no call may await no answer (a binary keepalive): with no frame
+            # behind it, the socket is as it would be without turnguard; looked at again
+            return self._time_no_operation(sock, response, timeout_s, STALL_GRACES)
         why_not = proxy_internals.cut_upstream(flows.proxyserver(), flow.client_conn.id,
                                                flow.server_conn,
                                                f"turnguard: {MISSING_RESPONSE_CREATED}")
