@@ -29,10 +29,10 @@ prewarm is forwarded, and answered, as a call is, and timed as one: with no even
 within ``turnguard_response_created_timeout_ms`` its upstream is cut (``_cut_if_silent``; it
 is no operation, so nothing else ends); so is a frame that may be a call, once a frame waits
 behind it (with none, the socket is as it would be without turnguard). Upstream frames before
-a call's first event
-that are no Responses event (a gateway's keepalive, binary, not JSON, a ``pong``) are passed
-on and answer no call (``ws.first_frame``); inside a response, a JSON frame of another type
-(a ``pong``, a keepalive) is none of its events (``ws.is_response_event``).
+a call's first event that are no Responses event (a gateway's keepalive, binary, not JSON, a
+``pong``) are passed on and answer no call (``ws.first_frame``); inside a response, a JSON
+frame of another type (a ``pong``, a keepalive) is none of its events
+(``ws.is_response_event``).
 An upstream that echoes a call (a frame of the client's type), or whose first answer to a
 frame that is no call is no Responses event, does not speak this protocol: the socket is no
 longer guarded (its attempt in flight ends as rejected, its queued frames go on untouched, in
