@@ -224,21 +224,9 @@ class TurnGuard:
             if ledger_changed:  # (the checks that touch nothing: before any file is opened)
                 location = config.ledger_path(o.turnguard_ledger, o.confdir)
                 self._check_ledger_change(location)
-            events = None  # (while running) another events file, in use once all is accepted
-            if "turnguard_events" in updated:
-                path = config.events_path(o.turnguard_events)
-                pending = self._events_pending
-                if pending is not None and pending.path != path:
-                    # (mitmproxy's roll-back of an update refused by an addon after turnguard)
-                    self._events_pending = None
-                    pending.discard()
-                # (the same path, set again, keeps the file open: mitmproxy's roll-back of a
-                # refused update configures it again, and it may no longer open, a symlink now)
-                if path != self.telemetry.path and self._events_pending is None:
-                    events = config.open_events(o.turnguard_events)
-                    if not self._running:  # (start-up rolls nothing back; the ledger's
-                        self._use_events(events)  # opening records go there)
-                        events = None
+            # (while running) another events file, in use once the whole update is accepted
+            events = self._events_named(o.turnguard_events) \
+                if "turnguard_events" in updated else None
             accepted = False
             try:
                 # (the metrics before the ledger: a port in use stops start-up)
@@ -269,6 +257,26 @@ class TurnGuard:
             return
         if self._running:
             self.attacher.start_relay_early()
+
+    def _events_named(self, option: str) -> Telemetry | None:
+        """The events file ``turnguard_events`` names, opened: None when it is the one in use
+        (set again: mitmproxy's roll-back of a refused update configures it again, and it may
+        no longer open, a symlink now) or already pending. A pending file the update no
+        longer names is discarded (the roll-back of an update an addon after turnguard
+        refused). At start-up, where nothing is rolled back, it is put in use at once (the
+        ledger's opening records go there) and None returned."""
+        path = config.events_path(option)
+        pending = self._events_pending
+        if pending is not None and pending.path != path:
+            self._events_pending = None
+            pending.discard()
+        if path == self.telemetry.path or self._events_pending is not None:
+            return None
+        events = config.open_events(option)
+        if self._running:
+            return events
+        self._use_events(events)
+        return None
 
     def _use_events_once_in_force(self, telemetry: Telemetry) -> None:
         """An update that turnguard accepted while running named ``telemetry``'s events file:

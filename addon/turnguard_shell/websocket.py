@@ -561,7 +561,7 @@ class WebSockets:
         why_not = proxy_internals.cut_upstream(flows.proxyserver(), flow.client_conn.id,
                                                flow.server_conn,
                                                f"turnguard: {MISSING_RESPONSE_CREATED}")
-        self._guard._emit("upstream_cut", flow=flow.id, transport="ws",
+        self._guard._emit("upstream_cut", op=None, flow=flow.id, session=None, transport="ws",
                           prewarm=response.request is not None,  # (else a frame that is no call)
                           reason=MISSING_RESPONSE_CREATED, after_ms=round(timeout_s * 1000),
                           headers_seen=True, cut=why_not is None, why_not=why_not)
