@@ -9,6 +9,7 @@ so a leaked recording shows as a response id the client's request never produced
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -41,6 +42,9 @@ from harness import (
     wait_until,
 )
 from hypothesis_profiles import examples
+import turnguard_ws  # noqa: E402 - harness puts scripts/ on sys.path
+from turnguard_ws import WsClient  # noqa: E402
+from wsproto.events import Request as WsRequest
 
 REQUEST_TIMEOUT_S = 15
 EXTRA_CREDENTIAL = "x-tenant-key"  # named by turnguard_credential_headers in the rig
@@ -1032,4 +1036,246 @@ def test_a_response_rule_of_modify_body_applies_to_the_first_answer_too(tmp_path
         assert [(b"hello" in a[2], b"HOWDY" in a[2]) for a in answers] == [(False, True)] * 2
         assert [a[1].get("x-turnguard") for a in answers] == [None, "replayed"]
         assert len(up.dispatches()) == 1
+        assert_no_traceback(p.log_text())
+
+
+# -----------------------------------------------------------------------------------------------
+# 7. The WebSocket transport: a socket's handshake is its calls' principal, upstream and session
+
+
+def ws_frame(text: str, **extra) -> dict:
+    """A ``response.create`` frame as Codex sends it (its session in the metadata too)."""
+    meta = {"turn_id": "t-1", "session_id": "ws-iso",
+            "x-codex-ws-stream-request-start-ms": str(secrets.randbelow(10**9))}
+    return {"type": "response.create", "model": "m", "stream": True, "store": False,
+            "input": [{"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": text}]}],
+            "client_metadata": meta, **extra}
+
+
+def ws_url(rig: Rig, upstream: int = 0) -> str:
+    return rig.reverse_urls[upstream]
+
+
+async def ws_calls(url: str, headers: dict, frames: list[dict]) -> list[list[dict]]:
+    """Each frame on one socket (``headers`` its handshake's), each response's events."""
+    async with WsClient.connect(url, headers=headers) as c:
+        got = []
+        for frame in frames:
+            await c.send(frame)
+            got.append(await c.response())
+        return got
+
+
+def ws_dispatches(rig: Rig, upstream: int = 0) -> list[dict]:
+    return [d for d in rig.ups[upstream].dispatches() if d.get("transport") == "ws"]
+
+
+def last_id(events: list[dict]) -> str | None:
+    return (events[-1].get("response") or {}).get("id")
+
+
+WS_BASE = {"authorization": "Bearer ws-a", "session-id": "ws-iso"}
+WS_CREDENTIAL_VARIANTS = [
+    {"authorization": "Bearer ws-b"},
+    {"cookie": "sid=b"},
+    {"chatgpt-account-id": "acct-b"},
+    {"openai-organization": "org-b"},
+    {"sec-websocket-protocol": "key-b"},
+    {EXTRA_CREDENTIAL: "tenant-b"},
+    {"x_api_key": "k-b"},
+]
+
+
+@pytest.mark.parametrize("variant", WS_CREDENTIAL_VARIANTS, ids=lambda v: next(iter(v)))
+def test_one_frame_on_sockets_differing_in_one_credential_runs_once_per_principal(rig, variant):
+    """The same ``response.create`` on two sockets whose handshakes differ in one
+    credential-bearing header (a configured one, one spelled with ``_``, a subprotocol) runs
+    upstream for each; the control: a third socket with the first one's handshake shares."""
+    frame = ws_frame(f"ws cred {secrets.token_hex(6)}")
+    before = len(ws_dispatches(rig))
+    (a,) = asyncio.run(ws_calls(ws_url(rig), WS_BASE, [frame]))
+    (b,) = asyncio.run(ws_calls(ws_url(rig), {**WS_BASE, **variant}, [frame]))
+    (again,) = asyncio.run(ws_calls(ws_url(rig), WS_BASE, [frame]))  # the control: shared
+    assert a[-1]["type"] == b[-1]["type"] == "response.completed", (a[-1], b[-1])
+    assert last_id(a) != last_id(b) and last_id(again) == last_id(a)
+    assert len(ws_dispatches(rig)) == before + 2
+
+
+def test_one_frame_to_two_upstreams_runs_on_each(rig):
+    """The same frame with the same handshake through two reverse listeners of one process,
+    to two upstreams: it runs on each; the control: again to the second shares."""
+    frame = ws_frame(f"ws upstream {secrets.token_hex(6)}")
+    before = [len(ws_dispatches(rig, 0)), len(ws_dispatches(rig, 1))]
+    (a,) = asyncio.run(ws_calls(ws_url(rig, 0), WS_BASE, [frame]))
+    (b,) = asyncio.run(ws_calls(ws_url(rig, 1), WS_BASE, [frame]))
+    (again,) = asyncio.run(ws_calls(ws_url(rig, 1), WS_BASE, [frame]))  # the control: shared
+    assert a[-1]["type"] == b[-1]["type"] == "response.completed"
+    assert last_id(a) != last_id(b) and last_id(again) == last_id(b)
+    assert [len(ws_dispatches(rig, 0)), len(ws_dispatches(rig, 1))] == \
+        [before[0] + 1, before[1] + 1]
+
+
+def test_a_post_fallback_of_another_principal_never_gets_a_socket_call(rig):
+    """A socket's call and its HTTP POST fallback are one operation for the same principal
+    (the control: replayed), never for another (run upstream, its own answer)."""
+    frame = ws_frame(f"ws fallback {secrets.token_hex(6)}")
+    (a,) = asyncio.run(ws_calls(ws_url(rig), WS_BASE, [frame]))
+    body = {k: v for k, v in frame.items() if k != "type"}
+    body["client_metadata"] = {k: v for k, v in frame["client_metadata"].items()
+                               if not k.startswith("x-codex-ws")}
+    mine = send(rig, Req(0, "reverse", tuple(WS_BASE.items()), body))
+    assert mine.status_code == 200 and replayed(mine), "control: the same principal's fallback"
+    other = Req(0, "reverse", (("authorization", "Bearer ws-b"), ("session-id", "ws-iso")), body)
+    assert_fresh(rig, other, mine)
+
+
+def test_a_delta_frame_naming_another_principals_response_is_never_rebuilt_from_it(rig):
+    """B's socket sends a delta frame naming the response A's socket produced: B's socket
+    knows no such response, so the frame goes upstream as B sent it (one input item, its
+    ``previous_response_id``: the upstream refuses it), never rebuilt from A's input."""
+    async def both():
+        async with WsClient.connect(ws_url(rig), headers=WS_BASE) as a:
+            await a.send(ws_frame(f"secret of a {secrets.token_hex(6)}"))
+            first = await a.response()
+            rid = last_id(first)
+            async with WsClient.connect(ws_url(rig), headers={
+                    **WS_BASE, "authorization": "Bearer ws-b"}) as b:
+                delta = ws_frame("b continues", previous_response_id=rid)
+                await b.send(delta)
+                return rid, await b.response()
+
+    rid, got = asyncio.run(both())
+    last = ws_dispatches(rig)[-1]
+    assert last["previous_response_id"] == rid and last["input_items"] == 1, last
+    assert got[-1]["type"] == "error", got[-1]
+
+
+@pytest.mark.parametrize("carrier", ["session-id", "x-codex-turn-metadata"])
+def test_a_socket_of_another_principal_cannot_fence_or_take_a_session_by_its_id(tmp_path,
+                                                                              carrier):
+    """The attacker's two calls in the victim's session id fail eventless (the mock resets
+    the first two dispatches of that session): the attacker's own circuit opens; the victim's
+    socket naming the same session id (as a header or in Codex's turn metadata) still runs,
+    and each principal's session is its own durable session."""
+    session = f"ws-victim-{secrets.token_hex(4)}"
+    scenario = {"sessions": {session: {"sequence": [{"kind": "reset"}, {"kind": "reset"}]}}}
+    in_meta = {"x-codex-turn-metadata": json.dumps({"session_id": session})}
+    carried = {"session-id": session} if carrier == "session-id" else in_meta
+    attacker = {"authorization": "Bearer ws-attacker", "session-id": session}
+    victim = {"authorization": "Bearer ws-victim", **carried}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, turnguard_cooldown_ms=60000) as p:
+        for i in range(2):
+            (failed,) = asyncio.run(ws_calls(p.url, attacker, [ws_frame(f"fence {i}")]))
+            assert failed[-1]["type"] in ("closed", "error"), failed[-1]
+        (fenced,) = asyncio.run(ws_calls(p.url, attacker, [ws_frame("fenced")]))
+        assert fenced[-1]["type"] == "error" and fenced[-1]["status"] == 503, fenced[-1]
+        before = len(up.dispatches())
+        (got,) = asyncio.run(ws_calls(p.url, victim, [ws_frame("victim")]))
+        assert got[-1]["type"] == "response.completed", got[-1]
+        assert len(up.dispatches()) == before + 1
+        sessions = sqlite3.connect(tmp_path / "ledger.sqlite3").execute(
+            "SELECT COUNT(*) FROM sessions").fetchone()[0]
+        assert sessions == 2
+        assert_no_traceback(p.log_text())
+
+
+def test_a_retry_of_another_principal_never_attaches_to_a_detached_call(tmp_path):
+    """With ``turnguard_detach_ms`` a call whose socket dropped runs on, for its retry to
+    attach to: the same frame from another principal is its own call (run upstream), never
+    attached to it nor held behind it; the control, the first principal's retry, attaches."""
+    a_headers = {"authorization": "Bearer ws-a", "session-id": "ws-detach"}
+    b_headers = {"authorization": "Bearer ws-b", "session-id": "ws-detach"}
+    frame = ws_frame(f"detached {secrets.token_hex(6)}")
+    scenario = {"sequence": [{"kind": "ok", "hold": "first"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, turnguard_detach_ms=60000) as p:
+        async def run():
+            async with WsClient.connect(p.url, headers=a_headers) as a:
+                await a.send(frame)
+                await asyncio.to_thread(up.wait_held, "first", 30)
+                a.abort()
+            (b,) = await ws_calls(p.url, b_headers, [frame])
+            await asyncio.to_thread(up.release, "first")
+            (retry,) = await ws_calls(p.url, a_headers, [frame])
+            return b, retry
+
+        b, retry = asyncio.run(run())
+        assert b[-1]["type"] == "response.completed", b[-1]
+        assert retry[-1]["type"] == "response.completed", retry[-1]
+        assert last_id(b) != last_id(retry)
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
+
+
+def test_a_socket_whose_host_names_another_site_is_another_upstream(tmp_path, monkeypatch):
+    """With ``keep_host_header`` a reverse listener sends the client's ``Host`` upstream, and
+    a virtual-hosting upstream serves another site for it: the same frame on a socket whose
+    handshake names another host runs upstream again, never answered from the other's; the
+    control: the same host shares."""
+    frame = ws_frame(f"ws host {secrets.token_hex(6)}")
+
+    def on_host(host: str):
+        monkeypatch.setattr(turnguard_ws, "Request", lambda **kw: WsRequest(
+            **{**kw, "host": host}))
+        return asyncio.run(ws_calls(p.url, WS_BASE, [frame]))[0]
+
+    with MockUpstream(tmp_path) as up, \
+            guarded(tmp_path, up, keep_host_header=True) as p:
+        a = on_host("site-a.example")
+        b = on_host("site-b.example")
+        again = on_host("site-b.example")
+        assert a[-1]["type"] == b[-1]["type"] == "response.completed"
+        assert last_id(a) != last_id(b) and last_id(again) == last_id(b)
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
+
+
+def test_one_frame_on_sockets_whose_urls_carry_another_key_runs_once_per_principal(rig):
+    """A key in the handshake's URL (a query parameter) is part of the principal, as a
+    POST's is; the control: the same URL shares."""
+    frame = ws_frame(f"ws url key {secrets.token_hex(6)}")
+
+    async def on(path):
+        async with WsClient.connect(ws_url(rig), path=path, headers=WS_BASE) as c:
+            await c.send(frame)
+            return await c.response()
+
+    before = len(ws_dispatches(rig))
+    a = asyncio.run(on("/v1/responses?api_key=ka"))
+    b = asyncio.run(on("/v1/responses?api_key=kb"))
+    again = asyncio.run(on("/v1/responses?api_key=kb"))
+    assert last_id(a) != last_id(b) and last_id(again) == last_id(b)
+    assert len(ws_dispatches(rig)) == before + 2
+
+
+def test_a_call_of_another_principal_is_never_held_behind_nor_attached_to_a_socket_call(
+        tmp_path):
+    """A's call is held upstream (the mock holds it before its first event): the same frame
+    on B's socket, and its POST fallback from C, run upstream at once, each its own answer,
+    while A's is still held."""
+    frame = ws_frame(f"held {secrets.token_hex(6)}")
+    body = {k: v for k, v in frame.items() if k != "type"}
+    body["client_metadata"] = {k: v for k, v in frame["client_metadata"].items()
+                               if not k.startswith("x-codex-ws")}
+    b_headers = {**WS_BASE, "authorization": "Bearer ws-b"}
+    scenario = {"sequence": [{"kind": "ok", "hold": "first"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up) as p:
+        async def run():
+            async with WsClient.connect(p.url, headers=WS_BASE) as a:
+                await a.send(frame)
+                await asyncio.to_thread(up.wait_held, "first", 30)
+                (b,) = await ws_calls(p.url, b_headers, [frame])
+                posted = await asyncio.to_thread(post_turn, p.url, {
+                    **WS_BASE, "authorization": "Bearer ws-c", "accept": "text/event-stream"},
+                    body)
+                assert len(up.dispatches()) == 3
+                await asyncio.to_thread(up.release, "first")
+                return await a.response(), b, posted
+
+        a, b, (status, _, posted) = asyncio.run(run())
+        assert a[-1]["type"] == b[-1]["type"] == "response.completed"
+        assert status == 200 and response_id(posted) not in (last_id(a), last_id(b))
+        assert last_id(a) != last_id(b)
         assert_no_traceback(p.log_text())
