@@ -1279,3 +1279,23 @@ def test_a_call_of_another_principal_is_never_held_behind_nor_attached_to_a_sock
         assert status == 200 and response_id(posted) not in (last_id(a), last_id(b))
         assert last_id(a) != last_id(b)
         assert_no_traceback(p.log_text())
+
+
+def test_sockets_of_two_proxyauth_users_never_share_a_call(tmp_path):
+    """mitmproxy's ``proxyauth`` takes the credential off the handshake (a reverse listener:
+    ``Authorization``) and keeps the user in the flow's metadata: the same frame from two
+    users runs upstream for each; the control: the first user again shares."""
+    import base64
+    frame = ws_frame(f"proxyauth {secrets.token_hex(6)}")
+
+    def as_user(user: str):
+        basic = base64.b64encode(f"{user}:pw".encode()).decode()
+        return asyncio.run(ws_calls(p.url, {"authorization": f"Basic {basic}",
+                                            "session-id": "ws-iso"}, [frame]))[0]
+
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, proxyauth="any") as p:
+        a, b, again = as_user("alice"), as_user("bob"), as_user("alice")
+        assert a[-1]["type"] == b[-1]["type"] == "response.completed", (a[-1], b[-1])
+        assert last_id(a) != last_id(b) and last_id(again) == last_id(a)
+        assert len(up.dispatches()) == 2
+        assert_no_traceback(p.log_text())
