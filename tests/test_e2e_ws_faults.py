@@ -1369,3 +1369,48 @@ def test_junk_over_the_ledger_at_a_step_of_a_call_answers_every_retry_from_one_e
             ledger, "SELECT 1 FROM attempts WHERE outcome='in_flight'"), 15,
             what="the call's end written")
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+
+@pytest.mark.parametrize("retry_via", ["ws", "http"])
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_call_that_completed_before_the_ledger_went_under_a_paused_owner_is_not_run_again(
+        tmp_path, how, retry_via):
+    """A call completes through process a (its recording in the ledger, within its replay
+    window); a is paused (SIGSTOP) and the ledger file is deleted, or an older copy made
+    before the call is moved into its place, so a cannot record the call in the new file. A
+    retry of the call then reaches process b (a new socket, or the POST fallback), and a
+    stays paused past the 5 s b waits for the processes that had turns in the old file. a is
+    alive: b holds the retry until a records its recordings in the new file, never
+    dispatches the call a second time; resumed, a does, and b replays it."""
+    scenario = after_warm_ups(2, {"default": {"kind": "ok", "events": 5, "gap_ms": 100}})
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = f"completed, then the ledger {how} under its paused owner, via {retry_via}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
+        older_copy(tmp_path)
+        upstream_had = len(up.dispatches())
+        frame = call([user(text)], seed=1)
+        got = ws_call(a.url, frame)
+        assert types(got)[-1] == "response.completed", got
+        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            if how == "deleted":
+                delete_ledger(ledger)
+            else:
+                replace_with_older_copy(tmp_path)
+            retry = _retry(b, text, frame, retry_via)
+            time.sleep(8)  # past b's 5 s wait for the peers to register
+            assert len(up.dispatches()) == upstream_had + 1, \
+                "b ran the paused owner's completed call a second time"
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        again = retry.result(40)
+        assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert len(up.dispatches()) == upstream_had + 1
+        assert_no_traceback(a.log_text() + b.log_text())

@@ -219,8 +219,8 @@ class PeersAwaited:
     the file left (``left``, its generation), the peers that had attempts in flight there
     and have not yet noted they registered them in the new one (``peers``, until ``until``,
     monotonic; ``behind``: the new file could not be opened at once), and of those the ones
-    proven alive with the operations each had in flight (``live``, ``live_ops``: op key ->
-    instance id), and the files left that showed each so (``live_left``: instance id -> their
+    proven alive with the operations each had in flight, or recorded for a replay
+    (``live``, ``live_ops``: op key -> instance id), and the files left that showed each so (``live_left``: instance id -> their
     generations; a process may leave several files in a row, each of its peers notes the
     file it last used). The process's, not an addon instance's (``ProcessState``): the
     instance a script reload loads must go on waiting, or it would take a retry of a paused
@@ -776,8 +776,8 @@ class FailoverStore:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
                 peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S, silent_s=0.0,
                 start_ticks_of=liveness.probe_start_ticks) == "alive"}
-        for instance_id, op_key in ops:
-            if instance_id in peers:
+        for instance_id, op_key, in_flight in ops:
+            if in_flight and instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
         # added to what earlier files left showed (not in place of it): a file left a moment
         # after another (a junk file opened through the old one's WAL, then deleted) may show
@@ -788,7 +788,9 @@ class FailoverStore:
         self._live_peers.update(live)
         for instance_id in live:
             self._live_peer_left.setdefault(instance_id, set()).add(store.generation)
-        for instance_id, op_key in ops:
+        # (a recording too: a retry of a turn that completed there is held, not run again,
+        # until its owner, paused say, records it in the new file)
+        for instance_id, op_key, _ in ops:
             if instance_id in live:
                 self._live_peer_ops[op_key] = instance_id
         self._left, self._peers = store.generation, peers
@@ -811,11 +813,12 @@ class FailoverStore:
         is decided without them.
 
         Past that wait, a request of an operation ``op_key`` that the file left showed in
-        flight in a peer proven alive (``liveness.proven_alive``: a process paused, say) is
-        still held while that peer lives and has not registered its attempts (its hold bound
-        ends it, as a duplicate's of a turn in flight elsewhere): that turn is running, and
-        deciding without it would run it a second time. Other requests are decided without
-        the peers."""
+        flight in a peer proven alive (``liveness.proven_alive``: a process paused, say), or
+        ended there with a recording that may still be replayed, is still held while that
+        peer lives and has not registered its attempts and recordings (its hold bound ends
+        it, as a duplicate's of a turn in flight elsewhere): that turn is running, or ran,
+        and deciding without it would run it a second time. Other requests are decided
+        without the peers."""
         peer = self._live_peer_ops.get(op_key)
         if peer is None and hold_until is not None \
                 and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:

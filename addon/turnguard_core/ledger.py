@@ -1215,13 +1215,24 @@ class Ledger:
             " AND instance_id<>?", (self.instance_id,)).fetchall()
         return [(r[0], r[1]) for r in rows]
 
-    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+    @_wrap
+    def ops_left_elsewhere(self) -> list[tuple[str, str, bool]]:
+        """``(instance_id, op_key, in_flight)`` of each attempt another instance has here in
+        flight (True) or ended with a recording that may still be replayed (False)."""
+        rows = self._conn().execute(
+            "SELECT instance_id, op_key, outcome='in_flight' FROM attempts"
+            " WHERE (outcome='in_flight' OR replayable=1) AND instance_id<>?",
+            (self.instance_id,)).fetchall()
+        return [(r[0], r[1], bool(r[2])) for r in rows]
+
+    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow],
+                                            list[tuple[str, str, bool]]]:
         """What the other instances have in this ledger as this process leaves it (another
         ledger now at its path): ``peers_with_attempts_in_flight(or_replayable=True)`` and
-        ``ops_in_flight_elsewhere()``. The file this connection opened is read, whatever is
-        at its path now."""
+        ``ops_left_elsewhere()``. The file this connection opened is read, whatever is at its
+        path now."""
         return (self.peers_with_attempts_in_flight(or_replayable=True),
-                self.ops_in_flight_elsewhere())
+                self.ops_left_elsewhere())
 
     @_wrap
     def end_stale_attempts(self, keep_ops: list[str], *, now: float) -> list[str]:

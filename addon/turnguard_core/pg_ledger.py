@@ -1112,14 +1112,24 @@ class PgLedger:
         return [(r[0], r[1]) for r in rows]
 
     @_wrap
-    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+    def ops_left_elsewhere(self) -> list[tuple[str, str, bool]]:
+        """See ``Ledger.ops_left_elsewhere``."""
+        rows = self._read().execute(
+            "SELECT instance_id, op_key, outcome='in_flight' FROM attempts"
+            " WHERE (outcome='in_flight' OR replayable=1) AND instance_id<>%s",
+            (self.instance_id,)).fetchall()
+        return [(r[0], r[1], bool(r[2])) for r in rows]
+
+    @_wrap
+    def attempts_left_behind(self) -> tuple[list[liveness.PeerRow],
+                                            list[tuple[str, str, bool]]]:
         """See ``Ledger.attempts_left_behind``. The database's generation is read after the
         rows: tables dropped and made again since this process opened them (another
         turnguard made them, or a peer found them gone) hold nothing of the turns in flight
         in the old ones, so their rows are an error (``file_replaced``), never an answer
         that no peer had a turn in flight."""
         found = (self.peers_with_attempts_in_flight(or_replayable=True),
-                 self.ops_in_flight_elsewhere())
+                 self.ops_left_elsewhere())
         self._still_the_one_opened(_generation(self._read()))
         return found
 

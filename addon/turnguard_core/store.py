@@ -156,12 +156,12 @@ class Store(Protocol):
 
     def attempts_in_flight_elsewhere_sync(
         self, *, timeout: float,
-    ) -> tuple[list[liveness.PeerRow], list[tuple[str, str]]]:
+    ) -> tuple[list[liveness.PeerRow], list[tuple[str, str, bool]]]:
         """The other instances with attempts in flight or recordings that may still be
-        replayed (``peers_with_attempts_in_flight``) and the ``(instance_id, op_key)`` of
-        each attempt in flight, read together, blocking at most ``timeout`` (the file being
-        left, read as it goes; ``attempts_left_behind``: a ledger database made again since
-        it was opened is an error)."""
+        replayed (``peers_with_attempts_in_flight``) and the ``(instance_id, op_key,
+        in_flight)`` of each such attempt, read together, blocking at most ``timeout`` (the
+        file being left, read as it goes; ``attempts_left_behind``: a ledger database made
+        again since it was opened is an error)."""
 
     async def mark_moved(self, from_generation: str, *, now: float,
                          deadline: float | None) -> None: ...
