@@ -220,9 +220,9 @@ class PeersAwaited:
     and have not yet noted they registered them in the new one (``peers``, until ``until``,
     monotonic; ``behind``: the new file could not be opened at once), and of those the ones
     proven alive with the operations each had in flight, or recorded for a replay
-    (``live``, ``live_ops``: op key -> instance id), and the files left that showed each so (``live_left``: instance id -> their
-    generations; a process may leave several files in a row, each of its peers notes the
-    file it last used). The process's, not an addon instance's (``ProcessState``): the
+    (``live``, ``live_ops``: op key -> instance id), and the files left that showed each so
+    (``live_left``: instance id -> their generations; a process may leave several files in a
+    row, each of its peers notes the file it last used). The process's, not an addon instance's (``ProcessState``): the
     instance a script reload loads must go on waiting, or it would take a retry of a paused
     peer's turn for a new turn and run it a second time."""
 
