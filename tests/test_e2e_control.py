@@ -509,17 +509,26 @@ def test_an_update_refused_with_a_new_events_file_leaves_that_file_as_it_was(
     assert in_force.exists() and junk.read_bytes() == b"these are my notes, not a database\n"
 
 
+@pytest.mark.parametrize("refused_by", ["turnguard", "an addon after turnguard"])
 def test_an_update_refused_while_the_events_file_in_force_is_a_symlink_keeps_it_in_use(
-        tmp_path):
+        tmp_path, refused_by):
     """The events file in force was replaced by a symbolic link (it cannot be opened again:
-    the private-file rules refuse it), then an update naming another events file is refused:
-    mitmproxy rolls it back and configures the old path again. The handle in use is kept
-    (the path did not change: nothing to reopen), never the refused file, and the records
-    after the refusal go on into the file in force."""
+    the private-file rules refuse it), then an update naming another events file is refused,
+    by turnguard (a ledger URL) or by an addon that mitmproxy configures after turnguard
+    (mitmdump's own dumper: a bad ``dumper_filter``): mitmproxy rolls it back and configures
+    the old path again. The handle in use is kept (the path did not change: nothing to
+    reopen), the file named is never made, and the records after the refusal go on into the
+    file in force. Before, turnguard put the named file in use at once (or, refused itself,
+    reopened the old path): the roll-back's reopening failed for the symlink, and the refused
+    file kept every later record. An update accepted by all is still followed: its file is in
+    use from then on."""
     in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
     moved = tmp_path / "moved-events.jsonl"
-    headers = {"authorization": "Bearer sk-refused-events-symlink"}
-    turn = {**TURN, "input": "the events file in force became a symlink"}
+    headers = {"authorization": f"Bearer sk-refused-events-symlink-{len(refused_by)}"}
+    turn = {**TURN, "input": f"the events file in force became a symlink ({refused_by})"}
+    refused, says = (("turnguard_ledger=host=127.0.0.1 password=hunter2", "turnguard_ledger")
+                     if refused_by == "turnguard" else
+                     ("dumper_filter=~q(", "Invalid filter expression"))
     with MockUpstream(tmp_path) as up, guarded(
             tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
         assert post_turn(p.url, headers, turn)[0] == 200
@@ -527,39 +536,8 @@ def test_an_update_refused_while_the_events_file_in_force_is_a_symlink_keeps_it_
         in_force.rename(moved)
         in_force.symlink_to(moved)
         p.wait_for_log("not reopened", timeout=10)  # the rotation check refused the symlink
-        status, text = set_live(p, f"turnguard_events={named_file}",
-                                "turnguard_ledger=host=127.0.0.1 password=hunter2")
-        assert status == 400, text
-        assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
-        wait_until(lambda: len([r for r in read_jsonl(moved) if r["event"] == "outcome"]) == 2,
-                   10, what="the second outcome in the file in force")
-        assert "hunter2" not in p.log_text()
-        assert_no_traceback(p.log_text())
-    assert not named_file.exists()
-
-
-def test_an_update_refused_by_an_addon_after_turnguard_leaves_the_events_file_in_force(
-        tmp_path):
-    """An update names another events file, which turnguard accepts, and a value an addon
-    that mitmproxy configures after turnguard refuses (mitmdump's own dumper: a bad
-    ``dumper_filter``): mitmproxy rolls the whole update back. The file named is never made,
-    and every record goes on into the file in force, also when that one cannot be opened again
-    (a symbolic link now). Before, turnguard put the named file in use at once: the roll-back
-    reopened the old path, which failed for the symlink, so the refused file kept every later
-    record. An update accepted by all is still followed: its file is in use from then on."""
-    in_force, named_file = tmp_path / "mitmdump-events.jsonl", tmp_path / "named-events.jsonl"
-    moved = tmp_path / "moved-events.jsonl"
-    headers = {"authorization": "Bearer sk-refused-after-turnguard"}
-    turn = {**TURN, "input": "an update refused by a later addon"}
-    with MockUpstream(tmp_path) as up, guarded(
-            tmp_path, up, extra_args=["-s", str(LIVE_OPTIONS)]) as p:
-        assert post_turn(p.url, headers, turn)[0] == 200
-        wait_until(lambda: len(events(tmp_path, "outcome")) == 1, 10, what="the first outcome")
-        in_force.rename(moved)
-        in_force.symlink_to(moved)
-        p.wait_for_log("not reopened", timeout=10)  # the rotation check refused the symlink
-        status, text = set_live(p, f"turnguard_events={named_file}", "dumper_filter=~q(")
-        assert status == 400 and "Invalid filter expression" in text, text
+        status, text = set_live(p, f"turnguard_events={named_file}", refused)
+        assert status == 400 and says in text, text
         assert post_turn(p.url, headers, {**turn, "input": "after the refusal"})[0] == 200
         wait_until(lambda: len([r for r in read_jsonl(moved) if r["event"] == "outcome"]) == 2,
                    10, what="the second outcome in the file in force")
@@ -569,8 +547,8 @@ def test_an_update_refused_by_an_addon_after_turnguard_leaves_the_events_file_in
         wait_until(lambda: [r["event"] for r in read_jsonl(named_file)].count("outcome") == 1,
                    10, what="the third outcome in the file named")
         assert [r["event"] for r in read_jsonl(moved)].count("outcome") == 2
+        assert "hunter2" not in p.log_text()
         assert_no_traceback(p.log_text())
-
 
 
 def test_an_events_file_named_right_before_a_reload_that_failed_gets_what_the_exit_writes(

@@ -2442,66 +2442,22 @@ def test_a_detached_call_kept_for_a_retry_on_a_socket_is_cut_past_the_cap_once_t
         assert_no_traceback(p.log_text())
 
 
-def test_a_prewarm_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout(
-        tmp_path):
-    """A client sends a ``ping`` the upstream never answers, then a prewarm the upstream
-    refuses with an ``error``. The ``error`` comes while the ping is unanswered, so it is
-    taken for the ping's (an ``error`` names no frame), and the prewarm stays in flight with
-    no event. It is timed as a call is: at ``turnguard_response_created_timeout_ms`` its
-    upstream is cut and the socket closes, the call the client sent behind it never having
-    gone upstream; its retry on a new socket runs once. Before, a prewarm had no such timer:
-    the call behind it waited ``turnguard_request_budget_ms`` (here ten minutes), then went
-    upstream unguarded, the socket let go; nothing closed the socket meanwhile (the test
-    client's read gives up after 15 s, and reports that as a close, 1006)."""
-    refused = {"type": "error", "status": 400, "error": {"code": "prewarm_refused"}}
-    scripts = [[], [refused], scripted_response()]
-    with ScriptedUpstream(scripts) as up, proxy(
-            tmp_path, up, turnguard_response_created_timeout_ms=3000,
-            turnguard_request_budget_ms=600_000) as p:
-        async def ping_prewarm_call():
-            async with WsClient.connect(p.url, headers=HEADERS) as a:
-                await a.send({"type": "ping"})
-                await a.send(PREWARM)
-                got = [await a.recv(30)]
-                await a.send(call([user("behind a prewarm")], seed=1))
-                for _ in range(10):  # bounded: up to the socket's end or a terminal event
-                    try:
-                        got.append(await a.recv(30))
-                    except TimeoutError:
-                        return [*got, "no answer within 30 s"]
-                    if not isinstance(got[-1], str) or "response.completed" in got[-1]:
-                        break
-                return got
-
-        got = asyncio.run(ping_prewarm_call())
-        assert json.loads(got[0]) == refused
-        assert len(got) == 2 and isinstance(got[1], Closed), got  # cut: nothing else came
-        assert up.calls == 2  # the ping, the prewarm; the call behind them never went up
-        cut = events(tmp_path, "upstream_cut")
-        assert [(c["reason"], c["prewarm"], c["cut"], c["after_ms"]) for c in cut] == \
-            [("missing_response_created_timeout", True, True, 3000)]
-        assert not events(tmp_path, "outcome")  # a prewarm is no operation
-        retry = asyncio.run(one_call(p.url, call([user("behind a prewarm")], seed=2)))
-        assert types(retry)[-1] == "response.completed" and up.calls == 3
-        assert not any("turnguard_request_budget_ms" in e["reason"]
-                       for e in events(tmp_path, "passthrough"))
-        assert_no_traceback(p.log_text())
-
-
-
-@pytest.mark.parametrize("frame", ["not JSON", b"\x00binary"], ids=["not JSON", "binary"])
-def test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout(
+@pytest.mark.parametrize("frame", [PREWARM, "not JSON", b"\x00binary"],
+                         ids=["prewarm", "not JSON", "binary"])
+def test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout(
         tmp_path, frame):
-    """As a prewarm is, a frame turnguard cannot read but the upstream may read as a call
-    (text that is not JSON, binary) is answered as a call and timed as one: refused with an
-    ``error`` while a ``ping`` before it is unanswered (the ``error`` taken for the ping's),
-    it stays in flight with no event, and at ``turnguard_response_created_timeout_ms`` its
-    upstream is cut (``upstream_cut``, ``prewarm`` false) and the socket closes, the call
-    behind it never having gone upstream; its retry on a new socket runs once. Before, only a
-    prewarm was timed: the call behind this frame waited ``turnguard_request_budget_ms``
-    (here ten minutes), the socket open and silent (the test client's read gives up after
-    15 s and reports a close, 1006)."""
-    refused = {"type": "error", "status": 400, "error": {"code": "unreadable_frame"}}
+    """A client sends a ``ping`` the upstream never answers, then a prewarm, or a frame
+    turnguard cannot read but the upstream may read as a call (text that is not JSON,
+    binary), which the upstream refuses with an ``error``. The ``error`` comes while the ping
+    is unanswered, so it is taken for the ping's (an ``error`` names no frame), and the frame
+    stays in flight with no event. It is timed as a call is: at
+    ``turnguard_response_created_timeout_ms`` its upstream is cut (``upstream_cut``,
+    ``prewarm`` true for a prewarm) and the socket closes, the call the client sent behind it
+    never having gone upstream; its retry on a new socket runs once. Before, such a frame had
+    no timer: the call behind it waited ``turnguard_request_budget_ms`` (here ten minutes),
+    then went upstream unguarded, the socket let go; nothing closed the socket meanwhile (the
+    test client's read gives up after 15 s, and reports that as a close, 1006)."""
+    refused = {"type": "error", "status": 400, "error": {"code": "refused"}}
     scripts = [[], [refused], scripted_response()]
     with ScriptedUpstream(scripts) as up, proxy(
             tmp_path, up, turnguard_response_created_timeout_ms=3000,
@@ -2511,7 +2467,7 @@ def test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_
                 await a.send({"type": "ping"})
                 await a.send(frame)
                 got = [await a.recv(30)]
-                await a.send(call([user("behind a frame that may be a call")], seed=1))
+                await a.send(call([user("behind a frame that is no operation")], seed=1))
                 for _ in range(10):  # bounded: up to the socket's end or a terminal event
                     try:
                         got.append(await a.recv(30))
@@ -2527,11 +2483,13 @@ def test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_
         assert up.calls == 2  # the ping, the frame; the call behind them never went up
         cut = events(tmp_path, "upstream_cut")
         assert [(c["reason"], c["prewarm"], c["cut"], c["after_ms"]) for c in cut] == \
-            [("missing_response_created_timeout", False, True, 3000)]
-        assert not events(tmp_path, "outcome")
-        retry = asyncio.run(one_call(p.url, call([user("behind a frame that may be a call")],
+            [("missing_response_created_timeout", frame is PREWARM, True, 3000)]
+        assert not events(tmp_path, "outcome")  # no operation
+        retry = asyncio.run(one_call(p.url, call([user("behind a frame that is no operation")],
                                                  seed=2)))
         assert types(retry)[-1] == "response.completed" and up.calls == 3
+        assert not any("turnguard_request_budget_ms" in e["reason"]
+                       for e in events(tmp_path, "passthrough"))
         assert_no_traceback(p.log_text())
 
 
@@ -2540,7 +2498,7 @@ def test_a_binary_frame_the_upstream_never_answers_with_nothing_behind_it_leaves
     """A client's binary frame (a keepalive, say) that its upstream never answers, with no
     frame behind it: the socket stays open past ``turnguard_response_created_timeout_ms``, as
     it does without turnguard; the frame is timed only for a frame that waits behind it
-    (``test_a_frame_that_may_be_a_call_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout``).
+    (``test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout``).
     Before, its upstream was cut as silent at the timeout, and the socket closed, every time
     such a frame went unanswered."""
     with ScriptedUpstream([[]]) as up, proxy(
