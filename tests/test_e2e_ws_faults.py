@@ -20,6 +20,7 @@ from test_ledger_faults import immutable, tiny_tmpfs
 from turnguard_faults import disk_full
 from test_e2e_websocket import HEADERS, call, post_fallback, user
 from turnguard_ws import WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
+from turnguard_core.ledger import Ledger
 
 STREAM = {"default": {"kind": "ok", "events": 12, "gap_ms": 150}}
 
@@ -1412,5 +1413,90 @@ def test_a_call_that_completed_before_the_ledger_went_under_a_paused_owner_is_no
             a.proc.send_signal(signal.SIGCONT)
         again = retry.result(40)
         assert (types(again) if retry_via == "ws" else again[2]) == types(got), again
+        assert len(up.dispatches()) == upstream_had + 1
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_it(tmp_path):
+    """A call completes through process a; a is paused (SIGSTOP) and the ledger file
+    deleted. Its same body sent to b once the replay window (2 s) has passed since it
+    completed is a new operation (its recording answers it nowhere): b, which holds a retry
+    of a call the paused a completed until a records it in the new file, does not hold this
+    one past its 5 s wait for the peers, nor answer it at its hold bound: it dispatches it,
+    as it would have with the file in place."""
+    scenario = after_warm_ups(2, {"default": {"kind": "ok", "events": 5, "gap_ms": 100}})
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=15000, turnguard_replay_window_ms=2000)
+    text = "completed, then the ledger deleted under its paused owner, then past the window"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
+        upstream_had = len(up.dispatches())
+        got = ws_call(a.url, call([user(text)], seed=1))
+        assert types(got)[-1] == "response.completed", got
+        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            time.sleep(2.5)  # the replay window passes
+            again = ws_call(b.url, call([user(text)], seed=2))
+            assert types(again) == types(got), again
+            assert len(up.dispatches()) == upstream_had + 2
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
+def _ledger_of_many_ended_attempts(ledger, attempts: int) -> None:
+    """A ledger file at ``ledger`` holding ``attempts`` attempts of a process long gone, all
+    ended without a recording (what a ledger that served a while mostly holds)."""
+    now = time.time()
+    made = Ledger(str(ledger), "filler")  # the schema, as the addon makes it
+    made.open(now, register=False)
+    made.close()
+    db = sqlite3.connect(ledger)
+    db.execute("INSERT INTO operations (op_key, scope, method, path, fingerprint, state,"
+               " created_at, updated_at) VALUES ('filler', 's', 'POST', '/v1/responses', 'f',"
+               " 'completed', ?, ?)", (now, now))
+    db.executemany("INSERT INTO attempts (op_key, kind, instance_id, started_at, ended_at,"
+                   " outcome) VALUES ('filler', 'original', 'gone', ?, ?, 'completed')",
+                   ((now, now) for _ in range(attempts)))
+    db.commit()
+    db.close()
+
+
+def test_a_completed_call_of_a_paused_owner_is_not_run_again_when_a_large_ledger_goes(tmp_path):
+    """As above (the ledger deleted under process a, paused, after a call completed through
+    it), with a ledger of 1,200,000 attempts that ended long ago without a recording. b reads
+    which processes had turns in flight or recordings in the file left within 0.2 s of its
+    event loop: read through the partial indexes of the attempts in flight and of the
+    recordings, never a scan of every attempt, so the read is done in time, b knows a had
+    the call, and holds its retry until a records it in the new file: never run twice."""
+    ledger = tmp_path / "ledger.sqlite3"
+    _ledger_of_many_ended_attempts(ledger, 1_200_000)
+    scenario = after_warm_ups(2, {"default": {"kind": "ok", "events": 5, "gap_ms": 100}})
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = "completed, then a large ledger deleted under its paused owner"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
+        upstream_had = len(up.dispatches())
+        got = ws_call(a.url, call([user(text)], seed=1))
+        assert types(got)[-1] == "response.completed", got
+        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            retry = background(ws_call, b.url, call([user(text)], seed=2))
+            time.sleep(8)  # past b's 5 s wait for the peers to register
+            assert len(up.dispatches()) == upstream_had + 1, \
+                "b ran the paused owner's completed call a second time"
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        assert types(retry.result(40)) == types(got)
         assert len(up.dispatches()) == upstream_had + 1
         assert_no_traceback(a.log_text() + b.log_text())

@@ -220,7 +220,8 @@ class PeersAwaited:
     and have not yet noted they registered them in the new one (``peers``, until ``until``,
     monotonic; ``behind``: the new file could not be opened at once), and of those the ones
     proven alive with the operations each had in flight, or recorded for a replay
-    (``live``, ``live_ops``: op key -> instance id), and the files left that showed each so
+    (``live``, ``live_ops``: op key -> instance id and the recorded attempt's end, wall
+    clock, or None for one in flight), and the files left that showed each so
     (``live_left``: instance id -> their generations; a process may leave several files in a
     row, each of its peers notes the file it last used). The process's, not an addon instance's (``ProcessState``): the
     instance a script reload loads must go on waiting, or it would take a retry of a paused
@@ -231,7 +232,7 @@ class PeersAwaited:
     until: float = 0.0
     behind: bool = False
     live: dict[str, liveness.PeerRow] = dataclasses.field(default_factory=dict)
-    live_ops: dict[str, str] = dataclasses.field(default_factory=dict)
+    live_ops: dict[str, tuple[str, float | None]] = dataclasses.field(default_factory=dict)
     live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
     def forget(self, instance_id: str) -> None:
@@ -239,7 +240,8 @@ class PeersAwaited:
         operations is held for it any more."""
         self.live.pop(instance_id, None)
         self.live_left.pop(instance_id, None)
-        self.live_ops = {op: peer for op, peer in self.live_ops.items() if peer != instance_id}
+        self.live_ops = {op: held for op, held in self.live_ops.items()
+                         if held[0] != instance_id}
 
 
 def _awaited(name: str) -> property:
@@ -767,7 +769,8 @@ class FailoverStore:
             rows, ops = store.attempts_in_flight_elsewhere_sync(timeout=PEERS_READ_S)
         except (LedgerError, TimeoutError) as e:
             logger.warning("turnguard: cannot read which processes had turns in the ledger "
-                           "file left (%s); new turns wait up to %.0f s for them", e,
+                           "file left (%s); new turns wait up to %.0f s for them",
+                           str(e) or f"not read within {PEERS_READ_S:g} s",
                            self._peers_wait_s())
             rows, ops = None, []
         if rows is None:
@@ -776,8 +779,8 @@ class FailoverStore:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
                 peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S, silent_s=0.0,
                 start_ticks_of=liveness.probe_start_ticks) == "alive"}
-        for instance_id, op_key, in_flight in ops:
-            if in_flight and instance_id in peers:
+        for instance_id, op_key, ended_at in ops:
+            if ended_at is None and instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
         # added to what earlier files left showed (not in place of it): a file left a moment
         # after another (a junk file opened through the old one's WAL, then deleted) may show
@@ -790,9 +793,9 @@ class FailoverStore:
             self._live_peer_left.setdefault(instance_id, set()).add(store.generation)
         # (a recording too: a retry of a turn that completed there is held, not run again,
         # until its owner, paused say, records it in the new file)
-        for instance_id, op_key, _ in ops:
+        for instance_id, op_key, ended_at in ops:
             if instance_id in live:
-                self._live_peer_ops[op_key] = instance_id
+                self._live_peer_ops[op_key] = (instance_id, ended_at)
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + self._peers_wait_s() if peers else 0.0
         self._peers_behind = False
@@ -805,7 +808,8 @@ class FailoverStore:
         return PEERS_REGISTERING_S + (HEARTBEAT_S if is_postgres(self.path) else 0.0)
 
     async def _peers_registering(self, store: Store, deadline: float | None,
-                                 hold_until: float | None = None, op_key: str = "") -> bool:
+                                 hold_until: float | None = None, op_key: str = "",
+                                 window_s: float | None = None) -> bool:
         """Peers that had attempts in flight in the ledger file this process left have not
         all registered them in ``store`` yet (within ``PEERS_REGISTERING_S``): an operation
         this file knows nothing of may be in flight in one of them. A request that could be
@@ -817,9 +821,13 @@ class FailoverStore:
         ended there with a recording that may still be replayed, is still held while that
         peer lives and has not registered its attempts and recordings (its hold bound ends
         it, as a duplicate's of a turn in flight elsewhere): that turn is running, or ran,
-        and deciding without it would run it a second time. Other requests are decided
-        without the peers."""
-        peer = self._live_peer_ops.get(op_key)
+        and deciding without it would run it a second time. One that ended is held only for a
+        request its recording could answer: within ``window_s`` (the request's replay window;
+        None: never replayed, as the same body of a Responses conversation's next turn) of
+        its end. Other requests are decided without the peers."""
+        peer, ended_at = self._live_peer_ops.get(op_key, (None, None))
+        if ended_at is not None and (window_s is None or time.time() - ended_at > window_s):
+            peer = None  # its recording is no answer to this request: the new file decides
         if peer is None and hold_until is not None \
                 and time.monotonic() >= hold_until - PEERS_HOLD_MARGIN_S:
             return False
@@ -1223,7 +1231,8 @@ class FailoverStore:
             if known is not None:
                 return _Carried(known)
             if (self._peers or ident.op_key in self._live_peer_ops) and \
-                    await self._peers_registering(store, deadline, hold_until, ident.op_key):
+                    await self._peers_registering(store, deadline, hold_until, ident.op_key,
+                                                  window_s):
                 return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,

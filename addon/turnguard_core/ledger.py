@@ -1193,14 +1193,19 @@ class Ledger:
         replayed. An instance without a row (reaped, and not heard of since) has an empty
         identity, and the start of its newest such attempt stands for its heartbeat: it made
         that attempt, so it was alive then."""
+        # each kind read through its partial index: the rows of the attempts that ended
+        # without a recording (most of a ledger's) are never scanned
         rows = self._conn().execute(
             "SELECT a.instance_id, COALESCE(i.host, ''), COALESCE(i.boot_id, ''),"
             " COALESCE(i.pid_ns, ''), COALESCE(i.pid, -1), i.start_ticks,"
-            " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM attempts a LEFT JOIN instances i"
-            " ON i.instance_id = a.instance_id"
-            " WHERE (a.outcome='in_flight' OR (? AND a.replayable=1)) AND a.instance_id<>?"
+            " COALESCE(i.heartbeat_at, MAX(a.started_at)) FROM ("
+            "SELECT instance_id, started_at FROM attempts INDEXED BY attempts_in_flight"
+            " WHERE outcome='in_flight' AND instance_id<>?"
+            " UNION ALL SELECT instance_id, started_at FROM attempts"
+            " INDEXED BY attempts_replayable WHERE replayable=1 AND ? AND instance_id<>?"
+            ") a LEFT JOIN instances i ON i.instance_id = a.instance_id"
             " GROUP BY a.instance_id",
-            (or_replayable, self.instance_id),
+            (self.instance_id, or_replayable, self.instance_id),
         ).fetchall()
         return [
             liveness.PeerRow(r[0], liveness.ProcessIdentity(r[1], r[2], r[3], r[4], r[5]), r[6])
@@ -1216,17 +1221,21 @@ class Ledger:
         return [(r[0], r[1]) for r in rows]
 
     @_wrap
-    def ops_left_elsewhere(self) -> list[tuple[str, str, bool]]:
-        """``(instance_id, op_key, in_flight)`` of each attempt another instance has here in
-        flight (True) or ended with a recording that may still be replayed (False)."""
-        rows = self._conn().execute(
-            "SELECT instance_id, op_key, outcome='in_flight' FROM attempts"
-            " WHERE (outcome='in_flight' OR replayable=1) AND instance_id<>?",
-            (self.instance_id,)).fetchall()
-        return [(r[0], r[1], bool(r[2])) for r in rows]
+    def ops_left_elsewhere(self) -> list[tuple[str, str, float | None]]:
+        """``(instance_id, op_key, ended_at)`` of each attempt another instance has here in
+        flight (``ended_at`` None) or ended with a recording that may still be replayed (its
+        end, wall clock)."""
+        rows = self._conn().execute(  # through the partial indexes, as above
+            "SELECT instance_id, op_key, NULL FROM attempts INDEXED BY attempts_in_flight"
+            " WHERE outcome='in_flight' AND instance_id<>?"
+            " UNION ALL SELECT instance_id, op_key, ended_at FROM attempts"
+            " INDEXED BY attempts_replayable"
+            " WHERE replayable=1 AND outcome<>'in_flight' AND instance_id<>?",
+            (self.instance_id, self.instance_id)).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
 
     def attempts_left_behind(self) -> tuple[list[liveness.PeerRow],
-                                            list[tuple[str, str, bool]]]:
+                                            list[tuple[str, str, float | None]]]:
         """What the other instances have in this ledger as this process leaves it (another
         ledger now at its path): ``peers_with_attempts_in_flight(or_replayable=True)`` and
         ``ops_left_elsewhere()``. The file this connection opened is read, whatever is at its

@@ -1112,17 +1112,18 @@ class PgLedger:
         return [(r[0], r[1]) for r in rows]
 
     @_wrap
-    def ops_left_elsewhere(self) -> list[tuple[str, str, bool]]:
+    def ops_left_elsewhere(self) -> list[tuple[str, str, float | None]]:
         """See ``Ledger.ops_left_elsewhere``."""
         rows = self._read().execute(
-            "SELECT instance_id, op_key, outcome='in_flight' FROM attempts"
+            "SELECT instance_id, op_key,"
+            " CASE WHEN outcome='in_flight' THEN NULL ELSE ended_at END FROM attempts"
             " WHERE (outcome='in_flight' OR replayable=1) AND instance_id<>%s",
             (self.instance_id,)).fetchall()
-        return [(r[0], r[1], bool(r[2])) for r in rows]
+        return [(r[0], r[1], r[2]) for r in rows]
 
     @_wrap
     def attempts_left_behind(self) -> tuple[list[liveness.PeerRow],
-                                            list[tuple[str, str, bool]]]:
+                                            list[tuple[str, str, float | None]]]:
         """See ``Ledger.attempts_left_behind``. The database's generation is read after the
         rows: tables dropped and made again since this process opened them (another
         turnguard made them, or a peer found them gone) hold nothing of the turns in flight

@@ -156,10 +156,10 @@ class Store(Protocol):
 
     def attempts_in_flight_elsewhere_sync(
         self, *, timeout: float,
-    ) -> tuple[list[liveness.PeerRow], list[tuple[str, str, bool]]]:
+    ) -> tuple[list[liveness.PeerRow], list[tuple[str, str, float | None]]]:
         """The other instances with attempts in flight or recordings that may still be
         replayed (``peers_with_attempts_in_flight``) and the ``(instance_id, op_key,
-        in_flight)`` of each such attempt, read together, blocking at most ``timeout`` (the
+        ended_at)`` of each such attempt (``ended_at`` None: in flight), read together, blocking at most ``timeout`` (the
         file being left, read as it goes; ``attempts_left_behind``: a ledger database made
         again since it was opened is an error)."""
 
