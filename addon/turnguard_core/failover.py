@@ -223,9 +223,9 @@ class PeersAwaited:
     (``live``, ``live_ops``: op key -> instance id and the recorded attempt's end, wall
     clock, or None for one in flight), and the files left that showed each so
     (``live_left``: instance id -> their generations; a process may leave several files in a
-    row, each of its peers notes the file it last used). The process's, not an addon instance's (``ProcessState``): the
-    instance a script reload loads must go on waiting, or it would take a retry of a paused
-    peer's turn for a new turn and run it a second time."""
+    row, each of its peers notes the file it last used). The process's, not an addon
+    instance's (``ProcessState``): the instance a script reload loads must go on waiting, or
+    it would take a retry of a paused peer's turn for a new turn and run it a second time."""
 
     left: str = ""
     peers: set[str] = dataclasses.field(default_factory=set)
