@@ -1783,6 +1783,17 @@ async def _rest_of_response(client: WsClient, got: list) -> list:
     return got
 
 
+async def _a_call_and_its_duplicate_after_its_first_frame(url: str) -> tuple[list, list]:
+    """A call on one socket, and the same call on another once the first socket's client got
+    its first frame: the messages each got, up to the ``response.completed``."""
+    async with WsClient.connect(url, headers=HEADERS) as a:
+        await a.send(call([user("hi")], seed=1))
+        first = [await asyncio.wait_for(a.recv(), 60)]
+        duplicate = asyncio.create_task(messages_of_one_call(url, call([user("hi")], seed=2)))
+        await _rest_of_response(a, first)
+        return first, await duplicate
+
+
 async def messages_of_one_call(url: str, frame: dict, delay: float = 0.0) -> list:
     """The messages a socket gets for one call, as they come (text or bytes), up to its
     terminal event."""
@@ -2232,16 +2243,7 @@ def test_a_keepalive_before_a_calls_first_event_does_not_run_its_duplicate_again
     clients get the response, and it is recorded."""
     scripts = [[keepalive, 2.0, *scripted_response()]]
     with ScriptedUpstream(scripts) as up, proxy(tmp_path, up) as p:
-        async def both():
-            async with WsClient.connect(p.url, headers=HEADERS) as a:
-                await a.send(call([user("hi")], seed=1))
-                first = [await asyncio.wait_for(a.recv(), 60)]
-                duplicate = asyncio.create_task(messages_of_one_call(
-                    p.url, call([user("hi")], seed=2)))
-                await _rest_of_response(a, first)
-                return first, await duplicate
-
-        first, second = asyncio.run(both())
+        first, second = asyncio.run(_a_call_and_its_duplicate_after_its_first_frame(p.url))
         expected = keepalive if not isinstance(keepalive, dict) else json.dumps(keepalive)
         assert first[0] == expected and json.loads(first[-1])["type"] == "response.completed"
         assert up.calls == 1
@@ -2386,13 +2388,7 @@ def test_a_json_frame_of_another_type_inside_a_response_is_none_of_its_events(tm
     counted as output)."""
     with ScriptedUpstream([scripted_response(1.0, stray)]) as up, proxy(tmp_path, up) as p:
         async def three():
-            async with WsClient.connect(p.url, headers=HEADERS) as a:
-                await a.send(call([user("hi")], seed=1))
-                first = [await asyncio.wait_for(a.recv(), 60)]
-                attached = asyncio.create_task(messages_of_one_call(
-                    p.url, call([user("hi")], seed=2)))
-                await _rest_of_response(a, first)
-                attached = await attached
+            first, attached = await _a_call_and_its_duplicate_after_its_first_frame(p.url)
             return first, attached, await messages_of_one_call(p.url, call([user("hi")], seed=3))
 
         first, attached, replayed = asyncio.run(three())
@@ -2442,10 +2438,11 @@ def test_a_detached_call_kept_for_a_retry_on_a_socket_is_cut_past_the_cap_once_t
         assert_no_traceback(p.log_text())
 
 
-@pytest.mark.parametrize("frame", [PREWARM, "not JSON", b"\x00binary"],
-                         ids=["prewarm", "not JSON", "binary"])
+@pytest.mark.parametrize("frame, reload", [(PREWARM, False), ("not JSON", False),
+                                           (b"\x00binary", False), (PREWARM, True)],
+                         ids=["prewarm", "not JSON", "binary", "prewarm, a script reload"])
 def test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_at_the_response_created_timeout(
-        tmp_path, frame):
+        tmp_path, frame, reload):
     """A client sends a ``ping`` the upstream never answers, then a prewarm, or a frame
     turnguard cannot read but the upstream may read as a call (text that is not JSON,
     binary), which the upstream refuses with an ``error``. The ``error`` comes while the ping
@@ -2456,17 +2453,22 @@ def test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_a
     never having gone upstream; its retry on a new socket runs once. Before, such a frame had
     no timer: the call behind it waited ``turnguard_request_budget_ms`` (here ten minutes),
     then went upstream unguarded, the socket let go; nothing closed the socket meanwhile (the
-    test client's read gives up after 15 s, and reports that as a close, 1006)."""
+    test client's read gives up after 15 s, and reports that as a close, 1006). A script
+    reload while the frame's timer runs hands it to the instance loaded: cut once, by it."""
     refused = {"type": "error", "status": 400, "error": {"code": "refused"}}
     scripts = [[], [refused], scripted_response()]
+    timeout_ms = 6000 if reload else 3000  # (past the reload's 1-3 s)
+    script = reloadable(tmp_path)
     with ScriptedUpstream(scripts) as up, proxy(
-            tmp_path, up, turnguard_response_created_timeout_ms=3000,
+            tmp_path, up, addon=script, turnguard_response_created_timeout_ms=timeout_ms,
             turnguard_request_budget_ms=600_000) as p:
         async def ping_frame_call():
             async with WsClient.connect(p.url, headers=HEADERS) as a:
                 await a.send({"type": "ping"})
                 await a.send(frame)
                 got = [await a.recv(30)]
+                if reload:
+                    await asyncio.to_thread(lambda: reloaded(p, touch_to_reload(p, script)))
                 await a.send(call([user("behind a frame that is no operation")], seed=1))
                 for _ in range(10):  # bounded: up to the socket's end or a terminal event
                     try:
@@ -2483,7 +2485,7 @@ def test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_a
         assert up.calls == 2  # the ping, the frame; the call behind them never went up
         cut = events(tmp_path, "upstream_cut")
         assert [(c["reason"], c["prewarm"], c["cut"], c["after_ms"]) for c in cut] == \
-            [("missing_response_created_timeout", frame is PREWARM, True, 3000)]
+            [("missing_response_created_timeout", frame is PREWARM, True, timeout_ms)]
         assert not events(tmp_path, "outcome")  # no operation
         retry = asyncio.run(one_call(p.url, call([user("behind a frame that is no operation")],
                                                  seed=2)))

@@ -1373,6 +1373,23 @@ def test_junk_over_the_ledger_at_a_step_of_a_call_answers_every_retry_from_one_e
 
 
 
+def _completed_through_a(tmp_path, up, a, b, frame, *, older_copy_first: bool = False):
+    """Both processes warmed up (b has the ledger file open), then ``frame``'s call completed
+    through a and its end in the ledger (``older_copy_first``: an older copy of the ledger
+    made before that call). The call's events, and the upstream's dispatches before it."""
+    ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
+    ws_call(b.url, call([user("warm b")], turn="warm", seed=8))
+    if older_copy_first:
+        older_copy(tmp_path)
+    upstream_had = len(up.dispatches())
+    got = ws_call(a.url, frame)
+    assert types(got)[-1] == "response.completed", got
+    op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
+    wait_until(lambda: op_states(tmp_path / "ledger.sqlite3", op) == [("completed",)], 20,
+               what="the call's end")
+    return got, upstream_had
+
+
 @pytest.mark.parametrize("retry_via", ["ws", "http"])
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 def test_a_call_that_completed_before_the_ledger_went_under_a_paused_owner_is_not_run_again(
@@ -1390,15 +1407,8 @@ def test_a_call_that_completed_before_the_ledger_went_under_a_paused_owner_is_no
     text = f"completed, then the ledger {how} under its paused owner, via {retry_via}"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
-        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
-        older_copy(tmp_path)
-        upstream_had = len(up.dispatches())
         frame = call([user(text)], seed=1)
-        got = ws_call(a.url, frame)
-        assert types(got)[-1] == "response.completed", got
-        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        got, upstream_had = _completed_through_a(tmp_path, up, a, b, frame, older_copy_first=True)
         a.proc.send_signal(signal.SIGSTOP)
         try:
             if how == "deleted":
@@ -1430,13 +1440,7 @@ def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_
     text = "completed, then the ledger deleted under its paused owner, then past the window"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
-        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
-        upstream_had = len(up.dispatches())
-        got = ws_call(a.url, call([user(text)], seed=1))
-        assert types(got)[-1] == "response.completed", got
-        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        got, upstream_had = _completed_through_a(tmp_path, up, a, b, call([user(text)], seed=1))
         a.proc.send_signal(signal.SIGSTOP)
         try:
             delete_ledger(ledger)
@@ -1481,13 +1485,7 @@ def test_a_completed_call_of_a_paused_owner_is_not_run_again_when_a_large_ledger
     text = "completed, then a large ledger deleted under its paused owner"
     with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
             guarded(tmp_path, up, "b", **opts) as b:
-        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
-        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))  # b has the file open
-        upstream_had = len(up.dispatches())
-        got = ws_call(a.url, call([user(text)], seed=1))
-        assert types(got)[-1] == "response.completed", got
-        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
-        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="the call's end")
+        got, upstream_had = _completed_through_a(tmp_path, up, a, b, call([user(text)], seed=1))
         a.proc.send_signal(signal.SIGSTOP)
         try:
             delete_ledger(ledger)

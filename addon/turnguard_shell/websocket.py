@@ -521,13 +521,10 @@ class WebSockets:
         if after_s <= 0 or sock.current is not response:
             return
         due = asyncio.get_running_loop().time() + after_s
-        response.silence = self._silences.call_later(after_s, lambda: self._now()._cut_if_silent(
+        # (a script reload meanwhile changes nothing: the sockets and the guard it reads are
+        # the process's, ``_guard`` the instance loaded now)
+        response.silence = self._silences.call_later(after_s, lambda: self._cut_if_silent(
             sock, response, due, graces))
-
-    def _now(self) -> "WebSockets":
-        """The sockets of the addon instance loaded now (another one after a script reload)."""
-        guard = self._process.guard
-        return guard.websockets if guard is not None else self
 
     def _cut_if_silent(self, sock: Socket, response: Response, due: float, graces: int) -> None:
         """The response to a prewarm, or to a frame that may be a call (binary, not JSON),
