@@ -311,13 +311,17 @@ async def test_a_backlog_of_own_recordings_moves_to_a_new_file_in_batches_the_lo
 async def test_a_lock_taken_on_the_new_file_between_two_batches_of_the_move_loses_nothing(
         tmp_path, monkeypatch):
     """Another connection takes the new file's write lock just before the move's third batch
-    (the ledger locked at that very step) and holds it 0.5 s: that batch waits for the lock
-    off the event loop, the move goes on once it is gone, and every recording is moved,
+    (the ledger locked at that very step) and holds it until that batch has waited for it a
+    tenth of a second on the ledger's thread, the event loop running meanwhile (it polls the
+    wait and ends the lock): the move goes on once it is gone, and every recording is moved,
     each once (a peer replays the oldest and the newest). The move's bound is the test's
-    own (10 s): on a loaded machine the lock's 0.5 s and the batches once went past 2 s."""
+    own (10 s): on a loaded machine the lock and the batches once went past 2 s. So is the
+    busy timeout (5 s): the lock was once held a fixed 0.5 s, the busy timeout itself, and
+    on a loaded machine its end, due on the event loop, came after the batch had given up."""
     from turnguard_core import failover
 
     monkeypatch.setattr(failover, "MOVE_RECORDINGS_S", 10.0)
+    monkeypatch.setattr(failover, "LEDGER_BUSY_MS", 5000)
     path = tmp_path / "ledger.sqlite3"
     traced = Traced(str(path))
     store = traced.store
@@ -327,17 +331,29 @@ async def test_a_lock_taken_on_the_new_file_between_two_batches_of_the_move_lose
         traced.file_deleted(path)
         locker = sqlite3.connect(path, timeout=10, isolation_level=None)
         moving, batches = store._store.write_all, 0
+        waited_for: list[bool] = []  # whether the batch was seen waiting when the lock ended
+        ending: list[asyncio.Task] = []
+
+        async def end_the_lock_once_waited_for() -> None:
+            runner = store._store._runner
+            for _ in range(500):  # every 10 ms, 5 s at most
+                if runner.in_one_call_for() >= 0.1:
+                    break
+                await asyncio.sleep(0.01)
+            waited_for.append(runner.in_one_call_for() > 0)
+            locker.execute("COMMIT")
 
         async def write_all(writes, *, deadline):
             nonlocal batches
             batches += 1
             if batches == 3:
                 locker.execute("BEGIN IMMEDIATE")
-                asyncio.get_running_loop().call_later(0.5, locker.execute, "COMMIT")
+                ending.append(asyncio.create_task(end_the_lock_once_waited_for()))
             return await moving(writes, deadline=deadline)
 
         store._store.write_all = write_all
         assert await store.recover(time.monotonic() + 30), (store.error, traced.events[-3:])
+        assert waited_for == [True]
         assert batches == 5
         assert sum(f["recordings"] for e, f in traced.events if e == "recordings_moved") == 500
         assert locker.execute("SELECT COUNT(*), COUNT(DISTINCT op_key) FROM attempts"
