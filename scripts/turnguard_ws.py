@@ -97,11 +97,13 @@ class WsClient:
                 writer.close()
                 raise UpgradeRejected(event.status_code)
 
-    async def _next_event(self):
+    async def _next_event(self, read_timeout: float | None = TIMEOUT_S):
+        """The next wsproto event; each read waits up to ``read_timeout`` seconds (None: as
+        long as the caller's own bound lets it), then raises ``TimeoutError``."""
         for _ in range(100_000):  # bounded: each pass reads or returns
             for event in self._ws.events():
                 return event
-            data = await asyncio.wait_for(self._reader.read(65536), TIMEOUT_S)
+            data = await asyncio.wait_for(self._reader.read(65536), read_timeout)
             self._ws.receive_data(data or None)
         raise RuntimeError("too many reads")
 
@@ -127,7 +129,9 @@ class WsClient:
         return rest
 
     async def recv(self, timeout: float = TIMEOUT_S) -> str | bytes | Closed:
-        """The next whole message, or ``Closed``."""
+        """The next whole message, or ``Closed`` when the peer closed the socket (1006: the
+        connection ended without a close frame). No message within ``timeout`` seconds:
+        ``TimeoutError``, the socket left open (a silence is never reported as a close)."""
         return await asyncio.wait_for(self._recv(), timeout)
 
     async def _recv(self) -> str | bytes | Closed:
@@ -135,7 +139,9 @@ class WsClient:
             return self.closed
         while True:
             try:
-                event = await self._next_event()
+                # no bound of its own: recv's is the caller's (TimeoutError is an OSError, and
+                # a read bound here was once reported as the peer's 1006)
+                event = await self._next_event(read_timeout=None)
             except (ConnectionError, OSError):
                 event = CloseConnection(1006)
             if isinstance(event, Ping):
@@ -151,7 +157,8 @@ class WsClient:
 
     async def response(self, timeout: float = TIMEOUT_S) -> list[dict[str, Any]]:
         """The events of one response, up to its terminal event (or the socket's end, then the
-        last item is a ``{"type": "closed", "code": ...}`` pseudo-event)."""
+        last item is a ``{"type": "closed", "code": ...}`` pseudo-event); ``TimeoutError`` when
+        it has not ended within ``timeout`` seconds."""
         events: list[dict[str, Any]] = []
         deadline = asyncio.get_running_loop().time() + timeout
         while True:

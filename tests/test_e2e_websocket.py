@@ -20,7 +20,8 @@ import pytest
 from harness import (ADDON, REPO, LoopbackServer, Mitmdump, MockUpstream, assert_no_traceback,
                      guarded, ledger_query, parse_sse, sse_post, turnguard_events, wait_until)
 from turnguard_shell.websocket import MAX_QUEUED_FRAMES
-from turnguard_ws import Closed, WsClient, types  # noqa: E402 - harness puts scripts/ on sys.path
+import turnguard_ws  # noqa: E402 - harness puts scripts/ on sys.path
+from turnguard_ws import Closed, WsClient, types  # noqa: E402
 from test_at_most_once import (break_script, reloadable, reloaded, slow_workers,
                                touch_to_reload)
 
@@ -720,6 +721,44 @@ def test_a_held_call_holds_up_nothing_else(tmp_path):
         assert a[-1]["response"]["id"] != b[-1]["response"]["id"]
         assert slow == held
         assert len(ws_dispatches(up)) == 3
+
+
+def test_a_retry_held_past_its_hold_bound_in_another_process_gets_its_error_on_an_open_socket(
+        tmp_path, monkeypatch):
+    """A call waits upstream (before its first event) through process a; its retry on a new
+    socket through process b (same ledger) is held there past ``turnguard_hold_timeout_ms``:
+    the socket gets the ``error`` event (status 503, ``turn_in_progress``: what b's telemetry
+    records as its 409) and stays open, the next call on it answered; the retry never goes
+    upstream. Before, the test client cut each read after its own bound (15 s) and reported
+    that silence as the peer's close, 1006: a retry held 15 s looked closed by the proxy. The
+    bound is made 1 s here, below the hold bound, so that the old client fails quickly."""
+    scenario = {"sequence": [{"kind": "ok", "hold": "first"}], "default": {"kind": "ok"}}
+    with MockUpstream(tmp_path, scenario) as up, \
+            guarded(tmp_path, up, "a", turnguard_hold_timeout_ms=3000) as a, \
+            guarded(tmp_path, up, "b", turnguard_hold_timeout_ms=3000) as b:
+        async def held_past_the_bound():
+            original = asyncio.create_task(one_call(a.url, call([user("held")], seed=1)))
+            try:
+                await asyncio.to_thread(up.wait_held, "first", 30)
+                async with WsClient.connect(b.url, headers=HEADERS) as c:
+                    monkeypatch.setattr(turnguard_ws, "TIMEOUT_S", 1.0)
+                    await c.send(call([user("held")], seed=2))
+                    retry = await c.response(30)
+                    await c.send(call([user("next")], turn="turn-2", seed=3))
+                    following = await c.response(30)
+            finally:
+                await asyncio.to_thread(up.release, "first")
+            return retry, following, await original
+
+        retry, following, original = asyncio.run(held_past_the_bound())
+        assert [(e["type"], e.get("status"), (e.get("error") or {}).get("code"))
+                for e in retry] == [("error", 503, "turn_in_progress")], retry
+        assert types(following)[-1] == "response.completed", following
+        assert types(original)[-1] == "response.completed", original
+        assert len(ws_dispatches(up)) == 2  # the call and the next one: never the retry
+        assert [(e["answer_status"], e["code"]) for e in turnguard_events(
+            tmp_path, "b", "duplicate_rejected")] == [(409, "turn_in_progress")]
+        assert_no_traceback(a.log_text() + b.log_text())
 
 
 def test_a_call_while_the_ledger_is_locked_is_answered_and_recorded_after(tmp_path):
@@ -2453,7 +2492,7 @@ def test_a_frame_that_is_no_operation_refused_behind_an_unanswered_ping_is_cut_a
     never having gone upstream; its retry on a new socket runs once. Before, such a frame had
     no timer: the call behind it waited ``turnguard_request_budget_ms`` (here ten minutes),
     then went upstream unguarded, the socket let go; nothing closed the socket meanwhile (the
-    test client's read gives up after 15 s, and reports that as a close, 1006). A script
+    test client's read gave up after 15 s, and reported that as a close, 1006). A script
     reload while the frame's timer runs hands it to the instance loaded: cut once, by it."""
     refused = {"type": "error", "status": 400, "error": {"code": "refused"}}
     scripts = [[], [refused], scripted_response()]
