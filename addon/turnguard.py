@@ -734,7 +734,7 @@ class TurnGuard:
             resume = machine.WaitCooldown(left_s, state.epoch, state.since)
         elif isinstance(state, machine.HoldDuplicate):
             resume = machine.Admit(state.recovery, state.held_since, state.deadline,
-                                   state.as_duplicate)
+                                   state.as_duplicate, state.after_turn_ended)
         raise HandedOver(successor, req.budget_deadline, resume)
 
     async def _wait(self, flow: http.HTTPFlow, ident: identity.Identity, key: str,
@@ -821,7 +821,7 @@ class TurnGuard:
                                  budget_deadline=req.budget_deadline)
         guard, window_s = policy.admission_replay(
             cfg.guard, idempotency_key=ident.idempotency_key is not None,
-            conversation=bool(ident.conversation), held=state.held_since is not None)
+            conversation=bool(ident.conversation), held=state.held_before_turn_ended)
         return await self.store.admit(
             ident, method=method, route=ident.route, flow_id=req.flow_id,
             circuit_scope=scope, recovery=state.recovery,

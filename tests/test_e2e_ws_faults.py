@@ -1427,6 +1427,59 @@ def test_a_call_that_completed_before_the_ledger_went_under_a_paused_owner_is_no
         assert_no_traceback(a.log_text() + b.log_text())
 
 
+def _response_id(events: list[dict]) -> str | None:
+    return next((e["response"].get("id") for e in events if isinstance(e.get("response"), dict)),
+                None)
+
+
+def test_a_conversations_next_turn_sent_elsewhere_while_its_owner_is_paused_runs_as_its_own(
+        tmp_path):
+    """A turn of a Responses ``conversation`` completes through process a (its recording in
+    the ledger); so does one of another conversation, whose next turn (the same body: the
+    conversation upstream changed with the turn before) then streams through a. a is paused
+    (SIGSTOP) and the ledger file is deleted. The first conversation's next turn reaches
+    process b, and so does a retry of the second's turn in flight. b holds both for its 5 s
+    wait for the processes that had turns in the old file; then it runs the next turn
+    upstream as its own (never answered from the turn before, nor held for a to its hold
+    bound), while the retry stays held until a resumes and is answered from the turn it
+    retries (not from the turn before it, and not run again): one upstream execution of
+    each turn."""
+    scenario = after_warm_ups(2, {"default": {"kind": "ok", "events": 8, "gap_ms": 150}})
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    turn_text, call_text = "yes", "the other conversation's turn, the next in flight as a pauses"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        turn = call([user(turn_text)], seed=1, conversation="conv_1")
+        got, upstream_had = _completed_through_a(tmp_path, up, a, b, turn)
+        before = ws_call(a.url, call([user(call_text)], seed=5, conversation="conv_2"))
+        assert types(before)[-1] == "response.completed", before
+        op = turnguard_events(tmp_path, "a", "dispatch")[-1]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="its end")
+        original = background(ws_call, a.url, call([user(call_text)], seed=3,
+                                                   conversation="conv_2"))
+        wait_until(lambda: op_states(ledger, op) == [("in_flight",)], 20, what="its next turn")
+        wait_for_a_first_event(ledger, "the other conversation's next turn")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            retry = background(ws_call, b.url, call([user(call_text)], seed=4,
+                                                    conversation="conv_2"))
+            next_turn = ws_call(b.url, call([user(turn_text)], seed=2, conversation="conv_1"))
+            assert types(next_turn) == types(got), next_turn
+            assert _response_id(next_turn) != _response_id(got), "the turn before's answer"
+            assert len(up.dispatches()) == upstream_had + 4  # and the other conversation's two
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        first = original.result(40)
+        assert types(first)[-1] == "response.completed", first
+        again = retry.result(40)
+        assert (types(again), _response_id(again)) == (types(first), _response_id(first)), again
+        assert _response_id(first) != _response_id(before)
+        assert len(up.dispatches()) == upstream_had + 4, "the turn in flight ran twice"
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_it(tmp_path):
     """A call completes through process a; a is paused (SIGSTOP) and the ledger file
     deleted. Its same body sent to b once the replay window (2 s) has passed since it

@@ -174,6 +174,27 @@ def test_a_duplicate_past_its_bound_is_409_with_retry_after():
     assert events(effects) == ["duplicate_held", "duplicate_rejected"]
 
 
+@pytest.mark.parametrize("turn_ended", [False, True])
+def test_a_request_held_for_the_peers_counts_as_held_before_the_turn_ended_unless_it_came_after(
+        turn_ended):
+    """Held for the peers to register (``PEERS_REGISTERING``), a request counts as held before
+    its operation's turn ended (a duplicate: replayed from that turn) unless the file left
+    showed that turn ended before it came; held on an attempt afterwards, it does again."""
+    peers = policy.Hold(None, None, policy.PEERS_REGISTERING, turn_ended=turn_ended)
+    state, _ = machine.on_admission(facts(), Admit(), peers, NOW, ledger_down=None)
+    assert isinstance(state, HoldDuplicate) and not state.as_duplicate
+    again, _ = machine.on_woke(facts(), state, Ended("unknown"), NOW + 1)
+    assert again == Admit(None, NOW, NOW + 30, False, turn_ended)
+    assert again.held_before_turn_ended is not turn_ended
+    held, _ = machine.on_admission(facts(), again, peers, NOW + 2, ledger_down=None)
+    assert held.after_turn_ended is turn_ended  # (its first hold says)
+    on_attempt, _ = machine.on_admission(facts(), again, policy.Hold(5, "peer"), NOW + 2,
+                                         ledger_down=None)
+    after, _ = machine.on_woke(facts(), on_attempt, Ended("unknown"), NOW + 3)
+    assert after.held_before_turn_ended
+    assert not machine.start().held_before_turn_ended
+
+
 # -- HoldDuplicate --------------------------------------------------------------------------------
 
 

@@ -792,10 +792,14 @@ class FailoverStore:
         for instance_id in live:
             self._live_peer_left.setdefault(instance_id, set()).add(store.generation)
         # (a recording too: a retry of a turn that completed there is held, not run again,
-        # until its owner, paused say, records it in the new file)
+        # until its owner, paused say, records it in the new file; an attempt in flight says
+        # more than a recording of the same operation, its turn before: a conversation's
+        # next turn, sent with the same body, runs while the turn before is recorded)
+        left: dict[str, tuple[str, float | None]] = {}
         for instance_id, op_key, ended_at in ops:
-            if instance_id in live:
-                self._live_peer_ops[op_key] = (instance_id, ended_at)
+            if instance_id in live and (ended_at is None or op_key not in left):
+                left[op_key] = (instance_id, ended_at)
+        self._live_peer_ops.update(left)
         self._left, self._peers = store.generation, peers
         self._peers_until = time.monotonic() + self._peers_wait_s() if peers else 0.0
         self._peers_behind = False
@@ -854,6 +858,15 @@ class FailoverStore:
             self._awaited.forget(peer)  # registered (the new file decides), or gone
             return False
         return True
+
+    def _held_for_peers(self, op_key: str) -> policy.Hold:
+        """A request of ``op_key`` held for the peers to register their turns
+        (``PEERS_REGISTERING``), saying whether the file left showed a turn of it ended in a
+        live peer (``turn_ended``): a request that comes after that turn is no duplicate of
+        it (a Responses conversation's next turn, sent with the same body, is to run)."""
+        _, ended_at = self._live_peer_ops.get(op_key, (None, None))
+        return policy.Hold(None, None, policy.PEERS_REGISTERING,
+                           turn_ended=ended_at is not None)
 
     def _peers_awaited(self, hold_until: float | None) -> bool:
         """Peers that had turns in the ledger file this process left are still awaited to
@@ -1233,7 +1246,7 @@ class FailoverStore:
             if (self._peers or ident.op_key in self._live_peer_ops) and \
                     await self._peers_registering(store, deadline, hold_until, ident.op_key,
                                                   window_s):
-                return _Carried(policy.Hold(None, None, policy.PEERS_REGISTERING))
+                return _Carried(self._held_for_peers(ident.op_key))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
                 circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
@@ -1289,7 +1302,7 @@ class FailoverStore:
                 # the new file would hold it too (``decide``): a peer may have it in flight,
                 # or its recording, which this memory never saw (an open slower than the
                 # request's wait for the ledger, or kept from the folder by another lock)
-                return policy.Hold(None, None, policy.PEERS_REGISTERING)
+                return self._held_for_peers(ident.op_key)
             self._decided_in_memory += 1
             return decision
         self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,

@@ -101,12 +101,25 @@ class Admit:
     """Ask the store what to do (a recovery claim when ``recovery`` is given). ``held_since``
     and ``hold_deadline`` carry a duplicate hold across re-admissions; ``held_as_duplicate``:
     that hold was counted as a duplicate's (``duplicate_held``), not only a request's held for
-    peers (``request_held``)."""
+    peers (``request_held``); ``after_turn_ended``: that hold began for the peers, on an
+    operation whose turn the ledger file left showed ended (``policy.Hold.turn_ended``)."""
 
     recovery: policy.RecoveryClaim | None = None
     held_since: float | None = None
     hold_deadline: float = 0.0
     held_as_duplicate: bool = True
+    after_turn_ended: bool = False
+
+    @property
+    def held_before_turn_ended(self) -> bool:
+        """Held while a turn of its operation ran, or may have run (a duplicate: that turn's
+        recording answers it; ``policy.admission_replay``'s ``held``). Not a request held
+        only for the peers to register a turn the file left showed ended before it came: a
+        Responses conversation's next turn, sent with the same body, is no duplicate of the
+        turn before, and its peers wait must not make it one (replayed the turn before's
+        answer once the paused owner registers it, or held to its bound until then)."""
+        return self.held_since is not None \
+            and (self.held_as_duplicate or not self.after_turn_ended)
 
 
 @record
@@ -119,6 +132,7 @@ class HoldDuplicate:
     deadline: float
     recovery: policy.RecoveryClaim | None = None
     as_duplicate: bool = True  # counted as a duplicate's hold (else a request_held)
+    after_turn_ended: bool = False  # see ``Admit``
 
 
 @record
@@ -350,10 +364,11 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
     end of a duplicate's hold has the record that began it."""
     effects: tuple[Effect, ...] = ()
     held_since, deadline = state.held_since, state.hold_deadline
-    as_duplicate = state.held_as_duplicate
+    as_duplicate, after_turn_ended = state.held_as_duplicate, state.after_turn_ended
     if held_since is None or (not as_duplicate and hold.reason is None):
         if held_since is None:
             held_since = now
+            after_turn_ended = hold.turn_ended
             deadline = policy.hold_deadline(now, hold_timeout_s=req.hold_timeout_s,
                                             budget_deadline=req.budget_deadline)
         timeout_ms = max(0, round((deadline - now) * 1000))
@@ -377,7 +392,7 @@ def _hold(req: RequestFacts, state: Admit, hold: policy.Hold, now: float) -> Tra
     if now >= deadline:
         return _reject_in_progress(req, held_since, now, effects)
     return HoldDuplicate(hold.attempt_id, held_since, deadline, state.recovery,
-                         as_duplicate), effects
+                         as_duplicate, after_turn_ended), effects
 
 
 def _reject_refused(req: RequestFacts, refused: str, held_since: float, now: float) -> Transition:
@@ -436,7 +451,7 @@ def on_woke(
             )
         case _:  # ended without a recording: admit again (claim, replay or hold anew)
             return Admit(state.recovery, state.held_since, state.deadline,
-                         state.as_duplicate), ()
+                         state.as_duplicate, state.after_turn_ended), ()
 
 
 def _cooldown_ended(

@@ -98,11 +98,14 @@ class Replay:
 class Hold:
     """Another attempt of the operation is in flight: wait for it to end. ``reason`` (None:
     an attempt in flight) says why else the request waits and is admitted again after:
-    ``PEERS_REGISTERING``."""
+    ``PEERS_REGISTERING``. ``turn_ended`` (with ``PEERS_REGISTERING``): the ledger file left
+    showed an attempt of the operation ended, recorded in a live peer, before this request
+    was decided; the request came after that turn, not while it ran."""
 
     attempt_id: int | None
     owner_instance: str | None
     reason: str | None = None
+    turn_ended: bool = False
 
 
 # The ledger file was deleted or replaced, and processes that had attempts in flight or
