@@ -1468,6 +1468,8 @@ def test_a_conversations_next_turn_sent_elsewhere_while_its_owner_is_paused_runs
             next_turn = ws_call(b.url, call([user(turn_text)], seed=2, conversation="conv_1"))
             assert types(next_turn) == types(got), next_turn
             assert _response_id(next_turn) != _response_id(got), "the turn before's answer"
+            # held for the peers alone: no duplicate, and not counted as one when it goes on
+            assert not turnguard_events(tmp_path, "b", "duplicate_forwarded")
             assert len(up.dispatches()) == upstream_had + 4  # and the other conversation's two
         finally:
             a.proc.send_signal(signal.SIGCONT)

@@ -195,6 +195,20 @@ def test_a_request_held_for_the_peers_counts_as_held_before_the_turn_ended_unles
     assert not machine.start().held_before_turn_ended
 
 
+@pytest.mark.parametrize("as_duplicate", [True, False])
+def test_a_request_dispatched_after_its_hold_is_a_duplicate_forwarded_only_if_held_as_one(
+        as_duplicate):
+    """Dispatched after a hold, a request counts as a duplicate forwarded
+    (``duplicate_forwarded``) only when it was held as one: one held for the peers alone
+    (``request_held``: no duplicate, not counted as one) is dispatched without it."""
+    held = Admit(None, NOW - 2, NOW + 28, as_duplicate)
+    _, effects = machine.on_admission(facts(), held, policy.Dispatch("retry", 7), NOW,
+                                      ledger_down=None)
+    emitted = [e.event for e in effects if isinstance(e, machine.Emit)]
+    assert emitted == (["dispatch", "duplicate_forwarded"] if as_duplicate else ["dispatch"])
+    assert any(isinstance(e, machine.Show) and "held 2000 ms" in e.comment for e in effects)
+
+
 # -- HoldDuplicate --------------------------------------------------------------------------------
 
 

@@ -281,12 +281,16 @@ def on_admission(
                     Show(None, "turnguard: held through the cooldown, then sent upstream once "
                                f"as the recovery dispatch of {req.op_id}"),
                 ]
-            elif state.held_since is not None:
+            elif state.held_since is not None and state.held_as_duplicate:
                 effects += [
                     Emit("duplicate_forwarded", {**base, "held_ms": held_ms}),
                     Show(None, f"turnguard: held {held_ms} ms, then forwarded (the earlier "
                                f"attempt of {req.op_id} did not complete)"),
                 ]
+            elif state.held_since is not None:  # held for the peers alone: no duplicate
+                effects.append(Show(None, f"turnguard: held {held_ms} ms for the processes "
+                                          "that had turns in the ledger file left, then sent "
+                                          "upstream (none had this one in flight)"))
             return Forward(admission), tuple(effects)
         case policy.Replay(attempt_id=attempt_id):
             return FetchRecording(attempt_id, held_ms), ()
