@@ -1082,6 +1082,44 @@ def test_a_turn_that_ended_before_the_database_was_made_again_is_replayed_elsewh
     assert_no_traceback(log)
 
 
+def test_a_retry_decided_before_the_database_made_again_opens_is_held_for_the_turns_owner(
+        tmp_path, pg_url):
+    """A's turn ended (B told of its end); then the ledger's tables are dropped and made
+    again, and B's open of the new ledger waits (here for the migration lock another session
+    holds: on a busy machine, for the server) past a retry's wait for the ledger. The retry,
+    decided in memory, which knows the turn completed elsewhere but not its bytes, was failed
+    closed (503 ``ledger_unavailable``), though A records its recording in the new ledger as
+    it moves there: it is held for A, as one the new ledger knows nothing of is, and replayed
+    with its bytes, never run again."""
+    from turnguard_core.pg_ledger import MIGRATION_LOCK
+
+    turn = {**BODY, "input": "a retry decided before the database made again opens"}
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", pg_url, **opts) as a, \
+            guarded(tmp_path, up, "b", pg_url, **opts) as b, ThreadPoolExecutor(1) as pool:
+        _warm_up(a, b)
+        status, _, first = post(a.url, HEADERS, turn)
+        wait_until(lambda: in_flight(pg_url) == 0, 10, what="the turn's end in the ledger")
+        locker = psycopg.connect(pg_url, autocommit=True)
+        try:
+            locker.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+            rows(pg_url, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+            retry = pool.submit(post, b.url, HEADERS, turn)
+            wait_until(lambda: events(tmp_path, "b", "request_held") or retry.done(), 15,
+                       what="B deciding the retry")
+        finally:
+            locker.close()  # (the lock with it)
+        again, headers, body = retry.result(60)
+        log = a.log_text() + b.log_text()
+    assert status == 200
+    assert len(up.dispatches()) == 3, "B ran the turn a second time"  # the warm-ups, the turn
+    assert again == 200 and headers.get("x-turnguard") == "replayed", \
+        (again, headers, events(tmp_path, "b"))
+    assert body == first
+    assert not events(tmp_path, "b", "fail_closed")
+    assert_no_traceback(log)
+
+
 @pytest.mark.parametrize("lock", ["none", "instances locked as it stops"])
 def test_a_turn_that_ends_while_a_reload_failed_is_written_to_postgres_as_the_process_stops(
         tmp_path, pg_url, lock):

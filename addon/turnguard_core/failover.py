@@ -1298,10 +1298,15 @@ class FailoverStore:
                 ident, circuit_scope=circuit_scope, recovering=recovery is not None,
                 once_mode=once_mode, in_flight_here=in_flight_here(), now=now, window_s=window_s,
             )
-            if isinstance(decision, policy.Dispatch) and self._peers_awaited(hold_until):
+            if (isinstance(decision, policy.Dispatch) or recovery is None
+                    and isinstance(decision, policy.Denied)
+                    and decision.reason == "ledger_unavailable") \
+                    and self._peers_awaited(hold_until):
                 # the new file would hold it too (``decide``): a peer may have it in flight,
                 # or its recording, which this memory never saw (an open slower than the
-                # request's wait for the ledger, or kept from the folder by another lock)
+                # request's wait for the ledger, or kept from the folder by another lock), or
+                # saw end without its bytes (another process's end, notified): failed closed,
+                # a turn the peer records in the new file as it moves there got a 503
                 return self._held_for_peers(ident.op_key)
             self._decided_in_memory += 1
             return decision
