@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import (MockUpstream, assert_no_traceback, delete_ledger, guarded, ledger_query,
+from harness import (MockUpstream, another_host_prefix, assert_no_traceback, delete_ledger,
+                     guarded, ledger_query,
                      older_copy, parse_sse, replace_with_junk, replace_with_older_copy,
                      sse_post, turnguard_events, wait_for_a_first_event, wait_until)
 from test_ledger_faults import immutable, tiny_tmpfs
@@ -1480,6 +1481,48 @@ def test_a_conversations_next_turn_sent_elsewhere_while_its_owner_is_paused_runs
         assert _response_id(first) != _response_id(before)
         assert len(up.dispatches()) == upstream_had + 4, "the turn in flight ran twice"
         assert_no_traceback(a.log_text() + b.log_text())
+
+
+def test_a_retry_of_a_conversations_turn_in_flight_in_another_host_is_not_run_again_as_its_next(
+        tmp_path):
+    """A turn of a Responses ``conversation`` completes through process a (its recording in
+    the ledger); its next turn (the same body) then streams through process c, in a pid
+    namespace of its own (another host: never proven alive). a is paused (SIGSTOP) and the
+    ledger file deleted: the file left shows the operation recorded in a live peer, a, and in
+    flight in c. A retry of the turn in flight reaches process b, which holds it for its 5 s
+    wait for the processes that had turns in the old file (a stays paused); the turn ends in
+    c meanwhile. The retry came while that turn ran: it is its duplicate, answered from it,
+    never run a second time as the conversation's next turn."""
+    prefix = another_host_prefix()
+    scenario = after_warm_ups(3, {"default": {"kind": "ok", "events": 8, "gap_ms": 150}})
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = "yes, and the next turn goes through another host"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b, \
+            guarded(tmp_path, up, "c", prefix=prefix, **opts) as c:
+        ws_call(c.url, call([user("warm c")], turn="warm", seed=7))
+        turn = call([user(text)], seed=1, conversation="conv_1")
+        before, upstream_had = _completed_through_a(tmp_path, up, a, b, turn)
+        original = background(ws_call, c.url, call([user(text)], seed=2, conversation="conv_1"))
+        wait_for_a_first_event(ledger, "the next turn's first event in c")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            retry = background(ws_call, b.url, call([user(text)], seed=3,
+                                                    conversation="conv_1"))
+            first = original.result(40)
+            assert types(first)[-1] == "response.completed", first
+            wait_until(lambda: turnguard_events(tmp_path, "b", "request_held"), 10,
+                       what="the retry held for the peers")
+            time.sleep(6)  # past b's 5 s wait for the peers to register
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        again = retry.result(40)
+        assert (types(again), _response_id(again)) == (types(first), _response_id(first)), again
+        assert _response_id(first) != _response_id(before)
+        assert len(up.dispatches()) == upstream_had + 2, "the turn in flight in c ran twice"
+        assert_no_traceback(a.log_text() + b.log_text() + c.log_text())
 
 
 def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_it(tmp_path):

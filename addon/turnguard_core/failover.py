@@ -88,6 +88,8 @@ HEARTBEAT_S = 5.0  # this instance's lease is renewed this often (on a thread of
 # the processes that had attempts in flight or recordings in the old one to register them
 # there (each notices within a second, then opens the new file and registers them at once).
 PEERS_REGISTERING_S = 5.0
+# the peers awaited when the file left could not be read: a name no process notes
+UNREAD_PEERS = "(unknown)"
 PEERS_READ_S = 0.2  # longest the event loop waits to read them from the old file
 # How long a process spends recording its own recordings in the new file as it moves there
 # (newest first), before it notes that it moved: within the peers' wait, and short, since
@@ -223,7 +225,9 @@ class PeersAwaited:
     (``live``, ``live_ops``: op key -> instance id and the recorded attempt's end, wall
     clock, or None for one in flight), and the files left that showed each so
     (``live_left``: instance id -> their generations; a process may leave several files in a
-    row, each of its peers notes the file it last used). The process's, not an addon
+    row, each of its peers notes the file it last used); and the operations those files
+    showed in flight in any peer awaited, proven alive or not (``in_flight``, until the wait
+    for the peers is over). The process's, not an addon
     instance's (``ProcessState``): the instance a script reload loads must go on waiting, or
     it would take a retry of a paused peer's turn for a new turn and run it a second time."""
 
@@ -234,6 +238,7 @@ class PeersAwaited:
     live: dict[str, liveness.PeerRow] = dataclasses.field(default_factory=dict)
     live_ops: dict[str, tuple[str, float | None]] = dataclasses.field(default_factory=dict)
     live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    in_flight: set[str] = dataclasses.field(default_factory=set)
 
     def forget(self, instance_id: str) -> None:
         """The live peer ``instance_id`` registered its attempts, or is gone: none of its
@@ -774,7 +779,7 @@ class FailoverStore:
                            self._peers_wait_s())
             rows, ops = None, []
         if rows is None:
-            peers = {"(unknown)"}  # nobody notes that name: waited for the whole time
+            peers = {UNREAD_PEERS}  # nobody notes that name: waited for the whole time
         else:
             peers = {peer.instance_id for peer in rows if liveness.verdict(
                 peer, me=self._identity, now=now, lease_s=3 * HEARTBEAT_S, silent_s=0.0,
@@ -782,6 +787,7 @@ class FailoverStore:
         for instance_id, op_key, ended_at in ops:
             if ended_at is None and instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
+                self._awaited.in_flight.add(op_key)
         # added to what earlier files left showed (not in place of it): a file left a moment
         # after another (a junk file opened through the old one's WAL, then deleted) may show
         # less, and a peer notes only the file it last used as the one it moved from
@@ -845,6 +851,7 @@ class FailoverStore:
                            "them (but for the turns in flight of those proven alive)",
                            len(self._peers), self._peers_wait_s())
         self._peers = set()
+        self._awaited.in_flight = set()  # (asked of a request held for the peers only)
         if peer is None or store.generation == self._left:
             return False
         row = self._live_peers.get(peer)
@@ -862,11 +869,16 @@ class FailoverStore:
     def _held_for_peers(self, op_key: str) -> policy.Hold:
         """A request of ``op_key`` held for the peers to register their turns
         (``PEERS_REGISTERING``), saying whether the file left showed a turn of it ended in a
-        live peer (``turn_ended``): a request that comes after that turn is no duplicate of
-        it (a Responses conversation's next turn, sent with the same body, is to run)."""
+        live peer and none in flight in any peer awaited (``turn_ended``): a request that
+        comes after that turn is no duplicate of it (a Responses conversation's next turn,
+        sent with the same body, is to run). A turn in flight in a peer not proven alive
+        (another host, or another pid namespace) says so too: a retry of it, held here while
+        it ends, is its duplicate, not run again as the conversation's next turn. A file left
+        that could not be read shows nothing ended."""
         _, ended_at = self._live_peer_ops.get(op_key, (None, None))
-        return policy.Hold(None, None, policy.PEERS_REGISTERING,
-                           turn_ended=ended_at is not None)
+        turn_ended = ended_at is not None and op_key not in self._awaited.in_flight \
+            and UNREAD_PEERS not in self._peers
+        return policy.Hold(None, None, policy.PEERS_REGISTERING, turn_ended=turn_ended)
 
     def _peers_awaited(self, hold_until: float | None) -> bool:
         """Peers that had turns in the ledger file this process left are still awaited to
