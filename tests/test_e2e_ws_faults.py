@@ -1525,6 +1525,44 @@ def test_a_retry_of_a_conversations_turn_in_flight_in_another_host_is_not_run_ag
         assert_no_traceback(a.log_text() + b.log_text() + c.log_text())
 
 
+@pytest.mark.parametrize("ran_in", ["b", "another host"])
+def test_a_conversations_next_turn_held_for_the_peers_where_its_turn_before_ran_runs_as_its_own(
+        tmp_path, ran_in):
+    """A turn of a Responses ``conversation`` completes through process b (its recording
+    b's own), or through process c, in a pid namespace of its own (another host: never
+    proven alive); process a, which completed a call of its own, is paused (SIGSTOP) and the
+    ledger file deleted, so b waits 5 s for a to register its turns in the new file. The
+    conversation's next turn (the same body) reaches b meanwhile: held for the peers, it
+    came after the turn before ended (b recorded it, or the file left showed c's
+    recording), so it then runs upstream as its own, never answered from the turn before."""
+    prefix = another_host_prefix() if ran_in == "another host" else None
+    scenario = after_warm_ups(3, {"default": {"kind": "ok", "events": 5, "gap_ms": 100}})
+    ledger = tmp_path / "ledger.sqlite3"
+    text = f"yes, the turn before ran in {ran_in}"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a") as a, \
+            guarded(tmp_path, up, "b") as b, guarded(tmp_path, up, "c", prefix=prefix) as c:
+        ws_call(a.url, call([user("warm a")], turn="warm", seed=9))
+        ws_call(b.url, call([user("warm b")], turn="warm", seed=8))
+        ws_call(c.url, call([user("warm c")], turn="warm", seed=7))
+        upstream_had = len(up.dispatches())
+        owner = b if ran_in == "b" else c
+        before = ws_call(owner.url, call([user(text)], seed=1, conversation="conv_1"))
+        assert types(before)[-1] == "response.completed", before
+        op = turnguard_events(tmp_path, owner.name, "dispatch")[-1]["op"]
+        wait_until(lambda: op_states(ledger, op) == [("completed",)], 20, what="its end")
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            next_turn = ws_call(b.url, call([user(text)], seed=2, conversation="conv_1"))
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        assert turnguard_events(tmp_path, "b", "request_held"), "not held for the peers"
+        assert types(next_turn) == types(before), next_turn
+        assert _response_id(next_turn) != _response_id(before), "the turn before's answer"
+        assert len(up.dispatches()) == upstream_had + 2
+        assert_no_traceback(a.log_text() + b.log_text() + c.log_text())
+
+
 def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_it(tmp_path):
     """A call completes through process a; a is paused (SIGSTOP) and the ledger file
     deleted. Its same body sent to b once the replay window (2 s) has passed since it

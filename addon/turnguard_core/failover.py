@@ -226,8 +226,9 @@ class PeersAwaited:
     clock, or None for one in flight), and the files left that showed each so
     (``live_left``: instance id -> their generations; a process may leave several files in a
     row, each of its peers notes the file it last used); and the operations those files
-    showed in flight in any peer awaited, proven alive or not (``in_flight``, until the wait
-    for the peers is over). The process's, not an addon
+    showed in flight in any peer awaited, proven alive or not, and those they showed
+    recorded there (``in_flight``, ``recorded``: until the wait for the peers is over).
+    The process's, not an addon
     instance's (``ProcessState``): the instance a script reload loads must go on waiting, or
     it would take a retry of a paused peer's turn for a new turn and run it a second time."""
 
@@ -239,6 +240,7 @@ class PeersAwaited:
     live_ops: dict[str, tuple[str, float | None]] = dataclasses.field(default_factory=dict)
     live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     in_flight: set[str] = dataclasses.field(default_factory=set)
+    recorded: set[str] = dataclasses.field(default_factory=set)
 
     def forget(self, instance_id: str) -> None:
         """The live peer ``instance_id`` registered its attempts, or is gone: none of its
@@ -788,6 +790,8 @@ class FailoverStore:
             if ended_at is None and instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
                 self._awaited.in_flight.add(op_key)
+            elif instance_id in peers:
+                self._awaited.recorded.add(op_key)
         # added to what earlier files left showed (not in place of it): a file left a moment
         # after another (a junk file opened through the old one's WAL, then deleted) may show
         # less, and a peer notes only the file it last used as the one it moved from
@@ -851,7 +855,8 @@ class FailoverStore:
                            "them (but for the turns in flight of those proven alive)",
                            len(self._peers), self._peers_wait_s())
         self._peers = set()
-        self._awaited.in_flight = set()  # (asked of a request held for the peers only)
+        # (asked of a request held for the peers only)
+        self._awaited.in_flight, self._awaited.recorded = set(), set()
         if peer is None or store.generation == self._left:
             return False
         row = self._live_peers.get(peer)
@@ -866,17 +871,23 @@ class FailoverStore:
             return False
         return True
 
-    def _held_for_peers(self, op_key: str) -> policy.Hold:
-        """A request of ``op_key`` held for the peers to register their turns
-        (``PEERS_REGISTERING``), saying whether the file left showed a turn of it ended in a
-        live peer and none in flight in any peer awaited (``turn_ended``): a request that
-        comes after that turn is no duplicate of it (a Responses conversation's next turn,
-        sent with the same body, is to run). A turn in flight in a peer not proven alive
-        (another host, or another pid namespace) says so too: a retry of it, held here while
-        it ends, is its duplicate, not run again as the conversation's next turn. A file left
+    def _held_for_peers(self, ident: Identity) -> policy.Hold:
+        """A request of ``ident`` held for the peers to register their turns
+        (``PEERS_REGISTERING``), saying whether a turn of its operation ended, recorded,
+        before it came, and none is known in flight (``turn_ended``): a request that comes
+        after that turn is no duplicate of it (a Responses conversation's next turn, sent
+        with the same body, is to run). Ended: the file left showed it recorded in a peer
+        (proven alive or not), or this process has its recording (its own, or one it
+        read), within the replay window. In flight: the file left showed an attempt of it in
+        flight in any peer awaited (another host's too: a retry of it, held here while it
+        ends, is its duplicate, not run again as the conversation's next turn). A file left
         that could not be read shows nothing ended."""
+        op_key = ident.op_key
         _, ended_at = self._live_peer_ops.get(op_key, (None, None))
-        turn_ended = ended_at is not None and op_key not in self._awaited.in_flight \
+        ended = ended_at is not None or op_key in self._awaited.recorded \
+            or self.memory.recording(ident, now=time.time(),
+                                     window_s=self.replay_window_of(ident)) is not None
+        turn_ended = ended and op_key not in self._awaited.in_flight \
             and UNREAD_PEERS not in self._peers
         return policy.Hold(None, None, policy.PEERS_REGISTERING, turn_ended=turn_ended)
 
@@ -1258,7 +1269,7 @@ class FailoverStore:
             if (self._peers or ident.op_key in self._live_peer_ops) and \
                     await self._peers_registering(store, deadline, hold_until, ident.op_key,
                                                   window_s):
-                return _Carried(self._held_for_peers(ident.op_key))
+                return _Carried(self._held_for_peers(ident))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
                 circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
@@ -1319,7 +1330,7 @@ class FailoverStore:
                 # request's wait for the ledger, or kept from the folder by another lock), or
                 # saw end without its bytes (another process's end, notified): failed closed,
                 # a turn the peer records in the new file as it moves there got a 503
-                return self._held_for_peers(ident.op_key)
+                return self._held_for_peers(ident)
             self._decided_in_memory += 1
             return decision
         self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,
