@@ -1563,6 +1563,52 @@ def test_a_conversations_next_turn_held_for_the_peers_where_its_turn_before_ran_
         assert_no_traceback(a.log_text() + b.log_text() + c.log_text())
 
 
+def test_a_retry_of_a_conversations_next_turn_claimed_in_the_new_file_is_not_run_again(tmp_path):
+    """A turn of a Responses ``conversation`` completes through process a (its recording in
+    the ledger); a is paused (SIGSTOP), and so is b for the first 3 s after the ledger file is
+    deleted, so b starts its 5 s wait for the processes that had turns in the old file about
+    3 s after process c starts its own. The conversation's next turn (the same body), sent to
+    c, runs once c's wait is over (claimed in the new file); a retry of it reaches b while it
+    streams, and is held there for b's wait, which outlasts the turn (then for a, the paused
+    owner of the turn before's recording, until it resumes). The retry came while the turn
+    ran: it is answered from it, never run a second time as the conversation's next turn."""
+    scenario = after_warm_ups(3, {"default": {"kind": "ok", "events": 8, "gap_ms": 150}})
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=40000)
+    text = "yes, claimed in the new file while b still waits"
+    with MockUpstream(tmp_path, scenario) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b, guarded(tmp_path, up, "c", **opts) as c:
+        ws_call(c.url, call([user("warm c")], turn="warm", seed=7))
+        turn = call([user(text)], seed=1, conversation="conv_1")
+        before, upstream_had = _completed_through_a(tmp_path, up, a, b, turn)
+        a.proc.send_signal(signal.SIGSTOP)
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            dispatched = len(turnguard_events(tmp_path, "c", "dispatch"))
+            original = background(ws_call, c.url, call([user(text)], seed=2,
+                                                        conversation="conv_1"))
+            time.sleep(3)
+            b.proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: len(turnguard_events(tmp_path, "c", "dispatch")) > dispatched, 20,
+                       what="the next turn dispatched by c")
+            retry = background(ws_call, b.url, call([user(text)], seed=3,
+                                                    conversation="conv_1"))
+            first = original.result(40)
+            assert types(first)[-1] == "response.completed", first
+            time.sleep(6)  # past b's 5 s wait for the peers to register
+            assert len(up.dispatches()) == upstream_had + 2, "the next turn ran twice"
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+            a.proc.send_signal(signal.SIGCONT)
+        again = retry.result(40)
+        assert turnguard_events(tmp_path, "b", "request_held"), "the retry not held for the peers"
+        assert (types(again), _response_id(again)) == (types(first), _response_id(first)), again
+        assert _response_id(first) != _response_id(before)
+        assert len(up.dispatches()) == upstream_had + 2, "the next turn ran twice"
+        assert_no_traceback(a.log_text() + b.log_text() + c.log_text())
+
+
 def test_a_call_a_paused_owner_completed_past_its_replay_window_is_not_held_for_it(tmp_path):
     """A call completes through process a; a is paused (SIGSTOP) and the ledger file
     deleted. Its same body sent to b once the replay window (2 s) has passed since it

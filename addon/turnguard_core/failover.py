@@ -226,8 +226,9 @@ class PeersAwaited:
     clock, or None for one in flight), and the files left that showed each so
     (``live_left``: instance id -> their generations; a process may leave several files in a
     row, each of its peers notes the file it last used); and the operations those files
-    showed in flight in any peer awaited, proven alive or not, and those they showed
-    recorded there (``in_flight``, ``recorded``: until the wait for the peers is over).
+    showed in flight in any peer awaited, proven alive or not (``in_flight``: op key -> those
+    peers), and those they showed recorded there (``recorded``): until the wait for the
+    peers is over.
     The process's, not an addon
     instance's (``ProcessState``): the instance a script reload loads must go on waiting, or
     it would take a retry of a paused peer's turn for a new turn and run it a second time."""
@@ -239,7 +240,7 @@ class PeersAwaited:
     live: dict[str, liveness.PeerRow] = dataclasses.field(default_factory=dict)
     live_ops: dict[str, tuple[str, float | None]] = dataclasses.field(default_factory=dict)
     live_left: dict[str, set[str]] = dataclasses.field(default_factory=dict)
-    in_flight: set[str] = dataclasses.field(default_factory=set)
+    in_flight: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     recorded: set[str] = dataclasses.field(default_factory=set)
 
     def forget(self, instance_id: str) -> None:
@@ -789,7 +790,7 @@ class FailoverStore:
         for instance_id, op_key, ended_at in ops:
             if ended_at is None and instance_id in peers:
                 self.memory.knowledge.in_flight_elsewhere(op_key, None)
-                self._awaited.in_flight.add(op_key)
+                self._awaited.in_flight.setdefault(op_key, set()).add(instance_id)
             elif instance_id in peers:
                 self._awaited.recorded.add(op_key)
         # added to what earlier files left showed (not in place of it): a file left a moment
@@ -856,7 +857,7 @@ class FailoverStore:
                            len(self._peers), self._peers_wait_s())
         self._peers = set()
         # (asked of a request held for the peers only)
-        self._awaited.in_flight, self._awaited.recorded = set(), set()
+        self._awaited.in_flight, self._awaited.recorded = {}, set()
         if peer is None or store.generation == self._left:
             return False
         row = self._live_peers.get(peer)
@@ -871,25 +872,38 @@ class FailoverStore:
             return False
         return True
 
-    def _held_for_peers(self, ident: Identity) -> policy.Hold:
+    async def _held_for_peers(self, ident: Identity, store: Store | None) -> policy.Hold:
         """A request of ``ident`` held for the peers to register their turns
         (``PEERS_REGISTERING``), saying whether a turn of its operation ended, recorded,
-        before it came, and none is known in flight (``turn_ended``): a request that comes
-        after that turn is no duplicate of it (a Responses conversation's next turn, sent
-        with the same body, is to run). Ended: the file left showed it recorded in a peer
-        (proven alive or not), or this process has its recording (its own, or one it
-        read), within the replay window. In flight: the file left showed an attempt of it in
-        flight in any peer awaited (another host's too: a retry of it, held here while it
-        ends, is its duplicate, not run again as the conversation's next turn). A file left
-        that could not be read shows nothing ended."""
+        before it came, and none runs now (``turn_ended``): a request that comes after that
+        turn is no duplicate of it (a Responses conversation's next turn, sent with the same
+        body, is to run), while one that comes as a turn runs is (answered from it, never run
+        again as the next turn). Ended: a file left showed it recorded in a peer (proven
+        alive or not), this process has its recording (its own, or one it read) within the
+        replay window, or the new file (``store``, when it is not the file left) shows it
+        completed. Running: a file left showed an attempt of it in flight in a peer that has
+        not registered its attempts in the new file yet (another host's too), or the new file
+        shows one in flight (claimed there since, or registered by its owner). A file left
+        that could not be read, or a new file that cannot be read now, says it may run."""
         op_key = ident.op_key
-        _, ended_at = self._live_peer_ops.get(op_key, (None, None))
+        peer, ended_at = self._live_peer_ops.get(op_key, (None, None))
+        awaited = self._peers or {peer}  # (past the wait: held for that live peer alone)
+        if UNREAD_PEERS in self._peers or self._awaited.in_flight.get(op_key, set()) & awaited \
+                or (peer is not None and ended_at is None and peer in awaited):
+            return policy.Hold(None, None, policy.PEERS_REGISTERING)
         ended = ended_at is not None or op_key in self._awaited.recorded \
             or self.memory.recording(ident, now=time.time(),
                                      window_s=self.replay_window_of(ident)) is not None
-        turn_ended = ended and op_key not in self._awaited.in_flight \
-            and UNREAD_PEERS not in self._peers
-        return policy.Hold(None, None, policy.PEERS_REGISTERING, turn_ended=turn_ended)
+        if store is not None and store.generation != self._left:
+            try:
+                now_there = await store.read_apart(lambda led: led.snapshot(op_key))
+            except Exception as e:  # (LedgerError, a timeout: it may run)
+                logger.debug("turnguard: operation not read in the new ledger file (%s)", e)
+                return policy.Hold(None, None, policy.PEERS_REGISTERING)
+            if now_there is not None and now_there.state == "in_flight":
+                return policy.Hold(None, None, policy.PEERS_REGISTERING)
+            ended = ended or (now_there is not None and now_there.state == "completed")
+        return policy.Hold(None, None, policy.PEERS_REGISTERING, turn_ended=ended)
 
     def _peers_awaited(self, hold_until: float | None) -> bool:
         """Peers that had turns in the ledger file this process left are still awaited to
@@ -1269,7 +1283,7 @@ class FailoverStore:
             if (self._peers or ident.op_key in self._live_peer_ops) and \
                     await self._peers_registering(store, deadline, hold_until, ident.op_key,
                                                   window_s):
-                return _Carried(self._held_for_peers(ident))
+                return _Carried(await self._held_for_peers(ident, store))
             return await store.admit(
                 ident, method=method, route=route, now=now, guard=guard, flow_id=flow_id,
                 circuit_scope=circuit_scope, recovery=recovery, once_mode=once_mode,
@@ -1330,7 +1344,7 @@ class FailoverStore:
                 # request's wait for the ledger, or kept from the folder by another lock), or
                 # saw end without its bytes (another process's end, notified): failed closed,
                 # a turn the peer records in the new file as it moves there got a 503
-                return self._held_for_peers(ident)
+                return await self._held_for_peers(ident, None)
             self._decided_in_memory += 1
             return decision
         self.memory.learn(ident, admission, me=self._instance_id, circuit_scope=circuit_scope,
