@@ -228,10 +228,9 @@ class PeersAwaited:
     row, each of its peers notes the file it last used); and the operations those files
     showed in flight in any peer awaited, proven alive or not (``in_flight``: op key -> those
     peers), and those they showed recorded there (``recorded``): until the wait for the
-    peers is over.
-    The process's, not an addon
-    instance's (``ProcessState``): the instance a script reload loads must go on waiting, or
-    it would take a retry of a paused peer's turn for a new turn and run it a second time."""
+    peers is over. The process's, not an addon instance's (``ProcessState``): the instance a
+    script reload loads must go on waiting, or it would take a retry of a paused peer's turn
+    for a new turn and run it a second time."""
 
     left: str = ""
     peers: set[str] = dataclasses.field(default_factory=set)
