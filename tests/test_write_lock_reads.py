@@ -144,7 +144,12 @@ async def test_a_request_whose_call_came_back_unread_as_the_outage_ended_still_r
     ``instances`` alone, which a lock of ``operations`` and ``attempts`` lets through). The
     request is still decided as in that outage: the ledger is read apart and the turn
     replayed, where memory, blind to it, dispatched it again (the turn run twice), or
-    answered its replay 503."""
+    answered its replay 503. The claim waits 2 s on the lock (the busy timeout is the
+    test's), the request's call queued once the claim is seen waiting: with the 0.5 s
+    default, an event loop starved that long on a busy machine let the claim fail before the
+    call was made, and the request read apart without a call to come back unread."""
+    # (read as the store opens its connection)
+    monkeypatch.setattr(failover, "LEDGER_BUSY_MS", 2000)
     with completed_elsewhere_then_locked(tmp_path, f"reading {reading} as the outage ends",
                                          locked=False) as (traced, turn, attempt_id):
         store = traced.store
@@ -162,13 +167,18 @@ async def test_a_request_whose_call_came_back_unread_as_the_outage_ended_still_r
 
         monkeypatch.setattr(store, "_call", unread_as_the_outage_ends)
         # the request's call waits for its answer past its bound (``LEDGER_LATE_S``) for the
-        # claim ahead of it to meet the lock (0.5 s): on a busy machine that may come later
+        # claim ahead of it to meet the lock (2 s): on a busy machine that may come later
         # than 0.25 s past the bound, and the call must be answered unread, not given up on
-        monkeypatch.setattr(failover, "LEDGER_LATE_S", 2.0)
+        monkeypatch.setattr(failover, "LEDGER_LATE_S", 5.0)
         try:
             blocker.execute("BEGIN IMMEDIATE")
-            session = asyncio.ensure_future(claim_session(traced))  # (waits 0.5 s)
-            await asyncio.sleep(0.02)
+            session = asyncio.ensure_future(store.claim_session(  # (waits 2 s)
+                "sess", now=time.time(), lease_s=15, new_id="x", deadline=time.monotonic() + 2))
+            runner = store._store._runner
+            for _ in range(500):  # every 10 ms, 5 s at most: until it waits on the thread
+                if runner.in_one_call_for() > 0:
+                    break
+                await asyncio.sleep(0.01)
             # queued behind it, past its own bound (0.4 s) when the thread comes to it
             deadline = time.monotonic() + 0.4
             if reading == "its admission":
