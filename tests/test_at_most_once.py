@@ -1859,6 +1859,51 @@ def test_a_process_started_while_the_ledger_cannot_be_written_reads_what_the_oth
             _answered_once_and_replayed(first, retry, up, 1, a, b)
 
 
+SLOW_READS_APART = Path(__file__).with_name("slow_reads_apart.py")
+
+
+@pytest.mark.parametrize("b_was", ["started in the fault", "owing a write behind the lock"])
+def test_a_read_apart_that_answers_late_on_a_busy_machine_still_decides_a_retry_sent_elsewhere(
+        tmp_path, b_was):
+    """A's turn is completed in the ledger when its files become read-only (B is started
+    then, and cannot open the ledger), or when another connection takes its write lock and a
+    turn of B's own ends behind it (B's connection waits with the end owed). B's reads of the
+    ledger on a connection of its own answer 0.6 s late (``slow_reads_apart.py``: their
+    thread gets no CPU that long, as on a machine whose CPU other work takes). B dropped such
+    a read past its 0.15 s and decided A's retry blind in memory: it ran the turn a second
+    time (seen in a full run of the suite beside other runs, load 18 on 2 cores, with reads
+    that were not slowed). A read under way is waited for until it answers (within the
+    request's hold deadline): the retry is replayed; one upstream execution."""
+    sessionless = {"authorization": "Bearer sk-at-most-once"}
+    body = body_of(f"a retry read apart late by a process {b_was}")
+    started_in_the_fault = b_was == "started in the fault"
+    folder = tmp_path / "ledger-fs" if started_in_the_fault else tmp_path
+    folder.mkdir(mode=0o700, exist_ok=True)
+    ledger = folder / "ledger.sqlite3"
+    opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+    slowed = dict(opts, extra_args=["-s", str(SLOW_READS_APART)])
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            contextlib.ExitStack() as stack:
+        b = None if started_in_the_fault else stack.enter_context(
+            guarded(tmp_path, up, "b", **slowed))
+        first = in_background(post, a.url, {**sessionless, **behaviour(kind="ok", events=8)},
+                              body)
+        assert first.result(30)[0] == 200
+        wait_until(lambda: query(ledger, "SELECT state FROM operations") == [("completed",)],
+                   10, what="A's turn completed in the ledger")
+        if started_in_the_fault:
+            stack.enter_context(_unwritable("read-only", folder, ledger))
+            b = stack.enter_context(guarded(tmp_path, up, "b", **slowed))
+            b.wait_for_log("turnguard: running")
+            assert [e["during"] for e in events(tmp_path, "b", "ledger_unavailable")] \
+                == ["open"], "B opened the ledger in the fault"
+        else:
+            stack.enter_context(its_end_kept_behind_a_lock(tmp_path, b, "b", "b's own turn"))
+        dispatches = len(up.dispatches())
+        retry = in_background(post, b.url, sessionless, body)
+        _answered_once_and_replayed(first, retry, up, dispatches, a, b)
+
+
 @pytest.mark.parametrize("original", ["in flight", "completed"])
 def test_a_claim_answered_after_its_turn_went_upstream_from_memory_does_not_run_it_again(
         tmp_path, original):

@@ -1295,7 +1295,7 @@ class FailoverStore:
         if recovery is None and self.error is not None:  # (down: most often not)
             read = await self._decided_elsewhere_while_down(
                 ident, guard=guard, now=now, deadline=deadline, circuit_scope=circuit_scope,
-                threshold=threshold, fault=self.error)
+                threshold=threshold, fault=self.error, hold_until=hold_until)
             if read is not None:
                 return read
 
@@ -1327,7 +1327,8 @@ class FailoverStore:
                 read = await self._decided_elsewhere_while_down(
                     ident, guard=guard, now=now,
                     deadline=max(deadline, time.monotonic() + self._read_apart_s()),
-                    circuit_scope=circuit_scope, threshold=threshold, fault=fault)
+                    circuit_scope=circuit_scope, threshold=threshold, fault=fault,
+                    hold_until=hold_until)
                 if read is not None:
                     return read
             decision = self.memory.admit(
@@ -1351,7 +1352,8 @@ class FailoverStore:
         return admission
 
     async def _read_apart_while_down(self, read: Callable[[Any], Any],
-                                     deadline: float | None, fault: str | None) -> Any:
+                                     deadline: float | None, fault: str | None,
+                                     hold_until: float | None = None) -> Any:
         """``read(ledger)`` on a ledger that is down, on a read-only connection of its own
         (``Store.read_apart``): what keeps a ledger from being written often leaves it
         readable (another connection's lock against writes: SQLite's write lock, a
@@ -1369,6 +1371,17 @@ class FailoverStore:
         process had not met yet: the calls behind it came back unread); nor beyond
         ``READS_APART_MAX`` at a time. ``fault``: the outage's error (``_fault_since``; None:
         no outage, never read).
+
+        ``hold_until`` (a request's admission: its hold deadline, ``policy.hold_deadline``):
+        on a SQLite ledger, a read under way past its bound is waited for until it answers,
+        or until then (None: not waited for). Such a read waits for nothing but the machine
+        (a lock at most ``READ_APART_BUSY_MS``): it is late because its thread got no CPU
+        (a machine whose CPU other work takes), and what it would say decides whether the
+        request runs at all; dropped, memory decided the request blind and ran a retry of
+        another process's turn a second time. The request would be held that long anyway
+        had the read found the turn in flight elsewhere. Not on PostgreSQL: a read late
+        there may be a server that does not answer (paused, cut off), which says nothing
+        more later.
 
         With no ledger open (the open met another connection's lock, or a full disk: an
         open writes), the ledger at the path now is read so (``_read_at_path``), for such a
@@ -1390,6 +1403,11 @@ class FailoverStore:
         task.add_done_callback(self._read_apart_done)
         bound = min(deadline, time.monotonic() + self._read_apart_s())
         await asyncio.wait([task], timeout=max(0.0, bound - time.monotonic()))
+        if not task.done() and hold_until is not None and hold_until > time.monotonic() \
+                and not is_postgres(self.path):
+            logger.debug("turnguard: a read of ledger %s apart is late (past %.2f s): "
+                         "waited for", self.location, self._read_apart_s())
+            await asyncio.wait([task], timeout=max(0.0, hold_until - time.monotonic()))
         if not task.done():
             task.add_done_callback(_settle)
             return UNREAD
@@ -1414,12 +1432,13 @@ class FailoverStore:
         return READ_APART_WHILE_DOWN_PG_S if is_postgres(self.path) else READ_APART_WHILE_DOWN_S
 
     async def _recording_apart(self, attempt_id: int, op_key: str, deadline: float | None,
-                               fault: str | None, *,
-                               generation: str | None = None) -> Recording | None | Unread:
+                               fault: str | None, *, generation: str | None = None,
+                               hold_until: float | None = None) -> Recording | None | Unread:
         """``attempt_id``'s recording of ``op_key``, read apart (``_read_apart_while_down``);
         ``UNREAD`` too when read in a file or database other than ``generation`` (None: any)."""
         read = await self._read_apart_while_down(
-            lambda led: (led.generation, led.recording(attempt_id, op_key)), deadline, fault)
+            lambda led: (led.generation, led.recording(attempt_id, op_key)), deadline, fault,
+            hold_until)
         if isinstance(read, Unread) or generation is not None and read[0] != generation:
             return UNREAD
         return read[1]
@@ -1429,7 +1448,7 @@ class FailoverStore:
 
     async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
-        circuit_scope: str, threshold: int, fault: str,
+        circuit_scope: str, threshold: int, fault: str, hold_until: float | None = None,
     ) -> policy.Hold | policy.Replay | None:
         """What the ledger decides for the request without a claim, read while it cannot be
         written (``_read_apart_while_down``), and learned in memory: a hold on another
@@ -1440,7 +1459,8 @@ class FailoverStore:
         would wait behind the calls queued there), of the same file or database."""
         generation = self.generation
         read = await self._read_apart_while_down(
-            lambda led: (led.generation, led.snapshot(ident.op_key)), deadline, fault)
+            lambda led: (led.generation, led.snapshot(ident.op_key)), deadline, fault,
+            hold_until)
         if isinstance(read, Unread):
             return None
         read_generation, seen = read
@@ -1451,7 +1471,8 @@ class FailoverStore:
                                 policy=guard)
         if isinstance(decision, policy.Replay):
             found = await self._recording_apart(decision.attempt_id, ident.op_key, deadline,
-                                                fault, generation=read_generation)
+                                                fault, generation=read_generation,
+                                                hold_until=hold_until)
             if isinstance(found, Unread) or found is None or generation != self.generation:
                 return None
             # (no ledger open: of the file or database read, which this process opens next)
