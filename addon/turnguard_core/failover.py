@@ -883,7 +883,11 @@ class FailoverStore:
         completed. Running: a file left showed an attempt of it in flight in a peer that has
         not registered its attempts in the new file yet (another host's too), or the new file
         shows one in flight (claimed there since, or registered by its owner). A file left
-        that could not be read, or a new file that cannot be read now, says it may run."""
+        that could not be read, or a new file that cannot be read now, says it may run.
+        Asked of a conversation's request alone (without an ``Idempotency-Key``): it decides
+        nothing for the others (``policy.admission_replay``), which read nothing for it."""
+        if not ident.conversation or ident.idempotency_key is not None:
+            return policy.Hold(None, None, policy.PEERS_REGISTERING)
         op_key = ident.op_key
         peer, ended_at = self._live_peer_ops.get(op_key, (None, None))
         awaited = self._peers or {peer}  # (past the wait: held for that live peer alone)
