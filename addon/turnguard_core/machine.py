@@ -101,8 +101,8 @@ class Admit:
     """Ask the store what to do (a recovery claim when ``recovery`` is given). ``held_since``
     and ``hold_deadline`` carry a duplicate hold across re-admissions; ``held_as_duplicate``:
     that hold was counted as a duplicate's (``duplicate_held``), not only a request's held for
-    peers (``request_held``); ``after_turn_ended``: that hold began for the peers, on an
-    operation whose turn the ledger file left showed ended (``policy.Hold.turn_ended``)."""
+    peers (``request_held``); ``after_turn_ended``: that hold began for the peers, after a
+    turn of its operation ended (``policy.Hold.turn_ended``)."""
 
     recovery: policy.RecoveryClaim | None = None
     held_since: float | None = None
@@ -114,7 +114,7 @@ class Admit:
     def held_before_turn_ended(self) -> bool:
         """Held while a turn of its operation ran, or may have run (a duplicate: that turn's
         recording answers it; ``policy.admission_replay``'s ``held``). Not a request held
-        only for the peers to register a turn the file left showed ended before it came: a
+        only for the peers to register their turns, after a turn of it ended: a
         Responses conversation's next turn, sent with the same body, is no duplicate of the
         turn before, and its peers wait must not make it one (replayed the turn before's
         answer once the paused owner registers it, or held to its bound until then)."""
@@ -289,8 +289,8 @@ def on_admission(
                 ]
             elif state.held_since is not None:  # held for the peers alone: no duplicate
                 effects.append(Show(None, f"turnguard: held {held_ms} ms for the processes "
-                                          "that had turns in the ledger file left, then sent "
-                                          "upstream (none had this one in flight)"))
+                                          "that had turns in the ledger file left to register "
+                                          "them, then sent upstream"))
             return Forward(admission), tuple(effects)
         case policy.Replay(attempt_id=attempt_id):
             return FetchRecording(attempt_id, held_ms), ()

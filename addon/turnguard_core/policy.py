@@ -98,9 +98,10 @@ class Replay:
 class Hold:
     """Another attempt of the operation is in flight: wait for it to end. ``reason`` (None:
     an attempt in flight) says why else the request waits and is admitted again after:
-    ``PEERS_REGISTERING``. ``turn_ended`` (with ``PEERS_REGISTERING``): the ledger file left
-    showed an attempt of the operation ended, recorded in a live peer, before this request
-    was decided; the request came after that turn, not while it ran."""
+    ``PEERS_REGISTERING``. ``turn_ended`` (with ``PEERS_REGISTERING``): a turn of the
+    operation ended, recorded, before this request was decided, and none is known to run
+    (the failover store's ``_held_for_peers`` says from what): the request came after that
+    turn, not while it ran."""
 
     attempt_id: int | None
     owner_instance: str | None
