@@ -1904,6 +1904,40 @@ def test_a_read_apart_that_answers_late_on_a_busy_machine_still_decides_a_retry_
         _answered_once_and_replayed(first, retry, up, dispatches, a, b)
 
 
+def test_retries_sent_together_while_reads_apart_answer_late_all_wait_their_turn_to_read(
+        tmp_path):
+    """Eight of A's completed turns are retried through B at once while another connection
+    holds the ledger's write lock, and B's reads of it apart answer 0.6 s late (a machine
+    whose CPU other work takes: ``slow_reads_apart.py``). At most ``READS_APART_MAX`` (4)
+    such reads run at a time, and a late one keeps its slot until it answers: the retries
+    past the first four found the slots taken and were decided blind in memory, each run
+    upstream a second time (4 of 8). A request past the cap now waits for a slot (within its
+    hold deadline): all eight are replayed, none runs again."""
+    sessionless = {"authorization": "Bearer sk-at-most-once"}
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_ledger=str(ledger), turnguard_hold_timeout_ms=30000)
+    slowed = dict(opts, extra_args=["-s", str(SLOW_READS_APART)])
+    bodies = [body_of(f"a turn retried with seven others, {n}") for n in range(8)]
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **slowed) as b:
+        originals = [post(a.url, {**sessionless, **behaviour(kind="ok", events=4)}, body)
+                     for body in bodies]
+        assert [status for status, _, _ in originals] == [200] * len(bodies)
+        wait_until(lambda: query(ledger, "SELECT count(*) FROM operations "
+                                         "WHERE state='completed'") == [(len(bodies),)],
+                   10, what="A's turns completed in the ledger")
+        with its_end_kept_behind_a_lock(tmp_path, b, "b", "b's own turn"):
+            dispatches = len(up.dispatches())
+            with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+                retries = list(pool.map(lambda body: post(b.url, sessionless, body), bodies))
+        assert [(status, headers.get("x-turnguard")) for status, headers, _ in retries] \
+            == [(200, "replayed")] * len(bodies)
+        assert [response_id(body) for _, _, body in retries] \
+            == [response_id(body) for _, _, body in originals]
+        assert len(up.dispatches()) == dispatches, "a retry decided blind ran again"
+        assert_no_traceback(a.log_text() + b.log_text())
+
+
 @pytest.mark.parametrize("original", ["in flight", "completed"])
 def test_a_claim_answered_after_its_turn_went_upstream_from_memory_does_not_run_it_again(
         tmp_path, original):

@@ -72,7 +72,8 @@ READ_APART_WHILE_DOWN_S = 0.15
 READ_APART_WHILE_DOWN_PG_S = 0.6
 # At most this many such reads at a time (each opens a connection: a flood of requests in an
 # outage must not add one for each; on PostgreSQL each connects to the server: one at a time
-# left the requests that came together, but for the first, decided blind in memory)
+# left the requests that came together, but for the first, decided blind in memory; on
+# SQLite a request's admission past them waits for one to end: ``_read_apart_slot``)
 READS_APART_MAX = 4
 # A call the ledger's connection has been in this long waits for a lock (or a server): claims
 # take milliseconds. The calls queued behind it come back unread, whatever their ledger says;
@@ -341,6 +342,8 @@ class FailoverStore:
         self._recovering = asyncio.Lock()  # one catch-up at a time
         self._decided_in_memory = 0  # admissions decided in memory so far (``admit``)
         self._reading_apart = 0  # reads apart under way (``_read_apart_while_down``)
+        # set, and made anew, as one of them ends: a request waiting for a slot wakes
+        self._read_apart_ended = asyncio.Event()
         # faults noted so far, and the last one's error (``_fault_since``)
         self._faults = 0
         self._last_fault: str | None = None
@@ -1373,7 +1376,8 @@ class FailoverStore:
         (a ledger that did not answer in time on a busy machine, a file that cannot be
         opened), unless the connection has been in one call for ``STUCK_CALL_S`` (a lock this
         process had not met yet: the calls behind it came back unread); nor beyond
-        ``READS_APART_MAX`` at a time. ``fault``: the outage's error (``_fault_since``; None:
+        ``READS_APART_MAX`` at a time (on SQLite, a request's admission past them waits for a
+        slot: ``_read_apart_slot``). ``fault``: the outage's error (``_fault_since``; None:
         no outage, never read).
 
         ``hold_until`` (a request's admission: its hold deadline, ``policy.hold_deadline``):
@@ -1391,16 +1395,12 @@ class FailoverStore:
         open writes), the ledger at the path now is read so (``_read_at_path``), for such a
         fault alone: what the processes that have it open wrote (``ledger.generation``, in
         ``read``, says which file or database it was)."""
-        if deadline is None or fault is None:
+        if deadline is None or fault is None or not self._readable_apart(fault):
+            return UNREAD
+        if self._reading_apart >= READS_APART_MAX and not (
+                await self._read_apart_slot(hold_until) and self._readable_apart(fault)):
             return UNREAD
         store = self._store
-        readable = writes_refused(fault) or contended(fault)
-        if store is not None:
-            readable = readable or store.in_one_call_for() >= STUCK_CALL_S
-        else:
-            readable = readable and bool(self.path) and not self._retired
-        if not readable or self._reading_apart >= READS_APART_MAX:
-            return UNREAD
         self._reading_apart += 1
         task = asyncio.ensure_future(
             store.read_apart(read) if store is not None else self._read_at_path(read))
@@ -1449,6 +1449,36 @@ class FailoverStore:
 
     def _read_apart_done(self, _task: asyncio.Future) -> None:
         self._reading_apart -= 1
+        ended, self._read_apart_ended = self._read_apart_ended, asyncio.Event()
+        ended.set()
+
+    def _readable_apart(self, fault: str) -> bool:
+        """The ledger is one a read apart may read in ``fault`` (``_read_apart_while_down``)."""
+        store = self._store
+        readable = writes_refused(fault) or contended(fault)
+        if store is not None:
+            return readable or store.in_one_call_for() >= STUCK_CALL_S
+        return readable and bool(self.path) and not self._retired
+
+    async def _read_apart_slot(self, hold_until: float | None) -> bool:
+        """Whether a read apart may start now that ``READS_APART_MAX`` are under way: on a
+        SQLite ledger, a request's admission (``hold_until``: its hold deadline) waits until
+        one of them ends (True), or until then (False); elsewhere False at once. A read late
+        on a busy machine keeps its slot until it answers, long past its 0.15 s: the requests
+        that came together past the first ``READS_APART_MAX`` were decided blind in memory,
+        and each ran a retry of another process's turn a second time. Not on PostgreSQL,
+        whose reads late may be a server that does not answer."""
+        if hold_until is None or is_postgres(self.path):
+            return False
+        while self._reading_apart >= READS_APART_MAX:  # (each turn waits for one to end)
+            left = hold_until - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._read_apart_ended.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     async def _decided_elsewhere_while_down(
         self, ident: Identity, *, guard: policy.GuardPolicy, now: float, deadline: float,
