@@ -186,7 +186,8 @@ async def test_a_request_whose_call_came_back_unread_as_the_outage_ended_still_r
                     turn, method="POST", route="/v1/responses", flow_id="f",
                     circuit_scope=SCOPE, recovery=None, once_mode=False,
                     in_flight_here=lambda: False, guard=GUARD,
-                    window_s=GUARD.replay_window_s, threshold=2, deadline=deadline)
+                    window_s=GUARD.replay_window_s, threshold=2, deadline=deadline,
+                    hold_until=time.monotonic() + 30)  # (as a request's: its hold bound)
             else:
                 answer = await store.recording(turn, attempt_id,
                                                window_s=GUARD.replay_window_s,
