@@ -2839,6 +2839,57 @@ def test_junk_over_the_ledger_at_a_step_of_a_turn_runs_it_once(tmp_path, step, j
            f"{len(answers)} duplicates answered with the turn's result; upstream dispatches=1")
 
 
+def test_a_retry_whose_open_of_the_new_ledger_file_is_late_waits_for_the_peers(tmp_path, report):
+    """A's turn completes, its end and recording written; a file that is no database is moved
+    over the ledger for longer than B's wait for its peers (``PEERS_REGISTERING_S``, counted
+    from when B found the file replaced); then it is deleted and a new ledger file made at the
+    path whose opens are late: another connection holds its write lock for 2 s, so that each
+    try to open it (which registers the process there) waits past the 0.5 s a request waits
+    for the ledger, as an open starved on a busy machine does. A retry of the turn through B,
+    which never read its end, is held for the peers until B opens that file and A moved its
+    recording into it, then answered with the turn's result: never decided by memory, blind
+    to it, and run upstream a second time."""
+    ledger = tmp_path / "ledger.sqlite3"
+    opts = dict(turnguard_hold_timeout_ms=30000)
+    text = "a retry through B as the new ledger file opens late"
+    with MockUpstream(tmp_path) as up, guarded(tmp_path, up, "a", **opts) as a, \
+            guarded(tmp_path, up, "b", **opts) as b:
+        _warm_up(a, b)
+        original = _a_turn_run_to("after its end", up, a, ledger, text)
+        wait_until(lambda: query(ledger, "SELECT count(*) FROM attempts WHERE replayable=1"
+                                         " AND outcome<>'in_flight'") == [(2,)], 15,
+                   what="the turn's end and recording written")  # (and the warm-up's)
+        replace_with_junk(ledger)
+        wait_until(lambda: events(tmp_path, "b", "ledger_unavailable"), 10,
+                   what="B finding the ledger replaced")
+        time.sleep(6.0)  # past B's 5 s wait for its peers, counted from then
+        for p in (a, b):  # (neither makes the new file before its lock is held)
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            delete_ledger(ledger)
+            db = sqlite3.connect(ledger, timeout=10, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("BEGIN IMMEDIATE")
+        finally:
+            for p in (a, b):
+                os.kill(p.pid, signal.SIGCONT)
+        try:
+            time.sleep(0.3)
+            retry = in_background(post, b.url, SESSION, body_of(text))
+            time.sleep(2.0)
+        finally:
+            db.execute("ROLLBACK")
+            db.close()
+        _each_answered_with_the_turn([retry], original)
+        assert len(up.dispatches()) == 2, "the turn ran twice upstream"  # (and the warm-up)
+        assert [e["reason"] for e in events(tmp_path, "b", "request_held")] == [
+            "ledger_peers_registering"]
+        assert events(tmp_path, "a", "recordings_moved")
+        assert_no_traceback(a.log_text() + b.log_text())
+    report("a retry through B whose open of the new ledger file was late (its write lock held "
+           "2 s), past B's wait for its peers: held, then answered with the turn's result")
+
+
 @pytest.mark.parametrize("fault", ["locked", "full", "read-only"])
 @pytest.mark.parametrize("step", ["claimed", "first event", "before its end", "after its end"])
 def test_a_ledger_that_cannot_be_written_at_a_step_of_a_turn_runs_it_once(tmp_path, fault, step,

@@ -913,11 +913,28 @@ class FailoverStore:
 
     def _peers_awaited(self, hold_until: float | None) -> bool:
         """Peers that had turns in the ledger file this process left are still awaited to
-        register them in the new one (``_peers_registering``'s wait, not yet over), and a
-        request held until ``hold_until`` (monotonic) has ``PEERS_HOLD_MARGIN_S`` left."""
+        register them in the new one (``_peers_registering``'s wait, not yet over, or not yet
+        begun: ``_new_file_opening``), and a request held until ``hold_until`` (monotonic)
+        has ``PEERS_HOLD_MARGIN_S`` left."""
         now = time.monotonic()
-        return bool(self._peers) and now < self._peers_until \
+        return bool(self._peers) \
+            and (now < self._peers_until or self._new_file_opening()) \
             and (hold_until is None or now < hold_until - PEERS_HOLD_MARGIN_S)
+
+    def _new_file_opening(self) -> bool:
+        """The file left could not be replaced by a new one at once (``_peers_behind``: the
+        peers' wait is counted again from when one opens, ``_use``), and a try to open the
+        file now at the path is under way, or the last one met another connection's lock
+        there (a ledger is there). A request that gave up waiting for that open (late on a
+        busy machine, or behind the lock) while the first count of the wait ran out meanwhile
+        (a file that is no ledger stayed longer than it) would otherwise be decided by
+        memory, blind to the turns the peers are moving into that file, and run again one
+        that completed."""
+        if not self._peers_behind:
+            return False
+        opening = any(f is not None and not f.done()
+                      for f in (self._reopening, self._reopen_under_way))
+        return opening or self.error is not None and contended(self.error)
 
     def _reregistered(self, incarnation: int) -> None:
         self._emit("instance_reregistered", instance=self._instance_id,
