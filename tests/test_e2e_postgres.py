@@ -138,9 +138,11 @@ def _warm_up(a, b, headers=HEADERS) -> None:
         assert post(p.url, headers, {**BODY, "input": warm})[0] == 200
 
 
-def _claim_answers_late(pg_url: str, what: str, start=None):
+def _claim_answers_late(pg_url: str, what: str, start=None, *, missed_ok: bool = False):
     """Make the next claim answer after its request stopped waiting for it, and return what
-    ``start()`` (the request that makes it, if not already on its way) returned. Each of the
+    ``start()`` (the request that makes it, if not already on its way) returned; with
+    ``missed_ok``, that and whether the claim was seen waiting (on a loaded machine the
+    watch may miss its wait: the claim then fails within its bound, not late). Each of the
     claim's two statements waits within its own bound (what is left of the request's 0.5 s
     wait for the ledger when the claim starts over on the ledger's thread: about 0.47 s), and
     together longer than the request waits for its claim (0.5 s, and 0.25 s of grace for a
@@ -157,8 +159,13 @@ def _claim_answers_late(pg_url: str, what: str, start=None):
         started = start() if start is not None else None
         # the claim's read waits at most about 0.47 s: watched on a connection of its own
         # (a new connection a poll took longer than that on a loaded machine)
-        wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
-                   10, interval=0.005, what=what)
+        try:
+            wait_until(lambda: watch.execute(LOCK_WAITERS_SQL, (ADMISSION_SQL,)).fetchone()[0],
+                       10, interval=0.005, what=what)
+        except AssertionError:
+            if not missed_ok:
+                raise
+            return started, False
         time.sleep(0.38)
         circuits.execute("COMMIT")
         time.sleep(0.42)
@@ -167,7 +174,7 @@ def _claim_answers_late(pg_url: str, what: str, start=None):
         circuits.close()
         tables.close()
         watch.close()
-    return started
+    return (started, True) if missed_ok else started
 
 
 def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_memory(
@@ -181,11 +188,16 @@ def test_a_claim_that_answers_late_becomes_the_row_of_the_attempt_decided_in_mem
         _warm_up(a, b)
         slow = {**HEADERS, **harness.mock_behaviour(kind="slow", delay_ms=5000)}
         # the set-up is timed against the claim's bounds: on a loaded machine a statement may
-        # pass its own bound first (the claim fails, not late); then it goes again, a new turn
+        # pass its own bound first (the claim fails, not late), or the watch miss its wait;
+        # then it goes again, a new turn
         for attempt in range(3):  # bounded
             body = {**BODY, "input": f"its claim answers late ({attempt})"}
-            original = _claim_answers_late(pg_url, "the claim's read waiting for the circuits",
-                                           start=lambda: pool.submit(post, a.url, slow, body))
+            original, seen = _claim_answers_late(
+                pg_url, "the claim's read waiting for the circuits", missed_ok=True,
+                start=lambda: pool.submit(post, a.url, slow, body))
+            if not seen:
+                assert original.result(30)[0] == 200
+                continue
             late = wait_until(lambda: [e for e in events(tmp_path, "a", "attempt_adopted")
                                        if e.get("reason") == "its claim answered late"]
                               or original.done(), 10,
