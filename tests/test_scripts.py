@@ -13,12 +13,14 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import stat
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import pg_server
 from harness import REPO, read_jsonl, sse_event_types, sse_post, wait_until
 from turnguard_core import identity, policy
 from turnguard_core.ledger import AttemptEnd, Ledger, Recording
@@ -875,6 +878,83 @@ def test_scripts_test_refuses_a_worker_count_that_is_not_a_whole_number_from_one
     assert proc.stdout == "" and proc.stderr == (
         f"scripts/test: TURNGUARD_TEST_WORKERS={workers}: want a whole number of worker "
         "processes, 1 or more\n")
+
+
+@pytest.mark.parametrize("when", ["while it starts", "once the tests run"])
+def test_scripts_test_interrupted_stops_the_postgresql_server_it_starts(tmp_path, when):
+    """The whole-suite run starts its PostgreSQL server in the background, beside the virtual
+    environment's set-up. SIGTERM to scripts/test, while that server is still starting (its
+    ``initdb`` slowed down here) or once the main run's tests run: the script waits for the
+    start, then stops the server; no ``postgres`` of it is left and its folder is gone. Once
+    started, its URL reaches the tests (``TURNGUARD_TEST_PG``)."""
+    real_bin = Path(pg_server.find_bin_dir() or pytest.skip("no PostgreSQL binaries here"))
+    # (a folder the server's own user can reach and write its mark in: pg_server.py runs it
+    # as postgres under root)
+    slow_bin = Path(tempfile.mkdtemp(prefix="turnguard-slow-initdb-"))
+    try:
+        slow_bin.chmod(0o777)
+        started = slow_bin / "started"
+        (slow_bin / "initdb").write_text(
+            "#!/bin/sh\n"
+            f"echo \"$@\" >{started}.part && mv {started}.part {started}\n"
+            f"sleep 3\nexec {real_bin / 'initdb'} \"$@\"\n")
+        (slow_bin / "initdb").chmod(0o755)
+        for name in ("pg_ctl", "postgres"):  # (found beside initdb: pg_server.find_bin_dir)
+            (slow_bin / name).symlink_to(real_bin / name)
+        (tmp_path / "test_waiting.py").write_text(_WAITING_TESTS + _PG_URL_TEST)
+        pids = tmp_path / "pids"
+        pids.mkdir()
+        env = _env(PYTEST_ADDOPTS=f"{tmp_path / 'test_waiting.py'} -p no:randomly "
+                                  "-p no:cacheprovider",
+                   PATH=f"{slow_bin}{os.pathsep}{os.environ['PATH']}",
+                   TURNGUARD_TEST_WORKERS="3")  # (the URL's test beside the two waiting)
+        out = tmp_path / "out"
+        with open(out, "wb") as log:
+            proc = subprocess.Popen([str(REPO / "scripts" / "test")], stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
+        folder = None
+        try:
+            wait_until(started.exists, 120, 0.05, "the PostgreSQL server's initdb")
+            folder = Path(started.read_text().split()[1]).parent  # (initdb -D FOLDER/data)
+            if when == "once the tests run":
+                wait_until(lambda: (tmp_path / "pg_url").exists(), 300, 0.1,
+                           "the main run's tests")
+                assert (tmp_path / "pg_url").read_text().endswith(f"@127.0.0.1:{_pg_port(folder)}"
+                                                                   "/postgres")
+            else:
+                assert "PostgreSQL for the tests at" not in out.read_text(errors="replace")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 128 + signal.SIGTERM, out.read_text(errors="replace")
+            wait_until(lambda: not folder.exists(), 15, 0.1, "the server's folder removed")
+            assert _processes_mentioning(str(folder)) == {}, out.read_text(errors="replace")
+            if when == "while it starts":
+                assert not (tmp_path / "pg_url").exists()  # (no test ran)
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait(10)
+            for pid_file in pids.iterdir():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid_file.name), signal.SIGKILL)
+            if folder is not None and folder.exists():  # (a failure: no server left behind)
+                pg_server.PgServer(str(folder)).destroy()
+    finally:
+        shutil.rmtree(slow_bin, ignore_errors=True)
+
+
+_PG_URL_TEST = '''
+
+@pytest.mark.unit
+def test_pg_url():
+    pathlib.Path(__file__).with_name("pg_url").write_text(os.environ["TURNGUARD_TEST_PG"])
+'''
+
+
+def _pg_port(folder: Path) -> int:
+    """The port in the server's configuration (pg_server.py writes ``port = N``)."""
+    conf = (folder / "data" / "postgresql.auto.conf").read_text()
+    return int(re.findall(r"^port = (\d+)", conf, re.M)[-1])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
