@@ -366,6 +366,43 @@ async def test_a_lock_taken_on_the_new_file_between_two_batches_of_the_move_lose
         store.close()
 
 
+async def test_a_move_cut_by_its_calls_deadline_reports_every_recording_moved(
+        tmp_path, monkeypatch):
+    """A recovery whose deadline cuts the move in its second batch, then the next that moves
+    the rest: the ``recordings_moved`` of the two calls add up to every recording moved, each
+    once (the first call's batch was never reported: 400 of 500). The move's own bound is the
+    test's (30 s), so that only the deadline cuts it."""
+    from turnguard_core import failover
+
+    monkeypatch.setattr(failover, "MOVE_RECORDINGS_S", 30.0)
+    path = tmp_path / "ledger.sqlite3"
+    traced = Traced(str(path))
+    store = traced.store
+    try:
+        await completed_turns(traced, 500)
+        traced.file_deleted(path)
+        moving, batches = store._store.write_all, 0
+
+        async def write_all(writes, *, deadline):
+            nonlocal batches
+            batches += 1
+            if batches == 2:
+                await asyncio.sleep(60)  # (cut by the recovery's deadline)
+            return await moving(writes, deadline=deadline)
+
+        store._store.write_all = write_all
+        assert not await store.recover(time.monotonic() + 5)
+        assert batches == 2
+        assert await store.recover(time.monotonic() + 30), (store.error, traced.events[-3:])
+        moved = [f["recordings"] for e, f in traced.events if e == "recordings_moved"]
+        assert moved == [100, 400]
+        with sqlite3.connect(path) as reader:
+            assert reader.execute("SELECT COUNT(*), COUNT(DISTINCT op_key) FROM attempts"
+                                  ).fetchone() == (500, 500)
+    finally:
+        store.close()
+
+
 def test_the_recordings_moved_are_cut_into_batches_by_count_and_by_bytes():
     """``MOVE_BATCH`` recordings a batch at most, and ``MOVE_BATCH_BYTES`` of bodies at most
     unless one alone is more (then alone); in their order, none left out."""

@@ -995,7 +995,9 @@ class FailoverStore:
         Newest first, in batches (``MOVE_BATCH``: one transaction each on SQLite, the event
         loop free between them), for ``MOVE_RECORDINGS_S`` at most: the rest (a backlog on a
         distant PostgreSQL server) is left, said in the log; this process still replays those
-        from memory."""
+        from memory. ``recordings_moved`` counts the recordings this call moved, also when a
+        batch failed or the call's deadline cut it (the next call moves the rest, and says
+        so in its own)."""
         generation = store.generation
         recorded = 0
         until = time.monotonic() + MOVE_RECORDINGS_S
@@ -1003,22 +1005,25 @@ class FailoverStore:
                                                             window_of=self.replay_window_of)
         mine.reverse()
         left_over = len(mine)
-        for batch in _move_batches(mine):
-            if time.monotonic() > until:
-                logger.warning("turnguard: %d of this process's recordings of the ledger file "
-                               "left were not recorded in the new one (%.0f s spent); other "
-                               "processes run those turns again if retried", left_over,
-                               MOVE_RECORDINGS_S)
-                break
-            left_over -= len(batch)
-            results = await store.write_all([known.moved for known in batch], deadline=deadline)
-            for known, result in zip(batch, results):
-                if result is not None and result.applied:
-                    recorded += 1
-                    self.memory.knowledge.moved(known.moved.ident.op_key, known, generation)
-            await asyncio.sleep(0)  # (the fast path ran it on the event loop: traffic first)
-        if recorded:
-            self._emit("recordings_moved", ledger_generation=generation, recordings=recorded)
+        try:
+            for batch in _move_batches(mine):
+                if time.monotonic() > until:
+                    logger.warning("turnguard: %d of this process's recordings of the ledger "
+                                   "file left were not recorded in the new one (%.0f s spent); "
+                                   "other processes run those turns again if retried", left_over,
+                                   MOVE_RECORDINGS_S)
+                    break
+                left_over -= len(batch)
+                results = await store.write_all([known.moved for known in batch],
+                                                deadline=deadline)
+                for known, result in zip(batch, results):
+                    if result is not None and result.applied:
+                        recorded += 1
+                        self.memory.knowledge.moved(known.moved.ident.op_key, known, generation)
+                await asyncio.sleep(0)  # (the fast path ran it on the event loop: traffic first)
+        finally:
+            if recorded:
+                self._emit("recordings_moved", ledger_generation=generation, recordings=recorded)
 
     async def recover(self, deadline: float | None) -> bool:
         """Try to bring a ledger that failed (or owes writes) back, one try at a time, within
