@@ -5,6 +5,8 @@
 #   tg_setup              .venv (or $TG_VENV) with $TURNGUARD_PYTHON, else the newest Python
 #                         >= 3.12 found; exports TG_ROOT, TG_VENV and TG_PY
 #   tg_install FILE       pip install -r FILE into it (skipped when nothing changed)
+#                         (from tg_setup to the end of tg_install, VENV.lock is held with flock:
+#                         scripts started at once on one clone make its environment once)
 #   tg_other_pythons      one interpreter per other supported minor version found (scripts/test)
 #
 # Interpreters are looked for on PATH (python3.14 ... python3), then under pyenv's and uv's
@@ -128,6 +130,18 @@ tg_other_pythons() {
 tg_setup() {
   TG_VENV="${1:-${TG_VENV:-$TG_ROOT/.venv}}"
   local want="${2:-}" base_file have v
+  # Another script making this environment (two started at once on a fresh clone, or the
+  # suite's run beside a test that runs scripts/test itself) is waited for: checked half made,
+  # the environment would be made again under it, or installed into twice at once.
+  # (without flock, or where the lock file cannot be made, as before: not waited for)
+  if command -v flock >/dev/null 2>&1 && { exec {TG_VENV_LOCK}>>"$TG_VENV.lock"; } 2>/dev/null; then
+    if ! flock -n "$TG_VENV_LOCK"; then
+      echo "turnguard: waiting for another script's set-up of $TG_VENV to end" >&2
+      flock "$TG_VENV_LOCK"
+    fi
+  else
+    TG_VENV_LOCK=
+  fi
   base_file="$TG_VENV/.turnguard-python"
   if [ -z "$want" ] && [ -n "${TURNGUARD_PYTHON:-}" ]; then
     want=$(tg_find_python) || exit 1
@@ -154,5 +168,9 @@ tg_install() {  # tg_install REQUIREMENTS_FILE
     echo "turnguard: installing $1 into $TG_VENV" >&2
     "$TG_PY" -m pip install --disable-pip-version-check -q -r "$req" >&2
     echo "$want" >"$stamp"
+  fi
+  if [ -n "${TG_VENV_LOCK:-}" ]; then
+    exec {TG_VENV_LOCK}>&-  # (the lock goes with it)
+    TG_VENV_LOCK=
   fi
 }

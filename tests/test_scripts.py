@@ -866,6 +866,52 @@ def test_waits(i):
 '''
 
 
+def test_scripts_started_at_once_on_a_fresh_clone_make_its_environment_once(tmp_path):
+    """Two scripts started at once where ``.venv`` is not made yet (a fresh clone; the suite's
+    own run beside a test that runs scripts/test): each waits for the set-up under way
+    (``.venv.lock``, flock; here the test's own hold of it, so that both are seen waiting),
+    and says so; then one makes the environment and the other finds it made. Both run with
+    it. Before, each saw no environment and made it, the second under the first. (The real
+    ``scripts/_python.sh`` in a folder of the test's own, with an empty requirements file:
+    the set-up costs seconds.)"""
+    import fcntl
+
+    root = tmp_path / "clone"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "_python.sh", root / "scripts" / "_python.sh")
+    (root / "requirements.txt").write_text("# none: the set-up alone is tested\n")
+    probe = root / "scripts" / "probe"
+    probe.write_text('#!/usr/bin/env bash\nsource "$(dirname "$0")/_python.sh"\ntg_setup\n'
+                     'tg_install requirements.txt\n'
+                     'exec "$TG_PY" -c "import sys; print(\'ran in\', sys.prefix)"\n')
+    probe.chmod(0o755)
+    env = {k: v for k, v in _env().items() if not k.startswith("TG_")}  # (scripts/test's)
+    waiting = f"turnguard: waiting for another script's set-up of {root / '.venv'} to end"
+    outs = [tmp_path / f"out{i}" for i in range(2)]
+    procs = []
+    with open(root / ".venv.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for out in outs:
+            with open(out, "wb") as log:
+                procs.append(subprocess.Popen([str(probe)], stdin=subprocess.DEVNULL,
+                                              stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                                              env=env))
+        try:
+            wait_until(lambda: all(waiting in out.read_text() for out in outs), 60, 0.05,
+                       "both scripts waiting for the set-up")
+            assert not (root / ".venv").exists()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    texts = []
+    for proc, out in zip(procs, outs):
+        proc.wait(120)
+        texts.append(out.read_text())
+    assert [proc.returncode for proc in procs] == [0, 0], texts
+    assert all(f"ran in {root / '.venv'}" in text for text in texts), texts
+    assert sum(text.count("turnguard: creating") for text in texts) == 1, texts
+    assert sum(text.count("turnguard: installing") for text in texts) == 1, texts
+
+
 @pytest.mark.parametrize("workers", ["0", "twelve", "12 -x", "-3", "1.5"])
 def test_scripts_test_refuses_a_worker_count_that_is_not_a_whole_number_from_one(workers):
     """TURNGUARD_TEST_WORKERS (the whole suite's worker processes; unset or empty: 12) must be
