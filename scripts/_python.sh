@@ -5,8 +5,8 @@
 #   tg_setup              .venv (or $TG_VENV) with $TURNGUARD_PYTHON, else the newest Python
 #                         >= 3.12 found; exports TG_ROOT, TG_VENV and TG_PY
 #   tg_install FILE       pip install -r FILE into it (skipped when nothing changed)
-#                         (from tg_setup to the end of tg_install, VENV.lock is held with flock:
-#                         scripts started at once on one clone make its environment once)
+#                         (making or installing holds VENV.lock, flock, to the end of
+#                         tg_install: scripts started at once on one clone make it once)
 #   tg_other_pythons      one interpreter per other supported minor version found (scripts/test)
 #
 # Interpreters are looked for on PATH (python3.14 ... python3), then under pyenv's and uv's
@@ -129,12 +129,42 @@ tg_other_pythons() {
 # interpreter, or it no longer runs a supported Python.
 tg_setup() {
   TG_VENV="${1:-${TG_VENV:-$TG_ROOT/.venv}}"
-  local want="${2:-}" base_file have v
-  # Another script making this environment (two started at once on a fresh clone, or the
-  # suite's run beside a test that runs scripts/test itself) is waited for: checked half made,
-  # the environment would be made again under it, or installed into twice at once.
-  # (without flock, or where the lock file cannot be made, as before: not waited for)
-  if command -v flock >/dev/null 2>&1 && { exec {TG_VENV_LOCK}>>"$TG_VENV.lock"; } 2>/dev/null; then
+  local want="${2:-}" base_file
+  base_file="$TG_VENV/.turnguard-python"
+  if [ -z "$want" ] && [ -n "${TURNGUARD_PYTHON:-}" ]; then
+    want=$(tg_find_python) || exit 1
+  fi
+  if ! tg_venv_kept "$want" "$base_file"; then
+    tg_lock_venv
+    if ! tg_venv_kept "$want" "$base_file"; then  # (or the script waited for made it)
+      [ -n "$want" ] || want=$(tg_find_python) || exit 1
+      echo "turnguard: creating $TG_VENV with $want (Python $(tg_version "$want"))" >&2
+      rm -rf "$TG_VENV"
+      "$want" -m venv "$TG_VENV"
+      realpath "$want" >"$base_file"
+    fi
+  fi
+  TG_PY="$TG_VENV/bin/python"
+  export TG_VENV TG_PY
+}
+
+tg_venv_kept() {  # tg_venv_kept WANT BASE_FILE: TG_VENV runs a supported Python, WANT's if given
+  local v
+  [ -x "$TG_VENV/bin/python" ] && v=$(tg_version "$TG_VENV/bin/python") \
+    && tg_supported_version "$v" \
+    && { [ -z "$1" ] || [ "$(realpath "$1")" = "$(cat "$2" 2>/dev/null || true)" ]; }
+}
+
+# Making or installing into an environment holds TG_VENV.lock (flock) until tg_install ends:
+# two scripts started at once on a fresh clone (or the suite's run beside a test that runs
+# scripts/test itself) each saw no environment and made it, the second under the first, or
+# installed into it twice at once. The second now waits, says so, and finds it made. An
+# environment already made takes no lock. Without flock, or where the lock file cannot be
+# made, nothing is waited for (as before).
+tg_lock_venv() {
+  [ -z "${TG_VENV_LOCK:-}" ] || return 0
+  if command -v flock >/dev/null 2>&1 && { exec {TG_VENV_LOCK}>>"$TG_VENV.lock"; } 2>/dev/null
+  then
     if ! flock -n "$TG_VENV_LOCK"; then
       echo "turnguard: waiting for another script's set-up of $TG_VENV to end" >&2
       flock "$TG_VENV_LOCK"
@@ -142,32 +172,18 @@ tg_setup() {
   else
     TG_VENV_LOCK=
   fi
-  base_file="$TG_VENV/.turnguard-python"
-  if [ -z "$want" ] && [ -n "${TURNGUARD_PYTHON:-}" ]; then
-    want=$(tg_find_python) || exit 1
-  fi
-  have=$(cat "$base_file" 2>/dev/null || true)
-  if [ -x "$TG_VENV/bin/python" ] && v=$(tg_version "$TG_VENV/bin/python") \
-      && tg_supported_version "$v" && { [ -z "$want" ] || [ "$(realpath "$want")" = "$have" ]; }; then
-    :
-  else
-    [ -n "$want" ] || want=$(tg_find_python) || exit 1
-    echo "turnguard: creating $TG_VENV with $want (Python $(tg_version "$want"))" >&2
-    rm -rf "$TG_VENV"
-    "$want" -m venv "$TG_VENV"
-    realpath "$want" >"$base_file"
-  fi
-  TG_PY="$TG_VENV/bin/python"
-  export TG_VENV TG_PY
 }
 
 tg_install() {  # tg_install REQUIREMENTS_FILE
   local req="$TG_ROOT/$1" stamp="$TG_VENV/.installed-$(basename "$1")"
   local want; want=$(cat "$TG_ROOT"/requirements*.txt | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "turnguard: installing $1 into $TG_VENV" >&2
-    "$TG_PY" -m pip install --disable-pip-version-check -q -r "$req" >&2
-    echo "$want" >"$stamp"
+    tg_lock_venv
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # (or the script waited for did)
+      echo "turnguard: installing $1 into $TG_VENV" >&2
+      "$TG_PY" -m pip install --disable-pip-version-check -q -r "$req" >&2
+      echo "$want" >"$stamp"
+    fi
   fi
   if [ -n "${TG_VENV_LOCK:-}" ]; then
     exec {TG_VENV_LOCK}>&-  # (the lock goes with it)
