@@ -930,20 +930,21 @@ def test_scripts_test_refuses_a_worker_count_that_is_not_a_whole_number_from_one
 def test_scripts_test_interrupted_stops_the_postgresql_server_it_starts(tmp_path, when):
     """The whole-suite run starts its PostgreSQL server in the background, beside the virtual
     environment's set-up. SIGTERM to scripts/test, while that server is still starting (its
-    ``initdb`` slowed down here) or once the main run's tests run: the script waits for the
-    start, then stops the server; no ``postgres`` of it is left and its folder is gone. Once
-    started, its URL reaches the tests (``TURNGUARD_TEST_PG``)."""
+    ``initdb`` held here until the signal is sent) or once the main run's tests run: the
+    script waits for the start, then stops the server; no ``postgres`` of it is left and its
+    folder is gone. Once started, its URL reaches the tests (``TURNGUARD_TEST_PG``)."""
     real_bin = Path(pg_server.find_bin_dir() or pytest.skip("no PostgreSQL binaries here"))
     # (a folder the server's own user can reach and write its mark in: pg_server.py runs it
     # as postgres under root)
     slow_bin = Path(tempfile.mkdtemp(prefix="turnguard-slow-initdb-"))
     try:
         slow_bin.chmod(0o777)
-        started = slow_bin / "started"
-        (slow_bin / "initdb").write_text(
+        started, go = slow_bin / "started", slow_bin / "go"
+        (slow_bin / "initdb").write_text(  # (held until the test says go, 60 s at most)
             "#!/bin/sh\n"
             f"echo \"$@\" >{started}.part && mv {started}.part {started}\n"
-            f"sleep 3\nexec {real_bin / 'initdb'} \"$@\"\n")
+            f"i=0; while [ ! -e {go} ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n"
+            f"exec {real_bin / 'initdb'} \"$@\"\n")
         (slow_bin / "initdb").chmod(0o755)
         for name in ("pg_ctl", "postgres"):  # (found beside initdb: pg_server.find_bin_dir)
             (slow_bin / name).symlink_to(real_bin / name)
@@ -964,14 +965,18 @@ def test_scripts_test_interrupted_stops_the_postgresql_server_it_starts(tmp_path
             wait_until(started.exists, 120, 0.05, "the PostgreSQL server's initdb")
             folder = Path(started.read_text().split()[1]).parent  # (initdb -D FOLDER/data)
             if when == "once the tests run":
+                go.touch()
                 wait_until(lambda: (tmp_path / "pg_url").exists(), 300, 0.1,
                            "the main run's tests")
                 assert (tmp_path / "pg_url").read_text().endswith(f"@127.0.0.1:{_pg_port(folder)}"
                                                                    "/postgres")
+                proc.send_signal(signal.SIGTERM)
             else:
-                assert "PostgreSQL for the tests at" not in out.read_text(errors="replace")
-            proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
+                go.touch()
             assert proc.wait(60) == 128 + signal.SIGTERM, out.read_text(errors="replace")
+            if when == "while it starts":
+                assert "PostgreSQL for the tests at" not in out.read_text(errors="replace")
             wait_until(lambda: not folder.exists(), 15, 0.1, "the server's folder removed")
             assert _processes_mentioning(str(folder)) == {}, out.read_text(errors="replace")
             if when == "while it starts":
